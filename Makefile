@@ -1,0 +1,31 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export TFDS_DATA_DIR ?= $(abspath ../shared/data/tensorflow_datasets)
+export HYPOTHESIS_PROFILE ?= ci
+
+.PHONY: demo test lint bench clean
+
+# Re-install only when pyproject.toml changed since the last install.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/minishard train
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check minishard tests benchmarks examples
+	$(VENV)/bin/mypy minishard
+
+test: lint
+	$(VENV)/bin/pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

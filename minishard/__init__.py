@@ -1,0 +1,23 @@
+"""minishard: a from-scratch mini-framework that teaches distributed training on JAX."""
+
+from minishard import tree
+from minishard.layers import Axes, Layer, Linear, ReLU, Sequential, Swish, mlp
+from minishard.losses import accuracy, cross_entropy, one_hot
+from minishard.optim import SGD, SGDState, exponential_decay
+
+__all__ = [
+    "SGD",
+    "Axes",
+    "Layer",
+    "Linear",
+    "ReLU",
+    "SGDState",
+    "Sequential",
+    "Swish",
+    "accuracy",
+    "cross_entropy",
+    "exponential_decay",
+    "mlp",
+    "one_hot",
+    "tree",
+]

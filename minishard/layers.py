@@ -1,0 +1,319 @@
+"""Layers are pytrees: containers JAX can take apart and put back together.
+
+``jax.jit``, ``jax.grad`` and ``jax.vmap`` only understand *pytrees*: nested
+containers whose leaves are arrays. To let a model pass straight through them,
+every minishard ``Layer`` tells JAX two things about itself:
+
+* which attributes are **parameters** (``param_fields``): arrays, or sub-trees
+  holding arrays and other layers. They become the pytree's children, so JAX
+  traces them, differentiates them and shards them.
+* which attributes are **static configuration** (``static_fields``): sizes,
+  logical axis names, the activation's name. They become the pytree's *aux
+  data*, part of the tree's structure (its ``treedef``). ``jax.jit`` hashes the
+  structure to look up compiled code, so static data must be hashable, and
+  changing it compiles anew while changing only parameter values never does.
+
+``tree_flatten`` / ``tree_unflatten`` below are the whole mechanism: plain
+methods you can step through in a debugger. ``Layer.__init_subclass__`` hands
+every subclass to ``jax.tree_util.register_pytree_with_keys_class``, so a user's
+own layer is a pytree the moment its class statement runs.
+
+>>> import jax
+>>> layer = Linear(3, 2, key=jax.random.key(0))
+>>> [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(layer)]
+['.weight', '.bias']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Axes = tuple[str | None, ...]
+"""Logical axis names of one array, one entry per dimension (``None``: not annotated)."""
+
+_ARRAY_TYPES = (jax.Array, np.ndarray)
+
+
+class Layer:
+    """Base class of every minishard container.
+
+    A subclass lists its fields and sets them in ``__init__``::
+
+        class Scale(Layer):
+            param_fields = ("factor",)    # arrays: pytree children
+            static_fields = ("name",)     # hashable config: pytree aux data
+
+            def __init__(self, size, name="scale"):
+                self.factor = jnp.ones(size)
+                self.name = name
+
+            def __call__(self, x):
+                return self.factor * x
+
+    Assigning an attribute checks it (``__setattr__``): a parameter must hold
+    arrays, static data must be hashable and must not be an array (an array in
+    the treedef would be hashed into jit's cache key and recompile silently),
+    and an undeclared attribute is refused because ``tree_unflatten`` would
+    drop it. These checks run only when *you* build a layer; JAX rebuilds
+    layers through ``tree_unflatten``, which sets fields without checking.
+    """
+
+    param_fields: ClassVar[tuple[str, ...]] = ()
+    static_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # The one line that makes every Layer subclass a pytree. It registers
+        # tree_flatten_with_keys (paths like `.layers[0].weight` in errors),
+        # tree_flatten (the fast path jit uses on every call) and tree_unflatten.
+        jax.tree_util.register_pytree_with_keys_class(cls)
+
+    # -- the pytree protocol ------------------------------------------------
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Split into (children, aux_data): parameters to trace, config to hash."""
+        fields = self.__dict__
+        children = tuple([fields[name] for name in self.param_fields])
+        aux_data = tuple([fields[name] for name in self.static_fields])
+        return children, aux_data
+
+    def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+        """Like ``tree_flatten``, with each child named by its attribute."""
+        children, aux_data = self.tree_flatten()
+        keys = [jax.tree_util.GetAttrKey(name) for name in self.param_fields]
+        return list(zip(keys, children)), aux_data
+
+    @classmethod
+    def tree_unflatten(cls, aux_data: tuple[Any, ...], children: Sequence[Any]) -> Layer:
+        """Rebuild a layer *without* calling ``__init__``.
+
+        JAX calls this with placeholder leaves (``None``, ``object()``, tracers)
+        inside ``vmap`` and jacobians, where ``__init__``'s checks and random
+        initialisation would be wrong. ``object.__new__`` makes an empty
+        instance and the fields are set directly.
+        """
+        layer = object.__new__(cls)
+        fields = layer.__dict__
+        fields.update(zip(cls.param_fields, children))
+        fields.update(zip(cls.static_fields, aux_data))
+        return layer
+
+    # -- checks at construction ---------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        where = f"{type(self).__name__}.{name}"
+        if name in self.param_fields:
+            _check_param(where, value)
+        elif name in self.static_fields:
+            _check_static(where, value)
+        else:
+            raise AttributeError(
+                f"{where} is neither in param_fields {self.param_fields} nor in "
+                f"static_fields {self.static_fields}; declare it there, or "
+                "tree_unflatten (used by jit, grad and vmap) would drop it"
+            )
+        object.__setattr__(self, name, value)
+
+    # -- what the sharding module reads -------------------------------------
+    def param_axes(self) -> dict[str, Axes]:
+        """Logical axis names for each array parameter of *this* layer.
+
+        Sub-layers answer for themselves. The default annotates nothing
+        (every dimension ``None``, i.e. replicated); ``Linear`` overrides it.
+        """
+        return {
+            name: (None,) * len(value.shape)
+            for name in self.param_fields
+            if hasattr(value := self.__dict__[name], "shape")
+        }
+
+    def __repr__(self) -> str:
+        parts = [f"{n}={_short(self.__dict__[n])}" for n in self.param_fields]
+        parts += [f"{n}={self.__dict__[n]!r}" for n in self.static_fields]
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _short(value: Any) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{value.dtype}{list(value.shape)}"
+    return repr(value)
+
+
+def _check_param(where: str, value: Any) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+        if not isinstance(leaf, _ARRAY_TYPES):
+            at = f"{where}{jax.tree_util.keystr(path)}"
+            raise TypeError(
+                f"parameter {at} is a {type(leaf).__name__} ({leaf!r:.40}); parameters "
+                "must be arrays (wrap it in jnp.asarray), or list it in static_fields "
+                "if it is configuration"
+            )
+
+
+def _check_static(where: str, value: Any) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+        if isinstance(leaf, _ARRAY_TYPES):
+            raise TypeError(
+                f"static field {where}{jax.tree_util.keystr(path)} holds an array of shape "
+                f"{leaf.shape}; static data is hashed into jit's cache key, so an array "
+                "there recompiles on every new value. Make it a parameter (param_fields)."
+            )
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"static field {where} = {value!r:.60} is not hashable; jit hashes static "
+            "data to find compiled code. Use a tuple instead of a list, for example."
+        ) from None
+
+
+class Linear(Layer):
+    """An affine map ``y = x @ weight + bias`` with ``weight`` of shape (in, out).
+
+    ``axes`` names the logical axes of ``weight``'s two dimensions, for example
+    ``("embed", "mlp")``; the bias follows the output axis. Axis names are
+    static data: they choose *how* the layer is sharded, not *what* it computes.
+
+    >>> import jax, jax.numpy as jnp
+    >>> layer = Linear(4, 3, key=jax.random.key(0), axes=("embed", "mlp"))
+    >>> layer(jnp.ones((2, 4))).shape
+    (2, 3)
+    >>> layer.param_axes()
+    {'weight': ('embed', 'mlp'), 'bias': ('mlp',)}
+    """
+
+    param_fields = ("weight", "bias")
+    static_fields = ("in_features", "out_features", "axes")
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        key: jax.Array,
+        scale: float = 0.01,
+        axes: Axes = (None, None),
+        use_bias: bool = True,
+    ) -> None:
+        for name, size in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(size, int | np.integer) or size < 1:
+                raise ValueError(f"Linear: {name} must be a positive int, got {size!r}")
+        axes = tuple(axes)
+        if len(axes) != 2:
+            raise ValueError(f"Linear: axes names the 2 dims of weight, got {axes!r}")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.axes = axes
+        w_key, b_key = jax.random.split(key)
+        self.weight = scale * jax.random.normal(w_key, (in_features, out_features))
+        self.bias = scale * jax.random.normal(b_key, (out_features,)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Shapes are static under jit, so this check costs nothing per step.
+        if jnp.ndim(x) == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Linear({self.in_features} -> {self.out_features}) expects inputs whose "
+                f"last dimension is {self.in_features}, got shape {jnp.shape(x)}"
+            )
+        y = x @ self.weight
+        return y if self.bias is None else y + self.bias
+
+    def param_axes(self) -> dict[str, Axes]:
+        axes = {"weight": self.axes}
+        if self.bias is not None:
+            axes["bias"] = (self.axes[1],)
+        return axes
+
+
+class Swish(Layer):
+    """``x * sigmoid(x)``: a parameter-free layer (empty children, empty aux)."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.swish(x)
+
+
+class ReLU(Layer):
+    """``max(x, 0)``: a parameter-free layer."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.relu(x)
+
+
+class Sequential(Layer):
+    """Apply layers in order. Its one child is the tuple of layers.
+
+    >>> import jax, jax.numpy as jnp
+    >>> model = Sequential([Linear(4, 8, key=jax.random.key(0)), ReLU()])
+    >>> len(model), type(model[1]).__name__, model(jnp.ones(4)).shape
+    (2, 'ReLU', (8,))
+    """
+
+    param_fields = ("layers",)
+
+    def __init__(self, layers: Sequence[Callable[[jax.Array], jax.Array]]) -> None:
+        self.layers = tuple(layers)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.layers)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return Sequential(self.layers[index])
+        return self.layers[index]
+
+
+ACTIVATIONS: dict[str, type[Layer]] = {"swish": Swish, "relu": ReLU}
+
+
+def mlp(
+    sizes: Sequence[int],
+    *,
+    key: jax.Array,
+    scale: float = 0.01,
+    activation: str = "swish",
+    axes: Sequence[Axes] | None = None,
+) -> Sequential:
+    """A multi-layer perceptron: ``Linear, act, Linear, act, ..., Linear``.
+
+    This is the classic ``init_network_params``: the master ``key`` is split
+    into one subkey per Linear, so every layer gets independent randomness and
+    the whole model is reproducible from one seed.
+
+    ``axes`` gives each Linear its logical axes, e.g. the Megatron pattern
+    ``[("embed", "mlp"), ("mlp", "embed")]`` for two Linears: the hidden
+    dimension is split over devices and only the output needs a reduction.
+
+    >>> import jax
+    >>> model = mlp([784, 512, 10], key=jax.random.key(0))
+    >>> [type(layer).__name__ for layer in model]
+    ['Linear', 'Swish', 'Linear']
+    """
+    sizes = list(sizes)
+    if len(sizes) < 2:
+        raise ValueError(f"mlp needs at least two sizes (inputs and outputs), got {sizes}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"mlp: unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
+    n_linear = len(sizes) - 1
+    axes = [(None, None)] * n_linear if axes is None else [tuple(a) for a in axes]
+    if len(axes) != n_linear:
+        raise ValueError(f"mlp: {n_linear} Linear layers need {n_linear} axes pairs, got {len(axes)}")
+    layers: list[Layer] = []
+    for i, (k, n_in, n_out) in enumerate(zip(jax.random.split(key, n_linear), sizes, sizes[1:])):
+        if i:
+            layers.append(ACTIVATIONS[activation]())
+        layers.append(Linear(n_in, n_out, key=k, scale=scale, axes=axes[i]))
+    return Sequential(layers)
+
+
+__all__ = ["Axes", "Layer", "Linear", "ReLU", "Sequential", "Swish", "mlp"]
