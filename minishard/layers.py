@@ -222,7 +222,7 @@ class Linear(Layer):
         return y if self.bias is None else y + self.bias
 
     def param_axes(self) -> dict[str, Axes]:
-        axes = {"weight": self.axes}
+        axes: dict[str, Axes] = {"weight": self.axes}
         if self.bias is not None:
             axes["bias"] = (self.axes[1],)
         return axes
@@ -308,7 +308,7 @@ def mlp(
     axes = [(None, None)] * n_linear if axes is None else [tuple(a) for a in axes]
     if len(axes) != n_linear:
         raise ValueError(f"mlp: {n_linear} Linear layers need {n_linear} axes pairs, got {len(axes)}")
-    layers: list[Layer] = []
+    layers: list[Callable[[jax.Array], jax.Array]] = []
     for i, (k, n_in, n_out) in enumerate(zip(jax.random.split(key, n_linear), sizes, sizes[1:])):
         if i:
             layers.append(ACTIVATIONS[activation]())
