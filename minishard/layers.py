@@ -273,7 +273,7 @@ class Sequential(Layer):
         return self.layers[index]
 
 
-ACTIVATIONS: dict[str, type[Layer]] = {"swish": Swish, "relu": ReLU}
+ACTIVATIONS: dict[str, type[Swish] | type[ReLU]] = {"swish": Swish, "relu": ReLU}
 
 
 def mlp(
