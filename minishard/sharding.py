@@ -1,0 +1,492 @@
+"""From "this weight's axes are ('embed', 'mlp')" to a sharded ``jax.jit``.
+
+Spreading a model over devices takes four steps, one per section below:
+
+1. **Mesh.** Arrange the devices in a named grid, e.g. ``{"data": 2, "model": 4}``.
+2. **Rules.** Map *logical* axis names, chosen by the model author
+   (``"embed"``, ``"mlp"``, ``"batch"``), to *mesh* axis names, chosen by
+   whoever runs the model on some hardware (``"model"``, ``"data"``). The same
+   model then runs data-, tensor- or 2-D-parallel by changing only the rules.
+3. **Specs.** Each parameter's logical axes go through the rules and come out
+   as a ``PartitionSpec``: one entry per array dimension naming the mesh axis
+   it is split over (``None``: not split). ``partition_specs`` does this for a
+   whole model; ``shard`` places the arrays accordingly.
+4. **Jit.** ``Sharded`` derives ``in_shardings`` / ``out_shardings`` from the
+   arguments and hands them to ``jax.jit``. XLA's SPMD partitioner then splits
+   the program and inserts the collectives (all-reduce, all-gather, ...) that
+   the shardings imply; ``minishard.collectives`` makes them visible.
+
+>>> import jax
+>>> from minishard import mlp
+>>> rules = AxisRules(embed=None, mlp="model")
+>>> model = mlp([8, 16, 4], key=jax.random.key(0), axes=[("embed", "mlp"), ("mlp", "embed")])
+>>> [spec for spec in jax.tree_util.tree_leaves(partition_specs(model, rules))]
+[PartitionSpec(None, 'model'), PartitionSpec('model',), PartitionSpec('model', None), PartitionSpec(None,)]
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from minishard.layers import Axes, Layer
+from minishard.tree import path_str
+
+P = PartitionSpec
+MeshAxes = str | tuple[str, ...] | None
+"""Where a logical axis goes: one mesh axis, several (split over their product), or None (replicated)."""
+
+
+class ShardingError(ValueError):
+    """A sharding request that cannot work; the message names what and where, and how to fix it."""
+
+
+# --- 1. the mesh -------------------------------------------------------------
+
+
+def make_mesh(
+    shape: Mapping[str, int] | Sequence[int],
+    names: Sequence[str] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A named device grid: ``make_mesh({"data": 2, "model": 4})``.
+
+    The axes are ``AxisType.Auto``: shardings are *hints* to XLA's GSPMD
+    partitioner, which propagates them through the program and inserts the
+    collectives itself. (``jax.make_mesh`` now defaults to ``Explicit`` axes,
+    where shardings become part of every array's type; minishard teaches the
+    automatic path first.)
+
+    >>> make_mesh({"data": 2, "model": 4}).shape
+    OrderedDict([('data', 2), ('model', 4)])
+    """
+    if isinstance(shape, Mapping):
+        names, sizes = tuple(shape), tuple(shape.values())
+    else:
+        sizes = tuple(shape)
+        if names is None or len(names) != len(sizes):
+            raise ShardingError(f"make_mesh: shape {sizes} needs one name per axis, got names={names}")
+        names = tuple(names)
+    devices = list(jax.devices() if devices is None else devices)
+    if math.prod(sizes) != len(devices):
+        platform = devices[0].platform if devices else "none"
+        raise ShardingError(
+            f"make_mesh: mesh {dict(zip(names, sizes))} needs {math.prod(sizes)} devices, but "
+            f"{len(devices)} {platform} device(s) were given. To simulate N CPU devices, set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX is first imported."
+        )
+    return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes), devices=devices)
+
+
+# --- 2. the rules ------------------------------------------------------------
+
+
+def _mesh_axes_tuple(target: MeshAxes) -> tuple[str, ...]:
+    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
+
+
+class AxisRules:
+    """Logical axis name -> mesh axis name(s).
+
+    Two forms:
+
+    * ``AxisRules(embed=None, mlp="model")``: one rule per name; strict.
+    * ``AxisRules.from_pairs([("mlp", "model"), ("mlp", None)])``: an ordered
+      list with the semantics of Flax's ``logical_to_mesh_axes`` (used by T5X
+      and MaxText): rules are tried in order, a dimension takes the first rule
+      whose mesh axes are all still free (a later rule for the same name is a
+      fallback), a rule to ``None`` claims the dimension as replicated, and a
+      mesh axis is never used twice in one array.
+
+    Unlike Flax, a logical name with no rule is an error (Flax silently
+    replicates it), unless it is itself the name of a mesh axis: then it maps
+    to that axis, so ``axes=(None, "model")`` works with no rules at all.
+
+    >>> AxisRules(embed=None, mlp="model").spec(("embed", "mlp"))
+    PartitionSpec(None, 'model')
+    """
+
+    def __init__(self, **mapping: MeshAxes) -> None:
+        self._init(tuple(mapping.items()), ordered=False)
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[str, MeshAxes]]) -> AxisRules:
+        """Ordered rules; later rules for a name are fallbacks (Flax semantics)."""
+        rules = object.__new__(cls)
+        rules._init(tuple((name, target) for name, target in pairs), ordered=True)
+        return rules
+
+    def _init(self, pairs: tuple[tuple[str, MeshAxes], ...], ordered: bool) -> None:
+        for name, target in pairs:
+            if not isinstance(name, str) or not all(isinstance(a, str) for a in _mesh_axes_tuple(target)):
+                raise ShardingError(
+                    f"AxisRules: rule {name!r} -> {target!r} must map a logical name (str) to a "
+                    "mesh axis name, a tuple of them, or None"
+                )
+        self.pairs = pairs
+        self.ordered = ordered
+
+    def __repr__(self) -> str:
+        if self.ordered:
+            return f"AxisRules.from_pairs({list(self.pairs)!r})"
+        return "AxisRules(" + ", ".join(f"{n}={t!r}" for n, t in self.pairs) + ")"
+
+    def __contains__(self, logical: str) -> bool:
+        return any(name == logical for name, _ in self.pairs)
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        """Every mesh axis a rule names must exist in ``mesh``."""
+        for name, target in self.pairs:
+            for axis in _mesh_axes_tuple(target):
+                if axis not in mesh.axis_names:
+                    raise ShardingError(
+                        f"rule {name!r} -> {target!r} names mesh axis {axis!r}, but the mesh has "
+                        f"axes {mesh.axis_names}; fix the rule or the mesh"
+                    )
+
+    def spec(self, logical_axes: Axes, mesh: Mesh | None = None) -> PartitionSpec:
+        """The ``PartitionSpec`` for an array whose dimensions have these logical names."""
+        return self._resolve(tuple(logical_axes), mesh)[0]
+
+    def explain(self, logical_axes: Axes, mesh: Mesh | None = None) -> str:
+        """Which rule decided each dimension, and which rules were skipped and why."""
+        spec, notes = self._resolve(tuple(logical_axes), mesh)
+        lines = [f"{tuple(logical_axes)} -> {spec}"]
+        for dim, dim_notes in enumerate(notes):
+            lines += [f"  dim {dim} ({logical_axes[dim]!r}): {note}" for note in dim_notes]
+        return "\n".join(lines)
+
+    def _resolve(self, axes: Axes, mesh: Mesh | None) -> tuple[PartitionSpec, list[list[str]]]:
+        names = [a for a in axes if a is not None]
+        if twice := sorted({a for a in names if names.count(a) > 1}):
+            raise ShardingError(f"logical axes {axes}: {twice} name more than one dimension")
+        rules = list(self.pairs)
+        for name in names:  # identity fallback: a mesh axis name maps to itself
+            if name not in self:
+                if mesh is None or name not in mesh.axis_names:
+                    known = sorted({n for n, _ in self.pairs})
+                    where = "" if mesh is None else f" nor a mesh axis {mesh.axis_names}"
+                    raise ShardingError(
+                        f"logical axis {name!r} (in {axes}) has no rule{where}; add one, e.g. "
+                        f"AxisRules({name}='model') or AxisRules({name}=None) to replicate. "
+                        f"Rules exist for {known}"
+                    )
+                rules.append((name, name))
+        if mesh is not None:
+            AxisRules.from_pairs(rules).check_mesh(mesh)
+
+        unassigned = object()
+        result: list[Any] = [None if a is None else unassigned for a in axes]
+        notes: list[list[str]] = [["not annotated: replicated"] if a is None else [] for a in axes]
+        used: dict[str, int] = {}  # mesh axis -> the dimension that took it
+        for name, target in rules:  # Flax's order: rule by rule, not dimension by dimension
+            if name not in axes:
+                continue
+            dim, wanted = axes.index(name), _mesh_axes_tuple(target)
+            if result[dim] is not unassigned:
+                notes[dim].append(f"rule {name}->{target!r} skipped: dimension already decided")
+            elif taken := [a for a in wanted if a in used]:
+                by = used[taken[0]]
+                notes[dim].append(
+                    f"rule {name}->{target!r} skipped: mesh axis {taken[0]!r} already used by dim {by}"
+                )
+            else:
+                result[dim] = target
+                used.update(dict.fromkeys(wanted, dim))
+                notes[dim].append(f"rule {name}->{target!r} matched" + ("" if wanted else ": replicated"))
+        for dim, entry in enumerate(result):
+            if entry is unassigned:
+                if not self.ordered:
+                    raise ShardingError(
+                        f"logical axes {axes}: dimension {dim} ({axes[dim]!r}) maps to a mesh axis that "
+                        f"another dimension already uses ({notes[dim][-1]}); a mesh axis can split an "
+                        "array only once. Give a fallback with an ordered list, e.g. "
+                        f"AxisRules.from_pairs([..., ({axes[dim]!r}, None)])"
+                    )
+                result[dim] = None
+                notes[dim].append("every rule was blocked: replicated (as in Flax)")
+        return P(*result), notes
+
+
+IDENTITY_RULES = AxisRules()
+
+
+# --- 3. specs for whole trees ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LeafPlan:
+    """How one array leaf is laid out: its path, shape, logical axes and spec."""
+
+    path: str
+    shape: tuple[int, ...]
+    logical: Axes
+    spec: PartitionSpec
+
+    def check_divisible(self, mesh: Mesh) -> None:
+        """Each split dimension must divide evenly by the size of its mesh axes."""
+        for dim, entry in enumerate(self.spec):
+            ways = math.prod(mesh.shape[a] for a in _mesh_axes_tuple(entry))
+            if self.shape[dim] % ways:
+                sizes = ", ".join(f"{a!r}={mesh.shape[a]}" for a in _mesh_axes_tuple(entry))
+                raise ShardingError(
+                    f"{self.path}: shape {self.shape}, dimension {dim} (logical axis "
+                    f"{self.logical[dim]!r}) has size {self.shape[dim]}, which mesh axis {sizes} cannot "
+                    f"split evenly; choose sizes divisible by {ways} or change the rules"
+                )
+
+    def shard_shape(self, mesh: Mesh) -> tuple[int, ...]:
+        """The block each device holds."""
+        return tuple(
+            size // math.prod(mesh.shape[a] for a in _mesh_axes_tuple(entry))
+            for size, entry in zip(self.shape, tuple(self.spec) + (None,) * len(self.shape))
+        )
+
+
+LeafSpec = Callable[[Any], "tuple[Axes, PartitionSpec] | None"]
+
+
+def _is_layer(node: Any) -> bool:
+    return isinstance(node, Layer)
+
+
+def _plan(
+    tree: Any, rules: AxisRules, mesh: Mesh | None, leaf_spec: LeafSpec, prefix: tuple[Any, ...] = ()
+) -> tuple[Any, list[LeafPlan]]:
+    """Walk ``tree``: Layers answer with their ``param_axes``, other leaves ask ``leaf_spec``.
+
+    Returns the tree of specs (same structure as ``tree``) and one plan per leaf.
+    """
+    entries, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_layer)
+    specs: list[Any] = []
+    plans: list[LeafPlan] = []
+    for path, node in entries:
+        path = prefix + path
+        if isinstance(node, Layer):
+            layer_specs, layer_plans = _plan_layer(node, rules, mesh, leaf_spec, path)
+            specs.append(layer_specs)
+            plans += layer_plans
+        elif (axes_and_spec := leaf_spec(node)) is None:
+            specs.append(None)  # unspecified: XLA chooses
+        else:
+            specs.append(axes_and_spec[1])
+            plans.append(LeafPlan(path_str(path), tuple(np.shape(node)), *axes_and_spec))
+    return jax.tree_util.tree_unflatten(treedef, specs), plans
+
+
+def _plan_layer(
+    layer: Layer, rules: AxisRules, mesh: Mesh | None, leaf_spec: LeafSpec, path: tuple[Any, ...]
+) -> tuple[Layer, list[LeafPlan]]:
+    """The layer itself, with every parameter replaced by its PartitionSpec."""
+    param_axes = layer.param_axes()
+    children, aux_data = layer.tree_flatten()
+    specs, plans = [], []
+    for name, child in zip(layer.param_fields, children):
+        child_path = (*path, jax.tree_util.GetAttrKey(name))
+        if name not in param_axes:  # a sub-tree (e.g. Sequential.layers): recurse
+            spec, child_plans = _plan(child, rules, mesh, leaf_spec, child_path)
+            plans += child_plans
+        else:
+            where, axes, shape = path_str(child_path), param_axes[name], tuple(child.shape)
+            if len(axes) != len(shape):
+                raise ShardingError(
+                    f"{where}: logical axes {axes} name {len(axes)} dims; its shape is {shape}"
+                )
+            try:
+                spec = rules.spec(axes, mesh)
+            except ShardingError as e:
+                raise ShardingError(f"{where}: {e}") from None
+            plans.append(LeafPlan(where, shape, axes, spec))
+        specs.append(spec)
+    return type(layer).tree_unflatten(aux_data, specs), plans
+
+
+def _replicated(leaf: Any) -> tuple[Axes, PartitionSpec]:
+    return (None,) * np.ndim(leaf), P()
+
+
+def partition_specs(tree: Any, rules: AxisRules | None = None, mesh: Mesh | None = None) -> Any:
+    """A pytree of ``PartitionSpec`` with exactly the structure of ``tree``.
+
+    Parameters of Layers (anywhere in the tree, user containers included) get
+    the spec their ``param_axes`` map to under ``rules``; any other array leaf
+    is replicated (``P()``). Pass ``mesh`` so names with no rule can fall back
+    to mesh axes of the same name.
+    """
+    return _plan(tree, rules or IDENTITY_RULES, mesh, _replicated)[0]
+
+
+def plan(tree: Any, mesh: Mesh, rules: AxisRules | None = None) -> list[LeafPlan]:
+    """One ``LeafPlan`` per array leaf of ``tree``, checked against ``mesh``."""
+    rules = rules or IDENTITY_RULES
+    rules.check_mesh(mesh)
+    plans = _plan(tree, rules, mesh, _replicated)[1]
+    for leaf in plans:
+        leaf.check_divisible(mesh)
+    return plans
+
+
+def named_shardings(specs: Any, mesh: Mesh) -> Any:
+    """PartitionSpec leaves -> ``NamedSharding(mesh, spec)``; ``None`` (unspecified) stays None."""
+    return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def shard(tree: Any, mesh: Mesh, rules: AxisRules | None = None) -> Any:
+    """Place every array of ``tree`` on ``mesh`` as its partition spec says.
+
+    Everything is checked before anything is placed, so an indivisible
+    dimension raises ``ShardingError`` naming the leaf and leaves no arrays
+    half-moved.
+    """
+    plan(tree, mesh, rules)  # validates every leaf first
+    return jax.device_put(tree, named_shardings(partition_specs(tree, rules, mesh), mesh))
+
+
+# --- 4. the decorator --------------------------------------------------------
+
+
+class Specs(NamedTuple):
+    """The specs ``Sharded`` derived for one call: per positional argument, and for the output."""
+
+    inputs: tuple[Any, ...]
+    outputs: Any
+
+
+class Sharded:
+    """Decorator: ``jax.jit`` with shardings derived from the arguments.
+
+    * pytrees holding Layers (a model, an optimizer state whose momentum is
+      model-shaped) get their partition specs;
+    * other arrays with ``ndim >= 1`` are a batch: their leading dimension is
+      split over the mesh axes of ``rules[batch_axis]`` (or of the mesh axis
+      named ``batch_axis``), otherwise they are replicated; scalars are replicated;
+    * outputs (found with ``jax.eval_shape``): Layer pytrees get their specs, so
+      a returned model keeps its parameters' shardings; scalars (a loss) come
+      back replicated; other arrays are left to XLA.
+
+    One ``jax.jit`` is built per input structure and cached, so a training
+    step pays one ``tree_flatten`` and a dict lookup on top of ``jax.jit``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from minishard import mlp
+    >>> mesh = make_mesh({"data": 8})
+    >>> model = mlp([4, 8, 2], key=jax.random.key(0))
+    >>> forward = Sharded(mesh, AxisRules(batch="data"))(lambda m, x: m(x))
+    >>> forward(model, jnp.ones((16, 4))).sharding.spec
+    PartitionSpec('data',)
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        rules: AxisRules | None = None,
+        batch_axis: str = "batch",
+        donate_argnums: int | Sequence[int] = (),
+    ) -> None:
+        self.mesh = mesh
+        self.rules = rules or IDENTITY_RULES
+        self.rules.check_mesh(mesh)
+        self.batch_axis = batch_axis
+        self.donate_argnums = donate_argnums
+        knows_batch = batch_axis in self.rules or batch_axis in mesh.axis_names
+        self._batch_entry = self.rules.spec((batch_axis,), mesh)[0] if knows_batch else None
+
+    def __call__(self, fn: Callable[..., Any]) -> ShardedFunction:
+        return ShardedFunction(fn, self)
+
+    def batch_spec(self, leaf: Any) -> tuple[Axes, PartitionSpec]:
+        """Arrays outside Layers: leading dim over the batch mesh axes; scalars replicated."""
+        ndim = np.ndim(leaf)
+        if ndim == 0 or self._batch_entry is None:
+            return (None,) * ndim, P()
+        return (self.batch_axis,) + (None,) * (ndim - 1), P(self._batch_entry)
+
+
+def _output_spec(leaf: Any) -> tuple[Axes, PartitionSpec] | None:
+    return _replicated(leaf) if np.ndim(leaf) == 0 else None  # None: left to XLA
+
+
+class ShardedFunction:
+    """What ``Sharded(mesh)(fn)`` returns: call it like ``fn``; inspect with ``specs`` and ``lower``."""
+
+    def __init__(self, fn: Callable[..., Any], config: Sharded) -> None:
+        self.fn = fn
+        self.config = config
+        self._jitted: dict[Any, Any] = {}  # input structure -> jax.jit(...)
+        try:
+            self._arg_names = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            self._arg_names = []
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        key = (treedef, *[getattr(leaf, "ndim", 0) == 0 for leaf in leaves])  # scalars are never batch-split
+        jitted = self._jitted.get(key)
+        if jitted is None:
+            jitted = self._jitted[key] = self._build(args)
+        try:
+            return jitted(*args)
+        except ValueError as error:  # diagnose JAX's generic errors in minishard's terms
+            self._diagnose(args)
+            raise error
+
+    def specs(self, *args: Any) -> Specs:
+        """The input and output PartitionSpecs ``Sharded`` derives for these arguments."""
+        config = self.config
+        inputs, plans = _plan(args, config.rules, config.mesh, config.batch_spec)
+        for leaf in plans:
+            leaf.check_divisible(config.mesh)
+        out_shapes = jax.eval_shape(self.fn, *args)
+        outputs = _plan(out_shapes, config.rules, config.mesh, _output_spec)[0]
+        return Specs(inputs, outputs)
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """``jax.jit(...).lower(*args)``: look at the program (``.as_text()``) or compile it."""
+        return self._build(args).lower(*args)
+
+    def _build(self, args: tuple[Any, ...]) -> Any:
+        try:
+            in_specs, out_specs = self.specs(*args)
+        except ShardingError as e:
+            raise ShardingError(self._name_arguments(str(e))) from None
+        mesh = self.config.mesh
+        return jax.jit(
+            self.fn,
+            in_shardings=named_shardings(in_specs, mesh),
+            out_shardings=named_shardings(out_specs, mesh),
+            donate_argnums=self.config.donate_argnums,
+        )
+
+    def _name_arguments(self, message: str) -> str:
+        """``[0].layers[0].weight`` -> ``model.layers[0].weight``, using fn's parameter names."""
+        index, _, rest = message.removeprefix("[").partition("]")
+        if message.startswith("[") and index.isdigit() and int(index) < len(self._arg_names):
+            message = self._arg_names[int(index)] + rest
+        return f"{getattr(self.fn, '__name__', 'function')}: argument {message}"
+
+    def _diagnose(self, args: tuple[Any, ...]) -> None:
+        """After jit refused the call: raise a ShardingError that names the argument, if we can."""
+        in_specs, plans = _plan(args, self.config.rules, self.config.mesh, self.config.batch_spec)
+        for leaf in plans:
+            try:
+                leaf.check_divisible(self.config.mesh)
+            except ShardingError as e:
+                raise ShardingError(self._name_arguments(str(e))) from None
+        expected = jax.tree_util.tree_leaves(named_shardings(in_specs, self.config.mesh))
+        for (path, arg), want in zip(jax.tree_util.tree_leaves_with_path(args), expected):
+            if getattr(arg, "committed", False) and not arg.sharding.is_equivalent_to(want, arg.ndim):
+                got = arg.sharding
+                raise ShardingError(
+                    self._name_arguments(
+                        f"{path_str(path)}: is committed to {got}, but Sharded derived {want}. "
+                        "Place it with minishard.shard(tree, mesh, rules) (or jax.device_put with "
+                        "that sharding) before the call."
+                    )
+                )
