@@ -1,7 +1,7 @@
 """minishard: a from-scratch mini-framework that teaches distributed training on JAX."""
 
 from minishard import tree
-from minishard.layers import Axes, Layer, Linear, ReLU, Sequential, Swish, mlp
+from minishard.layers import Axes, Layer, Linear, ReLU, Sequential, Swish, megatron_axes, mlp
 from minishard.losses import accuracy, cross_entropy, one_hot
 from minishard.optim import SGD, SGDState, exponential_decay
 from minishard.report import Collective, collectives
@@ -34,6 +34,7 @@ __all__ = [
     "accuracy",
     "cross_entropy",
     "exponential_decay",
+    "megatron_axes",
     "mlp",
     "one_hot",
     "tree",

@@ -316,4 +316,21 @@ def mlp(
     return Sequential(layers)
 
 
-__all__ = ["Axes", "Layer", "Linear", "ReLU", "Sequential", "Swish", "mlp"]
+def megatron_axes(num_linear: int) -> list[Axes]:
+    """Logical axes for a Megatron-style MLP of ``num_linear`` Linears.
+
+    Linears alternate ``("embed", "mlp")`` and ``("mlp", "embed")``: with
+    ``mlp`` split over a mesh axis, the first Linear's output is already split
+    the way the second wants its input, so the pair needs one reduction at the
+    end instead of a gather in between. The last Linear's outputs are
+    ``"classes"``, which a classifier usually replicates.
+
+    >>> megatron_axes(3)
+    [('embed', 'mlp'), ('mlp', 'embed'), ('embed', 'classes')]
+    """
+    axes: list[Axes] = [("embed", "mlp") if i % 2 == 0 else ("mlp", "embed") for i in range(num_linear)]
+    axes[-1] = (axes[-1][0], "classes")
+    return axes
+
+
+__all__ = ["Axes", "Layer", "Linear", "ReLU", "Sequential", "Swish", "megatron_axes", "mlp"]

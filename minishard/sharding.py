@@ -401,6 +401,11 @@ class Sharded:
     def __call__(self, fn: Callable[..., Any]) -> ShardedFunction:
         return ShardedFunction(fn, self)
 
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """Where a global batch goes: leading dimension split over the batch mesh axes."""
+        return NamedSharding(self.mesh, P(self._batch_entry))
+
     def batch_spec(self, leaf: Any) -> tuple[Axes, PartitionSpec]:
         """Arrays outside Layers: leading dim over the batch mesh axes; scalars replicated."""
         ndim = np.ndim(leaf)

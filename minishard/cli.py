@@ -1,0 +1,206 @@
+"""``minishard train``: the command line over ``minishard.train.fit``.
+
+>>> args = parse_args(["train", "--mesh", "data=2,model=4", "--rules", "mlp=model"])
+>>> args.mesh, args.rules, args.layers
+({'data': 2, 'model': 4}, {'mlp': 'model'}, [784, 512, 10])
+
+Everything here is argument parsing and printing; the work happens in
+``fit``. One subtlety: simulated CPU devices must be requested through
+``XLA_FLAGS`` before JAX starts its backend, so ``main`` sets the flag before
+it asks JAX for devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+DEFAULTS = dict(
+    dataset="mnist",
+    layers="784,512,10",
+    activation="swish",
+    epochs=5,
+    batch_size=128,
+    lr=0.2,
+    decay_rate=0.7,
+    decay_steps=1000,
+    momentum=0.9,
+    mesh="data=2,model=4",
+    rules="",
+    devices=8,
+    seed=0,
+)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(size) for size in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 784,512,10, got {text!r}") from None
+
+
+def _pairs(text: str) -> dict[str, str]:
+    """``"data=2,model=4"`` -> ``{"data": "2", "model": "4"}``."""
+    pairs = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"expected name=value pairs like data=2,model=4, got {item!r}")
+        pairs[name.strip()] = value.strip()
+    return pairs
+
+
+def _mesh(text: str) -> dict[str, int]:
+    pairs = _pairs(text)
+    try:
+        return {name: int(size) for name, size in pairs.items()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"mesh axis sizes must be integers, got {text!r}") from None
+
+
+def _rules(text: str) -> dict[str, str | None]:
+    """``"mlp=model,embed=none"`` -> ``{"mlp": "model", "embed": None}``."""
+    return {name: None if value.lower() in ("", "none") else value for name, value in _pairs(text).items()}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="minishard", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train an MLP on MNIST (or cats_vs_dogs) on a device mesh")
+    train.set_defaults(**DEFAULTS)
+    add = train.add_argument
+    add("--dataset", choices=["mnist", "cats_vs_dogs"])
+    add("--layers", type=_sizes, help="layer sizes, e.g. 784,512,10 (default %(default)s)")
+    add("--activation", choices=["swish", "relu"])
+    add("--epochs", type=int, help="total epochs, also when resuming (default %(default)s)")
+    add("--batch-size", type=int, help="global batch size (default %(default)s)")
+    add("--lr", type=float, help="initial learning rate (default %(default)s)")
+    add("--decay-rate", type=float, help="learning rate factor per --decay-steps (default %(default)s)")
+    add("--decay-steps", type=int)
+    add("--staircase", action="store_true", help="decay in steps rather than smoothly")
+    add("--momentum", type=float, help="(default %(default)s)")
+    add("--mesh", type=_mesh, help="mesh axes, e.g. data=2,model=4 (default %(default)s)")
+    add("--rules", type=_rules, help="logical=mesh axis rules, e.g. mlp=model (default %(default)s)")
+    add("--devices", type=int, help="CPU devices to simulate when there is no accelerator")
+    add("--seed", type=int)
+    add("--checkpoint-dir", help="save checkpoints here (every --checkpoint-every steps and per epoch)")
+    add("--checkpoint-every", type=int, default=None, help="steps between checkpoints")
+    add("--resume", action="store_true", help="continue from the latest good checkpoint")
+    add("--plot", help="write a PNG of loss and accuracy per epoch")
+    add("--log", help="append JSON lines of metrics (per epoch, and every 100 steps)")
+    add("--data-dir", help="TFDS data directory (default: $TFDS_DATA_DIR, then ~/tensorflow_datasets)")
+    add("--no-download", dest="download", action="store_false", help="never touch the network")
+    args = parser.parse_args(argv)
+    for name in ("layers", "mesh", "rules"):  # argparse does not run `type` on string defaults
+        value = getattr(args, name)
+        if isinstance(value, str):
+            setattr(args, name, {"layers": _sizes, "mesh": _mesh, "rules": _rules}[name](value))
+    return args
+
+
+def simulate_devices(count: int) -> None:
+    """Ask XLA for ``count`` CPU devices; must run before JAX initialises its backend."""
+    flag = f"--xla_force_host_platform_device_count={count}"
+    current = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in current:
+        os.environ["XLA_FLAGS"] = f"{current} {flag}".strip()
+
+
+def default_rules(mesh_axes: Sequence[str], user: dict[str, str | None]) -> dict[str, Any]:
+    """The CLI's rules, then the user's: batch over "data" and mlp over "model" when the mesh has them."""
+    rules: dict[str, Any] = {
+        "batch": "data" if "data" in mesh_axes else None,
+        "embed": None,
+        "mlp": "model" if "model" in mesh_axes else None,
+        "classes": None,
+    }
+    return {**rules, **user}
+
+
+def train(args: argparse.Namespace) -> int:
+    import jax
+
+    from minishard import SGD, AxisRules, exponential_decay, make_mesh, megatron_axes, mlp
+    from minishard.data import DATASET_INFO, DATASETS, DataError
+    from minishard.report import explain
+    from minishard.sharding import ShardingError
+    from minishard.train import NonFiniteLossError, fit
+
+    devices = jax.devices()
+    if devices[0].platform == "cpu":
+        print(f"No accelerator: simulating {len(devices)} CPU devices (XLA_FLAGS={os.environ['XLA_FLAGS']})")
+    info = DATASET_INFO[args.dataset]
+    if args.layers[0] != info.num_features or args.layers[-1] != info.num_classes:
+        print(
+            f"error: --layers must start with {info.num_features} inputs and end with {info.num_classes} "
+            f"classes for {args.dataset}, got {args.layers}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        mesh = make_mesh(args.mesh)
+        rules = AxisRules(**default_rules(mesh.axis_names, args.rules))
+        load = DATASETS[args.dataset]
+        options = dict(data_dir=args.data_dir, download=args.download, shuffle_seed=args.seed)
+        train_data = load("train", args.batch_size, **options)
+        test_data = load("test", args.batch_size, **options)
+        key = jax.random.key(args.seed)
+        axes = megatron_axes(len(args.layers) - 1)
+        model = mlp(args.layers, key=key, activation=args.activation, axes=axes)
+        print(f"Mesh {dict(mesh.shape)} · rules {rules}")
+        print(explain(model, mesh, rules))
+        schedule = exponential_decay(args.lr, args.decay_rate, args.decay_steps, args.staircase)
+        _, _, history = fit(
+            model,
+            SGD(schedule, momentum=args.momentum),
+            train_data,
+            mesh=mesh,
+            rules=rules,
+            epochs=args.epochs,
+            eval_data=test_data,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            metrics_log=args.log,
+        )
+    except (DataError, ShardingError, NonFiniteLossError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if args.plot:
+        plot_history(history, args.plot)
+        print(f"Wrote {args.plot}")
+    return 0
+
+
+def plot_history(history: list[dict[str, Any]], path: str) -> None:
+    """Loss and accuracy per epoch, side by side (matplotlib, an optional extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [record["epoch"] for record in history]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    left.plot(epochs, [r["loss"] for r in history], marker="o")
+    left.set(title="training loss", xlabel="epoch")
+    right.plot(epochs, [r["train_acc"] for r in history], marker="o", label="train")
+    if all("test_acc" in r for r in history):
+        right.plot(epochs, [r["test_acc"] for r in history], marker="o", label="test")
+    right.set(title="accuracy", xlabel="epoch")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    simulate_devices(args.devices)
+    return train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

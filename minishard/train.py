@@ -1,0 +1,210 @@
+"""The training loop: sharded steps, evaluation, checkpoints and exact resume.
+
+``fit`` is deliberately plain Python around two jitted functions:
+
+* ``train_step(model, opt_state, batch) -> (model, opt_state, loss, accuracy)``
+* ``eval_step(model, batch) -> (correct, count)``
+
+Both are wrapped by ``Sharded``, so the model and optimizer state keep their
+parameter shardings from step to step, and each global batch arrives split
+over the mesh's data axis. The position in training is ``(epoch, batch
+index)`` and the data order is a pure function of ``(shuffle_seed, epoch)``,
+so a checkpoint that stores the position resumes *exactly*: ``--epochs 2``
+straight and ``--epochs 1`` + ``--resume --epochs 2`` end with bit-identical
+parameters.
+
+>>> import jax, numpy as np
+>>> from minishard import SGD, make_mesh, mlp
+>>> from minishard.data import Dataset
+>>> images, labels = np.zeros((64, 2, 2, 1), np.uint8), np.zeros(64, np.int32)
+>>> data = Dataset(images, labels, batch_size=16)
+>>> model = mlp([4, 8, 2], key=jax.random.key(0))
+>>> model, opt_state, history = fit(model, SGD(0.1), data, mesh=make_mesh({"data": 8}),
+...                                 epochs=1, log=lambda line: None)
+>>> history[0]["epoch"], history[0]["steps"]
+(1, 4)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from minishard.data import Batch, Dataset, to_global
+from minishard.losses import accuracy, cross_entropy, one_hot
+from minishard.optim import SGD
+from minishard.sharding import AxisRules, Mesh, Sharded, shard
+
+History = list[dict[str, Any]]
+GlobalBatch = dict[str, jax.Array]  # a Batch placed on the mesh by `to_global`
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; training stopped before saving the bad state."""
+
+
+def make_train_step(optimizer: SGD) -> Callable[..., Any]:
+    """One SGD step on one batch; pure, so ``Sharded``/``jax.jit`` can compile it."""
+
+    def train_step(model: Any, opt_state: Any, batch: GlobalBatch) -> tuple[Any, Any, jax.Array, jax.Array]:
+        def loss_fn(model: Any) -> tuple[jax.Array, jax.Array]:
+            logits = model(batch["image"])
+            return cross_entropy(logits, one_hot(batch["label"], logits.shape[-1])), logits
+
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(model)
+        model, opt_state = optimizer.update(model, grads, opt_state)
+        return model, opt_state, loss, accuracy(logits, batch["label"])
+
+    return train_step
+
+
+def eval_step(model: Any, batch: GlobalBatch) -> tuple[jax.Array, jax.Array]:
+    """Correct predictions and real examples in a (possibly padded) batch."""
+    logits = model(batch["image"])
+    mask = batch["mask"]
+    return (accuracy(logits, batch["label"], mask) * mask.sum()), mask.sum()
+
+
+def evaluate(step: Callable[..., Any], model: Any, data: Dataset, sharding: NamedSharding) -> float:
+    """Accuracy over a whole split; padding rows are masked out, so every example counts once."""
+    correct = count = 0.0
+    for batch in data.epoch(0):
+        c, n = step(model, to_global(batch, sharding))
+        correct, count = correct + float(c), count + float(n)  # float() waits for the step
+    return correct / max(count, 1.0)
+
+
+def fit(
+    model: Any,
+    optimizer: SGD,
+    train_data: Dataset,
+    *,
+    mesh: Mesh,
+    rules: AxisRules | None = None,
+    epochs: int,
+    eval_data: Dataset | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
+    keep: int = 3,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    metrics_log: str | os.PathLike[str] | None = None,
+    log_every: int = 100,
+    progress: bool | None = None,
+) -> tuple[Any, Any, History]:
+    """Train ``model`` for ``epochs`` epochs in total; return ``(model, opt_state, history)``.
+
+    ``history`` has one dict per epoch: ``epoch``, ``seconds``, ``loss``
+    (mean over the epoch's steps), ``train_acc``, ``test_acc`` (when
+    ``eval_data`` is given) and ``steps``. With ``checkpoint_dir``, a
+    checkpoint is written every ``checkpoint_every`` steps and at each epoch
+    end; ``resume=True`` continues from the latest good one (``epochs`` is the
+    total, so resuming after epoch 1 with ``epochs=2`` trains one more epoch).
+    """
+    sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
+    train_step = sharded(make_train_step(optimizer))
+    evaluate_step = Sharded(mesh, rules)(eval_step)
+    model = shard(model, mesh, rules)
+    opt_state = shard(optimizer.init(model), mesh, rules)
+    history: History = []
+    first_epoch, start_batch, step, sums = 0, 0, 0, [0.0, 0.0]
+
+    checkpointer = _checkpointer(checkpoint_dir, keep, log)
+    if checkpointer is not None and resume and checkpointer.steps():
+        step, state, meta = checkpointer.restore({"model": model, "opt_state": opt_state})
+        model, opt_state = state["model"], state["opt_state"]
+        first_epoch, start_batch, sums, history = meta["epoch"], meta["batch"], meta["sums"], meta["history"]
+        log(f"Resumed from step {step}: epoch {first_epoch + 1}, batch {start_batch}")
+
+    def save(next_epoch: int, next_batch: int) -> None:
+        """Checkpoint the state and where training continues from: (epoch, batch) to run next."""
+        if checkpointer is not None:
+            position = {"epoch": next_epoch, "batch": next_batch, "shuffle_seed": train_data.shuffle_seed}
+            meta = {**position, "sums": sums, "history": history}
+            checkpointer.save(step, {"model": model, "opt_state": opt_state}, meta)
+
+    metrics_file = open(metrics_log, "a") if metrics_log else nullcontext()  # noqa: SIM115
+    with metrics_file as metrics, (checkpointer or nullcontext()):
+        for epoch in range(first_epoch, epochs):
+            started = time.perf_counter()
+            batches = train_data.epoch(epoch, start_batch)
+            for index, batch in _progress(batches, train_data, epoch, start_batch, progress):
+                global_batch = to_global(batch, sharded.batch_sharding)
+                model, opt_state, loss, acc = train_step(model, opt_state, global_batch)
+                step += 1
+                loss_value = float(loss)  # waits for the step; XLA:CPU must not queue collectives unboundedly
+                if not math.isfinite(loss_value):
+                    last = checkpointer.steps()[-1] if checkpointer and checkpointer.steps() else None
+                    kept = f"; the last good checkpoint (step {last}) is kept" if last is not None else ""
+                    raise NonFiniteLossError(
+                        f"loss is {loss_value} at step {step} (epoch {epoch + 1}, batch {index}){kept}. "
+                        "Try a smaller --lr."
+                    )
+                sums = [sums[0] + loss_value, sums[1] + float(acc)]
+                if metrics and step % log_every == 0:
+                    metrics.write(json.dumps({"step": step, "epoch": epoch + 1, "loss": loss_value}) + "\n")
+                if checkpoint_every and step % checkpoint_every == 0:
+                    save(epoch, index + 1)
+            steps = train_data.steps_per_epoch  # sums cover the whole epoch, resumed or not
+            record = {
+                "epoch": epoch + 1,
+                "seconds": time.perf_counter() - started,
+                "loss": sums[0] / steps,
+                "train_acc": sums[1] / steps,
+                "steps": steps,
+            }
+            if eval_data is not None:
+                record["test_acc"] = evaluate(evaluate_step, model, eval_data, sharded.batch_sharding)
+            history.append(record)
+            log(format_epoch(record))
+            if metrics:
+                metrics.write(json.dumps(record) + "\n")
+            start_batch, sums = 0, [0.0, 0.0]
+            save(epoch + 1, 0)
+    return model, opt_state, history
+
+
+def format_epoch(record: dict[str, Any]) -> str:
+    """``Epoch 1 in 2.31 s · loss 0.412 · train acc 0.951 · test acc 0.948``."""
+    line = f"Epoch {record['epoch']} in {record['seconds']:.2f} s · loss {record['loss']:.3f}"
+    line += f" · train acc {record['train_acc']:.3f}"
+    if "test_acc" in record:
+        line += f" · test acc {record['test_acc']:.3f}"
+    return line
+
+
+def _checkpointer(directory: str | os.PathLike[str] | None, keep: int, log: Callable[[str], None]) -> Any:
+    if directory is None:
+        return None
+    from minishard.checkpoint import Checkpointer  # orbax is an optional extra
+
+    return Checkpointer(directory, keep=keep, log=log)
+
+
+def _progress(
+    batches: Iterator[Batch], data: Dataset, epoch: int, start: int, show: bool | None
+) -> Iterator[tuple[int, Batch]]:
+    """Number the batches; draw a progress bar when attached to a terminal (rich, if installed)."""
+    numbered = enumerate(batches, start)
+    if not (sys.stdout.isatty() if show is None else show):
+        yield from numbered
+        return
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        yield from numbered
+        return
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"epoch {epoch + 1}", total=data.steps_per_epoch, completed=start)
+        for item in numbered:
+            yield item
+            bar.advance(task)
