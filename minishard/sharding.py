@@ -21,7 +21,7 @@ Spreading a model over devices takes four steps, one per section below:
 >>> rules = AxisRules(embed=None, mlp="model")
 >>> model = mlp([8, 16, 4], key=jax.random.key(0), axes=[("embed", "mlp"), ("mlp", "embed")])
 >>> [spec for spec in jax.tree_util.tree_leaves(partition_specs(model, rules))]
-[PartitionSpec(None, 'model'), PartitionSpec('model',), PartitionSpec('model', None), PartitionSpec(None,)]
+[P(None, 'model'), P('model',), P('model', None), P(None,)]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class AxisRules:
     to that axis, so ``axes=(None, "model")`` works with no rules at all.
 
     >>> AxisRules(embed=None, mlp="model").spec(("embed", "mlp"))
-    PartitionSpec(None, 'model')
+    P(None, 'model')
     """
 
     def __init__(self, **mapping: MeshAxes) -> None:
@@ -380,7 +380,7 @@ class Sharded:
     >>> model = mlp([4, 8, 2], key=jax.random.key(0))
     >>> forward = Sharded(mesh, AxisRules(batch="data"))(lambda m, x: m(x))
     >>> forward(model, jnp.ones((16, 4))).sharding.spec
-    PartitionSpec('data',)
+    P('data',)
     """
 
     def __init__(

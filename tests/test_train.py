@@ -1,0 +1,106 @@
+"""End-to-end training on the real (offline) MNIST: accuracy, parallel styles, NaN guard, CLI.
+
+These tests need MNIST prepared by TFDS; `make test` points TFDS_DATA_DIR at it.
+"""
+
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import minishard as ms
+from minishard.cli import main
+from minishard.data import mnist
+from minishard.train import NonFiniteLossError, fit
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "mnist")),
+    reason="needs MNIST prepared by tfds: set TFDS_DATA_DIR (make test does)",
+)
+
+MEGATRON_RULES = {"batch": "data", "embed": None, "mlp": "model", "classes": None}
+QUIET = {"log": lambda line: None, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def small_train():
+    return mnist("train[:1024]", 128)
+
+
+def model_of(sizes, seed=0):
+    return ms.mlp(sizes, key=jax.random.key(seed), axes=ms.megatron_axes(len(sizes) - 1))
+
+
+def sgd():
+    return ms.SGD(ms.exponential_decay(0.2, 0.7, 1000), momentum=0.9)
+
+
+def test_one_epoch_reaches_95_percent_on_the_full_test_split():
+    train, test = mnist("train", 128), mnist("test", 128)
+    assert test.num_examples == 10_000
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    _, _, history = fit(
+        model_of([784, 512, 10]), sgd(), train, mesh=mesh, rules=ms.AxisRules(**MEGATRON_RULES),
+        epochs=1, eval_data=test, **QUIET,
+    )
+    assert history[0]["test_acc"] >= 0.95, history
+
+
+def losses_per_step(data, mesh_shape, rules, log):
+    fit(
+        model_of([784, 64, 10]), sgd(), data, mesh=ms.make_mesh(mesh_shape), rules=ms.AxisRules(**rules),
+        epochs=1, metrics_log=log, log_every=1, **QUIET,
+    )
+    return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "step" in r]
+
+
+def test_data_tensor_and_2d_parallel_give_the_same_loss_curve(small_train, tmp_path):
+    styles = {
+        "2d": ({"data": 2, "model": 4}, MEGATRON_RULES),
+        "data": ({"data": 8, "model": 1}, {**MEGATRON_RULES, "mlp": None}),
+        "tensor": ({"data": 1, "model": 8}, {**MEGATRON_RULES, "batch": None}),
+    }
+    curves = {name: losses_per_step(small_train, *style, tmp_path / name) for name, style in styles.items()}
+    assert len(curves["2d"]) == small_train.steps_per_epoch == 8
+    np.testing.assert_allclose(curves["data"], curves["2d"], rtol=2e-5)
+    np.testing.assert_allclose(curves["tensor"], curves["2d"], rtol=2e-5)
+
+
+def test_non_finite_loss_stops_training_and_names_the_step(small_train):
+    exploding = ms.SGD(1e6, momentum=0.9)
+    with pytest.raises(NonFiniteLossError, match=r"loss is (nan|inf) at step \d+ \(epoch 1, batch \d+\)"):
+        fit(model_of([784, 64, 10]), exploding, small_train, mesh=ms.make_mesh({"data": 8}),
+            rules=ms.AxisRules(batch="data", embed=None, mlp=None, classes=None), epochs=1, **QUIET)
+
+
+def final_line(output: str) -> str:
+    """The last epoch line, without its (machine-dependent) duration."""
+    lines = [line for line in output.splitlines() if line.startswith("Epoch ")]
+    return re.sub(r" in [\d.]+ s", "", lines[-1])
+
+
+def test_cli_trains_plots_logs_and_resumes_to_the_same_final_line(tmp_path, capsys):
+    common = ["train", "--layers", "784,32,10", "--batch-size", "256", "--mesh", "data=4,model=2"]
+    log, plot = tmp_path / "metrics.jsonl", tmp_path / "curves.png"
+
+    assert main([*common, "--epochs", "2", "--log", str(log), "--plot", str(plot)]) == 0
+    straight = capsys.readouterr().out
+    assert "simulating 8 CPU devices" in straight
+    assert "layers[0].weight" in straight  # the explain report
+    assert [json.loads(line)["epoch"] for line in log.read_text().splitlines() if "seconds" in line] == [1, 2]
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+    checkpoints = str(tmp_path / "ckpt")
+    assert main([*common, "--epochs", "1", "--checkpoint-dir", checkpoints]) == 0
+    assert main([*common, "--epochs", "2", "--checkpoint-dir", checkpoints, "--resume"]) == 0
+    resumed = capsys.readouterr().out
+    assert "Resumed from step" in resumed
+    assert final_line(resumed) == final_line(straight)
+
+
+def test_cli_rejects_layers_that_do_not_fit_the_dataset(capsys):
+    assert main(["train", "--layers", "100,10", "--mesh", "data=8"]) == 2
+    assert "must start with 784 inputs" in capsys.readouterr().err
