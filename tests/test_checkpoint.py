@@ -1,0 +1,232 @@
+"""Checkpoints: resharding on restore, retention, a save killed midway, corrupted files."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import minishard
+from minishard.checkpoint import Checkpointer, CheckpointError
+from minishard.sharding import named_shardings, partition_specs
+
+REPO = Path(__file__).resolve().parents[1]
+MEGATRON = [("embed", "mlp"), ("mlp", "embed")]
+TENSOR_PARALLEL = minishard.AxisRules(embed=None, mlp="model")
+
+
+def train_state(seed=0, momentum=0.9):
+    """A tiny model and its SGD state (momentum=0: the state's momentum is None)."""
+    model = minishard.mlp([16, 32, 8], key=jax.random.key(seed), axes=MEGATRON)
+    opt_state = minishard.SGD(0.1, momentum=momentum).init(model)
+    if momentum:  # non-zero velocities, so a restore that dropped them would show
+        opt_state = opt_state._replace(momentum=jax.tree_util.tree_map(lambda p: 2 * p, model))
+    return {"model": model, "opt_state": opt_state._replace(step=jnp.asarray(7 + seed, jnp.int32))}
+
+
+def saved_on_2x4(state):
+    return minishard.shard(state, minishard.make_mesh({"data": 2, "model": 4}), TENSOR_PARALLEL)
+
+
+def abstract(state, mesh, rules):
+    """ShapeDtypeStructs carrying the shardings to restore onto: no arrays allocated."""
+    shardings = named_shardings(partition_specs(state, rules, mesh), mesh)
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+
+
+def assert_same_values(restored, expected):
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(expected)
+    for got, want in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+DATA_PARALLEL_8 = minishard.AxisRules(embed=None, mlp="data")
+ONTO = {
+    "data=8, mlp split over data": ({"data": 8}, DATA_PARALLEL_8),
+    "data=8, replicated": ({"data": 8}, minishard.AxisRules(embed=None, mlp=None)),
+    "one device": ({"data": 1}, minishard.AxisRules(embed=None, mlp=None)),
+}
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0], ids=["momentum", "no-momentum"])
+@pytest.mark.parametrize("onto", ONTO, ids=list(ONTO))
+def test_restore_onto_another_mesh(tmp_path, onto, momentum):
+    state = saved_on_2x4(train_state(momentum=momentum))
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, state, {"epoch": 1})
+        shape, rules = ONTO[onto]
+        mesh = minishard.make_mesh(shape, devices=jax.devices()[: int(np.prod(list(shape.values())))])
+        target = abstract(train_state(seed=1, momentum=momentum), mesh, rules)
+        step, restored, meta = ckpt.restore(target)
+    jax.block_until_ready(restored)
+    assert (step, meta) == (3, {"epoch": 1})
+    assert_same_values(restored, state)  # equal treedefs: a None momentum came back as None
+    for got, want in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(target)):
+        assert got.sharding == want.sharding
+
+
+def test_target_may_hold_arrays_and_gives_the_structure(tmp_path):
+    state = saved_on_2x4(train_state())
+    target = minishard.shard(train_state(seed=1), minishard.make_mesh({"data": 8}), DATA_PARALLEL_8)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state, {})
+        _, restored, _ = ckpt.restore(target)
+    assert isinstance(restored["model"], minishard.Sequential)
+    assert isinstance(restored["opt_state"], minishard.SGDState)
+    assert_same_values(restored, state)
+
+
+def test_keeps_the_last_k_and_meta_round_trips(tmp_path):
+    state = saved_on_2x4(train_state())
+    meta = {"epoch": 2, "batch": 17, "seed": 1234, "history": [{"loss": 0.5, "acc": 0.875}], "note": None}
+    with Checkpointer(tmp_path, keep=2) as ckpt:
+        for step in (10, 20, 30, 40):
+            ckpt.save(step, state, {**meta, "step": step})
+        assert ckpt.steps() == [30, 40]
+        assert ckpt.restore(state, step=30)[2] == {**meta, "step": 30}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["30", "40"]
+    with Checkpointer(tmp_path) as reopened:  # another process sees the same steps
+        assert reopened.steps() == [30, 40]
+
+
+def test_saving_behind_the_latest_discards_the_abandoned_future(tmp_path):
+    state, lines = saved_on_2x4(train_state()), []
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state, {})
+        ckpt.save(2, state, {"again": True})
+        assert ckpt.steps() == [1, 2]
+        assert ckpt.restore(state)[2] == {"again": True}
+    assert len(lines) == 1 and "[2, 3]" in lines[0]
+
+
+def test_meta_must_be_json(tmp_path):
+    with Checkpointer(tmp_path) as ckpt, pytest.raises(CheckpointError, match="JSON"):
+        ckpt.save(1, {"w": jnp.ones(2)}, {"seed": np.random.default_rng(0)})
+    assert not any(tmp_path.iterdir())
+
+
+def test_empty_directory(tmp_path):
+    with Checkpointer(tmp_path / "new") as ckpt, pytest.raises(CheckpointError, match="holds no checkpoint"):
+        ckpt.restore({"w": jnp.ones(2)})
+
+
+# --- a save killed midway --------------------------------------------------------
+
+SAVE_THEN_DIE = """
+import sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from minishard import make_mesh
+from minishard.checkpoint import Checkpointer
+
+put = lambda x: jax.device_put(x, NamedSharding(make_mesh({"data": 2, "model": 4}), P("data", "model")))
+ckpt = Checkpointer(sys.argv[1], log=lambda line: None)
+ckpt.save(1, {"w": put(jnp.full((8, 8), 1.5))}, {"epoch": 1})
+big = put(jnp.ones((8192, 6400)))  # 200 MB: over a second to write, a wide window for SIGKILL
+big.block_until_ready()
+print("saving step 2", flush=True)
+ckpt.save(2, {"w": big}, {"epoch": 2})
+print("saved step 2", flush=True)
+"""
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path):
+    directory = tmp_path / "ckpt"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    with (tmp_path / "child.log").open("w+") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-c", SAVE_THEN_DIE, str(directory)], cwd=REPO, env=env, stdout=log, stderr=log
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not list(directory.glob("2.orbax-checkpoint-tmp*")):  # step 2 is being written
+                if child.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    pytest.fail(
+                        f"child ended ({child.returncode}) before saving step 2:\n{log.read()[-3000:]}"
+                    )
+                time.sleep(0.005)
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.kill()
+            child.wait(timeout=30)
+    if (directory / "2").exists():
+        pytest.skip("step 2 was finalized before SIGKILL landed; the kill window was missed")
+    assert list(directory.glob("2.orbax-checkpoint-tmp*")), "the unfinished save should leave its tmp dir"
+
+    with Checkpointer(directory) as ckpt:
+        assert ckpt.steps() == [1]
+        step, restored, meta = ckpt.restore({"w": jnp.zeros((8, 8))})
+    assert (step, meta) == (1, {"epoch": 1})
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((8, 8), 1.5))
+    assert not list(directory.glob("*.orbax-checkpoint-tmp*")), "opening a Checkpointer cleans tmp dirs"
+
+
+# --- corrupted files ---------------------------------------------------------------
+
+
+def truncate_array_data(step_dir):
+    # OCDBT keeps the arrays (and its b-tree) in files under `d/`; checksums catch damage.
+    files = [f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+    assert files
+    for f in files:
+        with f.open("r+b") as handle:
+            handle.truncate(f.stat().st_size // 2)
+
+
+def delete_manifest(step_dir):
+    for f in (step_dir / "state").rglob("manifest.ocdbt"):
+        f.unlink()
+
+
+def delete_meta(step_dir):
+    (step_dir / "meta" / "metadata").unlink()
+
+
+@pytest.mark.parametrize("corrupt", [truncate_array_data, delete_manifest, delete_meta])
+def test_corrupted_latest_falls_back_to_the_previous(tmp_path, corrupt):
+    good, bad = saved_on_2x4(train_state(seed=0)), saved_on_2x4(train_state(seed=1))
+    lines = []
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        ckpt.save(1, good, {"epoch": 1})
+        ckpt.save(2, bad, {"epoch": 2})
+        corrupt(tmp_path / "2")
+        target = abstract(good, minishard.make_mesh({"data": 8}), DATA_PARALLEL_8)
+
+        unreadable = re.escape(f"checkpoint {tmp_path / '2'} is unreadable (")
+        with pytest.raises(CheckpointError, match=unreadable + r"\w+") as info:
+            ckpt.restore(target, step=2)
+        assert info.value.__cause__ is None and info.value.__suppress_context__  # no chained traceback
+        assert "\n" not in str(info.value)
+
+        step, restored, meta = ckpt.restore(target)
+    assert (step, meta) == (1, {"epoch": 1})
+    assert_same_values(restored, good)
+    assert len(lines) == 1
+    assert lines[0].startswith(f"checkpoint {tmp_path / '2'} is unreadable (")
+    assert lines[0].endswith("; falling back to step 1")
+
+
+def test_nothing_loadable_names_every_checkpoint(tmp_path):
+    state = saved_on_2x4(train_state())
+    with Checkpointer(tmp_path, log=lambda line: None) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state, {})
+            delete_manifest(tmp_path / str(step))
+        with pytest.raises(CheckpointError, match="could be loaded:") as info:
+            ckpt.restore(state)
+    assert str(tmp_path / "1") in str(info.value) and str(tmp_path / "2") in str(info.value)
+    assert info.value.__context__ is None
+    with Checkpointer(tmp_path) as ckpt, pytest.raises(CheckpointError, match="no checkpoint for step 5"):
+        ckpt.restore(state, step=5)
