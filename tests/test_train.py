@@ -6,6 +6,10 @@ These tests need MNIST prepared by TFDS; `make test` points TFDS_DATA_DIR at it.
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -104,3 +108,55 @@ def test_cli_trains_plots_logs_and_resumes_to_the_same_final_line(tmp_path, caps
 def test_cli_rejects_layers_that_do_not_fit_the_dataset(capsys):
     assert main(["train", "--layers", "100,10", "--mesh", "data=8"]) == 2
     assert "must start with 784 inputs" in capsys.readouterr().err
+
+
+KILLED_TRAINER = """
+import jax, minishard as ms
+from minishard.data import mnist
+from minishard.train import fit
+model = ms.mlp([784, 4096, 10], key=jax.random.key(0), axes=ms.megatron_axes(2))
+fit(model, ms.SGD(0.01, momentum=0.9), mnist("train[:1024]", 128), mesh=ms.make_mesh({"data": 2, "model": 4}),
+    rules=ms.AxisRules(batch="data", embed=None, mlp="model", classes=None), epochs=2,
+    checkpoint_dir=DIRECTORY, checkpoint_every=1, log=lambda line: None)
+"""
+
+
+def test_a_trainer_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
+    directory = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    script = KILLED_TRAINER.replace("DIRECTORY", repr(str(directory)))
+    trainer = subprocess.Popen([sys.executable, "-c", script], env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(directory.glob("[3-9].orbax-checkpoint-tmp*")):  # saving step 3 or later
+            assert trainer.poll() is None and time.monotonic() < deadline, "never caught the trainer saving"
+            time.sleep(0.005)
+        trainer.send_signal(signal.SIGKILL)
+    finally:
+        trainer.kill()
+        trainer.wait(30)
+
+    lines = []
+    model = ms.mlp([784, 4096, 10], key=jax.random.key(0), axes=ms.megatron_axes(2))
+    _, _, history = fit(
+        model, ms.SGD(0.01, momentum=0.9), mnist("train[:1024]", 128), mesh=ms.make_mesh({"data": 8}),
+        rules=ms.AxisRules(batch="data", embed=None, mlp=None, classes=None), epochs=2,
+        checkpoint_dir=directory, resume=True, log=lines.append, progress=False,
+    )
+    assert re.match(r"Resumed from step [2-9]", lines[0]), lines
+    assert [record["epoch"] for record in history] == [1, 2]
+
+
+def test_resume_falls_back_past_a_corrupted_checkpoint_and_says_so(small_train, tmp_path):
+    quiet = {"mesh": ms.make_mesh({"data": 8}), "rules": ms.AxisRules(batch="data", embed=None, mlp=None,
+             classes=None), "progress": False}
+    fit(model_of([784, 16, 10]), sgd(), small_train, epochs=1, checkpoint_dir=tmp_path, checkpoint_every=4,
+        log=lambda line: None, **quiet)
+    for data_file in (tmp_path / "8").rglob("d/*"):  # the array data of the last checkpoint
+        data_file.write_bytes(b"garbage")
+    lines = []
+    fit(model_of([784, 16, 10]), sgd(), small_train, epochs=1, checkpoint_dir=tmp_path, resume=True,
+        log=lines.append, **quiet)
+    fallback = f"{tmp_path / '8'} is unreadable"
+    assert any(fallback in line and "falling back to step 4" in line for line in lines), lines
+    assert any(line.startswith("Resumed from step 4") for line in lines), lines
