@@ -68,6 +68,8 @@ def make_mesh(
     OrderedDict([('data', 2), ('model', 4)])
     """
     if isinstance(shape, Mapping):
+        if names is not None:
+            raise ShardingError(f"make_mesh: {dict(shape)} already names its axes; drop names={names}")
         names, sizes = tuple(shape), tuple(shape.values())
     else:
         sizes = tuple(shape)
@@ -125,7 +127,10 @@ class AxisRules:
 
     def _init(self, pairs: tuple[tuple[str, MeshAxes], ...], ordered: bool) -> None:
         for name, target in pairs:
-            if not isinstance(name, str) or not all(isinstance(a, str) for a in _mesh_axes_tuple(target)):
+            names_mesh_axes = target is None or isinstance(target, str) or (
+                isinstance(target, tuple | list) and all(isinstance(a, str) for a in target)
+            )
+            if not isinstance(name, str) or not names_mesh_axes:
                 raise ShardingError(
                     f"AxisRules: rule {name!r} -> {target!r} must map a logical name (str) to a "
                     "mesh axis name, a tuple of them, or None"
@@ -414,6 +419,18 @@ class Sharded:
         return (self.batch_axis,) + (None,) * (ndim - 1), P(self._batch_entry)
 
 
+def _positions_outside_layers(tree: Any) -> tuple[int, ...]:
+    """Indices, in ``tree_leaves(tree)``, of the leaves that do not belong to a Layer."""
+    positions, index = [], 0
+    for node in jax.tree_util.tree_leaves(tree, is_leaf=_is_layer):
+        if isinstance(node, Layer):
+            index += len(jax.tree_util.tree_leaves(node))
+        else:
+            positions.append(index)
+            index += 1
+    return tuple(positions)
+
+
 def _output_spec(leaf: Any) -> tuple[Axes, PartitionSpec] | None:
     return _replicated(leaf) if np.ndim(leaf) == 0 else None  # None: left to XLA
 
@@ -424,15 +441,22 @@ class ShardedFunction:
     def __init__(self, fn: Callable[..., Any], config: Sharded) -> None:
         self.fn = fn
         self.config = config
-        self._jitted: dict[Any, Any] = {}  # input structure -> jax.jit(...)
+        self._jitted: dict[Any, Any] = {}  # (treedef, which batch leaves are scalars) -> jax.jit(...)
+        self._batch_leaves: dict[Any, tuple[int, ...]] = {}  # treedef -> positions of leaves outside Layers
         try:
             self._arg_names = list(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
             self._arg_names = []
 
     def __call__(self, *args: Any) -> Any:
+        # The hot path of every training step: one flatten and two dict lookups on top of jax.jit.
+        # Layer parameters' specs follow from the treedef alone (their axes are static data);
+        # a leaf outside Layers is batch-split unless it is a scalar, so its rank is part of the key.
         leaves, treedef = jax.tree_util.tree_flatten(args)
-        key = (treedef, *[getattr(leaf, "ndim", 0) == 0 for leaf in leaves])  # scalars are never batch-split
+        batch_leaves = self._batch_leaves.get(treedef)
+        if batch_leaves is None:
+            batch_leaves = self._batch_leaves[treedef] = _positions_outside_layers(args)
+        key = (treedef, *[getattr(leaves[i], "ndim", 0) == 0 for i in batch_leaves])
         jitted = self._jitted.get(key)
         if jitted is None:
             jitted = self._jitted[key] = self._build(args)
@@ -445,11 +469,20 @@ class ShardedFunction:
     def specs(self, *args: Any) -> Specs:
         """The input and output PartitionSpecs ``Sharded`` derives for these arguments."""
         config = self.config
-        inputs, plans = _plan(args, config.rules, config.mesh, config.batch_spec)
-        for leaf in plans:
-            leaf.check_divisible(config.mesh)
+        try:
+            inputs, plans = _plan(args, config.rules, config.mesh, config.batch_spec)
+            for leaf in plans:
+                leaf.check_divisible(config.mesh)
+        except ShardingError as e:
+            raise ShardingError(self._name_arguments(str(e))) from None
         out_shapes = jax.eval_shape(self.fn, *args)
-        outputs = _plan(out_shapes, config.rules, config.mesh, _output_spec)[0]
+        try:
+            outputs, plans = _plan(out_shapes, config.rules, config.mesh, _output_spec)
+            for leaf in plans:
+                leaf.check_divisible(config.mesh)
+        except ShardingError as e:
+            name = getattr(self.fn, "__name__", "function")
+            raise ShardingError(f"{name}: output {e}") from None
         return Specs(inputs, outputs)
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
@@ -457,10 +490,7 @@ class ShardedFunction:
         return self._build(args).lower(*args)
 
     def _build(self, args: tuple[Any, ...]) -> Any:
-        try:
-            in_specs, out_specs = self.specs(*args)
-        except ShardingError as e:
-            raise ShardingError(self._name_arguments(str(e))) from None
+        in_specs, out_specs = self.specs(*args)
         mesh = self.config.mesh
         return jax.jit(
             self.fn,
