@@ -36,7 +36,7 @@ import numpy as np
 Axes = tuple[str | None, ...]
 """Logical axis names of one array, one entry per dimension (``None``: not annotated)."""
 
-_ARRAY_TYPES = (jax.Array, np.ndarray)
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.number, np.bool_)  # what jit accepts as a leaf
 
 
 class Layer:
@@ -199,7 +199,7 @@ class Linear(Layer):
         use_bias: bool = True,
     ) -> None:
         for name, size in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(size, int | np.integer) or size < 1:
+            if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
                 raise ValueError(f"Linear: {name} must be a positive int, got {size!r}")
         axes = tuple(axes)
         if len(axes) != 2:
@@ -213,7 +213,7 @@ class Linear(Layer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # Shapes are static under jit, so this check costs nothing per step.
-        if jnp.ndim(x) == 0 or x.shape[-1] != self.in_features:
+        if jnp.ndim(x) == 0 or jnp.shape(x)[-1] != self.in_features:
             raise ValueError(
                 f"Linear({self.in_features} -> {self.out_features}) expects inputs whose "
                 f"last dimension is {self.in_features}, got shape {jnp.shape(x)}"
@@ -244,6 +244,10 @@ class ReLU(Layer):
 
 class Sequential(Layer):
     """Apply layers in order. Its one child is the tuple of layers.
+
+    Every entry must be a ``Layer`` (a pytree); a plain function such as
+    ``jax.nn.relu`` is refused, since it cannot be a leaf under ``jit``: wrap
+    it in a parameter-free layer like ``ReLU``.
 
     >>> import jax, jax.numpy as jnp
     >>> model = Sequential([Linear(4, 8, key=jax.random.key(0)), ReLU()])

@@ -42,6 +42,6 @@ def count_params(tree: Any) -> int:
 def tree_bytes(tree: Any) -> int:
     """Total bytes of the arrays in ``tree`` (unsharded: the whole arrays)."""
     return sum(
-        int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize
+        int(np.prod(np.shape(leaf))) * np.dtype(jax.numpy.result_type(leaf)).itemsize
         for leaf in jax.tree_util.tree_leaves(tree)
     )

@@ -1,0 +1,102 @@
+"""Every docs page runs: the code the tutorials show is the code that works.
+
+For each ``docs/*.md`` page, the ```` ```python ```` fenced blocks are run in
+order in ONE shared namespace (a later block sees the names an earlier block
+defined), inside a fresh temporary working directory, so a page may write
+files. A failing block fails the page, and the traceback points at the page's
+own line numbers.
+
+Conventions for page authors:
+
+* Fences start at the beginning of a line: ```` ```python ```` opens a block,
+  ```` ``` ```` closes it. Other languages (```` ```bash ````, ...) are not run.
+* ```` ```python no-run ```` shows code without running it (for example a
+  command that needs real hardware or a download).
+* Show results with ``assert``, or ``print(...)`` followed by the output as a
+  ``# comment``.
+* A page that needs something from the environment (prepared data, say) names
+  the variables in an HTML comment, ``<!-- docs-test: requires-env TFDS_DATA_DIR -->``;
+  the page is skipped, with a reason, when one of them is unset.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]  # the README's tour runs too
+SKIP_MARKER = "no-run"
+
+FENCE = re.compile(r"^```python(?P<info>[^\n]*)\n(?P<code>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+REQUIRES_ENV = re.compile(r"<!--\s*docs-test:\s*requires-env\s+(?P<names>[\w\s]+?)\s*-->")
+
+
+def python_blocks(markdown: str) -> list[tuple[int, str]]:
+    """(line number of the first code line, code) of each runnable python block."""
+    return [
+        (markdown.count("\n", 0, match.start("code")) + 1, match["code"])
+        for match in FENCE.finditer(markdown)
+        if SKIP_MARKER not in match["info"].split()
+    ]
+
+
+def missing_env(markdown: str) -> list[str]:
+    """The variables a page requires (``requires-env``) that are unset or empty."""
+    names = [name for match in REQUIRES_ENV.finditer(markdown) for name in match["names"].split()]
+    return [name for name in names if not os.environ.get(name)]
+
+
+def run_page(page: Path) -> None:
+    namespace: dict = {"__name__": f"docs.{page.stem}"}
+    for line, code in python_blocks(page.read_text()):
+        # Pad with blank lines so tracebacks show the page's own line numbers.
+        exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+
+
+def test_python_blocks_are_found_in_order_and_no_run_is_skipped():
+    page = "\n".join(
+        [
+            "# Title",
+            "```python",
+            "x = 1",
+            "```",
+            "```bash",
+            "echo not python",
+            "```",
+            "```python no-run",
+            "raise SystemExit",
+            "```",
+            "```python",
+            "y = x + 1",
+            "",
+            "```",
+        ]
+    )
+    assert python_blocks(page) == [(3, "x = 1\n"), (12, "y = x + 1\n\n")]
+
+
+def test_blocks_share_a_namespace_and_errors_point_at_the_page(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("text\n```python\nx = 2\n```\nmore\n```python\nassert x == 2\nassert x == 3\n```\n")
+    with pytest.raises(AssertionError) as failure:
+        run_page(page)
+    where = failure.traceback[-1]
+    assert (Path(where.path), where.lineno + 1) == (page, 8)  # pytest counts lines from 0
+
+
+def test_requires_env_names_the_unset_variables(monkeypatch):
+    monkeypatch.setenv("DOCS_TEST_SET", "yes")
+    monkeypatch.delenv("DOCS_TEST_UNSET", raising=False)
+    page = "<!-- docs-test: requires-env DOCS_TEST_SET DOCS_TEST_UNSET -->\n# Title\n"
+    assert missing_env(page) == ["DOCS_TEST_UNSET"]
+    assert missing_env("# no requirements\n") == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
+def test_page_runs(page, tmp_path, monkeypatch):
+    if missing := missing_env(page.read_text()):
+        pytest.skip(f"{page.name} needs {', '.join(missing)} set")
+    monkeypatch.chdir(tmp_path)
+    run_page(page)

@@ -1,0 +1,340 @@
+"""Layers are pytrees: structure, transformations, construction checks, tree helpers.
+
+* Structure: random nestings of layers in every kind of container flatten and
+  unflatten to the same tree, ``tree_map`` keeps static data, and the leaves
+  JAX finds (paths, shapes, counts, bytes) are the ones the description says.
+* Transformations: ``jit``, ``grad``, ``vmap`` and ``jacobian`` take and give
+  back models; ``jit`` recompiles when static data changes and only then.
+* Construction: a layer refuses bad fields and bad inputs with messages that
+  name the culprit, but JAX's own rebuilding (``tree_unflatten``) checks nothing
+  and never runs ``__init__``.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+from strategies import (
+    EVERY_CONTAINER,
+    Box,
+    assert_trees_close,
+    assert_trees_equal,
+    build,
+    expected_leaves,
+    mlp_sizes,
+    model_specs,
+    seeds,
+)
+
+from minishard import Layer, Linear, Sequential, cross_entropy, mlp
+from minishard.tree import count_params, named_leaves, tree_bytes
+
+KEY = jax.random.key(0)
+tree_leaves = jax.tree_util.tree_leaves
+tree_structure = jax.tree_util.tree_structure
+
+
+class Scale(Layer):
+    """A user layer: one parameter, one static field, and a count of ``__init__`` calls."""
+
+    param_fields = ("factor",)
+    static_fields = ("name",)
+    inits = 0
+
+    def __init__(self, factor, name="scale"):
+        type(self).inits += 1
+        self.factor = factor
+        self.name = name
+
+    def __call__(self, x):
+        return self.factor * x
+
+
+def for_any_model(test):
+    """Run ``test(spec)`` on random model descriptions, and always on ``EVERY_CONTAINER``."""
+    return given(spec=model_specs())(example(spec=EVERY_CONTAINER)(test))
+
+
+def sum_of_squares(tree):
+    return sum((jnp.sum(leaf**2) for leaf in tree_leaves(tree)), start=jnp.zeros(()))
+
+
+# -- structure ---------------------------------------------------------------
+@for_any_model
+def test_flatten_unflatten_round_trip(spec):
+    tree = build(spec, KEY)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert tree_structure(rebuilt) == treedef
+    assert_trees_equal(rebuilt, tree)
+
+
+@for_any_model
+def test_tree_map_doubles_every_parameter_and_keeps_static_data(spec):
+    tree = build(spec, KEY)
+    doubled = jax.tree_util.tree_map(lambda a: 2 * a, tree)
+    assert tree_structure(doubled) == tree_structure(tree)
+    for new, old in zip(tree_leaves(doubled), tree_leaves(tree), strict=True):
+        np.testing.assert_array_equal(new, 2 * np.asarray(old))
+
+
+@for_any_model
+def test_leaves_match_the_description(spec):
+    tree = build(spec, KEY)
+    expected = expected_leaves(spec)
+    size = sum(int(np.prod(shape)) for _, shape in expected)
+    assert len(tree_leaves(tree)) == len(expected)
+    assert [(path, leaf.shape) for path, leaf in named_leaves(tree)] == [
+        (path.removeprefix("."), shape) for path, shape in expected
+    ]
+    assert count_params(tree) == size
+    assert tree_bytes(tree) == 4 * size  # float32
+
+
+@for_any_model
+def test_unflatten_accepts_placeholder_leaves(spec):
+    # JAX rebuilds trees around non-arrays (object(), ints for in_axes, tracers):
+    # if tree_unflatten ran __init__ or the __setattr__ checks, this would raise.
+    treedef = tree_structure(build(spec, KEY))
+    placeholders = [object() for _ in range(treedef.num_leaves)]
+    rebuilt = jax.tree_util.tree_unflatten(treedef, placeholders)
+    assert tree_structure(rebuilt) == treedef
+    assert all(a is b for a, b in zip(tree_leaves(rebuilt), placeholders, strict=True))
+
+
+@for_any_model
+def test_jit_and_grad_pass_any_nesting_through(spec):
+    tree = build(spec, KEY)
+    same, grads = jax.jit(lambda t: (t, jax.grad(sum_of_squares)(t)))(tree)
+    assert_trees_equal(same, tree)
+    assert_trees_close(grads, jax.tree_util.tree_map(lambda a: 2 * a, tree))
+
+
+def test_static_data_is_part_of_the_treedef():
+    def linear(axes):
+        return Linear(3, 2, key=KEY, axes=axes)
+
+    assert tree_structure(linear(("embed", "mlp"))) == tree_structure(linear(("embed", "mlp")))
+    assert tree_structure(linear(("embed", "mlp"))) != tree_structure(linear(("mlp", "embed")))
+    assert tree_structure(Box([], "a")) != tree_structure(Box([], "b"))
+    assert tree_structure(Linear(3, 2, key=KEY)) != tree_structure(Linear(3, 2, key=KEY, use_bias=False))
+
+
+def test_tree_unflatten_and_transformations_never_call_init():
+    model = Sequential([Scale(jnp.ones(2)), Scale(jnp.full(2, 3.0), name="triple")])
+    before = Scale.inits
+    treedef = tree_structure(model)
+    rebuilt = jax.tree_util.tree_unflatten(treedef, [object()] * treedef.num_leaves)
+    grads = jax.grad(lambda m: jnp.sum(m(jnp.arange(2.0))))(model)
+    batched = jax.vmap(model)(jnp.ones((4, 2)))
+    jax.jit(lambda m: m)(model)
+    assert Scale.inits == before
+    assert type(rebuilt[1]) is Scale and rebuilt[1].name == "triple"
+    np.testing.assert_array_equal(grads[0].factor, [0.0, 3.0])  # d/d a of sum(b * a * x) = b * x
+    np.testing.assert_array_equal(batched, np.full((4, 2), 3.0))
+
+
+# -- transformations over models ---------------------------------------------
+def reference_mlp(params, x):
+    """``minishard.mlp``'s network written on a plain list of (weight, bias)."""
+    *hidden, (w_out, b_out) = params
+    for w, b in hidden:
+        x = jax.nn.swish(x @ w + b)
+    return x @ w_out + b_out
+
+
+def linear_params(model):
+    return [(layer.weight, layer.bias) for layer in model if isinstance(layer, Linear)]
+
+
+@given(sizes=mlp_sizes(), seed=seeds)
+def test_grad_wrt_a_model_is_a_model_matching_plain_jax(sizes, seed):
+    model = mlp(sizes, key=jax.random.key(seed), scale=1.0)
+    x = np.random.default_rng(seed).standard_normal((4, sizes[0]), np.float32)
+    targets = np.eye(sizes[-1], dtype=np.float32)[np.arange(4) % sizes[-1]]
+    grads, reference = jax.jit(
+        lambda m: (
+            jax.grad(lambda m: cross_entropy(m(x), targets))(m),
+            jax.grad(lambda p: cross_entropy(reference_mlp(p, x), targets))(linear_params(m)),
+        )
+    )(model)
+    assert type(grads) is Sequential
+    assert tree_structure(grads) == tree_structure(model)
+    assert_trees_close(linear_params(grads), reference, rtol=1e-6, atol=1e-7)
+
+
+@given(sizes=mlp_sizes(), batch=st.integers(1, 4), seed=seeds)
+def test_vmap_over_single_examples_equals_the_batched_call(sizes, batch, seed):
+    model = mlp(sizes, key=jax.random.key(seed), scale=1.0)
+    x = np.random.default_rng(seed).standard_normal((batch, sizes[0]), np.float32)
+    one_by_one, batched = jax.jit(lambda m, x: (jax.vmap(m)(x), m(x)))(model, x)
+    np.testing.assert_allclose(one_by_one, batched, rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_with_in_axes_over_a_stack_of_models():
+    models = [Linear(3, 2, key=jax.random.key(i), scale=1.0) for i in range(4)]
+    stacked = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *models)
+    in_axes = jax.tree_util.tree_map(lambda _: 0, models[0])  # a Linear whose leaves are ints
+    x = jnp.arange(3.0)
+    out = jax.vmap(lambda m, x: m(x), in_axes=(in_axes, None))(stacked, x)
+    np.testing.assert_allclose(out, jnp.stack([m(x) for m in models]), rtol=1e-6)
+
+
+def test_jacobian_of_a_linear_is_a_linear_of_jacobians():
+    layer = Linear(3, 2, key=KEY)
+    x = jnp.array([1.0, 2.0, 3.0])
+    jac = jax.jacobian(lambda m: m(x))(layer)
+    eye = np.eye(2)
+    assert type(jac) is Linear and tree_structure(jac) == tree_structure(layer)
+    np.testing.assert_array_equal(jac.bias, eye)  # dy_j/db_k = [j == k]
+    np.testing.assert_array_equal(jac.weight, np.einsum("jk,i->jik", eye, x))  # dy_j/dW_ik = x_i [j == k]
+
+
+def test_jacobian_from_model_to_model_nests_models():
+    layer = Linear(2, 1, key=KEY)
+    jac = jax.jacobian(lambda m: jax.tree_util.tree_map(lambda a: 3 * a, m))(layer)
+    # Outer structure: the output. Each output leaf holds a Linear of derivatives.
+    assert type(jac) is Linear and type(jac.weight) is Linear and type(jac.bias) is Linear
+    np.testing.assert_array_equal(jac.weight.weight, 3 * np.eye(2).reshape(2, 1, 2, 1))
+    np.testing.assert_array_equal(jac.weight.bias, np.zeros((2, 1, 1)))
+    np.testing.assert_array_equal(jac.bias.bias, [[3.0]])
+
+
+def test_jit_retraces_when_static_data_changes_and_only_then():
+    traces = 0
+
+    @jax.jit
+    def forward(model, x):
+        nonlocal traces
+        traces += 1  # Python side effect: runs while tracing, not when cached code runs
+        return model(x)
+
+    x = jnp.ones((2, 3))
+    layer = Linear(3, 2, key=KEY, axes=("embed", "mlp"))
+    shifted = jax.tree_util.tree_map(lambda a: a + 1, layer)
+    forward(layer, x)
+    np.testing.assert_allclose(forward(shifted, x), layer(x) + 4, rtol=1e-6)  # 3 weights + 1 bias
+    forward(Linear(3, 2, key=jax.random.key(7), axes=("embed", "mlp")), x)
+    assert traces == 1
+    forward(Linear(3, 2, key=KEY, axes=("mlp", "embed")), x)
+    assert traces == 2
+
+
+# -- construction checks -----------------------------------------------------
+@pytest.mark.parametrize("shape", [(), (5,), (2, 4), (2, 3, 1)])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_linear_rejects_a_wrong_trailing_dimension(shape, jit):
+    layer = Linear(3, 2, key=KEY)
+    call = jax.jit(lambda m, x: m(x)) if jit else (lambda m, x: m(x))
+    with pytest.raises(ValueError, match=re.escape(f"last dimension is 3, got shape {shape}")):
+        call(layer, jnp.ones(shape))
+
+
+@pytest.mark.parametrize(("n_in", "n_out", "field"), [(0, 2, "in_features"), (2, -1, "out_features")])
+def test_linear_rejects_nonpositive_sizes(n_in, n_out, field):
+    with pytest.raises(ValueError, match=f"{field} must be a positive int"):
+        Linear(n_in, n_out, key=KEY)
+
+
+@pytest.mark.parametrize("sizes", [[], [3]])
+def test_mlp_needs_at_least_two_sizes(sizes):
+    with pytest.raises(ValueError, match="at least two sizes"):
+        mlp(sizes, key=KEY)
+
+
+def test_mlp_rejects_unknown_activation_and_wrong_axes_count():
+    with pytest.raises(ValueError, match="unknown activation 'gelu'"):
+        mlp([2, 2], key=KEY, activation="gelu")
+    with pytest.raises(ValueError, match="2 Linear layers need 2 axes pairs, got 1"):
+        mlp([2, 3, 2], key=KEY, axes=[("embed", "mlp")])
+
+
+@pytest.mark.parametrize(
+    ("factor", "message"),
+    [
+        ([0.5, 2.0], r"Scale\.factor\[0\] is a float"),
+        ("big", r"Scale\.factor is a str"),
+        (1.5, r"Scale\.factor is a float"),
+        ({"w": jnp.ones(2), "b": "x"}, r"Scale\.factor\['b'\] is a str"),
+    ],
+)
+def test_a_parameter_must_hold_arrays(factor, message):
+    with pytest.raises(TypeError, match=message):
+        Scale(factor)
+
+
+def test_a_parameter_may_hold_numpy_arrays_and_nested_arrays():
+    assert Scale(np.ones(2)).name == "scale"
+    assert count_params(Scale({"w": jnp.ones(2), "b": (np.ones(3),)})) == 5
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        (jnp.ones(2), r"static field Scale\.name holds an array"),
+        (np.ones(2), r"static field Scale\.name holds an array"),
+        (["a", "b"], r"static field Scale\.name = \['a', 'b'\] is not hashable"),
+        ({"a": 1}, r"static field Scale\.name = \{'a': 1\} is not hashable"),
+    ],
+)
+def test_a_static_field_must_be_hashable_and_not_an_array(name, message):
+    with pytest.raises(TypeError, match=message):
+        Scale(jnp.ones(2), name=name)
+
+
+def test_checks_also_run_on_later_assignments():
+    layer = Scale(jnp.ones(2))
+    with pytest.raises(AttributeError, match=r"Scale\.extra is neither in param_fields"):
+        layer.extra = 1
+    with pytest.raises(TypeError, match=r"Scale\.factor is a str"):
+        layer.factor = "x"
+
+
+def test_param_axes():
+    assert Linear(3, 2, key=KEY, axes=("embed", "mlp")).param_axes() == {
+        "weight": ("embed", "mlp"),
+        "bias": ("mlp",),
+    }
+    assert Linear(3, 2, key=KEY, use_bias=False).param_axes() == {"weight": (None, None)}
+    assert Scale(jnp.ones((2, 3))).param_axes() == {"factor": (None, None)}
+
+
+# -- tree helpers ------------------------------------------------------------
+def test_tree_helpers_on_an_mlp():
+    model = mlp([3, 4, 2], key=KEY)
+    assert count_params(model) == 3 * 4 + 4 + 4 * 2 + 2
+    assert tree_bytes(model) == 4 * count_params(model)
+    assert [path for path, _ in named_leaves(model)] == [
+        "layers[0].weight",
+        "layers[0].bias",
+        "layers[2].weight",
+        "layers[2].bias",
+    ]
+
+
+def test_tree_bytes_uses_each_leaf_dtype():
+    tree = {"a": jnp.zeros((2, 3), jnp.bfloat16), "b": np.zeros(5, np.int8), "c": jnp.zeros((), jnp.float32)}
+    assert count_params(tree) == 6 + 5 + 1
+    assert tree_bytes(tree) == 6 * 2 + 5 * 1 + 4
+
+
+def test_named_leaves_in_every_kind_of_container():
+    assert [path for path, _ in named_leaves(build(EVERY_CONTAINER, KEY))] == [
+        "['extras'][0][0].left.weight",
+        "['extras'][0][0].left.bias",
+        "['extras'][0][0].right.items[1].weight",
+        "['extras'][0][0].right.items[1].bias",
+        "['model'].layers[0].weight",
+        "['model'].layers[0].bias",
+        "['model'].layers[2].weight",
+    ]
+
+
+def test_named_leaves_of_a_bare_array_is_the_root():
+    x = jnp.ones(3)
+    [(path, leaf)] = named_leaves(x)
+    assert path == "<root>" and leaf is x

@@ -1,0 +1,155 @@
+"""Optimizers: minishard's schedule and SGD against optax, and SGD training an MLP.
+
+``optax`` is the oracle: ``exponential_decay`` must give optax's learning
+rates, and ``SGD`` must take optax's steps, one by one, on random trees of
+arrays and on minishard models. Then a small MLP trained with ``SGD`` must
+actually learn a linearly separable problem.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import array_trees, assert_trees_close, mlp_sizes, random_like, seeds
+
+import minishard
+from minishard import SGD, accuracy, cross_entropy, exponential_decay, mlp, one_hot
+
+
+@dataclass(frozen=True)
+class Decay:
+    init_value: float
+    decay_rate: float
+    decay_steps: int
+    staircase: bool
+
+    def minishard(self):
+        return exponential_decay(self.init_value, self.decay_rate, self.decay_steps, self.staircase)
+
+    def optax(self):
+        return optax.exponential_decay(
+            self.init_value,
+            transition_steps=self.decay_steps,
+            decay_rate=self.decay_rate,
+            staircase=self.staircase,
+        )
+
+
+decays = st.builds(
+    Decay,
+    init_value=st.floats(1e-3, 1.0),
+    decay_rate=st.floats(0.1, 1.5),
+    decay_steps=st.integers(1, 50),
+    staircase=st.booleans(),
+)
+learning_rates = st.floats(1e-3, 0.5) | decays
+momenta = st.just(0.0) | st.floats(0.1, 0.95)
+
+
+def both_learning_rates(lr):
+    """The same learning rate (a float or a ``Decay``) for minishard and for optax."""
+    return (lr, lr) if isinstance(lr, float) else (lr.minishard(), lr.optax())
+
+
+def assert_sgd_matches_optax(lr, momentum, params, grad_fn, steps, update=None):
+    """Run minishard's SGD and optax.sgd side by side; compare params after every step.
+
+    ``grad_fn(params, step)`` gives the gradients; ``update`` replaces
+    minishard's ``opt.update`` (to run it under ``jax.jit``).
+    """
+    ours_lr, optax_lr = both_learning_rates(lr)
+    ours = SGD(ours_lr, momentum)
+    theirs = optax.sgd(optax_lr, momentum=momentum or None)
+    update = update or ours.update
+    ours_params, ours_state = params, ours.init(params)
+    optax_params, optax_state = params, theirs.init(params)
+    for step in range(steps):
+        ours_params, ours_state = update(ours_params, grad_fn(ours_params, step), ours_state)
+        updates, optax_state = theirs.update(grad_fn(optax_params, step), optax_state, optax_params)
+        optax_params = optax.apply_updates(optax_params, updates)
+        assert_trees_close(ours_params, optax_params, rtol=1e-6, atol=1e-7)
+    assert int(ours_state.step) == steps
+
+
+# -- the schedule -------------------------------------------------------------
+@given(decay=decays, steps=st.lists(st.integers(0, 500), min_size=1, max_size=8))
+def test_exponential_decay_matches_optax(decay, steps):
+    steps = jnp.asarray(steps, jnp.int32)
+    np.testing.assert_allclose(decay.minishard()(steps), decay.optax()(steps), rtol=1e-6)
+
+
+def test_exponential_decay_starts_at_init_value_and_staircase_holds_steady():
+    smooth = exponential_decay(0.1, decay_rate=0.5, decay_steps=4)
+    stairs = exponential_decay(0.1, decay_rate=0.5, decay_steps=4, staircase=True)
+    np.testing.assert_allclose(smooth(jnp.arange(0, 9, 2)), 0.1 * 0.5 ** np.arange(0, 2.5, 0.5), rtol=1e-6)
+    np.testing.assert_allclose(stairs(jnp.arange(9)), 0.1 * 0.5 ** (np.arange(9) // 4), rtol=1e-6)
+
+
+@pytest.mark.parametrize("decay_steps", [0, -3])
+def test_exponential_decay_needs_positive_decay_steps(decay_steps):
+    with pytest.raises(ValueError, match=f"decay_steps must be positive, got {decay_steps}"):
+        exponential_decay(0.1, 0.5, decay_steps)
+
+
+# -- SGD against optax ----------------------------------------------------------
+@given(params=array_trees(), lr=learning_rates, momentum=momenta, seed=seeds)
+def test_sgd_matches_optax_on_trees_of_arrays(params, lr, momentum, seed):
+    rng = np.random.default_rng(seed)
+    grads = [random_like(params, rng) for _ in range(4)]
+    assert_sgd_matches_optax(lr, momentum, params, lambda _, step: grads[step], steps=4)
+
+
+@given(sizes=mlp_sizes(), lr=learning_rates, momentum=momenta, seed=seeds)
+def test_sgd_matches_optax_on_models_under_jit(sizes, lr, momentum, seed):
+    model = mlp(sizes, key=jax.random.key(seed), scale=1.0)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((8, sizes[0]), np.float32)
+    targets = np.eye(sizes[-1], dtype=np.float32)[rng.integers(0, sizes[-1], 8)]
+    grad_fn = jax.jit(jax.grad(lambda m: cross_entropy(m(x), targets)))
+    update = jax.jit(SGD(both_learning_rates(lr)[0], momentum).update)
+    assert_sgd_matches_optax(lr, momentum, model, lambda m, _: grad_fn(m), steps=3, update=update)
+
+
+def test_sgd_state_is_a_pytree_shaped_like_the_params():
+    params = {"w": jnp.ones((2, 3)), "b": [jnp.zeros(3)]}
+    with_momentum = SGD(0.1, momentum=0.9).init(params)
+    assert isinstance(with_momentum, minishard.SGDState) and int(with_momentum.step) == 0
+    assert jax.tree_util.tree_structure(with_momentum.momentum) == jax.tree_util.tree_structure(params)
+    assert SGD(0.1).init(params).momentum is None
+
+
+@pytest.mark.parametrize("momentum", [-0.1, 1.0])
+def test_sgd_rejects_momentum_outside_0_1(momentum):
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
+        SGD(0.1, momentum)
+
+
+# -- training ----------------------------------------------------------------
+def test_sgd_trains_an_mlp_on_linearly_separable_data():
+    x_key, model_key = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(x_key, (256, 2))
+    labels = (x @ jnp.array([1.5, -1.0]) > 0.25).astype(jnp.int32)  # a linear teacher
+    model = mlp([2, 16, 2], key=model_key, scale=0.5)
+    opt = SGD(exponential_decay(0.5, decay_rate=0.5, decay_steps=200), momentum=0.9)
+
+    def loss(model):
+        return cross_entropy(model(x), one_hot(labels, 2))
+
+    @jax.jit
+    def train(model, state):
+        def step(carry, _):
+            model, state = carry
+            loss_value, grads = jax.value_and_grad(loss)(model)
+            return opt.update(model, grads, state), loss_value
+
+        return jax.lax.scan(step, (model, state), length=200)
+
+    (trained, state), losses = train(model, opt.init(model))
+    assert int(state.step) == 200
+    assert losses[-1] < 0.2 * losses[0]
+    assert float(accuracy(trained(x), labels)) > 0.95
