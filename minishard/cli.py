@@ -18,9 +18,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+CLASSIC_LAYERS = {"mnist": [784, 512, 10], "cats_vs_dogs": [200 * 200 * 3, 2048, 1024, 2]}
 DEFAULTS = dict(
     dataset="mnist",
-    layers="784,512,10",
+    layers=None,  # the dataset's classic model, see CLASSIC_LAYERS
     activation="swish",
     epochs=5,
     batch_size=128,
@@ -73,7 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     train.set_defaults(**DEFAULTS)
     add = train.add_argument
     add("--dataset", choices=["mnist", "cats_vs_dogs"])
-    add("--layers", type=_sizes, help="layer sizes, e.g. 784,512,10 (default %(default)s)")
+    add("--layers", type=_sizes, help=f"layer sizes (default per dataset: {CLASSIC_LAYERS})")
     add("--activation", choices=["swish", "relu"])
     add("--epochs", type=int, help="total epochs, also when resuming (default %(default)s)")
     add("--batch-size", type=int, help="global batch size (default %(default)s)")
@@ -94,10 +95,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--data-dir", help="TFDS data directory (default: $TFDS_DATA_DIR, then ~/tensorflow_datasets)")
     add("--no-download", dest="download", action="store_false", help="never touch the network")
     args = parser.parse_args(argv)
-    for name in ("layers", "mesh", "rules"):  # argparse does not run `type` on string defaults
-        value = getattr(args, name)
-        if isinstance(value, str):
-            setattr(args, name, {"layers": _sizes, "mesh": _mesh, "rules": _rules}[name](value))
+    for name, parse in (("mesh", _mesh), ("rules", _rules)):  # argparse leaves string defaults as they are
+        if isinstance(getattr(args, name), str):
+            setattr(args, name, parse(getattr(args, name)))
+    args.layers = args.layers or CLASSIC_LAYERS[args.dataset]
     return args
 
 
@@ -150,7 +151,7 @@ def train(args: argparse.Namespace) -> int:
         key = jax.random.key(args.seed)
         axes = megatron_axes(len(args.layers) - 1)
         model = mlp(args.layers, key=key, activation=args.activation, axes=axes)
-        print(f"Mesh {dict(mesh.shape)} · rules {rules}")
+        print(f"Rules: {rules}")
         print(explain(model, mesh, rules))
         schedule = exponential_decay(args.lr, args.decay_rate, args.decay_steps, args.staircase)
         _, _, history = fit(
