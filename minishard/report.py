@@ -15,16 +15,9 @@ hold, the partitioner inserts a **collective**:
 
 Collectives are the time a sharded program spends on the interconnect rather
 than computing. They appear neither in your Python nor in the jaxpr, only in the
-compiled HLO, ``jax.jit(f).lower(*args).compile().as_text()``, as lines like::
-
-    %all-reduce = f32[2000]{0} all-reduce(%fusion), channel_id=1,
-                  replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
-
-``f32[2000]{0}`` is the result *on one device* (``{0}`` is its memory layout).
-``replica_groups`` lists which devices combine their values: here 2 groups of 4,
-``{0,1,2,3}`` and ``{4,5,6,7}``. Device numbers are positions in the flattened
-mesh, ``mesh.devices.flat``; on a (2, 4) mesh of axes ("x", "y"), the devices of a
-group differ only in their "y" coordinate, so this all-reduce runs over "y".
+compiled HLO, ``jax.jit(f).lower(*args).compile().as_text()``; ``minishard.hlo``
+shows how to read it. Here, 2 groups of 4 devices, ``[2,4]<=[8]``, each add up
+an f32[2000] on a (2, 4) mesh of axes ("x", "y"): an all-reduce over "y".
 
 >>> hlo = "%ar = f32[2000]{0} all-reduce(%p), replica_groups=[2,4]<=[8], to_apply=%add"
 >>> mesh = jax.sharding.AbstractMesh((2, 4), ("x", "y"))
@@ -38,7 +31,6 @@ import dataclasses
 import html
 import io
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,37 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from minishard.hlo import KINDS, AnyMesh, collective_instructions, instruction_axes, shape_bytes
 from minishard.tree import named_leaves
 
 if TYPE_CHECKING:
     from minishard.sharding import AxisRules
-
-AnyMesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-_COMMENT = re.compile(r"/\*.*?\*/")  # long tuples are numbered: (a, b, c, d, e, /*index=5*/f, ...)
-# An instruction whose opcode is a collective: `[ROOT] %name = SHAPE KIND[-start|-done](...)`.
-# SHAPE may hold spaces, "(f32[2]{0}, f32[8]{0})", but no "=" (once comments are removed)
-# except in dynamic sizes, "f32[<=8]"; that keeps the match from running into attributes.
-_KIND = "(?P<kind>" + "|".join(KINDS) + ")(?P<phase>-start|-done)?"
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>(?:<=|[^=])+?)\s+" + _KIND + r"\(")
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")  # "bf16[8,128]", "pred[]", "f32[<=10]"
-# replica_groups={{0,1,2,3},{4,5,6,7}}: explicit lists; "{}" means one group of all devices.
-_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
-# replica_groups=[2,4]<=[8] or [4,2]<=[2,4]T(1,0): iota(8), reshaped to [2,4] and
-# transposed by (1,0) if given, then read row by row as [groups, devices per group].
-_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-# replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_1'}: XLA's own
-# mesh (names, sizes, and device order when not 0..n-1), then the axes a group spans.
-_MESH = re.compile(
-    r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
-    r"(?:,\s*device_ids=\((?P<ids>[^()]*(?:\([^()]*\))?)\))?\s*\{(?P<grouped>[^}]*)\}"
-)
-_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")  # 'axis_0'=2
-_GROUPED_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")  # 'axis_1', or sub-axis 'axis_1':(2)2
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")  # {{0,1},{1,2},...}
-_INTS = re.compile(r"\d+")
-_SPECIAL_BITS = {"pred": 8, "token": 0, "opaque": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,15 +91,15 @@ def collectives(
     count: dict[str, int] = dict.fromkeys(KINDS, 0)
     nbytes: dict[str, int] = dict.fromkeys(KINDS, 0)
     axes: dict[str, set[tuple[str, ...]]] = {kind: set() for kind in KINDS}
-    for line in text.splitlines():
-        if not (match := _INSTRUCTION.match(_COMMENT.sub("", line))):
-            continue
+    for match in collective_instructions(text):
         kind, phase = match["kind"], match["phase"]
         if phase != "-start":
-            nbytes[kind] += _shape_bytes(match["shape"])
+            nbytes[kind] += shape_bytes(match["shape"])
         if phase != "-done":
+            if mesh is None:
+                raise ValueError(f"found an {kind} but no mesh to name its devices; pass mesh=")
             count[kind] += 1
-            axes[kind] |= _instruction_axes(line, kind, mesh)
+            axes[kind] |= instruction_axes(match.string, mesh)
     return {
         kind: Collective(kind, count[kind], nbytes[kind], tuple(sorted(axes[kind])))
         for kind in KINDS
@@ -164,106 +130,9 @@ def _human_bytes(n: int) -> str:
     return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
-def _shape_bytes(shape: str) -> int:
-    """``"(f32[512]{0}, bf16[2,3]{1,0})"`` -> 512*4 + 6*2 bytes."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        elements = math.prod(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip())
-        total += -(-elements * _bits(dtype) // 8)  # ceil: sub-byte types (s4) are packed
-    return total
-
-
-def _bits(dtype: str) -> int:
-    """Bits per element: the first number in the type's name (f32, bf16, f8e4m3fn, c64, s4)."""
-    if dtype in _SPECIAL_BITS:
-        return _SPECIAL_BITS[dtype]
-    if not (digits := _INTS.search(dtype)):
-        raise ValueError(f"unknown HLO element type {dtype!r}")
-    return int(digits.group())
-
-
 def _mesh_of(compiled: jax.stages.Compiled) -> AnyMesh | None:
     shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
     return next((s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)), None)
-
-
-def _instruction_axes(line: str, kind: str, mesh: AnyMesh | None) -> set[tuple[str, ...]]:
-    """The mesh axes one instruction runs over: one tuple per distinct group shape."""
-    if mesh is None:
-        raise ValueError(f"found an {kind} but no mesh to name its devices; pass mesh=")
-    sizes, names = tuple(mesh.axis_sizes), tuple(mesh.axis_names)
-    if pairs := _PAIRS.search(line):
-        src, dst = np.array(_ints(pairs[1])).reshape(-1, 2).T
-        moved = np.stack(_coords(src, sizes)) != np.stack(_coords(dst, sizes))
-        return {tuple(name for name, m in zip(names, moved.any(axis=1)) if m)}
-    return {_group_axes(group, sizes, names) for group in _replica_groups(line, math.prod(sizes))}
-
-
-def _replica_groups(line: str, n_devices: int) -> list[np.ndarray]:
-    """Device ids of each group, whichever of XLA's three notations the line uses."""
-    if match := _EXPLICIT.search(line):
-        groups = [np.array(_ints(group)) for group in re.findall(r"\{([\d,]*)\}", match[1])]
-        return groups or [np.arange(n_devices)]
-    if match := _IOTA.search(line):
-        shape, reshape, perm = (_ints(g) for g in match.groups())
-        return list(_iota(reshape, perm).reshape(shape))
-    if match := _MESH.search(line):
-        return _mesh_groups(match)
-    raise ValueError(f"no replica groups found in: {line.strip()[:200]}")
-
-
-def _mesh_groups(match: re.Match[str]) -> list[np.ndarray]:
-    """Groups of XLA's mesh notation: devices that agree on every axis not listed."""
-    axes = [(name, int(size)) for name, size in _MESH_AXIS.findall(match["axes"])]
-    sizes = [size for _, size in axes]
-    ids, index = match["ids"], {name: i for i, (name, _) in enumerate(axes)}
-    if ids is None:  # devices in order 0..n-1
-        devices = _iota(sizes, None)
-    elif ids.startswith("["):  # "[2,4]T(1,0)": iota reshaped and transposed, as above
-        reshape, _, perm = ids[1:].partition("]")
-        devices = _iota(_ints(reshape), _ints(perm))
-    else:  # an explicit list of device ids
-        devices = np.array(_ints(ids))
-    coords = np.indices(sizes).reshape(len(sizes), -1)  # mesh coordinates of each position
-    key = coords.copy()  # the coordinates a group's members share: grouped ones erased
-    for name, pre_size, size in _GROUPED_AXIS.findall(match["grouped"]):
-        d = index[name]
-        if not size:  # the whole axis
-            key[d] = 0
-        else:  # sub-axis (p)s: axis d viewed as [p, s, rest]; the group spans the s
-            stride = sizes[d] // (int(pre_size) * int(size))
-            key[d] -= (coords[d] // stride) % int(size) * stride
-    _, group_of = np.unique(key.T, axis=0, return_inverse=True)
-    flat = devices.reshape(-1)
-    return [flat[group_of.reshape(-1) == g] for g in range(group_of.max() + 1)]
-
-
-def _group_axes(group: np.ndarray, sizes: tuple[int, ...], names: tuple[str, ...]) -> tuple[str, ...]:
-    """Mesh axes along which the devices of ``group`` vary, checked to form a sub-grid."""
-    coords = _coords(group, sizes)
-    spans = [len(np.unique(c)) for c in coords]
-    if math.prod(spans) != len(np.unique(group)):  # not every combination present: no sub-grid
-        return ("?",)
-    return tuple(
-        name if span == size else f"{name}({span} of {size})"
-        for name, size, span in zip(names, sizes, spans)
-        if span > 1
-    )
-
-
-def _coords(devices: np.ndarray, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    if devices.size and devices.max() >= math.prod(sizes):
-        raise ValueError(f"device {devices.max()} is outside the mesh {sizes}; pass the program's mesh")
-    return np.unravel_index(devices, sizes)
-
-
-def _iota(reshape: list[int], perm: list[int] | None) -> np.ndarray:
-    devices = np.arange(math.prod(reshape)).reshape(reshape)
-    return devices.transpose(perm) if perm else devices
-
-
-def _ints(text: str | None) -> list[int]:
-    return [int(i) for i in _INTS.findall(text or "")]
 
 
 # --- explain: where every parameter lives, and what a step communicates -----

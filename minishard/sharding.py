@@ -3,10 +3,9 @@
 Spreading a model over devices takes four steps, one per section below:
 
 1. **Mesh.** Arrange the devices in a named grid, e.g. ``{"data": 2, "model": 4}``.
-2. **Rules.** Map *logical* axis names, chosen by the model author
-   (``"embed"``, ``"mlp"``, ``"batch"``), to *mesh* axis names, chosen by
-   whoever runs the model on some hardware (``"model"``, ``"data"``). The same
-   model then runs data-, tensor- or 2-D-parallel by changing only the rules.
+2. **Rules** (``minishard.rules``). Map *logical* axis names, chosen by the
+   model author (``"embed"``, ``"mlp"``, ``"batch"``), to *mesh* axis names,
+   chosen by whoever runs the model on some hardware (``"model"``, ``"data"``).
 3. **Specs.** Each parameter's logical axes go through the rules and come out
    as a ``PartitionSpec``: one entry per array dimension naming the mesh axis
    it is split over (``None``: not split). ``partition_specs`` does this for a
@@ -37,15 +36,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from minishard.layers import Axes, Layer
+from minishard.rules import IDENTITY_RULES, AxisRules, ShardingError, as_mesh_axes
 from minishard.tree import path_str
 
 P = PartitionSpec
-MeshAxes = str | tuple[str, ...] | None
-"""Where a logical axis goes: one mesh axis, several (split over their product), or None (replicated)."""
-
-
-class ShardingError(ValueError):
-    """A sharding request that cannot work; the message names what and where, and how to fix it."""
 
 
 # --- 1. the mesh -------------------------------------------------------------
@@ -87,143 +81,7 @@ def make_mesh(
     return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes), devices=devices)
 
 
-# --- 2. the rules ------------------------------------------------------------
-
-
-def _mesh_axes_tuple(target: MeshAxes) -> tuple[str, ...]:
-    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
-
-
-class AxisRules:
-    """Logical axis name -> mesh axis name(s).
-
-    Two forms:
-
-    * ``AxisRules(embed=None, mlp="model")``: one rule per name; strict.
-    * ``AxisRules.from_pairs([("mlp", "model"), ("mlp", None)])``: an ordered
-      list with the semantics of Flax's ``logical_to_mesh_axes`` (used by T5X
-      and MaxText): rules are tried in order, a dimension takes the first rule
-      whose mesh axes are all still free (a later rule for the same name is a
-      fallback), a rule to ``None`` claims the dimension as replicated, and a
-      mesh axis is never used twice in one array.
-
-    Unlike Flax, a logical name with no rule is an error (Flax silently
-    replicates it), unless it is itself the name of a mesh axis: then it maps
-    to that axis, so ``axes=(None, "model")`` works with no rules at all.
-
-    >>> AxisRules(embed=None, mlp="model").spec(("embed", "mlp"))
-    P(None, 'model')
-    """
-
-    def __init__(self, **mapping: MeshAxes) -> None:
-        self._init(tuple(mapping.items()), ordered=False)
-
-    @classmethod
-    def from_pairs(cls, pairs: Sequence[tuple[str, MeshAxes]]) -> AxisRules:
-        """Ordered rules; later rules for a name are fallbacks (Flax semantics)."""
-        rules = object.__new__(cls)
-        rules._init(tuple((name, target) for name, target in pairs), ordered=True)
-        return rules
-
-    def _init(self, pairs: tuple[tuple[str, MeshAxes], ...], ordered: bool) -> None:
-        for name, target in pairs:
-            names_mesh_axes = target is None or isinstance(target, str) or (
-                isinstance(target, tuple | list) and all(isinstance(a, str) for a in target)
-            )
-            if not isinstance(name, str) or not names_mesh_axes:
-                raise ShardingError(
-                    f"AxisRules: rule {name!r} -> {target!r} must map a logical name (str) to a "
-                    "mesh axis name, a tuple of them, or None"
-                )
-        self.pairs = pairs
-        self.ordered = ordered
-
-    def __repr__(self) -> str:
-        if self.ordered:
-            return f"AxisRules.from_pairs({list(self.pairs)!r})"
-        return "AxisRules(" + ", ".join(f"{n}={t!r}" for n, t in self.pairs) + ")"
-
-    def __contains__(self, logical: str) -> bool:
-        return any(name == logical for name, _ in self.pairs)
-
-    def check_mesh(self, mesh: Mesh) -> None:
-        """Every mesh axis a rule names must exist in ``mesh``."""
-        for name, target in self.pairs:
-            for axis in _mesh_axes_tuple(target):
-                if axis not in mesh.axis_names:
-                    raise ShardingError(
-                        f"rule {name!r} -> {target!r} names mesh axis {axis!r}, but the mesh has "
-                        f"axes {mesh.axis_names}; fix the rule or the mesh"
-                    )
-
-    def spec(self, logical_axes: Axes, mesh: Mesh | None = None) -> PartitionSpec:
-        """The ``PartitionSpec`` for an array whose dimensions have these logical names."""
-        return self._resolve(tuple(logical_axes), mesh)[0]
-
-    def explain(self, logical_axes: Axes, mesh: Mesh | None = None) -> str:
-        """Which rule decided each dimension, and which rules were skipped and why."""
-        spec, notes = self._resolve(tuple(logical_axes), mesh)
-        lines = [f"{tuple(logical_axes)} -> {spec}"]
-        for dim, dim_notes in enumerate(notes):
-            lines += [f"  dim {dim} ({logical_axes[dim]!r}): {note}" for note in dim_notes]
-        return "\n".join(lines)
-
-    def _resolve(self, axes: Axes, mesh: Mesh | None) -> tuple[PartitionSpec, list[list[str]]]:
-        names = [a for a in axes if a is not None]
-        if twice := sorted({a for a in names if names.count(a) > 1}):
-            raise ShardingError(f"logical axes {axes}: {twice} name more than one dimension")
-        rules = list(self.pairs)
-        for name in names:  # identity fallback: a mesh axis name maps to itself
-            if name not in self:
-                if mesh is None or name not in mesh.axis_names:
-                    known = sorted({n for n, _ in self.pairs})
-                    where = "" if mesh is None else f" nor a mesh axis {mesh.axis_names}"
-                    raise ShardingError(
-                        f"logical axis {name!r} (in {axes}) has no rule{where}; add one, e.g. "
-                        f"AxisRules({name}='model') or AxisRules({name}=None) to replicate. "
-                        f"Rules exist for {known}"
-                    )
-                rules.append((name, name))
-        if mesh is not None:
-            AxisRules.from_pairs(rules).check_mesh(mesh)
-
-        unassigned = object()
-        result: list[Any] = [None if a is None else unassigned for a in axes]
-        notes: list[list[str]] = [["not annotated: replicated"] if a is None else [] for a in axes]
-        used: dict[str, int] = {}  # mesh axis -> the dimension that took it
-        for name, target in rules:  # Flax's order: rule by rule, not dimension by dimension
-            if name not in axes:
-                continue
-            dim, wanted = axes.index(name), _mesh_axes_tuple(target)
-            if result[dim] is not unassigned:
-                notes[dim].append(f"rule {name}->{target!r} skipped: dimension already decided")
-            elif taken := [a for a in wanted if a in used]:
-                by = used[taken[0]]
-                notes[dim].append(
-                    f"rule {name}->{target!r} skipped: mesh axis {taken[0]!r} already used by dim {by}"
-                )
-            else:
-                result[dim] = target
-                used.update(dict.fromkeys(wanted, dim))
-                notes[dim].append(f"rule {name}->{target!r} matched" + ("" if wanted else ": replicated"))
-        for dim, entry in enumerate(result):
-            if entry is unassigned:
-                if not self.ordered:
-                    raise ShardingError(
-                        f"logical axes {axes}: dimension {dim} ({axes[dim]!r}) maps to a mesh axis that "
-                        f"another dimension already uses ({notes[dim][-1]}); a mesh axis can split an "
-                        "array only once. Give a fallback with an ordered list, e.g. "
-                        f"AxisRules.from_pairs([..., ({axes[dim]!r}, None)])"
-                    )
-                result[dim] = None
-                notes[dim].append("every rule was blocked: replicated (as in Flax)")
-        return P(*result), notes
-
-
-IDENTITY_RULES = AxisRules()
-
-
-# --- 3. specs for whole trees ------------------------------------------------
+# --- 2. specs for whole trees ------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -238,9 +96,9 @@ class LeafPlan:
     def check_divisible(self, mesh: Mesh) -> None:
         """Each split dimension must divide evenly by the size of its mesh axes."""
         for dim, entry in enumerate(self.spec):
-            ways = math.prod(mesh.shape[a] for a in _mesh_axes_tuple(entry))
+            ways = math.prod(mesh.shape[a] for a in as_mesh_axes(entry))
             if self.shape[dim] % ways:
-                sizes = ", ".join(f"{a!r}={mesh.shape[a]}" for a in _mesh_axes_tuple(entry))
+                sizes = ", ".join(f"{a!r}={mesh.shape[a]}" for a in as_mesh_axes(entry))
                 raise ShardingError(
                     f"{self.path}: shape {self.shape}, dimension {dim} (logical axis "
                     f"{self.logical[dim]!r}) has size {self.shape[dim]}, which mesh axis {sizes} cannot "
@@ -250,7 +108,7 @@ class LeafPlan:
     def shard_shape(self, mesh: Mesh) -> tuple[int, ...]:
         """The block each device holds."""
         return tuple(
-            size // math.prod(mesh.shape[a] for a in _mesh_axes_tuple(entry))
+            size // math.prod(mesh.shape[a] for a in as_mesh_axes(entry))
             for size, entry in zip(self.shape, tuple(self.spec) + (None,) * len(self.shape))
         )
 
@@ -354,7 +212,7 @@ def shard(tree: Any, mesh: Mesh, rules: AxisRules | None = None) -> Any:
     return jax.device_put(tree, named_shardings(partition_specs(tree, rules, mesh), mesh))
 
 
-# --- 4. the decorator --------------------------------------------------------
+# --- 3. the decorator --------------------------------------------------------
 
 
 class Specs(NamedTuple):

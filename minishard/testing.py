@@ -47,7 +47,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from minishard.layers import ACTIVATIONS, Axes, Sequential, mlp
-from minishard.sharding import AxisRules, MeshAxes, Sharded, _mesh_axes_tuple, make_mesh
+from minishard.rules import MeshAxes, as_mesh_axes
+from minishard.sharding import AxisRules, Sharded, make_mesh
 from minishard.tree import path_str
 
 MESH_AXES = ("data", "model")
@@ -65,7 +66,7 @@ LINEAR_AXES: Sequence[Axes] = (("embed", "mlp"), ("mlp", "embed"), (None, "mlp")
 
 def _ways(mesh: Mesh, entry: MeshAxes) -> int:
     """Into how many blocks a PartitionSpec entry splits a dimension on ``mesh``."""
-    return math.prod(mesh.shape[axis] for axis in _mesh_axes_tuple(entry))
+    return math.prod(mesh.shape[axis] for axis in as_mesh_axes(entry))
 
 
 @st.composite

@@ -133,7 +133,7 @@ def fit(
             checkpointer.save(step, {"model": model, "opt_state": opt_state}, meta)
 
     metrics_file = open(metrics_log, "a") if metrics_log else nullcontext()  # noqa: SIM115
-    with metrics_file as metrics, (checkpointer or nullcontext()):
+    with metrics_file as metrics, checkpointer or nullcontext():
         for epoch in range(first_epoch, epochs):
             started = time.perf_counter()
             batches = train_data.epoch(epoch, start_batch)

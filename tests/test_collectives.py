@@ -131,7 +131,7 @@ def test_replica_group_notations(groups, axes):
 
 
 def test_sub_axis_groups_hold_the_right_devices():
-    from minishard.report import _replica_groups
+    from minishard.hlo import _replica_groups
 
     line = all_reduce(XLA_MESH + " {'axis_1':(1)2}")
     assert sorted(sorted(g.tolist()) for g in _replica_groups(line, 8)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
