@@ -178,6 +178,23 @@ def _is_train(split: str) -> bool:
     return split.split("[")[0] == "train"
 
 
+def _dataset(
+    name: str,
+    split: str,
+    tfds_split: str,
+    prepare: Callable[[Any], Any],
+    batch_size: int,
+    data_dir: str | None,
+    download: bool,
+    shuffle: bool | None,
+    **options: Any,
+) -> Dataset:
+    """Read ``tfds_split`` of dataset ``name``; train splits shuffle unless told otherwise."""
+    images, labels = _read(name, tfds_split, prepare, data_dir, download)
+    shuffle = _is_train(split) if shuffle is None else shuffle
+    return Dataset(images, labels, batch_size, shuffle=shuffle, **options)  # fmt: skip
+
+
 def mnist(
     split: str,
     batch_size: int,
@@ -187,16 +204,15 @@ def mnist(
     shuffle_seed: int = 0,
     flatten: bool = True,
     shuffle: bool | None = None,
-    drop_remainder: bool | None = None,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    **options: Any,
 ) -> Dataset:
-    """MNIST ``"train"`` (shuffled, drops the partial batch) or ``"test"`` (in order, padded)."""
-    images, labels = _read("mnist", split, lambda image: image, data_dir, download)
-    return Dataset(
-        images, labels, batch_size, shuffle=_is_train(split) if shuffle is None else shuffle,
-        drop_remainder=drop_remainder, shuffle_seed=shuffle_seed, flatten=flatten,
-        process_index=process_index, process_count=process_count,
+    """MNIST ``"train"`` (shuffled, drops the partial batch) or ``"test"`` (in order, padded).
+
+    ``options`` go to ``Dataset``: ``drop_remainder``, ``process_index``, ``process_count``.
+    """
+    return _dataset(
+        "mnist", split, split, lambda image: image, batch_size, data_dir, download, shuffle,
+        shuffle_seed=shuffle_seed, flatten=flatten, **options,
     )  # fmt: skip
 
 
@@ -213,9 +229,7 @@ def cats_vs_dogs(
     shuffle_seed: int = 0,
     flatten: bool = True,
     shuffle: bool | None = None,
-    drop_remainder: bool | None = None,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    **options: Any,
 ) -> Dataset:
     """Cats (0) vs dogs (1), photos of any size resized to 200x200x3 for the MLP.
 
@@ -227,11 +241,9 @@ def cats_vs_dogs(
     def resize(image: Any) -> Any:
         return tf.saturate_cast(tf.round(tf.image.resize(image, (200, 200))), tf.uint8)
 
-    images, labels = _read("cats_vs_dogs", CATS_VS_DOGS_SPLITS.get(split, split), resize, data_dir, download)
-    return Dataset(
-        images, labels, batch_size, shuffle=_is_train(split) if shuffle is None else shuffle,
-        drop_remainder=drop_remainder, shuffle_seed=shuffle_seed, flatten=flatten,
-        process_index=process_index, process_count=process_count,
+    return _dataset(
+        "cats_vs_dogs", split, CATS_VS_DOGS_SPLITS.get(split, split), resize, batch_size, data_dir, download,
+        shuffle, shuffle_seed=shuffle_seed, flatten=flatten, **options,
     )  # fmt: skip
 
 
