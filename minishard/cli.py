@@ -152,7 +152,7 @@ def train(args: argparse.Namespace) -> int:
         axes = megatron_axes(len(args.layers) - 1)
         model = mlp(args.layers, key=key, activation=args.activation, axes=axes)
         print(f"Rules: {rules}")
-        print(explain(model, mesh, rules))
+        show(explain(model, mesh, rules))
         schedule = exponential_decay(args.lr, args.decay_rate, args.decay_steps, args.staircase)
         _, _, history = fit(
             model,
@@ -174,6 +174,19 @@ def train(args: argparse.Namespace) -> int:
         plot_history(history, args.plot)
         print(f"Wrote {args.plot}")
     return 0
+
+
+def show(report: Any) -> None:
+    """A rich table in a terminal (when rich is installed), plain text in logs and pipes."""
+    if sys.stdout.isatty():
+        try:
+            import rich
+
+            rich.print(report)
+            return
+        except ImportError:
+            pass
+    print(report)
 
 
 def plot_history(history: list[dict[str, Any]], path: str) -> None:
