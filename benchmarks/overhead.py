@@ -425,15 +425,16 @@ def bench_prelude(samples: int, number: int, in_context: StepResult) -> None:
     probe = stubbed_sharded(train_step)
     probe(*args)  # fill the cache with the no-op
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    key = (treedef, *[getattr(leaf, "ndim", 0) == 0 for leaf in leaves])
+    batch_leaves = probe._batch_leaves[treedef]  # positions of the leaves outside Layers
+    key = (treedef, *[getattr(leaves[i], "ndim", 0) == 0 for i in batch_leaves])
     cache = {key: _noop}
     # The three parts below mirror the first lines of ShardedFunction.__call__.
     fns = {
         "ShardedFunction.__call__ with a no-op jit (whole prelude)": lambda: probe(*args),
         "  jax.tree_util.tree_flatten(args)": lambda: jax.tree_util.tree_flatten(args),
-        "  cache key: (treedef, *[ndim == 0 per leaf])": lambda: (
+        "  cache key: (treedef, *[ndim == 0 per batch leaf])": lambda: (
             treedef,
-            *[getattr(leaf, "ndim", 0) == 0 for leaf in leaves],
+            *[getattr(leaves[i], "ndim", 0) == 0 for i in probe._batch_leaves.get(treedef, ())],
         ),
         "  dict lookup of a freshly built equal key": lambda: cache.get((treedef, *key[1:])),
         "  calling the no-op (Python call floor)": lambda: _noop(*args),
