@@ -64,7 +64,8 @@ class Checkpointer:
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
             cleanup_tmp_directories=True,  # remove what a killed save left behind
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Write ``state`` (a pytree of arrays, sharded as they are) and ``meta`` (JSON) as ``step``."""
@@ -104,6 +105,8 @@ class Checkpointer:
         for i, candidate in enumerate(candidates):
             try:
                 return candidate, *self._load(candidate, target)
+            except CheckpointError:
+                raise  # the target does not fit: an older checkpoint would not fit either
             except Exception as e:
                 path = self.directory / str(candidate)
                 failures.append(f"checkpoint {path} is unreadable ({_reason(e, path)})")
@@ -114,6 +117,7 @@ class Checkpointer:
 
     def _load(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         named = _named(target)
+        self._check_fits(step, named)
         abstract = {
             name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
             for name, leaf in named
@@ -125,7 +129,31 @@ class Checkpointer:
         # The structure comes from the target, not from the disk.
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), arrays), restored["meta"]
 
+    def _check_fits(self, step: int, named: list[tuple[str, Any]]) -> None:
+        """Compare the target's arrays with the stored ones, by name and shape, before reading data.
+
+        A different model (other ``--layers``, momentum on or off) is the user's mistake, not
+        corruption: say which arrays differ instead of falling back through every checkpoint.
+        """
+        try:
+            stored = dict(self._manager.item_metadata(step)["state"])
+        except Exception:
+            return  # unreadable metadata: the restore itself reports it, and falls back
+        wanted = {name: tuple(leaf.shape) for name, leaf in named}
+        have = {name: tuple(meta.shape) for name, meta in stored.items()}
+        differences = [
+            f"{name}: checkpoint {have.get(name, 'has none')}, target {wanted.get(name, 'has none')}"
+            for name in sorted(wanted.keys() | have.keys())
+            if have.get(name) != wanted.get(name)
+        ]
+        if differences:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} holds other arrays than the state to restore "
+                "into (another model or optimizer?):\n  " + "\n  ".join(differences[:10])
+            )
+
     def close(self) -> None:
+        """Release orbax's resources (also done by ``with Checkpointer(...)``)."""
         self._manager.close()
 
     def __enter__(self) -> Checkpointer:
@@ -139,7 +167,10 @@ def _named(tree: Any) -> list[tuple[str, Any]]:
     """``[("model.layers[0].weight", leaf), ...]``: each leaf with the name it is stored under."""
     key_str = lambda key: f".{key.key}" if isinstance(key, jax.tree_util.DictKey) else str(key)  # noqa: E731
     paths = jax.tree_util.tree_leaves_with_path(tree)
-    return [("".join(map(key_str, path)).removeprefix(".") or "<root>", leaf) for path, leaf in paths]
+    named = [("".join(map(key_str, path)).removeprefix(".") or "<root>", leaf) for path, leaf in paths]
+    if len({name for name, _ in named}) < len(named):  # {"a.b": x} and {"a": {"b": y}} would collide
+        raise CheckpointError(f"two leaves of the state share a name: {sorted(n for n, _ in named)}")
+    return named
 
 
 def _reason(error: BaseException, checkpoint: Path) -> str:

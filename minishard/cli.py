@@ -6,8 +6,8 @@
 
 Everything here is argument parsing and printing; the work happens in
 ``fit``. One subtlety: simulated CPU devices must be requested through
-``XLA_FLAGS`` before JAX starts its backend, so ``main`` sets the flag before
-it asks JAX for devices.
+``XLA_FLAGS`` before JAX starts its backend (at the first ``jax.devices()``,
+not at ``import jax``), so ``main`` sets the flag before it asks for devices.
 """
 
 from __future__ import annotations
@@ -18,10 +18,21 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-CLASSIC_LAYERS = {"mnist": [784, 512, 10], "cats_vs_dogs": [200 * 200 * 3, 2048, 1024, 2]}
+import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
+
+from minishard.data import DATASET_INFO, DATASETS, DataError
+from minishard.layers import ACTIVATIONS, megatron_axes, mlp
+from minishard.optim import SGD, exponential_decay
+from minishard.report import explain
+from minishard.rules import AxisRules, ShardingError
+from minishard.sharding import make_mesh
+from minishard.train import TrainingError, fit
+
+HIDDEN = {"mnist": [512], "cats_vs_dogs": [2048, 1024]}
+"""Hidden layer sizes of each dataset's classic MLP; inputs and classes come from DATASET_INFO."""
 DEFAULTS = dict(
     dataset="mnist",
-    layers=None,  # the dataset's classic model, see CLASSIC_LAYERS
+    layers=None,  # the dataset's classic MLP
     activation="swish",
     epochs=5,
     batch_size=128,
@@ -68,14 +79,19 @@ def _rules(text: str) -> dict[str, str | None]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``minishard train ...``; mesh and rules come back as dicts, layers as a list."""
     parser = argparse.ArgumentParser(prog="minishard", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train an MLP on MNIST (or cats_vs_dogs) on a device mesh")
     train.set_defaults(**DEFAULTS)
     add = train.add_argument
-    add("--dataset", choices=["mnist", "cats_vs_dogs"])
-    add("--layers", type=_sizes, help=f"layer sizes (default per dataset: {CLASSIC_LAYERS})")
-    add("--activation", choices=["swish", "relu"])
+    add("--dataset", choices=sorted(DATASETS))
+    add(
+        "--layers",
+        type=_sizes,
+        help="layer sizes (default: 784,512,10 for mnist, 120000,2048,1024,2 for cats_vs_dogs)",
+    )
+    add("--activation", choices=sorted(ACTIVATIONS))
     add("--epochs", type=int, help="total epochs, also when resuming (default %(default)s)")
     add("--batch-size", type=int, help="global batch size (default %(default)s)")
     add("--lr", type=float, help="initial learning rate (default %(default)s)")
@@ -98,16 +114,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name, parse in (("mesh", _mesh), ("rules", _rules)):  # argparse leaves string defaults as they are
         if isinstance(getattr(args, name), str):
             setattr(args, name, parse(getattr(args, name)))
-    args.layers = args.layers or CLASSIC_LAYERS[args.dataset]
+    info = DATASET_INFO[args.dataset]
+    args.layers = args.layers or [info.num_features, *HIDDEN[args.dataset], info.num_classes]
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        parser.error("--resume and --checkpoint-every need --checkpoint-dir")
     return args
 
 
 def simulate_devices(count: int) -> None:
-    """Ask XLA for ``count`` CPU devices; must run before JAX initialises its backend."""
-    flag = f"--xla_force_host_platform_device_count={count}"
+    """Ask XLA for ``count`` CPU devices; must run before JAX initialises its backend.
+
+    A device count already in ``XLA_FLAGS`` wins (the user set it on purpose); ``train`` says so.
+    """
     current = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in current:
-        os.environ["XLA_FLAGS"] = f"{current} {flag}".strip()
+        os.environ["XLA_FLAGS"] = f"{current} --xla_force_host_platform_device_count={count}".strip()
 
 
 def default_rules(mesh_axes: Sequence[str], user: dict[str, str | None]) -> dict[str, Any]:
@@ -122,17 +143,12 @@ def default_rules(mesh_axes: Sequence[str], user: dict[str, str | None]) -> dict
 
 
 def train(args: argparse.Namespace) -> int:
-    import jax
-
-    from minishard import SGD, AxisRules, exponential_decay, make_mesh, megatron_axes, mlp
-    from minishard.data import DATASET_INFO, DATASETS, DataError
-    from minishard.report import explain
-    from minishard.sharding import ShardingError
-    from minishard.train import NonFiniteLossError, fit
-
+    """Run ``fit`` as the arguments say; 0 on success, 1 on a clear failure, 2 on bad arguments."""
     devices = jax.devices()
     if devices[0].platform == "cpu":
         print(f"No accelerator: simulating {len(devices)} CPU devices (XLA_FLAGS={os.environ['XLA_FLAGS']})")
+        if len(devices) != args.devices:
+            print(f"(XLA_FLAGS already set the device count, so --devices {args.devices} is not used)")
     info = DATASET_INFO[args.dataset]
     if args.layers[0] != info.num_features or args.layers[-1] != info.num_classes:
         print(
@@ -141,6 +157,8 @@ def train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    expected_errors: tuple[type[Exception], ...] = (DataError, ShardingError, TrainingError)
+    expected_errors += _checkpoint_errors(args)
     try:
         mesh = make_mesh(args.mesh)
         rules = AxisRules(**default_rules(mesh.axis_names, args.rules))
@@ -167,13 +185,21 @@ def train(args: argparse.Namespace) -> int:
             resume=args.resume,
             metrics_log=args.log,
         )
-    except (DataError, ShardingError, NonFiniteLossError) as error:
+    except expected_errors as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if args.plot:
         plot_history(history, args.plot)
         print(f"Wrote {args.plot}")
     return 0
+
+
+def _checkpoint_errors(args: argparse.Namespace) -> tuple[type[Exception], ...]:
+    if not args.checkpoint_dir:
+        return ()
+    from minishard.checkpoint import CheckpointError  # orbax is an optional extra
+
+    return (CheckpointError,)
 
 
 def show(report: Any) -> None:
@@ -211,6 +237,7 @@ def plot_history(history: list[dict[str, Any]], path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``minishard`` console script: parse, set up simulated devices, train."""
     args = parse_args(argv)
     simulate_devices(args.devices)
     return train(args)

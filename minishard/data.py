@@ -69,6 +69,8 @@ class Dataset:
         process_index: int | None = None,
         process_count: int | None = None,
     ) -> None:
+        if len(images) != len(labels):
+            raise ValueError(f"Dataset: {len(images)} images but {len(labels)} labels")
         self.images, self.labels = images, labels.astype(np.int32)
         self.batch_size, self.shuffle, self.shuffle_seed = batch_size, shuffle, shuffle_seed
         self.flatten = flatten
@@ -84,6 +86,7 @@ class Dataset:
 
     @property
     def num_examples(self) -> int:
+        """Examples in the split (padding not counted)."""
         return len(self.labels)
 
     def __len__(self) -> int:

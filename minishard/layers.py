@@ -146,6 +146,11 @@ def _check_param(where: str, value: Any) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(value):
         if not isinstance(leaf, _ARRAY_TYPES):
             at = f"{where}{jax.tree_util.keystr(path)}"
+            if callable(leaf):
+                raise TypeError(
+                    f"{at} is the function {getattr(leaf, '__name__', leaf)!r}; a function cannot be a "
+                    "pytree leaf under jit. Wrap it in a parameter-free Layer, such as ReLU() or Swish()"
+                )
             raise TypeError(
                 f"parameter {at} is a {type(leaf).__name__} ({leaf!r:.40}); parameters "
                 "must be arrays (wrap it in jnp.asarray), or list it in static_fields "
@@ -332,6 +337,8 @@ def megatron_axes(num_linear: int) -> list[Axes]:
     >>> megatron_axes(3)
     [('embed', 'mlp'), ('mlp', 'embed'), ('embed', 'classes')]
     """
+    if num_linear < 1:
+        raise ValueError(f"megatron_axes: an MLP has at least one Linear, got num_linear={num_linear}")
     axes: list[Axes] = [("embed", "mlp") if i % 2 == 0 else ("mlp", "embed") for i in range(num_linear)]
     axes[-1] = (axes[-1][0], "classes")
     return axes

@@ -5,6 +5,10 @@ An optimizer is two pure functions, as in optax:
 * ``state = opt.init(params)`` builds the optimizer's state, a pytree;
 * ``params, state = opt.update(params, grads, state)`` takes one step.
 
+(optax's ``update(grads, state, params)`` returns *updates* that
+``optax.apply_updates`` adds to the params; minishard applies them itself, one
+call per step. The numbers are the same: the tests check them against optax.)
+
 Nothing is mutated and nothing happens on the side, so ``update`` can be
 jitted, and the state can be sharded and checkpointed exactly like the
 parameters. The momentum buffer has the parameters' own structure (it *is* a
@@ -74,10 +78,12 @@ class SGD:
         self.momentum = momentum
 
     def init(self, params: Any) -> SGDState:
+        """Step 0 and, with momentum, zero velocities shaped (and later sharded) like ``params``."""
         velocity = jax.tree_util.tree_map(jnp.zeros_like, params) if self.momentum else None
         return SGDState(step=jnp.zeros((), jnp.int32), momentum=velocity)
 
     def update(self, params: Any, grads: Any, state: SGDState) -> tuple[Any, SGDState]:
+        """One step: new params and state. Pure, so it runs inside a jitted train step."""
         lr = self.learning_rate(state.step) if callable(self.learning_rate) else self.learning_rate
         velocity = grads
         if self.momentum:

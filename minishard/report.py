@@ -42,7 +42,7 @@ from minishard.hlo import KINDS, AnyMesh, collective_instructions, instruction_a
 from minishard.tree import named_leaves
 
 if TYPE_CHECKING:
-    from minishard.sharding import AxisRules
+    from minishard.rules import AxisRules
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ P(None, 'model')
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,11 @@ MeshAxes = str | tuple[str, ...] | None
 
 class ShardingError(ValueError):
     """A sharding request that cannot work; the message names what and where, and how to fix it."""
+
+
+def split_count(mesh: Mesh, target: MeshAxes) -> int:
+    """Into how many blocks ``target`` (a PartitionSpec entry) splits a dimension on ``mesh``."""
+    return math.prod(mesh.shape[axis] for axis in as_mesh_axes(target))
 
 
 def as_mesh_axes(target: MeshAxes) -> tuple[str, ...]:

@@ -36,11 +36,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from minishard.layers import Axes, Layer
-from minishard.rules import IDENTITY_RULES, AxisRules, ShardingError, as_mesh_axes
+from minishard.rules import IDENTITY_RULES, AxisRules, P, ShardingError, as_mesh_axes, split_count
 from minishard.tree import path_str
-
-P = PartitionSpec
-
 
 # --- 1. the mesh -------------------------------------------------------------
 
@@ -96,8 +93,7 @@ class LeafPlan:
     def check_divisible(self, mesh: Mesh) -> None:
         """Each split dimension must divide evenly by the size of its mesh axes."""
         for dim, entry in enumerate(self.spec):
-            ways = math.prod(mesh.shape[a] for a in as_mesh_axes(entry))
-            if self.shape[dim] % ways:
+            if self.shape[dim] % (ways := split_count(mesh, entry)):
                 sizes = ", ".join(f"{a!r}={mesh.shape[a]}" for a in as_mesh_axes(entry))
                 raise ShardingError(
                     f"{self.path}: shape {self.shape}, dimension {dim} (logical axis "
@@ -108,7 +104,7 @@ class LeafPlan:
     def shard_shape(self, mesh: Mesh) -> tuple[int, ...]:
         """The block each device holds."""
         return tuple(
-            size // math.prod(mesh.shape[a] for a in as_mesh_axes(entry))
+            size // split_count(mesh, entry)
             for size, entry in zip(self.shape, tuple(self.spec) + (None,) * len(self.shape))
         )
 
@@ -133,7 +129,7 @@ def _plan(
     for path, node in entries:
         path = prefix + path
         if isinstance(node, Layer):
-            layer_specs, layer_plans = _plan_layer(node, rules, mesh, leaf_spec, path)
+            layer_specs, layer_plans = _plan_layer(node, rules, mesh, path)
             specs.append(layer_specs)
             plans += layer_plans
         elif (axes_and_spec := leaf_spec(node)) is None:
@@ -145,7 +141,7 @@ def _plan(
 
 
 def _plan_layer(
-    layer: Layer, rules: AxisRules, mesh: Mesh | None, leaf_spec: LeafSpec, path: tuple[Any, ...]
+    layer: Layer, rules: AxisRules, mesh: Mesh | None, path: tuple[Any, ...]
 ) -> tuple[Layer, list[LeafPlan]]:
     """The layer itself, with every parameter replaced by its PartitionSpec."""
     param_axes = layer.param_axes()
@@ -154,7 +150,8 @@ def _plan_layer(
     for name, child in zip(layer.param_fields, children):
         child_path = (*path, jax.tree_util.GetAttrKey(name))
         if name not in param_axes:  # a sub-tree (e.g. Sequential.layers): recurse
-            spec, child_plans = _plan(child, rules, mesh, leaf_spec, child_path)
+            # Arrays in it that no Layer annotates are parameters, never a batch: replicated.
+            spec, child_plans = _plan(child, rules, mesh, _replicated, child_path)
             plans += child_plans
         else:
             where, axes, shape = path_str(child_path), param_axes[name], tuple(child.shape)
@@ -186,14 +183,19 @@ def partition_specs(tree: Any, rules: AxisRules | None = None, mesh: Mesh | None
     return _plan(tree, rules or IDENTITY_RULES, mesh, _replicated)[0]
 
 
+def _checked_plan(tree: Any, rules: AxisRules, mesh: Mesh, leaf_spec: LeafSpec) -> tuple[Any, list[LeafPlan]]:
+    """``_plan`` on a known mesh, with every split dimension checked to divide evenly."""
+    specs, plans = _plan(tree, rules, mesh, leaf_spec)
+    for leaf in plans:
+        leaf.check_divisible(mesh)
+    return specs, plans
+
+
 def plan(tree: Any, mesh: Mesh, rules: AxisRules | None = None) -> list[LeafPlan]:
     """One ``LeafPlan`` per array leaf of ``tree``, checked against ``mesh``."""
     rules = rules or IDENTITY_RULES
     rules.check_mesh(mesh)
-    plans = _plan(tree, rules, mesh, _replicated)[1]
-    for leaf in plans:
-        leaf.check_divisible(mesh)
-    return plans
+    return _checked_plan(tree, rules, mesh, _replicated)[1]
 
 
 def named_shardings(specs: Any, mesh: Mesh) -> Any:
@@ -208,8 +210,10 @@ def shard(tree: Any, mesh: Mesh, rules: AxisRules | None = None) -> Any:
     dimension raises ``ShardingError`` naming the leaf and leaves no arrays
     half-moved.
     """
-    plan(tree, mesh, rules)  # validates every leaf first
-    return jax.device_put(tree, named_shardings(partition_specs(tree, rules, mesh), mesh))
+    rules = rules or IDENTITY_RULES
+    rules.check_mesh(mesh)
+    specs = _checked_plan(tree, rules, mesh, _replicated)[0]  # validates every leaf first
+    return jax.device_put(tree, named_shardings(specs, mesh))
 
 
 # --- 3. the decorator --------------------------------------------------------
@@ -306,7 +310,12 @@ class ShardedFunction:
         except (TypeError, ValueError):
             self._arg_names = []
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(
+                f"Sharded function {getattr(self.fn, '__name__', '')!r}: pass arguments by position; "
+                f"shardings are derived per positional argument, got keywords {sorted(kwargs)}"
+            )
         # The hot path of every training step: one flatten and two dict lookups on top of jax.jit.
         # Layer parameters' specs follow from the treedef alone (their axes are static data);
         # a leaf outside Layers is batch-split unless it is a scalar, so its rank is part of the key.
@@ -328,16 +337,12 @@ class ShardedFunction:
         """The input and output PartitionSpecs ``Sharded`` derives for these arguments."""
         config = self.config
         try:
-            inputs, plans = _plan(args, config.rules, config.mesh, config.batch_spec)
-            for leaf in plans:
-                leaf.check_divisible(config.mesh)
+            inputs = _checked_plan(args, config.rules, config.mesh, config.batch_spec)[0]
         except ShardingError as e:
             raise ShardingError(self._name_arguments(str(e))) from None
         out_shapes = jax.eval_shape(self.fn, *args)
         try:
-            outputs, plans = _plan(out_shapes, config.rules, config.mesh, _output_spec)
-            for leaf in plans:
-                leaf.check_divisible(config.mesh)
+            outputs = _checked_plan(out_shapes, config.rules, config.mesh, _output_spec)[0]
         except ShardingError as e:
             name = getattr(self.fn, "__name__", "function")
             raise ShardingError(f"{name}: output {e}") from None
@@ -366,12 +371,10 @@ class ShardedFunction:
 
     def _diagnose(self, args: tuple[Any, ...]) -> None:
         """After jit refused the call: raise a ShardingError that names the argument, if we can."""
-        in_specs, plans = _plan(args, self.config.rules, self.config.mesh, self.config.batch_spec)
-        for leaf in plans:
-            try:
-                leaf.check_divisible(self.config.mesh)
-            except ShardingError as e:
-                raise ShardingError(self._name_arguments(str(e))) from None
+        try:
+            in_specs = _checked_plan(args, self.config.rules, self.config.mesh, self.config.batch_spec)[0]
+        except ShardingError as e:
+            raise ShardingError(self._name_arguments(str(e))) from None
         expected = jax.tree_util.tree_leaves(named_shardings(in_specs, self.config.mesh))
         for (path, arg), want in zip(jax.tree_util.tree_leaves_with_path(args), expected):
             if getattr(arg, "committed", False) and not arg.sharding.is_equivalent_to(want, arg.ndim):

@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from minishard.layers import ACTIVATIONS, Axes, Sequential, mlp
-from minishard.rules import MeshAxes, as_mesh_axes
+from minishard.rules import MeshAxes, split_count
 from minishard.sharding import AxisRules, Sharded, make_mesh
 from minishard.tree import path_str
 
@@ -62,11 +62,6 @@ DEFAULT_CHOICES: Mapping[str, Sequence[MeshAxes]] = {
 
 LINEAR_AXES: Sequence[Axes] = (("embed", "mlp"), ("mlp", "embed"), (None, "mlp"), ("mlp", None), (None, None))
 """Logical axes a Linear's weight may get in ``mlps``: both Megatron halves, one-sided, unannotated."""
-
-
-def _ways(mesh: Mesh, entry: MeshAxes) -> int:
-    """Into how many blocks a PartitionSpec entry splits a dimension on ``mesh``."""
-    return math.prod(mesh.shape[axis] for axis in as_mesh_axes(entry))
 
 
 @st.composite
@@ -113,8 +108,8 @@ def _width_units(axes: Sequence[Axes], mesh: Mesh | None, rules: AxisRules | Non
     units = [1] * (len(axes) + 1)
     for i, (axis_in, axis_out) in enumerate(axes):  # as Linear.param_axes: weight (in, out), bias (out,)
         weight, bias = rules.spec((axis_in, axis_out), mesh), rules.spec((axis_out,), mesh)
-        units[i] = math.lcm(units[i], _ways(mesh, weight[0]))
-        units[i + 1] = math.lcm(units[i + 1], _ways(mesh, weight[1]), _ways(mesh, bias[0]))
+        units[i] = math.lcm(units[i], split_count(mesh, weight[0]))
+        units[i + 1] = math.lcm(units[i + 1], split_count(mesh, weight[1]), split_count(mesh, bias[0]))
     return units
 
 
@@ -158,8 +153,7 @@ def batch_sizes(
     mesh: Mesh, rules: AxisRules | None = None, batch_axis: str = "batch", max_multiple: int = 4
 ) -> st.SearchStrategy[int]:
     """Batch sizes that ``Sharded(mesh, rules, batch_axis)`` can split evenly."""
-    entry = Sharded(mesh, rules, batch_axis).batch_spec(np.empty(1))[1]
-    unit = _ways(mesh, entry[0] if len(entry) else None)
+    unit = split_count(mesh, Sharded(mesh, rules, batch_axis).batch_sharding.spec[0])
     return st.integers(1, max_multiple).map(lambda k: k * unit)
 
 
@@ -187,7 +181,9 @@ def assert_sharded_equivalent(
     >>> model = mlp([8, 16, 4], key=jax.random.key(0), axes=[("embed", "mlp"), ("mlp", "embed")])
     >>> rules = AxisRules(batch="data", embed=None, mlp="model")
     >>> mesh = make_mesh({"data": 2, "model": 4})
-    >>> assert_sharded_equivalent(lambda m, x: m(x), model, jnp.ones((4, 8)), mesh=mesh, rules=rules).shape
+    >>> def forward(model, x):
+    ...     return model(x)
+    >>> assert_sharded_equivalent(forward, model, jnp.ones((4, 8)), mesh=mesh, rules=rules).shape
     (4, 4)
     """
     sharded = Sharded(mesh, rules, batch_axis)(fn)

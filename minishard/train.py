@@ -14,13 +14,14 @@ straight and ``--epochs 1`` + ``--resume --epochs 2`` end with bit-identical
 parameters.
 
 >>> import jax, numpy as np
->>> from minishard import SGD, make_mesh, mlp
+>>> from minishard import SGD, AxisRules, make_mesh, mlp
 >>> from minishard.data import Dataset
 >>> images, labels = np.zeros((64, 2, 2, 1), np.uint8), np.zeros(64, np.int32)
 >>> data = Dataset(images, labels, batch_size=16)
 >>> model = mlp([4, 8, 2], key=jax.random.key(0))
->>> model, opt_state, history = fit(model, SGD(0.1), data, mesh=make_mesh({"data": 8}),
-...                                 epochs=1, log=lambda line: None)
+>>> mesh, rules = make_mesh({"data": 8}), AxisRules(batch="data")  # batches split 8 ways
+>>> model, opt_state, history = fit(model, SGD(0.1), data, mesh=mesh, rules=rules, epochs=1,
+...                                 log=lambda line: None)
 >>> history[0]["epoch"], history[0]["steps"]
 (1, 4)
 """
@@ -37,6 +38,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from minishard.data import Batch, Dataset, to_global
@@ -48,8 +50,16 @@ History = list[dict[str, Any]]
 GlobalBatch = dict[str, jax.Array]  # a Batch placed on the mesh by `to_global`
 
 
-class NonFiniteLossError(RuntimeError):
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says why and what was kept."""
+
+
+class NonFiniteLossError(TrainingError):
     """The loss became NaN or infinite; training stopped before saving the bad state."""
+
+
+class ResumeError(TrainingError):
+    """The checkpoint's data position does not fit this run's data (another seed or batch size)."""
 
 
 def make_train_step(optimizer: SGD) -> Callable[..., Any]:
@@ -70,8 +80,8 @@ def make_train_step(optimizer: SGD) -> Callable[..., Any]:
 def eval_step(model: Any, batch: GlobalBatch) -> tuple[jax.Array, jax.Array]:
     """Correct predictions and real examples in a (possibly padded) batch."""
     logits = model(batch["image"])
-    mask = batch["mask"]
-    return (accuracy(logits, batch["label"], mask) * mask.sum()), mask.sum()
+    correct = (jnp.argmax(logits, axis=-1) == batch["label"]) * batch["mask"]
+    return correct.sum(), batch["mask"].sum()
 
 
 def evaluate(step: Callable[..., Any], model: Any, data: Dataset, sharding: NamedSharding) -> float:
@@ -113,7 +123,8 @@ def fit(
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
     train_step = sharded(make_train_step(optimizer))
     evaluate_step = Sharded(mesh, rules)(eval_step)
-    model = shard(model, mesh, rules)
+    # A copy: `shard` may reuse the caller's buffers, and the first (donating) step would delete them.
+    model = jax.tree_util.tree_map(jnp.copy, shard(model, mesh, rules))
     opt_state = shard(optimizer.init(model), mesh, rules)
     history: History = []
     first_epoch, start_batch, step, sums = 0, 0, 0, [0.0, 0.0]
@@ -122,13 +133,14 @@ def fit(
     if checkpointer is not None and resume and checkpointer.steps():
         step, state, meta = checkpointer.restore({"model": model, "opt_state": opt_state})
         model, opt_state = state["model"], state["opt_state"]
+        _check_position(meta, train_data, checkpoint_dir)
         first_epoch, start_batch, sums, history = meta["epoch"], meta["batch"], meta["sums"], meta["history"]
         log(f"Resumed from step {step}: epoch {first_epoch + 1}, batch {start_batch}")
 
     def save(next_epoch: int, next_batch: int) -> None:
         """Checkpoint the state and where training continues from: (epoch, batch) to run next."""
         if checkpointer is not None:
-            position = {"epoch": next_epoch, "batch": next_batch, "shuffle_seed": train_data.shuffle_seed}
+            position = {"epoch": next_epoch, "batch": next_batch, **_data_order(train_data)}
             meta = {**position, "sums": sums, "history": history}
             checkpointer.save(step, {"model": model, "opt_state": opt_state}, meta)
 
@@ -152,7 +164,8 @@ def fit(
                 sums = [sums[0] + loss_value, sums[1] + float(acc)]
                 if metrics and step % log_every == 0:
                     metrics.write(json.dumps({"step": step, "epoch": epoch + 1, "loss": loss_value}) + "\n")
-                if checkpoint_every and step % checkpoint_every == 0:
+                last_batch = index + 1 == train_data.steps_per_epoch  # saved below, at the epoch's end
+                if checkpoint_every and step % checkpoint_every == 0 and not last_batch:
                     save(epoch, index + 1)
             steps = train_data.steps_per_epoch  # sums cover the whole epoch, resumed or not
             record = {
@@ -180,6 +193,21 @@ def format_epoch(record: dict[str, Any]) -> str:
     if "test_acc" in record:
         line += f" · test acc {record['test_acc']:.3f}"
     return line
+
+
+def _data_order(data: Dataset) -> dict[str, int]:
+    """What fixes which examples batch ``b`` of epoch ``e`` holds."""
+    return {"shuffle_seed": data.shuffle_seed, "batch_size": data.batch_size, "examples": data.num_examples}
+
+
+def _check_position(meta: dict[str, Any], data: Dataset, directory: Any) -> None:
+    """A resumed run must deal the data out as the saved one did, or "batch b" means other examples."""
+    saved = {name: meta.get(name) for name in _data_order(data)}
+    if saved != _data_order(data):
+        raise ResumeError(
+            f"the checkpoint in {directory} was saved with data order {saved}, but this run has "
+            f"{_data_order(data)}; resume with the same --seed and --batch-size, or start afresh"
+        )
 
 
 def _checkpointer(directory: str | os.PathLike[str] | None, keep: int, log: Callable[[str], None]) -> Any:

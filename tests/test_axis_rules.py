@@ -233,3 +233,31 @@ def test_an_indivisible_output_layer_is_named_before_compiling():
     expected = r"grow_model: output layers\[0\]\.weight: shape \(8, 6\), dimension 1"
     with pytest.raises(ShardingError, match=expected):
         ms.Sharded(MESH, AxisRules(embed=None, mlp="model"))(grow_model).specs()
+
+
+def test_sharded_takes_positional_arguments_only():
+    def forward(model, x):
+        return model(x)
+
+    with pytest.raises(TypeError, match=r"pass arguments by position.*\['x'\]"):
+        ms.Sharded(MESH, RULES)(forward)(numpy_mlp([8, 8], [("embed", "mlp")]), x=np.ones((2, 8)))
+
+
+class Bank(ms.Layer):
+    """A layer whose parameter is a dict of arrays that no axis names annotate."""
+
+    param_fields = ("weights",)
+
+    def __init__(self):
+        self.weights = {"w": np.ones((8, 4), np.float32)}
+
+    def __call__(self, x):
+        return x @ self.weights["w"]
+
+
+def test_unannotated_arrays_inside_a_layer_are_replicated_by_shard_and_sharded_alike():
+    bank = ms.shard(Bank(), MESH, RULES)
+    assert bank.weights["w"].sharding.spec == P()
+    step = ms.Sharded(MESH, RULES)(lambda layer, x: layer(x))
+    assert step.specs(bank, np.ones((4, 8), np.float32)).inputs[0].weights["w"] == P()
+    assert step(bank, np.ones((4, 8), np.float32)).shape == (4, 4)  # no "committed to" mismatch

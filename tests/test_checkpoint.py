@@ -230,3 +230,16 @@ def test_nothing_loadable_names_every_checkpoint(tmp_path):
     assert info.value.__context__ is None
     with Checkpointer(tmp_path) as ckpt, pytest.raises(CheckpointError, match="no checkpoint for step 5"):
         ckpt.restore(state, step=5)
+
+
+def test_a_target_of_another_model_is_named_not_taken_for_corruption(tmp_path):
+    lines = []
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        ckpt.save(1, train_state(), {})
+        ckpt.save(2, train_state(), {})
+        wider = minishard.mlp([16, 64, 8], key=jax.random.key(0), axes=MEGATRON)
+        target = {**train_state(momentum=0.0), "model": wider}
+        expected = r"(?s)2 holds other arrays.*weight: checkpoint \(16, 32\), target \(16, 64\).*has none"
+        with pytest.raises(CheckpointError, match=expected):
+            ckpt.restore(target)
+    assert lines == []  # no fallback: an older checkpoint would not fit either

@@ -165,3 +165,8 @@ def test_cats_vs_dogs_resizes_any_photo_to_200x200(tmp_path):
 def test_registry_names_a_loader_and_its_shapes_for_each_dataset():
     assert data.DATASETS.keys() == data.DATASET_INFO.keys() == {"mnist", "cats_vs_dogs"}
     assert data.DATASET_INFO["mnist"].num_classes == 10
+
+
+def test_images_and_labels_must_match_in_length():
+    with pytest.raises(ValueError, match="10 images but 9 labels"):
+        data.Dataset(np.zeros((10, 2, 2, 1), np.uint8), np.zeros(9), batch_size=2)

@@ -30,6 +30,7 @@ from strategies import (
     seeds,
 )
 
+import minishard as ms
 from minishard import Layer, Linear, Sequential, cross_entropy, mlp
 from minishard.tree import count_params, named_leaves, tree_bytes
 
@@ -338,3 +339,14 @@ def test_named_leaves_of_a_bare_array_is_the_root():
     x = jnp.ones(3)
     [(path, leaf)] = named_leaves(x)
     assert path == "<root>" and leaf is x
+
+
+def test_a_plain_function_in_sequential_is_refused_with_the_fix():
+    with pytest.raises(TypeError, match=r"Sequential.layers\[1\] is the function 'relu'.*such as ReLU\(\)"):
+        ms.Sequential([ms.Linear(2, 2, key=jax.random.key(0)), jax.nn.relu])
+
+
+def test_megatron_axes_needs_a_linear():
+    assert ms.megatron_axes(2) == [("embed", "mlp"), ("mlp", "classes")]
+    with pytest.raises(ValueError, match="at least one Linear"):
+        ms.megatron_axes(0)
