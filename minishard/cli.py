@@ -105,6 +105,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int)
     add("--checkpoint-dir", help="save checkpoints here (every --checkpoint-every steps and per epoch)")
     add("--checkpoint-every", type=int, default=None, help="steps between checkpoints")
+    add("--keep", type=int, default=3, help="checkpoints to keep (default %(default)s)")
     add("--resume", action="store_true", help="continue from the latest good checkpoint")
     add("--plot", help="write a PNG of loss and accuracy per epoch")
     add("--log", help="append JSON lines of metrics (per epoch, and every 100 steps)")
@@ -182,6 +183,7 @@ def train(args: argparse.Namespace) -> int:
             eval_data=test_data,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
+            keep=args.keep,
             resume=args.resume,
             metrics_log=args.log,
         )
