@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,13 +118,13 @@ class Checkpointer:
 
     def _load(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         named = _named(target)
+        _silence_echoes_of_failed_reads()  # before: the echoes can come before the exception does
         self._check_fits(step, named)
         abstract = {
             name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
             for name, leaf in named
         }
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
-        _silence_echoes_of_failed_reads()  # before: the echoes can come before the exception does
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         arrays = [restored["state"][name] for name, _ in named]
         # The structure comes from the target, not from the disk.
@@ -190,6 +191,8 @@ def _silence_echoes_of_failed_reads() -> None:
     if sys.unraisablehook is not _quiet_hook:
         _previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_hook
     logging.getLogger("asyncio").addFilter(_not_an_unawaited_read)  # no-op when already there
+    unawaited = "coroutine 'Store._get_array_metadatas' was never awaited"  # tensorstore, same failure
+    warnings.filterwarnings("ignore", unawaited, RuntimeWarning)
 
 
 def _quiet_hook(unraisable: Any) -> None:
