@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import minishard as ms
-from minishard.report import explain
 
 IMAGE, PATCH, EMBED, HEADS, CLASSES = 16, 4, 32, 4, 4
 TOKENS = (IMAGE // PATCH) ** 2
@@ -139,7 +138,7 @@ def main(steps: int = 100) -> None:
     step = ms.Sharded(mesh, rules)(train_step)
     images, labels = brightest_quadrant(64, seed=0)
     opt_state = optimizer.init(model)
-    print(explain(model, mesh, rules, step=step, args=(model, opt_state, images, labels)))
+    print(ms.explain(model, mesh, rules, step=step, args=(model, opt_state, images, labels)))
 
     # One step sharded equals one step on a single device.
     single = jax.jit(train_step)(model, opt_state, images, labels)

@@ -10,7 +10,6 @@ import pytest
 
 import minishard as ms
 from minishard.data import DATASET_INFO
-from minishard.report import explain
 
 SIZES = [DATASET_INFO["cats_vs_dogs"].num_features, 2048, 1024, 2]
 
@@ -32,7 +31,7 @@ def test_the_model_has_248m_parameters_and_allocates_nothing(abstract_model):
 def test_sharding_the_hidden_dims_on_model_leaves_a_quarter_per_device(abstract_model):
     mesh = ms.make_mesh({"data": 2, "model": 4})
     rules = ms.AxisRules(batch="data", embed=None, mlp="model", classes=None)
-    report = explain(abstract_model, mesh, rules)
+    report = ms.explain(abstract_model, mesh, rules)
     assert report.total_bytes == ms.tree.tree_bytes(abstract_model)
     # Only the 2048-wide hidden dimension ("mlp") is split; the replicated rest is ~0.1% of the bytes.
     expected = sum(row.bytes // 4 if "model" in str(row.spec) else row.bytes for row in report.rows)
