@@ -100,7 +100,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--staircase", action="store_true", help="decay in steps rather than smoothly")
     add("--momentum", type=float, help="(default %(default)s)")
     add("--mesh", type=_mesh, help="mesh axes, e.g. data=2,model=4 (default %(default)s)")
-    add("--rules", type=_rules, help="logical=mesh axis rules, e.g. mlp=model (default %(default)s)")
+    add("--rules", type=_rules, help="logical=mesh rules, e.g. mlp=model (default: batch=data, mlp=model)")
     add("--devices", type=int, help="CPU devices to simulate when there is no accelerator")
     add("--seed", type=int)
     add("--checkpoint-dir", help="save checkpoints here (every --checkpoint-every steps and per epoch)")
