@@ -26,6 +26,7 @@ That is why it keeps several (``keep``), not one.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -139,7 +140,12 @@ class Checkpointer:
         try:
             stored = dict(self._manager.item_metadata(step)["state"])
         except Exception:
-            return  # unreadable metadata: the restore itself reports it, and falls back
+            stored = None
+        if stored is None:  # unreadable metadata: the restore itself reports it, and falls back
+            with warnings.catch_warnings():  # tensorstore leaves a read unawaited: collect it quietly
+                warnings.simplefilter("ignore", RuntimeWarning)
+                gc.collect()
+            return
         wanted = {name: tuple(leaf.shape) for name, leaf in named}
         have = {name: tuple(meta.shape) for name, meta in stored.items()}
         differences = [
