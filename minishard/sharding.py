@@ -239,7 +239,7 @@ class Sharded:
       back replicated; other arrays are left to XLA.
 
     One ``jax.jit`` is built per input structure and cached, so a training
-    step pays one ``tree_flatten`` and a dict lookup on top of ``jax.jit``.
+    step pays one ``tree_flatten`` and two dict lookups on top of ``jax.jit``.
 
     >>> import jax, jax.numpy as jnp
     >>> from minishard import mlp
@@ -266,6 +266,7 @@ class Sharded:
         self._batch_entry = self.rules.spec((batch_axis,), mesh)[0] if knows_batch else None
 
     def __call__(self, fn: Callable[..., Any]) -> ShardedFunction:
+        """Wrap ``fn``; nothing is traced or compiled until the first call."""
         return ShardedFunction(fn, self)
 
     @property

@@ -119,6 +119,8 @@ def fit(
     checkpoint is written every ``checkpoint_every`` steps and at each epoch
     end; ``resume=True`` continues from the latest good one (``epochs`` is the
     total, so resuming after epoch 1 with ``epochs=2`` trains one more epoch).
+    A non-finite loss stops training (``NonFiniteLossError``) before anything
+    bad is saved. The caller's ``model`` is left intact: ``fit`` trains a copy.
     """
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
     train_step = sharded(make_train_step(optimizer))
@@ -155,8 +157,8 @@ def fit(
                 step += 1
                 loss_value = float(loss)  # waits for the step; XLA:CPU must not queue collectives unboundedly
                 if not math.isfinite(loss_value):
-                    last = checkpointer.steps()[-1] if checkpointer and checkpointer.steps() else None
-                    kept = f"; the last good checkpoint (step {last}) is kept" if last is not None else ""
+                    saved = checkpointer.steps() if checkpointer else []
+                    kept = f"; the last good checkpoint (step {saved[-1]}) is kept" if saved else ""
                     raise NonFiniteLossError(
                         f"loss is {loss_value} at step {step} (epoch {epoch + 1}, batch {index}){kept}. "
                         "Try a smaller --lr."
