@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import minishard as ms
+from minishard.collectives import summary
 
 
 def main(pairs: int = 4000, length: int = 10_000) -> None:
@@ -37,7 +38,7 @@ def main(pairs: int = 4000, length: int = 10_000) -> None:
     dot = jax.jit(jax.vmap(jnp.vdot), in_shardings=(blocks, blocks), out_shardings=rows)
     result = dot(a, b)
     print("result", result.shape, result.sharding.spec)
-    print(ms.report.summary(ms.collectives(dot.lower(a, b))))
+    print(summary(ms.collectives(dot.lower(a, b))))
 
     expected = np.einsum("ij,ij->i", np.asarray(a, np.float64), np.asarray(b, np.float64))
     np.testing.assert_allclose(np.asarray(result), expected, rtol=1e-4, atol=1e-2)

@@ -40,7 +40,7 @@ class LayerNorm(ms.Layer):
         mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
         return (x - mean) * jax.lax.rsqrt(var + 1e-6) * self.scale + self.bias
 
-    def param_axes(self) -> dict[str, ms.Axes]:
+    def param_logical_axes(self) -> dict[str, ms.LogicalAxes]:
         return {"scale": ("embed",), "bias": ("embed",)}
 
 
@@ -63,7 +63,7 @@ class Attention(ms.Layer):
         mixed = jnp.einsum("hts,shd->thd", weights, v)
         return jnp.einsum("thd,hdf->tf", mixed, self.out)  # sums over heads: the all-reduce
 
-    def param_axes(self) -> dict[str, ms.Axes]:
+    def param_logical_axes(self) -> dict[str, ms.LogicalAxes]:
         return {"qkv": ("embed", None, "heads", None), "out": ("heads", None, "embed")}
 
 
@@ -105,7 +105,7 @@ class ViT(ms.Layer):
             x = block(x)
         return self.head(self.norm(x).mean(axis=0))
 
-    def param_axes(self) -> dict[str, ms.Axes]:
+    def param_logical_axes(self) -> dict[str, ms.LogicalAxes]:
         return {"positions": (None, "embed")}  # the sub-layers answer for themselves
 
 

@@ -1,31 +1,35 @@
 """minishard: a from-scratch mini-framework that teaches distributed training on JAX.
 
-Read the modules in this order; each teaches one idea:
+Read the modules in this order; each teaches one idea, and imports only the ones before it:
 
+* ``tree``: naming and counting the leaves of any pytree;
+* ``rules``: logical axes -> mesh axes (``AxisRules``);
 * ``layers``: models as pytrees (``Layer``, ``Linear``, ``Sequential``, ``mlp``);
 * ``losses``, ``optim``: cross-entropy and a pure, functional SGD;
-* ``rules``: logical axis names -> mesh axis names;
-* ``sharding``: meshes, PartitionSpecs for whole models, and ``Sharded``;
-* ``hlo``, ``report``: the collectives XLA inserted, and ``explain``;
-* ``data``, ``train``, ``checkpoint``, ``cli``: MNIST end to end;
+* ``sharding``: meshes, one ``plan`` for a whole tree, ``shard`` and ``Sharded``;
+* ``collectives``: what a compiled program sends between devices, read from its HLO;
+* ``explain``: the plan and the collectives of a step, as one report;
+* ``data``, ``checkpoint``, ``train``, ``cli``: MNIST end to end;
 * ``testing``: hypothesis strategies to property-test your own models' sharding.
 """
 
 from minishard import tree
-from minishard.layers import Axes, Layer, Linear, ReLU, Sequential, Swish, megatron_axes, mlp
+from minishard.collectives import Collective, collectives
+from minishard.explain import Report, explain
+from minishard.layers import Layer, Linear, ReLU, Sequential, Swish, megatron_axes, mlp
 from minishard.losses import accuracy, cross_entropy, one_hot
 from minishard.optim import SGD, SGDState, exponential_decay
-from minishard.report import Collective, Report, collectives, explain
-from minishard.rules import AxisRules, ShardingError
-from minishard.sharding import Sharded, make_mesh, partition_specs, shard
+from minishard.rules import AxisRules, LogicalAxes, ShardingError
+from minishard.sharding import Plan, Sharded, make_mesh, partition_specs, plan, shard
 
 __all__ = [
     "SGD",
-    "Axes",
     "AxisRules",
     "Collective",
     "Layer",
     "Linear",
+    "LogicalAxes",
+    "Plan",
     "ReLU",
     "Report",
     "SGDState",
@@ -43,6 +47,7 @@ __all__ = [
     "mlp",
     "one_hot",
     "partition_specs",
+    "plan",
     "shard",
     "tree",
 ]

@@ -14,10 +14,10 @@ gets three things wrong at scale:
   resumes on ``data=8`` or on one device.
 
 A checkpoint ``<step>/`` holds two items: ``state``, every array of the model
-and optimizer state (its step counter, its momentum) under its readable path
+and optimizer state (its step counter, its velocities) under its readable path
 such as ``model.layers[0].weight``, and ``meta``, a JSON dict with the position
 in the data (epoch, batch, shuffle seed) and the history. The pytree structure
-(Layer classes, a ``None`` momentum) is not stored: it comes from the target.
+(Layer classes, a ``None`` velocity) is not stored: it comes from the target.
 
 Restoring the latest checkpoint falls back: if it is unreadable (a truncated
 file, a bad disk), the ``Checkpointer`` logs why and tries the one before.
@@ -26,18 +26,23 @@ That is why it keeps several (``keep``), not one.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
 import os
+import re
 import sys
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from minishard.tree import named_leaves
 
 
 class CheckpointError(RuntimeError):
@@ -82,9 +87,10 @@ class Checkpointer:
             for s in stale:
                 self._manager.delete(s)
         items = {"state": ocp.args.StandardSave(dict(_named(state))), "meta": ocp.args.JsonSave(meta)}
-        # force: the caller decides when to save, not orbax's save-interval policy.
-        self._manager.save(int(step), args=ocp.args.Composite(**items), force=True)
-        self._manager.wait_until_finished()
+        with quiet_storage_noise():
+            # force: the caller decides when to save, not orbax's save-interval policy.
+            self._manager.save(int(step), args=ocp.args.Composite(**items), force=True)
+            self._manager.wait_until_finished()
 
     def steps(self) -> list[int]:
         """Steps of the finalized checkpoints, ascending (unfinished tmp dirs never count)."""
@@ -106,7 +112,8 @@ class Checkpointer:
         failures = []
         for i, candidate in enumerate(candidates):
             try:
-                return candidate, *self._load(candidate, target)
+                with quiet_storage_noise():
+                    return candidate, *self._load(candidate, target)
             except CheckpointError:
                 raise  # the target does not fit: an older checkpoint would not fit either
             except Exception as e:
@@ -119,34 +126,34 @@ class Checkpointer:
 
     def _load(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         named = _named(target)
-        _silence_echoes_of_failed_reads()  # before: the echoes can come before the exception does
-        self._check_fits(step, named)
+        stored_as = self._check_fits(step, named)  # target name -> the name it was saved under
         abstract = {
-            name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
+            stored_as[name]: jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None)
+            )
             for name, leaf in named
         }
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        arrays = [restored["state"][name] for name, _ in named]
+        arrays = [restored["state"][stored_as[name]] for name, _ in named]
         # The structure comes from the target, not from the disk.
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), arrays), restored["meta"]
 
-    def _check_fits(self, step: int, named: list[tuple[str, Any]]) -> None:
+    def _check_fits(self, step: int, named: list[tuple[str, Any]]) -> dict[str, str]:
         """Compare the target's arrays with the stored ones, by name and shape, before reading data.
 
         A different model (other ``--layers``, momentum on or off) is the user's mistake, not
         corruption: say which arrays differ instead of falling back through every checkpoint.
+        Returns, per target name, the name it is stored under (older names are accepted).
         """
         try:
             stored = dict(self._manager.item_metadata(step)["state"])
         except Exception:
             stored = None
         if stored is None:  # unreadable metadata: the restore itself reports it, and falls back
-            with warnings.catch_warnings():  # tensorstore leaves a read unawaited: collect it quietly
-                warnings.simplefilter("ignore", RuntimeWarning)
-                gc.collect()
-            return
-        wanted = {name: tuple(leaf.shape) for name, leaf in named}
+            return {name: name for name, _ in named}
+        stored_as = {name: _older_name(name) if _older_name(name) in stored else name for name, _ in named}
+        wanted = {stored_as[name]: tuple(leaf.shape) for name, leaf in named}
         have = {name: tuple(meta.shape) for name, meta in stored.items()}
         differences = [
             f"{name}: checkpoint {have.get(name, 'has none')}, target {wanted.get(name, 'has none')}"
@@ -158,6 +165,7 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)} holds other arrays than the state to restore "
                 "into (another model or optimizer?):\n  " + "\n  ".join(differences[:10])
             )
+        return stored_as
 
     def close(self) -> None:
         """Release orbax's resources (also done by ``with Checkpointer(...)``)."""
@@ -172,12 +180,15 @@ class Checkpointer:
 
 def _named(tree: Any) -> list[tuple[str, Any]]:
     """``[("model.layers[0].weight", leaf), ...]``: each leaf with the name it is stored under."""
-    key_str = lambda key: f".{key.key}" if isinstance(key, jax.tree_util.DictKey) else str(key)  # noqa: E731
-    paths = jax.tree_util.tree_leaves_with_path(tree)
-    named = [("".join(map(key_str, path)).removeprefix(".") or "<root>", leaf) for path, leaf in paths]
-    if len({name for name, _ in named}) < len(named):  # {"a.b": x} and {"a": {"b": y}} would collide
+    named = named_leaves(tree)
+    if len({name for name, _ in named}) < len(named):  # cannot happen with minishard's paths; checked anyway
         raise CheckpointError(f"two leaves of the state share a name: {sorted(n for n, _ in named)}")
     return named
+
+
+def _older_name(name: str) -> str:
+    """The name an array had in older checkpoints: ``SGDState.velocity`` was called ``momentum``."""
+    return re.sub(r"(^|\.)velocity(?=\.|\[|$)", r"\1momentum", name)
 
 
 def _reason(error: BaseException, checkpoint: Path) -> str:
@@ -189,26 +200,46 @@ def _reason(error: BaseException, checkpoint: Path) -> str:
     return f"{type(error).__name__}: {line[:240]}" if line else type(error).__name__
 
 
-def _silence_echoes_of_failed_reads() -> None:
-    """orbax stops at the first failed read and closes its event loop; tensorstore's other
-    reads then report to the closed loop ("Exception ignored ... Event loop is closed") or
-    leave failed tasks unawaited. They repeat a failure already reported: drop just those."""
-    global _previous_hook
-    if sys.unraisablehook is not _quiet_hook:
-        _previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_hook
-    logging.getLogger("asyncio").addFilter(_not_an_unawaited_read)  # no-op when already there
-    unawaited = "coroutine 'Store._get_array_metadatas' was never awaited"  # tensorstore, same failure
-    warnings.filterwarnings("ignore", unawaited, RuntimeWarning)
+_ECHO_GRACE_SECONDS = 0.25
 
 
-def _quiet_hook(unraisable: Any) -> None:
-    if not (isinstance(unraisable.exc_value, RuntimeError) and "loop is closed" in str(unraisable.exc_value)):
-        _previous_hook(unraisable)
+@contextlib.contextmanager
+def quiet_storage_noise() -> Iterator[None]:
+    """Keep tensorstore's echoes of a failed read out of the terminal, for one save or restore.
+
+    orbax stops at the first failed read and closes its event loop; tensorstore's
+    other reads then report to the closed loop ("Exception ignored ... Event loop
+    is closed") or leave failed tasks unawaited. They repeat a failure already
+    reported. Only those messages are dropped, only inside this block, and the
+    previous hook, filters and warning settings are restored on the way out.
+    """
+    previous_hook = sys.unraisablehook
+    asyncio_log = logging.getLogger("asyncio")
+
+    def quiet_hook(unraisable: Any) -> None:
+        closed = isinstance(unraisable.exc_value, RuntimeError) and "loop is closed" in str(
+            unraisable.exc_value
+        )
+        if not closed:
+            previous_hook(unraisable)
+
+    sys.unraisablehook = quiet_hook
+    asyncio_log.addFilter(_not_an_unawaited_read)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "coroutine '.*' was never awaited", RuntimeWarning)
+            try:
+                yield
+            except BaseException:
+                time.sleep(_ECHO_GRACE_SECONDS)  # a failed read's siblings finish on tensorstore's threads
+                raise
+            finally:
+                gc.collect()  # the unawaited reads are collected (and silenced) here, not later
+    finally:
+        sys.unraisablehook = previous_hook
+        asyncio_log.removeFilter(_not_an_unawaited_read)
 
 
 def _not_an_unawaited_read(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     return not ("never retrieved" in message and ("orbax" in message or "tensorstore" in message))
-
-
-_previous_hook: Callable[[Any], object] = sys.unraisablehook

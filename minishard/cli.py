@@ -21,9 +21,9 @@ from typing import Any
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 
 from minishard.data import DATASET_INFO, DATASETS, DataError
+from minishard.explain import explain
 from minishard.layers import ACTIVATIONS, megatron_axes, mlp
 from minishard.optim import SGD, exponential_decay
-from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
 from minishard.sharding import make_mesh
 from minishard.train import TrainingError, fit

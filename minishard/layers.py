@@ -8,8 +8,8 @@ every minishard ``Layer`` tells JAX two things about itself:
   holding arrays and other layers. They become the pytree's children, so JAX
   traces them, differentiates them and shards them.
 * which attributes are **static configuration** (``static_fields``): sizes,
-  logical axis names, the activation's name. They become the pytree's *aux
-  data*, part of the tree's structure (its ``treedef``). ``jax.jit`` hashes the
+  logical axes, the activation's name. They become the pytree's *aux data*,
+  part of the tree's structure (its ``treedef``). ``jax.jit`` hashes the
   structure to look up compiled code, so static data must be hashable, and
   changing it compiles anew while changing only parameter values never does.
 
@@ -17,6 +17,11 @@ every minishard ``Layer`` tells JAX two things about itself:
 methods you can step through in a debugger. ``Layer.__init_subclass__`` hands
 every subclass to ``jax.tree_util.register_pytree_with_keys_class``, so a user's
 own layer is a pytree the moment its class statement runs.
+
+A built layer is **immutable**, as in Equinox: ``layer.weight = ...`` raises,
+and ``layer.replace(weight=...)`` returns a changed copy. Mutating a pytree in
+place is the classic silent bug under ``jit`` (the compiled function never sees
+the change), so minishard makes it impossible.
 
 >>> import jax
 >>> layer = Linear(3, 2, key=jax.random.key(0))
@@ -26,6 +31,8 @@ own layer is a pytree the moment its class statement runs.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -33,10 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-Axes = tuple[str | None, ...]
-"""Logical axis names of one array, one entry per dimension (``None``: not annotated)."""
+from minishard.rules import LogicalAxes
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.number, np.bool_)  # what jit accepts as a leaf
+_BUILDING = "__building__"  # in a layer's __dict__ only while its __init__ runs
 
 
 class Layer:
@@ -55,12 +62,13 @@ class Layer:
             def __call__(self, x):
                 return self.factor * x
 
-    Assigning an attribute checks it (``__setattr__``): a parameter must hold
-    arrays, static data must be hashable and must not be an array (an array in
-    the treedef would be hashed into jit's cache key and recompile silently),
-    and an undeclared attribute is refused because ``tree_unflatten`` would
-    drop it. These checks run only when *you* build a layer; JAX rebuilds
-    layers through ``tree_unflatten``, which sets fields without checking.
+    While ``__init__`` runs, each assignment is checked (``__setattr__``): a
+    parameter must hold arrays, static data must be hashable and must not be
+    an array (an array in the treedef would be hashed into jit's cache key and
+    recompile silently), and an undeclared attribute is refused because
+    ``tree_unflatten`` would drop it. When ``__init__`` returns, every declared
+    field must have been set, and the layer is frozen. JAX rebuilds layers
+    through ``tree_unflatten``, which sets fields without any of these checks.
     """
 
     param_fields: ClassVar[tuple[str, ...]] = ()
@@ -68,6 +76,9 @@ class Layer:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        _check_field_lists(cls)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _freezing(cls.__init__)  # type: ignore[method-assign]
         # The one line that makes every Layer subclass a pytree. It registers
         # tree_flatten_with_keys (paths like `.layers[0].weight` in errors),
         # tree_flatten (the fast path jit uses on every call) and tree_unflatten.
@@ -102,24 +113,35 @@ class Layer:
         fields.update(zip(cls.static_fields, aux_data))
         return layer
 
-    # -- checks at construction ---------------------------------------------
+    # -- construction, then frozen -------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
         where = f"{type(self).__name__}.{name}"
-        if name in self.param_fields:
-            _check_param(where, value)
-        elif name in self.static_fields:
-            _check_static(where, value)
-        else:
+        if _BUILDING not in self.__dict__:
             raise AttributeError(
-                f"{where} is neither in param_fields {self.param_fields} nor in "
-                f"static_fields {self.static_fields}; declare it there, or "
-                "tree_unflatten (used by jit, grad and vmap) would drop it"
+                f"cannot assign {where}: a built Layer is immutable (jit would not see the change). "
+                f"Make a changed copy: layer.replace({name}=...), or jax.tree_util.tree_map for every array"
             )
-        object.__setattr__(self, name, value)
+        object.__setattr__(self, name, _checked_field(type(self), name, value))
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete {type(self).__name__}.{name}: a built Layer is immutable")
+
+    def replace(self, **changes: Any) -> Layer:
+        """A copy with some fields changed, checked like assignments in ``__init__``.
+
+        >>> import jax, jax.numpy as jnp
+        >>> layer = Linear(2, 2, key=jax.random.key(0))
+        >>> layer.replace(bias=jnp.zeros(2)).bias.tolist()
+        [0.0, 0.0]
+        """
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update({name: _checked_field(type(self), name, v) for name, v in changes.items()})
+        return copy
 
     # -- what the sharding module reads -------------------------------------
-    def param_axes(self) -> dict[str, Axes]:
-        """Logical axis names for each array parameter of *this* layer.
+    def param_logical_axes(self) -> dict[str, LogicalAxes]:
+        """The logical axes of each array parameter of *this* layer.
 
         Sub-layers answer for themselves. The default annotates nothing
         (every dimension ``None``, i.e. replicated); ``Linear`` overrides it.
@@ -134,6 +156,57 @@ class Layer:
         parts = [f"{n}={_short(self.__dict__[n])}" for n in self.param_fields]
         parts += [f"{n}={self.__dict__[n]!r}" for n in self.static_fields]
         return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _freezing(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap a subclass's ``__init__``: fields may be assigned while it runs, then never again."""
+
+    @functools.wraps(init)
+    def __init__(self: Layer, *args: Any, **kwargs: Any) -> None:
+        fields = self.__dict__
+        if _BUILDING in fields:  # a subclass's __init__ called super().__init__: it finishes the job
+            init(self, *args, **kwargs)
+            return
+        fields[_BUILDING] = True
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            del fields[_BUILDING]
+        if missing := [n for n in (*self.param_fields, *self.static_fields) if n not in fields]:
+            raise TypeError(
+                f"{type(self).__name__}.__init__ never set {missing}; every field in param_fields "
+                "and static_fields must be assigned (use None for an absent parameter)"
+            )
+
+    return __init__
+
+
+def _check_field_lists(cls: type[Layer]) -> None:
+    """``param_fields``/``static_fields``: tuples of names, no name in both."""
+    for kind in ("param_fields", "static_fields"):
+        names = getattr(cls, kind)
+        if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+            raise TypeError(
+                f"{cls.__name__}.{kind} must be a tuple of field names, got {names!r}"
+                + (f"; for one field write ({names!r},)" if isinstance(names, str) else "")
+            )
+    if both := sorted(set(cls.param_fields) & set(cls.static_fields)):
+        raise TypeError(f"{cls.__name__}: {both} listed in both param_fields and static_fields; choose one")
+
+
+def _checked_field(cls: type[Layer], name: str, value: Any) -> Any:
+    where = f"{cls.__name__}.{name}"
+    if name in cls.param_fields:
+        _check_param(where, value)
+    elif name in cls.static_fields:
+        _check_static(where, value)
+    else:
+        raise AttributeError(
+            f"{where} is neither in param_fields {cls.param_fields} nor in "
+            f"static_fields {cls.static_fields}; declare it there, or "
+            "tree_unflatten (used by jit, grad and vmap) would drop it"
+        )
+    return value
 
 
 def _short(value: Any) -> str:
@@ -166,6 +239,11 @@ def _check_static(where: str, value: Any) -> None:
                 f"{leaf.shape}; static data is hashed into jit's cache key, so an array "
                 "there recompiles on every new value. Make it a parameter (param_fields)."
             )
+        if isinstance(leaf, float) and math.isnan(leaf):
+            raise ValueError(
+                f"static field {where}{jax.tree_util.keystr(path)} is NaN; NaN != NaN, so jit's "
+                "cache would never find its compiled code and recompile on every call"
+            )
     try:
         hash(value)
     except TypeError:
@@ -175,23 +253,50 @@ def _check_static(where: str, value: Any) -> None:
         ) from None
 
 
+def _check_key(where: str, key: Any) -> None:
+    """A PRNG key: ``jax.random.key(seed)`` (typed) or the older ``PRNGKey(seed)`` (uint32[2])."""
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    if not typed and not (dtype == jnp.uint32 and getattr(key, "shape", None) == (2,)):
+        raise TypeError(f"{where}: key must be a PRNG key such as jax.random.key(0), got {key!r:.60}")
+
+
+def _check_input(where: str, x: Any) -> None:
+    """Models take arrays; a list or a string would be turned into one in surprising ways."""
+    if not isinstance(x, _ARRAY_TYPES):
+        raise TypeError(f"{where} takes an array (jax or numpy), got a {type(x).__name__}: {x!r:.60}")
+
+
+def _check_logical_axes(where: str, axes: Any, ndim: int) -> LogicalAxes:
+    if isinstance(axes, str) or not isinstance(axes, Sequence):
+        raise TypeError(
+            f"{where}: axes must be a tuple of {ndim} logical axes (str or None), got {axes!r}"
+            + (f"; did you mean ({axes!r}, ...)?" if isinstance(axes, str) else "")
+        )
+    axes = tuple(axes)
+    if len(axes) != ndim or not all(a is None or isinstance(a, str) for a in axes):
+        raise TypeError(f"{where}: axes must be a tuple of {ndim} logical axes (str or None), got {axes!r}")
+    return axes
+
+
 class Linear(Layer):
     """An affine map ``y = x @ weight + bias`` with ``weight`` of shape (in, out).
 
-    ``axes`` names the logical axes of ``weight``'s two dimensions, for example
-    ``("embed", "mlp")``; the bias follows the output axis. Axis names are
-    static data: they choose *how* the layer is sharded, not *what* it computes.
+    ``axes`` gives the logical axes of ``weight``'s two dimensions, for example
+    ``("embed", "mlp")``, stored as ``logical_axes``; the bias follows the
+    output axis. Logical axes are static data: they choose *how* the layer is
+    sharded, not *what* it computes.
 
     >>> import jax, jax.numpy as jnp
     >>> layer = Linear(4, 3, key=jax.random.key(0), axes=("embed", "mlp"))
     >>> layer(jnp.ones((2, 4))).shape
     (2, 3)
-    >>> layer.param_axes()
+    >>> layer.param_logical_axes()
     {'weight': ('embed', 'mlp'), 'bias': ('mlp',)}
     """
 
     param_fields = ("weight", "bias")
-    static_fields = ("in_features", "out_features", "axes")
+    static_fields = ("in_features", "out_features", "logical_axes")
 
     def __init__(
         self,
@@ -200,24 +305,29 @@ class Linear(Layer):
         *,
         key: jax.Array,
         scale: float = 0.01,
-        axes: Axes = (None, None),
+        axes: LogicalAxes = (None, None),
         use_bias: bool = True,
     ) -> None:
         for name, size in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
                 raise ValueError(f"Linear: {name} must be a positive int, got {size!r}")
-        axes = tuple(axes)
-        if len(axes) != 2:
-            raise ValueError(f"Linear: axes names the 2 dims of weight, got {axes!r}")
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, int | float | np.floating)
+            or not math.isfinite(scale)
+        ):
+            raise TypeError(f"Linear: scale must be a finite number, got {scale!r}")
+        _check_key("Linear", key)
         self.in_features = int(in_features)
         self.out_features = int(out_features)
-        self.axes = axes
+        self.logical_axes = _check_logical_axes("Linear", axes, ndim=2)
         w_key, b_key = jax.random.split(key)
         self.weight = scale * jax.random.normal(w_key, (in_features, out_features))
         self.bias = scale * jax.random.normal(b_key, (out_features,)) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # Shapes are static under jit, so this check costs nothing per step.
+        # Types and shapes are static under jit, so these checks cost nothing per step.
+        _check_input(f"Linear({self.in_features} -> {self.out_features})", x)
         if jnp.ndim(x) == 0 or jnp.shape(x)[-1] != self.in_features:
             raise ValueError(
                 f"Linear({self.in_features} -> {self.out_features}) expects inputs whose "
@@ -226,10 +336,10 @@ class Linear(Layer):
         y = x @ self.weight
         return y if self.bias is None else y + self.bias
 
-    def param_axes(self) -> dict[str, Axes]:
-        axes: dict[str, Axes] = {"weight": self.axes}
+    def param_logical_axes(self) -> dict[str, LogicalAxes]:
+        axes: dict[str, LogicalAxes] = {"weight": self.logical_axes}
         if self.bias is not None:
-            axes["bias"] = (self.axes[1],)
+            axes["bias"] = (self.logical_axes[1],)
         return axes
 
 
@@ -262,8 +372,8 @@ class Sequential(Layer):
 
     param_fields = ("layers",)
 
-    def __init__(self, layers: Sequence[Callable[[jax.Array], jax.Array]]) -> None:
-        self.layers = tuple(layers)
+    def __init__(self, layers: Sequence[Layer]) -> None:
+        self.layers: tuple[Any, ...] = tuple(layers)  # checked: parameters hold arrays, not functions
 
     def __call__(self, x: jax.Array) -> jax.Array:
         for layer in self.layers:
@@ -291,7 +401,7 @@ def mlp(
     key: jax.Array,
     scale: float = 0.01,
     activation: str = "swish",
-    axes: Sequence[Axes] | None = None,
+    axes: Sequence[LogicalAxes] | None = None,
 ) -> Sequential:
     """A multi-layer perceptron: ``Linear, act, Linear, act, ..., Linear``.
 
@@ -308,16 +418,19 @@ def mlp(
     >>> [type(layer).__name__ for layer in model]
     ['Linear', 'Swish', 'Linear']
     """
+    if isinstance(sizes, str) or not isinstance(sizes, Sequence):
+        raise TypeError(f"mlp: sizes must be a list of ints such as [784, 512, 10], got {sizes!r}")
     sizes = list(sizes)
     if len(sizes) < 2:
         raise ValueError(f"mlp needs at least two sizes (inputs and outputs), got {sizes}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"mlp: unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
+    _check_key("mlp", key)
     n_linear = len(sizes) - 1
-    axes = [(None, None)] * n_linear if axes is None else [tuple(a) for a in axes]
+    axes = [(None, None)] * n_linear if axes is None else list(axes)
     if len(axes) != n_linear:
         raise ValueError(f"mlp: {n_linear} Linear layers need {n_linear} axes pairs, got {len(axes)}")
-    layers: list[Callable[[jax.Array], jax.Array]] = []
+    layers: list[Layer] = []
     for i, (k, n_in, n_out) in enumerate(zip(jax.random.split(key, n_linear), sizes, sizes[1:])):
         if i:
             layers.append(ACTIVATIONS[activation]())
@@ -325,7 +438,7 @@ def mlp(
     return Sequential(layers)
 
 
-def megatron_axes(num_linear: int) -> list[Axes]:
+def megatron_axes(num_linear: int) -> list[LogicalAxes]:
     """Logical axes for a Megatron-style MLP of ``num_linear`` Linears.
 
     Linears alternate ``("embed", "mlp")`` and ``("mlp", "embed")``: with
@@ -337,11 +450,13 @@ def megatron_axes(num_linear: int) -> list[Axes]:
     >>> megatron_axes(3)
     [('embed', 'mlp'), ('mlp', 'embed'), ('embed', 'classes')]
     """
-    if num_linear < 1:
-        raise ValueError(f"megatron_axes: an MLP has at least one Linear, got num_linear={num_linear}")
-    axes: list[Axes] = [("embed", "mlp") if i % 2 == 0 else ("mlp", "embed") for i in range(num_linear)]
+    if isinstance(num_linear, bool) or not isinstance(num_linear, int) or num_linear < 1:
+        raise ValueError(f"megatron_axes: an MLP has at least one Linear, got num_linear={num_linear!r}")
+    axes: list[LogicalAxes] = [
+        ("embed", "mlp") if i % 2 == 0 else ("mlp", "embed") for i in range(num_linear)
+    ]
     axes[-1] = (axes[-1][0], "classes")
     return axes
 
 
-__all__ = ["Axes", "Layer", "Linear", "ReLU", "Sequential", "Swish", "megatron_axes", "mlp"]
+__all__ = ["Layer", "Linear", "ReLU", "Sequential", "Swish", "megatron_axes", "mlp"]

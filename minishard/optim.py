@@ -11,9 +11,9 @@ call per step. The numbers are the same: the tests check them against optax.)
 
 Nothing is mutated and nothing happens on the side, so ``update`` can be
 jitted, and the state can be sharded and checkpointed exactly like the
-parameters. The momentum buffer has the parameters' own structure (it *is* a
-model-shaped tree of velocities), so ``minishard.partition_specs`` shards it
-like the model without being told.
+parameters. The velocity buffer has the parameters' own structure (it *is* a
+model-shaped tree), so ``minishard.partition_specs`` shards it like the model
+without being told.
 
 >>> import jax.numpy as jnp
 >>> opt = SGD(exponential_decay(0.1, decay_rate=0.5, decay_steps=1))
@@ -27,13 +27,27 @@ like the model without being told.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 
 Schedule = Callable[[jax.Array], jax.Array]
+
+
+def _positive(where: str, value: Any) -> float:
+    """A finite number > 0, or an error naming the argument: a negative rate would ascend."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{where} must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def exponential_decay(
@@ -43,9 +57,12 @@ def exponential_decay(
 
     With ``staircase=True`` the exponent is floored, so the rate drops in steps
     every ``decay_steps`` updates instead of smoothly. Step 0 uses ``init_value``.
+    A ``decay_rate`` above 1 grows the rate; one at or below 0 is refused.
     """
-    if decay_steps <= 0:
-        raise ValueError(f"exponential_decay: decay_steps must be positive, got {decay_steps}")
+    init_value = _positive("exponential_decay: init_value", init_value)
+    decay_rate = _positive("exponential_decay: decay_rate", decay_rate)
+    if isinstance(decay_steps, bool) or not isinstance(decay_steps, int) or decay_steps <= 0:
+        raise ValueError(f"exponential_decay: decay_steps must be a positive int, got {decay_steps!r}")
 
     def schedule(step: jax.Array) -> jax.Array:
         exponent = jnp.asarray(step, jnp.float32) / decay_steps
@@ -57,10 +74,13 @@ def exponential_decay(
 
 
 class SGDState(NamedTuple):
-    """``step``: updates taken so far; ``momentum``: velocities shaped like params (None without momentum)."""
+    """``step``: updates taken so far; ``velocity``: shaped like params (None without momentum).
+
+    (Called ``momentum`` before minishard 0.2; the checkpoints of that time still load.)
+    """
 
     step: jax.Array
-    momentum: Any
+    velocity: Any
 
 
 class SGD:
@@ -72,21 +92,50 @@ class SGD:
     """
 
     def __init__(self, learning_rate: float | Schedule, momentum: float = 0.0) -> None:
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"SGD: momentum must be in [0, 1), got {momentum}")
-        self.learning_rate = learning_rate
-        self.momentum = momentum
+        if not callable(learning_rate):
+            learning_rate = _positive(
+                "SGD: learning_rate (a number, or a callable of the step)", learning_rate
+            )
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"SGD: momentum must be a number in [0, 1), got {momentum!r}")
+        self.learning_rate: float | Schedule = learning_rate
+        self.momentum: float = float(momentum)
 
     def init(self, params: Any) -> SGDState:
         """Step 0 and, with momentum, zero velocities shaped (and later sharded) like ``params``."""
         velocity = jax.tree_util.tree_map(jnp.zeros_like, params) if self.momentum else None
-        return SGDState(step=jnp.zeros((), jnp.int32), momentum=velocity)
+        return SGDState(step=jnp.zeros((), jnp.int32), velocity=velocity)
 
     def update(self, params: Any, grads: Any, state: SGDState) -> tuple[Any, SGDState]:
-        """One step: new params and state. Pure, so it runs inside a jitted train step."""
+        """One step: new params and state. Pure, so it runs inside a jitted train step.
+
+        The schedule is evaluated at ``state.step`` *before* it is incremented,
+        so the first update (step 0) uses the schedule's initial value, as in optax.
+        """
+        _check_same_structure(params, grads)
         lr = self.learning_rate(state.step) if callable(self.learning_rate) else self.learning_rate
         velocity = grads
         if self.momentum:
-            velocity = jax.tree_util.tree_map(lambda g, v: g + self.momentum * v, grads, state.momentum)
+            velocity = jax.tree_util.tree_map(lambda g, v: g + self.momentum * v, grads, state.velocity)
         params = jax.tree_util.tree_map(lambda p, v: p - lr * v, params, velocity)
         return params, SGDState(state.step + 1, velocity if self.momentum else None)
+
+
+def _check_same_structure(params: Any, grads: Any) -> None:
+    """Gradients must mirror the parameters; name the first place where they do not."""
+    p_leaves, p_def = jax.tree_util.tree_flatten_with_path(params)
+    g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
+    p_def, g_def = cast(Any, p_def), cast(Any, g_def)  # PyTreeDef comes without type stubs
+    if p_def == g_def and all(jnp.shape(p) == jnp.shape(g) for (_, p), (_, g) in zip(p_leaves, g_leaves)):
+        return
+    for (p_path, p), (g_path, g) in zip(p_leaves, g_leaves):
+        if p_path != g_path or jnp.shape(p) != jnp.shape(g):
+            where = jax.tree_util.keystr(p_path)
+            raise ValueError(
+                f"SGD.update: grads do not match params at params{where} (shape {jnp.shape(p)}): grads has "
+                f"{jax.tree_util.keystr(g_path)} with shape {jnp.shape(g)}"
+            )
+    raise ValueError(
+        f"SGD.update: grads have {len(g_leaves)} arrays, params {len(p_leaves)} (or other containers); "
+        "compute grads with jax.grad with respect to the same params"
+    )

@@ -1,19 +1,27 @@
-"""From "this weight's axes are ('embed', 'mlp')" to a sharded ``jax.jit``.
+"""From "this weight's logical axes are ('embed', 'mlp')" to a sharded ``jax.jit``.
 
 Spreading a model over devices takes four steps, one per section below:
 
 1. **Mesh.** Arrange the devices in a named grid, e.g. ``{"data": 2, "model": 4}``.
-2. **Rules** (``minishard.rules``). Map *logical* axis names, chosen by the
-   model author (``"embed"``, ``"mlp"``, ``"batch"``), to *mesh* axis names,
-   chosen by whoever runs the model on some hardware (``"model"``, ``"data"``).
-3. **Specs.** Each parameter's logical axes go through the rules and come out
-   as a ``PartitionSpec``: one entry per array dimension naming the mesh axis
-   it is split over (``None``: not split). ``partition_specs`` does this for a
-   whole model; ``shard`` places the arrays accordingly.
-4. **Jit.** ``Sharded`` derives ``in_shardings`` / ``out_shardings`` from the
-   arguments and hands them to ``jax.jit``. XLA's SPMD partitioner then splits
-   the program and inserts the collectives (all-reduce, all-gather, ...) that
-   the shardings imply; ``minishard.collectives`` makes them visible.
+2. **Rules** (``minishard.rules``). Map *logical axes*, chosen by the model
+   author (``"embed"``, ``"mlp"``, ``"batch"``), to *mesh axes*, chosen by
+   whoever runs the model on some hardware (``"model"``, ``"data"``).
+3. **Plan.** One walk over a whole tree (a model, an optimizer state, a
+   step's arguments): each array's logical axes go through the rules and come
+   out as a ``PartitionSpec``, one entry per dimension naming the mesh axes it
+   is split over (``None``: not split), checked to divide evenly.
+   ``partition_specs``, ``shard``, ``minishard.explain`` and ``Sharded`` all read
+   this one ``Plan``.
+4. **Jit.** ``Sharded`` plans a function's arguments and outputs and hands the
+   specs to ``jax.jit`` as ``in_shardings`` / ``out_shardings``. XLA's SPMD
+   partitioner then splits the program and inserts the collectives (all-reduce,
+   all-gather, ...) that the shardings imply; ``minishard.collectives`` makes
+   them visible.
+
+The path of one parameter: ``Linear(axes=("embed", "mlp"))`` stores its
+``logical_axes``; ``plan`` asks the layer for ``param_logical_axes()`` and the
+rules for ``spec(...)``; ``Sharded`` wraps the specs in ``NamedSharding``\\ s for
+``jax.jit``, whose compiled program holds the collectives.
 
 >>> import jax
 >>> from minishard import mlp
@@ -35,8 +43,17 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from minishard.layers import Axes, Layer
-from minishard.rules import IDENTITY_RULES, AxisRules, P, ShardingError, as_mesh_axes, split_count
+from minishard.layers import Layer
+from minishard.rules import (
+    IDENTITY_RULES,
+    AnyMesh,
+    AxisRules,
+    LogicalAxes,
+    P,
+    ShardingError,
+    as_mesh_axes,
+    split_count,
+)
 from minishard.tree import path_str
 
 # --- 1. the mesh -------------------------------------------------------------
@@ -67,6 +84,14 @@ def make_mesh(
         if names is None or len(names) != len(sizes):
             raise ShardingError(f"make_mesh: shape {sizes} needs one name per axis, got names={names}")
         names = tuple(names)
+    if bad := [
+        f"{n}={s!r}" for n, s in zip(names, sizes) if isinstance(s, bool) or not isinstance(s, int) or s < 1
+    ]:
+        raise ShardingError(f"make_mesh: axis sizes must be positive ints, got {', '.join(bad)}")
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise ShardingError(
+            f"make_mesh: mesh axis {twice} named twice in {names}; each axis needs its own name"
+        )
     devices = list(jax.devices() if devices is None else devices)
     if math.prod(sizes) != len(devices):
         platform = devices[0].platform if devices else "none"
@@ -78,124 +103,143 @@ def make_mesh(
     return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes), devices=devices)
 
 
-# --- 2. specs for whole trees ------------------------------------------------
+# --- 2. one plan for a whole tree --------------------------------------------
 
 
 @dataclass(frozen=True)
 class LeafPlan:
-    """How one array leaf is laid out: its path, shape, logical axes and spec."""
+    """How one array is laid out: where it is, its logical axes, its spec, each device's block."""
 
-    path: str
-    shape: tuple[int, ...]
-    logical: Axes
-    spec: PartitionSpec
-
-    def check_divisible(self, mesh: Mesh) -> None:
-        """Each split dimension must divide evenly by the size of its mesh axes."""
-        for dim, entry in enumerate(self.spec):
-            if self.shape[dim] % (ways := split_count(mesh, entry)):
-                sizes = ", ".join(f"{a!r}={mesh.shape[a]}" for a in as_mesh_axes(entry))
-                raise ShardingError(
-                    f"{self.path}: shape {self.shape}, dimension {dim} (logical axis "
-                    f"{self.logical[dim]!r}) has size {self.shape[dim]}, which mesh axis {sizes} cannot "
-                    f"split evenly; choose sizes divisible by {ways} or change the rules"
-                )
-
-    def shard_shape(self, mesh: Mesh) -> tuple[int, ...]:
-        """The block each device holds."""
-        return tuple(
-            size // split_count(mesh, entry)
-            for size, entry in zip(self.shape, tuple(self.spec) + (None,) * len(self.shape))
-        )
+    path: str  # "layers[0].weight"
+    shape: tuple[int, ...]  # the whole array
+    logical_axes: LogicalAxes  # ("embed", "mlp")
+    spec: PartitionSpec  # what the rules made of them: P(None, "model")
+    block_shape: tuple[int, ...]  # the block each device holds (the whole shape without a mesh)
 
 
-LeafSpec = Callable[[Any], "tuple[Axes, PartitionSpec] | None"]
+@dataclass(frozen=True)
+class Plan:
+    """``specs``: a pytree of PartitionSpecs shaped like the tree; ``leaves``: one ``LeafPlan`` per array."""
+
+    specs: Any
+    leaves: tuple[LeafPlan, ...]
 
 
-def _is_layer(node: Any) -> bool:
-    return isinstance(node, Layer)
+OutsideLayers = Callable[[Any], "tuple[LogicalAxes, PartitionSpec] | None"]
+"""How to lay out an array that no Layer annotates; ``None``: leave it to XLA."""
 
 
-def _plan(
-    tree: Any, rules: AxisRules, mesh: Mesh | None, leaf_spec: LeafSpec, prefix: tuple[Any, ...] = ()
-) -> tuple[Any, list[LeafPlan]]:
-    """Walk ``tree``: Layers answer with their ``param_axes``, other leaves ask ``leaf_spec``.
-
-    Returns the tree of specs (same structure as ``tree``) and one plan per leaf.
-    """
-    entries, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_layer)
-    specs: list[Any] = []
-    plans: list[LeafPlan] = []
-    for path, node in entries:
-        path = prefix + path
-        if isinstance(node, Layer):
-            layer_specs, layer_plans = _plan_layer(node, rules, mesh, path)
-            specs.append(layer_specs)
-            plans += layer_plans
-        elif (axes_and_spec := leaf_spec(node)) is None:
-            specs.append(None)  # unspecified: XLA chooses
-        else:
-            specs.append(axes_and_spec[1])
-            plans.append(LeafPlan(path_str(path), tuple(np.shape(node)), *axes_and_spec))
-    return jax.tree_util.tree_unflatten(treedef, specs), plans
-
-
-def _plan_layer(
-    layer: Layer, rules: AxisRules, mesh: Mesh | None, path: tuple[Any, ...]
-) -> tuple[Layer, list[LeafPlan]]:
-    """The layer itself, with every parameter replaced by its PartitionSpec."""
-    param_axes = layer.param_axes()
-    children, aux_data = layer.tree_flatten()
-    specs, plans = [], []
-    for name, child in zip(layer.param_fields, children):
-        child_path = (*path, jax.tree_util.GetAttrKey(name))
-        if name not in param_axes:  # a sub-tree (e.g. Sequential.layers): recurse
-            # Arrays in it that no Layer annotates are parameters, never a batch: replicated.
-            spec, child_plans = _plan(child, rules, mesh, _replicated, child_path)
-            plans += child_plans
-        else:
-            where, axes, shape = path_str(child_path), param_axes[name], tuple(child.shape)
-            if len(axes) != len(shape):
-                raise ShardingError(
-                    f"{where}: logical axes {axes} name {len(axes)} dims; its shape is {shape}"
-                )
-            try:
-                spec = rules.spec(axes, mesh)
-            except ShardingError as e:
-                raise ShardingError(f"{where}: {e}") from None
-            plans.append(LeafPlan(where, shape, axes, spec))
-        specs.append(spec)
-    return type(layer).tree_unflatten(aux_data, specs), plans
-
-
-def _replicated(leaf: Any) -> tuple[Axes, PartitionSpec]:
+def replicated(leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:
+    """The default for arrays outside Layers: a full copy on every device."""
     return (None,) * np.ndim(leaf), P()
 
 
-def partition_specs(tree: Any, rules: AxisRules | None = None, mesh: Mesh | None = None) -> Any:
-    """A pytree of ``PartitionSpec`` with exactly the structure of ``tree``.
+def plan(
+    tree: Any, mesh: AnyMesh | None, rules: AxisRules | None = None, outside: OutsideLayers = replicated
+) -> Plan:
+    """The one walk: every array of ``tree`` gets its spec, checked against ``mesh``.
 
     Parameters of Layers (anywhere in the tree, user containers included) get
-    the spec their ``param_axes`` map to under ``rules``; any other array leaf
-    is replicated (``P()``). Pass ``mesh`` so names with no rule can fall back
-    to mesh axes of the same name.
+    the spec their ``param_logical_axes`` map to under ``rules``; arrays outside
+    Layers ask ``outside`` (replicated by default; ``Sharded`` splits a batch).
+    With a mesh, the rules are checked against it once and every split
+    dimension must divide evenly; without one, nothing is checked.
+
+    >>> import jax
+    >>> from minishard import Linear
+    >>> layer = Linear(8, 16, key=jax.random.key(0), axes=("embed", "mlp"))
+    >>> mesh = jax.sharding.AbstractMesh((4,), ("model",))
+    >>> plan(layer, mesh, AxisRules(embed=None, mlp="model")).leaves[0].block_shape
+    (8, 4)
     """
-    return _plan(tree, rules or IDENTITY_RULES, mesh, _replicated)[0]
-
-
-def _checked_plan(tree: Any, rules: AxisRules, mesh: Mesh, leaf_spec: LeafSpec) -> tuple[Any, list[LeafPlan]]:
-    """``_plan`` on a known mesh, with every split dimension checked to divide evenly."""
-    specs, plans = _plan(tree, rules, mesh, leaf_spec)
-    for leaf in plans:
-        leaf.check_divisible(mesh)
-    return specs, plans
-
-
-def plan(tree: Any, mesh: Mesh, rules: AxisRules | None = None) -> list[LeafPlan]:
-    """One ``LeafPlan`` per array leaf of ``tree``, checked against ``mesh``."""
     rules = rules or IDENTITY_RULES
-    rules.check_mesh(mesh)
-    return _checked_plan(tree, rules, mesh, _replicated)[1]
+    if mesh is not None:
+        rules.check_mesh(mesh)
+    leaves: list[LeafPlan] = []
+    specs = _walk(tree, (), rules, mesh, outside, leaves)
+    return Plan(specs, tuple(leaves))
+
+
+def _walk(
+    tree: Any,
+    prefix: tuple[Any, ...],
+    rules: AxisRules,
+    mesh: AnyMesh | None,
+    outside: OutsideLayers,
+    out: list,
+) -> Any:
+    """``tree`` with every array replaced by its spec; appends a LeafPlan per array to ``out``."""
+    entries, treedef = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda node: isinstance(node, Layer)
+    )
+    specs: list[Any] = []
+    for path, node in entries:
+        path = prefix + path
+        if isinstance(node, Layer):
+            specs.append(_walk_layer(node, path, rules, mesh, out))
+        elif (layout := outside(node)) is None:
+            specs.append(None)  # unspecified: XLA chooses
+        else:
+            specs.append(layout[1])
+            out.append(_leaf_plan(path, tuple(np.shape(node)), *layout, mesh))
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def _walk_layer(
+    layer: Layer, path: tuple[Any, ...], rules: AxisRules, mesh: AnyMesh | None, out: list
+) -> Layer:
+    """The layer itself, with every parameter replaced by its PartitionSpec."""
+    logical_axes = layer.param_logical_axes()
+    children, aux_data = layer.tree_flatten()
+    specs = []
+    for name, child in zip(layer.param_fields, children):
+        child_path = (*path, jax.tree_util.GetAttrKey(name))
+        if name not in logical_axes:  # a sub-tree (e.g. Sequential.layers): recurse
+            # Arrays in it that no Layer annotates are parameters, never a batch: replicated.
+            specs.append(_walk(child, child_path, rules, mesh, replicated, out))
+            continue
+        where, axes, shape = path_str(child_path), logical_axes[name], tuple(child.shape)
+        if len(axes) != len(shape):
+            raise ShardingError(f"{where}: logical axes {axes} name {len(axes)} dims; its shape is {shape}")
+        try:
+            spec = rules.spec(axes, mesh)
+        except ShardingError as e:
+            raise ShardingError(f"{where}: {e}") from None
+        out.append(_leaf_plan(child_path, shape, axes, spec, mesh))
+        specs.append(spec)
+    return type(layer).tree_unflatten(aux_data, specs)
+
+
+def _leaf_plan(
+    path: tuple[Any, ...],
+    shape: tuple[int, ...],
+    axes: LogicalAxes,
+    spec: PartitionSpec,
+    mesh: AnyMesh | None,
+) -> LeafPlan:
+    """Each split dimension must divide evenly by the size of its mesh axes."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    block = []
+    for dim, (size, entry) in enumerate(zip(shape, entries)):
+        ways = 1 if mesh is None else split_count(mesh, entry)
+        if size % ways:
+            sizes = ", ".join(f"{a!r}={mesh.shape[a]}" for a in as_mesh_axes(entry))  # type: ignore[union-attr]
+            raise ShardingError(
+                f"{path_str(path)}: shape {shape}, dimension {dim} (logical axis {axes[dim]!r}) has "
+                f"size {size}, which mesh axis {sizes} cannot split evenly; choose sizes divisible "
+                f"by {ways} or change the rules"
+            )
+        block.append(size // ways)
+    return LeafPlan(path_str(path), shape, axes, spec, tuple(block))
+
+
+def partition_specs(tree: Any, rules: AxisRules | None = None, mesh: AnyMesh | None = None) -> Any:
+    """A pytree of ``PartitionSpec`` with exactly the structure of ``tree`` (``plan(...).specs``).
+
+    Pass ``mesh`` so that logical axes with no rule can fall back to mesh axes
+    of the same name, and so that every split is checked to divide evenly.
+    """
+    return plan(tree, mesh, rules).specs
 
 
 def named_shardings(specs: Any, mesh: Mesh) -> Any:
@@ -204,16 +248,13 @@ def named_shardings(specs: Any, mesh: Mesh) -> Any:
 
 
 def shard(tree: Any, mesh: Mesh, rules: AxisRules | None = None) -> Any:
-    """Place every array of ``tree`` on ``mesh`` as its partition spec says.
+    """Place every array of ``tree`` on ``mesh`` as its plan says.
 
-    Everything is checked before anything is placed, so an indivisible
-    dimension raises ``ShardingError`` naming the leaf and leaves no arrays
-    half-moved.
+    The whole plan is made (and checked) before anything is placed, so an
+    indivisible dimension raises ``ShardingError`` naming the leaf and leaves
+    no arrays half-moved.
     """
-    rules = rules or IDENTITY_RULES
-    rules.check_mesh(mesh)
-    specs = _checked_plan(tree, rules, mesh, _replicated)[0]  # validates every leaf first
-    return jax.device_put(tree, named_shardings(specs, mesh))
+    return jax.device_put(tree, named_shardings(plan(tree, mesh, rules).specs, mesh))
 
 
 # --- 3. the decorator --------------------------------------------------------
@@ -229,7 +270,7 @@ class Specs(NamedTuple):
 class Sharded:
     """Decorator: ``jax.jit`` with shardings derived from the arguments.
 
-    * pytrees holding Layers (a model, an optimizer state whose momentum is
+    * pytrees holding Layers (a model, an optimizer state whose velocities are
       model-shaped) get their partition specs;
     * other arrays with ``ndim >= 1`` are a batch: their leading dimension is
       split over the mesh axes of ``rules[batch_axis]`` (or of the mesh axis
@@ -237,9 +278,6 @@ class Sharded:
     * outputs (found with ``jax.eval_shape``): Layer pytrees get their specs, so
       a returned model keeps its parameters' shardings; scalars (a loss) come
       back replicated; other arrays are left to XLA.
-
-    One ``jax.jit`` is built per input structure and cached, so a training
-    step pays one ``tree_flatten`` and two dict lookups on top of ``jax.jit``.
 
     >>> import jax, jax.numpy as jnp
     >>> from minishard import mlp
@@ -254,16 +292,27 @@ class Sharded:
         self,
         mesh: Mesh,
         rules: AxisRules | None = None,
-        batch_axis: str = "batch",
+        batch_axis: str | None = None,
         donate_argnums: int | Sequence[int] = (),
     ) -> None:
+        if explicit := [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]:
+            raise ShardingError(
+                f"Sharded: mesh axes {explicit} are Explicit (jax.make_mesh's default), where shardings "
+                "are part of each array's type and jit does not take them as hints. Build the mesh with "
+                "minishard.make_mesh(...), or jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)"
+            )
         self.mesh = mesh
         self.rules = rules or IDENTITY_RULES
         self.rules.check_mesh(mesh)
-        self.batch_axis = batch_axis
+        knows = lambda name: name in self.rules or name in mesh.axis_names  # noqa: E731
+        if batch_axis is not None and not knows(batch_axis):
+            raise ShardingError(
+                f"Sharded: batch_axis={batch_axis!r} has no rule in {self.rules} and is no mesh axis "
+                f"{mesh.axis_names}; add a rule such as AxisRules({batch_axis}='data')"
+            )
+        self.batch_axis = batch_axis or "batch"
         self.donate_argnums = donate_argnums
-        knows_batch = batch_axis in self.rules or batch_axis in mesh.axis_names
-        self._batch_entry = self.rules.spec((batch_axis,), mesh)[0] if knows_batch else None
+        self._batch_entry = self.rules.spec((self.batch_axis,), mesh)[0] if knows(self.batch_axis) else None
 
     def __call__(self, fn: Callable[..., Any]) -> ShardedFunction:
         """Wrap ``fn``; nothing is traced or compiled until the first call."""
@@ -274,7 +323,7 @@ class Sharded:
         """Where a global batch goes: leading dimension split over the batch mesh axes."""
         return NamedSharding(self.mesh, P(self._batch_entry))
 
-    def batch_spec(self, leaf: Any) -> tuple[Axes, PartitionSpec]:
+    def batch_layout(self, leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:
         """Arrays outside Layers: leading dim over the batch mesh axes; scalars replicated."""
         ndim = np.ndim(leaf)
         if ndim == 0 or self._batch_entry is None:
@@ -282,30 +331,29 @@ class Sharded:
         return (self.batch_axis,) + (None,) * (ndim - 1), P(self._batch_entry)
 
 
-def _positions_outside_layers(tree: Any) -> tuple[int, ...]:
-    """Indices, in ``tree_leaves(tree)``, of the leaves that do not belong to a Layer."""
-    positions, index = [], 0
-    for node in jax.tree_util.tree_leaves(tree, is_leaf=_is_layer):
-        if isinstance(node, Layer):
-            index += len(jax.tree_util.tree_leaves(node))
-        else:
-            positions.append(index)
-            index += 1
-    return tuple(positions)
-
-
-def _output_spec(leaf: Any) -> tuple[Axes, PartitionSpec] | None:
-    return _replicated(leaf) if np.ndim(leaf) == 0 else None  # None: left to XLA
+class _Compiled(NamedTuple):
+    jitted: Any  # jax.jit(fn, in_shardings=..., out_shardings=...)
+    specs: Specs
 
 
 class ShardedFunction:
-    """What ``Sharded(mesh)(fn)`` returns: call it like ``fn``; inspect with ``specs`` and ``lower``."""
+    """What ``Sharded(mesh)(fn)`` returns: call it like ``fn``; inspect with ``specs`` and ``lower``.
+
+    ``__call__``, ``specs`` and ``lower`` take one path, ``_compiled(args)``:
+
+    * **first call** for an argument structure: ``_build`` plans the arguments,
+      finds the output shapes with ``jax.eval_shape``, plans them too, and
+      makes the ``jax.jit``; the result is cached under the structure;
+    * **every later call**: one ``tree_flatten`` and two dict lookups find the
+      cached ``jax.jit``, which is called directly.
+    """
 
     def __init__(self, fn: Callable[..., Any], config: Sharded) -> None:
         self.fn = fn
         self.config = config
-        self._jitted: dict[Any, Any] = {}  # (treedef, which batch leaves are scalars) -> jax.jit(...)
-        self._batch_leaves: dict[Any, tuple[int, ...]] = {}  # treedef -> positions of leaves outside Layers
+        self.name = getattr(fn, "__name__", "function")
+        self._cache: dict[Any, _Compiled] = {}  # (treedef, which batch leaves are scalars) -> jit
+        self._outside: dict[Any, tuple[int, ...]] = {}  # treedef -> positions of leaves outside Layers
         try:
             self._arg_names = list(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
@@ -314,76 +362,102 @@ class ShardedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise TypeError(
-                f"Sharded function {getattr(self.fn, '__name__', '')!r}: pass arguments by position; "
+                f"Sharded function {self.name!r}: pass arguments by position; "
                 f"shardings are derived per positional argument, got keywords {sorted(kwargs)}"
             )
-        # The hot path of every training step: one flatten and two dict lookups on top of jax.jit.
-        # Layer parameters' specs follow from the treedef alone (their axes are static data);
-        # a leaf outside Layers is batch-split unless it is a scalar, so its rank is part of the key.
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        batch_leaves = self._batch_leaves.get(treedef)
-        if batch_leaves is None:
-            batch_leaves = self._batch_leaves[treedef] = _positions_outside_layers(args)
-        key = (treedef, *[getattr(leaves[i], "ndim", 0) == 0 for i in batch_leaves])
-        jitted = self._jitted.get(key)
-        if jitted is None:
-            jitted = self._jitted[key] = self._build(args)
+        compiled = self._compiled(args)
         try:
-            return jitted(*args)
-        except ValueError as error:  # diagnose JAX's generic errors in minishard's terms
-            self._diagnose(args)
+            return compiled.jitted(*args)
+        except (ValueError, RuntimeError) as error:  # explain JAX's generic errors in minishard's terms
+            self._diagnose(args, compiled.specs)
             raise error
 
     def specs(self, *args: Any) -> Specs:
         """The input and output PartitionSpecs ``Sharded`` derives for these arguments."""
-        config = self.config
-        try:
-            inputs = _checked_plan(args, config.rules, config.mesh, config.batch_spec)[0]
-        except ShardingError as e:
-            raise ShardingError(self._name_arguments(str(e))) from None
-        out_shapes = jax.eval_shape(self.fn, *args)
-        try:
-            outputs = _checked_plan(out_shapes, config.rules, config.mesh, _output_spec)[0]
-        except ShardingError as e:
-            name = getattr(self.fn, "__name__", "function")
-            raise ShardingError(f"{name}: output {e}") from None
-        return Specs(inputs, outputs)
+        return self._compiled(args).specs
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """``jax.jit(...).lower(*args)``: look at the program (``.as_text()``) or compile it."""
-        return self._build(args).lower(*args)
+        return self._compiled(args).jitted.lower(*args)
 
-    def _build(self, args: tuple[Any, ...]) -> Any:
-        in_specs, out_specs = self.specs(*args)
-        mesh = self.config.mesh
-        return jax.jit(
+    def _compiled(self, args: tuple[Any, ...]) -> _Compiled:
+        # The hot path of every training step. Layer parameters' specs follow from the
+        # treedef alone (their logical axes are static data); a leaf outside Layers is
+        # batch-split unless it is a scalar, so its rank is part of the key.
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        outside = self._outside.get(treedef)
+        if outside is None:
+            outside = self._outside[treedef] = _positions_outside_layers(args)
+        key = (treedef, *[getattr(leaves[i], "ndim", 0) == 0 for i in outside])
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._cache[key] = self._build(args)
+        return compiled
+
+    def _build(self, args: tuple[Any, ...]) -> _Compiled:
+        config, mesh = self.config, self.config.mesh
+        try:
+            inputs = plan(args, mesh, config.rules, config.batch_layout).specs
+        except ShardingError as e:
+            raise ShardingError(self._name_argument(str(e))) from None
+        try:
+            outputs = plan(jax.eval_shape(self.fn, *args), mesh, config.rules, _scalars_replicated).specs
+        except ShardingError as e:
+            raise ShardingError(f"{self.name}: output {e}") from None
+        jitted = jax.jit(
             self.fn,
-            in_shardings=named_shardings(in_specs, mesh),
-            out_shardings=named_shardings(out_specs, mesh),
-            donate_argnums=self.config.donate_argnums,
+            in_shardings=named_shardings(inputs, mesh),
+            out_shardings=named_shardings(outputs, mesh),
+            donate_argnums=config.donate_argnums,
         )
+        return _Compiled(jitted, Specs(inputs, outputs))
 
-    def _name_arguments(self, message: str) -> str:
+    def _name_argument(self, message: str) -> str:
         """``[0].layers[0].weight`` -> ``model.layers[0].weight``, using fn's parameter names."""
         index, _, rest = message.removeprefix("[").partition("]")
         if message.startswith("[") and index.isdigit() and int(index) < len(self._arg_names):
             message = self._arg_names[int(index)] + rest
-        return f"{getattr(self.fn, '__name__', 'function')}: argument {message}"
+        return f"{self.name}: argument {message}"
 
-    def _diagnose(self, args: tuple[Any, ...]) -> None:
-        """After jit refused the call: raise a ShardingError that names the argument, if we can."""
-        try:
-            in_specs = _checked_plan(args, self.config.rules, self.config.mesh, self.config.batch_spec)[0]
+    def _diagnose(self, args: tuple[Any, ...], specs: Specs) -> None:
+        """After jit refused a call: raise a ShardingError that names the argument, if we can."""
+        config = self.config
+        try:  # another batch size under a cached structure: is it still divisible?
+            plan(args, config.mesh, config.rules, config.batch_layout)
         except ShardingError as e:
-            raise ShardingError(self._name_arguments(str(e))) from None
-        expected = jax.tree_util.tree_leaves(named_shardings(in_specs, self.config.mesh))
+            raise ShardingError(self._name_argument(str(e))) from None
+        expected = jax.tree_util.tree_leaves(named_shardings(specs.inputs, config.mesh))
         for (path, arg), want in zip(jax.tree_util.tree_leaves_with_path(args), expected):
-            if getattr(arg, "committed", False) and not arg.sharding.is_equivalent_to(want, arg.ndim):
-                got = arg.sharding
+            where = path_str(path)
+            if getattr(arg, "is_deleted", lambda: False)():
                 raise ShardingError(
-                    self._name_arguments(
-                        f"{path_str(path)}: is committed to {got}, but Sharded derived {want}. "
+                    self._name_argument(
+                        f"{where}: was deleted, because it was donated to an earlier call "
+                        f"(donate_argnums={config.donate_argnums}); pass the arrays that call returned"
+                    )
+                )
+            if getattr(arg, "committed", False) and not arg.sharding.is_equivalent_to(want, arg.ndim):
+                raise ShardingError(
+                    self._name_argument(
+                        f"{where}: is committed to {arg.sharding}, but Sharded derived {want}. "
                         "Place it with minishard.shard(tree, mesh, rules) (or jax.device_put with "
                         "that sharding) before the call."
                     )
                 )
+
+
+def _positions_outside_layers(tree: Any) -> tuple[int, ...]:
+    """Indices, in ``tree_leaves(tree)``, of the leaves that do not belong to a Layer."""
+    positions, index = [], 0
+    for node in jax.tree_util.tree_leaves(tree, is_leaf=lambda node: isinstance(node, Layer)):
+        if isinstance(node, Layer):
+            index += len(jax.tree_util.tree_leaves(node))
+        else:
+            positions.append(index)
+            index += 1
+    return tuple(positions)
+
+
+def _scalars_replicated(leaf: Any) -> tuple[LogicalAxes, PartitionSpec] | None:
+    """Outputs outside Layers: a scalar (a loss) comes back on every device; the rest XLA decides."""
+    return replicated(leaf) if np.ndim(leaf) == 0 else None

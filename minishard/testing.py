@@ -46,9 +46,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from minishard.layers import ACTIVATIONS, Axes, Sequential, mlp
-from minishard.rules import MeshAxes, split_count
-from minishard.sharding import AxisRules, Sharded, make_mesh
+from minishard.layers import ACTIVATIONS, Sequential, mlp
+from minishard.rules import AxisRules, LogicalAxes, MeshAxes, split_count
+from minishard.sharding import Sharded, make_mesh
 from minishard.tree import path_str
 
 MESH_AXES = ("data", "model")
@@ -60,7 +60,13 @@ DEFAULT_CHOICES: Mapping[str, Sequence[MeshAxes]] = {
 }
 """What ``axis_rules()`` may map each logical name to: data, tensor and 2-D parallelism."""
 
-LINEAR_AXES: Sequence[Axes] = (("embed", "mlp"), ("mlp", "embed"), (None, "mlp"), ("mlp", None), (None, None))
+LINEAR_AXES: Sequence[LogicalAxes] = (
+    ("embed", "mlp"),
+    ("mlp", "embed"),
+    (None, "mlp"),
+    ("mlp", None),
+    (None, None),
+)
 """Logical axes a Linear's weight may get in ``mlps``: both Megatron halves, one-sided, unannotated."""
 
 
@@ -101,7 +107,7 @@ def axis_rules(
     return AxisRules.from_pairs(draw(st.permutations(pairs)))
 
 
-def _width_units(axes: Sequence[Axes], mesh: Mesh | None, rules: AxisRules | None) -> list[int]:
+def _width_units(axes: Sequence[LogicalAxes], mesh: Mesh | None, rules: AxisRules | None) -> list[int]:
     """For the widths of Linears with these ``axes``: what each must be a multiple of."""
     if mesh is None or rules is None:
         return [1 if mesh is None else mesh.size] * (len(axes) + 1)

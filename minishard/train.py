@@ -39,12 +39,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from minishard.data import Batch, Dataset, to_global
 from minishard.losses import accuracy, cross_entropy, one_hot
 from minishard.optim import SGD
-from minishard.sharding import AxisRules, Mesh, Sharded, shard
+from minishard.rules import AxisRules
+from minishard.sharding import Sharded, shard
 
 History = list[dict[str, Any]]
 GlobalBatch = dict[str, jax.Array]  # a Batch placed on the mesh by `to_global`

@@ -14,6 +14,7 @@ folds over its leaves, and every leaf has a *key path* that names it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -21,12 +22,32 @@ import numpy as np
 
 
 def path_str(path: tuple[Any, ...]) -> str:
-    """``(GetAttrKey('layers'), SequenceKey(0), ...)`` -> ``'layers[0].weight'``.
+    """``(DictKey('model'), GetAttrKey('layers'), SequenceKey(0), ...)`` -> ``'model.layers[0]...'``.
 
-    ``jax.tree_util.keystr`` writes attributes with a leading dot
-    (``.layers[0].weight``); error messages read better without it.
+    The one way minishard names a leaf: in errors, reports and checkpoints.
+    ``jax.tree_util.keystr`` would write ``['model'].layers[0]``; a dict key
+    that is a Python name reads better as an attribute. Other keys keep their
+    brackets (``['a b']``, ``[3]``), so two different leaves never share a name.
     """
-    return jax.tree_util.keystr(path).removeprefix(".") or "<root>"
+    return "".join(map(_key_str, path)).removeprefix(".") or "<root>"
+
+
+def _key_str(key: Any) -> str:
+    if isinstance(key, jax.tree_util.DictKey) and isinstance(key.key, str) and key.key.isidentifier():
+        return f".{key.key}"
+    return str(key)  # GetAttrKey: ".name"; SequenceKey: "[0]"; other DictKeys: "['a b']"
+
+
+def _array_leaves(tree: Any, where: str) -> list[Any]:
+    """The leaves, each checked to be an array (or an abstract one, from ``jax.eval_shape``)."""
+    leaves = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(
+                f"{where}: leaf {path_str(path)} is a {type(leaf).__name__} ({leaf!r:.40}), not an array"
+            )
+        leaves.append(leaf)
+    return leaves
 
 
 def named_leaves(tree: Any) -> list[tuple[str, Any]]:
@@ -36,12 +57,11 @@ def named_leaves(tree: Any) -> list[tuple[str, Any]]:
 
 def count_params(tree: Any) -> int:
     """Total number of array elements in ``tree``."""
-    return sum(int(np.prod(np.shape(leaf))) for leaf in jax.tree_util.tree_leaves(tree))
+    return sum(math.prod(leaf.shape) for leaf in _array_leaves(tree, "count_params"))
 
 
 def tree_bytes(tree: Any) -> int:
     """Total bytes of the arrays in ``tree`` (unsharded: the whole arrays)."""
     return sum(
-        int(np.prod(np.shape(leaf))) * np.dtype(jax.numpy.result_type(leaf)).itemsize
-        for leaf in jax.tree_util.tree_leaves(tree)
+        math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in _array_leaves(tree, "tree_bytes")
     )

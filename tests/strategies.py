@@ -1,7 +1,7 @@
 """Hypothesis strategies and tree assertions shared by the minishard tests.
 
 The main idea: draw a *description* of a model first (small frozen dataclasses:
-``LinearSpec``, ``ActivationSpec``, ``ContainerSpec``), then ``build`` the real
+``LinearBlueprint``, ``ActivationBlueprint``, ``ContainerBlueprint``), then ``build`` the real
 pytree from it. Because the description is ours, ``expected_leaves`` can say
 what JAX ought to find in the built tree -- every leaf's path and shape --
 by walking the description, without asking JAX. Tests then compare JAX's
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from hypothesis.strategies import SearchStrategy, composite
 
-from minishard import Axes, Linear, Sequential
+from minishard import Linear, LogicalAxes, Sequential
 from minishard.layers import ACTIVATIONS
 
 MAX_DIM = 4
@@ -62,26 +62,26 @@ class Box:
 
 # -- model descriptions ---------------------------------------------------
 @dataclass(frozen=True)
-class LinearSpec:
+class LinearBlueprint:
     n_in: int
     n_out: int
     use_bias: bool
-    axes: Axes
+    axes: LogicalAxes
 
 
 @dataclass(frozen=True)
-class ActivationSpec:
+class ActivationBlueprint:
     name: str  # a key of minishard.layers.ACTIVATIONS
 
 
 @dataclass(frozen=True)
-class ContainerSpec:
+class ContainerBlueprint:
     kind: str  # a key of CHILD_KEY
-    children: tuple[Spec, ...]
+    children: tuple[Blueprint, ...]
     keys: tuple[str, ...] = ()  # the dict keys, when kind == "dict"
 
 
-Spec = LinearSpec | ActivationSpec | ContainerSpec
+Blueprint = LinearBlueprint | ActivationBlueprint | ContainerBlueprint
 
 # How each container names its i-th child in a key path (``jax.tree_util.keystr``).
 CHILD_KEY = {
@@ -90,55 +90,63 @@ CHILD_KEY = {
     "tuple": lambda i: f"[{i}]",
     "pair": lambda i: f".{Pair._fields[i]}",
     "box": lambda i: f".items[{i}]",
-    "dict": None,  # named by key: ['a']
+    "dict": None,  # named by key: .a (path_str writes a dict key that is a name as an attribute)
 }
 
 
 @composite
-def linear_specs(draw: Any) -> LinearSpec:
-    return LinearSpec(draw(dims), draw(dims), draw(st.booleans()), (draw(axis_names), draw(axis_names)))
+def linear_blueprints(draw: Any) -> LinearBlueprint:
+    return LinearBlueprint(draw(dims), draw(dims), draw(st.booleans()), (draw(axis_names), draw(axis_names)))
 
 
-def activation_specs() -> SearchStrategy[ActivationSpec]:
-    return st.builds(ActivationSpec, st.sampled_from(sorted(ACTIVATIONS)))
+def activation_blueprints() -> SearchStrategy[ActivationBlueprint]:
+    return st.builds(ActivationBlueprint, st.sampled_from(sorted(ACTIVATIONS)))
 
 
 @composite
-def container_specs(draw: Any, children: SearchStrategy[Spec]) -> ContainerSpec:
+def container_blueprints(draw: Any, children: SearchStrategy[Blueprint]) -> ContainerBlueprint:
     kind = draw(st.sampled_from(sorted(CHILD_KEY)))
     if kind == "pair":
-        return ContainerSpec(kind, (draw(children), draw(children)))
+        return ContainerBlueprint(kind, (draw(children), draw(children)))
     if kind == "dict":
         keys = draw(st.lists(st.sampled_from("abcde"), max_size=3, unique=True))
-        return ContainerSpec(kind, tuple(draw(children) for _ in keys), tuple(keys))
-    return ContainerSpec(kind, tuple(draw(st.lists(children, max_size=3))))
+        return ContainerBlueprint(kind, tuple(draw(children) for _ in keys), tuple(keys))
+    return ContainerBlueprint(kind, tuple(draw(st.lists(children, max_size=3))))
 
 
 # One fixed description using every container kind, for tests to always include:
 # {"model": Sequential(Linear, ReLU, Linear), "extras": [(Pair(Linear, Box(Swish, Linear)),)]}
-_box = ContainerSpec("box", (ActivationSpec("swish"), LinearSpec(2, 2, True, (None, None))))
-_pair = ContainerSpec("pair", (LinearSpec(1, 2, True, (None, "mlp")), _box))
-_sequential = ContainerSpec(
+_box = ContainerBlueprint("box", (ActivationBlueprint("swish"), LinearBlueprint(2, 2, True, (None, None))))
+_pair = ContainerBlueprint("pair", (LinearBlueprint(1, 2, True, (None, "mlp")), _box))
+_sequential = ContainerBlueprint(
     "sequential",
-    (LinearSpec(2, 3, True, ("embed", "mlp")), ActivationSpec("relu"), LinearSpec(3, 1, False, (None, None))),
+    (
+        LinearBlueprint(2, 3, True, ("embed", "mlp")),
+        ActivationBlueprint("relu"),
+        LinearBlueprint(3, 1, False, (None, None)),
+    ),
 )
-_list = ContainerSpec("list", (ContainerSpec("tuple", (_pair,)),))
-EVERY_CONTAINER = ContainerSpec("dict", (_sequential, _list), keys=("model", "extras"))
+_list = ContainerBlueprint("list", (ContainerBlueprint("tuple", (_pair,)),))
+EVERY_CONTAINER = ContainerBlueprint("dict", (_sequential, _list), keys=("model", "extras"))
 
 
-def model_specs(max_leaves: int = 6) -> SearchStrategy[Spec]:
+def blueprints(max_leaves: int = 6) -> SearchStrategy[Blueprint]:
     """Random nestings of layers and containers (possibly empty ones)."""
-    return st.recursive(linear_specs() | activation_specs(), container_specs, max_leaves=max_leaves)
+    return st.recursive(
+        linear_blueprints() | activation_blueprints(), container_blueprints, max_leaves=max_leaves
+    )
 
 
-def build(spec: Spec, key: jax.Array) -> Any:
+def build(blueprint: Blueprint, key: jax.Array) -> Any:
     """The pytree a description stands for, made with minishard's constructors."""
-    if isinstance(spec, LinearSpec):
-        return Linear(spec.n_in, spec.n_out, key=key, use_bias=spec.use_bias, axes=spec.axes)
-    if isinstance(spec, ActivationSpec):
-        return ACTIVATIONS[spec.name]()
-    children = [build(child, jax.random.fold_in(key, i)) for i, child in enumerate(spec.children)]
-    match spec.kind:
+    if isinstance(blueprint, LinearBlueprint):
+        return Linear(
+            blueprint.n_in, blueprint.n_out, key=key, use_bias=blueprint.use_bias, axes=blueprint.axes
+        )
+    if isinstance(blueprint, ActivationBlueprint):
+        return ACTIVATIONS[blueprint.name]()
+    children = [build(child, jax.random.fold_in(key, i)) for i, child in enumerate(blueprint.children)]
+    match blueprint.kind:
         case "sequential":
             return Sequential(children)
         case "list":
@@ -150,26 +158,28 @@ def build(spec: Spec, key: jax.Array) -> Any:
         case "box":
             return Box(children, label="box")
         case "dict":
-            return dict(zip(spec.keys, children))
-    raise ValueError(f"unknown container kind {spec.kind!r}")
+            return dict(zip(blueprint.keys, children))
+    raise ValueError(f"unknown container kind {blueprint.kind!r}")
 
 
-def expected_leaves(spec: Spec, path: str = "") -> list[tuple[str, tuple[int, ...]]]:
-    """(key path, shape) of every array in ``build(spec)``, in flattening order.
+def expected_leaves(blueprint: Blueprint, path: str = "") -> list[tuple[str, tuple[int, ...]]]:
+    """(key path, shape) of every array in ``build(blueprint)``, in flattening order.
 
     Computed from the description alone. JAX visits dict keys in sorted order.
     """
-    if isinstance(spec, LinearSpec):
-        weight = (f"{path}.weight", (spec.n_in, spec.n_out))
-        return [weight, (f"{path}.bias", (spec.n_out,))] if spec.use_bias else [weight]
-    if isinstance(spec, ActivationSpec):
+    if isinstance(blueprint, LinearBlueprint):
+        weight = (f"{path}.weight", (blueprint.n_in, blueprint.n_out))
+        return [weight, (f"{path}.bias", (blueprint.n_out,))] if blueprint.use_bias else [weight]
+    if isinstance(blueprint, ActivationBlueprint):
         return []
-    if spec.kind == "dict":
-        named = sorted(zip(spec.keys, spec.children))
-        return [leaf for k, child in named for leaf in expected_leaves(child, f"{path}['{k}']")]
-    child_key = CHILD_KEY[spec.kind]
+    if blueprint.kind == "dict":
+        named = sorted(zip(blueprint.keys, blueprint.children))
+        return [leaf for k, child in named for leaf in expected_leaves(child, f"{path}.{k}")]
+    child_key = CHILD_KEY[blueprint.kind]
     return [
-        leaf for i, child in enumerate(spec.children) for leaf in expected_leaves(child, path + child_key(i))
+        leaf
+        for i, child in enumerate(blueprint.children)
+        for leaf in expected_leaves(child, path + child_key(i))
     ]
 
 

@@ -70,7 +70,7 @@ def test_ordered_rules_agree_with_flax(rules_axes):
 @given(rules_and_axes(ordered=True))
 def test_explain_gives_the_spec_and_one_decision_per_dimension(rules_axes):
     rules, axes = rules_axes
-    first, *notes = rules.explain(axes).splitlines()
+    first, *notes = str(rules.explain(axes)).splitlines()
     assert first == f"{axes} -> {rules.spec(axes)}"
     for dim, name in enumerate(axes):
         mine = [note for note in notes if note.startswith(f"  dim {dim} ({name!r}): ")]
@@ -98,14 +98,14 @@ def test_keyword_rules_suggest_an_ordered_list_with_a_fallback():
 
 def test_explain_names_matched_and_skipped_rules():
     rules = AxisRules.from_pairs([("mlp", "model"), ("embed", "model"), ("embed", None), ("mlp", None)])
-    assert rules.explain(("embed", "mlp", None)).splitlines()[1:] == [
+    assert str(rules.explain(("embed", "mlp", None))).splitlines()[1:] == [
         "  dim 0 ('embed'): rule embed->'model' skipped: mesh axis 'model' already used by dim 1",
         "  dim 0 ('embed'): rule embed->None matched: replicated",
         "  dim 1 ('mlp'): rule mlp->'model' matched",
         "  dim 1 ('mlp'): rule mlp->None skipped: dimension already decided",
         "  dim 2 (None): not annotated: replicated",
     ]
-    blocked = AxisRules.from_pairs([("a", "model"), ("b", "model")]).explain(("a", "b"))
+    blocked = str(AxisRules.from_pairs([("a", "model"), ("b", "model")]).explain(("a", "b")))
     assert "dim 1 ('b'): every rule was blocked: replicated (as in Flax)" in blocked
 
 
@@ -127,7 +127,7 @@ class WrongAxesCount(ms.Layer):
     def __init__(self) -> None:
         self.w = np.zeros((2, 3), np.float32)
 
-    def param_axes(self):
+    def param_logical_axes(self):
         return {"w": ("mlp",)}
 
 
@@ -149,7 +149,7 @@ ERRORS = [
     ),
     pytest.param(
         lambda: AxisRules(mlp=3),
-        r"rule 'mlp' -> 3 must map a logical name \(str\) to a mesh axis name",
+        r"rule 'mlp' -> 3 must map a logical axis \(str\) to a mesh axis name",
         id="rule-not-a-name",
     ),
     pytest.param(

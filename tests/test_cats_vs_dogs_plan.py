@@ -38,5 +38,5 @@ def test_sharding_the_hidden_dims_on_model_leaves_a_quarter_per_device(abstract_
     assert report.device_bytes == expected
     assert 0.25 <= report.device_bytes / report.total_bytes < 0.26
     first = report.rows[0]
-    assert (first.path, first.shard_shape) == ("layers[0].weight", (120_000, 512))
+    assert (first.path, first.block_shape) == ("layers[0].weight", (120_000, 512))
     assert "layers[0].weight" in str(report)

@@ -27,7 +27,7 @@ def train_state(seed=0, momentum=0.9):
     model = minishard.mlp([16, 32, 8], key=jax.random.key(seed), axes=MEGATRON)
     opt_state = minishard.SGD(0.1, momentum=momentum).init(model)
     if momentum:  # non-zero velocities, so a restore that dropped them would show
-        opt_state = opt_state._replace(momentum=jax.tree_util.tree_map(lambda p: 2 * p, model))
+        opt_state = opt_state._replace(velocity=jax.tree_util.tree_map(lambda p: 2 * p, model))
     return {"model": model, "opt_state": opt_state._replace(step=jnp.asarray(7 + seed, jnp.int32))}
 
 
@@ -243,3 +243,31 @@ def test_a_target_of_another_model_is_named_not_taken_for_corruption(tmp_path):
         with pytest.raises(CheckpointError, match=expected):
             ckpt.restore(target)
     assert lines == []  # no fallback: an older checkpoint would not fit either
+
+
+def test_storage_noise_is_silenced_only_while_a_save_or_restore_runs(tmp_path):
+    import logging
+    import warnings
+
+    before = sys.unraisablehook, list(logging.getLogger("asyncio").filters), list(warnings.filters)
+    state = saved_on_2x4(train_state())
+    with Checkpointer(tmp_path, log=lambda line: None) as ckpt:
+        ckpt.save(1, state, {})
+        ckpt.save(2, state, {})
+        delete_manifest(tmp_path / "2")
+        assert ckpt.restore(state)[0] == 1  # a failed read, then a good one
+    assert (sys.unraisablehook, list(logging.getLogger("asyncio").filters), list(warnings.filters)) == before
+
+
+def test_checkpoints_from_before_the_velocity_rename_still_load(tmp_path):
+    # minishard 0.1 stored SGDState's velocities under "opt_state.momentum...".
+    state = train_state()
+    old_state = {
+        "model": state["model"],
+        "opt_state": {"step": state["opt_state"].step, "momentum": state["opt_state"].velocity},
+    }
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, old_state, {})
+        step, restored, _ = ckpt.restore(train_state(seed=1))
+    assert step == 3
+    assert_same_values(restored, state)

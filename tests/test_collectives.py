@@ -1,4 +1,4 @@
-"""minishard.report.collectives: the communication XLA inserts, made visible.
+"""minishard.collectives: the communication XLA inserts, made visible.
 
 The first tests compile real programs on the 8 simulated CPU devices (see
 conftest.py) and read what the SPMD partitioner wrote. Inputs are
@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import minishard as ms
-from minishard.report import Collective, collectives, summary
+from minishard.collectives import Collective, collectives, summary
 
 
 def mesh_2x4() -> jax.sharding.Mesh:
@@ -37,7 +37,7 @@ def test_sharded_dot_products_all_reduce_over_y():
     # 4 devices along y sum their partials: one all-reduce of 2000 * 4 bytes.
     # Nothing is gathered: the 160 MB inputs never move.
     assert set(found) == {"all-reduce"}
-    assert found["all-reduce"] == Collective("all-reduce", count=1, bytes=2000 * 4, axes=(("y",),))
+    assert found["all-reduce"] == Collective("all-reduce", count=1, bytes=2000 * 4, mesh_axes=(("y",),))
 
 
 def test_data_parallel_grads_are_all_reduced_over_data():
@@ -56,7 +56,7 @@ def test_data_parallel_grads_are_all_reduced_over_data():
     # so compare bytes, not the op count: 407,050 float32 = 1.6 MB.
     assert set(found) == {"all-reduce"}
     assert found["all-reduce"].bytes == ms.tree.tree_bytes(model) == 1_628_200
-    assert found["all-reduce"].axes == (("data",),)
+    assert found["all-reduce"].mesh_axes == (("data",),)
 
 
 def test_resharding_all_gathers_the_dropped_axis():
@@ -64,7 +64,7 @@ def test_resharding_all_gathers_the_dropped_axis():
     x = abstract((64, 64), mesh, P("x", "y"))
     found = collectives(jax.jit(lambda x: 2 * x, out_shardings=NamedSharding(mesh, P(None, "y"))).lower(x))
     assert set(found) == {"all-gather"}
-    assert found["all-gather"].axes == (("x",),)
+    assert found["all-gather"].mesh_axes == (("x",),)
     assert found["all-gather"].bytes == 64 * 16 * 4  # every device ends with all rows of its 16 columns
 
 
@@ -75,7 +75,7 @@ def test_ppermute_is_a_collective_permute_along_its_axis():
     shift = jax.shard_map(lambda b: jax.lax.ppermute(b, "y", ring), mesh=mesh, in_specs=spec, out_specs=spec)
     found = collectives(jax.jit(shift).lower(abstract((64, 64), mesh, P("x", "y"))))
     assert set(found) == {"collective-permute"}
-    assert found["collective-permute"].axes == (("y",),)
+    assert found["collective-permute"].mesh_axes == (("y",),)
     assert found["collective-permute"].bytes == 32 * 16 * 4
 
 
@@ -131,7 +131,7 @@ def test_replica_group_notations(groups, axes):
 
 
 def test_sub_axis_groups_hold_the_right_devices():
-    from minishard.hlo import _replica_groups
+    from minishard.collectives import _replica_groups
 
     line = all_reduce(XLA_MESH + " {'axis_1':(1)2}")
     assert sorted(sorted(g.tolist()) for g in _replica_groups(line, 8)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -178,7 +178,7 @@ def test_one_kind_over_several_axes_and_reduce_scatter():
     found = collectives(hlo, MESH)
     assert list(found) == ["all-reduce", "reduce-scatter", "all-to-all"]
     assert found["all-reduce"] == Collective("all-reduce", 2, 128, (("x",), ("y",)))
-    assert found["reduce-scatter"].axes == found["all-to-all"].axes == (("y",),)
+    assert found["reduce-scatter"].mesh_axes == found["all-to-all"].mesh_axes == (("y",),)
 
 
 def test_summary_lines():

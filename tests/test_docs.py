@@ -12,13 +12,21 @@ Conventions for page authors:
   ```` ``` ```` closes it. Other languages (```` ```bash ````, ...) are not run.
 * ```` ```python no-run ```` shows code without running it (for example a
   command that needs real hardware or a download).
-* Show results with ``assert``, or ``print(...)`` followed by the output as a
-  ``# comment``.
+* Show results with ``assert``, or with ``print(...)`` followed *directly* by
+  its output as ``# `` comment lines. The runner runs each top-level statement
+  on its own, captures what it prints, and compares it with the comment lines
+  right below it (doctest's checker: ``...`` matches anything, runs of
+  whitespace compare equal). A statement that prints with no comment below it
+  is not compared; a comment below a statement that prints nothing is prose.
 * A page that needs something from the environment (prepared data, say) names
   the variables in an HTML comment, ``<!-- docs-test: requires-env TFDS_DATA_DIR -->``;
   the page is skipped, with a reason, when one of them is unset.
 """
 
+import ast
+import contextlib
+import doctest
+import io
 import os
 import re
 from pathlib import Path
@@ -48,11 +56,41 @@ def missing_env(markdown: str) -> list[str]:
     return [name for name in names if not os.environ.get(name)]
 
 
+CHECKER = doctest.OutputChecker()
+OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+
+def output_comment(lines: list[str], after: int) -> str | None:
+    """The ``# `` lines directly below line ``after`` (1-based), without their ``#``; None if none."""
+    comment = []
+    for line in lines[after:]:
+        if not line.lstrip().startswith("#"):
+            break
+        comment.append(line.lstrip()[1:].removeprefix(" "))
+    return "\n".join(comment) + "\n" if comment else None
+
+
+def run_block(code: str, first_line: int, page: Path, namespace: dict) -> None:
+    """Run ``code`` statement by statement; printed output must match the comment below it."""
+    padded = "\n" * (first_line - 1) + code  # tracebacks show the page's own line numbers
+    lines = padded.splitlines()
+    for statement in ast.parse(padded, str(page)).body:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(ast.Module([statement], type_ignores=[]), str(page), "exec"), namespace)
+        expected = output_comment(lines, statement.end_lineno or statement.lineno)
+        got = printed.getvalue()
+        if got and expected is not None and not CHECKER.check_output(expected, got, OPTIONS):
+            raise AssertionError(
+                f"{page}:{statement.lineno}: printed output differs from the comment below it\n"
+                f"--- the page says:\n{expected}--- the code printed:\n{got}"
+            )
+
+
 def run_page(page: Path) -> None:
     namespace: dict = {"__name__": f"docs.{page.stem}"}
     for line, code in python_blocks(page.read_text()):
-        # Pad with blank lines so tracebacks show the page's own line numbers.
-        exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+        run_block(code, line, page, namespace)
 
 
 def test_python_blocks_are_found_in_order_and_no_run_is_skipped():
@@ -92,6 +130,18 @@ def test_requires_env_names_the_unset_variables(monkeypatch):
     page = "<!-- docs-test: requires-env DOCS_TEST_SET DOCS_TEST_UNSET -->\n# Title\n"
     assert missing_env(page) == ["DOCS_TEST_UNSET"]
     assert missing_env("# no requirements\n") == []
+
+
+def test_printed_output_is_compared_with_the_comment_below_it(tmp_path, capsys):
+    page = tmp_path / "page.md"
+    good = "```python\nfor i in range(2):\n    print(i, 'x' * 40)\n# 0 x...\n# 1 x...\n```\n"
+    page.write_text(good + "```python\nprint(1 + 1)\n# 2\nx = 5  # a statement that prints nothing\n```\n")
+    run_page(page)
+    page.write_text(good + "```python\nprint(1 + 1)\n# 3\n```\n")  # one printed value changed
+    with pytest.raises(
+        AssertionError, match=r"page\.md:8: printed output differs(?s:.*)says:\n3\n.*printed:\n2"
+    ):
+        run_page(page)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])

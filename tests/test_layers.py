@@ -23,10 +23,10 @@ from strategies import (
     Box,
     assert_trees_close,
     assert_trees_equal,
+    blueprints,
     build,
     expected_leaves,
     mlp_sizes,
-    model_specs,
     seeds,
 )
 
@@ -56,8 +56,8 @@ class Scale(Layer):
 
 
 def for_any_model(test):
-    """Run ``test(spec)`` on random model descriptions, and always on ``EVERY_CONTAINER``."""
-    return given(spec=model_specs())(example(spec=EVERY_CONTAINER)(test))
+    """Run ``test(blueprint)`` on random model descriptions, and always on ``EVERY_CONTAINER``."""
+    return given(blueprint=blueprints())(example(blueprint=EVERY_CONTAINER)(test))
 
 
 def sum_of_squares(tree):
@@ -66,8 +66,8 @@ def sum_of_squares(tree):
 
 # -- structure ---------------------------------------------------------------
 @for_any_model
-def test_flatten_unflatten_round_trip(spec):
-    tree = build(spec, KEY)
+def test_flatten_unflatten_round_trip(blueprint):
+    tree = build(blueprint, KEY)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
     assert tree_structure(rebuilt) == treedef
@@ -75,8 +75,8 @@ def test_flatten_unflatten_round_trip(spec):
 
 
 @for_any_model
-def test_tree_map_doubles_every_parameter_and_keeps_static_data(spec):
-    tree = build(spec, KEY)
+def test_tree_map_doubles_every_parameter_and_keeps_static_data(blueprint):
+    tree = build(blueprint, KEY)
     doubled = jax.tree_util.tree_map(lambda a: 2 * a, tree)
     assert tree_structure(doubled) == tree_structure(tree)
     for new, old in zip(tree_leaves(doubled), tree_leaves(tree), strict=True):
@@ -84,9 +84,9 @@ def test_tree_map_doubles_every_parameter_and_keeps_static_data(spec):
 
 
 @for_any_model
-def test_leaves_match_the_description(spec):
-    tree = build(spec, KEY)
-    expected = expected_leaves(spec)
+def test_leaves_match_the_description(blueprint):
+    tree = build(blueprint, KEY)
+    expected = expected_leaves(blueprint)
     size = sum(int(np.prod(shape)) for _, shape in expected)
     assert len(tree_leaves(tree)) == len(expected)
     assert [(path, leaf.shape) for path, leaf in named_leaves(tree)] == [
@@ -97,10 +97,10 @@ def test_leaves_match_the_description(spec):
 
 
 @for_any_model
-def test_unflatten_accepts_placeholder_leaves(spec):
+def test_unflatten_accepts_placeholder_leaves(blueprint):
     # JAX rebuilds trees around non-arrays (object(), ints for in_axes, tracers):
     # if tree_unflatten ran __init__ or the __setattr__ checks, this would raise.
-    treedef = tree_structure(build(spec, KEY))
+    treedef = tree_structure(build(blueprint, KEY))
     placeholders = [object() for _ in range(treedef.num_leaves)]
     rebuilt = jax.tree_util.tree_unflatten(treedef, placeholders)
     assert tree_structure(rebuilt) == treedef
@@ -108,8 +108,8 @@ def test_unflatten_accepts_placeholder_leaves(spec):
 
 
 @for_any_model
-def test_jit_and_grad_pass_any_nesting_through(spec):
-    tree = build(spec, KEY)
+def test_jit_and_grad_pass_any_nesting_through(blueprint):
+    tree = build(blueprint, KEY)
     same, grads = jax.jit(lambda t: (t, jax.grad(sum_of_squares)(t)))(tree)
     assert_trees_equal(same, tree)
     assert_trees_close(grads, jax.tree_util.tree_map(lambda a: 2 * a, tree))
@@ -287,21 +287,81 @@ def test_a_static_field_must_be_hashable_and_not_an_array(name, message):
         Scale(jnp.ones(2), name=name)
 
 
-def test_checks_also_run_on_later_assignments():
+def test_a_built_layer_is_immutable_and_says_how_to_change_it():
     layer = Scale(jnp.ones(2))
-    with pytest.raises(AttributeError, match=r"Scale\.extra is neither in param_fields"):
+    with pytest.raises(AttributeError, match=r"cannot assign Scale\.factor.*layer\.replace\(factor=\.\.\.\)"):
+        layer.factor = jnp.zeros(2)
+    with pytest.raises(AttributeError, match=r"cannot assign Scale\.extra"):
         layer.extra = 1
-    with pytest.raises(TypeError, match=r"Scale\.factor is a str"):
-        layer.factor = "x"
+    with pytest.raises(AttributeError, match=r"cannot delete Scale\.name"):
+        del layer.name
+    np.testing.assert_array_equal(layer.factor, jnp.ones(2))  # unchanged
 
 
-def test_param_axes():
-    assert Linear(3, 2, key=KEY, axes=("embed", "mlp")).param_axes() == {
+def test_unflattened_and_subclassed_layers_are_frozen_too():
+    rebuilt = jax.tree_util.tree_map(lambda a: 2 * a, Scale(jnp.ones(2)))  # via tree_unflatten
+    with pytest.raises(AttributeError, match="immutable"):
+        rebuilt.factor = jnp.zeros(2)
+
+    class Named(Scale):
+        static_fields = ("name", "tag")
+
+        def __init__(self, factor):
+            super().__init__(factor, name="n")  # the parent's __init__ must not freeze it early
+            self.tag = "t"
+
+    named = Named(jnp.ones(1))
+    assert (named.name, named.tag) == ("n", "t")
+    with pytest.raises(AttributeError, match="immutable"):
+        named.tag = "u"
+
+
+def test_replace_returns_a_checked_copy_with_the_same_treedef():
+    layer = Linear(3, 2, key=KEY, axes=("embed", "mlp"))
+    zeroed = layer.replace(bias=jnp.zeros(2))
+    assert tree_structure(zeroed) == tree_structure(layer) and zeroed is not layer
+    np.testing.assert_array_equal(zeroed.bias, np.zeros(2))
+    np.testing.assert_array_equal(layer.bias, Linear(3, 2, key=KEY).bias)  # the original is untouched
+    np.testing.assert_allclose(jax.jit(lambda m, x: m(x))(zeroed, jnp.ones(3)), jnp.ones(3) @ layer.weight)
+    with pytest.raises(TypeError, match=r"Linear\.bias is a str"):
+        layer.replace(bias="x")
+    with pytest.raises(AttributeError, match=r"Linear\.colour is neither in param_fields"):
+        layer.replace(colour=1)
+
+
+def test_a_declared_field_never_assigned_is_named():
+    class Forgetful(Layer):
+        param_fields = ("w", "b")
+
+        def __init__(self):
+            self.w = jnp.ones(2)
+
+    with pytest.raises(TypeError, match=r"Forgetful\.__init__ never set \['b'\]"):
+        Forgetful()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"param_fields": "w"}, r"Bad\.param_fields must be a tuple of field names, got 'w'; .*\('w',\)"),
+        (
+            {"param_fields": ("w",), "static_fields": ("w",)},
+            r"\['w'\] listed in both param_fields and static",
+        ),
+    ],
+)
+def test_field_lists_are_checked_when_the_class_is_defined(fields, message):
+    with pytest.raises(TypeError, match=message):
+        type("Bad", (Layer,), fields)
+
+
+def test_param_logical_axes():
+    assert Linear(3, 2, key=KEY, axes=("embed", "mlp")).param_logical_axes() == {
         "weight": ("embed", "mlp"),
         "bias": ("mlp",),
     }
-    assert Linear(3, 2, key=KEY, use_bias=False).param_axes() == {"weight": (None, None)}
-    assert Scale(jnp.ones((2, 3))).param_axes() == {"factor": (None, None)}
+    assert Linear(3, 2, key=KEY, use_bias=False).param_logical_axes() == {"weight": (None, None)}
+    assert Scale(jnp.ones((2, 3))).param_logical_axes() == {"factor": (None, None)}
 
 
 # -- tree helpers ------------------------------------------------------------
@@ -325,13 +385,13 @@ def test_tree_bytes_uses_each_leaf_dtype():
 
 def test_named_leaves_in_every_kind_of_container():
     assert [path for path, _ in named_leaves(build(EVERY_CONTAINER, KEY))] == [
-        "['extras'][0][0].left.weight",
-        "['extras'][0][0].left.bias",
-        "['extras'][0][0].right.items[1].weight",
-        "['extras'][0][0].right.items[1].bias",
-        "['model'].layers[0].weight",
-        "['model'].layers[0].bias",
-        "['model'].layers[2].weight",
+        "extras[0][0].left.weight",
+        "extras[0][0].left.bias",
+        "extras[0][0].right.items[1].weight",
+        "extras[0][0].right.items[1].bias",
+        "model.layers[0].weight",
+        "model.layers[0].bias",
+        "model.layers[2].weight",
     ]
 
 

@@ -72,7 +72,7 @@ def assert_sgd_matches_optax(lr, momentum, params, grad_fn, steps, update=None):
         ours_params, ours_state = update(ours_params, grad_fn(ours_params, step), ours_state)
         updates, optax_state = theirs.update(grad_fn(optax_params, step), optax_state, optax_params)
         optax_params = optax.apply_updates(optax_params, updates)
-        assert_trees_close(ours_params, optax_params, rtol=1e-6, atol=1e-7)
+        assert_trees_close(ours_params, optax_params, rtol=1e-6, atol=1e-6)  # a few float32 ulps at O(1)
     assert int(ours_state.step) == steps
 
 
@@ -92,7 +92,7 @@ def test_exponential_decay_starts_at_init_value_and_staircase_holds_steady():
 
 @pytest.mark.parametrize("decay_steps", [0, -3])
 def test_exponential_decay_needs_positive_decay_steps(decay_steps):
-    with pytest.raises(ValueError, match=f"decay_steps must be positive, got {decay_steps}"):
+    with pytest.raises(ValueError, match=f"decay_steps must be a positive int, got {decay_steps}"):
         exponential_decay(0.1, 0.5, decay_steps)
 
 
@@ -119,13 +119,13 @@ def test_sgd_state_is_a_pytree_shaped_like_the_params():
     params = {"w": jnp.ones((2, 3)), "b": [jnp.zeros(3)]}
     with_momentum = SGD(0.1, momentum=0.9).init(params)
     assert isinstance(with_momentum, minishard.SGDState) and int(with_momentum.step) == 0
-    assert jax.tree_util.tree_structure(with_momentum.momentum) == jax.tree_util.tree_structure(params)
-    assert SGD(0.1).init(params).momentum is None
+    assert jax.tree_util.tree_structure(with_momentum.velocity) == jax.tree_util.tree_structure(params)
+    assert SGD(0.1).init(params).velocity is None
 
 
 @pytest.mark.parametrize("momentum", [-0.1, 1.0])
 def test_sgd_rejects_momentum_outside_0_1(momentum):
-    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"momentum must be a number in \[0, 1\)"):
         SGD(0.1, momentum)
 
 

@@ -23,7 +23,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import minishard as ms
-from minishard.report import Collective, Report, collectives, explain, summary
+from minishard.collectives import Collective, bytes_by_mesh_axes, collectives, summary
+from minishard.explain import Report, explain
 from minishard.sharding import AxisRules, Sharded, make_mesh
 from minishard.tree import named_leaves, tree_bytes
 
@@ -50,19 +51,6 @@ def example(axes=None):
     images = rng.standard_normal((BATCH, SIZES[0]), dtype=np.float32)
     labels = rng.integers(0, SIZES[-1], BATCH, dtype=np.int32)
     return model, OPT.init(model), images, labels
-
-
-def per_axes(lowered, mesh) -> dict[tuple[str, tuple[tuple[str, ...], ...]], int]:
-    """Bytes per (kind, axes), one collective instruction at a time.
-
-    ``collectives`` sums all instructions of a kind; feeding it one HLO line at
-    a time separates, say, the all-reduce over "data" from the one over "model".
-    """
-    found: dict[tuple[str, tuple[tuple[str, ...], ...]], int] = {}
-    for line in lowered.compile().as_text().splitlines():
-        for kind, c in collectives(line, mesh).items():
-            found[kind, c.axes] = found.get((kind, c.axes), 0) + c.bytes
-    return found
 
 
 def weight_specs(step, args):
@@ -92,7 +80,7 @@ def test_data_parallel_all_reduces_the_gradients_over_data():
     # in the same all-reduce. The parameters themselves never move.
     assert set(found) == {"all-reduce"}
     assert found["all-reduce"].bytes == tree_bytes(model) + F32 == 1_628_200 + 4
-    assert found["all-reduce"].axes == (("data",),)
+    assert found["all-reduce"].mesh_axes == (("data",),)
 
 
 # -- (2) tensor parallel (Megatron MLP) ----------------------------------------------
@@ -128,7 +116,7 @@ def test_2d_combines_both_all_reduces_on_their_own_axes():
     assert weight_specs(step, args) == [P(None, "model"), P("model"), P("model", None), P(None)]
     assert step.specs(*args).inputs[2] == P("data")
 
-    found = per_axes(step.lower(*args), mesh)
+    found = bytes_by_mesh_axes(step.lower(*args))
     # Over "model", as in (2): the partial logits of this data shard's 32
     # examples, (32, 10) float32.
     # Over "data", as in (1), but each device only all-reduces the gradients of
@@ -138,8 +126,8 @@ def test_2d_combines_both_all_reduces_on_their_own_axes():
     held = explain(model, mesh, RULES_2D).device_bytes
     assert held == (784 * 128 + 128 + 128 * 10 + 10) * F32 == 407_080
     assert found == {
-        ("all-reduce", (("model",),)): BATCH // 2 * SIZES[-1] * F32,
-        ("all-reduce", (("data",),)): held + F32,
+        ("all-reduce", ("model",)): BATCH // 2 * SIZES[-1] * F32,
+        ("all-reduce", ("data",)): held + F32,
     }
 
 
@@ -203,12 +191,12 @@ def test_explain_counts_each_devices_share():
     assert isinstance(report, Report) and report.collectives is None
     assert report.mesh == {"data": 2, "model": 4}
     w1, _, w2, b2 = report.rows
-    assert (w1.path, w1.shape, w1.logical) == ("layers[0].weight", (784, 512), ("embed", "mlp"))
+    assert (w1.path, w1.shape, w1.logical_axes) == ("layers[0].weight", (784, 512), ("embed", "mlp"))
     assert w1.spec == P(None, "model")
-    assert w1.shard_shape == (784, 128) and w1.dtype == "float32"
+    assert w1.block_shape == (784, 128) and w1.dtype == "float32"
     # Split 4 ways over "model", replicated over "data": a quarter per device.
     assert w1.bytes == 784 * 512 * F32 and w1.device_bytes == w1.bytes // 4
-    assert (w2.spec, w2.shard_shape, w2.device_bytes) == (P("model", None), (128, 10), w2.bytes // 4)
+    assert (w2.spec, w2.block_shape, w2.device_bytes) == (P("model", None), (128, 10), w2.bytes // 4)
     assert b2.spec == P(None) and b2.device_bytes == b2.bytes == 10 * F32  # replicated: whole
     assert report.total_bytes == tree_bytes(model) == 1_628_200
     assert report.device_bytes == sum(row.device_bytes for row in report.rows) == 407_080
@@ -246,10 +234,10 @@ def test_explain_covers_every_leaf_of_any_tree():
     report = explain(state, mesh, RULES_2D)
     assert [row.path for row in report.rows] == [
         "step",
-        "momentum.layers[0].weight",
-        "momentum.layers[0].bias",
-        "momentum.layers[2].weight",
-        "momentum.layers[2].bias",
+        "velocity.layers[0].weight",
+        "velocity.layers[0].bias",
+        "velocity.layers[2].weight",
+        "velocity.layers[2].bias",
     ]
     assert report.rows[0].shape == () and report.rows[0].dtype == "int32" and report.rows[0].device_bytes == 4
     assert report.rows[1].spec == P(None, "model")

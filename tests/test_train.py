@@ -47,16 +47,29 @@ def test_one_epoch_reaches_95_percent_on_the_full_test_split():
     assert test.num_examples == 10_000
     mesh = ms.make_mesh({"data": 2, "model": 4})
     _, _, history = fit(
-        model_of([784, 512, 10]), sgd(), train, mesh=mesh, rules=ms.AxisRules(**MEGATRON_RULES),
-        epochs=1, eval_data=test, **QUIET,
+        model_of([784, 512, 10]),
+        sgd(),
+        train,
+        mesh=mesh,
+        rules=ms.AxisRules(**MEGATRON_RULES),
+        epochs=1,
+        eval_data=test,
+        **QUIET,
     )
     assert history[0]["test_acc"] >= 0.95, history
 
 
 def losses_per_step(data, mesh_shape, rules, log):
     fit(
-        model_of([784, 64, 10]), sgd(), data, mesh=ms.make_mesh(mesh_shape), rules=ms.AxisRules(**rules),
-        epochs=1, metrics_log=log, log_every=1, **QUIET,
+        model_of([784, 64, 10]),
+        sgd(),
+        data,
+        mesh=ms.make_mesh(mesh_shape),
+        rules=ms.AxisRules(**rules),
+        epochs=1,
+        metrics_log=log,
+        log_every=1,
+        **QUIET,
     )
     return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "step" in r]
 
@@ -76,8 +89,15 @@ def test_data_tensor_and_2d_parallel_give_the_same_loss_curve(small_train, tmp_p
 def test_non_finite_loss_stops_training_and_names_the_step(small_train):
     exploding = ms.SGD(1e6, momentum=0.9)
     with pytest.raises(NonFiniteLossError, match=r"loss is (nan|inf) at step \d+ \(epoch 1, batch \d+\)"):
-        fit(model_of([784, 64, 10]), exploding, small_train, mesh=ms.make_mesh({"data": 8}),
-            rules=ms.AxisRules(batch="data", embed=None, mlp=None, classes=None), epochs=1, **QUIET)
+        fit(
+            model_of([784, 64, 10]),
+            exploding,
+            small_train,
+            mesh=ms.make_mesh({"data": 8}),
+            rules=ms.AxisRules(batch="data", embed=None, mlp=None, classes=None),
+            epochs=1,
+            **QUIET,
+        )
 
 
 def final_line(output: str) -> str:
@@ -139,24 +159,50 @@ def test_a_trainer_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_
     lines = []
     model = ms.mlp([784, 4096, 10], key=jax.random.key(0), axes=ms.megatron_axes(2))
     _, _, history = fit(
-        model, ms.SGD(0.01, momentum=0.9), mnist("train[:1024]", 128), mesh=ms.make_mesh({"data": 8}),
-        rules=ms.AxisRules(batch="data", embed=None, mlp=None, classes=None), epochs=2,
-        checkpoint_dir=directory, resume=True, log=lines.append, progress=False,
+        model,
+        ms.SGD(0.01, momentum=0.9),
+        mnist("train[:1024]", 128),
+        mesh=ms.make_mesh({"data": 8}),
+        rules=ms.AxisRules(batch="data", embed=None, mlp=None, classes=None),
+        epochs=2,
+        checkpoint_dir=directory,
+        resume=True,
+        log=lines.append,
+        progress=False,
     )
     assert re.match(r"Resumed from step [2-9]", lines[0]), lines
     assert [record["epoch"] for record in history] == [1, 2]
 
 
 def test_resume_falls_back_past_a_corrupted_checkpoint_and_says_so(small_train, tmp_path):
-    quiet = {"mesh": ms.make_mesh({"data": 8}), "rules": ms.AxisRules(batch="data", embed=None, mlp=None,
-             classes=None), "progress": False}
-    fit(model_of([784, 16, 10]), sgd(), small_train, epochs=1, checkpoint_dir=tmp_path, checkpoint_every=4,
-        log=lambda line: None, **quiet)
+    quiet = {
+        "mesh": ms.make_mesh({"data": 8}),
+        "rules": ms.AxisRules(batch="data", embed=None, mlp=None, classes=None),
+        "progress": False,
+    }
+    fit(
+        model_of([784, 16, 10]),
+        sgd(),
+        small_train,
+        epochs=1,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=4,
+        log=lambda line: None,
+        **quiet,
+    )
     for data_file in (tmp_path / "8").rglob("d/*"):  # the array data of the last checkpoint
         data_file.write_bytes(b"garbage")
     lines = []
-    fit(model_of([784, 16, 10]), sgd(), small_train, epochs=1, checkpoint_dir=tmp_path, resume=True,
-        log=lines.append, **quiet)
+    fit(
+        model_of([784, 16, 10]),
+        sgd(),
+        small_train,
+        epochs=1,
+        checkpoint_dir=tmp_path,
+        resume=True,
+        log=lines.append,
+        **quiet,
+    )
     fallback = f"{tmp_path / '8'} is unreadable"
     assert any(fallback in line and "falling back to step 4" in line for line in lines), lines
     assert any(line.startswith("Resumed from step 4") for line in lines), lines

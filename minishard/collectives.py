@@ -1,7 +1,22 @@
-"""Reading XLA's HLO text: instructions, result shapes and replica groups.
+"""Collectives: what a sharded program sends between devices, read from XLA's compiled HLO.
 
-``jax.jit(f).lower(*args).compile().as_text()`` is the program each device runs
-after XLA's SPMD partitioner split it. A collective in it reads like::
+You write a program for whole arrays; ``jax.jit`` hands it, with your
+shardings, to XLA, whose *SPMD partitioner* rewrites it into the program that
+*each device* runs on its own shards. Wherever a device needs data it does not
+hold, the partitioner inserts a **collective**:
+
+* ``all-reduce``: everyone ends with the sum of everyone's values (gradients in
+  data parallelism, partial dot products when a contracted dimension is split);
+* ``all-gather``: everyone ends with all the shards, concatenated;
+* ``reduce-scatter``: the sum, but each device keeps only its slice of it;
+* ``all-to-all``: device i sends its j-th slice to device j (moves a sharding
+  from one dimension to another);
+* ``collective-permute``: point-to-point sends along fixed (source, target) pairs.
+
+Collectives are the time a sharded program spends on the interconnect rather
+than computing. They appear neither in your Python nor in the jaxpr, only in the
+compiled HLO, ``jax.jit(f).lower(*args).compile().as_text()``. A collective
+there reads like::
 
     %all-reduce = f32[2000]{0} all-reduce(%fusion), channel_id=1,
                   replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
@@ -17,26 +32,160 @@ after XLA's SPMD partitioner split it. A collective in it reads like::
 
 Device numbers are positions in the flattened mesh, ``mesh.devices.flat``, so
 a group translates back to mesh axis names: the axes along which its devices'
-coordinates vary.
+coordinates vary. Here, 2 groups of 4 devices each add up an f32[2000] on a
+(2, 4) mesh of axes ("x", "y"): an all-reduce over "y".
 
+>>> hlo = "%ar = f32[2000]{0} all-reduce(%p), replica_groups=[2,4]<=[8], to_apply=%add"
 >>> mesh = jax.sharding.AbstractMesh((2, 4), ("x", "y"))
->>> line = "%ar = f32[2000]{0} all-reduce(%p), replica_groups=[2,4]<=[8], to_apply=%add"
->>> [(m["kind"], shape_bytes(m["shape"])) for m in collective_instructions(line)]
-[('all-reduce', 8000)]
->>> instruction_axes(line, mesh)
-{('y',)}
+>>> print(summary(collectives(hlo, mesh)))
+all-reduce  x1  8.0 kB  over ('y',)
+
+A rule of thumb from "How to Scale Your Model" (the scaling book) for reading
+them: an all-gather or a reduce-scatter of B bytes costs about B / bandwidth;
+an all-reduce about twice that (a reduce-scatter followed by an all-gather).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import jax
 import numpy as np
 
-AnyMesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
+from minishard.rules import AnyMesh
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+# --- 1. what a program sends ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """Every collective instruction of one kind in a compiled program.
+
+    * ``kind``: the HLO opcode, e.g. ``"all-reduce"``.
+    * ``count``: how many such instructions the program text holds (one inside
+      a loop body counts once, however often the loop runs).
+    * ``bytes``: their result sizes on one device, summed.
+    * ``mesh_axes``: the distinct device groupings they use, each as a tuple of
+      mesh axis names, sorted: ``(("y",),)`` when all run over "y";
+      ``(("x",), ("x", "y"))`` when some run over "x" and others over both.
+      ``"y(2 of 4)"`` names a group holding only 2 of the 4 devices along "y";
+      ``"?"`` a group that is no sub-grid of the mesh. For
+      ``collective-permute``: the axes along which data moves.
+    """
+
+    kind: str
+    count: int
+    bytes: int
+    mesh_axes: tuple[tuple[str, ...], ...]
+
+    def __str__(self) -> str:
+        return _row(self, width=len(self.kind))
+
+
+Program = jax.stages.Lowered | jax.stages.Compiled | str
+
+
+def collectives(program: Program, mesh: AnyMesh | None = None) -> dict[str, Collective]:
+    """The collectives of ``program``, keyed by kind, in ``KINDS`` order; ``{}`` if none.
+
+    ``program`` is a ``jit(f).lower(...)`` (compiled here), its ``.compile()``,
+    or compiled HLO text (then pass ``mesh``). The mesh names device positions;
+    by default it is the one of the program's ``NamedSharding``\\ s.
+    """
+    found: dict[str, Collective] = {}
+    for kind, nbytes, groups in instructions(program, mesh):
+        seen = found.get(kind, Collective(kind, 0, 0, ()))
+        axes = tuple(sorted(set(seen.mesh_axes) | set(groups)))
+        found[kind] = Collective(kind, seen.count + 1, seen.bytes + nbytes, axes)
+    return {kind: found[kind] for kind in KINDS if kind in found}
+
+
+def bytes_by_mesh_axes(
+    program: Program, mesh: AnyMesh | None = None
+) -> dict[tuple[str, tuple[str, ...]], int]:
+    r"""Bytes per (kind, mesh axes): separates, say, the all-reduce over "data" from the one over "model".
+
+    >>> hlo = "\n".join(["%a = f32[8]{0} all-reduce(%p), replica_groups=[2,4]<=[8], to_apply=%add",
+    ...                   "%b = f32[2]{0} all-reduce(%q), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add"])
+    >>> bytes_by_mesh_axes(hlo, jax.sharding.AbstractMesh((2, 4), ("x", "y")))
+    {('all-reduce', ('y',)): 32, ('all-reduce', ('x',)): 8}
+    """
+    found: dict[tuple[str, tuple[str, ...]], int] = {}
+    for kind, nbytes, groups in instructions(program, mesh):
+        mesh_axes = groups[0] if len(groups) == 1 else ("?",)  # groups of different shapes: rare
+        found[kind, mesh_axes] = found.get((kind, mesh_axes), 0) + nbytes
+    return found
+
+
+def instructions(
+    program: Program, mesh: AnyMesh | None = None
+) -> Iterator[tuple[str, int, tuple[tuple[str, ...], ...]]]:
+    """``(kind, bytes on one device, groups)`` of each collective instruction, in program order.
+
+    ``groups``: the mesh axes of each distinct group shape, sorted; nearly always just one.
+
+    Async pairs (``all-gather-start`` then ``all-gather-done``) count once: the
+    start carries the groups, the done the result (the start's result is a
+    bundle of buffers, not the result); each done is paired with the oldest
+    open start of its kind.
+    """
+    if isinstance(program, jax.stages.Lowered):
+        program = program.compile()
+    if isinstance(program, str):
+        text = program
+    else:
+        mesh = _mesh_of(program) if mesh is None else mesh
+        text = program.as_text() or ""
+    started: dict[str, list[tuple[tuple[str, ...], ...]]] = {kind: [] for kind in KINDS}
+    for match in collective_instructions(text):
+        kind, phase = match["kind"], match["phase"]
+        if phase == "-done":
+            yield kind, shape_bytes(match["shape"]), started[kind].pop(0) if started[kind] else (("?",),)
+            continue
+        if mesh is None:
+            raise ValueError(f"found an {kind} but no mesh to name its devices; pass mesh=")
+        groups = tuple(sorted(instruction_axes(match.string, mesh)))
+        if phase == "-start":
+            started[kind].append(groups)
+        else:
+            yield kind, shape_bytes(match["shape"]), groups
+
+
+def summary(found: Mapping[str, Collective]) -> str:
+    """One aligned line per kind, e.g. ``all-reduce  x3  1.6 MB  over ('data',)``."""
+    if not found:
+        return "no collectives: every device computes on its own shards alone"
+    width = max(len(kind) for kind in found)
+    return "\n".join(_row(c, width) for c in found.values())
+
+
+def _row(c: Collective, width: int) -> str:
+    over = ", ".join(str(names) for names in c.mesh_axes) or "()"
+    return f"{c.kind:<{width}}  x{c.count}  {human_bytes(c.bytes)}  over {over}"
+
+
+def human_bytes(n: int) -> str:
+    """Decimal units, as interconnect bandwidths are quoted: 1628200 -> '1.6 MB'."""
+    size, unit = float(n), "B"
+    for bigger in ("kB", "MB", "GB", "TB"):
+        if size < 1000:
+            break
+        size, unit = size / 1000, bigger
+    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+
+
+def _mesh_of(compiled: jax.stages.Compiled) -> AnyMesh | None:
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    return next((s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)), None)
+
+
+# --- 2. reading HLO text: instructions, result shapes, replica groups ----------
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _COMMENT = re.compile(r"/\*.*?\*/")  # long tuples are numbered: (a, b, c, d, e, /*index=5*/f, ...)
