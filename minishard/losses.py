@@ -1,6 +1,18 @@
 """Losses and metrics for classification, written out in plain jax.numpy.
 
->>> import jax.numpy as jnp
+Shapes, ranks and dtypes are known while tracing, so they are checked here at
+no cost per step: a label array of the wrong shape would otherwise broadcast
+into a silently wrong loss. Label *values* are only known on the device; the
+datasets check theirs once, when they load, and for your own data ``one_hot``
+has an opt-in checked mode (``checked=True``) that ``jax.experimental.checkify``
+turns into a real error, under ``jit`` too:
+
+>>> from jax.experimental import checkify
+>>> loss = lambda logits, labels: cross_entropy(logits, one_hot(labels, 2, checked=True))
+>>> error, _ = jax.jit(checkify.checkify(loss))(jnp.zeros((2, 2)), jnp.array([0, 5]))
+>>> print(error.get())
+one_hot: labels must lie in [0, 2), got values from 0 to 5 (`check` failed)
+
 >>> logits = jnp.array([[2.0, 0.0], [0.0, 3.0]])
 >>> float(accuracy(logits, jnp.array([0, 0])))
 0.5
@@ -10,11 +22,27 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
 
 
-def one_hot(labels: jax.Array, num_classes: int) -> jax.Array:
-    """``labels`` (any shape, ints) -> float32 one-hot of shape ``labels.shape + (num_classes,)``."""
-    return (jnp.asarray(labels)[..., None] == jnp.arange(num_classes)).astype(jnp.float32)
+def one_hot(labels: jax.Array, num_classes: int, *, checked: bool = False) -> jax.Array:
+    """``labels`` (any shape, ints) -> float32 one-hot of shape ``labels.shape + (num_classes,)``.
+
+    A label outside ``[0, num_classes)`` would give a row of zeros (and a wrong
+    loss). ``checked=True`` adds a ``checkify.check`` on the values; run the
+    function under ``checkify.checkify`` to get the error (see the module docstring).
+    """
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int | np.integer) or num_classes < 1:
+        raise ValueError(f"one_hot: num_classes must be an int >= 1, got {num_classes!r}")
+    labels = jnp.asarray(labels)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"one_hot: labels must be integers (class indices), got dtype {labels.dtype}")
+    if checked:
+        in_range = jnp.all((labels >= 0) & (labels < num_classes))
+        message = f"one_hot: labels must lie in [0, {num_classes}), got values from {{lo}} to {{hi}}"
+        checkify.check(in_range, message, lo=labels.min(), hi=labels.max())
+    return (labels[..., None] == jnp.arange(num_classes)).astype(jnp.float32)
 
 
 def cross_entropy(logits: jax.Array, targets_onehot: jax.Array) -> jax.Array:
@@ -23,6 +51,11 @@ def cross_entropy(logits: jax.Array, targets_onehot: jax.Array) -> jax.Array:
     ``log_softmax`` is ``logits - logsumexp(logits)``: ``logsumexp`` subtracts
     the max before exponentiating, so large logits never overflow.
     """
+    if jnp.shape(logits) != jnp.shape(targets_onehot) or jnp.ndim(logits) == 0:
+        raise ValueError(
+            f"cross_entropy: logits {jnp.shape(logits)} and one-hot targets {jnp.shape(targets_onehot)} "
+            "must have the same shape [..., classes]; turn labels into targets with one_hot(labels, classes)"
+        )
     log_probs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     return -jnp.mean(jnp.sum(targets_onehot * log_probs, axis=-1))
 
@@ -33,6 +66,11 @@ def accuracy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
     ``mask`` (1 for real rows, 0 for padding) lets a padded last batch count
     only its real examples.
     """
+    rows = jnp.shape(logits)[:-1]
+    if jnp.ndim(logits) == 0 or jnp.shape(labels) != rows:
+        raise ValueError(f"accuracy: labels {jnp.shape(labels)} must have the shape {rows} of logits[..., 0]")
+    if mask is not None and jnp.shape(mask) != rows:
+        raise ValueError(f"accuracy: mask {jnp.shape(mask)} must have the shape {rows} of the labels")
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     if mask is None:
         return jnp.mean(correct)

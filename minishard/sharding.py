@@ -334,12 +334,13 @@ class Sharded:
 class _Compiled(NamedTuple):
     jitted: Any  # jax.jit(fn, in_shardings=..., out_shardings=...)
     specs: Specs
+    donated: tuple[int, ...]  # positions, in the flattened arguments, of the donated leaves
 
 
 class ShardedFunction:
     """What ``Sharded(mesh)(fn)`` returns: call it like ``fn``; inspect with ``specs`` and ``lower``.
 
-    ``__call__``, ``specs`` and ``lower`` take one path, ``_compiled(args)``:
+    ``__call__``, ``specs`` and ``lower`` take one path, ``_lookup(args)``:
 
     * **first call** for an argument structure: ``_build`` plans the arguments,
       finds the output shapes with ``jax.eval_shape``, plans them too, and
@@ -365,7 +366,11 @@ class ShardedFunction:
                 f"Sharded function {self.name!r}: pass arguments by position; "
                 f"shardings are derived per positional argument, got keywords {sorted(kwargs)}"
             )
-        compiled = self._compiled(args)
+        compiled, leaves = self._lookup(args)
+        # A donated array is deleted after the call it was given to; handing it to XLA
+        # again would crash the process (XLA:CPU), so look first. Free without donation.
+        if compiled.donated and any(_is_deleted(leaves[i]) for i in compiled.donated):
+            self._diagnose(args, compiled.specs)
         try:
             return compiled.jitted(*args)
         except (ValueError, RuntimeError) as error:  # explain JAX's generic errors in minishard's terms
@@ -374,13 +379,13 @@ class ShardedFunction:
 
     def specs(self, *args: Any) -> Specs:
         """The input and output PartitionSpecs ``Sharded`` derives for these arguments."""
-        return self._compiled(args).specs
+        return self._lookup(args)[0].specs
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """``jax.jit(...).lower(*args)``: look at the program (``.as_text()``) or compile it."""
-        return self._compiled(args).jitted.lower(*args)
+        return self._lookup(args)[0].jitted.lower(*args)
 
-    def _compiled(self, args: tuple[Any, ...]) -> _Compiled:
+    def _lookup(self, args: tuple[Any, ...]) -> tuple[_Compiled, list[Any]]:
         # The hot path of every training step. Layer parameters' specs follow from the
         # treedef alone (their logical axes are static data); a leaf outside Layers is
         # batch-split unless it is a scalar, so its rank is part of the key.
@@ -392,7 +397,7 @@ class ShardedFunction:
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self._cache[key] = self._build(args)
-        return compiled
+        return compiled, leaves
 
     def _build(self, args: tuple[Any, ...]) -> _Compiled:
         config, mesh = self.config, self.config.mesh
@@ -410,7 +415,10 @@ class ShardedFunction:
             out_shardings=named_shardings(outputs, mesh),
             donate_argnums=config.donate_argnums,
         )
-        return _Compiled(jitted, Specs(inputs, outputs))
+        donate = (config.donate_argnums,) if isinstance(config.donate_argnums, int) else config.donate_argnums
+        starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(arg)) for arg in args])
+        donated = tuple(i for a in donate for i in range(starts[a], starts[a + 1]))
+        return _Compiled(jitted, Specs(inputs, outputs), donated)
 
     def _name_argument(self, message: str) -> str:
         """``[0].layers[0].weight`` -> ``model.layers[0].weight``, using fn's parameter names."""
@@ -429,7 +437,7 @@ class ShardedFunction:
         expected = jax.tree_util.tree_leaves(named_shardings(specs.inputs, config.mesh))
         for (path, arg), want in zip(jax.tree_util.tree_leaves_with_path(args), expected):
             where = path_str(path)
-            if getattr(arg, "is_deleted", lambda: False)():
+            if _is_deleted(arg):
                 raise ShardingError(
                     self._name_argument(
                         f"{where}: was deleted, because it was donated to an earlier call "
@@ -444,6 +452,10 @@ class ShardedFunction:
                         "that sharding) before the call."
                     )
                 )
+
+
+def _is_deleted(leaf: Any) -> bool:
+    return getattr(leaf, "is_deleted", bool)()  # numpy arrays are never donated away
 
 
 def _positions_outside_layers(tree: Any) -> tuple[int, ...]:

@@ -364,43 +364,6 @@ def test_param_logical_axes():
     assert Scale(jnp.ones((2, 3))).param_logical_axes() == {"factor": (None, None)}
 
 
-# -- tree helpers ------------------------------------------------------------
-def test_tree_helpers_on_an_mlp():
-    model = mlp([3, 4, 2], key=KEY)
-    assert count_params(model) == 3 * 4 + 4 + 4 * 2 + 2
-    assert tree_bytes(model) == 4 * count_params(model)
-    assert [path for path, _ in named_leaves(model)] == [
-        "layers[0].weight",
-        "layers[0].bias",
-        "layers[2].weight",
-        "layers[2].bias",
-    ]
-
-
-def test_tree_bytes_uses_each_leaf_dtype():
-    tree = {"a": jnp.zeros((2, 3), jnp.bfloat16), "b": np.zeros(5, np.int8), "c": jnp.zeros((), jnp.float32)}
-    assert count_params(tree) == 6 + 5 + 1
-    assert tree_bytes(tree) == 6 * 2 + 5 * 1 + 4
-
-
-def test_named_leaves_in_every_kind_of_container():
-    assert [path for path, _ in named_leaves(build(EVERY_CONTAINER, KEY))] == [
-        "extras[0][0].left.weight",
-        "extras[0][0].left.bias",
-        "extras[0][0].right.items[1].weight",
-        "extras[0][0].right.items[1].bias",
-        "model.layers[0].weight",
-        "model.layers[0].bias",
-        "model.layers[2].weight",
-    ]
-
-
-def test_named_leaves_of_a_bare_array_is_the_root():
-    x = jnp.ones(3)
-    [(path, leaf)] = named_leaves(x)
-    assert path == "<root>" and leaf is x
-
-
 def test_a_plain_function_in_sequential_is_refused_with_the_fix():
     with pytest.raises(TypeError, match=r"Sequential.layers\[1\] is the function 'relu'.*such as ReLU\(\)"):
         ms.Sequential([ms.Linear(2, 2, key=jax.random.key(0)), jax.nn.relu])

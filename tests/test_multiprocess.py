@@ -14,6 +14,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 import minishard as ms
 from minishard.data import Dataset
@@ -49,6 +50,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one():
     address = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}

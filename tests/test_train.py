@@ -1,6 +1,9 @@
-"""End-to-end training on the real (offline) MNIST: accuracy, parallel styles, NaN guard, CLI.
+"""minishard.train: ``fit`` on a tiny synthetic dataset, then end to end on the real (offline) MNIST.
 
-These tests need MNIST prepared by TFDS; `make test` points TFDS_DATA_DIR at it.
+The first tests need no data: what ``fit`` promises beyond accuracy (it never
+deletes the caller's arrays, saves each step once, refuses to resume a
+checkpoint into a run that deals the data out differently). The MNIST tests need
+the data prepared by TFDS; `make test` points TFDS_DATA_DIR at it.
 """
 
 import json
@@ -16,21 +19,58 @@ import numpy as np
 import pytest
 
 import minishard as ms
-from minishard.cli import main
-from minishard.data import mnist
-from minishard.train import NonFiniteLossError, fit
+from minishard.data import Dataset, mnist
+from minishard.train import NonFiniteLossError, ResumeError, fit
 
-pytestmark = pytest.mark.skipif(
+needs_mnist = pytest.mark.skipif(
     not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "mnist")),
     reason="needs MNIST prepared by tfds: set TFDS_DATA_DIR (make test does)",
 )
 
+MESH_RULES = {"mesh": ms.make_mesh({"data": 8}), "rules": ms.AxisRules(batch="data"), "progress": False}
+
+
+def tiny_data(seed: int = 0, batch_size: int = 16) -> Dataset:
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (64, 2, 2, 1), dtype=np.uint8)
+    return Dataset(images, images.reshape(64, -1).argmax(axis=1), batch_size=batch_size, shuffle_seed=seed)
+
+
+def tiny_model():
+    return ms.mlp([4, 8, 4], key=jax.random.key(0))
+
+
+def test_fit_leaves_the_callers_model_alive():
+    model = tiny_model()
+    trained, _, _ = fit(model, ms.SGD(0.1), tiny_data(), epochs=1, log=lambda line: None, **MESH_RULES)
+    assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(model))
+    assert not np.array_equal(model[0].weight, trained[0].weight)
+
+
+def test_each_step_is_saved_once_even_when_checkpoint_every_meets_an_epoch_end(tmp_path):
+    lines = []
+    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=2, checkpoint_dir=tmp_path, checkpoint_every=2,
+        log=lines.append, **MESH_RULES)  # fmt: skip
+    assert not [line for line in lines if "discarding" in line], lines
+    assert sorted(int(p.name) for p in tmp_path.iterdir()) == [4, 6, 8]  # keep=3: the last three
+
+
+@pytest.mark.parametrize("changed", [{"seed": 1}, {"batch_size": 32}], ids=["seed", "batch_size"])
+def test_resume_refuses_a_run_that_deals_the_data_out_differently(tmp_path, changed):
+    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=tmp_path, log=lambda line: None,
+        **MESH_RULES)  # fmt: skip
+    with pytest.raises(ResumeError, match="resume with the same --seed and --batch-size"):
+        fit(tiny_model(), ms.SGD(0.1), tiny_data(**changed), epochs=2, checkpoint_dir=tmp_path, resume=True,
+            log=lambda line: None, **MESH_RULES)  # fmt: skip
+
+
+# -- the real MNIST ------------------------------------------------------------------
 MEGATRON_RULES = {"batch": "data", "embed": None, "mlp": "model", "classes": None}
 QUIET = {"log": lambda line: None, "progress": False}
 
 
 @pytest.fixture(scope="module")
-def small_train():
+def small_train():  # only MNIST tests ask for it
     return mnist("train[:1024]", 128)
 
 
@@ -42,6 +82,8 @@ def sgd():
     return ms.SGD(ms.exponential_decay(0.2, 0.7, 1000), momentum=0.9)
 
 
+@needs_mnist
+@pytest.mark.slow
 def test_one_epoch_reaches_95_percent_on_the_full_test_split():
     train, test = mnist("train", 128), mnist("test", 128)
     assert test.num_examples == 10_000
@@ -74,6 +116,7 @@ def losses_per_step(data, mesh_shape, rules, log):
     return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "step" in r]
 
 
+@needs_mnist
 def test_data_tensor_and_2d_parallel_give_the_same_loss_curve(small_train, tmp_path):
     styles = {
         "2d": ({"data": 2, "model": 4}, MEGATRON_RULES),
@@ -86,6 +129,7 @@ def test_data_tensor_and_2d_parallel_give_the_same_loss_curve(small_train, tmp_p
     np.testing.assert_allclose(curves["tensor"], curves["2d"], rtol=2e-5)
 
 
+@needs_mnist
 def test_non_finite_loss_stops_training_and_names_the_step(small_train):
     exploding = ms.SGD(1e6, momentum=0.9)
     with pytest.raises(NonFiniteLossError, match=r"loss is (nan|inf) at step \d+ \(epoch 1, batch \d+\)"):
@@ -100,36 +144,6 @@ def test_non_finite_loss_stops_training_and_names_the_step(small_train):
         )
 
 
-def final_line(output: str) -> str:
-    """The last epoch line, without its (machine-dependent) duration."""
-    lines = [line for line in output.splitlines() if line.startswith("Epoch ")]
-    return re.sub(r" in [\d.]+ s", "", lines[-1])
-
-
-def test_cli_trains_plots_logs_and_resumes_to_the_same_final_line(tmp_path, capsys):
-    common = ["train", "--layers", "784,32,10", "--batch-size", "256", "--mesh", "data=4,model=2"]
-    log, plot = tmp_path / "metrics.jsonl", tmp_path / "curves.png"
-
-    assert main([*common, "--epochs", "2", "--log", str(log), "--plot", str(plot)]) == 0
-    straight = capsys.readouterr().out
-    assert "simulating 8 CPU devices" in straight
-    assert "layers[0].weight" in straight  # the explain report
-    assert [json.loads(line)["epoch"] for line in log.read_text().splitlines() if "seconds" in line] == [1, 2]
-    assert plot.read_bytes()[:4] == b"\x89PNG"
-
-    checkpoints = str(tmp_path / "ckpt")
-    assert main([*common, "--epochs", "1", "--checkpoint-dir", checkpoints]) == 0
-    assert main([*common, "--epochs", "2", "--checkpoint-dir", checkpoints, "--resume"]) == 0
-    resumed = capsys.readouterr().out
-    assert "Resumed from step" in resumed
-    assert final_line(resumed) == final_line(straight)
-
-
-def test_cli_rejects_layers_that_do_not_fit_the_dataset(capsys):
-    assert main(["train", "--layers", "100,10", "--mesh", "data=8"]) == 2
-    assert "must start with 784 inputs" in capsys.readouterr().err
-
-
 KILLED_TRAINER = """
 import jax, minishard as ms
 from minishard.data import mnist
@@ -141,6 +155,8 @@ fit(model, ms.SGD(0.01, momentum=0.9), mnist("train[:1024]", 128), mesh=ms.make_
 """
 
 
+@needs_mnist
+@pytest.mark.slow
 def test_a_trainer_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
@@ -174,6 +190,7 @@ def test_a_trainer_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_
     assert [record["epoch"] for record in history] == [1, 2]
 
 
+@needs_mnist
 def test_resume_falls_back_past_a_corrupted_checkpoint_and_says_so(small_train, tmp_path):
     quiet = {
         "mesh": ms.make_mesh({"data": 8}),

@@ -1,0 +1,352 @@
+"""minishard.sharding: meshes, plans, shard and Sharded, checked against the arithmetic.
+
+First, three ways to spread a training step over 8 devices (data, tensor, 2-D).
+
+Each test compiles a real program on the 8 simulated CPU devices (conftest.py),
+reads the collectives XLA's SPMD partitioner inserted (``minishard.collectives``)
+and compares them with what a pencil-and-paper analysis predicts, in the
+vocabulary of "How to Scale Your Model": a matmul whose contracted dimension is
+split ends in an all-reduce of its (small) output; one whose contracted
+dimension is whole needs no communication at all.
+
+The model is the MNIST MLP 784 -> 512 -> 10 (1,628,200 bytes of float32), the
+batch 64 examples. Every sharded call is followed by ``jax.block_until_ready``:
+XLA's CPU backend can deadlock when many programs with collectives are in
+flight at once on simulated devices.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import minishard as ms
+from minishard.collectives import Collective, bytes_by_mesh_axes, collectives
+from minishard.explain import explain
+from minishard.rules import AxisRules, ShardingError
+from minishard.sharding import Sharded, make_mesh, partition_specs
+from minishard.tree import named_leaves, tree_bytes
+
+SIZES = [784, 512, 10]
+BATCH = 64
+F32 = 4  # bytes
+MEGATRON = [("embed", "mlp"), ("mlp", "embed")]  # split the hidden dimension
+OPT = ms.SGD(0.1)
+
+
+def train_step(model, opt_state, images, labels):
+    def loss_fn(model):
+        return ms.cross_entropy(model(images), ms.one_hot(labels, SIZES[-1]))
+
+    loss, grads = jax.value_and_grad(loss_fn)(model)
+    model, opt_state = OPT.update(model, grads, opt_state)
+    return model, opt_state, loss
+
+
+def example(axes=None):
+    """(model, opt_state, images, labels); the batch comes from NumPy, which compiles nothing."""
+    model = ms.mlp(SIZES, key=jax.random.key(0), axes=axes)
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((BATCH, SIZES[0]), dtype=np.float32)
+    labels = rng.integers(0, SIZES[-1], BATCH, dtype=np.int32)
+    return model, OPT.init(model), images, labels
+
+
+MESH = make_mesh({"data": 2, "model": 4})
+RULES = AxisRules(batch="data", embed=None, mlp="model")
+
+
+def numpy_mlp(sizes: list[int], axes: list[tuple[str | None, str | None]]) -> ms.Sequential:
+    """``minishard.mlp`` with numpy parameters: built without compiling anything."""
+    shapes = jax.eval_shape(lambda: ms.mlp(sizes, key=jax.random.key(0), axes=axes))
+    return jax.tree.map(lambda leaf: np.ones(leaf.shape, leaf.dtype), shapes)
+
+
+def forward(model, x):
+    return model(x)
+
+
+def weight_specs(step, args):
+    model_specs = step.specs(*args).inputs[0]
+    return [spec for path, spec in named_leaves(model_specs)]
+
+
+def assert_trees_close(a, b):
+    for (path, x), (_, y) in zip(named_leaves(a), named_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+# -- (1) data parallel -------------------------------------------------------------
+def test_data_parallel_all_reduces_the_gradients_over_data():
+    mesh = make_mesh({"data": 8})
+    args = model, *_ = example()  # no axes: every parameter replicated
+    step = Sharded(mesh, AxisRules(batch="data"))(train_step)
+    assert weight_specs(step, args) == [P(None, None), P(None), P(None, None), P(None)]
+    assert step.specs(*args).inputs[2] == P("data")  # 8 examples per device
+
+    found = collectives(step.lower(*args))
+    # Each device differentiates the loss of its own 8 examples: its gradient is
+    # a partial sum, shaped like the whole model. One all-reduce adds the 8
+    # partials: exactly the parameter bytes (XLA fuses the four gradients into
+    # one tuple-shaped all-reduce). cross_entropy is a mean over the batch, so
+    # the loss is a partial sum too: one more float32 scalar, 4 bytes, rides
+    # in the same all-reduce. The parameters themselves never move.
+    assert set(found) == {"all-reduce"}
+    assert found["all-reduce"].bytes == tree_bytes(model) + F32 == 1_628_200 + 4
+    assert found["all-reduce"].mesh_axes == (("data",),)
+
+
+# -- (2) tensor parallel (Megatron MLP) ----------------------------------------------
+def test_tensor_parallel_moves_activations_not_weights():
+    mesh = make_mesh({"model": 8})
+    args = example(axes=MEGATRON)
+    step = Sharded(mesh, AxisRules(embed=None, mlp="model"))(train_step)
+    # First Linear: columns split (each device owns 64 hidden units); second:
+    # the matching rows. Its bias follows its output, "embed": replicated.
+    assert weight_specs(step, args) == [P(None, "model"), P("model"), P("model", None), P(None)]
+    assert step.specs(*args).inputs[2] == P()  # no "batch" rule: inputs replicated
+
+    found = collectives(step.lower(*args))
+    # Forward: x @ W1 contracts the whole "embed" dim: no communication, h is
+    # split over "model". h @ W2 contracts the split "mlp" dim: each device
+    # holds a partial (64, 10) logits matrix, and one all-reduce sums them.
+    # Backward: dlogits is replicated; dh = dlogits @ W2.T, dW2 = h.T @ dlogits
+    # and dW1 = x.T @ dh all come out split exactly like W1 and W2: no
+    # communication. So 2,560 bytes of activations move, against 1.6 MB of
+    # weights in (1); no all-gather at all: no device ever sees a whole weight.
+    assert set(found) == {"all-reduce"}
+    assert found["all-reduce"] == Collective("all-reduce", 1, BATCH * SIZES[-1] * F32, (("model",),))
+
+
+# -- (3) 2-D: data x model -------------------------------------------------------------
+RULES_2D = AxisRules(batch="data", embed=None, mlp="model")
+
+
+def test_2d_combines_both_all_reduces_on_their_own_axes():
+    mesh = make_mesh({"data": 2, "model": 4})
+    args = model, *_ = example(axes=MEGATRON)
+    step = Sharded(mesh, RULES_2D)(train_step)
+    assert weight_specs(step, args) == [P(None, "model"), P("model"), P("model", None), P(None)]
+    assert step.specs(*args).inputs[2] == P("data")
+
+    found = bytes_by_mesh_axes(step.lower(*args))
+    # Over "model", as in (2): the partial logits of this data shard's 32
+    # examples, (32, 10) float32.
+    # Over "data", as in (1), but each device only all-reduces the gradients of
+    # the parameters it holds: 1/4 of W1, b1 and W2, and all of the replicated
+    # b2. That is what explain() counts as bytes per device. Plus the 4-byte
+    # partial loss.
+    held = explain(model, mesh, RULES_2D).device_bytes
+    assert held == (784 * 128 + 128 + 128 * 10 + 10) * F32 == 407_080
+    assert found == {
+        ("all-reduce", ("model",)): BATCH // 2 * SIZES[-1] * F32,
+        ("all-reduce", ("data",)): held + F32,
+    }
+
+
+@pytest.mark.parametrize(
+    ("shape", "rules", "axes"),
+    [
+        ({"data": 8}, AxisRules(batch="data"), None),
+        ({"model": 8}, AxisRules(embed=None, mlp="model"), MEGATRON),
+        ({"data": 2, "model": 4}, RULES_2D, MEGATRON),
+    ],
+    ids=["data", "tensor", "2d"],
+)
+def test_sharded_step_computes_what_the_unsharded_step_computes(shape, rules, axes):
+    mesh = make_mesh(shape)
+    args = example(axes)
+    expected = jax.block_until_ready(jax.jit(train_step)(*args))
+    got = jax.block_until_ready(Sharded(mesh, rules)(train_step)(*args))
+    assert_trees_close(got, expected)
+    new_model = got[0]
+    specs = jax.tree_util.tree_leaves(ms.partition_specs(new_model, rules, mesh))
+    shardings = [leaf.sharding.spec for leaf in jax.tree_util.tree_leaves(new_model)]
+    assert shardings == specs  # the updated model keeps its layout
+
+
+# -- errors: what and where, before any work ---------------------------------------
+class WrongAxesCount(ms.Layer):
+    param_fields = ("w",)
+
+    def __init__(self) -> None:
+        self.w = np.zeros((2, 3), np.float32)
+
+    def param_logical_axes(self):
+        return {"w": ("mlp",)}
+
+
+TENSOR_RULES = AxisRules(embed=None, mlp="tensor")  # no mesh axis is called "tensor"
+UNKNOWN_MESH_AXIS = (
+    r"rule 'mlp' -> 'tensor' names mesh axis 'tensor', but the mesh has axes \('data', 'model'\)"
+)
+MODEL = numpy_mlp([8, 16, 8], axes=[("embed", "mlp"), ("mlp", "embed")])
+X = np.ones((4, 8), np.float32)
+
+ERRORS = [
+    pytest.param(lambda: TENSOR_RULES.spec(("mlp",), MESH), UNKNOWN_MESH_AXIS, id="rule-axis-spec"),
+    pytest.param(lambda: ms.shard(MODEL, MESH, TENSOR_RULES), UNKNOWN_MESH_AXIS, id="rule-axis-shard"),
+    pytest.param(lambda: ms.Sharded(MESH, TENSOR_RULES), UNKNOWN_MESH_AXIS, id="rule-axis-Sharded"),
+    pytest.param(
+        lambda: AxisRules(mlp=("data", "tensor")).spec(("mlp",), MESH),
+        r"names mesh axis 'tensor'",
+        id="rule-axis-in-tuple",
+    ),
+    pytest.param(
+        lambda: AxisRules(mlp=3),
+        r"rule 'mlp' -> 3 must map a logical axis \(str\) to a mesh axis name",
+        id="rule-not-a-name",
+    ),
+    pytest.param(
+        lambda: AxisRules(embed=None).spec(("embed", "mlp")),
+        r"logical axis 'mlp' \(in \('embed', 'mlp'\)\) has no rule; add one, e\.g\. AxisRules\(mlp='model'\)",
+        id="no-rule",
+    ),
+    pytest.param(
+        lambda: AxisRules(embed=None).spec(("mlp",), MESH),
+        r"'mlp' .* has no rule nor a mesh axis \('data', 'model'\)",
+        id="no-rule-with-mesh",
+    ),
+    pytest.param(
+        lambda: ms.shard(MODEL, MESH, AxisRules(embed=None)),
+        r"^layers\[0\]\.weight: logical axis 'mlp'",
+        id="no-rule-names-leaf",
+    ),
+    pytest.param(
+        lambda: AxisRules(a="model", b="model").spec(("a", "b")),
+        r"dimension 1 \('b'\) maps to a mesh axis that another dimension already uses.*only once",
+        id="mesh-axis-twice",
+    ),
+    pytest.param(
+        lambda: AxisRules(mlp="model").spec(("mlp", "mlp")),
+        r"\['mlp'\] name more than one dimension",
+        id="logical-axis-twice",
+    ),
+    pytest.param(
+        lambda: partition_specs(WrongAxesCount(), AxisRules(mlp=None)),
+        r"^w: logical axes \('mlp',\) name 1 dims; its shape is \(2, 3\)",
+        id="axes-count",
+    ),
+    pytest.param(
+        lambda: ms.make_mesh({"data": 3}),
+        r"needs 3 devices, but 8 cpu device\(s\) were given.*xla_force_host_platform_device_count=N",
+        id="mesh-vs-devices",
+    ),
+    pytest.param(lambda: ms.make_mesh((2, 4)), r"needs one name per axis", id="mesh-without-names"),
+    pytest.param(
+        lambda: ms.shard(numpy_mlp([8, 16, 6], axes=[("embed", "mlp")] * 2), MESH, RULES),
+        r"^layers\[2\]\.weight: shape \(16, 6\), dimension 1 \(logical axis 'mlp'\) has size 6, "
+        r"which mesh axis 'model'=4 cannot split evenly; choose sizes divisible by 4",
+        id="indivisible",
+    ),
+    pytest.param(
+        lambda: ms.shard(
+            numpy_mlp([8, 12], [("embed", "mlp")]), MESH, AxisRules(mlp=("data", "model"), embed=None)
+        ),
+        r"^layers\[0\]\.weight: .* size 12, which mesh axis 'data'=2, 'model'=4 cannot split evenly; .* by 8",
+        id="indivisible-over-two-axes",
+    ),
+    pytest.param(
+        lambda: ms.Sharded(MESH, RULES)(forward)(MODEL, np.ones((3, 8), np.float32)),
+        r"^forward: argument x: shape \(3, 8\), dimension 0 \(logical axis 'batch'\) has size 3, "
+        r"which mesh axis 'data'=2",
+        id="batch-indivisible",
+    ),
+    pytest.param(
+        lambda: ms.Sharded(MESH, RULES)(forward)(jax.device_put(MODEL, NamedSharding(MESH, P())), X),
+        r"^forward: argument model\.layers\[0\]\.weight: is committed to NamedSharding\(.*spec=P\(\).*\), "
+        r"but Sharded derived NamedSharding\(.*spec=P\(None, 'model'\).*\)\. Place it with minishard\.shard",
+        id="committed-elsewhere",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "message"), ERRORS)
+def test_sharding_errors_say_what_and_where(make, message):
+    with pytest.raises(ShardingError, match=message):
+        make()
+
+
+def test_sharded_refuses_an_explicit_mesh_at_construction():
+    explicit = jax.make_mesh((2, 4), ("data", "model"))  # jax.make_mesh's default: Explicit axes
+    with pytest.raises(ShardingError, match=r"mesh axes \['data', 'model'\] are Explicit.*AxisType\.Auto"):
+        Sharded(explicit, RULES)
+
+
+def test_plan_is_one_walk_with_specs_and_blocks():
+    model = numpy_mlp([8, 16, 8], axes=[("embed", "mlp"), ("mlp", "embed")])
+    found = ms.plan(model, MESH, RULES)
+    flat = jax.tree_util.tree_flatten  # Layers have no __eq__: compare leaves and structure
+    assert flat(found.specs) == flat(partition_specs(model, RULES, MESH))
+    assert [(leaf.path, leaf.spec, leaf.block_shape) for leaf in found.leaves] == [
+        ("layers[0].weight", P(None, "model"), (8, 4)),
+        ("layers[0].bias", P("model"), (4,)),
+        ("layers[2].weight", P("model", None), (4, 8)),
+        ("layers[2].bias", P(None), (8,)),
+    ]
+
+
+def test_lower_and_specs_reuse_the_cached_call_path():
+    step = Sharded(MESH, RULES)(forward)
+    model, x = numpy_mlp([8, 16, 8], axes=[("embed", "mlp"), ("mlp", "embed")]), np.ones((4, 8), np.float32)
+    assert step.specs(model, x).inputs[1] == P("data")
+    step.lower(model, x)
+    jax.block_until_ready(step(model, x))
+    assert len(step._cache) == 1  # specs, lower and the call built one jit between them
+
+
+def test_a_donated_model_used_again_is_named():
+    step = Sharded(MESH, RULES, donate_argnums=0)(lambda model, x: (model, model(x)))
+    model = ms.shard(numpy_mlp([8, 16, 8], axes=[("embed", "mlp"), ("mlp", "embed")]), MESH, RULES)
+    jax.block_until_ready(step(model, np.ones((4, 8), np.float32)))
+    with pytest.raises(ShardingError, match=r"argument model\.layers\[0\]\.weight: was deleted.*donated"):
+        step(model, np.ones((4, 8), np.float32))
+
+
+def test_an_explicit_batch_axis_must_be_known():
+    with pytest.raises(ShardingError, match=r"batch_axis='rows' has no rule .* and is no mesh axis"):
+        Sharded(MESH, RULES, batch_axis="rows")
+
+
+def test_sharding_error_is_a_value_error():
+    assert issubclass(ShardingError, ValueError)
+
+
+def test_an_indivisible_output_layer_is_named_before_compiling():
+    def grow_model():
+        return ms.mlp([8, 6, 8], key=jax.random.key(0), axes=[("embed", "mlp"), ("mlp", "embed")])
+
+    expected = r"grow_model: output layers\[0\]\.weight: shape \(8, 6\), dimension 1"
+    with pytest.raises(ShardingError, match=expected):
+        ms.Sharded(MESH, AxisRules(embed=None, mlp="model"))(grow_model).specs()
+
+
+def test_sharded_takes_positional_arguments_only():
+    def forward(model, x):
+        return model(x)
+
+    with pytest.raises(TypeError, match=r"pass arguments by position.*\['x'\]"):
+        ms.Sharded(MESH, RULES)(forward)(numpy_mlp([8, 8], [("embed", "mlp")]), x=np.ones((2, 8)))
+
+
+class Bank(ms.Layer):
+    """A layer whose parameter is a dict of arrays that no axis names annotate."""
+
+    param_fields = ("weights",)
+
+    def __init__(self):
+        self.weights = {"w": np.ones((8, 4), np.float32)}
+
+    def __call__(self, x):
+        return x @ self.weights["w"]
+
+
+def test_unannotated_arrays_inside_a_layer_are_replicated_by_shard_and_sharded_alike():
+    bank = ms.shard(Bank(), MESH, RULES)
+    assert bank.weights["w"].sharding.spec == P()
+    step = ms.Sharded(MESH, RULES)(lambda layer, x: layer(x))
+    assert step.specs(bank, np.ones((4, 8), np.float32)).inputs[0].weights["w"] == P()
+    assert step(bank, np.ones((4, 8), np.float32)).shape == (4, 4)  # no "committed to" mismatch
