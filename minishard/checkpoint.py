@@ -13,33 +13,47 @@ gets three things wrong at scale:
   *target* gives each array its sharding, so a run saved on ``data=2 x model=4``
   resumes on ``data=8`` or on one device.
 
-A checkpoint ``<step>/`` holds two items: ``state``, every array of the model
+A checkpoint ``<step>/`` holds three items: ``state``, every array of the model
 and optimizer state (its step counter, its velocities) under its readable path
-such as ``model.layers[0].weight``, and ``meta``, a JSON dict with the position
-in the data (epoch, batch, shuffle seed) and the history. The pytree structure
-(Layer classes, a ``None`` velocity) is not stored: it comes from the target.
+such as ``model.layers[0].weight``; ``meta``, a JSON dict with the position in
+the data (epoch, batch, shuffle seed) and the history; and ``integrity``, a
+CRC32 of every array, so that a flipped bit on disk is caught at restore. The
+pytree structure (Layer classes, a ``None`` velocity) is not stored: it comes
+from the target.
 
-Restoring the latest checkpoint falls back: if it is unreadable (a truncated
-file, a bad disk), the ``Checkpointer`` logs why and tries the one before.
-That is why it keeps several (``keep``), not one.
+Three more promises, each checked by a test:
+
+* **Only finite state is saved.** A NaN or an infinity in any array refuses the
+  save (``NonFiniteStateError``), so "the last checkpoint" is always a good one.
+* **Restoring falls back.** If the latest checkpoint is unreadable (a truncated
+  file, a bad checksum, impossible metadata), the ``Checkpointer`` logs why and
+  tries the one before. That is why it keeps several (``keep``), not one.
+* **One writer per directory.** A ``Checkpointer`` holds an exclusive lock
+  (``flock``) on ``<directory>/.minishard.lock`` until it is closed; a second one
+  is refused with the holder's pid and host. The kernel drops the lock of a
+  killed process, so a stale lock file is simply taken over (and logged).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import json
 import logging
 import os
 import re
+import socket
 import sys
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from minishard.tree import named_leaves
@@ -47,6 +61,17 @@ from minishard.tree import named_leaves
 
 class CheckpointError(RuntimeError):
     """No checkpoint could be saved or loaded; the message names the path(s) and why."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """The state to save holds NaN or infinite values; nothing was written."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint was read, but its contents are not what was saved (checksum, metadata)."""
+
+
+LOCK_FILE = ".minishard.lock"
 
 
 class Checkpointer:
@@ -63,15 +88,22 @@ class Checkpointer:
     def __init__(
         self, directory: str | os.PathLike[str], *, keep: int = 3, log: Callable[[str], None] = print
     ) -> None:
-        if keep < 1:
-            raise ValueError(f"Checkpointer: keep must be at least 1, got {keep}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"Checkpointer: keep must be an int >= 1, got {keep!r}")
         self.directory, self.log = Path(directory).absolute(), log
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} is a file; choose a directory")
+        self._lock = _lock(self.directory, log) if jax.process_index() == 0 else None
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=False,  # save() returns only once the rename is done
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
             cleanup_tmp_directories=True,  # remove what a killed save left behind
         )
-        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+            "integrity": ocp.JsonCheckpointHandler(),
+        }
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
@@ -80,28 +112,50 @@ class Checkpointer:
             json.dumps(meta)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"checkpoint meta must be JSON-serializable: {e}") from None
+        named = _named(state)
+        integrity = _integrity(named, step)  # refuses non-finite state before anything is written
         # Checkpoints at or after `step` are from a future the run abandoned when
         # it resumed from an earlier step; orbax would not save behind them.
         if stale := [s for s in self.steps() if s >= step]:
             self.log(f"discarding checkpoints {stale} in {self.directory}: training resumed before them")
             for s in stale:
                 self._manager.delete(s)
-        items = {"state": ocp.args.StandardSave(dict(_named(state))), "meta": ocp.args.JsonSave(meta)}
-        with quiet_storage_noise():
-            # force: the caller decides when to save, not orbax's save-interval policy.
-            self._manager.save(int(step), args=ocp.args.Composite(**items), force=True)
-            self._manager.wait_until_finished()
+        items = {
+            "state": ocp.args.StandardSave(dict(named)),
+            "meta": ocp.args.JsonSave(meta),
+            "integrity": ocp.args.JsonSave(integrity),
+        }
+        try:
+            with quiet_storage_noise():
+                # force: the caller decides when to save, not orbax's save-interval policy.
+                self._manager.save(int(step), args=ocp.args.Composite(**items), force=True)
+                self._manager.wait_until_finished()
+        except Exception as e:
+            previous = [s for s in self.steps() if s < step]
+            kept = (
+                f"the previous checkpoint (step {previous[-1]}) is intact"
+                if previous
+                else "no older one exists"
+            )
+            raise CheckpointError(
+                f"could not write the checkpoint of step {step} in {self.directory} "
+                f"({_reason(e, self.directory / str(step))}); {kept}"
+            ) from None
 
     def steps(self) -> list[int]:
         """Steps of the finalized checkpoints, ascending (unfinished tmp dirs never count)."""
         self._manager.reload()  # another process may have written since
         return sorted(self._manager.all_steps())
 
-    def restore(self, target: Any, step: int | None = None) -> tuple[int, Any, dict[str, Any]]:
+    def restore(
+        self, target: Any, step: int | None = None, check_meta: Callable[[dict[str, Any]], None] | None = None
+    ) -> tuple[int, Any, dict[str, Any]]:
         """Load ``(step, state, meta)``; ``state`` takes ``target``'s structure and shardings.
 
         ``target``'s leaves: arrays or ``jax.ShapeDtypeStruct(..., sharding=...)``.
         ``step=None``: the latest readable checkpoint; an explicit step loads or raises.
+        ``check_meta`` may raise ``ValueError`` for metadata that cannot be right
+        (a position past the end of an epoch): that checkpoint counts as corrupt.
         """
         steps = self.steps()
         if not steps:
@@ -111,16 +165,25 @@ class Checkpointer:
         candidates = [step] if step is not None else steps[::-1]
         failures = []
         for i, candidate in enumerate(candidates):
+            path = self.directory / str(candidate)
             try:
                 with quiet_storage_noise():
-                    return candidate, *self._load(candidate, target)
+                    state, meta = self._load(candidate, target)
+            except CorruptCheckpointError as e:
+                failures.append(f"checkpoint {path} is corrupt ({e})")
             except CheckpointError:
                 raise  # the target does not fit: an older checkpoint would not fit either
             except Exception as e:
-                path = self.directory / str(candidate)
                 failures.append(f"checkpoint {path} is unreadable ({_reason(e, path)})")
-                if i + 1 < len(candidates):
-                    self.log(f"{failures[-1]}; falling back to step {candidates[i + 1]}")
+            else:
+                try:
+                    if check_meta is not None:
+                        check_meta(meta)  # other errors (this is another run's checkpoint) propagate
+                    return candidate, state, meta
+                except (ValueError, KeyError, TypeError) as e:
+                    failures.append(f"checkpoint {path} is corrupt (its metadata cannot be right: {e})")
+            if i + 1 < len(candidates):
+                self.log(f"{failures[-1]}; falling back to step {candidates[i + 1]}")
         header = [f"no checkpoint in {self.directory} could be loaded:"] if len(failures) > 1 else []
         raise CheckpointError("\n  ".join(header + failures)) from None
 
@@ -134,7 +197,11 @@ class Checkpointer:
             for name, leaf in named
         }
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
+        if (self.directory / str(step) / "integrity").exists():  # older checkpoints have none
+            items["integrity"] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        if "integrity" in items:
+            _verify(restored["state"], restored["integrity"])
         arrays = [restored["state"][stored_as[name]] for name, _ in named]
         # The structure comes from the target, not from the disk.
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), arrays), restored["meta"]
@@ -153,8 +220,8 @@ class Checkpointer:
         if stored is None:  # unreadable metadata: the restore itself reports it, and falls back
             return {name: name for name, _ in named}
         stored_as = {name: _older_name(name) if _older_name(name) in stored else name for name, _ in named}
-        wanted = {stored_as[name]: tuple(leaf.shape) for name, leaf in named}
-        have = {name: tuple(meta.shape) for name, meta in stored.items()}
+        wanted = {stored_as[name]: _shape_dtype(leaf) for name, leaf in named}
+        have = {name: _shape_dtype(meta) for name, meta in stored.items()}
         differences = [
             f"{name}: checkpoint {have.get(name, 'has none')}, target {wanted.get(name, 'has none')}"
             for name in sorted(wanted.keys() | have.keys())
@@ -168,14 +235,78 @@ class Checkpointer:
         return stored_as
 
     def close(self) -> None:
-        """Release orbax's resources (also done by ``with Checkpointer(...)``)."""
+        """Release orbax's resources and the directory's lock (also done by ``with Checkpointer(...)``)."""
         self._manager.close()
+        if self._lock is not None:
+            self._lock.truncate(0)  # a clean exit leaves no note: nobody is "gone"
+            self._lock.close()  # closing the file drops the flock
+            self._lock = None
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _shape_dtype(leaf: Any) -> str:
+    """``"(16, 32) float32"``: what must match between a stored array and its target."""
+    return f"{tuple(leaf.shape)} {np.dtype(leaf.dtype).name}"
+
+
+def _integrity(named: list[tuple[str, Any]], step: int) -> dict[str, int]:
+    """A CRC32 of every array's bytes; and the promise that every float is finite.
+
+    Arrays spread over several processes are not all readable here: they get no checksum.
+    """
+    checksums = {}
+    for name, leaf in named:
+        if not getattr(leaf, "is_fully_addressable", True):
+            continue
+        host = np.asarray(jax.device_get(leaf))
+        if np.issubdtype(host.dtype, np.inexact) and not np.isfinite(host).all():
+            bad = int(host.size - np.isfinite(host).sum())
+            raise NonFiniteStateError(
+                f"not saving step {step}: {name} holds {bad} non-finite values (NaN or infinity); "
+                "the training diverged. Try a smaller learning rate"
+            )
+        checksums[name] = zlib.crc32(np.ascontiguousarray(host).tobytes())
+    return checksums
+
+
+def _verify(arrays: dict[str, Any], checksums: dict[str, int]) -> None:
+    for name, expected in checksums.items():
+        if (
+            name in arrays
+            and zlib.crc32(np.ascontiguousarray(jax.device_get(arrays[name])).tobytes()) != expected
+        ):
+            raise CorruptCheckpointError(f"{name} does not match the checksum written with it")
+
+
+def _lock(directory: Path, log: Callable[[str], None]) -> Any:
+    """Hold ``directory/.minishard.lock`` exclusively until closed; say who holds it if we cannot."""
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / LOCK_FILE, "a+")  # noqa: SIM115 -- held until Checkpointer.close
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise CheckpointError(
+            f"{directory} is in use by another trainer ({holder}); wait for it to finish, "
+            "or give this run its own --checkpoint-dir"
+        ) from None
+    handle.seek(0)
+    if previous := handle.read().strip():  # the kernel dropped a dead holder's lock; its note remains
+        log(f"taking over the lock of {directory} left by a trainer that is gone ({previous})")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(
+        f"pid {os.getpid()} on host {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    )
+    handle.flush()
+    return handle
 
 
 def _named(tree: Any) -> list[tuple[str, Any]]:

@@ -28,13 +28,13 @@ parameters.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from typing import Any
 
 import jax
@@ -46,6 +46,11 @@ from minishard.losses import accuracy, cross_entropy, one_hot
 from minishard.optim import SGD
 from minishard.rules import AxisRules
 from minishard.sharding import Sharded, shard
+
+try:  # orbax is an optional extra (minishard[checkpoint]): without it, fit trains but cannot checkpoint
+    from minishard import checkpoint
+except ImportError:
+    checkpoint = None  # type: ignore[assignment]
 
 History = list[dict[str, Any]]
 GlobalBatch = dict[str, jax.Array]  # a Batch placed on the mesh by `to_global`
@@ -123,32 +128,61 @@ def fit(
     A non-finite loss stops training (``NonFiniteLossError``) before anything
     bad is saved. The caller's ``model`` is left intact: ``fit`` trains a copy.
     """
+    for name, value, least in (("epochs", epochs, 1), ("keep", keep, 1), ("log_every", log_every, 1)):
+        _check_int(name, value, least)
+    if checkpoint_every is not None:
+        _check_int("checkpoint_every", checkpoint_every, 1)
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
     train_step = sharded(make_train_step(optimizer))
     evaluate_step = Sharded(mesh, rules)(eval_step)
+    signature = str(jax.tree_util.tree_structure(model))  # classes, sizes, activations, logical axes
     # A copy: `shard` may reuse the caller's buffers, and the first (donating) step would delete them.
     model = jax.tree_util.tree_map(jnp.copy, shard(model, mesh, rules))
     opt_state = shard(optimizer.init(model), mesh, rules)
     history: History = []
     first_epoch, start_batch, step, sums = 0, 0, 0, [0.0, 0.0]
 
-    checkpointer = _checkpointer(checkpoint_dir, keep, log)
-    if checkpointer is not None and resume and checkpointer.steps():
-        step, state, meta = checkpointer.restore({"model": model, "opt_state": opt_state})
-        model, opt_state = state["model"], state["opt_state"]
-        _check_position(meta, train_data, checkpoint_dir)
-        first_epoch, start_batch, sums, history = meta["epoch"], meta["batch"], meta["sums"], meta["history"]
-        log(f"Resumed from step {step}: epoch {first_epoch + 1}, batch {start_batch}")
+    with contextlib.ExitStack() as open_files:
+        checkpointer = None
+        if checkpoint_dir is not None:
+            checkpointer = open_files.enter_context(_checkpointer(checkpoint_dir, keep, log))
+        if checkpointer is not None and resume:
+            if not checkpointer.steps():
+                log(f"No checkpoint in {checkpointer.directory} yet: starting from scratch")
+            else:
 
-    def save(next_epoch: int, next_batch: int) -> None:
-        """Checkpoint the state and where training continues from: (epoch, batch) to run next."""
-        if checkpointer is not None:
+                def check_meta(meta: dict[str, Any]) -> None:
+                    _check_meta(meta, train_data, signature, checkpointer.directory)
+
+                state = {"model": model, "opt_state": opt_state}
+                step, state, meta = checkpointer.restore(state, check_meta=check_meta)
+                model, opt_state = state["model"], state["opt_state"]
+                first_epoch, start_batch, sums, history = (
+                    meta["epoch"],
+                    meta["batch"],
+                    meta["sums"],
+                    meta["history"],
+                )
+                if first_epoch >= epochs:
+                    log(
+                        f"Nothing to do: the checkpoint of step {step} has finished epoch {first_epoch}, "
+                        f"and epochs={epochs}. Ask for more epochs to train on."
+                    )
+                    return model, opt_state, history
+                log(f"Resumed from step {step}: epoch {first_epoch + 1}, batch {start_batch}")
+        metrics = open_files.enter_context(open(metrics_log, "a")) if metrics_log else None
+
+        def save(next_epoch: int, next_batch: int) -> None:
+            """Checkpoint the state and where training continues from: (epoch, batch) to run next."""
+            if checkpointer is None:
+                return
             position = {"epoch": next_epoch, "batch": next_batch, **_data_order(train_data)}
-            meta = {**position, "sums": sums, "history": history}
-            checkpointer.save(step, {"model": model, "opt_state": opt_state}, meta)
+            meta = {**position, "sums": sums, "history": history, "model": signature}
+            try:
+                checkpointer.save(step, {"model": model, "opt_state": opt_state}, meta)
+            except checkpoint.NonFiniteStateError as e:
+                raise NonFiniteLossError(f"{e}{_last_good(checkpointer)}") from None
 
-    metrics_file = open(metrics_log, "a") if metrics_log else nullcontext()  # noqa: SIM115
-    with metrics_file as metrics, checkpointer or nullcontext():
         for epoch in range(first_epoch, epochs):
             started = time.perf_counter()
             batches = train_data.epoch(epoch, start_batch)
@@ -158,11 +192,9 @@ def fit(
                 step += 1
                 loss_value = float(loss)  # waits for the step; XLA:CPU must not queue collectives unboundedly
                 if not math.isfinite(loss_value):
-                    saved = checkpointer.steps() if checkpointer else []
-                    kept = f"; the last good checkpoint (step {saved[-1]}) is kept" if saved else ""
                     raise NonFiniteLossError(
-                        f"loss is {loss_value} at step {step} (epoch {epoch + 1}, batch {index}){kept}. "
-                        "Try a smaller --lr."
+                        f"loss is {loss_value} at step {step} (epoch {epoch + 1}, batch {index})"
+                        f"{_last_good(checkpointer)}. Try a smaller --lr."
                     )
                 sums = [sums[0] + loss_value, sums[1] + float(acc)]
                 if metrics and step % log_every == 0:
@@ -189,6 +221,16 @@ def fit(
     return model, opt_state, history
 
 
+def _check_int(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"fit: {name} must be an int >= {least}, got {value!r}")
+
+
+def _last_good(checkpointer: Any) -> str:
+    saved = checkpointer.steps() if checkpointer is not None else []
+    return f"; the last good checkpoint (step {saved[-1]}) is kept" if saved else ""
+
+
 def format_epoch(record: dict[str, Any]) -> str:
     """``Epoch 1 in 2.31 s · loss 0.412 · train acc 0.951 · test acc 0.948``."""
     line = f"Epoch {record['epoch']} in {record['seconds']:.2f} s · loss {record['loss']:.3f}"
@@ -203,8 +245,26 @@ def _data_order(data: Dataset) -> dict[str, int]:
     return {"shuffle_seed": data.shuffle_seed, "batch_size": data.batch_size, "examples": data.num_examples}
 
 
-def _check_position(meta: dict[str, Any], data: Dataset, directory: Any) -> None:
-    """A resumed run must deal the data out as the saved one did, or "batch b" means other examples."""
+def _check_meta(meta: dict[str, Any], data: Dataset, signature: str, directory: Any) -> None:
+    """Is this checkpoint's position possible, and is it a checkpoint *of this run*?
+
+    Impossible metadata (missing fields, batch 9999 of 468) raises ValueError:
+    the checkpoint is corrupt and ``restore`` falls back. Possible metadata of
+    another run (another model, seed or batch size) raises ResumeError: falling
+    back would not help, the user must choose.
+    """
+    for name, kind in (("epoch", int), ("batch", int), ("sums", list), ("history", list)):
+        if not isinstance(meta.get(name), kind):
+            raise ValueError(f"field {name!r} is {meta.get(name)!r}, not a {kind.__name__}")
+    if meta["epoch"] < 0 or not 0 <= meta["batch"] < data.steps_per_epoch:
+        raise ValueError(f"position epoch {meta['epoch']}, batch {meta['batch']} of {data.steps_per_epoch}")
+    if "model" in meta and meta["model"] != signature:  # older checkpoints did not store it
+        raise ResumeError(
+            f"the checkpoint in {directory} was saved from another model:\n"
+            f"  checkpoint: {_around_difference(meta['model'], signature)}\n"
+            f"  this run:   {_around_difference(signature, meta['model'])}\n"
+            "resume with the same model settings (--layers, --activation, ...), or start afresh"
+        )
     saved = {name: meta.get(name) for name in _data_order(data)}
     if saved != _data_order(data):
         raise ResumeError(
@@ -213,12 +273,21 @@ def _check_position(meta: dict[str, Any], data: Dataset, directory: Any) -> None
         )
 
 
-def _checkpointer(directory: str | os.PathLike[str] | None, keep: int, log: Callable[[str], None]) -> Any:
-    if directory is None:
-        return None
-    from minishard.checkpoint import Checkpointer  # orbax is an optional extra
+def _around_difference(text: str, other: str, context: int = 50) -> str:
+    """The part of ``text`` around its first difference from ``other``."""
+    first = next((i for i, (a, b) in enumerate(zip(text, other)) if a != b), min(len(text), len(other)))
+    start = max(first - context, 0)
+    return (
+        ("..." if start else "")
+        + text[start : first + context]
+        + ("..." if first + context < len(text) else "")
+    )
 
-    return Checkpointer(directory, keep=keep, log=log)
+
+def _checkpointer(directory: str | os.PathLike[str], keep: int, log: Callable[[str], None]) -> Any:
+    if checkpoint is None:
+        raise ImportError("checkpoint_dir needs orbax-checkpoint: pip install 'minishard[checkpoint]'")
+    return checkpoint.Checkpointer(directory, keep=keep, log=log)
 
 
 def _progress(
