@@ -340,12 +340,13 @@ def quiet_storage_noise() -> Iterator[None]:
 
     orbax stops at the first failed read and closes its event loop; tensorstore's
     other reads then report to the closed loop ("Exception ignored ... Event loop
-    is closed") or leave failed tasks unawaited. They repeat a failure already
-    reported. Only those messages are dropped, only inside this block, and the
-    previous hook, filters and warning settings are restored on the way out.
+    is closed") or leave failed tasks unawaited; a failed write is logged by each
+    of orbax's writer threads. They repeat a failure already reported. Only
+    those messages are dropped, only inside this block, and the previous hook,
+    filters and warning settings are restored on the way out.
     """
     previous_hook = sys.unraisablehook
-    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log, absl_log = logging.getLogger("asyncio"), logging.getLogger("absl")
 
     def quiet_hook(unraisable: Any) -> None:
         closed = isinstance(unraisable.exc_value, RuntimeError) and "loop is closed" in str(
@@ -356,6 +357,7 @@ def quiet_storage_noise() -> Iterator[None]:
 
     sys.unraisablehook = quiet_hook
     asyncio_log.addFilter(_not_an_unawaited_read)
+    absl_log.addFilter(_not_a_failed_write_echo)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "coroutine '.*' was never awaited", RuntimeWarning)
@@ -369,6 +371,12 @@ def quiet_storage_noise() -> Iterator[None]:
     finally:
         sys.unraisablehook = previous_hook
         asyncio_log.removeFilter(_not_an_unawaited_read)
+        absl_log.removeFilter(_not_a_failed_write_echo)
+
+
+def _not_a_failed_write_echo(record: logging.LogRecord) -> bool:
+    """orbax's writer threads log the failure that ``save`` then raises as a CheckpointError."""
+    return "_SignalingThread.run() raised an exception" not in record.getMessage()
 
 
 def _not_an_unawaited_read(record: logging.LogRecord) -> bool:

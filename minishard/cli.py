@@ -13,10 +13,12 @@ not at ``import jax``), so ``main`` sets the flag before it asks for devices.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 
@@ -27,6 +29,11 @@ from minishard.optim import SGD, exponential_decay
 from minishard.rules import AxisRules, ShardingError
 from minishard.sharding import make_mesh
 from minishard.train import TrainingError, fit
+
+try:  # orbax is an optional extra (minishard[checkpoint])
+    from minishard.checkpoint import CheckpointError
+except ImportError:
+    CheckpointError = TrainingError  # type: ignore[misc,assignment]  # never raised without orbax
 
 HIDDEN = {"mnist": [512], "cats_vs_dogs": [2048, 1024]}
 """Hidden layer sizes of each dataset's classic MLP; inputs and classes come from DATASET_INFO."""
@@ -49,28 +56,75 @@ DEFAULTS = dict(
 
 def _sizes(text: str) -> list[int]:
     try:
-        return [int(size) for size in text.split(",")]
+        sizes = [int(size) for size in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers like 784,512,10, got {text!r}") from None
+    if len(sizes) < 2 or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected at least two positive sizes like 784,512,10, got {text!r}"
+        )
+    return sizes
+
+
+def _at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _momentum(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
 
 
 def _pairs(text: str) -> dict[str, str]:
-    """``"data=2,model=4"`` -> ``{"data": "2", "model": "4"}``."""
-    pairs = {}
+    """``"data=2,model=4"`` -> ``{"data": "2", "model": "4"}``; a name given twice is an error."""
+    pairs: dict[str, str] = {}
     for item in filter(None, text.split(",")):
-        name, sep, value = item.partition("=")
+        name, sep, value = (part.strip() for part in item.partition("="))
         if not sep or not name:
             raise argparse.ArgumentTypeError(f"expected name=value pairs like data=2,model=4, got {item!r}")
-        pairs[name.strip()] = value.strip()
+        if name in pairs:
+            raise argparse.ArgumentTypeError(f"{name!r} is given twice in {text!r}")
+        pairs[name] = value
     return pairs
 
 
 def _mesh(text: str) -> dict[str, int]:
     pairs = _pairs(text)
+    if not pairs:
+        raise argparse.ArgumentTypeError("expected at least one axis, like data=8")
     try:
-        return {name: int(size) for name, size in pairs.items()}
+        mesh = {name: int(size) for name, size in pairs.items()}
     except ValueError:
         raise argparse.ArgumentTypeError(f"mesh axis sizes must be integers, got {text!r}") from None
+    if bad := [f"{name}={size}" for name, size in mesh.items() if size < 1]:
+        raise argparse.ArgumentTypeError(f"mesh axis sizes must be at least 1, got {', '.join(bad)}")
+    return mesh
 
 
 def _rules(text: str) -> dict[str, str | None]:
@@ -78,8 +132,16 @@ def _rules(text: str) -> dict[str, str | None]:
     return {name: None if value.lower() in ("", "none") else value for name, value in _pairs(text).items()}
 
 
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+LOG_FORMATS = (".jsonl", ".json", ".log", ".txt")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse ``minishard train ...``; mesh and rules come back as dicts, layers as a list."""
+    """Parse ``minishard train ...`` and check every flag before any data is loaded.
+
+    Mesh and rules come back as dicts, layers as a list. A bad flag exits with
+    argparse's one-line ``error: argument --flag: ...`` and status 2.
+    """
     parser = argparse.ArgumentParser(prog="minishard", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train an MLP on MNIST (or cats_vs_dogs) on a device mesh")
@@ -92,34 +154,66 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="layer sizes (default: 784,512,10 for mnist, 120000,2048,1024,2 for cats_vs_dogs)",
     )
     add("--activation", choices=sorted(ACTIVATIONS))
-    add("--epochs", type=int, help="total epochs, also when resuming (default %(default)s)")
-    add("--batch-size", type=int, help="global batch size (default %(default)s)")
-    add("--lr", type=float, help="initial learning rate (default %(default)s)")
-    add("--decay-rate", type=float, help="learning rate factor per --decay-steps (default %(default)s)")
-    add("--decay-steps", type=int)
+    add("--epochs", type=_at_least(1), help="total epochs, also when resuming (default %(default)s)")
+    add("--batch-size", type=_at_least(1), help="global batch size (default %(default)s)")
+    add("--lr", type=_positive_float, help="initial learning rate (default %(default)s)")
+    add(
+        "--decay-rate",
+        type=_positive_float,
+        help="learning rate factor per --decay-steps (default %(default)s)",
+    )
+    add("--decay-steps", type=_at_least(1))
     add("--staircase", action="store_true", help="decay in steps rather than smoothly")
-    add("--momentum", type=float, help="(default %(default)s)")
+    add("--momentum", type=_momentum, help="in [0, 1) (default %(default)s)")
     add("--mesh", type=_mesh, help="mesh axes, e.g. data=2,model=4 (default %(default)s)")
     add("--rules", type=_rules, help="logical=mesh rules, e.g. mlp=model (default: batch=data, mlp=model)")
-    add("--devices", type=int, help="CPU devices to simulate when there is no accelerator")
-    add("--seed", type=int)
+    add("--devices", type=_at_least(1), help="CPU devices to simulate when there is no accelerator")
+    add("--seed", type=_at_least(0))
     add("--checkpoint-dir", help="save checkpoints here (every --checkpoint-every steps and per epoch)")
-    add("--checkpoint-every", type=int, default=None, help="steps between checkpoints")
-    add("--keep", type=int, default=3, help="checkpoints to keep (default %(default)s)")
+    add("--checkpoint-every", type=_at_least(1), default=None, help="steps between checkpoints")
+    add("--keep", type=_at_least(1), default=3, help="checkpoints to keep (default %(default)s)")
     add("--resume", action="store_true", help="continue from the latest good checkpoint")
-    add("--plot", help="write a PNG of loss and accuracy per epoch")
+    add("--plot", help=f"write a chart of loss and accuracy ({', '.join(PLOT_FORMATS)})")
     add("--log", help="append JSON lines of metrics (per epoch, and every 100 steps)")
     add("--data-dir", help="TFDS data directory (default: $TFDS_DATA_DIR, then ~/tensorflow_datasets)")
     add("--no-download", dest="download", action="store_false", help="never touch the network")
+    add("--debug", action="store_true", help="show the full traceback of an unexpected error")
     args = parser.parse_args(argv)
     for name, parse in (("mesh", _mesh), ("rules", _rules)):  # argparse leaves string defaults as they are
         if isinstance(getattr(args, name), str):
             setattr(args, name, parse(getattr(args, name)))
     info = DATASET_INFO[args.dataset]
     args.layers = args.layers or [info.num_features, *HIDDEN[args.dataset], info.num_classes]
-    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
-        parser.error("--resume and --checkpoint-every need --checkpoint-dir")
+    _check_together(args, train.error)  # "minishard train: error: ...", as argparse words its own
     return args
+
+
+def _check_together(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
+    """The checks that need several flags at once (each ends with a one-line ``error:``)."""
+    info = DATASET_INFO[args.dataset]
+    if args.layers[0] != info.num_features or args.layers[-1] != info.num_classes:
+        error(
+            f"argument --layers: must start with {info.num_features} inputs and end with "
+            f"{info.num_classes} classes for {args.dataset}, got {','.join(map(str, args.layers))}"
+        )
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        error("--resume and --checkpoint-every need --checkpoint-dir")
+    data_ways = args.mesh.get("data", 1)
+    if args.batch_size % data_ways:
+        error(
+            f"argument --batch-size: {args.batch_size} cannot be split evenly over data={data_ways} devices"
+        )
+    if args.batch_size > info.train_examples:
+        error(f"argument --batch-size: {args.batch_size} exceeds the {info.train_examples} training examples")
+    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        error(f"argument --checkpoint-dir: {args.checkpoint_dir} is a file, not a directory")
+    for flag, path, formats in (("--plot", args.plot, PLOT_FORMATS), ("--log", args.log, LOG_FORMATS)):
+        if path is None:
+            continue
+        if os.path.splitext(path)[1].lower() not in formats:
+            error(f"argument {flag}: {path} must end with one of {', '.join(formats)}")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            error(f"argument {flag}: the directory of {path} does not exist; create it first")
 
 
 def simulate_devices(count: int) -> None:
@@ -144,64 +238,52 @@ def default_rules(mesh_axes: Sequence[str], user: dict[str, str | None]) -> dict
 
 
 def train(args: argparse.Namespace) -> int:
-    """Run ``fit`` as the arguments say; 0 on success, 1 on a clear failure, 2 on bad arguments."""
+    """Run ``fit`` as the arguments say; 0 on success, 2 on a mesh that does not fit the devices."""
     devices = jax.devices()
     if devices[0].platform == "cpu":
         print(f"No accelerator: simulating {len(devices)} CPU devices (XLA_FLAGS={os.environ['XLA_FLAGS']})")
         if len(devices) != args.devices:
             print(f"(XLA_FLAGS already set the device count, so --devices {args.devices} is not used)")
-    info = DATASET_INFO[args.dataset]
-    if args.layers[0] != info.num_features or args.layers[-1] != info.num_classes:
+    if (needed := math.prod(args.mesh.values())) != len(devices):
+        axes = ",".join(f"{name}={size}" for name, size in args.mesh.items())
         print(
-            f"error: --layers must start with {info.num_features} inputs and end with {info.num_classes} "
-            f"classes for {args.dataset}, got {args.layers}",
+            f"error: argument --mesh: {axes} needs {needed} devices, there are {len(devices)}",
             file=sys.stderr,
         )
         return 2
-    expected_errors: tuple[type[Exception], ...] = (DataError, ShardingError, TrainingError)
-    expected_errors += _checkpoint_errors(args)
-    try:
-        mesh = make_mesh(args.mesh)
-        rules = AxisRules(**default_rules(mesh.axis_names, args.rules))
-        load = DATASETS[args.dataset]
-        options = dict(data_dir=args.data_dir, download=args.download, shuffle_seed=args.seed)
-        train_data = load("train", args.batch_size, **options)
-        test_data = load("test", args.batch_size, **options)
-        key = jax.random.key(args.seed)
-        axes = megatron_axes(len(args.layers) - 1)
-        model = mlp(args.layers, key=key, activation=args.activation, axes=axes)
-        print(f"Rules: {rules}")
-        show(explain(model, mesh, rules))
-        schedule = exponential_decay(args.lr, args.decay_rate, args.decay_steps, args.staircase)
-        _, _, history = fit(
-            model,
-            SGD(schedule, momentum=args.momentum),
-            train_data,
-            mesh=mesh,
-            rules=rules,
-            epochs=args.epochs,
-            eval_data=test_data,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every,
-            keep=args.keep,
-            resume=args.resume,
-            metrics_log=args.log,
-        )
-    except expected_errors as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    if args.plot:
+    mesh = make_mesh(args.mesh)
+    rules = AxisRules(**default_rules(mesh.axis_names, args.rules))
+    key = jax.random.key(args.seed)
+    model = mlp(args.layers, key=key, activation=args.activation, axes=megatron_axes(len(args.layers) - 1))
+    print(f"Rules: {rules}")
+    show(explain(model, mesh, rules))  # plans every parameter: a rule that cannot work fails here
+    load = DATASETS[args.dataset]
+    options = dict(data_dir=args.data_dir, download=args.download, shuffle_seed=args.seed)
+    train_data = load("train", args.batch_size, **options)
+    test_data = load("test", args.batch_size, **options)
+    schedule = exponential_decay(args.lr, args.decay_rate, args.decay_steps, args.staircase)
+    _, _, history = fit(
+        model,
+        SGD(schedule, momentum=args.momentum),
+        train_data,
+        mesh=mesh,
+        rules=rules,
+        epochs=args.epochs,
+        eval_data=test_data,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep=args.keep,
+        resume=args.resume,
+        metrics_log=args.log,
+    )
+    if args.plot and history:
         plot_history(history, args.plot)
         print(f"Wrote {args.plot}")
     return 0
 
 
-def _checkpoint_errors(args: argparse.Namespace) -> tuple[type[Exception], ...]:
-    if not args.checkpoint_dir:
-        return ()
-    from minishard.checkpoint import CheckpointError  # orbax is an optional extra
-
-    return (CheckpointError,)
+EXPECTED_ERRORS: tuple[type[Exception], ...] = (DataError, ShardingError, TrainingError, CheckpointError)
+"""Failures whose message already says what and where: printed as one ``error:`` line."""
 
 
 def show(report: Any) -> None:
@@ -239,10 +321,37 @@ def plot_history(history: list[dict[str, Any]], path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``minishard`` console script: parse, set up simulated devices, train."""
+    """The ``minishard`` console script: parse, set up simulated devices, train.
+
+    Every failure reaches the user as one ``error:`` line (``--debug`` shows the
+    traceback); Ctrl-C stops with one line that says where to resume from.
+    """
     args = parse_args(argv)
     simulate_devices(args.devices)
-    return train(args)
+    try:
+        return train(args)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted{_latest_checkpoint(args.checkpoint_dir)}", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if args.debug:
+            raise
+        if isinstance(error, EXPECTED_ERRORS):
+            print(f"error: {error}", file=sys.stderr)
+        else:
+            print(
+                f"error: {type(error).__name__}: {error} (run with --debug for the traceback)",
+                file=sys.stderr,
+            )
+        return 1
+
+
+def _latest_checkpoint(directory: str | None) -> str:
+    """``"; the latest checkpoint is step 300 in runs/x: ..."``, read from the directory listing."""
+    steps = sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit()) if directory else []
+    if not steps:
+        return ": no checkpoint was written" if directory else ""
+    return f"; the latest checkpoint is step {steps[-1]} in {directory}: continue with --resume"
 
 
 if __name__ == "__main__":

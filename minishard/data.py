@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +41,7 @@ Batch = dict[str, np.ndarray]
 
 
 class DataError(RuntimeError):
-    """The data is not where we looked and could not be downloaded."""
+    """The data is not where we looked, could not be downloaded, or is damaged; the message says which."""
 
 
 class Dataset:
@@ -172,7 +174,17 @@ def _read(
             "Point at a prepared directory with --data-dir DIR or TFDS_DATA_DIR=DIR."
         ) from None
     ds = ds.map(lambda image, label: (prepare(image), label), num_parallel_calls=tf.data.AUTOTUNE)
-    chunks = list(tfds.as_numpy(ds.batch(8192).prefetch(tf.data.AUTOTUNE)))
+    try:
+        chunks = list(tfds.as_numpy(ds.batch(8192).prefetch(tf.data.AUTOTUNE)))
+    except tf.errors.OpError as err:  # a truncated or damaged record file
+        reason = re.sub(r"\{\{.*?\}\}|\[Op:.*", "", err.message).strip(" '\n")  # drop TF's op names
+        files = sorted(glob.glob(os.path.join(data_dir, name, "*", f"{name}-{split.split('[')[0]}.*")))
+        raise DataError(
+            f"{name!r} split {split!r} in {data_dir} cannot be read ({type(err).__name__}: {reason}) "
+            f"from {', '.join(files) or 'its record files'}\n"
+            f"Re-prepare it: delete {os.path.join(data_dir, name)} and run again with downloads allowed "
+            "(or copy a good prepared directory there)."
+        ) from None
     return np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks])
 
 
@@ -195,6 +207,12 @@ def _dataset(
 ) -> Dataset:
     """Read ``tfds_split`` of dataset ``name``; train splits shuffle unless told otherwise."""
     images, labels = _read(name, tfds_split, prepare, data_dir, download)
+    classes = DATASET_INFO[name].num_classes
+    if len(labels) and (labels.min() < 0 or labels.max() >= classes):  # checked once here, never per step
+        raise DataError(
+            f"{name!r} split {split!r} has labels from {labels.min()} to {labels.max()}, "
+            f"outside [0, {classes})"
+        )
     shuffle = _is_train(split) if shuffle is None else shuffle
     return Dataset(images, labels, batch_size, shuffle=shuffle, **options)
 
@@ -243,10 +261,11 @@ def cats_vs_dogs(split: str, batch_size: int, **options: Any) -> Dataset:
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """What a model needs to know before it sees data: input shape, class count."""
+    """What a model (and the CLI's checks) need to know before any data is read."""
 
     input_shape: tuple[int, ...]
     num_classes: int
+    train_examples: int  # in minishard's "train" split
 
     @property
     def num_features(self) -> int:
@@ -255,7 +274,10 @@ class DatasetInfo:
 
 
 DATASETS: dict[str, Callable[..., Dataset]] = {"mnist": mnist, "cats_vs_dogs": cats_vs_dogs}
-DATASET_INFO = {"mnist": DatasetInfo((28, 28, 1), 10), "cats_vs_dogs": DatasetInfo((200, 200, 3), 2)}
+DATASET_INFO = {
+    "mnist": DatasetInfo((28, 28, 1), 10, 60_000),
+    "cats_vs_dogs": DatasetInfo((200, 200, 3), 2, 18_610),  # 80% of TFDS's 23,262 images
+}
 
 __all__ = [
     "CATS_VS_DOGS_SPLITS",

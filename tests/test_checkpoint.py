@@ -3,6 +3,7 @@
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 import minishard
-from minishard.checkpoint import Checkpointer, CheckpointError
+from minishard.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
 from minishard.sharding import named_shardings, partition_specs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -275,3 +276,113 @@ def test_checkpoints_from_before_the_velocity_rename_still_load(tmp_path):
         step, restored, _ = ckpt.restore(train_state(seed=1))
     assert step == 3
     assert_same_values(restored, state)
+
+
+# -- faults: a flipped bit, a failed write, a second trainer ---------------------------
+def flip_16_bytes_of_the_biggest_file(step_dir: Path) -> None:
+    biggest = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    biggest.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_is_caught_by_the_checksum_and_the_array_named(tmp_path):
+    state = {"w": jnp.arange(4096, dtype=jnp.float32), "b": jnp.ones(16)}
+    lines = []
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        ckpt.save(1, state, {})
+        ckpt.save(2, jax.tree_util.tree_map(lambda x: x + 1, state), {})
+        flip_16_bytes_of_the_biggest_file(tmp_path / "2")
+        step, restored, _ = ckpt.restore(state)
+    assert step == 1
+    assert_same_values(restored, state)
+    assert lines == [
+        f"checkpoint {tmp_path / '2'} is corrupt (w does not match the checksum written with it); "
+        "falling back to step 1"
+    ]
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
+def test_non_finite_state_is_never_saved(tmp_path, bad):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(3)}, {})
+        with pytest.raises(NonFiniteStateError, match=r"not saving step 2: w holds 1 non-finite values"):
+            ckpt.save(2, {"w": jnp.array([1.0, bad, 3.0])}, {})
+        assert ckpt.steps() == [1]
+
+
+def test_a_dtype_that_differs_is_refused_not_cast(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(3, jnp.float32)}, {})
+        with pytest.raises(CheckpointError, match=r"w: checkpoint \(3,\) float32, target \(3,\) int8"):
+            ckpt.restore({"w": jnp.zeros(3, jnp.int8)})
+
+
+FAILING_WRITE = """
+import resource, signal, sys
+import jax, jax.numpy as jnp
+from minishard.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
+with Checkpointer(sys.argv[1]) as ckpt:
+    ckpt.save(1, {"w": jnp.ones(16)}, {})
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), nothing is killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+    try:
+        ckpt.save(2, {"w": jax.random.normal(jax.random.key(0), (100_000,))}, {})  # 400 kB, incompressible
+    except CheckpointError as error:
+        print(error)
+"""
+
+
+def test_a_failed_write_is_one_checkpoint_error_and_the_previous_one_is_intact(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", FAILING_WRITE, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"could not write the checkpoint of step 2 in {tmp_path} (")
+    assert "File too large" in done.stdout and done.stdout.strip().endswith(
+        "the previous checkpoint (step 1) is intact"
+    )
+    assert "Traceback" not in done.stderr  # orbax's writer threads' echoes stay out of the terminal
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.steps() == [1] and ckpt.restore({"w": jnp.zeros(16)})[1]["w"].tolist() == [1.0] * 16
+
+
+def test_a_second_trainer_is_refused_and_the_first_keeps_its_checkpoints(tmp_path):
+    with Checkpointer(tmp_path) as first:
+        first.save(1, {"w": jnp.ones(2)}, {})
+        holder = rf"pid {os.getpid()} on host {re.escape(socket.gethostname())}"
+        with pytest.raises(CheckpointError, match=rf"in use by another trainer \({holder}, since .*\)"):
+            Checkpointer(tmp_path)
+        first.save(2, {"w": jnp.ones(2)}, {})
+        assert first.steps() == [1, 2]
+
+
+def test_the_lock_of_a_killed_trainer_is_taken_over_and_said(tmp_path):
+    script = (
+        f"from minishard.checkpoint import Checkpointer; c = Checkpointer({str(tmp_path)!r}); "
+        "print('locked', flush=True); import time; time.sleep(60)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    holder = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointError, match=rf"pid {holder.pid} on host"):
+            Checkpointer(tmp_path)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+    finally:
+        holder.kill()
+    lines = []
+    with Checkpointer(tmp_path, log=lines.append):
+        pass
+    assert len(lines) == 1 and lines[0].startswith(f"taking over the lock of {tmp_path} left by a trainer")
+    assert f"pid {holder.pid} on host" in lines[0]
+    with Checkpointer(tmp_path, log=lines.append):  # a clean close leaves nothing to take over
+        pass
+    assert len(lines) == 1

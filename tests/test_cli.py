@@ -41,6 +41,76 @@ def test_cli_trains_plots_logs_and_resumes_to_the_same_final_line(tmp_path, caps
     assert final_line(resumed) == final_line(straight)
 
 
-def test_cli_rejects_layers_that_do_not_fit_the_dataset(capsys):
-    assert main(["train", "--layers", "100,10", "--mesh", "data=8"]) == 2
-    assert "must start with 784 inputs" in capsys.readouterr().err
+# -- every flag checked before any data is loaded -------------------------------------
+BAD_FLAGS = [
+    (["--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
+    (["--batch-size", "0"], "argument --batch-size: must be at least 1"),
+    (["--batch-size", "129"], "argument --batch-size: 129 cannot be split evenly over data=2"),
+    (["--batch-size", "60002", "--mesh", "data=2,model=4"], "exceeds the 60000 training examples"),
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    (["--lr", "-1"], "argument --lr: must be a finite number > 0"),
+    (["--decay-rate", "0"], "argument --decay-rate: must be a finite number > 0"),
+    (["--decay-steps", "0"], "argument --decay-steps: must be at least 1"),
+    (["--checkpoint-every", "0", "--checkpoint-dir", "x"], "argument --checkpoint-every: must be at least 1"),
+    (["--keep", "0"], "argument --keep: must be at least 1"),
+    (["--devices", "0"], "argument --devices: must be at least 1"),
+    (["--seed", "-1"], "argument --seed: must be at least 0"),
+    (["--momentum", "1"], "argument --momentum: must be in [0, 1)"),
+    (["--mesh", "data=2,data=4"], "argument --mesh: 'data' is given twice"),
+    (["--mesh", "data=0"], "argument --mesh: mesh axis sizes must be at least 1"),
+    (["--mesh", "data=two"], "argument --mesh: mesh axis sizes must be integers"),
+    (["--layers", "100,10"], "argument --layers: must start with 784 inputs and end with 10 classes"),
+    (["--layers", "784"], "argument --layers: expected at least two positive sizes"),
+    (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
+    (["--checkpoint-dir", "FILE"], "argument --checkpoint-dir: FILE is a file, not a directory"),
+    (["--plot", "curves.txt"], "argument --plot: curves.txt must end with one of .png, .pdf, .svg"),
+    (["--plot", "missing/curves.png"], "argument --plot: the directory of missing/curves.png does not exist"),
+    (["--log", "metrics.csv"], "argument --log: metrics.csv must end with one of .jsonl"),
+    (["--log", "missing/m.jsonl"], "argument --log: the directory of missing/m.jsonl does not exist"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_a_bad_flag_is_one_error_line_before_any_work(flags, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("not a directory")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, err
+    assert err.strip().splitlines()[-1].startswith("minishard train: error:")  # argparse's one line
+
+
+def test_a_mesh_that_does_not_fit_the_devices_stops_before_data(capsys, monkeypatch):
+    monkeypatch.setattr("minishard.cli.DATASETS", {})  # loading any data would raise KeyError
+    assert main(["train", "--mesh", "data=2,model=2", "--batch-size", "128"]) == 2
+    assert "error: argument --mesh: data=2,model=2 needs 4 devices, there are 8" in capsys.readouterr().err
+
+
+def test_library_errors_are_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
+    def broken(args):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr("minishard.cli.train", broken)
+    assert main(["train"]) == 1
+    assert (
+        capsys.readouterr().err.strip() == "error: OSError: disk on fire (run with --debug for the traceback)"
+    )
+    with pytest.raises(OSError, match="disk on fire"):
+        main(["train", "--debug"])
+
+
+def test_ctrl_c_says_which_checkpoint_is_the_latest(tmp_path, capsys, monkeypatch):
+    (tmp_path / "ckpt" / "300").mkdir(parents=True)
+    (tmp_path / "ckpt" / "200").mkdir()
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("minishard.cli.train", interrupted)
+    assert main(["train", "--checkpoint-dir", str(tmp_path / "ckpt")]) == 130
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"interrupted; the latest checkpoint is step 300 in {tmp_path / 'ckpt'}: continue with --resume"
+    )

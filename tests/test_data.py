@@ -7,6 +7,9 @@ MNIST tests read the real prepared data from TFDS_DATA_DIR, once per module.
 import itertools
 import math
 import os
+import shutil
+import socket
+import time
 
 import jax
 import numpy as np
@@ -143,6 +146,37 @@ def test_missing_data_is_one_clear_error(tmp_path):
     assert str(tmp_path) in message and "--data-dir" in message and "TFDS_DATA_DIR" in message
     assert caught.value.__suppress_context__  # `from None`: no TensorFlow traceback
     assert list(tmp_path.iterdir()) == []  # download=False wrote (and fetched) nothing
+
+
+@needs_mnist
+def test_a_truncated_data_file_is_named_with_how_to_re_prepare_it(tmp_path):
+    shutil.copytree(os.path.join(_TFDS_DIR, "mnist"), tmp_path / "mnist")
+    record = tmp_path / "mnist" / "3.0.1" / "mnist-test.tfrecord-00000-of-00001"
+    record.write_bytes(record.read_bytes()[: record.stat().st_size // 2])
+    with pytest.raises(data.DataError) as caught:
+        data.mnist("test", 128, data_dir=str(tmp_path), download=False)
+    message = str(caught.value)
+    assert f"'mnist' split 'test' in {tmp_path} cannot be read" in message and record.name in message
+    assert f"Re-prepare it: delete {tmp_path / 'mnist'}" in message
+
+
+@pytest.mark.slow
+def test_a_download_into_an_empty_directory_reaches_the_network(tmp_path, monkeypatch):
+    # tensorflow-datasets imports importlib_resources on this path without declaring it; minishard's
+    # `data` extra does. The network itself is blocked here, so the only failure left is the network.
+    pytest.importorskip("tensorflow_datasets")
+
+    def no_network(*args, **kwargs):
+        raise OSError("network blocked by the test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)  # tfds retries with backoff
+    with pytest.raises(data.DataError) as caught:
+        data.mnist("test", 128, data_dir=str(tmp_path), download=True)
+    message = str(caught.value)
+    assert "downloading it failed" in message and "network blocked by the test" in message
+    assert "No module named" not in message
 
 
 def test_cats_vs_dogs_resizes_any_photo_to_200x200(tmp_path):

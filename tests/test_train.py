@@ -15,10 +15,12 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import minishard as ms
+from minishard.checkpoint import Checkpointer
 from minishard.data import Dataset, mnist
 from minishard.train import NonFiniteLossError, ResumeError, fit
 
@@ -62,6 +64,59 @@ def test_resume_refuses_a_run_that_deals_the_data_out_differently(tmp_path, chan
     with pytest.raises(ResumeError, match="resume with the same --seed and --batch-size"):
         fit(tiny_model(), ms.SGD(0.1), tiny_data(**changed), epochs=2, checkpoint_dir=tmp_path, resume=True,
             log=lambda line: None, **MESH_RULES)  # fmt: skip
+
+
+def test_a_diverging_run_never_saves_non_finite_state_and_resumes_from_the_last_good_one(tmp_path):
+    # Update 5 (the 6th) gets an infinite learning rate: its loss, computed before the update, is
+    # still finite, but the parameters it produces are not. That state must never reach the disk.
+    blows_up = ms.SGD(lambda step: jnp.where(step == 5, jnp.inf, 0.1), momentum=0.9)
+    common = {"checkpoint_dir": tmp_path, "checkpoint_every": 1, **MESH_RULES}
+    with pytest.raises(
+        NonFiniteLossError, match=r"not saving step 6: .* non-finite .*last good checkpoint \(step 5\)"
+    ):
+        fit(tiny_model(), blows_up, tiny_data(), epochs=2, log=print, **common)
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.steps()[-1] == 5
+        target = {"model": tiny_model(), "opt_state": blows_up.init(tiny_model())}
+        for step in ckpt.steps():  # every checkpoint on disk holds finite numbers
+            state = ckpt.restore(target, step=step)[1]
+            assert all(np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(state))
+    lines = []
+    sane = ms.SGD(0.1, momentum=0.9)
+    model, _, history = fit(
+        tiny_model(), sane, tiny_data(), epochs=2, resume=True, log=lines.append, **common
+    )
+    assert lines[0] == "Resumed from step 5: epoch 2, batch 1" and len(history) == 2
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(model))
+
+
+def test_resume_with_another_activation_names_both_models(tmp_path):
+    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=tmp_path, log=print, **MESH_RULES)
+    relu = ms.mlp([4, 8, 4], key=jax.random.key(0), activation="relu")
+    with pytest.raises(ResumeError, match=r"(?s)saved from another model:.*Swish.*this run: .*ReLU"):
+        fit(relu, ms.SGD(0.1), tiny_data(), epochs=2, checkpoint_dir=tmp_path, resume=True, **MESH_RULES)
+
+
+def test_impossible_metadata_is_corrupt_and_falls_back(tmp_path):
+    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=tmp_path, checkpoint_every=2,
+        log=print, **MESH_RULES)  # fmt: skip
+    meta_file = tmp_path / "4" / "meta" / "metadata"
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "batch": 9999}))
+    lines = []
+    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=2, checkpoint_dir=tmp_path, resume=True,
+        log=lines.append, **MESH_RULES)  # fmt: skip
+    assert "is corrupt (its metadata cannot be right: position epoch 1, batch 9999 of 4)" in lines[0]
+    assert lines[0].endswith("falling back to step 2") and lines[1] == "Resumed from step 2: epoch 1, batch 2"
+
+
+def test_resume_says_when_there_is_nothing_to_do_and_when_it_starts_from_scratch(tmp_path):
+    lines = []
+    run = {"checkpoint_dir": tmp_path, "resume": True, "log": lines.append, **MESH_RULES}
+    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, **run)
+    assert lines[0] == f"No checkpoint in {tmp_path} yet: starting from scratch"
+    _, _, history = fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, **run)
+    assert lines[-1].startswith("Nothing to do: the checkpoint of step 4 has finished epoch 1, and epochs=1")
+    assert len(history) == 1
 
 
 # -- the real MNIST ------------------------------------------------------------------
