@@ -1,14 +1,20 @@
-"""A small Vision Transformer, written as user-defined Layers, trained on a 2-D mesh.
+"""Your own Layer in a Vision Transformer, trained on a 2-D mesh.
 
-minishard ships only MLP building blocks; this example writes the rest of a
-ViT as ordinary ``minishard.Layer`` subclasses (declare ``param_fields`` /
-``static_fields``, name the logical axes in ``param_axes``) and shards it the
-Megatron way on a data=2 x model=4 mesh:
+``minishard.transformer`` builds a ViT from Layers: ``PatchEmbedding``,
+``Block`` (``LayerNorm``, ``Attention``, ``minishard.mlp``), ``MeanPool`` and a
+``Linear`` head. This example writes one more Layer, an *attention pool* (a
+learned probe token that attends to all the image's tokens, the "MAP" head of
+recent ViTs), drops it into the model in place of the mean, and trains the
+result Megatron-style on a data=2 x model=4 mesh:
 
-* attention heads are split over "model" (``heads -> model``): each device
-  computes 1/4 of the heads, and one all-reduce joins the output projection;
-* the MLP hidden units are split over "model" (``mlp -> model``), as before;
-* the batch is split over "data".
+* a Layer declares its arrays (``param_fields``) and its configuration
+  (``static_fields``), and names the logical axes of its own arrays
+  (``param_logical_axes``); sub-layers, here an ``Attention``, name theirs;
+* ``model.replace(pool=...)`` swaps a sub-layer: Layers are immutable pytrees;
+* ``vit_rules("2d")``: batch over "data", attention heads and MLP hidden units
+  over "model". The pool's heads are split too, so ``explain`` counts one
+  more forward and one more backward all-reduce over "model" than the blocks
+  alone (4 per block: see ``minishard/transformer.py``).
 
 The task is synthetic so the example runs anywhere in seconds: 16x16 images
 whose label is the brightest quadrant. Run: ``python examples/vit_2d_mesh.py``.
@@ -23,138 +29,86 @@ import jax.numpy as jnp
 import numpy as np
 
 import minishard as ms
+from minishard.collectives import bytes_by_mesh_axes
+from minishard.train import make_train_step
+from minishard.transformer import Attention, ViT, vit_rules
 
-IMAGE, PATCH, EMBED, HEADS, CLASSES = 16, 4, 32, 4, 4
-TOKENS = (IMAGE // PATCH) ** 2
-
-
-class LayerNorm(ms.Layer):
-    """Normalise each token's features, then scale and shift them (per feature)."""
-
-    param_fields = ("scale", "bias")
-
-    def __init__(self, features: int) -> None:
-        self.scale, self.bias = jnp.ones(features), jnp.zeros(features)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(var + 1e-6) * self.scale + self.bias
-
-    def param_logical_axes(self) -> dict[str, ms.LogicalAxes]:
-        return {"scale": ("embed",), "bias": ("embed",)}
+IMAGE, CLASSES, BATCH = 16, 4, 64
 
 
-class Attention(ms.Layer):
-    """Multi-head self-attention. Heads are a dimension of their own, so rules can split them."""
+class AttentionPool(ms.Layer):
+    """``[B, tokens, width]`` -> ``[B, width]``: a learned probe token asks every token, by attention.
 
-    param_fields = ("qkv", "out")
-    static_fields = ("heads",)
+    Self-attention over ``[probe, tokens]`` gives every token a mix of all the
+    others; the probe's own output row is the pooled vector. (The other rows
+    are computed and thrown away: simple, and cheap for 16 tokens.)
+    """
 
-    def __init__(self, features: int, heads: int, *, key: jax.Array) -> None:
-        k1, k2 = jax.random.split(key)
-        head_dim = features // heads
-        self.heads = heads
-        self.qkv = jax.random.normal(k1, (features, 3, heads, head_dim)) / np.sqrt(features)
-        self.out = jax.random.normal(k2, (heads, head_dim, features)) / np.sqrt(features)
+    param_fields = ("probe", "attention")  # arrays and sub-layers: traced, differentiated, sharded
+    static_fields = ("width",)  # hashable configuration: part of the pytree's structure
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # x: [tokens, features]
-        q, k, v = jnp.einsum("tf,fchd->cthd", x, self.qkv)  # each [tokens, heads, head_dim]
-        weights = jax.nn.softmax(jnp.einsum("thd,shd->hts", q, k) / np.sqrt(q.shape[-1]), axis=-1)
-        mixed = jnp.einsum("hts,shd->thd", weights, v)
-        return jnp.einsum("thd,hdf->tf", mixed, self.out)  # sums over heads: the all-reduce
-
-    def param_logical_axes(self) -> dict[str, ms.LogicalAxes]:
-        return {"qkv": ("embed", None, "heads", None), "out": ("heads", None, "embed")}
-
-
-class Block(ms.Layer):
-    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
-
-    param_fields = ("norm1", "attention", "norm2", "mlp")
-
-    def __init__(self, features: int, heads: int, *, key: jax.Array) -> None:
-        k1, k2 = jax.random.split(key)
-        self.norm1, self.norm2 = LayerNorm(features), LayerNorm(features)
-        self.attention = Attention(features, heads, key=k1)
-        megatron = [("embed", "mlp"), ("mlp", "embed")]
-        self.mlp = ms.mlp([features, 4 * features, features], key=k2, scale=0.05, axes=megatron)
+    def __init__(self, width: int, heads: int, *, key: jax.Array) -> None:
+        probe_key, attention_key = jax.random.split(key)  # one key per parameter, from one
+        self.width = width
+        self.probe = 0.02 * jax.random.normal(probe_key, (1, width))
+        self.attention = Attention(width, heads, key=attention_key)  # heads: its own logical axes
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attention(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class ViT(ms.Layer):
-    """Patches -> linear embedding + positions -> blocks -> mean over tokens -> classes."""
-
-    param_fields = ("embed", "positions", "blocks", "norm", "head")
-
-    def __init__(self, depth: int, *, key: jax.Array) -> None:
-        keys = jax.random.split(key, depth + 3)
-        self.embed = ms.Linear(PATCH * PATCH, EMBED, key=keys[0], scale=0.1, axes=(None, "embed"))
-        self.positions = jax.random.normal(keys[1], (TOKENS, EMBED))
-        self.blocks = tuple(Block(EMBED, HEADS, key=k) for k in keys[3:])
-        self.norm = LayerNorm(EMBED)
-        self.head = ms.Linear(EMBED, CLASSES, key=keys[2], scale=0.1, axes=("embed", "classes"))
-
-    def __call__(self, image: jax.Array) -> jax.Array:  # one image [IMAGE, IMAGE]; vmap for a batch
-        grid = IMAGE // PATCH
-        patches = image.reshape(grid, PATCH, grid, PATCH).transpose(0, 2, 1, 3).reshape(TOKENS, -1)
-        x = self.embed(patches) + self.positions
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x).mean(axis=0))
+        probe = jnp.broadcast_to(self.probe, (x.shape[0], 1, self.width))  # one probe per example
+        return self.attention(jnp.concatenate([probe, x], axis=1))[:, 0]
 
     def param_logical_axes(self) -> dict[str, ms.LogicalAxes]:
-        return {"positions": (None, "embed")}  # the sub-layers answer for themselves
+        return {"probe": ("tokens", "embed")}  # only this layer's own arrays; `attention` answers for itself
 
 
-def brightest_quadrant(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def brightest_quadrant(n: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, CLASSES, n)
-    images = rng.uniform(0, 0.5, (n, IMAGE, IMAGE)).astype(np.float32)
+    images = rng.uniform(0, 0.5, (n, IMAGE, IMAGE, 1)).astype(np.float32)
     half = IMAGE // 2
     for image, label in zip(images, labels):
         row, col = divmod(int(label), 2)
         image[row * half : (row + 1) * half, col * half : (col + 1) * half] += 0.5
-    return images, labels.astype(np.int32)
+    return {"image": images, "label": labels.astype(np.int32)}
 
 
-def main(steps: int = 100) -> None:
-    mesh = ms.make_mesh({"data": 2, "model": 4})
-    rules = ms.AxisRules(batch="data", embed=None, heads="model", mlp="model", classes=None)
-    model = ViT(depth=2, key=jax.random.key(0))
+def cross_entropy_loss(model: ViT, batch: dict[str, np.ndarray]) -> jax.Array:
+    return ms.cross_entropy(model(batch["image"]), ms.one_hot(batch["label"], CLASSES))
+
+
+def main(steps: int = 30) -> None:
+    mesh, rules = ms.make_mesh({"data": 2, "model": 4}), vit_rules("2d")
+    vit_key, pool_key = jax.random.split(jax.random.key(0))
+    model = ViT(image_size=IMAGE, patch_size=4, width=32, depth=2, heads=4, classes=CLASSES, key=vit_key)
+    model = model.replace(pool=AttentionPool(32, heads=4, key=pool_key))  # a changed copy
     optimizer = ms.SGD(0.05, momentum=0.9)
+    step = ms.Sharded(mesh, rules)(make_train_step(optimizer))
 
-    def train_step(model, opt_state, images, labels):
-        def loss_fn(model):
-            logits = jax.vmap(model)(images)
-            return ms.cross_entropy(logits, ms.one_hot(labels, CLASSES)), logits
+    batch, opt_state = brightest_quadrant(BATCH, seed=0), optimizer.init(model)
+    report = ms.explain(model, mesh, rules, step=step, args=(model, opt_state, batch))
+    print("\n".join(line for line in str(report).splitlines() if "blocks[1]" not in line))  # = blocks[0]
+    # Over "model": per block 4 all-reduces of one [examples per device, 16 tokens, 32] activation;
+    # the pool adds 2, over 17 tokens (probe + 16): it sums every row before keeping the probe's.
+    by_axes = bytes_by_mesh_axes(step.lower(model, opt_state, batch))  # compiled once, by explain
+    activation = (BATCH // 2) * 32 * 4  # bytes per token on one device
+    assert by_axes["all-reduce", ("model",)] == (2 * 4 * 16 + 2 * 17) * activation
+    print(f"bytes all-reduced over 'model': {by_axes['all-reduce', ('model',)]:,} = "
+          f"(2 blocks x 4 x 16 tokens + pool 2 x 17 tokens) x {activation} bytes per token")  # fmt: skip
 
-        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(model)
-        model, opt_state = optimizer.update(model, grads, opt_state)
-        return model, opt_state, loss, ms.accuracy(logits, labels)
-
-    step = ms.Sharded(mesh, rules)(train_step)
-    images, labels = brightest_quadrant(64, seed=0)
-    opt_state = optimizer.init(model)
-    print(ms.explain(model, mesh, rules, step=step, args=(model, opt_state, images, labels)))
-
-    # One step sharded equals one step on a single device.
-    single = jax.jit(train_step)(model, opt_state, images, labels)
-    sharded = jax.block_until_ready(step(model, opt_state, images, labels))
-    np.testing.assert_allclose(float(sharded[2]), float(single[2]), rtol=1e-5)
-    print(f"first-step loss {float(sharded[2]):.4f}, sharded == single device")
+    # The sharded step computes the loss that one device computes for the same model and batch.
+    single = jax.jit(cross_entropy_loss)(jax.device_put(model, jax.devices()[0]), batch)
+    _, _, sharded, _ = jax.block_until_ready(step(model, opt_state, batch))
+    np.testing.assert_allclose(float(sharded), float(single), rtol=1e-5)
+    print(f"first-step loss {float(sharded):.4f}, sharded == single device")
 
     model, opt_state = ms.shard(model, mesh, rules), ms.shard(opt_state, mesh, rules)
     for i in range(steps):
-        images, labels = brightest_quadrant(64, seed=i)
-        model, opt_state, loss, acc = step(model, opt_state, images, labels)
+        model, opt_state, loss, acc = step(model, opt_state, brightest_quadrant(BATCH, seed=i))
         loss = float(loss)  # wait for each step: XLA:CPU must not queue collectives unboundedly
-        if i % 25 == 24:
+        if i % 10 == 9:
             print(f"step {i + 1}: loss {loss:.3f}, batch accuracy {float(acc):.2f}")
     assert float(acc) > 0.9, "the ViT should learn which quadrant is brightest"
-    print("attention heads live on:", model.blocks[0].attention.qkv.sharding.spec)
+    print("the pool's heads live on:", model.pool.attention.query.sharding.spec)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Read the modules in this order; each teaches one idea, and imports only the ones
 * ``sharding``: meshes, one ``plan`` for a whole tree, ``shard`` and ``Sharded``;
 * ``collectives``: what a compiled program sends between devices, read from its HLO;
 * ``explain``: the plan and the collectives of a step, as one report;
+* ``transformer``: a Vision Transformer as Layers, whose heads and MLP split like the MLP's;
 * ``data``, ``checkpoint``, ``train``, ``cli``: MNIST end to end;
 * ``testing``: hypothesis strategies to property-test your own models' sharding.
 """
@@ -18,7 +19,7 @@ from minishard.collectives import Collective, collectives
 from minishard.explain import Report, explain
 from minishard.layers import Layer, Linear, ReLU, Sequential, Swish, megatron_axes, mlp
 from minishard.losses import accuracy, cross_entropy, one_hot
-from minishard.optim import SGD, SGDState, exponential_decay
+from minishard.optim import SGD, SGDState, exponential_decay, warmup_cosine_decay
 from minishard.rules import AxisRules, LogicalAxes, ShardingError
 from minishard.sharding import Plan, Sharded, make_mesh, partition_specs, plan, shard
 
@@ -50,4 +51,5 @@ __all__ = [
     "plan",
     "shard",
     "tree",
+    "warmup_cosine_decay",
 ]

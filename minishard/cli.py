@@ -21,14 +21,16 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
+import jax.numpy as jnp
 
 from minishard.data import DATASET_INFO, DATASETS, DataError
 from minishard.explain import explain
 from minishard.layers import ACTIVATIONS, megatron_axes, mlp
-from minishard.optim import SGD, exponential_decay
+from minishard.optim import SGD, Schedule, exponential_decay, warmup_cosine_decay
 from minishard.rules import AxisRules, ShardingError
 from minishard.sharding import make_mesh
-from minishard.train import TrainingError, fit
+from minishard.train import TrainingError, enable_compilation_cache, fit
+from minishard.transformer import VIT_AXES, ViT
 
 try:  # orbax is an optional extra (minishard[checkpoint])
     from minishard.checkpoint import CheckpointError
@@ -38,12 +40,16 @@ except ImportError:
 HIDDEN = {"mnist": [512], "cats_vs_dogs": [2048, 1024]}
 """Hidden layer sizes of each dataset's classic MLP; inputs and classes come from DATASET_INFO."""
 DEFAULTS = dict(
+    model="mlp",
     dataset="mnist",
     layers=None,  # the dataset's classic MLP
     activation="swish",
-    epochs=5,
+    width=64,
+    depth=4,
+    heads=4,
+    patch_size=7,
+    mlp_ratio=2,
     batch_size=128,
-    lr=0.2,
     decay_rate=0.7,
     decay_steps=1000,
     momentum=0.9,
@@ -52,6 +58,11 @@ DEFAULTS = dict(
     devices=8,
     seed=0,
 )
+MODEL_DEFAULTS = {
+    "mlp": dict(epochs=5, lr=0.2, schedule="exponential", warmup_steps=0),
+    "vit": dict(epochs=6, lr=0.1, schedule="cosine", warmup_steps=300),
+}
+"""What differs between the two models' defaults: a transformer wants a warmup and a cosine."""
 
 
 def _sizes(text: str) -> list[int]:
@@ -81,24 +92,23 @@ def _at_least(least: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+def _number(accept: Callable[[float], bool], wanted: str) -> Callable[[str], float]:
+    """An argparse type: a float that ``accept`` takes, e.g. ``_number(lambda x: x > 0, "> 0")``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or not accept(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number {wanted}, got {text}")
+        return value
+
+    return parse
 
 
-def _momentum(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+_positive = _number(lambda x: x > 0, "> 0")
+_momentum = _number(lambda x: 0 <= x < 1, "in [0, 1)")
 
 
 def _pairs(text: str) -> dict[str, str]:
@@ -147,6 +157,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     train = commands.add_parser("train", help="train an MLP on MNIST (or cats_vs_dogs) on a device mesh")
     train.set_defaults(**DEFAULTS)
     add = train.add_argument
+    add(
+        "--model", choices=sorted(MODEL_DEFAULTS), help="an MLP or a Vision Transformer (default %(default)s)"
+    )
     add("--dataset", choices=sorted(DATASETS))
     add(
         "--layers",
@@ -154,12 +167,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="layer sizes (default: 784,512,10 for mnist, 120000,2048,1024,2 for cats_vs_dogs)",
     )
     add("--activation", choices=sorted(ACTIVATIONS))
-    add("--epochs", type=_at_least(1), help="total epochs, also when resuming (default %(default)s)")
+    add("--width", type=_at_least(1), help="ViT: features per token (default %(default)s)")
+    add("--depth", type=_at_least(1), help="ViT: transformer blocks (default %(default)s)")
+    add("--heads", type=_at_least(1), help="ViT: attention heads; must divide --width (default %(default)s)")
+    add(
+        "--patch-size",
+        type=_at_least(1),
+        help="ViT: square patches; must divide the image (default %(default)s)",
+    )
+    add("--mlp-ratio", type=_at_least(1), help="ViT: MLP hidden units per feature (default %(default)s)")
+    add(
+        "--remat", action="store_true", help="ViT: recompute each block in the backward pass (jax.checkpoint)"
+    )
+    add("--epochs", type=_at_least(1), help="total epochs, also when resuming (default: mlp 5, vit 6)")
     add("--batch-size", type=_at_least(1), help="global batch size (default %(default)s)")
-    add("--lr", type=_positive_float, help="initial learning rate (default %(default)s)")
+    add("--lr", type=_positive, help="initial (or peak) learning rate (default: mlp 0.2, vit 0.1)")
+    add(
+        "--schedule",
+        choices=("exponential", "cosine"),
+        help="learning rate schedule (default: mlp exponential, vit cosine)",
+    )
+    add("--warmup-steps", type=_at_least(0), help="cosine: steps of linear warmup (default: vit 300)")
     add(
         "--decay-rate",
-        type=_positive_float,
+        type=_positive,
         help="learning rate factor per --decay-steps (default %(default)s)",
     )
     add("--decay-steps", type=_at_least(1))
@@ -177,11 +208,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--log", help="append JSON lines of metrics (per epoch, and every 100 steps)")
     add("--data-dir", help="TFDS data directory (default: $TFDS_DATA_DIR, then ~/tensorflow_datasets)")
     add("--no-download", dest="download", action="store_false", help="never touch the network")
+    add(
+        "--compile-cache",
+        help="keep compiled programs in this directory (JAX's persistent compilation cache)",
+    )
     add("--debug", action="store_true", help="show the full traceback of an unexpected error")
     args = parser.parse_args(argv)
     for name, parse in (("mesh", _mesh), ("rules", _rules)):  # argparse leaves string defaults as they are
         if isinstance(getattr(args, name), str):
             setattr(args, name, parse(getattr(args, name)))
+    for name, value in MODEL_DEFAULTS[args.model].items():  # what the user did not set, per model
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     info = DATASET_INFO[args.dataset]
     args.layers = args.layers or [info.num_features, *HIDDEN[args.dataset], info.num_classes]
     _check_together(args, train.error)  # "minishard train: error: ...", as argparse words its own
@@ -196,6 +234,14 @@ def _check_together(args: argparse.Namespace, error: Callable[[str], NoReturn]) 
             f"argument --layers: must start with {info.num_features} inputs and end with "
             f"{info.num_classes} classes for {args.dataset}, got {','.join(map(str, args.layers))}"
         )
+    if args.model == "vit":
+        height = info.input_shape[0]
+        if args.width % args.heads:
+            error(f"argument --heads: {args.heads} heads must divide --width {args.width}")
+        if height % args.patch_size:
+            error(f"argument --patch-size: {args.patch_size} must divide the image size {height}")
+    elif args.remat:
+        error("argument --remat: only the ViT has blocks to recompute; add --model vit")
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         error("--resume and --checkpoint-every need --checkpoint-dir")
     data_ways = args.mesh.get("data", 1)
@@ -226,15 +272,34 @@ def simulate_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{current} --xla_force_host_platform_device_count={count}".strip()
 
 
-def default_rules(mesh_axes: Sequence[str], user: dict[str, str | None]) -> dict[str, Any]:
-    """The CLI's rules, then the user's: batch over "data" and mlp over "model" when the mesh has them."""
-    rules: dict[str, Any] = {
-        "batch": "data" if "data" in mesh_axes else None,
-        "embed": None,
-        "mlp": "model" if "model" in mesh_axes else None,
-        "classes": None,
-    }
+def default_rules(
+    mesh_axes: Sequence[str], user: dict[str, str | None], model: str = "mlp"
+) -> dict[str, Any]:
+    """The CLI's rules, then the user's: the batch over "data"; MLP hidden units (and the ViT's
+    heads) over "model", when the mesh has those axes; every other logical axis replicated."""
+    model_axis = "model" if "model" in mesh_axes else None
+    rules: dict[str, Any] = {"batch": "data" if "data" in mesh_axes else None, "embed": None, "classes": None}
+    rules["mlp"] = model_axis
+    if model == "vit":
+        rules.update({name: None for name in VIT_AXES if name not in rules}, heads=model_axis)
     return {**rules, **user}
+
+
+def build_model(args: argparse.Namespace, key: Any) -> Any:
+    """The MLP (Megatron axes) or the ViT the arguments describe."""
+    if args.model == "mlp":
+        return mlp(args.layers, key=key, activation=args.activation, axes=megatron_axes(len(args.layers) - 1))
+    height, _, channels = DATASET_INFO[args.dataset].input_shape
+    classes = DATASET_INFO[args.dataset].num_classes
+    return ViT(height, args.patch_size, channels, args.width, args.depth, args.heads, args.mlp_ratio, classes,
+               key=key, remat=args.remat)  # fmt: skip
+
+
+def learning_rate(args: argparse.Namespace, steps_per_epoch: int) -> Schedule:
+    if args.schedule == "cosine":
+        total = steps_per_epoch * args.epochs
+        return warmup_cosine_decay(args.lr, min(args.warmup_steps, total - 1), total)
+    return exponential_decay(args.lr, args.decay_rate, args.decay_steps, args.staircase)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -251,17 +316,19 @@ def train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.compile_cache:
+        enable_compilation_cache(args.compile_cache)
     mesh = make_mesh(args.mesh)
-    rules = AxisRules(**default_rules(mesh.axis_names, args.rules))
-    key = jax.random.key(args.seed)
-    model = mlp(args.layers, key=key, activation=args.activation, axes=megatron_axes(len(args.layers) - 1))
+    rules = AxisRules(**default_rules(mesh.axis_names, args.rules, args.model))
+    model = build_model(args, jax.random.key(args.seed))
     print(f"Rules: {rules}")
     show(explain(model, mesh, rules))  # plans every parameter: a rule that cannot work fails here
     load = DATASETS[args.dataset]
     options = dict(data_dir=args.data_dir, download=args.download, shuffle_seed=args.seed)
+    options["flatten"] = args.model == "mlp"  # the ViT takes [B, H, W, C] images
     train_data = load("train", args.batch_size, **options)
     test_data = load("test", args.batch_size, **options)
-    schedule = exponential_decay(args.lr, args.decay_rate, args.decay_steps, args.staircase)
+    schedule = learning_rate(args, train_data.steps_per_epoch)
     _, _, history = fit(
         model,
         SGD(schedule, momentum=args.momentum),
@@ -275,9 +342,10 @@ def train(args: argparse.Namespace) -> int:
         keep=args.keep,
         resume=args.resume,
         metrics_log=args.log,
+        log_every=20,
     )
     if args.plot and history:
-        plot_history(history, args.plot)
+        plot_history(history, args.plot, schedule)
         print(f"Wrote {args.plot}")
     return 0
 
@@ -299,22 +367,33 @@ def show(report: Any) -> None:
     print(report)
 
 
-def plot_history(history: list[dict[str, Any]], path: str) -> None:
-    """Loss and accuracy per epoch, side by side (matplotlib, an optional extra)."""
+def plot_history(history: list[dict[str, Any]], path: str, schedule: Schedule | None = None) -> None:
+    """Three panels: the loss at every logged step, accuracy per epoch, the learning rate (matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     epochs = [record["epoch"] for record in history]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    left.plot(epochs, [r["loss"] for r in history], marker="o")
-    left.set(title="training loss", xlabel="epoch")
-    right.plot(epochs, [r["train_acc"] for r in history], marker="o", label="train")
+    curve = [point for record in history for point in record.get("loss_curve", [])]
+    steps_per_epoch = history[-1]["steps"]
+    fig, (loss, acc, rate) = plt.subplots(1, 3, figsize=(13, 3.5))
+    if curve:
+        loss.plot([step / steps_per_epoch for step, _ in curve], [value for _, value in curve], lw=1)
+    loss.plot(epochs, [r["loss"] for r in history], marker="o", label="epoch mean")
+    loss.set(title="training loss", xlabel="epoch", yscale="log")
+    loss.legend()
+    acc.plot(epochs, [r["train_acc"] for r in history], marker="o", label="train")
     if all("test_acc" in r for r in history):
-        right.plot(epochs, [r["test_acc"] for r in history], marker="o", label="test")
-    right.set(title="accuracy", xlabel="epoch")
-    right.legend()
+        acc.plot(epochs, [r["test_acc"] for r in history], marker="o", label="test")
+    acc.set(title="accuracy", xlabel="epoch")
+    acc.legend()
+    if schedule is not None:
+        steps = list(range(0, steps_per_epoch * epochs[-1] + 1, max(1, steps_per_epoch // 20)))
+        rate.plot(
+            [step / steps_per_epoch for step in steps], [float(schedule(jnp.asarray(step))) for step in steps]
+        )
+    rate.set(title="learning rate", xlabel="epoch")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

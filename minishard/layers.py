@@ -253,7 +253,7 @@ def _check_static(where: str, value: Any) -> None:
         ) from None
 
 
-def _check_key(where: str, key: Any) -> None:
+def check_key(where: str, key: Any) -> None:
     """A PRNG key: ``jax.random.key(seed)`` (typed) or the older ``PRNGKey(seed)`` (uint32[2])."""
     dtype = getattr(key, "dtype", None)
     typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
@@ -261,7 +261,7 @@ def _check_key(where: str, key: Any) -> None:
         raise TypeError(f"{where}: key must be a PRNG key such as jax.random.key(0), got {key!r:.60}")
 
 
-def _check_input(where: str, x: Any) -> None:
+def check_input(where: str, x: Any) -> None:
     """Models take arrays; a list or a string would be turned into one in surprising ways."""
     if not isinstance(x, _ARRAY_TYPES):
         raise TypeError(f"{where} takes an array (jax or numpy), got a {type(x).__name__}: {x!r:.60}")
@@ -317,7 +317,7 @@ class Linear(Layer):
             or not math.isfinite(scale)
         ):
             raise TypeError(f"Linear: scale must be a finite number, got {scale!r}")
-        _check_key("Linear", key)
+        check_key("Linear", key)
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.logical_axes = _check_logical_axes("Linear", axes, ndim=2)
@@ -327,7 +327,7 @@ class Linear(Layer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # Types and shapes are static under jit, so these checks cost nothing per step.
-        _check_input(f"Linear({self.in_features} -> {self.out_features})", x)
+        check_input(f"Linear({self.in_features} -> {self.out_features})", x)
         if jnp.ndim(x) == 0 or jnp.shape(x)[-1] != self.in_features:
             raise ValueError(
                 f"Linear({self.in_features} -> {self.out_features}) expects inputs whose "
@@ -425,7 +425,7 @@ def mlp(
         raise ValueError(f"mlp needs at least two sizes (inputs and outputs), got {sizes}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"mlp: unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
-    _check_key("mlp", key)
+    check_key("mlp", key)
     n_linear = len(sizes) - 1
     axes = [(None, None)] * n_linear if axes is None else list(axes)
     if len(axes) != n_linear:

@@ -73,6 +73,40 @@ def exponential_decay(
     return schedule
 
 
+def warmup_cosine_decay(
+    peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0
+) -> Schedule:
+    """Rise linearly from 0 to ``peak_value`` in ``warmup_steps``, then follow a cosine down to ``end_value``.
+
+    The schedule transformers are usually trained with (optax's
+    ``warmup_cosine_decay_schedule`` with ``init_value=0``): the warmup keeps the
+    first, large and noisy gradients from throwing the attention weights far
+    off; the cosine spends most steps at a high rate and lands softly.
+    ``decay_steps`` counts the whole run, warmup included.
+
+    >>> schedule = warmup_cosine_decay(1.0, warmup_steps=10, decay_steps=110)
+    >>> [round(float(schedule(step)), 3) for step in (0, 5, 10, 60, 110)]
+    [0.0, 0.5, 1.0, 0.5, 0.0]
+    """
+    peak_value = _positive("warmup_cosine_decay: peak_value", peak_value)
+    for name, steps in (("warmup_steps", warmup_steps), ("decay_steps", decay_steps)):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"warmup_cosine_decay: {name} must be an int >= 0, got {steps!r}")
+    if decay_steps <= warmup_steps:
+        raise ValueError(
+            f"warmup_cosine_decay: decay_steps {decay_steps} must exceed warmup_steps {warmup_steps}"
+        )
+
+    def schedule(step: jax.Array) -> jax.Array:
+        step = jnp.asarray(step, jnp.float32)
+        warm = peak_value * step / max(warmup_steps, 1)
+        progress = jnp.clip((step - warmup_steps) / (decay_steps - warmup_steps), 0.0, 1.0)
+        cosine = end_value + (peak_value - end_value) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+        return jnp.where(step < warmup_steps, warm, cosine)
+
+    return schedule
+
+
 class SGDState(NamedTuple):
     """``step``: updates taken so far; ``velocity``: shaped like params (None without momentum).
 

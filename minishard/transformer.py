@@ -1,0 +1,381 @@
+"""A Vision Transformer (ViT) written as minishard Layers, ready to shard in 1-D or 2-D.
+
+The pieces, in the order an image meets them:
+
+* ``PatchEmbedding``: cut a ``[B, H, W, C]`` batch into ``p x p`` patches,
+  project each patch to ``width`` features and add a learned position
+  embedding per patch: ``[B, tokens, width]``;
+* ``Block`` (``depth`` of them), pre-norm: ``x + Attention(LayerNorm(x))``,
+  then ``x + MLP(LayerNorm(x))``;
+* ``ViT``: a last ``LayerNorm``, ``MeanPool`` (the mean over tokens), a
+  ``Linear`` head to the classes.
+
+Every parameter names its logical axes. Heads are a dimension of their own
+(``query`` is ``[width, heads, head_dim]``, not ``[width, width]``), so a rule
+can split them without any reshaping in the model:
+
+=====================  ============================  ==========================
+parameter              logical axes                  2-D rules (``vit_rules``)
+=====================  ============================  ==========================
+patch projection       ``("patch", "embed")``        replicated
+positions              ``("tokens", "embed")``       replicated
+LayerNorm scale, bias  ``("embed",)``                replicated
+query, key, value      ``("embed", "heads", "kv")``  heads over "model"
+attention out          ``("heads", "kv", "embed")``  heads over "model"
+MLP in                 ``("embed", "mlp")``          hidden units over "model"
+MLP out                ``("mlp", "embed")``          hidden units over "model"
+head                   ``("embed", "classes")``      replicated
+=====================  ============================  ==========================
+
+``vit_rules("data")``, ``vit_rules("tensor")`` and ``vit_rules("2d")`` run the
+same model data-, tensor- (Megatron) or 2-D-parallel; only the rules change.
+
+Where the collectives of a Megatron block come from
+---------------------------------------------------
+With heads and MLP hidden units split over "model", each device holds whole
+heads and a slice of the hidden units; everything between the two ends of a
+sub-layer is local. The two ends are where the "model" devices meet (the
+``f`` and ``g`` operators of the Megatron-LM paper, Shoeybi et al. 2019):
+
+* forward, attention out projection ``"bthk,hke->bte"``: it sums over heads,
+  and each device holds only its heads, so it has a *partial* sum of the
+  output: **all-reduce over "model"** (``g``). The same after the MLP's second
+  Linear, which sums over the hidden units: a second all-reduce.
+* backward, the mirror images (``f``): the gradient flowing back into
+  ``LayerNorm(x)`` before ``query``/``key``/``value`` is a sum over heads of
+  each head's contribution, partial on each device: an all-reduce; and one
+  before the MLP's first Linear. (The forward ``f`` and the backward ``g``
+  are identities: the input is already on every "model" device.) ``Attention``
+  computes q, k and v in *one* einsum so that their three contributions are
+  added before that all-reduce: with three separate einsums, XLA all-reduces
+  each of them, 6 per block instead of 4.
+
+That is 4 all-reduces over "model" per block and training step, each of one
+activation ``[B / data, tokens, width]`` float32 on each device. With
+"data" = 2, the gradients of all parameters are then summed over "data" (the
+data-parallel all-reduce), each device sending its own block of the
+parameters: 1/4 of the attention and MLP weights, all of the rest.
+
+Measured with ``minishard.explain`` (and checked by ``tests/test_transformer.py``)
+for the default ``ViT`` (28x28x1 images, patch 7: 16 tokens; width 64, depth 4,
+4 heads of 16, MLP 128) and ``minishard.train.make_train_step`` (momentum SGD)
+at batch 128 on data=2 x model=4 with ``vit_rules("2d")``::
+
+    all-reduce  x17  4.4 MB  over ('data',), ('model',)
+
+* over "model": 4 per block x 4 blocks = 16 all-reduces, each of
+  64 examples (128 / data 2) x 16 tokens x 64 features x 4 bytes = 262,144
+  bytes: **4,194,304 bytes**;
+* over "data": XLA's all-reduce combiner fuses the gradients of all
+  parameters, the loss and the accuracy into **one** all-reduce of each
+  device's block of them: per block 2 LayerNorms 2x2x64 + q, k, v 3x(64x1x16)
+  + out 1x16x64 + MLP in 64x32+32 + MLP out 32x64+64 = 8,544 numbers; the
+  rest, patch projection 49x64+64, positions 16x64, last LayerNorm 2x64 and
+  head 64x10+10, = 5,002; (4 x 8,544 + 5,002 + 2 scalars) x 4 bytes =
+  **156,720 bytes**.
+
+So 4.2 MB over "model" against 0.16 MB over "data": for a model this small,
+its activations outweigh its weights, and tensor parallelism costs far more
+communication than data parallelism (``vit_rules("data")`` on data=8
+all-reduces the 551,464 bytes of gradients, plus loss and accuracy, and nothing else).
+
+Rematerialisation: ``ViT(..., remat=True)`` wraps each block's call in
+``jax.checkpoint`` with ``jax.checkpoint_policies.nothing_saveable``: the
+backward pass keeps only each block's input and recomputes everything inside
+the block (attention weights ``[B, heads, tokens, tokens]`` included) when it
+needs it, trading one extra forward pass for memory. The recomputation
+repeats the attention's forward all-reduce (the MLP's input needs its sum;
+nothing in the backward needs the MLP's output), so with remat a step has 5
+all-reduces over "model" per block instead of 4: 5,242,880 bytes here.
+
+>>> import jax, jax.numpy as jnp
+>>> def build():
+...     return ViT(image_size=8, patch_size=4, width=16, depth=1, heads=2, classes=3, key=jax.random.key(0))
+>>> model = jax.eval_shape(build)   # traced, not computed: parameters as ShapeDtypeStructs
+>>> images = jax.ShapeDtypeStruct((5, 8, 8, 1), jnp.float32)   # 5 images of 8x8x1
+>>> jax.eval_shape(lambda model, images: model(images), model, images).shape
+(5, 3)
+>>> vit_rules("2d").spec(model.blocks[0].attention.param_logical_axes()["query"])
+P(None, 'model', None)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from minishard.layers import Layer, Linear, Sequential, check_input, check_key, mlp
+from minishard.rules import AxisRules, LogicalAxes, MeshAxes
+
+PARALLELISMS: dict[str, dict[str, MeshAxes]] = {
+    "data": {"batch": "data"},
+    "tensor": {"heads": "model", "mlp": "model"},
+    "2d": {"batch": "data", "heads": "model", "mlp": "model"},
+}
+"""What each parallelism splits; every other logical axis of the ViT is replicated."""
+
+VIT_AXES = ("batch", "tokens", "patch", "embed", "heads", "kv", "mlp", "classes")
+"""Every logical axis the ViT (and its batch) names."""
+
+
+def vit_rules(parallelism: str = "2d", **overrides: MeshAxes) -> AxisRules:
+    """``AxisRules`` for every logical axis of the ViT: ``"data"``, ``"tensor"`` or ``"2d"`` parallel.
+
+    ``overrides`` change single rules, e.g. ``vit_rules("2d", embed="model")``.
+
+    >>> rules = vit_rules("tensor")   # Megatron: heads and hidden units over "model", batch whole
+    >>> rules.spec(("embed", "heads", "kv")), rules.spec(("batch", "tokens", "embed"))
+    (P(None, 'model', None), P(None, None, None))
+    """
+    if parallelism not in PARALLELISMS:
+        raise ValueError(
+            f"vit_rules: unknown parallelism {parallelism!r}; choose from {sorted(PARALLELISMS)}"
+        )
+    mapping = {name: PARALLELISMS[parallelism].get(name) for name in VIT_AXES}
+    return AxisRules(**{**mapping, **overrides})
+
+
+class LayerNorm(Layer):
+    """Normalise each token's features to mean 0 and variance 1, then scale and shift them.
+
+    The statistics are over the last axis only, so each token (and each
+    example) is normalised on its own: nothing is shared across the batch,
+    which is why a data-parallel LayerNorm needs no communication.
+
+    >>> import jax.numpy as jnp
+    >>> [round(v, 2) for v in LayerNorm(4)(jnp.array([1.0, 2.0, 3.0, 4.0])).tolist()]
+    [-1.34, -0.45, 0.45, 1.34]
+    """
+
+    param_fields = ("scale", "bias")
+    static_fields = ("features", "eps")
+
+    def __init__(self, features: int, *, eps: float = 1e-6) -> None:
+        self.features, self.eps = int(features), float(eps)
+        self.scale, self.bias = jnp.ones(features), jnp.zeros(features)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale + self.bias
+
+    def param_logical_axes(self) -> dict[str, LogicalAxes]:
+        return {"scale": ("embed",), "bias": ("embed",)}
+
+
+class Attention(Layer):
+    """Multi-head self-attention, heads as a dimension of their own.
+
+    ``query``, ``key`` and ``value`` are ``[width, heads, head_dim]``; ``out``
+    is ``[heads, head_dim, width]``. Every einsum keeps ``h`` (heads) as an
+    index until the last one sums over it, so with ``heads -> "model"`` each
+    device computes whole heads alone and only that last sum crosses devices.
+
+    No biases: the LayerNorm before attention shifts its output by a learned
+    ``bias``, and ``bias @ query`` already is a bias of the queries (the same
+    for keys and values); an out bias would only add a constant to the
+    residual stream, as the MLP's biases do.
+
+    >>> import jax, jax.numpy as jnp
+    >>> attention = jax.eval_shape(lambda: Attention(8, 2, key=jax.random.key(0)))  # shapes only
+    >>> x = jax.ShapeDtypeStruct((3, 5, 8), jnp.float32)   # [batch, tokens, width]
+    >>> attention.query.shape, jax.eval_shape(lambda a, x: a(x), attention, x).shape
+    ((8, 2, 4), (3, 5, 8))
+    """
+
+    param_fields = ("query", "key", "value", "out")
+    static_fields = ("width", "heads")
+
+    def __init__(self, width: int, heads: int, *, key: jax.Array) -> None:
+        if width % heads:
+            raise ValueError(f"Attention: width {width} must be a multiple of heads {heads}")
+        check_key("Attention", key)
+        self.width, self.heads = int(width), int(heads)
+        head_dim = width // heads
+        q_key, k_key, v_key, out_key = jax.random.split(key, 4)  # one key per weight
+        normal = jax.random.normal
+        self.query = normal(q_key, (width, heads, head_dim)) / math.sqrt(width)  # fan-in scaling
+        self.key = normal(k_key, (width, heads, head_dim)) / math.sqrt(width)
+        self.value = normal(v_key, (width, heads, head_dim)) / math.sqrt(width)
+        self.out = normal(out_key, (heads, head_dim, width)) / math.sqrt(width)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # b: batch, t/s: query/key tokens, e: width ("embed"), h: heads, k: head_dim ("kv")
+        # One einsum for q, k and v (c: which of the three), so that in the backward pass the
+        # gradient into x is one sum over (c, h, k): one all-reduce over "model", not three.
+        qkv = jnp.stack([self.query, self.key, self.value])
+        q, k, v = jnp.einsum("bte,cehk->cbthk", x, qkv)
+        logits = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(q.shape[-1])
+        weights = jax.nn.softmax(logits, axis=-1)  # each query's weights over the keys sum to 1
+        mixed = jnp.einsum("bhts,bshk->bthk", weights, v)
+        # The one sum over heads: with heads split, a partial sum per device -> all-reduce.
+        return jnp.einsum("bthk,hke->bte", mixed, self.out)
+
+    def param_logical_axes(self) -> dict[str, LogicalAxes]:
+        qkv: LogicalAxes = ("embed", "heads", "kv")
+        return {"query": qkv, "key": qkv, "value": qkv, "out": ("heads", "kv", "embed")}
+
+
+class PatchEmbedding(Layer):
+    """``[B, H, W, C]`` images -> ``[B, tokens, width]``: patches, a shared Linear, positions.
+
+    A patch of ``p x p x C`` pixels is flattened and projected by one
+    ``Linear`` (the same for every patch: a convolution with stride ``p``,
+    written as a reshape and a matmul). Attention itself ignores order, so a
+    learned ``positions`` table ``[tokens, width]`` tells each token where its
+    patch was.
+
+    >>> import jax, jax.numpy as jnp
+    >>> embed = PatchEmbedding(image_size=28, patch_size=7, channels=1, width=32, key=jax.random.key(0))
+    >>> embed(jnp.zeros((2, 28, 28, 1))).shape   # 4 x 4 = 16 patches of 7 x 7 pixels
+    (2, 16, 32)
+    """
+
+    param_fields = ("projection", "positions")
+    static_fields = ("image_size", "patch_size", "channels")
+
+    def __init__(
+        self, image_size: int, patch_size: int, channels: int, width: int, *, key: jax.Array
+    ) -> None:
+        if image_size % patch_size:
+            raise ValueError(
+                f"PatchEmbedding: image_size {image_size} is not a multiple of patch {patch_size}"
+            )
+        check_key("PatchEmbedding", key)
+        self.image_size, self.patch_size, self.channels = int(image_size), int(patch_size), int(channels)
+        tokens, pixels = (image_size // patch_size) ** 2, patch_size * patch_size * channels
+        k_proj, k_pos = jax.random.split(key)
+        self.projection = Linear(pixels, width, key=k_proj, scale=pixels**-0.5, axes=("patch", "embed"))
+        # Standard normal, as large as the patch features: ViT's 0.02 suits Adam, but under plain
+        # SGD such small positions stay invisible for hundreds of steps, and the model cannot
+        # tell where a patch was.
+        self.positions = jax.random.normal(k_pos, (tokens, width))
+
+    def __call__(self, images: jax.Array) -> jax.Array:
+        check_input("PatchEmbedding", images)
+        size, p, c = self.image_size, self.patch_size, self.channels
+        if jnp.ndim(images) != 4 or jnp.shape(images)[1:] != (size, size, c):
+            raise ValueError(
+                f"PatchEmbedding expects a batch of images [B, {size}, {size}, {c}], got shape "
+                f"{jnp.shape(images)}; for one image, add a batch axis: images[None]"
+            )
+        g = size // p  # patches per side
+        # [B, g, p, g, p, C] -> [B, g, g, p, p, C] -> [B, g*g, p*p*C]: local to each example,
+        # so a batch split over "data" stays split, with no communication.
+        patches = images.reshape(-1, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(-1, g * g, p * p * c)
+        return self.projection(patches) + self.positions
+
+    def param_logical_axes(self) -> dict[str, LogicalAxes]:
+        return {"positions": ("tokens", "embed")}  # the projection (a Linear) answers for itself
+
+
+class Block(Layer):
+    """A pre-norm transformer block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``.
+
+    The MLP is ``minishard.mlp`` with Megatron axes ``("embed", "mlp")``,
+    ``("mlp", "embed")``: the hidden units split over "model" like the heads.
+    Pre-norm (normalise the input of each branch, not the sum) keeps the
+    residual path an identity from input to output, which lets deep stacks
+    train with less learning-rate warmup (Xiong et al., 2020).
+    """
+
+    param_fields = ("norm1", "attention", "norm2", "mlp")
+
+    def __init__(self, width: int, heads: int, hidden: int, *, key: jax.Array) -> None:
+        k_attention, k_mlp = jax.random.split(key)
+        self.norm1, self.norm2 = LayerNorm(width), LayerNorm(width)
+        self.attention = Attention(width, heads, key=k_attention)
+        megatron = [("embed", "mlp"), ("mlp", "embed")]
+        self.mlp: Sequential = mlp([width, hidden, width], key=k_mlp, scale=width**-0.5, axes=megatron)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def _call_block(block: Block, x: jax.Array) -> jax.Array:
+    """A block as a function of (parameters, input): the form ``jax.checkpoint`` wraps."""
+    return block(x)
+
+
+# Remat: keep nothing from inside a block for the backward pass; recompute it from the block's input.
+_remat_block = jax.checkpoint(_call_block, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+class MeanPool(Layer):
+    """``[B, tokens, width]`` -> ``[B, width]``: the mean over tokens, a parameter-free layer."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x.mean(axis=1)
+
+
+class ViT(Layer):
+    """A Vision Transformer classifier: ``[B, H, W, C]`` images -> ``[B, classes]`` logits.
+
+    Pooling: the mean of the last tokens (``MeanPool``), not a class token. It
+    needs no extra parameter or token (16 tokens, not 17), treats every patch
+    alike, and classifies as well ("Better plain ViT baselines for
+    ImageNet-1k", Beyer et al. 2022, use it for that reason). ``pool`` is a
+    layer of its own, so another one drops in with ``model.replace(pool=...)``;
+    ``examples/vit_2d_mesh.py`` writes an attention pool.
+
+    ``remat=True`` wraps each block's call in ``jax.checkpoint`` (policy
+    ``nothing_saveable``): less memory, one more forward pass per step.
+
+    >>> import jax
+    >>> model = jax.eval_shape(lambda: ViT(key=jax.random.key(0)))   # shapes only: nothing drawn
+    >>> len(model.blocks), model.blocks[0].attention.query.shape, model.head.weight.shape
+    (4, (64, 4, 16), (64, 10))
+    """
+
+    param_fields = ("embedding", "blocks", "norm", "pool", "head")
+    static_fields = ("remat",)
+
+    def __init__(
+        self,
+        image_size: int = 28,
+        patch_size: int = 7,
+        channels: int = 1,
+        width: int = 64,
+        depth: int = 4,
+        heads: int = 4,
+        mlp_ratio: int = 2,
+        classes: int = 10,
+        *,
+        key: jax.Array,
+        remat: bool = False,
+    ) -> None:
+        check_key("ViT", key)
+        keys = jax.random.split(key, depth + 2)  # one key per layer, as minishard.mlp does
+        self.embedding = PatchEmbedding(image_size, patch_size, channels, width, key=keys[0])
+        self.blocks = tuple(Block(width, heads, mlp_ratio * width, key=k) for k in keys[2:])
+        self.norm = LayerNorm(width)
+        self.pool: Any = MeanPool()  # any Layer [B, tokens, width] -> [B, width]
+        self.head = Linear(width, classes, key=keys[1], scale=width**-0.5, axes=("embed", "classes"))
+        self.remat = bool(remat)
+
+    def __call__(self, images: jax.Array) -> jax.Array:
+        x = self.embedding(images)
+        call = _remat_block if self.remat else _call_block
+        for block in self.blocks:  # a loop over layers (unrolled by jit), never over examples
+            x = call(block, x)
+        return self.head(self.pool(self.norm(x)))
+
+    def param_logical_axes(self) -> dict[str, LogicalAxes]:
+        return {}  # every parameter lives in a sub-layer, which answers for itself
+
+
+__all__ = [
+    "PARALLELISMS",
+    "VIT_AXES",
+    "Attention",
+    "Block",
+    "LayerNorm",
+    "MeanPool",
+    "PatchEmbedding",
+    "ViT",
+    "vit_rules",
+]
