@@ -55,7 +55,7 @@ BAD_FLAGS = [
     (["--keep", "0"], "argument --keep: must be at least 1"),
     (["--devices", "0"], "argument --devices: must be at least 1"),
     (["--seed", "-1"], "argument --seed: must be at least 0"),
-    (["--momentum", "1"], "argument --momentum: must be in [0, 1)"),
+    (["--momentum", "1"], "argument --momentum: must be a finite number in [0, 1)"),
     (["--mesh", "data=2,data=4"], "argument --mesh: 'data' is given twice"),
     (["--mesh", "data=0"], "argument --mesh: mesh axis sizes must be at least 1"),
     (["--mesh", "data=two"], "argument --mesh: mesh axis sizes must be integers"),

@@ -10,9 +10,9 @@ byte.
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from models import F32, MEGATRON, SIZES, example, train_step
 
 import minishard as ms
 from minishard.collectives import collectives, summary
@@ -22,29 +22,7 @@ from minishard.rules import AxisRules
 from minishard.sharding import Sharded, make_mesh
 from minishard.tree import tree_bytes
 
-SIZES = [784, 512, 10]
-BATCH = 64
-F32 = 4  # bytes
-MEGATRON = [("embed", "mlp"), ("mlp", "embed")]
 RULES_2D = AxisRules(batch="data", embed=None, mlp="model")
-OPT = ms.SGD(0.1)
-
-
-def train_step(model, opt_state, images, labels):
-    def loss_fn(model):
-        return ms.cross_entropy(model(images), ms.one_hot(labels, SIZES[-1]))
-
-    loss, grads = jax.value_and_grad(loss_fn)(model)
-    model, opt_state = OPT.update(model, grads, opt_state)
-    return model, opt_state, loss
-
-
-def example(axes=None):
-    model = ms.mlp(SIZES, key=jax.random.key(0), axes=axes)
-    rng = np.random.default_rng(0)
-    images = rng.standard_normal((BATCH, SIZES[0]), dtype=np.float32)
-    labels = rng.integers(0, SIZES[-1], BATCH, dtype=np.int32)
-    return model, OPT.init(model), images, labels
 
 
 def test_explain_counts_each_devices_share():

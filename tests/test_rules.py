@@ -13,12 +13,11 @@ with ``jax.random`` would compile programs these tests never need.
 import re
 
 import flax.linen as nn
-import jax
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
+from models import numpy_mlp
 
 import minishard as ms
 from minishard import AxisRules, ShardingError
@@ -28,17 +27,6 @@ from minishard.testing import axis_rules
 MESH_TARGETS = ("data", "model", None, ("data", "model"))
 LOGICAL_NAMES = ("batch", "embed", "mlp", "heads", "vocab")
 MESH = ms.make_mesh({"data": 2, "model": 4})
-RULES = AxisRules(batch="data", embed=None, mlp="model")
-
-
-def numpy_mlp(sizes: list[int], axes: list[tuple[str | None, str | None]]) -> ms.Sequential:
-    """``minishard.mlp`` with numpy parameters: built without compiling anything."""
-    shapes = jax.eval_shape(lambda: ms.mlp(sizes, key=jax.random.key(0), axes=axes))
-    return jax.tree.map(lambda leaf: np.ones(leaf.shape, leaf.dtype), shapes)
-
-
-def forward(model, x):
-    return model(x)
 
 
 @st.composite

@@ -22,7 +22,8 @@ import pytest
 import minishard as ms
 from minishard.checkpoint import Checkpointer
 from minishard.data import Dataset, mnist
-from minishard.train import NonFiniteLossError, ResumeError, fit
+from minishard.train import NonFiniteLossError, ResumeError, enable_compilation_cache, fit
+from minishard.transformer import ViT
 
 needs_mnist = pytest.mark.skipif(
     not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "mnist")),
@@ -247,34 +248,83 @@ def test_a_trainer_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_
 
 @needs_mnist
 def test_resume_falls_back_past_a_corrupted_checkpoint_and_says_so(small_train, tmp_path):
-    quiet = {
+    run = {
         "mesh": ms.make_mesh({"data": 8}),
         "rules": ms.AxisRules(batch="data", embed=None, mlp=None, classes=None),
         "progress": False,
+        "epochs": 1,
+        "checkpoint_dir": tmp_path,
     }
-    fit(
-        model_of([784, 16, 10]),
-        sgd(),
-        small_train,
-        epochs=1,
-        checkpoint_dir=tmp_path,
-        checkpoint_every=4,
-        log=lambda line: None,
-        **quiet,
-    )
+    fit(model_of([784, 16, 10]), sgd(), small_train, checkpoint_every=4, log=lambda line: None, **run)
     for data_file in (tmp_path / "8").rglob("d/*"):  # the array data of the last checkpoint
         data_file.write_bytes(b"garbage")
     lines = []
-    fit(
-        model_of([784, 16, 10]),
-        sgd(),
-        small_train,
-        epochs=1,
-        checkpoint_dir=tmp_path,
-        resume=True,
-        log=lines.append,
-        **quiet,
-    )
+    fit(model_of([784, 16, 10]), sgd(), small_train, resume=True, log=lines.append, **run)
     fallback = f"{tmp_path / '8'} is unreadable"
     assert any(fallback in line and "falling back to step 4" in line for line in lines), lines
     assert any(line.startswith("Resumed from step 4") for line in lines), lines
+
+
+# -- the compilation cache and remat ---------------------------------------------------
+CACHED_RUN = """
+import sys, jax, numpy as np, minishard as ms
+from minishard.data import Dataset
+from minishard.train import enable_compilation_cache, fit
+enable_compilation_cache(sys.argv[1])
+rng = np.random.default_rng(0)
+images = rng.integers(0, 256, (64, 2, 2, 1), dtype=np.uint8)
+data = Dataset(images, images.reshape(64, -1).argmax(axis=1), batch_size=16)
+fit(ms.mlp([4, 8, 4], key=jax.random.key(0)), ms.SGD(0.1), data, epochs=1, mesh=ms.make_mesh({"data": 8}),
+    rules=ms.AxisRules(batch="data"), progress=False)
+"""
+
+
+def run_cached(directory) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    return subprocess.run([sys.executable, "-c", CACHED_RUN, str(directory)], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_second_process_reads_the_train_step_from_the_compilation_cache(tmp_path):
+    first, second = run_cached(tmp_path), run_cached(tmp_path)
+    assert first.returncode == second.returncode == 0, second.stderr
+    # JAX's own monitoring event (/jax/compilation_cache/cache_hits), counted by fit, not a timing.
+    assert "read from the persistent compilation cache" not in first.stdout
+    assert "program(s) read from the persistent compilation cache" in second.stdout
+    for entry in tmp_path.iterdir():  # damage every entry: a warning and a normal compile
+        entry.write_bytes(b"garbage")
+    damaged = run_cached(tmp_path)
+    assert damaged.returncode == 0 and "Compiled train_step" in damaged.stdout
+    assert "Error reading persistent compilation cache entry" in damaged.stderr
+
+
+def test_an_unusable_compilation_cache_is_a_warning_not_a_crash(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    lines = []
+    assert not enable_compilation_cache(tmp_path / "file", log=lines.append)
+    assert lines[0].startswith(f"warning: the compilation cache {tmp_path / 'file'} is not usable")
+
+
+def test_remat_gives_the_same_gradients_and_recomputes_each_block():
+    # What remat trades: memory for a second forward pass through each block in the backward
+    # pass. The recomputation is visible in the compiled program: more matmuls. (XLA:CPU's
+    # memory_analysis does not report a smaller temporary memory for it; see docs/training.md.)
+    images = np.random.default_rng(0).random((32, 28, 28, 1), dtype=np.float32)
+    labels = np.arange(32) % 10
+
+    def loss(model):
+        return ms.cross_entropy(model(images), ms.one_hot(labels, 10))
+
+    grads, dots = {}, {}
+    for remat in (False, True):
+        model = ViT(width=32, depth=3, heads=2, key=jax.random.key(0), remat=remat)
+        step = jax.jit(jax.grad(loss))
+        grads[remat] = step(model)
+        dots[remat] = step.lower(model).compile().as_text().count(" dot(")
+    for a, b in zip(
+        jax.tree_util.tree_leaves(grads[False]), jax.tree_util.tree_leaves(grads[True]), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    per_block_forward = 5  # q/k/v, the scores, scores x values, the out projection, and the MLP's two
+    assert dots[True] - dots[False] >= 3 * per_block_forward - 1, dots
