@@ -25,7 +25,7 @@ test: lint
 	$(VENV)/bin/pytest
 
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/run.py --json runs/bench.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,114 @@
+"""Smoke tests for ``benchmarks/``: every section runs on tiny sizes and writes the promised JSON.
+
+They check structure and correctness guards (equal losses, collective bytes
+equal to their analytic minimum), never timings: timings on a shared machine
+are reports, not facts a test can assert.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN, REPORT = ROOT / "benchmarks" / "run.py", ROOT / "benchmarks" / "report.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark modules import each other by name
+
+import harness  # noqa: E402
+import report  # noqa: E402
+
+
+def run_tiny(tmp_path: Path, sections: str) -> dict:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, str(RUN), "--tiny", "--sections", sections, "--json", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def is_stat(entry: dict) -> bool:
+    return set(entry) == {"median", "range"} and entry["range"][0] <= entry["median"] <= entry["range"][1]
+
+
+def test_order_rotates_and_reverses_so_everyone_goes_first_equally_often():
+    names = ["a", "b", "c"]
+    orders = [harness.order(names, i) for i in range(6)]
+    assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert orders[3] == ["c", "b", "a"]  # the second cycle runs backwards: new neighbours
+    assert sorted(o[0] for o in orders) == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_comparison_pairs_samples_of_the_same_iteration():
+    # b is always 2x a within an iteration, while the load triples between iterations
+    rounds = [{"a": [1.0, 3.0, 9.0], "b": [2.0, 6.0, 18.0]}, {"a": [2.0, 2.0, 2.0], "b": [4.0, 4.0, 4.0]}]
+    comparison = harness.Comparison.of(rounds, "a")
+    assert comparison.ratio["b"] == harness.Stat(2.0, 2.0, 2.0)
+    assert comparison.as_json()["a"] == {"median": 1.0, "range": [1.0, 1.0]}
+
+
+def test_targets_and_report_render_from_a_synthetic_result(tmp_path):
+    import run
+
+    stat = {"median": 1.01, "range": [1.0, 1.05]}
+    doc = {
+        "host_ratio": {"raw": {"median": 1.0, "range": [1.0, 1.0]}, "minishard_jit": stat},
+        "sharded_vs_handwritten": {"2d": stat},
+        "collectives": {
+            "2d": {"bytes": 10, "analytic_bytes": 10, "all_gather_of_weights": False, "kinds": {}}
+        },
+    }
+    rows = {row["target"]: row for row in run.check_targets(doc)}
+    assert rows["host_ratio.minishard_jit"]["met"] and rows["host_ratio.minishard_jit"]["met_every_round"]
+    assert (
+        rows["sharded_vs_handwritten.2d"]["met"] and not rows["sharded_vs_handwritten.2d"]["met_every_round"]
+    )
+    assert rows["collectives.2d: bytes == analytic minimum"]["met"]
+    assert "| `host_ratio.minishard_jit` | 1.3 |" in report.targets_table({"targets": list(rows.values())})
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{report.START}\nold\n{report.END}\noutro\n")
+    report.update_page(str(page), "new tables\n")
+    assert page.read_text() == f"intro\n{report.START}\n\nnew tables\n\n{report.END}\noutro\n"
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_every_promised_key_and_renders(tmp_path):
+    doc = run_tiny(tmp_path, "steps,flatten,compile,parallel,roofline,variants")
+    for key in ("machine", "versions", "date", "loadavg_start", "loadavg_end", "targets"):
+        assert key in doc
+    contenders = {"raw", "minishard_jit", "minishard_sharded", "nnx_jit", "nnx_fast", "linen",
+                  "eqx_filter_jit", "eqx_partition_jit"}  # fmt: skip
+    assert contenders <= set(doc["host_ratio"]) and contenders <= set(doc["host_overhead_us"])
+    for size in ("micro", "seed"):
+        assert contenders <= set(doc["step_ratio"][size])
+        assert all(is_stat(entry) for entry in doc["step_ratio"][size].values())
+    assert doc["host_ratio"]["raw"]["median"] == 1.0
+    assert {"raw", "minishard_sharded"} <= set(doc["compile_ratio"])
+    assert set(doc["sharded_vs_handwritten"]) == {"data_parallel", "megatron", "2d", "fsdp"}
+    for style, collectives in doc["collectives"].items():
+        assert doc["parallel"]["styles"][style]["same_program"]
+        if style != "fsdp":  # XLA:CPU all-reduces FSDP gradients instead of reduce-scattering them
+            assert collectives["bytes"] == collectives["analytic_bytes"], style
+    assert set(doc["matmul_fraction"]) == {"raw", "minishard_sharded"}
+    assert "sharded_flat" in doc["variants"]["host_ratio"]
+
+    chart = tmp_path / "chart.png"
+    done = subprocess.run(
+        [sys.executable, str(REPORT), str(tmp_path / "bench.json"), "--chart", str(chart)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "### Targets" in done.stdout and chart.stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("TFDS_DATA_DIR"), reason="needs prepared MNIST (TFDS_DATA_DIR)")
+def test_tiny_epoch_section_compares_the_loops_on_equal_losses(tmp_path):
+    doc = run_tiny(tmp_path, "epoch")
+    assert is_stat(doc["epoch_ratio"])
+    assert doc["epoch"]["fit"]["same_loss"]
+    assert doc["epoch"]["input_pipeline"]["images_per_s"]["median"] > 0
