@@ -1,0 +1,127 @@
+"""The residual MLP of docs/testing.md, and the mutations that each assertion must catch.
+
+A user container, ``Residual(inner)``, around a tensor-parallel (Megatron) MLP:
+``x + inner(x)``. ``MUTATIONS`` breaks it in the ways a real model gets broken
+(a swapped or dropped annotation, a rule sending a name to the wrong mesh
+axis, an extra collective, a hand-written ``shard_map`` that reduces with the
+wrong operation), each next to the unbroken version. Everything a test
+compiles is defined here once, at module level: ``jax.jit`` caches compiled
+code per function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import minishard as ms
+from minishard.rules import LogicalAxes
+
+MEGATRON: list[LogicalAxes] = [("embed", "mlp"), ("mlp", "embed")]
+SWAPPED: list[LogicalAxes] = [("mlp", "embed"), ("embed", "mlp")]
+DROPPED: list[LogicalAxes] = [("embed", "mlp"), (None, None)]  # the second half forgot its axes
+RULES = ms.AxisRules(batch="data", embed=None, mlp="model")
+WRONG_RULES = ms.AxisRules(batch="data", embed=None, mlp="data")  # mlp sent to the data axis
+EMBED, HIDDEN, BATCH = 16, 32, 8
+MESH = ms.make_mesh({"data": 2, "model": 4})
+
+
+class Residual(ms.Layer):
+    """``x + inner(x)``: a user's own container. Its one child is a sub-tree, so minishard recurses."""
+
+    param_fields = ("inner",)
+
+    def __init__(self, inner: ms.Layer) -> None:
+        self.inner = inner
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.inner(x)
+
+
+def residual(widths: Mapping[str, int], axes: list[LogicalAxes]) -> Residual:
+    inner = ms.mlp([widths["embed"], widths["mlp"], widths["embed"]], key=jax.random.key(0), axes=axes)
+    return Residual(inner)
+
+
+def residual_mlp(widths: Mapping[str, int]) -> Residual:
+    """The builder ``minishard.testing.models`` calls: widths keyed by logical axis."""
+    return residual(widths, MEGATRON)
+
+
+def swapped_residual_mlp(widths: Mapping[str, int]) -> Residual:
+    return residual(widths, SWAPPED)
+
+
+def forward(model: Residual, x: jax.Array) -> jax.Array:
+    return model(x)
+
+
+def forward_gathering(model: Residual, x: jax.Array) -> jax.Array:
+    """The same numbers, plus an all-gather: the hidden activations pinned to be replicated."""
+    first, activation, second = model.inner
+    hidden = jax.lax.with_sharding_constraint(activation(first(x)), NamedSharding(MESH, P()))
+    return x + second(hidden)
+
+
+def _megatron_by_hand(reduce: Callable[[jax.Array, str], jax.Array]) -> Callable[..., jax.Array]:
+    """The residual MLP as a hand-written ``shard_map``: each device its slice of the hidden units."""
+
+    def local(x: jax.Array, w1: jax.Array, b1: jax.Array, w2: jax.Array, b2: jax.Array) -> jax.Array:
+        partial = jax.nn.swish(x @ w1 + b1) @ w2  # this device's share of the output
+        return x + reduce(partial, "model") + b2
+
+    specs = (P("data"), P(None, "model"), P("model"), P("model", None), P())
+
+    def by_hand(model: Residual, x: jax.Array) -> jax.Array:
+        first, _, second = model.inner
+        run = jax.shard_map(local, mesh=MESH, in_specs=specs, out_specs=P("data"))
+        return run(x, first.weight, first.bias, second.weight, second.bias)
+
+    return by_hand
+
+
+forward_by_hand = _megatron_by_hand(jax.lax.psum)
+forward_by_hand_pmean = _megatron_by_hand(jax.lax.pmean)  # the bug: averages the partial sums
+
+
+class Mutation(NamedTuple):
+    """One version of the residual MLP's test set-up; the user's intention stays the same."""
+
+    axes: list[LogicalAxes]  # the model's annotations
+    rules: ms.AxisRules  # the rules it is placed and compiled with
+    fn: Callable[..., Any]  # the forward pass
+
+
+MUTATIONS = {
+    "correct": Mutation(MEGATRON, RULES, forward),
+    "correct shard_map": Mutation(MEGATRON, RULES, forward_by_hand),
+    "swapped halves": Mutation(SWAPPED, RULES, forward),
+    "dropped annotation": Mutation(DROPPED, RULES, forward),
+    "mlp -> data rule": Mutation(MEGATRON, WRONG_RULES, forward),
+    "extra all-gather": Mutation(MEGATRON, RULES, forward_gathering),
+    "pmean for psum": Mutation(MEGATRON, RULES, forward_by_hand_pmean),
+}
+
+
+def model_and_batch(axes: list[LogicalAxes], seed: int = 0) -> tuple[Residual, np.ndarray]:
+    """A residual MLP (numpy parameters: nothing compiles) and a batch for it."""
+    shapes = jax.eval_shape(lambda: residual({"embed": EMBED, "mlp": HIDDEN}, axes))
+    rng = np.random.default_rng(seed)
+    model = jax.tree.map(lambda leaf: (0.25 * rng.standard_normal(leaf.shape)).astype(leaf.dtype), shapes)
+    return model, rng.standard_normal((BATCH, EMBED)).astype(np.float32)
+
+
+def intended_blocks(hidden: int, model_ways: int) -> dict[str, tuple[int, ...]]:
+    """What the user means: the hidden units split over "model", everything else whole."""
+    block = hidden // model_ways
+    return {
+        "inner.layers[0].weight": (EMBED, block),
+        "inner.layers[0].bias": (block,),
+        "inner.layers[2].weight": (block, EMBED),
+        "inner.layers[2].bias": (EMBED,),
+    }
