@@ -29,7 +29,7 @@ import glob
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,14 +124,19 @@ class Dataset:
         return {"image": image, "label": self.labels[rows], "mask": mask.astype(np.float32)}
 
 
-def to_global(batch: Batch, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
-    """Assemble each process's rows into one global ``jax.Array`` per field.
+def to_global(
+    batch: Batch, sharding: jax.sharding.Sharding, fields: Sequence[str] | None = None
+) -> dict[str, jax.Array]:
+    """Assemble each process's rows into one global ``jax.Array`` per field (``fields``: only those).
 
     With one process this is ``jax.device_put`` along the batch axis; with
     several, every process passes its local rows and JAX stitches them into a
     single logical array, e.g. ``NamedSharding(mesh, P("data"))``.
     """
-    return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in batch.items()}
+    chosen = batch if fields is None else {key: batch[key] for key in fields}
+    if jax.process_count() == 1:  # the same array, without the multi-process bookkeeping
+        return {key: jax.device_put(value, sharding) for key, value in chosen.items()}
+    return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in chosen.items()}
 
 
 # -- reading through TFDS ------------------------------------------------------

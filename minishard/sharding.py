@@ -372,7 +372,7 @@ class ShardedFunction:
         if compiled.donated and any(_is_deleted(leaves[i]) for i in compiled.donated):
             self._diagnose(args, compiled.specs)
         try:
-            return compiled.jitted(*args)
+            return compiled.jitted(*leaves)
         except (ValueError, RuntimeError) as error:  # explain JAX's generic errors in minishard's terms
             self._diagnose(args, compiled.specs)
             raise error
@@ -383,12 +383,14 @@ class ShardedFunction:
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """``jax.jit(...).lower(*args)``: look at the program (``.as_text()``) or compile it."""
-        return self._lookup(args)[0].jitted.lower(*args)
+        compiled, leaves = self._lookup(args)
+        return compiled.jitted.lower(*leaves)
 
     def _lookup(self, args: tuple[Any, ...]) -> tuple[_Compiled, list[Any]]:
         # The hot path of every training step. Layer parameters' specs follow from the
         # treedef alone (their logical axes are static data); a leaf outside Layers is
-        # batch-split unless it is a scalar, so its rank is part of the key.
+        # batch-split unless it is a scalar, so its rank is part of the key. The cached jit
+        # takes these leaves, so JAX does not flatten the arguments a second time.
         leaves, treedef = jax.tree_util.tree_flatten(args)
         outside = self._outside.get(treedef)
         if outside is None:
@@ -396,10 +398,10 @@ class ShardedFunction:
         key = (treedef, *[getattr(leaves[i], "ndim", 0) == 0 for i in outside])
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._cache[key] = self._build(args)
+            compiled = self._cache[key] = self._build(args, treedef)
         return compiled, leaves
 
-    def _build(self, args: tuple[Any, ...]) -> _Compiled:
+    def _build(self, args: tuple[Any, ...], treedef: Any) -> _Compiled:
         config, mesh = self.config, self.config.mesh
         try:
             inputs = plan(args, mesh, config.rules, config.batch_layout).specs
@@ -409,15 +411,22 @@ class ShardedFunction:
             outputs = plan(jax.eval_shape(self.fn, *args), mesh, config.rules, _scalars_replicated).specs
         except ShardingError as e:
             raise ShardingError(f"{self.name}: output {e}") from None
-        jitted = jax.jit(
-            self.fn,
-            in_shardings=named_shardings(inputs, mesh),
-            out_shardings=named_shardings(outputs, mesh),
-            donate_argnums=config.donate_argnums,
-        )
         donate = (config.donate_argnums,) if isinstance(config.donate_argnums, int) else config.donate_argnums
         starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(arg)) for arg in args])
         donated = tuple(i for a in donate for i in range(starts[a], starts[a + 1]))
+        fn = self.fn
+
+        def on_leaves(*leaves: Any) -> Any:  # traced once per key: rebuilding the trees here is free
+            return fn(*jax.tree_util.tree_unflatten(treedef, leaves))
+
+        on_leaves.__name__ = on_leaves.__qualname__ = self.name  # the program keeps fn's name
+
+        jitted = jax.jit(  # over the flat leaves: __call__ has them already, so JAX flattens nothing
+            on_leaves,
+            in_shardings=tuple(jax.tree_util.tree_leaves(named_shardings(inputs, mesh))),
+            out_shardings=named_shardings(outputs, mesh),
+            donate_argnums=donated,
+        )
         return _Compiled(jitted, Specs(inputs, outputs), donated)
 
     def _name_argument(self, message: str) -> str:

@@ -188,7 +188,9 @@ def fit(
             started = time.perf_counter()
             batches = train_data.epoch(epoch, start_batch)
             for index, batch in _progress(batches, train_data, epoch, start_batch, progress):
-                global_batch = to_global(batch, sharded.batch_sharding)
+                global_batch = to_global(
+                    batch, sharded.batch_sharding, ("image", "label")
+                )  # no mask: no padding
                 if compiled is None:  # the first step compiles: say how long it took, and its memory
                     with _compile_events() as events:
                         model, opt_state, loss, acc = jax.block_until_ready(
