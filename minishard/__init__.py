@@ -11,7 +11,8 @@ Read the modules in this order; each teaches one idea, and imports only the ones
 * ``explain``: the plan and the collectives of a step, as one report;
 * ``transformer``: a Vision Transformer as Layers, whose heads and MLP split like the MLP's;
 * ``data``, ``checkpoint``, ``train``, ``cli``: MNIST end to end;
-* ``testing``: hypothesis strategies to property-test your own models' sharding.
+* ``testing``: strategies and assertions (numbers, layout, communication) to property-test
+  your own models' sharding.
 """
 
 from minishard import tree
