@@ -1,0 +1,101 @@
+"""Where activations live: pin an intermediate array's layout by its logical axes.
+
+``Sharded`` gives every *parameter* and every *input* a sharding; everything
+computed in between is left to XLA's sharding propagation, which guesses each
+intermediate's layout from its neighbours. Usually it guesses well. When it
+does not (with FSDP, say, it may split a hidden activation over "data" along
+the wrong dimension and then pay all-to-alls and all-gathers to fix it up),
+``constrain`` says where an activation must live, in the model's own
+vocabulary, as Flax's ``with_logical_constraint`` and MaxText do:
+
+    y = constrain(x @ w, ("batch", "mlp"))
+
+The mesh and the rules come from the surrounding ``Sharded`` call, which sets
+them (``logical_sharding``) while it traces. Outside such a context ``constrain``
+returns ``x`` unchanged, so the same model still runs on one device, or under a
+plain ``jax.jit``. Inside one, it lowers to ``jax.lax.with_sharding_constraint``.
+
+>>> import jax.numpy as jnp
+>>> constrain(jnp.ones((4, 8)), ("batch", "embed")).shape    # no context: nothing to do
+(4, 8)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from minishard.rules import AxisRules, LogicalAxes, MeshAxes, ShardingError
+
+
+@dataclass(frozen=True)
+class LogicalSharding:
+    """The mesh and rules in effect, and where the batch goes (``Sharded`` always knows that)."""
+
+    mesh: Mesh
+    rules: AxisRules
+    batch_axis: str = "batch"
+    batch_target: MeshAxes = None
+
+    def spec(self, logical_axes: LogicalAxes) -> PartitionSpec:
+        """The rules' spec, with the batch axis sent where ``Sharded`` sends the batch."""
+        if self.batch_axis not in logical_axes or self.batch_axis in self.rules:
+            return self.rules.spec(logical_axes, self.mesh)
+        dim = logical_axes.index(self.batch_axis)
+        rest = self.rules.spec((*logical_axes[:dim], None, *logical_axes[dim + 1 :]), self.mesh)
+        entries = list(rest) + [None] * (len(logical_axes) - len(rest))
+        entries[dim] = self.batch_target
+        return PartitionSpec(*entries)
+
+
+_CURRENT: contextvars.ContextVar[LogicalSharding | None] = contextvars.ContextVar(
+    "minishard_logical_sharding"
+)
+
+
+def current() -> LogicalSharding | None:
+    """The logical sharding in effect, or None outside ``Sharded`` (and ``logical_sharding``)."""
+    return _CURRENT.get(None)
+
+
+@contextlib.contextmanager
+def logical_sharding(
+    mesh: Mesh, rules: AxisRules, batch_axis: str = "batch", batch_target: MeshAxes = None
+) -> Iterator[None]:
+    """Make ``constrain`` resolve logical axes with ``rules`` on ``mesh`` inside the block.
+
+    ``Sharded`` does this while it traces; use it yourself around a hand-written
+    ``jax.jit`` call (the first call traces, so that is when it must be active)::
+
+        with logical_sharding(mesh, rules):
+            out = jax.jit(step)(model, batch)
+    """
+    token = _CURRENT.set(LogicalSharding(mesh, rules, batch_axis, batch_target))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def constrain(x: Any, logical_axes: LogicalAxes) -> Any:
+    """Pin ``x``'s layout: its dimensions named by ``logical_axes``, mapped by the rules in effect.
+
+    An unknown logical axis raises the same ``ShardingError`` as for a parameter.
+    """
+    context = current()
+    if context is None:
+        return x
+    if len(logical_axes) != jax.numpy.ndim(x):
+        shape = jax.numpy.shape(x)
+        raise ShardingError(f"constrain: {logical_axes} name {len(logical_axes)} dims; x has shape {shape}")
+    try:
+        spec = context.spec(tuple(logical_axes))
+    except ShardingError as e:
+        raise ShardingError(f"constrain: {e}") from None
+    return jax.lax.with_sharding_constraint(x, NamedSharding(context.mesh, spec))

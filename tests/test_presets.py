@@ -1,0 +1,96 @@
+"""minishard.presets and minishard.constraints: named styles, FSDP by rules alone, pinned activations.
+
+FSDP is checked against the arithmetic of the shapes: the step all-gathers
+each split weight (forward), and XLA:CPU all-reduces the whole gradient and
+keeps each device's slice (where a reduce-scatter would move an eighth: the
+CPU backend does not rewrite all-reduce + slice into one; see docs/sharding.md).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from models import SIZES, example, train_step
+
+import minishard as ms
+from minishard.collectives import bytes_by_mesh_axes
+from minishard.constraints import constrain, logical_sharding
+from minishard.presets import PRESETS, preset
+from minishard.rules import ShardingError
+from minishard.tree import tree_bytes
+
+
+def sharded(name):
+    shape, rules = preset(name, 8)
+    return ms.make_mesh(shape), rules
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_trains_like_data_parallelism(name):
+    args = example(axes=ms.megatron_axes(2))
+    expected = jax.block_until_ready(ms.Sharded(*sharded("dp"))(train_step)(*args))
+    got = jax.block_until_ready(ms.Sharded(*sharded(name))(train_step)(*args))
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def test_fsdp_stores_an_eighth_of_every_divisible_parameter_and_its_velocity():
+    mesh, rules = sharded("fsdp")
+    model = ms.mlp(SIZES, key=jax.random.key(0), axes=ms.megatron_axes(2))
+    state = ms.SGD(0.1, momentum=0.9).init(model)
+    report = ms.explain({"model": model, "velocity": state.velocity}, mesh, rules)
+    split = [row for row in report.rows if row.spec != P(*[None] * len(row.shape))]
+    assert [row.path for row in split] == [
+        "model.layers[0].weight",  # (embed, mlp): embed takes "data"
+        "model.layers[0].bias",  # (mlp,): mlp takes "data"
+        "model.layers[2].weight",  # (mlp, classes)
+        "velocity.layers[0].weight",
+        "velocity.layers[0].bias",
+        "velocity.layers[2].weight",
+    ]
+    assert all(row.device_bytes * 8 == row.bytes for row in split)
+    assert report.total_bytes - report.device_bytes * 8 == -7 * 2 * 10 * 4  # only the (10,) biases stay whole
+
+
+class PinnedLinear(ms.Linear):
+    """A Linear whose output lives as (batch, its output axis): what the model intends."""
+
+    def __call__(self, x):
+        return constrain(super().__call__(x), ("batch", self.logical_axes[1]))
+
+
+def test_fsdp_gathers_each_weight_and_reduces_the_whole_gradient():
+    mesh, rules = sharded("fsdp")
+    model, opt_state, images, labels = example(axes=ms.megatron_axes(2))
+    pinned = ms.Sequential([PinnedLinear.tree_unflatten(*reversed(layer.tree_flatten())) if isinstance(
+        layer, ms.Linear) else layer for layer in model])  # fmt: skip
+    found = bytes_by_mesh_axes(ms.Sharded(mesh, rules)(train_step).lower(pinned, opt_state, images, labels))
+    split = [model[0].weight, model[0].bias, model[2].weight]
+    assert found == {
+        ("all-gather", ("data",)): tree_bytes(split),  # forward: each split weight, whole
+        ("all-reduce", ("data",)): tree_bytes(model) + 4,  # backward: every gradient, whole, and the loss
+    }
+
+
+def test_constrain_is_a_no_op_outside_a_context_and_pins_the_layout_inside():
+    x = jnp.ones((16, 8))
+    assert constrain(x, ("batch", "embed")) is x
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    rules = ms.AxisRules(batch="data", embed="model")
+    step = ms.Sharded(mesh, rules)(lambda x: constrain(x * 2, ("batch", "embed")))
+    assert jax.block_until_ready(step(x)).sharding.spec == P("data", "model")
+    with logical_sharding(mesh, rules):  # the same, around a hand-written jax.jit
+        assert jax.jit(lambda x: constrain(x * 2, (None, "embed")))(x).sharding.spec == P(None, "model")
+    with pytest.raises(ShardingError, match=r"constrain: logical axis 'vocab' .* has no rule"):
+        ms.Sharded(mesh, rules)(lambda x: constrain(x, ("batch", "vocab")))(x)
+
+
+def test_the_cli_takes_a_preset_and_lets_mesh_and_rules_override():
+    from minishard.cli import cli_rules, parse_args
+
+    args = parse_args(["train", "--parallel", "fsdp"])
+    assert args.mesh == {"data": 8} and cli_rules(args, ["data"]).spec(("embed", "mlp")) == P("data", None)
+    args = parse_args(["train", "--parallel", "fsdp+tp", "--mesh", "data=4,model=2", "--rules", "embed=none"])
+    assert args.mesh == {"data": 4, "model": 2}
+    assert cli_rules(args, ["data", "model"]).spec(("embed", "mlp")) == P(None, "model")
