@@ -33,6 +33,7 @@ rules for ``spec(...)``; ``Sharded`` wraps the specs in ``NamedSharding``\\ s fo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from minishard.constraints import logical_sharding
 from minishard.layers import Layer
 from minishard.rules import (
     IDENTITY_RULES,
@@ -323,6 +325,10 @@ class Sharded:
         """Where a global batch goes: leading dimension split over the batch mesh axes."""
         return NamedSharding(self.mesh, P(self._batch_entry))
 
+    def logical_sharding(self) -> contextlib.AbstractContextManager[None]:
+        """The context ``minishard.constrain`` reads while ``fn`` traces: this mesh, these rules."""
+        return logical_sharding(self.mesh, self.rules, self.batch_axis, self._batch_entry)
+
     def batch_layout(self, leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:
         """Arrays outside Layers: leading dim over the batch mesh axes; scalars replicated."""
         ndim = np.ndim(leaf)
@@ -408,16 +414,19 @@ class ShardedFunction:
         except ShardingError as e:
             raise ShardingError(self._name_argument(str(e))) from None
         try:
-            outputs = plan(jax.eval_shape(self.fn, *args), mesh, config.rules, _scalars_replicated).specs
+            with self.config.logical_sharding():
+                out_shapes = jax.eval_shape(self.fn, *args)
+            outputs = plan(out_shapes, mesh, config.rules, _scalars_replicated).specs
         except ShardingError as e:
             raise ShardingError(f"{self.name}: output {e}") from None
         donate = (config.donate_argnums,) if isinstance(config.donate_argnums, int) else config.donate_argnums
         starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(arg)) for arg in args])
         donated = tuple(i for a in donate for i in range(starts[a], starts[a + 1]))
-        fn = self.fn
+        fn, logical = self.fn, self.config.logical_sharding
 
         def on_leaves(*leaves: Any) -> Any:  # traced once per key: rebuilding the trees here is free
-            return fn(*jax.tree_util.tree_unflatten(treedef, leaves))
+            with logical():  # minishard.constrain inside fn resolves logical axes with our rules
+                return fn(*jax.tree_util.tree_unflatten(treedef, leaves))
 
         on_leaves.__name__ = on_leaves.__qualname__ = self.name  # the program keeps fn's name
 
