@@ -10,6 +10,7 @@ Read the modules in this order; each teaches one idea, and imports only the ones
 * ``collectives``: what a compiled program sends between devices, read from its HLO;
 * ``explain``: the plan and the collectives of a step, as one report;
 * ``transformer``: a Vision Transformer as Layers, whose heads and MLP split like the MLP's;
+* ``distributed``, ``launch``: one run over several processes (one per host), or N local ones;
 * ``data``, ``checkpoint``, ``train``, ``cli``: MNIST end to end;
 * ``testing``: strategies and assertions (numbers, layout, communication) to property-test
   your own models' sharding.

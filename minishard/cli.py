@@ -23,12 +23,14 @@ from typing import Any, NoReturn
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 import jax.numpy as jnp
 
+from minishard import distributed, launch
 from minishard.data import DATASET_INFO, DATASETS, DataError
 from minishard.explain import explain
 from minishard.layers import ACTIVATIONS, megatron_axes, mlp
 from minishard.optim import SGD, Schedule, exponential_decay, warmup_cosine_decay
+from minishard.presets import PRESETS, preset
 from minishard.rules import AxisRules, ShardingError
-from minishard.sharding import make_mesh
+from minishard.sharding import Sharded, make_mesh
 from minishard.train import TrainingError, enable_compilation_cache, fit
 from minishard.transformer import VIT_AXES, ViT
 
@@ -197,6 +199,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--staircase", action="store_true", help="decay in steps rather than smoothly")
     add("--momentum", type=_momentum, help="in [0, 1) (default %(default)s)")
     add("--mesh", type=_mesh, help="mesh axes, e.g. data=2,model=4 (default %(default)s)")
+    add(
+        "--parallel",
+        choices=PRESETS,
+        help="a named style's mesh and rules (--mesh and --rules still override)",
+    )
     add("--rules", type=_rules, help="logical=mesh rules, e.g. mlp=model (default: batch=data, mlp=model)")
     add("--devices", type=_at_least(1), help="CPU devices to simulate when there is no accelerator")
     add("--seed", type=_at_least(0))
@@ -213,7 +220,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="keep compiled programs in this directory (JAX's persistent compilation cache)",
     )
     add("--debug", action="store_true", help="show the full traceback of an unexpected error")
+    distributed.add_arguments(train)  # --coordinator, --num-processes, --process-id, --init-timeout
+    commands.add_parser("launch", help=launch.HELP, add_help=False)  # listed here, parsed by launch.main
     args = parser.parse_args(argv)
+    if args.parallel and "--mesh" not in (argv if argv is not None else sys.argv):
+        args.mesh = preset(args.parallel, args.devices)[0]
     for name, parse in (("mesh", _mesh), ("rules", _rules)):  # argparse leaves string defaults as they are
         if isinstance(getattr(args, name), str):
             setattr(args, name, parse(getattr(args, name)))
@@ -249,6 +260,12 @@ def _check_together(args: argparse.Namespace, error: Callable[[str], NoReturn]) 
         error(
             f"argument --batch-size: {args.batch_size} cannot be split evenly over data={data_ways} devices"
         )
+    try:  # each process reads batch_size / processes rows of every global batch
+        processes = distributed.detect(args.coordinator, args.num_processes, args.process_id).num_processes
+    except distributed.DistributedError as e:
+        error(str(e))
+    if args.batch_size % processes:
+        error(f"argument --batch-size: {args.batch_size} cannot be split evenly over {processes} processes")
     if args.batch_size > info.train_examples:
         error(f"argument --batch-size: {args.batch_size} exceeds the {info.train_examples} training examples")
     if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
@@ -285,6 +302,13 @@ def default_rules(
     return {**rules, **user}
 
 
+def cli_rules(args: argparse.Namespace, mesh_axes: Sequence[str]) -> AxisRules:
+    """``--parallel``'s ordered rules (``--rules`` first, so they win), or the default rules."""
+    if not args.parallel:
+        return AxisRules(**default_rules(mesh_axes, args.rules, args.model))
+    return AxisRules.from_pairs([*args.rules.items(), *preset(args.parallel, args.devices)[1].pairs])
+
+
 def build_model(args: argparse.Namespace, key: Any) -> Any:
     """The MLP (Megatron axes) or the ViT the arguments describe."""
     if args.model == "mlp":
@@ -304,8 +328,10 @@ def learning_rate(args: argparse.Namespace, steps_per_epoch: int) -> Schedule:
 
 def train(args: argparse.Namespace) -> int:
     """Run ``fit`` as the arguments say; 0 on success, 2 on a mesh that does not fit the devices."""
-    devices = jax.devices()
-    if devices[0].platform == "cpu":
+    devices = jax.devices()  # with several processes: the devices of all of them
+    if jax.process_count() > 1:
+        print(f"{jax.process_count()} processes x {jax.local_device_count()} devices: {len(devices)} in all")
+    elif devices[0].platform == "cpu":
         print(f"No accelerator: simulating {len(devices)} CPU devices (XLA_FLAGS={os.environ['XLA_FLAGS']})")
         if len(devices) != args.devices:
             print(f"(XLA_FLAGS already set the device count, so --devices {args.devices} is not used)")
@@ -319,7 +345,8 @@ def train(args: argparse.Namespace) -> int:
     if args.compile_cache:
         enable_compilation_cache(args.compile_cache)
     mesh = make_mesh(args.mesh)
-    rules = AxisRules(**default_rules(mesh.axis_names, args.rules, args.model))
+    rules = cli_rules(args, mesh.axis_names)
+    distributed.check_batch_split(Sharded(mesh, rules).batch_sharding, args.batch_size)
     model = build_model(args, jax.random.key(args.seed))
     print(f"Rules: {rules}")
     show(explain(model, mesh, rules))  # plans every parameter: a rule that cannot work fails here
@@ -341,16 +368,22 @@ def train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         keep=args.keep,
         resume=args.resume,
-        metrics_log=args.log,
+        metrics_log=args.log if distributed.is_main_process() else None,  # one writer per file
         log_every=20,
     )
-    if args.plot and history:
+    if args.plot and history and distributed.is_main_process():
         plot_history(history, args.plot, schedule)
         print(f"Wrote {args.plot}")
     return 0
 
 
-EXPECTED_ERRORS: tuple[type[Exception], ...] = (DataError, ShardingError, TrainingError, CheckpointError)
+EXPECTED_ERRORS: tuple[type[Exception], ...] = (
+    DataError,
+    ShardingError,
+    TrainingError,
+    CheckpointError,
+    distributed.DistributedError,
+)
 """Failures whose message already says what and where: printed as one ``error:`` line."""
 
 
@@ -405,13 +438,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     Every failure reaches the user as one ``error:`` line (``--debug`` shows the
     traceback); Ctrl-C stops with one line that says where to resume from.
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # minishard launch -n 2 -- train ...: N processes of this same main
+        return launch.main(argv[1:])
     args = parse_args(argv)
-    simulate_devices(args.devices)
+    simulate_devices(args.devices)  # per process: with 2 processes, --devices 4 makes 8 in all
     try:
-        return train(args)
+        # Join the run that the flags or the environment describe (nothing to do for one process).
+        place = args.coordinator, args.num_processes, args.process_id
+        distributed.initialize(*place, timeout=args.init_timeout)
+        with distributed.print_on_main_only():  # process 0 speaks for the run
+            return train(args)
     except KeyboardInterrupt:
         print(f"\ninterrupted{_latest_checkpoint(args.checkpoint_dir)}", file=sys.stderr)
-        return 130
+        return distributed.leave(130)  # with several processes: exit now, the others cannot go on
     except Exception as error:
         if args.debug:
             raise
@@ -422,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"error: {type(error).__name__}: {error} (run with --debug for the traceback)",
                 file=sys.stderr,
             )
-        return 1
+        return distributed.leave(1)
 
 
 def _latest_checkpoint(directory: str | None) -> str:

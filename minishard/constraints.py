@@ -13,7 +13,13 @@ vocabulary, as Flax's ``with_logical_constraint`` and MaxText do:
 The mesh and the rules come from the surrounding ``Sharded`` call, which sets
 them (``logical_sharding``) while it traces. Outside such a context ``constrain``
 returns ``x`` unchanged, so the same model still runs on one device, or under a
-plain ``jax.jit``. Inside one, it lowers to ``jax.lax.with_sharding_constraint``.
+plain ``jax.jit``. Inside one, it lowers to ``jax.lax.with_sharding_constraint``
+on an Auto mesh, and to ``jax.sharding.reshard`` on an Explicit one.
+
+On an Explicit mesh a matmul that contracts a split dimension (the second
+Linear of a Megatron pair) is ambiguous, and JAX asks for its output sharding;
+``output_sharding`` gives it from the layer's logical axes and the rules, which
+is how minishard's ``Linear`` runs unchanged in both modes.
 
 >>> import jax.numpy as jnp
 >>> constrain(jnp.ones((4, 8)), ("batch", "embed")).shape    # no context: nothing to do
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes, ShardingError
 
@@ -42,6 +48,14 @@ class LogicalSharding:
     rules: AxisRules
     batch_axis: str = "batch"
     batch_target: MeshAxes = None
+
+    @property
+    def explicit(self) -> bool:
+        """Explicit mesh axes: shardings are part of every array's type (``jax.typeof``)."""
+        return any(kind == AxisType.Explicit for kind in self.mesh.axis_types)
+
+    def sharding(self, logical_axes: LogicalAxes) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical_axes))
 
     def spec(self, logical_axes: LogicalAxes) -> PartitionSpec:
         """The rules' spec, with the batch axis sent where ``Sharded`` sends the batch."""
@@ -95,7 +109,35 @@ def constrain(x: Any, logical_axes: LogicalAxes) -> Any:
         shape = jax.numpy.shape(x)
         raise ShardingError(f"constrain: {logical_axes} name {len(logical_axes)} dims; x has shape {shape}")
     try:
-        spec = context.spec(tuple(logical_axes))
+        sharding = context.sharding(tuple(logical_axes))
     except ShardingError as e:
         raise ShardingError(f"constrain: {e}") from None
-    return jax.lax.with_sharding_constraint(x, NamedSharding(context.mesh, spec))
+    if context.explicit:  # the sharding is the array's type: change the type
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)  # a hint to XLA's propagation
+
+
+def output_sharding(logical_axes: LogicalAxes) -> NamedSharding | None:
+    """On an Explicit mesh, the sharding an ambiguous contraction's output takes; else None.
+
+    Pass it as ``out_sharding=`` to ``jnp.matmul`` or ``jnp.einsum``: None lets JAX decide.
+    """
+    context = current()
+    return context.sharding(tuple(logical_axes)) if context is not None and context.explicit else None
+
+
+def as_activation(param: Any, activation_axes: LogicalAxes) -> Any:
+    """On an Explicit mesh, lay ``param`` out as the trailing dimensions of an activation.
+
+    A bias or a scale is added to (or multiplied with) activations; under FSDP it
+    is *stored* split over "data" while the activation's batch already uses
+    "data", and adding the two is ambiguous. This reshards the parameter to the
+    activation's layout (the FSDP all-gather, said out loud). Elsewhere: ``param``.
+    """
+    sharding = output_sharding(activation_axes)
+    if sharding is None:
+        return param
+    spec = (*sharding.spec, *[None] * (len(activation_axes) - len(sharding.spec)))
+    return jax.sharding.reshard(
+        param, NamedSharding(sharding.mesh, PartitionSpec(*spec[len(spec) - param.ndim :]))
+    )

@@ -65,6 +65,8 @@ def make_mesh(
     shape: Mapping[str, int] | Sequence[int],
     names: Sequence[str] | None = None,
     devices: Sequence[jax.Device] | None = None,
+    *,
+    explicit: bool = False,
 ) -> Mesh:
     """A named device grid: ``make_mesh({"data": 2, "model": 4})``.
 
@@ -102,7 +104,8 @@ def make_mesh(
             f"{len(devices)} {platform} device(s) were given. To simulate N CPU devices, set "
             "XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX is first imported."
         )
-    return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes), devices=devices)
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return jax.make_mesh(sizes, names, axis_types=(kind,) * len(sizes), devices=devices)
 
 
 # --- 2. one plan for a whole tree --------------------------------------------
@@ -297,13 +300,14 @@ class Sharded:
         batch_axis: str | None = None,
         donate_argnums: int | Sequence[int] = (),
     ) -> None:
-        if explicit := [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]:
+        kinds = set(mesh.axis_types)
+        if len(kinds) > 1:
             raise ShardingError(
-                f"Sharded: mesh axes {explicit} are Explicit (jax.make_mesh's default), where shardings "
-                "are part of each array's type and jit does not take them as hints. Build the mesh with "
-                "minishard.make_mesh(...), or jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)"
+                f"Sharded: mesh axes {dict(zip(mesh.axis_names, mesh.axis_types))} mix Auto and Explicit; "
+                "minishard supports meshes of one kind: make_mesh(..., explicit=True) or explicit=False"
             )
         self.mesh = mesh
+        self.explicit = AxisType.Explicit in kinds
         self.rules = rules or IDENTITY_RULES
         self.rules.check_mesh(mesh)
         knows = lambda name: name in self.rules or name in mesh.axis_names  # noqa: E731
@@ -326,7 +330,7 @@ class Sharded:
         return NamedSharding(self.mesh, P(self._batch_entry))
 
     def logical_sharding(self) -> contextlib.AbstractContextManager[None]:
-        """The context ``minishard.constrain`` reads while ``fn`` traces: this mesh, these rules."""
+        """The context ``fn`` traces in: ``minishard.constrain`` resolves with this mesh and these rules."""
         return logical_sharding(self.mesh, self.rules, self.batch_axis, self._batch_entry)
 
     def batch_layout(self, leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:
@@ -413,9 +417,9 @@ class ShardedFunction:
             inputs = plan(args, mesh, config.rules, config.batch_layout).specs
         except ShardingError as e:
             raise ShardingError(self._name_argument(str(e))) from None
+        with self.config.logical_sharding():
+            out_shapes = self._eval_shape(args)
         try:
-            with self.config.logical_sharding():
-                out_shapes = jax.eval_shape(self.fn, *args)
             outputs = plan(out_shapes, mesh, config.rules, _scalars_replicated).specs
         except ShardingError as e:
             raise ShardingError(f"{self.name}: output {e}") from None
@@ -437,6 +441,22 @@ class ShardedFunction:
             donate_argnums=donated,
         )
         return _Compiled(jitted, Specs(inputs, outputs), donated)
+
+    def _eval_shape(self, args: tuple[Any, ...]) -> Any:
+        """``jax.eval_shape(fn, *args)``; an ambiguous sharding (Explicit mesh) names its layer."""
+        try:
+            return jax.eval_shape(self.fn, *args)
+        except Exception as error:
+            if type(error).__name__ != "ShardingTypeError":  # jax._src.core's: not exported
+                raise
+            layer = _innermost_layer(error)
+            where = f"in {_paths_of(args, type(layer), self._arg_names)}: " if layer is not None else ""
+            raise ShardingError(
+                f"{self.name}: {where}{str(error).splitlines()[0]} On an Explicit mesh a contraction over "
+                "a split dimension must say where its output goes: pass "
+                "out_sharding=minishard.constraints.output_sharding(<the output's logical axes>) to "
+                "jnp.matmul/jnp.einsum, as minishard's Linear does"
+            ) from None
 
     def _name_argument(self, message: str) -> str:
         """``[0].layers[0].weight`` -> ``model.layers[0].weight``, using fn's parameter names."""
@@ -470,6 +490,26 @@ class ShardedFunction:
                         "that sharding) before the call."
                     )
                 )
+
+
+def _innermost_layer(error: BaseException) -> Layer | None:
+    """The last Layer whose method the traceback passes through: where the error happened."""
+    layer, frame = None, error.__traceback__
+    while frame is not None:
+        if isinstance(candidate := frame.tb_frame.f_locals.get("self"), Layer):
+            layer = candidate
+        frame = frame.tb_next
+    return layer
+
+
+def _paths_of(args: tuple[Any, ...], kind: type, names: list[str]) -> str:
+    """Where in the arguments Layers of type ``kind`` sit: ``model.layers[2] (Bilinear)``."""
+    found = []
+    for path, node in jax.tree_util.tree_flatten_with_path(args, is_leaf=lambda n: type(n) is kind)[0]:
+        if type(node) is kind:
+            index, _, rest = path_str(path).removeprefix("[").partition("]")  # "[0].layers[2]"
+            found.append(names[int(index)] + rest if index.isdigit() and int(index) < len(names) else rest)
+    return f"{' or '.join(found) or 'a layer'} ({kind.__name__})"
 
 
 def _is_deleted(leaf: Any) -> bool:

@@ -107,6 +107,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from minishard.constraints import as_activation, output_sharding
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key, mlp
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes
 
@@ -160,7 +161,9 @@ class LayerNorm(Layer):
     def __call__(self, x: jax.Array) -> jax.Array:
         mean = x.mean(-1, keepdims=True)
         var = jnp.square(x - mean).mean(-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale + self.bias
+        axes = ("batch", *[None] * (jnp.ndim(x) - 2), "embed")  # how scale and bias meet x (Explicit mode)
+        scale, bias = as_activation(self.scale, axes), as_activation(self.bias, axes)
+        return (x - mean) * jax.lax.rsqrt(var + self.eps) * scale + bias
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
         return {"scale": ("embed",), "bias": ("embed",)}
@@ -206,17 +209,23 @@ class Attention(Layer):
         # b: batch, t/s: query/key tokens, e: width ("embed"), h: heads, k: head_dim ("kv")
         # One einsum for q, k and v (c: which of the three), so that in the backward pass the
         # gradient into x is one sum over (c, h, k): one all-reduce over "model", not three.
+        # On an Explicit mesh, the contractions name their outputs' layouts (output_sharding);
+        # elsewhere output_sharding is None and XLA decides.
         qkv = jnp.stack([self.query, self.key, self.value])
-        q, k, v = jnp.einsum("bte,cehk->cbthk", x, qkv)
+        q, k, v = jnp.einsum("bte,cehk->cbthk", x, qkv, out_sharding=output_sharding(_QKV))
         logits = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(q.shape[-1])
         weights = jax.nn.softmax(logits, axis=-1)  # each query's weights over the keys sum to 1
         mixed = jnp.einsum("bhts,bshk->bthk", weights, v)
         # The one sum over heads: with heads split, a partial sum per device -> all-reduce.
-        return jnp.einsum("bthk,hke->bte", mixed, self.out)
+        out = output_sharding(("batch", None, "embed"))
+        return jnp.einsum("bthk,hke->bte", mixed, self.out, out_sharding=out)
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
         qkv: LogicalAxes = ("embed", "heads", "kv")
         return {"query": qkv, "key": qkv, "value": qkv, "out": ("heads", "kv", "embed")}
+
+
+_QKV: LogicalAxes = (None, "batch", None, "heads", "kv")  # [which of q/k/v, batch, tokens, heads, kv]
 
 
 class PatchEmbedding(Layer):
@@ -266,7 +275,7 @@ class PatchEmbedding(Layer):
         # [B, g, p, g, p, C] -> [B, g, g, p, p, C] -> [B, g*g, p*p*C]: local to each example,
         # so a batch split over "data" stays split, with no communication.
         patches = images.reshape(-1, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(-1, g * g, p * p * c)
-        return self.projection(patches) + self.positions
+        return self.projection(patches) + as_activation(self.positions, ("batch", "tokens", "embed"))
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
         return {"positions": ("tokens", "embed")}  # the projection (a Linear) answers for itself

@@ -94,3 +94,58 @@ def test_the_cli_takes_a_preset_and_lets_mesh_and_rules_override():
     args = parse_args(["train", "--parallel", "fsdp+tp", "--mesh", "data=4,model=2", "--rules", "embed=none"])
     assert args.mesh == {"data": 4, "model": 2}
     assert cli_rules(args, ["data", "model"]).spec(("embed", "mlp")) == P(None, "model")
+
+
+# -- Explicit axes: sharding in types ------------------------------------------------------
+@pytest.mark.parametrize("name", PRESETS)
+def test_explicit_meshes_train_like_auto_ones(name):
+    shape, rules = preset(name, 8)
+    args = example(axes=ms.megatron_axes(2))
+    results = {}
+    for explicit in (False, True):
+        mesh = ms.make_mesh(shape, explicit=explicit)
+        step = ms.Sharded(mesh, rules)(train_step)
+        model, opt_state = ms.shard(args[0], mesh, rules), ms.shard(args[1], mesh, rules)
+        for _ in range(3):
+            model, opt_state, loss = jax.block_until_ready(step(model, opt_state, *args[2:]))
+        results[explicit] = (model, loss)
+        declared = jax.tree_util.tree_leaves(step.specs(model, opt_state, *args[2:]).outputs[0])
+        assert [leaf.sharding.spec for leaf in jax.tree_util.tree_leaves(model)] == declared
+    for a, b in zip(
+        jax.tree_util.tree_leaves(results[True]), jax.tree_util.tree_leaves(results[False]), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def test_an_explicit_mesh_shows_the_sharding_in_the_type():
+    mesh = ms.make_mesh({"data": 2, "model": 4}, explicit=True)
+    layer = ms.shard(
+        ms.Linear(8, 16, key=jax.random.key(0), axes=("embed", "mlp")),
+        mesh,
+        ms.AxisRules(embed=None, mlp="model"),
+    )
+    assert str(jax.typeof(layer.weight)) == "float32[8,16@model]"
+
+
+class Bilinear(ms.Layer):
+    """A user layer that contracts a split dimension without saying where its output goes."""
+
+    param_fields = ("weight",)
+
+    def __init__(self):
+        self.weight = jnp.ones((16, 4))
+
+    def __call__(self, x):
+        return x @ self.weight  # x: (batch, mlp@model) @ (mlp@model, classes): ambiguous
+
+    def param_logical_axes(self):
+        return {"weight": ("mlp", "classes")}
+
+
+def test_an_ambiguous_contraction_names_the_layer_and_the_fix():
+    mesh = ms.make_mesh({"data": 2, "model": 4}, explicit=True)
+    rules = ms.AxisRules(batch="data", embed=None, mlp="model", classes=None)
+    model = ms.Sequential([ms.Linear(8, 16, key=jax.random.key(0), axes=("embed", "mlp")), Bilinear()])
+    forward = ms.Sharded(mesh, rules)(lambda model, x: model(x))
+    with pytest.raises(ShardingError, match=r"in model\.layers\[1\] \(Bilinear\): .*out_sharding=minishard"):
+        forward(ms.shard(model, mesh, rules), np.ones((4, 8), np.float32))

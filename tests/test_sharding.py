@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import BATCH, F32, MEGATRON, SIZES, example, forward, numpy_mlp, train_step
 
@@ -236,10 +236,10 @@ def test_sharding_errors_say_what_and_where(make, message):
         make()
 
 
-def test_sharded_refuses_an_explicit_mesh_at_construction():
-    explicit = jax.make_mesh((2, 4), ("data", "model"))  # jax.make_mesh's default: Explicit axes
-    with pytest.raises(ShardingError, match=r"mesh axes \['data', 'model'\] are Explicit.*AxisType\.Auto"):
-        Sharded(explicit, RULES)
+def test_sharded_refuses_a_mesh_that_mixes_auto_and_explicit_axes():
+    mixed = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    with pytest.raises(ShardingError, match=r"mix Auto and Explicit.*explicit=True"):
+        Sharded(mixed, RULES)
 
 
 def test_plan_is_one_walk_with_specs_and_blocks():
