@@ -277,18 +277,23 @@ def linen_module_and_params(problem: Problem) -> tuple[Any, Any]:
     return LinenMLP(problem.sizes), params
 
 
-def make_linen(problem: Problem) -> Contender:
+def _optax_jit(loss_of_params: Any) -> tuple[Any, Any]:
+    """A ``jax.jit`` step over a params pytree with optax SGD: shared by linen and eqx's partition path."""
     import optax
 
-    module, params = linen_module_and_params(problem)
     tx = optax.sgd(LR)
 
     @jax.jit
     def step_fn(params: Any, opt_state: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(lambda p: loss_from_logits(module.apply(p, x), y))(params)
+        loss, grads = jax.value_and_grad(loss_of_params)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    return step_fn, tx
+
+
+def _jit_contender(params: Any, loss_of_params: Any, problem: Problem) -> Contender:
+    step_fn, tx = _optax_jit(loss_of_params)
     x, y = jnp.asarray(problem.x), jnp.asarray(problem.y)
     state = {"params": params, "opt": tx.init(params)}
 
@@ -301,7 +306,9 @@ def make_linen(problem: Problem) -> Contender:
     )
 
 
-# --- Equinox -----------------------------------------------------------------------
+def make_linen(problem: Problem) -> Contender:
+    module, params = linen_module_and_params(problem)
+    return _jit_contender(params, lambda p, x, y: loss_from_logits(module.apply(p, x), y), problem)
 
 
 def eqx_model(problem: Problem) -> Any:
@@ -349,27 +356,9 @@ def make_eqx_filter_jit(problem: Problem) -> Contender:
 
 def make_eqx_partition_jit(problem: Problem) -> Contender:
     import equinox as eqx
-    import optax
 
-    tx = optax.sgd(LR)
     params, static = eqx.partition(eqx_model(problem), eqx.is_array)
-
-    @jax.jit
-    def step_fn(params: Any, opt_state: Any, x: jax.Array, y: jax.Array) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(lambda p: eqx_loss(eqx.combine(p, static), x, y))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    x, y = jnp.asarray(problem.x), jnp.asarray(problem.y)
-    state = {"params": params, "opt": tx.init(params)}
-
-    def step() -> jax.Array:
-        state["params"], state["opt"], loss = step_fn(state["params"], state["opt"], x, y)
-        return loss
-
-    return Contender(
-        step, lambda: state["params"], lambda: step_fn.lower(state["params"], state["opt"], x, y)
-    )
+    return _jit_contender(params, lambda p, x, y: eqx_loss(eqx.combine(p, static), x, y), problem)
 
 
 # --- the registry --------------------------------------------------------------

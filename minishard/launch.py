@@ -65,14 +65,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         epilog="example: minishard launch -n 2 --devices-per-process 4 -- train --mesh data=2,model=4",
     )
     add = parser.add_argument
-    add("-n", "--processes", type=_at_least(1), required=True, help="processes to start")
+    add("-n", "--processes", type=int, required=True, help="processes to start")
     add(
         "--devices-per-process",
-        type=_at_least(1),
+        type=int,
         default=4,
         help="CPU devices each process simulates (default %(default)s)",
     )
-    add("--port", type=_at_least(1), help="coordinator port on 127.0.0.1 (default: a free one)")
+    add("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
     add(
         "--grace",
         type=float,
@@ -84,6 +84,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     # Everything after the first "--" is the command, even words that look like our own flags.
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
+    for flag, value in (("-n", args.processes), ("--devices-per-process", args.devices_per_process)):
+        if value < 1:
+            parser.error(f"argument {flag}: must be at least 1, got {value}")
+    if args.port is not None and not 0 < args.port < 65536:
+        parser.error(f"argument --port: must be a port number in 1..65535, got {args.port}")
     if args.command:
         parser.error(f"unrecognized arguments: {' '.join(args.command)} (put the command after --)")
     args.command = argv[split + 1 :]
@@ -265,19 +270,6 @@ def _die_with_parent(launcher: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
         if os.getppid() != launcher:  # it died before we asked
             os._exit(1)
-
-
-def _at_least(least: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
-        return value
-
-    return parse
 
 
 if __name__ == "__main__":

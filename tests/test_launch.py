@@ -392,7 +392,7 @@ def test_launch_gives_each_process_its_place_and_its_devices():
     ("argv", "message"),
     [
         (["-n", "2"], "no command: put it after --"),
-        (["-n", "0", "--", "train"], "argument -n/--processes: must be at least 1"),
+        (["-n", "0", "--", "train"], "argument -n: must be at least 1"),
         (["-n", "2", "train"], "unrecognized arguments: train (put the command after --)"),
     ],
 )
