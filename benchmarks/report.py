@@ -223,8 +223,8 @@ def draw_chart(doc: dict[str, Any], path: str) -> None:
     entries = {k: v for k, v in doc["host_overhead_us"].items() if k not in ("raw", "raw_copy")}
     names = sorted(entries, key=lambda n: entries[n]["median"])
     medians = [max(entries[n]["median"], 0.1) for n in names]
-    lower = [m - max(entries[n]["range"][0], 0.1) for m, n in zip(medians, names)]
-    upper = [entries[n]["range"][1] - m for m, n in zip(medians, names)]
+    lower = [max(m - max(entries[n]["range"][0], 0.1), 0.0) for m, n in zip(medians, names)]
+    upper = [max(entries[n]["range"][1] - m, 0.0) for m, n in zip(medians, names)]  # medians clamped at 0.1
     colors = ["tab:orange" if n.startswith("minishard") else "tab:gray" for n in names]
     fig, ax = plt.subplots(figsize=(8, 3.8))
     ax.barh(names, medians, xerr=[lower, upper], color=colors, capsize=3)
