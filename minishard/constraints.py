@@ -123,7 +123,15 @@ def output_sharding(logical_axes: LogicalAxes) -> NamedSharding | None:
     Pass it as ``out_sharding=`` to ``jnp.matmul`` or ``jnp.einsum``: None lets JAX decide.
     """
     context = current()
-    return context.sharding(tuple(logical_axes)) if context is not None and context.explicit else None
+    if context is None or not context.explicit:
+        return None
+    # An activation's layout is a choice, not a contract: where two of its dimensions want
+    # the same mesh axis (strict rules batch->data, mlp->data), the later one is replicated.
+    names = {name for name in logical_axes if name is not None and name in context.rules}
+    lenient = AxisRules.from_pairs([*context.rules.pairs, *((name, None) for name in sorted(names))])
+    return LogicalSharding(context.mesh, lenient, context.batch_axis, context.batch_target).sharding(
+        tuple(logical_axes)
+    )
 
 
 def as_activation(param: Any, activation_axes: LogicalAxes) -> Any:

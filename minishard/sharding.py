@@ -444,8 +444,11 @@ class ShardedFunction:
 
     def _eval_shape(self, args: tuple[Any, ...]) -> Any:
         """``jax.eval_shape(fn, *args)``; an ambiguous sharding (Explicit mesh) names its layer."""
+        fn = self.fn
         try:
-            return jax.eval_shape(self.fn, *args)
+            # A fresh function: jax.eval_shape caches its trace under the function it is given,
+            # and this trace (inside logical_sharding) must never be reused by a plain jax.jit(fn).
+            return jax.eval_shape(lambda *args: fn(*args), *args)
         except Exception as error:
             if type(error).__name__ != "ShardingTypeError":  # jax._src.core's: not exported
                 raise

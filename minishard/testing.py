@@ -552,7 +552,8 @@ def assert_sharded_equivalent(
     declared = sharded.specs(*args).outputs
     # jax.block_until_ready after each run: dispatching sharded programs back to
     # back can deadlock the collectives of simulated CPU devices.
-    on_one_device = jax.device_put(args, mesh.devices.flat[0])
+    # Through the host: an array typed for an Explicit mesh keeps that type on one device.
+    on_one_device = jax.device_put(jax.device_get(args), mesh.devices.flat[0])
     expected = jax.block_until_ready(_jitted(reference or fn)(*on_one_device))
     actual = jax.block_until_ready(sharded(*args))
     treedef: Any = jax.tree_util.tree_structure(actual)  # Any: PyTreeDef comes without type stubs

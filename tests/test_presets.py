@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 from models import SIZES, example, train_step
 
@@ -18,6 +20,7 @@ from minishard.collectives import bytes_by_mesh_axes
 from minishard.constraints import constrain, logical_sharding
 from minishard.presets import PRESETS, preset
 from minishard.rules import ShardingError
+from minishard.testing import assert_sharded_equivalent, axis_rules, batch_sizes, meshes, mlps
 from minishard.tree import tree_bytes
 
 
@@ -149,3 +152,18 @@ def test_an_ambiguous_contraction_names_the_layer_and_the_fix():
     forward = ms.Sharded(mesh, rules)(lambda model, x: model(x))
     with pytest.raises(ShardingError, match=r"in model\.layers\[1\] \(Bilinear\): .*out_sharding=minishard"):
         forward(ms.shard(model, mesh, rules), np.ones((4, 8), np.float32))
+
+
+def explicit_forward(model, x):  # module level: Sharded and jit reuse their compiled programs
+    return model(x)
+
+
+@settings(max_examples=6)
+@given(st.data())
+def test_on_random_explicit_meshes_rules_and_models_sharding_changes_no_number(data):
+    auto = data.draw(meshes())
+    rules = data.draw(axis_rules())
+    mesh = ms.make_mesh(dict(auto.shape), explicit=True)
+    model = data.draw(mlps(mesh, rules))
+    x = np.ones((data.draw(batch_sizes(mesh, rules)), model[0].in_features), np.float32)
+    assert_sharded_equivalent(explicit_forward, model, x, mesh=mesh, rules=rules)
