@@ -199,6 +199,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--staircase", action="store_true", help="decay in steps rather than smoothly")
     add("--momentum", type=_momentum, help="in [0, 1) (default %(default)s)")
     add("--mesh", type=_mesh, help="mesh axes, e.g. data=2,model=4 (default %(default)s)")
+    add("--explicit", action="store_true", help="Explicit mesh axes: shardings are part of array types")
     add(
         "--parallel",
         choices=PRESETS,
@@ -344,7 +345,7 @@ def train(args: argparse.Namespace) -> int:
         return 2
     if args.compile_cache:
         enable_compilation_cache(args.compile_cache)
-    mesh = make_mesh(args.mesh)
+    mesh = make_mesh(args.mesh, explicit=args.explicit)
     rules = cli_rules(args, mesh.axis_names)
     distributed.check_batch_split(Sharded(mesh, rules).batch_sharding, args.batch_size)
     model = build_model(args, jax.random.key(args.seed))

@@ -114,3 +114,15 @@ def test_ctrl_c_says_which_checkpoint_is_the_latest(tmp_path, capsys, monkeypatc
         err
         == f"interrupted; the latest checkpoint is step 300 in {tmp_path / 'ckpt'}: continue with --resume"
     )
+
+
+@needs_mnist
+@pytest.mark.slow
+def test_the_cli_trains_on_an_explicit_mesh_with_a_preset(tmp_path, capsys):
+    argv = ["train", "--layers", "784,32,10", "--batch-size", "256", "--epochs", "1", "--parallel", "fsdp"]
+    assert main([*argv, "--explicit"]) == 0
+    explicit = capsys.readouterr().out
+    assert main(argv) == 0
+    auto = capsys.readouterr().out
+    assert "AxisRules.from_pairs([('batch', 'data'), ('embed', 'data')" in explicit
+    assert final_line(explicit)[:40] == final_line(auto)[:40]  # same loss and train accuracy, to the digit
