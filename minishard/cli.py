@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from minishard import distributed, launch
 from minishard.data import DATASET_INFO, DATASETS, DataError
-from minishard.explain import explain
+from minishard.explain import explain, plot_report
 from minishard.layers import ACTIVATIONS, megatron_axes, mlp
 from minishard.optim import SGD, Schedule, exponential_decay, warmup_cosine_decay
 from minishard.presets import PRESETS, preset
@@ -222,7 +222,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add("--debug", action="store_true", help="show the full traceback of an unexpected error")
     distributed.add_arguments(train)  # --coordinator, --num-processes, --process-id, --init-timeout
-    commands.add_parser("launch", help=launch.HELP, add_help=False)  # listed here, parsed by launch.main
+    commands.add_parser("launch", help=launch.HELP, add_help=False)
+    commands.add_parser(
+        "explain", help="print (and --plot) the plan of a default model", add_help=False
+    )  # listed here, parsed by launch.main
     args = parser.parse_args(argv)
     if args.parallel and "--mesh" not in (argv if argv is not None else sys.argv):
         args.mesh = preset(args.parallel, args.devices)[0]
@@ -442,6 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:  # minishard launch -n 2 -- train ...: N processes of this same main
         return launch.main(argv[1:])
+    if argv[:1] == ["explain"]:  # no devices, no data: shapes only
+        return explain_command(argv[1:])
     args = parse_args(argv)
     simulate_devices(args.devices)  # per process: with 2 processes, --devices 4 makes 8 in all
     try:
@@ -464,6 +469,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return distributed.leave(1)
+
+
+def explain_command(argv: Sequence[str]) -> int:
+    """``minishard explain --parallel fsdp [--model vit] [--plot FILE]``: the plan of a default model.
+
+    Nothing is trained or allocated: the model is built by ``jax.eval_shape`` and
+    planned on an ``AbstractMesh``, so any device count works on any machine.
+    """
+    parser = argparse.ArgumentParser(prog="minishard explain", description=explain_command.__doc__)
+    parser.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="mlp")
+    parser.add_argument("--parallel", choices=PRESETS, default="2d", help="(default %(default)s)")
+    parser.add_argument("--devices", type=_at_least(1), default=8, help="(default %(default)s)")
+    parser.add_argument("--plot", help="draw which devices hold each block of each parameter (.png)")
+    options = parser.parse_args(argv)
+    flags = ["--model", options.model, "--parallel", options.parallel, "--devices", str(options.devices)]
+    args = parse_args(["train", *flags, "--batch-size", str(options.devices * 16)])
+    mesh = jax.sharding.AbstractMesh(tuple(args.mesh.values()), tuple(args.mesh))
+    model = jax.eval_shape(lambda: build_model(args, jax.random.key(0)))
+    try:
+        report = explain(model, mesh, cli_rules(args, mesh.axis_names))
+    except ShardingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"{options.model} under {options.parallel} on {options.devices} devices")
+    show(report)
+    if options.plot:
+        plot_report(report, options.plot)
+        print(f"Wrote {options.plot}")
+    return 0
 
 
 def _latest_checkpoint(directory: str | None) -> str:

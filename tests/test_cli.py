@@ -126,3 +126,13 @@ def test_the_cli_trains_on_an_explicit_mesh_with_a_preset(tmp_path, capsys):
     auto = capsys.readouterr().out
     assert "AxisRules.from_pairs([('batch', 'data'), ('embed', 'data')" in explicit
     assert final_line(explicit)[:40] == final_line(auto)[:40]  # same loss and train accuracy, to the digit
+
+
+def test_explain_prints_and_draws_the_plan_of_a_default_model(tmp_path, capsys):
+    picture = tmp_path / "fsdp.png"
+    assert main(["explain", "--parallel", "fsdp", "--plot", str(picture)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mlp under fsdp on 8 devices") and "P('data', None)" in out
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+    assert main(["explain", "--model", "vit", "--parallel", "tp"]) == 1  # 8 "model" devices, 4 heads
+    assert "heads" in capsys.readouterr().err
