@@ -72,9 +72,10 @@ def make_mesh(
 
     The axes are ``AxisType.Auto``: shardings are *hints* to XLA's GSPMD
     partitioner, which propagates them through the program and inserts the
-    collectives itself. (``jax.make_mesh`` now defaults to ``Explicit`` axes,
-    where shardings become part of every array's type; minishard teaches the
-    automatic path first.)
+    collectives itself. ``explicit=True`` makes them ``Explicit`` (what
+    ``jax.make_mesh`` gives by default): shardings become part of every array's
+    type, and an ambiguous layout is an error at trace time (docs/explicit.md).
+    minishard's models run unchanged on both.
 
     >>> make_mesh({"data": 2, "model": 4}).shape
     OrderedDict([('data', 2), ('model', 4)])
@@ -307,7 +308,6 @@ class Sharded:
                 "minishard supports meshes of one kind: make_mesh(..., explicit=True) or explicit=False"
             )
         self.mesh = mesh
-        self.explicit = AxisType.Explicit in kinds
         self.rules = rules or IDENTITY_RULES
         self.rules.check_mesh(mesh)
         knows = lambda name: name in self.rules or name in mesh.axis_names  # noqa: E731
