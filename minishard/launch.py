@@ -198,9 +198,10 @@ class Launch:
             if self.signalled is not None:
                 return self._interrupted(self.signalled)
             codes = [process.poll() for process in self.processes]
-            for rank, code in enumerate(codes):
-                if code is not None and code != 0:
-                    return self._failed(rank, code)
+            if failed := [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]:
+                # Seen together, a process killed by a signal is the cause, and one that
+                # exited with an error the consequence (its peer vanished mid-collective).
+                return self._failed(*min(failed, key=lambda rank_code: (rank_code[1] >= 0, rank_code[0])))
             if all(code == 0 for code in codes):
                 return 0
             time.sleep(POLL_SECONDS)
