@@ -4,9 +4,11 @@ Read the modules in this order; each teaches one idea, and imports only the ones
 
 * ``tree``: naming and counting the leaves of any pytree;
 * ``rules``: logical axes -> mesh axes (``AxisRules``);
+* ``constraints``: where activations live (``constrain``; output layouts on Explicit meshes);
 * ``layers``: models as pytrees (``Layer``, ``Linear``, ``Sequential``, ``mlp``);
 * ``losses``, ``optim``: cross-entropy and a pure, functional SGD;
 * ``sharding``: meshes, one ``plan`` for a whole tree, ``shard`` and ``Sharded``;
+* ``presets``: five named styles (dp, tp, 2d, fsdp, fsdp+tp) as a mesh shape and rules;
 * ``collectives``: what a compiled program sends between devices, read from its HLO;
 * ``explain``: the plan and the collectives of a step, as one report;
 * ``transformer``: a Vision Transformer as Layers, whose heads and MLP split like the MLP's;
