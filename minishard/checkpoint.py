@@ -189,13 +189,14 @@ class Checkpointer:
 
     def _load(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         named = _named(target)
-        stored_as = self._check_fits(step, named)  # target name -> the name it was saved under
+        stored_as, unread = self._check_fits(step, named)  # target name -> the name it was saved under
         abstract = {
             stored_as[name]: jax.ShapeDtypeStruct(
                 leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None)
             )
             for name, leaf in named
         }
+        abstract |= {name: jax.ShapeDtypeStruct((), np.int32) for name in unread}  # orbax reads all, or none
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         if (self.directory / str(step) / "integrity").exists():  # older checkpoints have none
             items["integrity"] = ocp.args.JsonRestore()
@@ -206,22 +207,25 @@ class Checkpointer:
         # The structure comes from the target, not from the disk.
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), arrays), restored["meta"]
 
-    def _check_fits(self, step: int, named: list[tuple[str, Any]]) -> dict[str, str]:
+    def _check_fits(self, step: int, named: list[tuple[str, Any]]) -> tuple[dict[str, str], list[str]]:
         """Compare the target's arrays with the stored ones, by name and shape, before reading data.
 
         A different model (other ``--layers``, momentum on or off) is the user's mistake, not
         corruption: say which arrays differ instead of falling back through every checkpoint.
-        Returns, per target name, the name it is stored under (older names are accepted).
+        Returns, per target name, the name it is stored under (older names are accepted), and
+        the stored step counters this run's optimizer does not keep.
         """
         try:
             stored = dict(self._manager.item_metadata(step)["state"])
         except Exception:
             stored = None
         if stored is None:  # unreadable metadata: the restore itself reports it, and falls back
-            return {name: name for name, _ in named}
+            return {name: name for name, _ in named}, []
         stored_as = {name: _older_name(name) if _older_name(name) in stored else name for name, _ in named}
         wanted = {stored_as[name]: _shape_dtype(leaf) for name, leaf in named}
         have = {name: _shape_dtype(meta) for name, meta in stored.items()}
+        unread = sorted(name for name in have.keys() - wanted.keys() if _is_unread_step(name, have[name]))
+        have = {name: meta for name, meta in have.items() if name not in unread}
         differences = [
             f"{name}: checkpoint {have.get(name, 'has none')}, target {wanted.get(name, 'has none')}"
             for name in sorted(wanted.keys() | have.keys())
@@ -232,7 +236,9 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)} holds other arrays than the state to restore "
                 "into (another model or optimizer?):\n  " + "\n  ".join(differences[:10])
             )
-        return stored_as
+        if unread:
+            self.log(f"not restoring {', '.join(unread)}: this run's optimizer keeps no step counter")
+        return stored_as, unread
 
     def close(self) -> None:
         """Release orbax's resources and the directory's lock (also done by ``with Checkpointer(...)``)."""
@@ -315,6 +321,12 @@ def _named(tree: Any) -> list[tuple[str, Any]]:
     if len({name for name, _ in named}) < len(named):  # cannot happen with minishard's paths; checked anyway
         raise CheckpointError(f"two leaves of the state share a name: {sorted(n for n, _ in named)}")
     return named
+
+
+def _is_unread_step(name: str, shape_dtype: str) -> bool:
+    """An SGD step counter the target does not keep: a schedule's run resumed at a constant
+    learning rate, or a checkpoint of an earlier minishard, whose SGD counted steps it never read."""
+    return (name == "step" or name.endswith(".step")) and shape_dtype == "() int32"
 
 
 def _older_name(name: str) -> str:

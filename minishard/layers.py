@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -74,10 +75,18 @@ class Layer:
 
     param_fields: ClassVar[tuple[str, ...]] = ()
     static_fields: ClassVar[tuple[str, ...]] = ()
+    # Made once per class from the two lists above: flatten and unflatten run for every
+    # Layer of every jit argument and result, on every call, so they do no per-call lookups.
+    _read_params: ClassVar[staticmethod[[dict[str, Any]], tuple[Any, ...]]]
+    _read_static: ClassVar[staticmethod[[dict[str, Any]], tuple[Any, ...]]]
+    _all_fields: ClassVar[tuple[str, ...]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _check_field_lists(cls)
+        cls._read_params = staticmethod(_field_reader(cls.param_fields))
+        cls._read_static = staticmethod(_field_reader(cls.static_fields))
+        cls._all_fields = cls.param_fields + cls.static_fields
         if "__init__" in cls.__dict__:
             cls.__init__ = _freezing(cls.__init__)  # type: ignore[method-assign]
         # The one line that makes every Layer subclass a pytree. It registers
@@ -89,9 +98,7 @@ class Layer:
     def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Split into (children, aux_data): parameters to trace, config to hash."""
         fields = self.__dict__
-        children = tuple([fields[name] for name in self.param_fields])
-        aux_data = tuple([fields[name] for name in self.static_fields])
-        return children, aux_data
+        return self._read_params(fields), self._read_static(fields)
 
     def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
         """Like ``tree_flatten``, with each child named by its attribute."""
@@ -109,9 +116,7 @@ class Layer:
         instance and the fields are set directly.
         """
         layer = object.__new__(cls)
-        fields = layer.__dict__
-        fields.update(zip(cls.param_fields, children))
-        fields.update(zip(cls.static_fields, aux_data))
+        layer.__dict__.update(zip(cls._all_fields, tuple(children) + aux_data))
         return layer
 
     # -- construction, then frozen -------------------------------------------
@@ -157,6 +162,17 @@ class Layer:
         parts = [f"{n}={_short(self.__dict__[n])}" for n in self.param_fields]
         parts += [f"{n}={self.__dict__[n]!r}" for n in self.static_fields]
         return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _field_reader(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """``fields -> (fields[names[0]], fields[names[1]], ...)``, read by C code (``operator.itemgetter``).
+
+    Twice as fast as a comprehension, which matters at one call per Layer per jit call.
+    """
+    if len(names) == 1:  # itemgetter of one name returns the bare value, not a 1-tuple
+        (name,) = names
+        return lambda fields: (fields[name],)
+    return operator.itemgetter(*names) if names else lambda fields: ()
 
 
 def _freezing(init: Callable[..., None]) -> Callable[..., None]:

@@ -108,12 +108,16 @@ def warmup_cosine_decay(
 
 
 class SGDState(NamedTuple):
-    """``step``: updates taken so far; ``velocity``: shaped like params (None without momentum).
+    """Only what ``update`` reads, as in optax: nothing is carried for nothing.
 
-    (Called ``momentum`` before minishard 0.2; the checkpoints of that time still load.)
+    ``step``: updates taken so far, kept when the learning rate is a schedule
+    (None for a constant rate: a counter nobody reads would still be one more
+    array in and out of every jitted step). ``velocity``: shaped like params
+    (None without momentum); earlier versions called it ``momentum``, and their
+    checkpoints still load.
     """
 
-    step: jax.Array
+    step: jax.Array | None
     velocity: Any
 
 
@@ -136,9 +140,10 @@ class SGD:
         self.momentum: float = float(momentum)
 
     def init(self, params: Any) -> SGDState:
-        """Step 0 and, with momentum, zero velocities shaped (and later sharded) like ``params``."""
+        """Step 0 for a schedule and, with momentum, zero velocities shaped (and sharded) like ``params``."""
+        step = jnp.zeros((), jnp.int32) if callable(self.learning_rate) else None
         velocity = jax.tree_util.tree_map(jnp.zeros_like, params) if self.momentum else None
-        return SGDState(step=jnp.zeros((), jnp.int32), velocity=velocity)
+        return SGDState(step=step, velocity=velocity)
 
     def update(self, params: Any, grads: Any, state: SGDState) -> tuple[Any, SGDState]:
         """One step: new params and state. Pure, so it runs inside a jitted train step.
@@ -147,12 +152,22 @@ class SGD:
         so the first update (step 0) uses the schedule's initial value, as in optax.
         """
         _check_same_structure(params, grads)
-        lr = self.learning_rate(state.step) if callable(self.learning_rate) else self.learning_rate
+        lr: float | jax.Array
+        step: jax.Array | None
+        if callable(self.learning_rate):
+            if state.step is None:
+                raise ValueError(
+                    "SGD.update: this SGD's learning rate is a schedule, but the state has no step; "
+                    "make the state with the same SGD's init"
+                )
+            lr, step = self.learning_rate(state.step), state.step + 1
+        else:
+            lr, step = self.learning_rate, None
         velocity = grads
         if self.momentum:
             velocity = jax.tree_util.tree_map(lambda g, v: g + self.momentum * v, grads, state.velocity)
         params = jax.tree_util.tree_map(lambda p, v: p - lr * v, params, velocity)
-        return params, SGDState(state.step + 1, velocity if self.momentum else None)
+        return params, SGDState(step, velocity if self.momentum else None)
 
 
 def _check_same_structure(params: Any, grads: Any) -> None:

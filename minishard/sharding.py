@@ -363,8 +363,8 @@ class ShardedFunction:
         self.fn = fn
         self.config = config
         self.name = getattr(fn, "__name__", "function")
-        self._cache: dict[Any, _Compiled] = {}  # (treedef, which batch leaves are scalars) -> jit
-        self._outside: dict[Any, tuple[int, ...]] = {}  # treedef -> positions of leaves outside Layers
+        # treedef -> (positions of the leaves outside Layers, {which of them are scalars: jit})
+        self._cache: dict[Any, tuple[tuple[int, ...], dict[tuple[bool, ...], _Compiled]]] = {}
         try:
             self._arg_names = list(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
@@ -402,13 +402,14 @@ class ShardedFunction:
         # batch-split unless it is a scalar, so its rank is part of the key. The cached jit
         # takes these leaves, so JAX does not flatten the arguments a second time.
         leaves, treedef = jax.tree_util.tree_flatten(args)
-        outside = self._outside.get(treedef)
-        if outside is None:
-            outside = self._outside[treedef] = _positions_outside_layers(args)
-        key = (treedef, *[getattr(leaves[i], "ndim", 0) == 0 for i in outside])
-        compiled = self._cache.get(key)
+        found = self._cache.get(treedef)
+        if found is None:
+            found = self._cache[treedef] = (_positions_outside_layers(args), {})
+        outside, by_scalars = found
+        scalars = tuple([getattr(leaves[i], "ndim", 0) == 0 for i in outside])
+        compiled = by_scalars.get(scalars)
         if compiled is None:
-            compiled = self._cache[key] = self._build(args, treedef)
+            compiled = by_scalars[scalars] = self._build(args, treedef)
         return compiled, leaves
 
     def _build(self, args: tuple[Any, ...], treedef: Any) -> _Compiled:

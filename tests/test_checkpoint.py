@@ -278,6 +278,18 @@ def test_checkpoints_from_before_the_velocity_rename_still_load(tmp_path):
     assert_same_values(restored, state)
 
 
+def test_a_step_counter_the_optimizer_no_longer_keeps_is_skipped_and_said(tmp_path):
+    # A schedule's run (or an earlier minishard) saved opt_state.step; a constant-rate SGD keeps none.
+    state, lines = train_state(), []
+    without_step = {**state, "opt_state": state["opt_state"]._replace(step=None)}
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        ckpt.save(3, state, {})
+        step, restored, _ = ckpt.restore(train_state(seed=1) | {"opt_state": without_step["opt_state"]})
+    assert step == 3 and restored["opt_state"].step is None
+    assert_same_values(restored, without_step)
+    assert lines == ["not restoring opt_state.step: this run's optimizer keeps no step counter"]
+
+
 # -- faults: a flipped bit, a failed write, a second trainer ---------------------------
 def flip_16_bytes_of_the_biggest_file(step_dir: Path) -> None:
     biggest = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)

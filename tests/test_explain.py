@@ -71,7 +71,7 @@ def test_explain_covers_every_leaf_of_any_tree():
     # model and sharded like it; the step counter is a replicated scalar.
     mesh = make_mesh({"data": 2, "model": 4})
     model = ms.mlp(SIZES, key=jax.random.key(0), axes=MEGATRON)
-    state = ms.SGD(0.1, momentum=0.9).init(model)
+    state = ms.SGD(ms.exponential_decay(0.1, 0.5, 100), momentum=0.9).init(model)
     report = explain(state, mesh, RULES_2D)
     assert [row.path for row in report.rows] == [
         "step",

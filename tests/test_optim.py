@@ -73,7 +73,10 @@ def assert_sgd_matches_optax(lr, momentum, params, grad_fn, steps, update=None):
         updates, optax_state = theirs.update(grad_fn(optax_params, step), optax_state, optax_params)
         optax_params = optax.apply_updates(optax_params, updates)
         assert_trees_close(ours_params, optax_params, rtol=1e-6, atol=1e-6)  # a few float32 ulps at O(1)
-    assert int(ours_state.step) == steps
+    if callable(ours_lr):
+        assert int(ours_state.step) == steps
+    else:  # a constant rate reads no step, so none is carried (optax's sgd carries none either)
+        assert ours_state.step is None
 
 
 # -- the schedule -------------------------------------------------------------
@@ -117,10 +120,17 @@ def test_sgd_matches_optax_on_models_under_jit(sizes, lr, momentum, seed):
 
 def test_sgd_state_is_a_pytree_shaped_like_the_params():
     params = {"w": jnp.ones((2, 3)), "b": [jnp.zeros(3)]}
-    with_momentum = SGD(0.1, momentum=0.9).init(params)
+    with_momentum = SGD(exponential_decay(0.1, 0.5, 10), momentum=0.9).init(params)
     assert isinstance(with_momentum, minishard.SGDState) and int(with_momentum.step) == 0
     assert jax.tree_util.tree_structure(with_momentum.velocity) == jax.tree_util.tree_structure(params)
-    assert SGD(0.1).init(params).velocity is None
+    assert SGD(0.1).init(params) == minishard.SGDState(step=None, velocity=None)  # no array to carry
+
+
+def test_a_schedule_refuses_a_state_without_its_step():
+    params = {"w": jnp.ones(2)}
+    constant_state = SGD(0.1).init(params)
+    with pytest.raises(ValueError, match="schedule, but the state has no step"):
+        SGD(exponential_decay(0.1, 0.5, 10)).update(params, params, constant_state)
 
 
 @pytest.mark.parametrize("momentum", [-0.1, 1.0])
