@@ -7,8 +7,8 @@ from the same initial parameters, over the same in-memory batches
 (``Dataset.epoch``: numpy gather, float32 / 255).
 
 * ``minishard``: the loop ``fit`` runs (``minishard.train.make_train_step``
-  under ``Sharded(mesh, rules, donate_argnums=(0, 1))``, ``to_global`` per
-  batch, ``float(loss)`` and ``float(acc)`` per step). We run *the same loop*
+  under ``Sharded(mesh, rules, donate_argnums=(0, 1))``, ``to_global`` of the
+  fields the step reads per batch, ``float(loss)`` and ``float(acc)`` per step). We run *the same loop*
   rather than ``fit`` itself because each ``fit`` call builds and compiles a
   new step; a warm loop measures the epoch, not the compiler. ``fit`` runs once
   on the same data to check that it gives the same loss (and its wall time,
@@ -16,9 +16,6 @@ from the same initial parameters, over the same in-memory batches
 * ``handwritten``: the classic ``spmd_mnist_classifier_fromscratch`` style,
   written fresh: a list of ``(W, b)``, ``jax.jit`` with hand-written
   ``NamedSharding``s, ``jax.device_put`` of each batch.
-* ``minishard_lean_data``: a candidate change to ``fit``: the same loop, but
-  each batch placed with ``jax.device_put`` and without the ``mask`` field,
-  which the training step never reads;
 * ``pipeline`` / ``pipeline_handwritten``: each loop's input path alone
   (gather + placing the arrays + wait): is data the limit, and how much of the
   difference between the loops is the data path?
@@ -45,13 +42,14 @@ from jax.sharding import PartitionSpec as P
 
 import minishard as ms
 from minishard.data import Dataset, mnist, to_global
+from minishard.train import fit, make_train_step
 
 SIZES = [784, 512, 10]
 BATCH = 128
 LR, DECAY_RATE, DECAY_STEPS, MOMENTUM = 0.2, 0.7, 1000, 0.9
 MESH = {"data": 2, "model": 4}
 RULES = {"batch": "data", "embed": None, "mlp": "model", "classes": None}  # the CLI's defaults
-LEAN_FIELDS = ("image", "label")
+TRAIN_FIELDS = ("image", "label")  # what fit places: the training step never reads "mask"
 CHUNK = 20  # batches per turn: the loops take turns every CHUNK steps, so load hits both alike
 
 
@@ -66,16 +64,8 @@ def load_train(examples: int | None) -> Dataset:
 # --- minishard: the loop fit runs ------------------------------------------------
 
 
-def minishard_loop(mesh: Any, rules: Any, model: Any, lean: bool = False) -> Callable[[Iterator[Any]], float]:
-    """A function running fit's inner loop over some batches; returns the summed loss.
-
-    ``lean=True`` is a candidate change to ``fit``, measured here: place only
-    the fields the training step reads (``image``, ``label``; training
-    batches have no padding, so ``mask`` is all ones) with ``jax.device_put``,
-    which on one process gives the same arrays as ``to_global``.
-    """
-    from minishard.train import make_train_step
-
+def minishard_loop(mesh: Any, rules: Any, model: Any) -> Callable[[Iterator[Any]], float]:
+    """A function running fit's inner loop over some batches; returns the summed loss."""
     optimizer = ms.SGD(ms.exponential_decay(LR, DECAY_RATE, DECAY_STEPS), momentum=MOMENTUM)
     sharded = ms.Sharded(mesh, rules, donate_argnums=(0, 1))
     step = sharded(make_train_step(optimizer))
@@ -85,10 +75,7 @@ def minishard_loop(mesh: Any, rules: Any, model: Any, lean: bool = False) -> Cal
     def run(batches: Iterator[Any]) -> float:
         sums = [0.0, 0.0]
         for batch in batches:
-            if lean:
-                global_batch = jax.device_put({k: batch[k] for k in LEAN_FIELDS}, sharded.batch_sharding)
-            else:
-                global_batch = to_global(batch, sharded.batch_sharding)
+            global_batch = to_global(batch, sharded.batch_sharding, TRAIN_FIELDS)
             state["model"], state["opt"], loss, acc = step(state["model"], state["opt"], global_batch)
             loss_value = float(loss)  # waits for the step
             if not math.isfinite(loss_value):
@@ -166,7 +153,7 @@ def pipeline_loop(sharding: NamedSharding, handwritten: bool = False) -> Callabl
             if handwritten:
                 placed = jax.device_put([batch["image"], batch["label"]], sharding)
             else:
-                placed = to_global(batch, sharding)
+                placed = to_global(batch, sharding, TRAIN_FIELDS)
             jax.block_until_ready(placed)
         return 0.0
 
@@ -191,14 +178,13 @@ def bench_epoch(examples: int | None, rounds: int, run_fit: bool = True) -> dict
     loops = {
         "minishard": minishard_loop(mesh, rules, model),
         "handwritten": hand_loop(mesh, params),
-        "minishard_lean_data": minishard_loop(mesh, rules, model, lean=True),
         "pipeline": pipeline_loop(NamedSharding(mesh, P("data"))),
         "pipeline_handwritten": pipeline_loop(NamedSharding(mesh, P("data")), handwritten=True),
     }
     # Same start, same batches: the first steps' losses must agree (and this compiles both).
     start = max(data.steps_per_epoch - 3, 0)
     first = {name: loops[name](data.epoch(0, start_batch=start)) for name in loops}
-    if not np.allclose([first["minishard"], first["minishard_lean_data"]], first["handwritten"], rtol=1e-4):
+    if not np.isclose(first["minishard"], first["handwritten"], rtol=1e-4):
         raise AssertionError(f"the two loops compute different losses: {first}")
 
     seconds: dict[str, list[float]] = {name: [] for name in loops}
@@ -219,10 +205,7 @@ def bench_epoch(examples: int | None, rounds: int, run_fit: bool = True) -> dict
 
     images = data.steps_per_epoch * BATCH
 
-    def ratio_to_handwritten(name: str) -> Stat:
-        return Stat.of([m / h for m, h in zip(seconds[name], seconds["handwritten"])])
-
-    ratio = ratio_to_handwritten("minishard")
+    ratio = Stat.of([m / h for m, h in zip(seconds["minishard"], seconds["handwritten"])])
     pipeline_rate = Stat.of([images / s for s in seconds["pipeline"]])
     step_rate = Stat.of([images / (m - p) for m, p in zip(seconds["minishard"], seconds["pipeline"])])
     fraction = Stat.of([p / m for m, p in zip(seconds["minishard"], seconds["pipeline"])])
@@ -230,7 +213,6 @@ def bench_epoch(examples: int | None, rounds: int, run_fit: bool = True) -> dict
         "steps_per_epoch": data.steps_per_epoch,
         "examples": data.num_examples,
         "epoch_ratio": ratio.as_json(),
-        "lean_data_epoch_ratio": ratio_to_handwritten("minishard_lean_data").as_json(),
         "data_path_diff_s": Stat.of(
             [a - b for a, b in zip(seconds["pipeline"], seconds["pipeline_handwritten"])]
         ).as_json(3),
@@ -253,8 +235,6 @@ def bench_epoch(examples: int | None, rounds: int, run_fit: bool = True) -> dict
 
 def check_fit(model: Any, mesh: Any, rules: Any, data: Dataset, out: dict[str, Any]) -> dict[str, Any]:
     """``fit`` itself, one epoch from the same start: same losses as our loop's first epoch?"""
-    from minishard.train import fit
-
     optimizer = ms.SGD(ms.exponential_decay(LR, DECAY_RATE, DECAY_STEPS), momentum=MOMENTUM)
     fresh = minishard_loop(mesh, rules, model)
     loop_loss = fresh(data.epoch(0)) / data.steps_per_epoch

@@ -145,8 +145,7 @@ def epoch_table(doc: dict[str, Any]) -> str:
     rows = [
         ["epoch time, minishard / hand-written", stat(doc.get("epoch_ratio"))],
         ["epoch time difference, s", stat(e["diff_s"])],
-        ["of which the data path (`to_global`, 3 fields vs `device_put`, 2), s", stat(e["data_path_diff_s"])],
-        ["candidate `fit` change (device_put, no mask) / hand-written", stat(e["lean_data_epoch_ratio"])],
+        ["of which the data path (`to_global` vs `device_put`, 2 fields), s", stat(e["data_path_diff_s"])],
         ["steps per epoch (examples)", f"{e['steps_per_epoch']} ({e['examples']:,})"],
         ["mean loss, minishard / hand-written", " / ".join(str(e["mean_loss"].get(n)) for n in LOOPS)],
         ["input pipeline, images/s (gather + `to_global`)", stat(pipe["images_per_s"], ",.0f")],
@@ -207,7 +206,8 @@ def render(doc: dict[str, Any], chart: str | None = None) -> str:
         "### 4. `Sharded` vs a hand-written `jax.jit`, 8 simulated devices\n\n" + parallel_table(doc),
         "### 5. MNIST epoch and input pipeline\n\n" + epoch_table(doc),
         "### 6. Physical reference\n\n" + roofline_table(doc),
-        "### 7. Variants of minishard (dispatch-bound step, paired with `raw`)\n\n" + variants_table(doc),
+        "### 7. Where the remaining per-call cost sits: minishard against bounds "
+        "(dispatch-bound step, paired with `raw`)\n\n" + variants_table(doc),
     ]
     return "\n\n".join(parts) + "\n"
 

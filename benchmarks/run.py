@@ -11,7 +11,7 @@ Seven sections, each a module of this folder (``python benchmarks/run.py --help`
    devices (data, Megatron, 2-D, FSDP), with collectives and their analytic minimum;
 5. ``epoch``: an MNIST epoch vs a hand-written plain-JAX loop, and the input pipeline;
 6. ``roofline``: GFLOP/s of a 1024² matmul, and the seed step's fraction of it;
-7. ``variants``: candidate speed-ups for minishard, measured in the same harness.
+7. ``variants``: where minishard's remaining per-call cost sits, against bounds it cannot adopt.
 
 Every comparison uses the method of ``harness.py``: interleaved contenders
 in rotating order, paired ratios, medians over rounds with their range, an A/A

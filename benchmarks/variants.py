@@ -1,30 +1,24 @@
-"""Section 7: what would make minishard cheaper per call? Throw-away variants, measured in the same harness.
+"""Section 7: where minishard's remaining per-call cost sits. Bounds, measured in the same harness.
 
-minishard's per-call cost over raw JAX has two sources, and each gets
-variants here, built *outside* ``minishard/`` (subclasses and re-registered
-copies of its classes) so the lead can apply the winner as a small diff:
+minishard's per-call cost over raw JAX has two sources. Each is measured here
+against a *bound*: a variant built outside ``minishard/`` that removes the
+cost in a way minishard cannot adopt, so the gap says how much is left to win.
 
 * **Layer pytrees** (``minishard_jit`` pays them): ``jax.jit`` calls a
   Layer's ``tree_flatten`` for every Layer of every argument and its
-  ``tree_unflatten`` for every Layer of every result, on every call. A list
-  of tuples costs nothing comparable: C++ flattens it with no Python at all.
+  ``tree_unflatten`` for every Layer of every result, on every call.
 
-  - ``layers_current``: the code as it is (two list comprehensions; two
-    ``dict.update(zip(...))``; registered with ``register_pytree_with_keys_class``);
-  - ``layers_itemgetter``: flatten with per-class ``operator.itemgetter``s
-    (C code, no Python loop), unflatten with one ``dict.update``;
+  - ``layers``: the code as it is (per-class ``operator.itemgetter``s, one
+    ``dict.update``);
   - ``layers_dataclass_bound``: ``jax.tree_util.register_dataclass`` (C++
     flatten). Its unflatten *calls* ``cls(**fields)``, i.e. ``__init__``,
-    which minishard forbids; shown only as a bound on what C++ flattening buys.
+    which minishard forbids (JAX unflattens with placeholder leaves, where
+    ``__init__``'s checks would be wrong): a bound on what C++ buys.
 
-* **Sharded's prelude** (``minishard_sharded`` pays it on top): it flattens the
-  arguments to build its cache key, then calls a ``jax.jit`` that flattens
-  them again.
+* **Sharded's prelude** (``minishard_sharded`` pays it on top): one flatten of
+  the arguments, a dict lookup of their structure, the ranks of the batch leaves.
 
-  - ``sharded_current``: the code as it is;
-  - ``sharded_flat``: flatten once; the cached ``jax.jit`` takes the *leaves*
-    (its function unflattens them inside the trace), so JAX's own flatten sees
-    only arrays; the key and the shardings are the same;
+  - ``sharded``: the code as it is;
   - ``sharded_floor``: call the cached jit with no key at all. Unsound (a
     scalar arriving where an array was would be mis-sharded): the floor.
 
@@ -35,7 +29,6 @@ All run the dispatch-bound training step, interleaved and paired with
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -48,33 +41,6 @@ from jax.sharding import NamedSharding
 import minishard as ms
 
 # --- Layer variants ------------------------------------------------------------------
-
-
-def fields_getter(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
-    """``fields -> tuple(fields[name] for name in names)``, in C where possible."""
-    if len(names) == 1:  # itemgetter of one name returns the bare value, not a 1-tuple
-        name = names[0]
-        return lambda fields: (fields[name],)
-    return operator.itemgetter(*names) if names else lambda fields: ()
-
-
-def register_itemgetter(cls: type) -> None:
-    """The proposal for ``Layer``: same methods and protocol, cheaper bodies."""
-    params, static = fields_getter(cls.param_fields), fields_getter(cls.static_fields)  # type: ignore[attr-defined]
-    names = cls.param_fields + cls.static_fields  # type: ignore[attr-defined]
-
-    def tree_flatten(self: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        fields = self.__dict__
-        return params(fields), static(fields)
-
-    def tree_unflatten(cls: type, aux_data: tuple[Any, ...], children: Any) -> Any:
-        layer = object.__new__(cls)
-        layer.__dict__.update(zip(names, (*children, *aux_data)))
-        return layer
-
-    cls.tree_flatten = tree_flatten  # type: ignore[attr-defined]
-    cls.tree_unflatten = classmethod(tree_unflatten)  # type: ignore[attr-defined]
-    jax.tree_util.register_pytree_with_keys_class(cls)
 
 
 def register_dataclass_bound(cls: type) -> None:
@@ -122,58 +88,6 @@ def convert(node: Any, classes: dict[type, type]) -> Any:
 # --- Sharded variants ------------------------------------------------------------------
 
 
-def outside_layers(args: Any) -> tuple[int, ...]:
-    """Positions (in the flat leaves) of the leaves outside Layers: the batch leaves."""
-    positions, index = [], 0
-    for node in jax.tree_util.tree_leaves(args, is_leaf=lambda n: isinstance(n, ms.Layer)):
-        if isinstance(node, ms.Layer):
-            index += len(jax.tree_util.tree_leaves(node))
-        else:
-            positions.append(index)
-            index += 1
-    return tuple(positions)
-
-
-class FlatSharded:
-    """``Sharded`` that flattens once: the cache key needs the leaves anyway, so jit gets the leaves.
-
-    The proposal for ``ShardedFunction``: same key, same shardings, same
-    program; only the cached ``jax.jit`` now takes the flat leaves and its
-    function unflattens them inside the trace (free: tracing happens once).
-    """
-
-    def __init__(self, sharded: Any) -> None:
-        self.sharded = sharded  # the ShardedFunction: its specs() derive the shardings
-        self._outside: dict[Any, tuple[int, ...]] = {}
-        self._cache: dict[Any, Any] = {}
-
-    def __call__(self, *args: Any) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        outside = self._outside.get(treedef)
-        if outside is None:
-            outside = self._outside[treedef] = outside_layers(args)
-        key = (treedef, *[getattr(leaves[i], "ndim", 0) == 0 for i in outside])
-        jitted = self._cache.get(key)
-        if jitted is None:
-            jitted = self._cache[key] = self._build(args, treedef)
-        return jitted(*leaves)
-
-    def _build(self, args: tuple[Any, ...], treedef: Any) -> Any:
-        specs, mesh = self.sharded.specs(*args), self.sharded.config.mesh
-        fn = self.sharded.fn
-
-        def on_leaves(*leaves: Any) -> Any:  # traced once per key: rebuilding the trees here is free
-            return fn(*jax.tree_util.tree_unflatten(treedef, leaves))
-
-        on_leaves.__name__ = on_leaves.__qualname__ = getattr(fn, "__name__", "on_leaves")
-
-        return jax.jit(
-            on_leaves,
-            in_shardings=[NamedSharding(mesh, spec) for spec in jax.tree_util.tree_leaves(specs.inputs)],
-            out_shardings=jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs.outputs),
-        )
-
-
 class FloorSharded:
     """The cached jit called with no key (unsound): what any prelude must be compared with."""
 
@@ -209,7 +123,6 @@ def minishard_stepper(
 def bench_variants(problem: Problem, rounds: int, iters: int, warmup: int, number: int) -> dict[str, Any]:
     mesh, rules = one_device_mesh()
     current = minishard_model(problem)
-    itemgetter = convert(current, variant_classes("Itemgetter", register_itemgetter))
     bound = convert(current, variant_classes("Dataclass", register_dataclass_bound))
 
     def shard(tree: Any) -> Any:
@@ -223,22 +136,17 @@ def bench_variants(problem: Problem, rounds: int, iters: int, warmup: int, numbe
 
     steps = {
         "raw": make_raw(problem).step,
-        "layers_current": minishard_stepper(current, jax.jit, plain, problem),
-        "layers_itemgetter": minishard_stepper(itemgetter, jax.jit, plain, problem),
+        "layers": minishard_stepper(current, jax.jit, plain, problem),
         "layers_dataclass_bound": minishard_stepper(bound, jax.jit, plain, problem),
-        "sharded_current": minishard_stepper(current, sharded(), shard, problem),
-        "sharded_flat": minishard_stepper(current, lambda f: FlatSharded(sharded()(f)), shard, problem),
+        "sharded": minishard_stepper(current, sharded(), shard, problem),
         "sharded_floor": minishard_stepper(current, lambda f: FloorSharded(sharded()(f)), shard, problem),
-        "sharded_flat+layers_itemgetter": minishard_stepper(
-            itemgetter, lambda f: FlatSharded(sharded()(f)), shard, problem
-        ),
     }
     losses = {name: float(step()) for name, step in steps.items()}
     if max(losses.values()) - min(losses.values()) > 1e-5 * abs(losses["raw"]):
         raise AssertionError(f"variants compute different losses: {losses}")
     host, blocked = compare_blocked(steps, "raw", rounds, iters, warmup)
 
-    trees = {"layers_current": current, "layers_itemgetter": itemgetter, "layers_dataclass_bound": bound}
+    trees = {"layers": current, "layers_dataclass_bound": bound}
     raw_tree = [(jnp.asarray(w), jnp.asarray(b)) for w, b in problem.params]
     round_trips = {"raw": raw_tree, **trees}
 

@@ -134,8 +134,8 @@ def to_global(
     single logical array, e.g. ``NamedSharding(mesh, P("data"))``.
     """
     chosen = batch if fields is None else {key: batch[key] for key in fields}
-    if jax.process_count() == 1:  # the same array, without the multi-process bookkeeping
-        return {key: jax.device_put(value, sharding) for key, value in chosen.items()}
+    if jax.process_count() == 1:  # the same arrays, without the multi-process bookkeeping
+        return jax.device_put(dict(chosen), sharding)  # one call places every field
     return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in chosen.items()}
 
 

@@ -94,7 +94,7 @@ def test_tiny_run_writes_every_promised_key_and_renders(tmp_path):
         if style != "fsdp":  # XLA:CPU all-reduces FSDP gradients instead of reduce-scattering them
             assert collectives["bytes"] == collectives["analytic_bytes"], style
     assert set(doc["matmul_fraction"]) == {"raw", "minishard_sharded"}
-    assert "sharded_flat" in doc["variants"]["host_ratio"]
+    assert {"layers", "sharded_floor"} <= set(doc["variants"]["host_ratio"])
 
     chart = tmp_path / "chart.png"
     done = subprocess.run(
