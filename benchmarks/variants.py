@@ -16,7 +16,8 @@ cost in a way minishard cannot adopt, so the gap says how much is left to win.
     ``__init__``'s checks would be wrong): a bound on what C++ buys.
 
 * **Sharded's prelude** (``minishard_sharded`` pays it on top): one flatten of
-  the arguments, a dict lookup of their structure, the ranks of the batch leaves.
+  the arguments, two dict lookups (their structure, then the ranks of the
+  batch leaves).
 
   - ``sharded``: the code as it is;
   - ``sharded_floor``: call the cached jit with no key at all. Unsound (a

@@ -14,12 +14,12 @@ gets three things wrong at scale:
   resumes on ``data=8`` or on one device.
 
 A checkpoint ``<step>/`` holds three items: ``state``, every array of the model
-and optimizer state (its step counter, its velocities) under its readable path
+and optimizer state (its velocities; its step counter, with a schedule) under its readable path
 such as ``model.layers[0].weight``; ``meta``, a JSON dict with the position in
 the data (epoch, batch, shuffle seed) and the history; and ``integrity``, a
 CRC32 of every array, so that a flipped bit on disk is caught at restore. The
-pytree structure (Layer classes, a ``None`` velocity) is not stored: it comes
-from the target.
+pytree structure (Layer classes, a ``None`` velocity or step) is not stored: it
+comes from the target.
 
 Three more promises, each checked by a test:
 
@@ -56,7 +56,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from minishard.tree import named_leaves
+from minishard.optim import SGDState
+from minishard.tree import named_leaves, path_str
 
 
 class CheckpointError(RuntimeError):
@@ -189,7 +190,8 @@ class Checkpointer:
 
     def _load(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         named = _named(target)
-        stored_as, unread = self._check_fits(step, named)  # target name -> the name it was saved under
+        # target name -> the name it was saved under; stored step counters the target does not keep
+        stored_as, unread = self._check_fits(step, named, _steps_not_kept(target))
         abstract = {
             stored_as[name]: jax.ShapeDtypeStruct(
                 leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None)
@@ -207,13 +209,17 @@ class Checkpointer:
         # The structure comes from the target, not from the disk.
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), arrays), restored["meta"]
 
-    def _check_fits(self, step: int, named: list[tuple[str, Any]]) -> tuple[dict[str, str], list[str]]:
+    def _check_fits(
+        self, step: int, named: list[tuple[str, Any]], droppable: set[str]
+    ) -> tuple[dict[str, str], list[str]]:
         """Compare the target's arrays with the stored ones, by name and shape, before reading data.
 
         A different model (other ``--layers``, momentum on or off) is the user's mistake, not
         corruption: say which arrays differ instead of falling back through every checkpoint.
         Returns, per target name, the name it is stored under (older names are accepted), and
-        the stored step counters this run's optimizer does not keep.
+        the stored step counters this run's optimizer does not keep (``droppable``: a schedule's
+        run resumed at a constant learning rate, or a checkpoint of an earlier minishard, whose
+        constant-rate SGD counted steps it never read).
         """
         try:
             stored = dict(self._manager.item_metadata(step)["state"])
@@ -224,7 +230,7 @@ class Checkpointer:
         stored_as = {name: _older_name(name) if _older_name(name) in stored else name for name, _ in named}
         wanted = {stored_as[name]: _shape_dtype(leaf) for name, leaf in named}
         have = {name: _shape_dtype(meta) for name, meta in stored.items()}
-        unread = sorted(name for name in have.keys() - wanted.keys() if _is_unread_step(name, have[name]))
+        unread = sorted(name for name in droppable & have.keys() if have[name] == "() int32")
         have = {name: meta for name, meta in have.items() if name not in unread}
         differences = [
             f"{name}: checkpoint {have.get(name, 'has none')}, target {wanted.get(name, 'has none')}"
@@ -234,7 +240,8 @@ class Checkpointer:
         if differences:
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} holds other arrays than the state to restore "
-                "into (another model or optimizer?):\n  " + "\n  ".join(differences[:10])
+                "into (another model, or momentum or a learning-rate schedule switched on or off?):\n  "
+                + "\n  ".join(differences[:10])
             )
         if unread:
             self.log(f"not restoring {', '.join(unread)}: this run's optimizer keeps no step counter")
@@ -323,10 +330,14 @@ def _named(tree: Any) -> list[tuple[str, Any]]:
     return named
 
 
-def _is_unread_step(name: str, shape_dtype: str) -> bool:
-    """An SGD step counter the target does not keep: a schedule's run resumed at a constant
-    learning rate, or a checkpoint of an earlier minishard, whose SGD counted steps it never read."""
-    return (name == "step" or name.endswith(".step")) and shape_dtype == "() int32"
+def _steps_not_kept(target: Any) -> set[str]:
+    """``X.step`` for every ``SGDState`` ``X`` in the target that keeps no step counter."""
+    states, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda node: isinstance(node, SGDState))
+    return {
+        path_str((*path, jax.tree_util.GetAttrKey("step")))
+        for path, node in states
+        if isinstance(node, SGDState) and node.step is None
+    }
 
 
 def _older_name(name: str) -> str:

@@ -135,7 +135,7 @@ def to_global(
     """
     chosen = batch if fields is None else {key: batch[key] for key in fields}
     if jax.process_count() == 1:  # the same arrays, without the multi-process bookkeeping
-        return jax.device_put(dict(chosen), sharding)  # one call places every field
+        return jax.device_put(chosen, sharding)  # one call places every field
     return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in chosen.items()}
 
 

@@ -162,7 +162,7 @@ class SGD:
                 )
             lr, step = self.learning_rate(state.step), state.step + 1
         else:
-            lr, step = self.learning_rate, None
+            lr, step = self.learning_rate, None if state.step is None else state.step + 1  # keep its shape
         velocity = grads
         if self.momentum:
             velocity = jax.tree_util.tree_map(lambda g, v: g + self.momentum * v, grads, state.velocity)

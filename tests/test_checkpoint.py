@@ -290,6 +290,13 @@ def test_a_step_counter_the_optimizer_no_longer_keeps_is_skipped_and_said(tmp_pa
     assert lines == ["not restoring opt_state.step: this run's optimizer keeps no step counter"]
 
 
+def test_a_scalar_named_step_outside_an_optimizer_state_is_still_refused(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(3), "step": jnp.asarray(4, jnp.int32)}, {})
+        with pytest.raises(CheckpointError, match=r"step: checkpoint \(\) int32, target has none"):
+            ckpt.restore({"w": jnp.zeros(3)})
+
+
 # -- faults: a flipped bit, a failed write, a second trainer ---------------------------
 def flip_16_bytes_of_the_biggest_file(step_dir: Path) -> None:
     biggest = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)

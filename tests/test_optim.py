@@ -126,6 +126,15 @@ def test_sgd_state_is_a_pytree_shaped_like_the_params():
     assert SGD(0.1).init(params) == minishard.SGDState(step=None, velocity=None)  # no array to carry
 
 
+def test_a_constant_rate_keeps_a_step_counter_it_was_given():
+    # The state's structure must not change across update (scan carries, Sharded's cache).
+    params = {"w": jnp.ones(2)}
+    state = SGD(exponential_decay(0.1, 0.5, 10)).init(params)
+    _, new_state = SGD(0.1).update(params, params, state)
+    assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(state)
+    assert int(new_state.step) == 1
+
+
 def test_a_schedule_refuses_a_state_without_its_step():
     params = {"w": jnp.ones(2)}
     constant_state = SGD(0.1).init(params)
