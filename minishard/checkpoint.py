@@ -198,7 +198,8 @@ class Checkpointer:
             )
             for name, leaf in named
         }
-        abstract |= {name: jax.ShapeDtypeStruct((), np.int32) for name in unread}  # orbax reads all, or none
+        # orbax reads every stored array or none: read the unneeded counters too, replicated.
+        abstract |= {name: jax.ShapeDtypeStruct((), np.int32, sharding=_replicated(named)) for name in unread}
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         if (self.directory / str(step) / "integrity").exists():  # older checkpoints have none
             items["integrity"] = ocp.args.JsonRestore()
@@ -328,6 +329,17 @@ def _named(tree: Any) -> list[tuple[str, Any]]:
     if len({name for name, _ in named}) < len(named):  # cannot happen with minishard's paths; checked anyway
         raise CheckpointError(f"two leaves of the state share a name: {sorted(n for n, _ in named)}")
     return named
+
+
+def _replicated(named: list[tuple[str, Any]]) -> jax.sharding.Sharding:
+    """A sharding that puts a whole scalar on the devices the target uses (a mesh, or one device)."""
+    for _, leaf in named:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        if sharding is not None:
+            return sharding
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
 def _steps_not_kept(target: Any) -> set[str]:
