@@ -144,7 +144,14 @@ def test_printed_output_is_compared_with_the_comment_below_it(tmp_path, capsys):
         run_page(page)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
+SLOW_PAGES = {"sharding.md", "training.md", "then-and-now.md"}  # over 5 s each
+
+
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(page, marks=[pytest.mark.slow] if page.name in SLOW_PAGES else []) for page in PAGES],
+    ids=[page.name for page in PAGES],
+)
 def test_page_runs(page, tmp_path, monkeypatch):
     if missing := missing_env(page.read_text()):
         pytest.skip(f"{page.name} needs {', '.join(missing)} set")

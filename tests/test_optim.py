@@ -107,6 +107,7 @@ def test_sgd_matches_optax_on_trees_of_arrays(params, lr, momentum, seed):
     assert_sgd_matches_optax(lr, momentum, params, lambda _, step: grads[step], steps=4)
 
 
+@pytest.mark.slow  # over 5 s
 @given(sizes=mlp_sizes(), lr=learning_rates, momentum=momenta, seed=seeds)
 def test_sgd_matches_optax_on_models_under_jit(sizes, lr, momentum, seed):
     model = mlp(sizes, key=jax.random.key(seed), scale=1.0)

@@ -68,6 +68,7 @@ def test_resume_refuses_a_run_that_deals_the_data_out_differently(tmp_path, chan
             log=lambda line: None, **MESH_RULES)  # fmt: skip
 
 
+@pytest.mark.slow  # over 5 s
 def test_a_diverging_run_never_saves_non_finite_state_and_resumes_from_the_last_good_one(tmp_path):
     # Update 5 (the 6th) gets an infinite learning rate: its loss, computed before the update, is
     # still finite, but the parameters it produces are not. That state must never reach the disk.
@@ -103,6 +104,7 @@ def test_resume_with_another_activation_names_both_models(tmp_path):
         fit(relu, ms.SGD(0.1), tiny_data(), epochs=2, checkpoint_dir=tmp_path, resume=True, **MESH_RULES)
 
 
+@pytest.mark.slow  # over 5 s
 def test_impossible_metadata_is_corrupt_and_falls_back(tmp_path):
     fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=tmp_path, checkpoint_every=2,
         log=print, **MESH_RULES)  # fmt: skip
@@ -253,6 +255,7 @@ def test_a_trainer_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_
 
 
 @needs_mnist
+@pytest.mark.slow  # over 5 s
 def test_resume_falls_back_past_a_corrupted_checkpoint_and_says_so(small_train, tmp_path):
     run = {
         "mesh": ms.make_mesh({"data": 8}),
@@ -312,6 +315,7 @@ def test_an_unusable_compilation_cache_is_a_warning_not_a_crash(tmp_path):
     assert lines[0].startswith(f"warning: the compilation cache {tmp_path / 'file'} is not usable")
 
 
+@pytest.mark.slow  # over 5 s
 def test_remat_gives_the_same_gradients_and_recomputes_each_block():
     # What remat trades: memory for a second forward pass through each block in the backward
     # pass. The recomputation is visible in the compiled program: more matmuls. (XLA:CPU's

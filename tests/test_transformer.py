@@ -142,6 +142,7 @@ def loss_and_grads(model, batch):
     return jax.value_and_grad(loss_fn)(model)
 
 
+@pytest.mark.slow  # over 5 s
 def test_remat_recomputes_the_blocks_without_changing_the_numbers():
     model, batch = small_vit(), small_batch()
     remat = model.replace(remat=True)
@@ -166,6 +167,7 @@ def forward(model, images):  # module level: jit caches compiled code per functi
 sgd_step = make_train_step(ms.SGD(0.1))
 
 
+@pytest.mark.slow  # over 5 s
 @settings(max_examples=5)
 @given(st.data())
 def test_sharded_vit_forward_and_sgd_step_equal_the_unsharded_ones(data):
