@@ -167,8 +167,8 @@ class Layer:
 def _field_reader(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     """``fields -> (fields[names[0]], fields[names[1]], ...)``, read by C code (``operator.itemgetter``).
 
-    About half the time of a comprehension (the benchmarks' model round trip: 10.4 -> 7.5 µs),
-    which matters at one call per Layer per jit call.
+    A flatten takes about half the time a comprehension does (the benchmarks' model, flatten
+    and unflatten: 10.4 -> 7.5 µs), which matters at one call per Layer per jit call.
     """
     if len(names) == 1:  # itemgetter of one name returns the bare value, not a 1-tuple
         (name,) = names
