@@ -14,12 +14,12 @@ gets three things wrong at scale:
   resumes on ``data=8`` or on one device.
 
 A checkpoint ``<step>/`` holds three items: ``state``, every array of the model
-and optimizer state (its velocities; its step counter, with a schedule) under its readable path
-such as ``model.layers[0].weight``; ``meta``, a JSON dict with the position in
-the data (epoch, batch, shuffle seed) and the history; and ``integrity``, a
-CRC32 of every array, so that a flipped bit on disk is caught at restore. The
-pytree structure (Layer classes, a ``None`` velocity or step) is not stored: it
-comes from the target.
+and optimizer state (velocities; a step counter, with a schedule) under its
+readable path such as ``model.layers[0].weight``; ``meta``, a JSON dict with
+the position in the data (epoch, batch, shuffle seed) and the history; and
+``integrity``, a CRC32 of every array, so that a flipped bit on disk is caught
+at restore. The pytree structure (Layer classes, a ``None`` velocity or step)
+is not stored: it comes from the target.
 
 Three more promises, each checked by a test:
 

@@ -13,10 +13,11 @@ every minishard ``Layer`` tells JAX two things about itself:
   structure to look up compiled code, so static data must be hashable, and
   changing it compiles anew while changing only parameter values never does.
 
-``tree_flatten`` / ``tree_unflatten`` below are the whole mechanism: two
-short methods, run for every Layer on every jit call, so they are kept lean. ``Layer.__init_subclass__`` hands
-every subclass to ``jax.tree_util.register_pytree_with_keys_class``, so a user's
-own layer is a pytree the moment its class statement runs.
+``tree_flatten`` / ``tree_unflatten`` below are the whole mechanism: two short
+methods, run for every Layer on every jit call, so they are kept lean.
+``Layer.__init_subclass__`` hands every subclass to
+``jax.tree_util.register_pytree_with_keys_class``, so a user's own layer is a
+pytree the moment its class statement runs.
 
 A built layer is **immutable**, as in Equinox: ``layer.weight = ...`` raises,
 and ``layer.replace(weight=...)`` returns a changed copy. Mutating a pytree in

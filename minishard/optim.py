@@ -161,8 +161,8 @@ class SGD:
                     "make the state with the same SGD's init"
                 )
             lr, step = self.learning_rate(state.step), state.step + 1
-        else:
-            lr, step = self.learning_rate, None if state.step is None else state.step + 1  # keep its shape
+        else:  # a step counter given is kept counting: the state leaves with the structure it came in
+            lr, step = self.learning_rate, None if state.step is None else state.step + 1
         velocity = grads
         if self.momentum:
             velocity = jax.tree_util.tree_map(lambda g, v: g + self.momentum * v, grads, state.velocity)
