@@ -1,6 +1,6 @@
 """Your own Layer in a Vision Transformer, trained on a 2-D mesh.
 
-``minishard.transformer`` builds a ViT from Layers: ``PatchEmbedding``,
+``minishard.models.vit`` builds a ViT from Layers: ``PatchEmbedding``,
 ``Block`` (``LayerNorm``, ``Attention``, ``minishard.mlp``), ``MeanPool`` and a
 ``Linear`` head. This example writes one more Layer, an *attention pool* (a
 learned probe token that attends to all the image's tokens, the "MAP" head of
@@ -14,7 +14,7 @@ result Megatron-style on a data=2 x model=4 mesh:
 * ``vit_rules("2d")``: batch over "data", attention heads and MLP hidden units
   over "model". The pool's heads are split too, so ``explain`` counts one
   more forward and one more backward all-reduce over "model" than the blocks
-  alone (4 per block: see ``minishard/transformer.py``).
+  alone (4 per block: see ``minishard/models/vit.py``).
 
 The task is synthetic so the example runs anywhere in seconds: 16x16 images
 whose label is the brightest quadrant. Run: ``python examples/vit_2d_mesh.py``.
@@ -30,8 +30,8 @@ import numpy as np
 
 import minishard as ms
 from minishard.collectives import bytes_by_mesh_axes
-from minishard.train import make_train_step
-from minishard.transformer import Attention, ViT, vit_rules
+from minishard.models.vit import Attention, ViT, vit_rules
+from minishard.run.train import make_train_step
 
 IMAGE, CLASSES, BATCH = 16, 4, 64
 

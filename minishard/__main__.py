@@ -2,6 +2,6 @@
 
 import sys
 
-from minishard.cli import main
+from minishard.run.cli import main
 
 sys.exit(main())

@@ -11,11 +11,9 @@ model far too big for this machine (with ``jax.eval_shape`` for the model).
 from __future__ import annotations
 
 import dataclasses
-import html
-import io
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +41,8 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """What ``explain`` found. ``str(report)`` is a plain-text table; with ``rich``
-    installed, ``rich.print(report)`` (or a notebook cell) draws it as a rich table.
+    """What ``explain`` found. ``str(report)`` is a plain-text table (``minishard.run.render``
+    draws it as a rich table, as HTML, or as a picture of which devices hold each block).
 
     * ``rows``: one ``Row`` per array, in the tree's order;
     * ``total_bytes``: all arrays, unsharded; ``device_bytes``: what one device holds;
@@ -59,9 +57,17 @@ class Report:
     collectives: dict[str, Collective] | None = None
     step_name: str = "step"
 
-    _HEADER = ("path", "shape", "logical axes", "spec", "bytes", "per device", "bytes/device")
+    HEADER: ClassVar[tuple[str, ...]] = (
+        "path",
+        "shape",
+        "logical axes",
+        "spec",
+        "bytes",
+        "per device",
+        "bytes/device",
+    )
 
-    def _cells(self) -> list[tuple[str, ...]]:
+    def cells(self) -> list[tuple[str, ...]]:
         """The table's rows as strings, shared by the text and the rich renderings."""
         return [
             (
@@ -83,7 +89,7 @@ class Report:
             f"{human_bytes(self.device_bytes)} per device ({ratio:.1f}x less)"
         )
 
-    def _footer(self) -> list[str]:
+    def footer(self) -> list[str]:
         lines = [self._totals()]
         if self.collectives is not None:
             lines += [f"collectives of {self.step_name}:"]
@@ -92,34 +98,12 @@ class Report:
 
     def __str__(self) -> str:
         n_devices = math.prod(self.mesh.values())
-        table = [self._HEADER, *self._cells()]
-        widths = [max(len(row[i]) for row in table) for i in range(len(self._HEADER))]
+        table = [self.HEADER, *self.cells()]
+        widths = [max(len(row[i]) for row in table) for i in range(len(self.HEADER))]
         lines = [f"mesh {self.mesh} ({n_devices} devices)"]
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
         lines.insert(2, "  ".join("-" * w for w in widths))  # under the header
-        return "\n".join(lines + self._footer())
-
-    def __rich__(self) -> Any:
-        """A ``rich.table.Table``: rich calls this when printing the report."""
-        from rich.table import Table  # optional dependency: imported only when rich renders
-
-        table = Table(title=f"mesh {self.mesh}", caption="\n".join(self._footer()), caption_justify="left")
-        for header in self._HEADER:
-            numeric = header in ("bytes", "bytes/device")
-            table.add_column(header, justify="right" if numeric else "left", no_wrap=header == "path")
-        for cells in self._cells():
-            table.add_row(*cells)
-        return table
-
-    def _repr_html_(self) -> str:
-        """Notebooks: the rich table as HTML if rich is installed, else the text table."""
-        try:
-            from rich.console import Console
-        except ImportError:
-            return f"<pre>{html.escape(str(self))}</pre>"
-        console = Console(record=True, width=160, file=io.StringIO())
-        console.print(self)
-        return console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
+        return "\n".join(lines + self.footer())
 
 
 def explain(
@@ -190,68 +174,3 @@ def explain(
         collectives=found,
         step_name=getattr(getattr(step, "fn", step), "__name__", "step"),
     )
-
-
-def device_blocks(
-    mesh: dict[str, int], spec: jax.sharding.PartitionSpec, ndim: int
-) -> dict[tuple[int, ...], list[int]]:
-    """Which devices hold which block of an array: ``{block index: [device ids]}``.
-
-    Device ids are positions in the mesh (row-major over its axes). A dimension
-    split over mesh axes ``(a, b)`` is cut into ``|a| x |b|`` blocks, ``a``
-    major; a device holds the block its coordinates on those axes select.
-
-    >>> device_blocks({"data": 2, "model": 2}, jax.sharding.PartitionSpec(None, "model"), 2)
-    {(0, 0): [0, 2], (0, 1): [1, 3]}
-    """
-    names, sizes = list(mesh), list(mesh.values())
-    entries = (*spec, *[None] * (ndim - len(spec)))
-    blocks: dict[tuple[int, ...], list[int]] = {}
-    for device, coords in enumerate(np.ndindex(*sizes)):
-        index = []
-        for entry in entries:
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            block = 0
-            for axis in axes:  # mixed radix over the dimension's mesh axes, the first one major
-                block = block * mesh[axis] + coords[names.index(axis)]
-            index.append(block)
-        blocks.setdefault(tuple(index), []).append(device)
-    return dict(sorted(blocks.items()))
-
-
-def plot_report(report: Report, path: str, max_panels: int = 8) -> None:
-    """Draw, per parameter, the array cut into the blocks devices hold, each block labelled with them.
-
-    In the spirit of ``jax.debug.visualize_array_sharding``, for a whole model
-    at once (the first ``max_panels`` arrays). 1-D arrays are drawn as one row.
-    """
-    import matplotlib  # an optional extra: imported only to draw
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report.rows[:max_panels]
-    fig, axes = plt.subplots(1, len(rows), figsize=(2.6 * len(rows), 2.8), squeeze=False)
-    colors = plt.get_cmap("tab20")
-    for ax, row in zip(axes[0], rows):
-        shape = row.shape if len(row.shape) == 2 else (1, math.prod(row.shape))
-        blocks = device_blocks(report.mesh, row.spec if len(row.shape) == 2 else _flat_spec(row.spec), 2)
-        counts = [max(index[d] for index in blocks) + 1 for d in range(2)]
-        for (i, j), devices in blocks.items():
-            ax.add_patch(plt.Rectangle((j / counts[1], 1 - (i + 1) / counts[0]), 1 / counts[1], 1 / counts[0],
-                                       facecolor=colors(devices[0] % 20), edgecolor="white"))  # fmt: skip
-            label = ",".join(map(str, devices)) if len(devices) <= 4 else f"{devices[0]}..{devices[-1]}"
-            ax.text(
-                (j + 0.5) / counts[1], 1 - (i + 0.5) / counts[0], label, ha="center", va="center", fontsize=7
-            )
-        ax.set(xticks=[], yticks=[], title=f"{row.path}\n{shape} {row.spec}")
-        ax.title.set_fontsize(7)
-    fig.suptitle(f"mesh {report.mesh}: which devices hold each block", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _flat_spec(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:
-    """A 1-D array drawn as one row: its only dimension becomes the columns."""
-    return jax.sharding.PartitionSpec(None, *tuple(spec)[:1])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import minishard
-from minishard.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
+from minishard.run.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
 from minishard.sharding import named_shardings, partition_specs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ import sys
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from minishard import make_mesh
-from minishard.checkpoint import Checkpointer
+from minishard.run.checkpoint import Checkpointer
 
 put = lambda x: jax.device_put(x, NamedSharding(make_mesh({"data": 2, "model": 4}), P("data", "model")))
 ckpt = Checkpointer(sys.argv[1], log=lambda line: None)
@@ -341,7 +341,7 @@ def test_a_dtype_that_differs_is_refused_not_cast(tmp_path):
 FAILING_WRITE = """
 import resource, signal, sys
 import jax, jax.numpy as jnp
-from minishard.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
+from minishard.run.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
 with Checkpointer(sys.argv[1]) as ckpt:
     ckpt.save(1, {"w": jnp.ones(16)}, {})
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), nothing is killed
@@ -384,7 +384,7 @@ def test_a_second_trainer_is_refused_and_the_first_keeps_its_checkpoints(tmp_pat
 
 def test_the_lock_of_a_killed_trainer_is_taken_over_and_said(tmp_path):
     script = (
-        f"from minishard.checkpoint import Checkpointer; c = Checkpointer({str(tmp_path)!r}); "
+        f"from minishard.run.checkpoint import Checkpointer; c = Checkpointer({str(tmp_path)!r}); "
         "print('locked', flush=True); import time; time.sleep(60)"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -1,4 +1,4 @@
-"""minishard.cli: ``minishard train`` on the real (offline) MNIST, and its argument checks."""
+"""minishard.run.cli: ``minishard train`` on the real (offline) MNIST, and its argument checks."""
 
 import json
 import os
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from minishard.cli import main
+from minishard.run.cli import main
 
 needs_mnist = pytest.mark.skipif(
     not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "mnist")),
@@ -82,7 +82,7 @@ def test_a_bad_flag_is_one_error_line_before_any_work(flags, message, tmp_path, 
 
 
 def test_a_mesh_that_does_not_fit_the_devices_stops_before_data(capsys, monkeypatch):
-    monkeypatch.setattr("minishard.cli.DATASETS", {})  # loading any data would raise KeyError
+    monkeypatch.setattr("minishard.run.cli.DATASETS", {})  # loading any data would raise KeyError
     assert main(["train", "--mesh", "data=2,model=2", "--batch-size", "128"]) == 2
     assert "error: argument --mesh: data=2,model=2 needs 4 devices, there are 8" in capsys.readouterr().err
 
@@ -91,7 +91,7 @@ def test_library_errors_are_one_line_and_debug_shows_the_traceback(capsys, monke
     def broken(args):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr("minishard.cli.train", broken)
+    monkeypatch.setattr("minishard.run.cli.train", broken)
     assert main(["train"]) == 1
     assert (
         capsys.readouterr().err.strip() == "error: OSError: disk on fire (run with --debug for the traceback)"
@@ -107,7 +107,7 @@ def test_ctrl_c_says_which_checkpoint_is_the_latest(tmp_path, capsys, monkeypatc
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("minishard.cli.train", interrupted)
+    monkeypatch.setattr("minishard.run.cli.train", interrupted)
     assert main(["train", "--checkpoint-dir", str(tmp_path / "ckpt")]) == 130
     err = capsys.readouterr().err.strip()
     assert (

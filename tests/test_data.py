@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from minishard import data
+from minishard.run import data
 
 _TFDS_DIR = os.environ.get("TFDS_DATA_DIR", "")
 needs_mnist = pytest.mark.skipif(

@@ -16,9 +16,10 @@ from models import F32, MEGATRON, SIZES, example, train_step
 
 import minishard as ms
 from minishard.collectives import collectives, summary
-from minishard.data import DATASET_INFO
 from minishard.explain import Report, explain
 from minishard.rules import AxisRules
+from minishard.run.data import DATASET_INFO
+from minishard.run.render import report_html, rich_table
 from minishard.sharding import Sharded, make_mesh
 from minishard.tree import tree_bytes
 
@@ -92,11 +93,11 @@ def test_explain_renders_with_rich():
     args = model, *_ = example(axes=MEGATRON)
     report = explain(model, mesh, RULES_2D, step=train_step, args=args)
     console = Console(record=True, width=200)
-    console.print(report)
+    console.print(rich_table(report))
     text = console.export_text()
     assert "layers[0].weight" in text and "P(None, 'model')" in text and "(784, 128)" in text
     assert "all-reduce" in text and "per device" in text
-    assert "<table" in report._repr_html_() or "<pre" in report._repr_html_()
+    assert "<table" in report_html(report) or "<pre" in report_html(report)
 
 
 # -- cats vs dogs: planned, never allocated ------------------------------------------

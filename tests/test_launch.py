@@ -1,4 +1,4 @@
-"""``minishard launch`` and ``minishard.distributed``: 2 processes x 4 devices train exactly like 1 x 8.
+"""``minishard launch`` and ``minishard.run.distributed``: 2 processes x 4 devices train exactly like 1 x 8.
 
 The slow tests start real processes on 127.0.0.1 through the launcher:
 
@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 import minishard as ms
-from minishard import cli, distributed, launch
-from minishard.data import Dataset
+from minishard.run import cli, distributed, launch
+from minishard.run.data import Dataset
 from minishard.tree import named_leaves
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def logged_losses(path: Path) -> list[float]:
 
 def saved_state(directory: Path, step: int) -> dict[str, np.ndarray]:
     """The model and optimizer state of one checkpoint, restored into one device, by name."""
-    from minishard.checkpoint import Checkpointer
+    from minishard.run.checkpoint import Checkpointer
 
     model = ms.mlp([784, 32, 10], key=jax.random.key(0), axes=ms.megatron_axes(2))
     target = {"model": model, "opt_state": ms.SGD(0.1, momentum=0.9).init(model)}

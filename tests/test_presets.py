@@ -90,7 +90,7 @@ def test_constrain_is_a_no_op_outside_a_context_and_pins_the_layout_inside():
 
 
 def test_the_cli_takes_a_preset_and_lets_mesh_and_rules_override():
-    from minishard.cli import cli_rules, parse_args
+    from minishard.run.cli import cli_rules, parse_args
 
     args = parse_args(["train", "--parallel", "fsdp"])
     assert args.mesh == {"data": 8} and cli_rules(args, ["data"]).spec(("embed", "mlp")) == P("data", None)

@@ -1,4 +1,4 @@
-"""minishard.train: ``fit`` on a tiny synthetic dataset, then end to end on the real (offline) MNIST.
+"""minishard.run.train: ``fit`` on a tiny synthetic dataset, then end to end on the real (offline) MNIST.
 
 The first tests need no data: what ``fit`` promises beyond accuracy (it never
 deletes the caller's arrays, saves each step once, refuses to resume a
@@ -21,10 +21,10 @@ import pytest
 from strategies import assert_trees_equal
 
 import minishard as ms
-from minishard.checkpoint import Checkpointer
-from minishard.data import Dataset, mnist
-from minishard.train import NonFiniteLossError, ResumeError, enable_compilation_cache, fit
-from minishard.transformer import ViT, vit_rules
+from minishard.models.vit import ViT, vit_rules
+from minishard.run.checkpoint import Checkpointer
+from minishard.run.data import Dataset, mnist
+from minishard.run.train import NonFiniteLossError, ResumeError, enable_compilation_cache, fit
 
 needs_mnist = pytest.mark.skipif(
     not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "mnist")),
@@ -209,8 +209,8 @@ def test_non_finite_loss_stops_training_and_names_the_step(small_train):
 
 KILLED_TRAINER = """
 import jax, minishard as ms
-from minishard.data import mnist
-from minishard.train import fit
+from minishard.run.data import mnist
+from minishard.run.train import fit
 model = ms.mlp([784, 4096, 10], key=jax.random.key(0), axes=ms.megatron_axes(2))
 fit(model, ms.SGD(0.01, momentum=0.9), mnist("train[:1024]", 128), mesh=ms.make_mesh({"data": 2, "model": 4}),
     rules=ms.AxisRules(batch="data", embed=None, mlp="model", classes=None), epochs=2,
@@ -277,8 +277,8 @@ def test_resume_falls_back_past_a_corrupted_checkpoint_and_says_so(small_train, 
 # -- the compilation cache and remat ---------------------------------------------------
 CACHED_RUN = """
 import sys, jax, numpy as np, minishard as ms
-from minishard.data import Dataset
-from minishard.train import enable_compilation_cache, fit
+from minishard.run.data import Dataset
+from minishard.run.train import enable_compilation_cache, fit
 enable_compilation_cache(sys.argv[1])
 rng = np.random.default_rng(0)
 images = rng.integers(0, 256, (64, 2, 2, 1), dtype=np.uint8)

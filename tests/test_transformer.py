@@ -1,4 +1,4 @@
-"""The ViT of ``minishard.transformer``: each layer against a reference, then sharded == unsharded.
+"""The ViT of ``minishard.models.vit``: each layer against a reference, then sharded == unsharded.
 
 Models for the property test are built with ``jax.eval_shape`` and filled by
 numpy, as ``minishard.testing.mlps`` does: drawing with ``jax.random`` compiles
@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import minishard as ms
-import minishard.transformer as transformer
+import minishard.models.vit as transformer
 from minishard.collectives import bytes_by_mesh_axes
+from minishard.models.vit import PARALLELISMS, VIT_AXES, Attention, LayerNorm, PatchEmbedding, ViT, vit_rules
+from minishard.run.train import make_train_step
 from minishard.testing import assert_sharded_equivalent, meshes
-from minishard.train import make_train_step
-from minishard.transformer import PARALLELISMS, VIT_AXES, Attention, LayerNorm, PatchEmbedding, ViT, vit_rules
 
 # Fixed small sizes, so that every hypothesis example reuses the same compiled reference:
 # 8 heads and 32 hidden units split evenly over "model" = 8, a batch of 8 over "data" = 8.

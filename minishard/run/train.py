@@ -15,7 +15,7 @@ parameters.
 
 >>> import jax, numpy as np
 >>> from minishard import SGD, AxisRules, make_mesh, mlp
->>> from minishard.data import Dataset
+>>> from minishard.run.data import Dataset
 >>> images, labels = np.zeros((64, 2, 2, 1), np.uint8), np.zeros(64, np.int32)
 >>> data = Dataset(images, labels, batch_size=16)
 >>> model = mlp([4, 8, 2], key=jax.random.key(0))
@@ -42,14 +42,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from minishard.data import Batch, Dataset, to_global
 from minishard.losses import accuracy, cross_entropy, one_hot
 from minishard.optim import SGD
 from minishard.rules import AxisRules
+from minishard.run.data import Batch, Dataset, to_global
 from minishard.sharding import Sharded, shard
 
 try:  # orbax is an optional extra (minishard[checkpoint]): without it, fit trains but cannot checkpoint
-    from minishard import checkpoint
+    from minishard.run import checkpoint
 except ImportError:
     checkpoint = None  # type: ignore[assignment]
 

@@ -7,7 +7,7 @@ to it, and from then on ``jax.devices()`` lists the devices of *all* hosts,
 so one ``Mesh`` spans the cluster and one jitted step runs everywhere, with
 XLA's collectives crossing hosts. Nothing else in minishard changes: each
 process runs the same ``fit``, reads only its own rows of every global batch
-(``minishard.data.Dataset``), and writes its own shards of each checkpoint.
+(``minishard.run.data.Dataset``), and writes its own shards of each checkpoint.
 
 Three numbers define a process's place in the run; this module finds them,
 first match wins, field by field:

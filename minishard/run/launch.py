@@ -6,7 +6,7 @@ starts ``minishard train ...`` twice, as processes 0 and 1 of one run, each
 with 4 simulated CPU devices: together, the 8 devices of one ``data=2,model=4``
 mesh. On a real cluster a scheduler (``srun``, ``mpirun``, Kubernetes) starts
 one process per host; this launcher plays that part locally, so the
-multi-process code paths (``minishard.distributed``) run and are tested
+multi-process code paths (``minishard.run.distributed``) run and are tested
 without a cluster. After ``--`` comes a minishard command (``train ...``) or
 any program (``python my_script.py``).
 
@@ -14,7 +14,7 @@ What it does, and why each matters with N processes:
 
 * **Tells each process its place** through JAX's own variables,
   ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>``, ``JAX_NUM_PROCESSES``,
-  ``JAX_PROCESS_ID``, which ``minishard.distributed.initialize`` reads.
+  ``JAX_PROCESS_ID``, which ``minishard.run.distributed.initialize`` reads.
 * **Prefixes every line with its rank** (``[rank 1] ...``). Only process 0
   prints the run's progress, so the output reads like a single run.
 * **Fails fast.** The processes run in lockstep: when one dies, the others

@@ -58,7 +58,7 @@ parameters: 1/4 of the attention and MLP weights, all of the rest.
 
 Measured with ``minishard.explain`` (and checked by ``tests/test_transformer.py``)
 for the default ``ViT`` (28x28x1 images, patch 7: 16 tokens; width 64, depth 4,
-4 heads of 16, MLP 128) and ``minishard.train.make_train_step`` (momentum SGD)
+4 heads of 16, MLP 128) and ``minishard.run.train.make_train_step`` (momentum SGD)
 at batch 128 on data=2 x model=4 with ``vit_rules("2d")``::
 
     all-reduce  x17  4.4 MB  over ('data',), ('model',)

@@ -1,4 +1,4 @@
-"""``minishard train``: the command line over ``minishard.train.fit``.
+"""``minishard train``: the command line over ``minishard.run.train.fit``.
 
 >>> args = parse_args(["train", "--mesh", "data=2,model=4", "--rules", "mlp=model"])
 >>> args.mesh, args.rules, args.layers
@@ -23,19 +23,20 @@ from typing import Any, NoReturn
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 import jax.numpy as jnp
 
-from minishard import distributed, launch
-from minishard.data import DATASET_INFO, DATASETS, DataError
-from minishard.explain import explain, plot_report
+from minishard.explain import explain
 from minishard.layers import ACTIVATIONS, megatron_axes, mlp
+from minishard.models.vit import VIT_AXES, ViT
 from minishard.optim import SGD, Schedule, exponential_decay, warmup_cosine_decay
 from minishard.presets import PRESETS, preset
 from minishard.rules import AxisRules, ShardingError
+from minishard.run import distributed, launch
+from minishard.run.data import DATASET_INFO, DATASETS, DataError
+from minishard.run.render import plot_report, show
+from minishard.run.train import TrainingError, enable_compilation_cache, fit
 from minishard.sharding import Sharded, make_mesh
-from minishard.train import TrainingError, enable_compilation_cache, fit
-from minishard.transformer import VIT_AXES, ViT
 
 try:  # orbax is an optional extra (minishard[checkpoint])
-    from minishard.checkpoint import CheckpointError
+    from minishard.run.checkpoint import CheckpointError
 except ImportError:
     CheckpointError = TrainingError  # type: ignore[misc,assignment]  # never raised without orbax
 
@@ -389,19 +390,6 @@ EXPECTED_ERRORS: tuple[type[Exception], ...] = (
     distributed.DistributedError,
 )
 """Failures whose message already says what and where: printed as one ``error:`` line."""
-
-
-def show(report: Any) -> None:
-    """A rich table in a terminal (when rich is installed), plain text in logs and pipes."""
-    if sys.stdout.isatty():
-        try:
-            import rich
-
-            rich.print(report)
-            return
-        except ImportError:
-            pass
-    print(report)
 
 
 def plot_history(history: list[dict[str, Any]], path: str, schedule: Schedule | None = None) -> None:

@@ -1,0 +1,123 @@
+"""Drawing an ``explain`` report: a rich table, HTML for notebooks, a picture of the blocks.
+
+``minishard.explain`` builds the report and prints it as text; how it looks
+anywhere else is the workshop's business, kept here so the textbook stays about
+the plan. Each renderer imports its optional dependency (rich, matplotlib) only
+when called.
+
+>>> import jax
+>>> device_blocks({"data": 2, "model": 2}, jax.sharding.PartitionSpec(None, "model"), 2)
+{(0, 0): [0, 2], (0, 1): [1, 3]}
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import math
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+from minishard import Report
+
+
+def rich_table(report: Report) -> Any:
+    """The report as a ``rich.table.Table`` (``rich.print(rich_table(report))``)."""
+    from rich.table import Table  # optional dependency: imported only when rich renders
+
+    table = Table(title=f"mesh {report.mesh}", caption="\n".join(report.footer()), caption_justify="left")
+    for header in report.HEADER:
+        numeric = header in ("bytes", "bytes/device")
+        table.add_column(header, justify="right" if numeric else "left", no_wrap=header == "path")
+    for cells in report.cells():
+        table.add_row(*cells)
+    return table
+
+
+def report_html(report: Report) -> str:
+    """Notebooks: the rich table as HTML if rich is installed, else the text table."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return f"<pre>{html.escape(str(report))}</pre>"
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(rich_table(report))
+    return console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
+
+
+def show(report: Report) -> None:
+    """A rich table in a terminal (when rich is installed), plain text in logs and pipes."""
+    if sys.stdout.isatty():
+        try:
+            import rich
+
+            rich.print(rich_table(report))
+            return
+        except ImportError:
+            pass
+    print(report)
+
+
+def device_blocks(
+    mesh: dict[str, int], spec: jax.sharding.PartitionSpec, ndim: int
+) -> dict[tuple[int, ...], list[int]]:
+    """Which devices hold which block of an array: ``{block index: [device ids]}``.
+
+    Device ids are positions in the mesh (row-major over its axes). A dimension
+    split over mesh axes ``(a, b)`` is cut into ``|a| x |b|`` blocks, ``a``
+    major; a device holds the block its coordinates on those axes select.
+    """
+    names, sizes = list(mesh), list(mesh.values())
+    entries = (*spec, *[None] * (ndim - len(spec)))
+    blocks: dict[tuple[int, ...], list[int]] = {}
+    for device, coords in enumerate(np.ndindex(*sizes)):  # device ids: row-major positions
+        index = []
+        for entry in entries:
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            block = 0
+            for axis in axes:  # mixed radix over the dimension's mesh axes, the first one major
+                block = block * mesh[axis] + coords[names.index(axis)]
+            index.append(block)
+        blocks.setdefault(tuple(index), []).append(device)
+    return dict(sorted(blocks.items()))
+
+
+def plot_report(report: Report, path: str, max_panels: int = 8) -> None:
+    """Draw, per parameter, the array cut into the blocks devices hold, each block labelled with them.
+
+    In the spirit of ``jax.debug.visualize_array_sharding``, for a whole model
+    at once (the first ``max_panels`` arrays). 1-D arrays are drawn as one row.
+    """
+    import matplotlib  # an optional extra: imported only to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report.rows[:max_panels]
+    fig, axes = plt.subplots(1, len(rows), figsize=(2.6 * len(rows), 2.8), squeeze=False)
+    colors = plt.get_cmap("tab20")
+    for ax, row in zip(axes[0], rows):
+        shape = row.shape if len(row.shape) == 2 else (1, math.prod(row.shape))
+        blocks = device_blocks(report.mesh, row.spec if len(row.shape) == 2 else _flat_spec(row.spec), 2)
+        counts = [max(index[d] for index in blocks) + 1 for d in range(2)]
+        for (i, j), devices in blocks.items():
+            ax.add_patch(plt.Rectangle((j / counts[1], 1 - (i + 1) / counts[0]), 1 / counts[1], 1 / counts[0],
+                                       facecolor=colors(devices[0] % 20), edgecolor="white"))  # fmt: skip
+            label = ",".join(map(str, devices)) if len(devices) <= 4 else f"{devices[0]}..{devices[-1]}"
+            ax.text(
+                (j + 0.5) / counts[1], 1 - (i + 0.5) / counts[0], label, ha="center", va="center", fontsize=7
+            )
+        ax.set(xticks=[], yticks=[], title=f"{row.path}\n{shape} {row.spec}")
+        ax.title.set_fontsize(7)
+    fig.suptitle(f"mesh {report.mesh}: which devices hold each block", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _flat_spec(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:
+    """A 1-D array drawn as one row: its only dimension becomes the columns."""
+    return jax.sharding.PartitionSpec(None, *tuple(spec)[:1])
