@@ -39,6 +39,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes, ShardingError
 
+DEFAULT_BATCH_AXIS = "batch"
+"""The logical axis of a batch's leading dimension, unless ``Sharded(batch_axis=...)`` names another."""
+
 
 @dataclass(frozen=True)
 class LogicalSharding:
@@ -46,7 +49,7 @@ class LogicalSharding:
 
     mesh: Mesh
     rules: AxisRules
-    batch_axis: str = "batch"
+    batch_axis: str = DEFAULT_BATCH_AXIS
     batch_target: MeshAxes = None
 
     @property
@@ -80,7 +83,7 @@ def current() -> LogicalSharding | None:
 
 @contextlib.contextmanager
 def logical_sharding(
-    mesh: Mesh, rules: AxisRules, batch_axis: str = "batch", batch_target: MeshAxes = None
+    mesh: Mesh, rules: AxisRules, batch_axis: str = DEFAULT_BATCH_AXIS, batch_target: MeshAxes = None
 ) -> Iterator[None]:
     """Make ``constrain`` resolve logical axes with ``rules`` on ``mesh`` inside the block.
 
@@ -95,6 +98,23 @@ def logical_sharding(
         yield
     finally:
         _CURRENT.reset(token)
+
+
+def activation_axes(ndim: int, *trailing: str | None) -> LogicalAxes:
+    """The logical axes of a rank-``ndim`` activation: the batch axis first, ``trailing`` last.
+
+    The batch axis is the one ``Sharded(batch_axis=...)`` named (``"batch"`` by
+    default), so no layer spells it; dimensions in between are ``None``. A rank
+    with no room for the batch keeps only the last ``ndim`` of ``trailing``.
+
+    >>> activation_axes(3, "embed"), activation_axes(1, "mlp")
+    (('batch', None, 'embed'), ('mlp',))
+    """
+    if ndim <= len(trailing):
+        return tuple(trailing[len(trailing) - ndim :])
+    context = current()
+    batch = DEFAULT_BATCH_AXIS if context is None else context.batch_axis
+    return (batch, *[None] * (ndim - 1 - len(trailing)), *trailing)
 
 
 def constrain(x: Any, logical_axes: LogicalAxes) -> Any:

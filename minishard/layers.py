@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minishard.constraints import as_activation, output_sharding
+from minishard.constraints import activation_axes, as_activation, output_sharding
 from minishard.rules import LogicalAxes
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.number, np.bool_)  # what jit accepts as a leaf
@@ -352,10 +352,10 @@ class Linear(Layer):
                 f"Linear({self.in_features} -> {self.out_features}) expects inputs whose "
                 f"last dimension is {self.in_features}, got shape {jnp.shape(x)}"
             )
-        # On an Explicit mesh, name the output's layout: (batch, ..., out). Else None: XLA decides.
-        batch = ("batch",) + (None,) * (jnp.ndim(x) - 2) if jnp.ndim(x) > 1 else ()
-        y = jnp.matmul(x, self.weight, out_sharding=output_sharding((*batch, self.logical_axes[1])))
-        return y if self.bias is None else y + as_activation(self.bias, (*batch, self.logical_axes[1]))
+        # On an Explicit mesh the output's layout is named: (batch, ..., out). Else None: XLA decides.
+        out_axes = activation_axes(jnp.ndim(x), self.logical_axes[1])
+        y = jnp.matmul(x, self.weight, out_sharding=output_sharding(out_axes))
+        return y if self.bias is None else y + as_activation(self.bias, out_axes)
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
         axes: dict[str, LogicalAxes] = {"weight": self.logical_axes}

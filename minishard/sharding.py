@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from minishard.constraints import logical_sharding
+from minishard.constraints import DEFAULT_BATCH_AXIS, logical_sharding
 from minishard.layers import Layer
 from minishard.rules import (
     IDENTITY_RULES,
@@ -316,7 +316,7 @@ class Sharded:
                 f"Sharded: batch_axis={batch_axis!r} has no rule in {self.rules} and is no mesh axis "
                 f"{mesh.axis_names}; add a rule such as AxisRules({batch_axis}='data')"
             )
-        self.batch_axis = batch_axis or "batch"
+        self.batch_axis = batch_axis or DEFAULT_BATCH_AXIS
         self.donate_argnums = donate_argnums
         self._batch_entry = self.rules.spec((self.batch_axis,), mesh)[0] if knows(self.batch_axis) else None
 
