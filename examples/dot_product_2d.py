@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import minishard as ms
-from minishard.collectives import summary
+from minishard.census import summary
 
 
 def main(pairs: int = 4000, length: int = 10_000) -> None:

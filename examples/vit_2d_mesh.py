@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import minishard as ms
-from minishard.collectives import bytes_by_mesh_axes
+from minishard.census import bytes_by_mesh_axes
 from minishard.models.vit import Attention, ViT, vit_rules
 from minishard.run.train import make_train_step
 

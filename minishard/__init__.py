@@ -9,8 +9,8 @@ Read the modules in this order; each teaches one idea, and imports only the ones
 * ``losses``, ``optim``: cross-entropy and a pure, functional SGD;
 * ``sharding``: meshes, one ``plan`` for a whole tree, ``shard`` and ``Sharded``;
 * ``presets``: five named styles (dp, tp, 2d, fsdp, fsdp+tp) as a mesh shape and rules;
-* ``collectives``: what a compiled program sends between devices, read from its HLO;
-* ``explain``: the plan and the collectives of a step, as one report;
+* ``census``: ``collectives``, what a compiled program sends between devices, read from its HLO;
+* ``report``: ``explain``, the plan and the collectives of a step, as one report;
 * ``transformer``: a Vision Transformer as Layers, whose heads and MLP split like the MLP's;
 * ``distributed``, ``launch``: one run over several processes (one per host), or N local ones;
 * ``data``, ``checkpoint``, ``train``, ``cli``: MNIST end to end;
@@ -19,11 +19,11 @@ Read the modules in this order; each teaches one idea, and imports only the ones
 """
 
 from minishard import tree
-from minishard.collectives import Collective, collectives
-from minishard.explain import Report, explain
+from minishard.census import Collective, collectives
 from minishard.layers import Layer, Linear, ReLU, Sequential, Swish, megatron_axes, mlp
 from minishard.losses import accuracy, cross_entropy, one_hot
 from minishard.optim import SGD, SGDState, exponential_decay, warmup_cosine_decay
+from minishard.report import Report, explain
 from minishard.rules import AxisRules, LogicalAxes, ShardingError
 from minishard.sharding import Plan, Sharded, make_mesh, partition_specs, plan, shard
 

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from models import SIZES, example, train_step
 
 import minishard as ms
-from minishard.collectives import bytes_by_mesh_axes
+from minishard.census import bytes_by_mesh_axes
 from minishard.constraints import constrain, logical_sharding
 from minishard.presets import PRESETS, preset
 from minishard.rules import ShardingError

@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 from models import BATCH, F32, MEGATRON, SIZES, example, forward, numpy_mlp, train_step
 
 import minishard as ms
-from minishard.collectives import Collective, bytes_by_mesh_axes, collectives
-from minishard.explain import explain
+from minishard.census import Collective, bytes_by_mesh_axes, collectives
+from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
 from minishard.sharding import Sharded, make_mesh, partition_specs
 from minishard.tree import named_leaves, tree_bytes

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import minishard as ms
 import minishard.models.vit as transformer
-from minishard.collectives import bytes_by_mesh_axes
+from minishard.census import bytes_by_mesh_axes
 from minishard.models.vit import PARALLELISMS, VIT_AXES, Attention, LayerNorm, PatchEmbedding, ViT, vit_rules
 from minishard.run.train import make_train_step
 from minishard.testing import assert_sharded_equivalent, meshes

@@ -23,11 +23,11 @@ from typing import Any, NoReturn
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 import jax.numpy as jnp
 
-from minishard.explain import explain
 from minishard.layers import ACTIVATIONS, megatron_axes, mlp
 from minishard.models.vit import VIT_AXES, ViT
 from minishard.optim import SGD, Schedule, exponential_decay, warmup_cosine_decay
 from minishard.presets import PRESETS, preset
+from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
 from minishard.run import distributed, launch
 from minishard.run.data import DATASET_INFO, DATASETS, DataError

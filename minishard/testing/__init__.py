@@ -51,7 +51,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from minishard.collectives import KINDS, Collective, collectives, human_bytes, instructions, summary
+from minishard.census import KINDS, Collective, collectives, human_bytes, instructions, summary
 from minishard.layers import ACTIVATIONS, Sequential, mlp
 from minishard.rules import (
     IDENTITY_RULES,
@@ -723,7 +723,7 @@ def _why(tree: Any, mesh: Mesh, rules: AxisRules) -> Callable[[str], str]:
 class Limit:
     """At most ``count`` collective instructions, and ``bytes`` bytes per device, of those selected.
 
-    ``kind`` selects one kind (``"all-gather"``, see ``minishard.collectives.KINDS``),
+    ``kind`` selects one kind (``"all-gather"``, see ``minishard.census.KINDS``),
     ``None`` every kind; ``over`` the ones whose device groups span this mesh
     axis (or all of these axes, perhaps more), ``None`` any.
 

@@ -1,4 +1,4 @@
-"""minishard.collectives: the communication XLA inserts, made visible.
+"""minishard.census (``minishard.collectives``): the communication XLA inserts, made visible.
 
 The first tests compile real programs on the 8 simulated CPU devices (see
 conftest.py) and read what the SPMD partitioner wrote. Inputs are
@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import minishard as ms
-from minishard.collectives import Collective, collectives, summary
+from minishard.census import Collective, collectives, summary
 
 
 def mesh_2x4() -> jax.sharding.Mesh:
@@ -131,7 +131,7 @@ def test_replica_group_notations(groups, axes):
 
 
 def test_sub_axis_groups_hold_the_right_devices():
-    from minishard.collectives import _replica_groups
+    from minishard.census import _replica_groups
 
     line = all_reduce(XLA_MESH + " {'axis_1':(1)2}")
     assert sorted(sorted(g.tolist()) for g in _replica_groups(line, 8)) == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -1,4 +1,4 @@
-"""Collectives: what a sharded program sends between devices, read from XLA's compiled HLO.
+"""The census, ``collectives()``: what a sharded program sends between devices, read from its HLO.
 
 You write a program for whole arrays; ``jax.jit`` hands it, with your
 shardings, to XLA, whose *SPMD partitioner* rewrites it into the program that

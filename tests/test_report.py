@@ -1,4 +1,4 @@
-"""minishard.explain: what each device holds, and what a step sends, in one report.
+"""minishard.report (``minishard.explain``): what each device holds, and what a step sends, in one report.
 
 The same plan ``Sharded`` uses, read back as rows; the numbers are checked
 against the shapes. The last tests plan the source material's second model,
@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 from models import F32, MEGATRON, SIZES, example, train_step
 
 import minishard as ms
-from minishard.collectives import collectives, summary
-from minishard.explain import Report, explain
+from minishard.census import collectives, summary
+from minishard.report import Report, explain
 from minishard.rules import AxisRules
 from minishard.run.data import DATASET_INFO
 from minishard.run.render import report_html, rich_table

@@ -1,4 +1,4 @@
-"""``explain``: where every array of a model lives on a mesh, and what a step communicates.
+"""The report, ``explain()``: where every array of a model lives on a mesh, and what a step sends.
 
 ``minishard.collectives`` answers "what does this program send?". ``explain``
 puts that next to the question before it, "what does each device hold?": one
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minishard.collectives import Collective, collectives, human_bytes, summary
+from minishard.census import Collective, collectives, human_bytes, summary
 from minishard.rules import AnyMesh, AxisRules, LogicalAxes
 from minishard.sharding import Sharded, plan
 from minishard.tree import named_leaves
