@@ -249,10 +249,10 @@ def draw_one(strategy: st.SearchStrategy[Any]) -> Any:
 
 @given(st.data())
 def test_meshes_of_any_rank_use_every_device_and_keep_min_sizes(data):
-    for axes in RANKS:
-        mesh = data.draw(meshes(axes, min_sizes={axes[-1]: 2}))
-        assert mesh.axis_names == axes and mesh.size == jax.device_count() == 8
-        assert mesh.shape[axes[-1]] >= 2
+    for mesh_axes in RANKS:
+        mesh = data.draw(meshes(mesh_axes=mesh_axes, min_sizes={mesh_axes[-1]: 2}))
+        assert mesh.axis_names == mesh_axes and mesh.size == jax.device_count() == 8
+        assert mesh.shape[mesh_axes[-1]] >= 2
 
 
 def test_meshes_refuse_a_single_device_and_say_how_to_simulate_more(monkeypatch):
@@ -270,7 +270,7 @@ def test_meshes_refuse_shapes_they_cannot_draw():
         meshes(min_sizes={"modle": 2})
     with pytest.raises(ValueError, match="multiplying to 8"):
         meshes(shapes=[(2, 2)])
-    assert draw_one(meshes(("x", "y"), shapes=[(2, 2)], devices=4)).shape == {"x": 2, "y": 2}
+    assert draw_one(meshes(mesh_axes=("x", "y"), shapes=[(2, 2)], devices=4)).shape == {"x": 2, "y": 2}
 
 
 @given(st.data())
