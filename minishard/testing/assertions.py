@@ -155,14 +155,14 @@ def assert_split(
     >>> assert_split(model, mesh, over="model", rules=AxisRules(embed=None, mlp="model"), at_least=3)
     >>> assert_split(model, mesh, over="model", rules=AxisRules(embed=None, mlp=None))
     Traceback (most recent call last):
-    AssertionError: 0 of 4 arrays are split over 'model' on mesh {'data': 1, 'model': ...}; at least 1 must be
+    AssertionError: assert_split: 0 of 4 arrays are split over 'model' on mesh ...; at least 1 must be
       split: none
       not split: layers[0].weight P(None, None), layers[0].bias P(None,), ...
     """
     wanted = () if over is None else (over,) if isinstance(over, str) else tuple(over)
     _check_mesh_axes("assert_split: over", wanted, mesh)
     if failure := _split_failure(_specs(tree, mesh, rules), mesh, wanted, at_least):
-        raise AssertionError(failure)
+        raise AssertionError(f"assert_split: {failure}")
 
 
 def _specs(tree: Any, mesh: Mesh, rules: AxisRules | None) -> dict[str, PartitionSpec]:

@@ -148,8 +148,8 @@ def _check_limits(limits: Sequence[Limit], mesh: AnyMesh | None) -> None:
         if limit.over is None:
             continue
         if mesh is None:
-            raise TypeError(f"assert_collectives: {limit} names mesh axes; pass mesh= to check them against")
-        _check_mesh_axes(f"assert_collectives: Limit {limit}", as_mesh_axes(limit.over), mesh)
+            raise TypeError(f"assert_collectives: {limit!r} names mesh axes; pass mesh= to check them")
+        _check_mesh_axes(f"assert_collectives: {limit!r}", as_mesh_axes(limit.over), mesh)
 
 
 def data_parallel_limits(params: Any, *, over: str = "data", scalars: int = 1) -> list[Limit]:

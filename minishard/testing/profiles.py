@@ -25,6 +25,7 @@ def register_profiles() -> tuple[str, ...]:
     ('minishard', 'minishard-ci', 'minishard-dev')
     """
     base = settings(
+        settings.get_profile("default"),  # not the profile loaded now, which settings() would build on
         max_examples=10,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
