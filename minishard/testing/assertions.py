@@ -116,9 +116,10 @@ def _sharded(fn: Callable[..., Any], mesh: Mesh, rules: AxisRules | None, batch_
 def _by_argument(fn: Callable[..., Any], inputs: Sequence[Any]) -> dict[str, PartitionSpec]:
     """``{"model.layers[0].weight": spec, "x": spec}``: the input specs, named by ``fn``'s parameters."""
     try:
-        names = list(inspect.signature(fn).parameters)[: len(inputs)]
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        names = []
+        params = []
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][: len(inputs)]
     names += [f"args[{i}]" for i in range(len(names), len(inputs))]
     return {
         path_str(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(dict(zip(names, inputs)))
