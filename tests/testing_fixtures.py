@@ -6,21 +6,27 @@ A user container, ``Residual(inner)``, around a tensor-parallel (Megatron) MLP:
 axis, an extra collective, a hand-written ``shard_map`` that reduces with the
 wrong operation), each next to the unbroken version. Everything a test
 compiles is defined here once, at module level: ``jax.jit`` caches compiled
-code per function.
+code per function. Two helpers for the tests of every minishard.testing module
+close it: ``compilations`` and ``draw_one``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from hypothesis import find, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import minishard as ms
 from minishard.rules import LogicalAxes
+from minishard.sharding import plan
+from minishard.tree import path_str
 
 MEGATRON: list[LogicalAxes] = [("embed", "mlp"), ("mlp", "embed")]
 SWAPPED: list[LogicalAxes] = [("mlp", "embed"), ("embed", "mlp")]
@@ -125,3 +131,34 @@ def intended_blocks(hidden: int, model_ways: int) -> dict[str, tuple[int, ...]]:
         "inner.layers[2].weight": (block, EMBED),
         "inner.layers[2].bias": (EMBED,),
     }
+
+
+@contextlib.contextmanager
+def compilations() -> Iterator[list[str]]:
+    """Collect the names of the functions XLA compiles inside the block."""
+    compiled: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def draw_one(strategy: st.SearchStrategy[Any]) -> Any:
+    """The simplest example of ``strategy`` (deterministic: hypothesis shrinks it)."""
+    return find(strategy, lambda _: True, settings=settings(database=None, max_examples=1))
+
+
+def assert_blocks_as_planned(tree: Any, placed: Any, mesh: jax.sharding.Mesh, rules: ms.AxisRules) -> None:
+    """Every device holds exactly the block ``plan`` computes for each leaf of ``placed``."""
+    leaves = jax.tree_util.tree_leaves_with_path(placed)
+    plans = plan(tree, mesh, rules).leaves
+    assert [leaf.path for leaf in plans] == [path_str(path) for path, _ in leaves]
+    for leaf, (_, array) in zip(plans, leaves, strict=True):
+        blocks = [shard.data.shape for shard in array.addressable_shards]
+        assert blocks == [leaf.block_shape] * mesh.size, f"{leaf.path} (spec {leaf.spec})"

@@ -1,0 +1,363 @@
+"""Assertions on numbers and layout: ``assert_sharded_equivalent``, ``assert_split``, ``assert_layout``.
+
+The first cannot see a wrong annotation: sharding never changes the numbers, so
+a model with its two Megatron halves swapped computes exactly the same thing,
+only slower. ``assert_layout`` can, because it compares with the layout *you*
+state; ``assert_split`` states less, only that something really is split over
+a mesh axis, which is what keeps an equivalence test from passing vacuously.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import hypothesis
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from minishard.rules import (
+    IDENTITY_RULES,
+    AnyMesh,
+    AxisRules,
+    LogicalAxes,
+    MeshAxes,
+    ShardingError,
+    as_mesh_axes,
+    split_count,
+)
+from minishard.sharding import Sharded, plan
+from minishard.testing._cache import cached
+from minishard.tree import path_str
+
+# --- numbers --------------------------------------------------------------------
+
+
+def assert_sharded_equivalent(
+    fn: Callable[..., Any],
+    *args: Any,
+    mesh: Mesh,
+    rules: AxisRules | None = None,
+    batch_axis: str | None = None,
+    reference: Callable[..., Any] | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    require_split: bool = True,
+) -> Any:
+    """Run ``fn`` unsharded and sharded; outputs must agree and be laid out as declared.
+
+    The reference is ``jax.jit(fn)`` on one device (``reference`` instead of
+    ``fn`` there, e.g. the plain model for a hand-written ``shard_map``, which
+    cannot run on one device); the other run is
+    ``Sharded(mesh, rules, batch_axis)(fn)``. Every output leaf must match
+    (``numpy.testing.assert_allclose``, the message names the leaf's path) and
+    every leaf whose spec ``ShardedFunction.specs`` declares (Layer parameters,
+    scalars) must carry that sharding; leaves it leaves to XLA are not checked.
+    Returns the sharded outputs. Define ``fn`` once, at module level: jit
+    caches compiled code per function, so a new lambda per call recompiles.
+
+    This catches a program that computes something else when sharded (a
+    ``shard_map`` that forgets its ``psum``, a host callback). It cannot catch a
+    wrong annotation, which changes where arrays live but not the numbers:
+    that is ``assert_layout``'s job.
+
+    With nothing split, both runs are the same program and the test passes
+    vacuously; so first (``require_split``) at least one input must be split
+    over a mesh axis wider than 1, as ``assert_split`` says. Inside a
+    hypothesis test such an example is rejected instead (``hypothesis.reject``):
+    hypothesis draws another, and says so if it finds none.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from minishard import AxisRules, make_mesh, mlp
+    >>> n = jax.device_count()
+    >>> model = mlp([8, 2 * n, 4], key=jax.random.key(0), axes=[("embed", "mlp"), ("mlp", "embed")])
+    >>> mesh, rules = make_mesh({"model": n}), AxisRules(embed=None, mlp="model")
+    >>> def forward(model, x):
+    ...     return model(x)
+    >>> assert_sharded_equivalent(forward, model, jnp.ones((4, 8)), mesh=mesh, rules=rules).shape
+    (4, 4)
+    """
+    sharded = _sharded(fn, mesh, rules, batch_axis)
+    specs = sharded.specs(*args)
+    if require_split and (vacuous := _split_failure(_by_argument(fn, specs.inputs), mesh, (), 1)):
+        if hypothesis.currently_in_test_context():
+            hypothesis.event("assert_sharded_equivalent: nothing split, example rejected")
+            hypothesis.reject()
+        raise AssertionError(f"assert_sharded_equivalent: {vacuous}\n(require_split=False to run it anyway)")
+    # jax.block_until_ready after each run: dispatching sharded programs back to
+    # back can deadlock the collectives of simulated CPU devices.
+    # Through the host: an array typed for an Explicit mesh keeps that type on one device.
+    on_one_device = jax.device_put(jax.device_get(args), mesh.devices.flat[0])
+    expected = jax.block_until_ready(jax.jit(reference or fn)(*on_one_device))
+    actual = jax.block_until_ready(sharded(*args))
+    treedef: Any = jax.tree_util.tree_structure(actual)  # Any: PyTreeDef comes without type stubs
+    declared = treedef.flatten_up_to(specs.outputs)  # None where Sharded left the layout to XLA
+    leaves = zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree_util.tree_leaves(expected), declared)
+    for (path, got), want, spec in leaves:
+        where = f"output {path_str(path)}"
+        np.testing.assert_allclose(got, want, rtol, atol, err_msg=f"{where}: sharded != unsharded")
+        if spec is not None and not NamedSharding(mesh, spec).is_equivalent_to(got.sharding, got.ndim):
+            raise AssertionError(f"{where}: has sharding {got.sharding}, but Sharded declared {spec}")
+    return actual
+
+
+@cached
+def _sharded(fn: Callable[..., Any], mesh: Mesh, rules: AxisRules | None, batch_axis: str | None) -> Any:
+    """``Sharded(mesh, rules, batch_axis)(fn)``, kept across examples: its plans and jit are reused.
+
+    Each new ``ShardedFunction`` jits a new function, so without this every
+    example, and every rerun of a shrinking failure, would trace and compile again.
+    """
+    return Sharded(mesh, rules, batch_axis)(fn)
+
+
+def _by_argument(fn: Callable[..., Any], inputs: Sequence[Any]) -> dict[str, PartitionSpec]:
+    """``{"model.layers[0].weight": spec, "x": spec}``: the input specs, named by ``fn``'s parameters."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][: len(inputs)]
+    names += [f"args[{i}]" for i in range(len(names), len(inputs))]
+    return {
+        path_str(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(dict(zip(names, inputs)))
+    }
+
+
+# --- at least something split ----------------------------------------------------
+
+
+def assert_split(
+    tree: Any,
+    mesh: Mesh,
+    over: str | Sequence[str] | None = None,
+    *,
+    rules: AxisRules | None = None,
+    at_least: int = 1,
+) -> None:
+    """At least ``at_least`` arrays of ``tree`` must be split over the mesh axis ``over``.
+
+    Not a whole intended layout (that is ``assert_layout``), only the least a
+    test needs to test anything: on a mesh whose "model" axis is 1 wide, or
+    under rules that replicate ``mlp``, a tensor-parallel test splits nothing
+    and passes. ``over`` is a mesh axis, several (each must split the array),
+    or None: any mesh axis wider than 1. An array's spec is read from the
+    array when it is placed (``shard`` or a ``Sharded`` function returned it),
+    else from ``plan(tree, mesh, rules)``: where ``shard`` would put it.
+    The failure lists the arrays that are split and those that are not.
+
+    >>> import jax
+    >>> from minishard import AxisRules, make_mesh, mlp
+    >>> n = jax.device_count()
+    >>> model = mlp([4, 8 * n, 4], key=jax.random.key(0), axes=[("embed", "mlp"), ("mlp", "embed")])
+    >>> mesh = make_mesh({"data": 1, "model": n})
+    >>> assert_split(model, mesh, over="model", rules=AxisRules(embed=None, mlp="model"), at_least=3)
+    >>> assert_split(model, mesh, over="model", rules=AxisRules(embed=None, mlp=None))
+    Traceback (most recent call last):
+    AssertionError: assert_split: 0 of 4 arrays are split over 'model' on mesh ...; at least 1 must be
+      split: none
+      not split: layers[0].weight P(None, None), layers[0].bias P(None,), ...
+    """
+    wanted = () if over is None else (over,) if isinstance(over, str) else tuple(over)
+    _check_mesh_axes("assert_split: over", wanted, mesh)
+    if failure := _split_failure(_specs(tree, mesh, rules), mesh, wanted, at_least):
+        raise AssertionError(f"assert_split: {failure}")
+
+
+def _specs(tree: Any, mesh: Mesh, rules: AxisRules | None) -> dict[str, PartitionSpec]:
+    """Each leaf's spec: a placed array's own, otherwise the one ``plan`` gives it."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    placed = {
+        path_str(p): a.sharding.spec
+        for p, a in leaves
+        if isinstance(getattr(a, "sharding", None), NamedSharding)
+    }
+    if len(placed) == len(leaves):
+        return placed
+    return {leaf.path: placed.get(leaf.path, leaf.spec) for leaf in plan(tree, mesh, rules).leaves}
+
+
+def _split_failure(
+    specs: Mapping[str, PartitionSpec], mesh: AnyMesh, over: tuple[str, ...], at_least: int
+) -> str | None:
+    """Why fewer than ``at_least`` of these specs split over ``over`` (``()``: any axis), or None."""
+    wide = {axis for axis, size in mesh.shape.items() if size > 1}
+    split: list[str] = []
+    whole: list[str] = []
+    for path, spec in specs.items():
+        axes = {axis for entry in spec for axis in as_mesh_axes(entry)} & wide
+        (split if axes and set(over) <= axes else whole).append(f"{path} {spec}")
+    if len(split) >= at_least:
+        return None
+    where = (
+        f"over {over[0]!r}" if len(over) == 1 else f"over each of {over}" if over else "over any mesh axis"
+    )
+    narrow = [axis for axis in over if axis not in wide]
+    why = f" (mesh axis {narrow[0]!r} is 1 wide: nothing can be split over it)" if narrow else ""
+    return (
+        f"{len(split)} of {len(specs)} arrays are split {where} on mesh {dict(mesh.shape)}{why}; "
+        f"at least {at_least} must be\n  split: {_listed(split)}\n  not split: {_listed(whole)}"
+    )
+
+
+def _listed(items: list[str], most: int = 8) -> str:
+    return ", ".join(items[:most]) + (", ..." if len(items) > most else "") if items else "none"
+
+
+def _check_mesh_axes(where: str, mesh_axes: Iterable[str], mesh: AnyMesh) -> None:
+    """A mistyped mesh axis would select nothing and check nothing: refuse it, naming the valid ones."""
+    if unknown := [axis for axis in mesh_axes if axis not in mesh.axis_names]:
+        raise ValueError(f"{where} names mesh axis {unknown[0]!r}, but the mesh's axes are {mesh.axis_names}")
+
+
+# --- layout ------------------------------------------------------------------------
+
+Layout = PartitionSpec | tuple[int, ...] | LogicalAxes
+"""What an array's layout must be: a spec, each device's block shape, or logical axes (through the rules)."""
+
+
+def assert_layout(tree: Any, mesh: Mesh, expected: Any, *, rules: AxisRules | None = None) -> None:
+    """Every array of ``tree`` must be laid out on ``mesh`` as ``expected`` says.
+
+    The layout is read from the arrays themselves (``.sharding`` and the
+    ``addressable_shards`` each device holds), not from minishard's plan: put
+    in ``tree`` what ``shard`` placed or a ``Sharded`` function returned.
+    ``expected`` maps a leaf's path, as ``minishard.tree.path_str`` writes it
+    (``"inner.layers[0].weight"``), to one of
+
+    * a ``PartitionSpec``: the array's sharding must be equivalent to it;
+    * a block shape, a tuple of ints: the block every device of the mesh holds;
+    * logical axes, a tuple of names or None: the spec ``rules`` give them.
+      This checks the model's annotations against your intention under these
+      rules; state a spec or a block to check the rules too.
+
+    ``expected`` may instead be a pytree shaped like ``tree`` holding those (a
+    ``None`` there is not checked). Arrays not listed are not checked; a path
+    that names no array fails, since a typo would otherwise check nothing, and
+    so does a spec naming a mesh axis the mesh lacks, or longer than the
+    array's rank (``ValueError``, before anything is compared). All
+    mismatches are reported together: the path, the expected and actual
+    layouts, and, with ``rules``, the logical axes the model gave the array and
+    what each rule did with them (``AxisRules.explain``).
+
+    >>> import jax
+    >>> from minishard import AxisRules, make_mesh, mlp, shard
+    >>> n = jax.device_count()
+    >>> mesh, rules = make_mesh({"model": n}), AxisRules(embed=None, mlp="model")
+    >>> model = shard(mlp([4, 8 * n, 4], key=jax.random.key(0), axes=[("embed", "mlp"), ("mlp", "embed")]),
+    ...               mesh, rules)
+    >>> assert_layout(model, mesh, {"layers[0].weight": (4, 8), "layers[2].weight": ("mlp", "embed"),
+    ...                             "layers[2].bias": PartitionSpec()}, rules=rules)
+    """
+    arrays = {path_str(path): array for path, array in jax.tree_util.tree_leaves_with_path(tree)}
+    wanted = {path: want for path, want in _expected_by_path(tree, expected).items() if want is not None}
+    if unknown := sorted(set(wanted) - set(arrays)):
+        raise AssertionError(
+            f"assert_layout: {unknown} name no array of the tree; its arrays are {list(arrays)}"
+        )
+    given_rules, rules = rules, rules or IDENTITY_RULES
+    specs = {
+        path: _wanted_spec(path, want, np.shape(arrays[path]), mesh, rules) for path, want in wanted.items()
+    }
+    problems = {
+        path: p
+        for path, want in wanted.items()
+        if (p := _layout_problem(arrays[path], mesh, want, specs[path]))
+    }
+    if problems:
+        why = _why(tree, mesh, given_rules) if given_rules else lambda path: ""
+        raise AssertionError(
+            f"assert_layout: {len(problems)} of {len(wanted)} arrays are not laid out as expected on mesh "
+            f"{dict(mesh.shape)}:\n" + "\n".join(f"{path}: {p}{why(path)}" for path, p in problems.items())
+        )
+
+
+def _expected_by_path(tree: Any, expected: Any) -> dict[str, Any]:
+    """``{path: layout}`` from either form of ``expected``."""
+    if isinstance(expected, Mapping) and all(
+        isinstance(key, str) and (value is None or isinstance(value, PartitionSpec | tuple))
+        for key, value in expected.items()
+    ):
+        return dict(expected)
+    treedef: Any = jax.tree_util.tree_structure(tree)
+    try:  # the layouts sit where tree has arrays: tuples there are taken whole, not as subtrees
+        flat = treedef.flatten_up_to(expected)
+    except (ValueError, TypeError) as e:
+        raise TypeError(
+            f"assert_layout: expected is neither {{path: layout}} nor shaped like the tree: {e}"
+        ) from None
+    return {path_str(path): want for (path, _), want in zip(jax.tree_util.tree_leaves_with_path(tree), flat)}
+
+
+def _wanted_spec(
+    path: str, want: Layout, shape: tuple[int, ...], mesh: Mesh, rules: AxisRules
+) -> PartitionSpec | None:
+    """The spec ``want`` stands for (None for a block shape), checked against the mesh and the array."""
+    if isinstance(want, tuple) and all(isinstance(d, int) and not isinstance(d, bool) for d in want):
+        return None
+    if isinstance(want, PartitionSpec):
+        spec = want
+    elif isinstance(want, tuple) and all(a is None or isinstance(a, str) for a in want):
+        spec = rules.spec(want, mesh)  # type: ignore[arg-type]  # tuple[str | None, ...] by the test above
+    else:
+        raise TypeError(
+            f"assert_layout: {path}: expected a PartitionSpec, a block shape (ints) or logical axes (names), "
+            f"got {want!r}"
+        )
+    _check_mesh_axes(f"assert_layout: {path}: {spec}", [a for e in spec for a in as_mesh_axes(e)], mesh)
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"assert_layout: {path}: {want} has {len(spec)} entries, but the array has shape {shape} "
+            f"(rank {len(shape)}); give one entry per dimension, or fewer"
+        )
+    return spec
+
+
+def _layout_problem(array: Any, mesh: Mesh, want: Layout, spec: PartitionSpec | None) -> str | None:
+    """What is wrong with ``array``'s layout, or None if it is the one wanted."""
+    if not isinstance(array, jax.Array):
+        kind = f"{type(array).__module__}.{type(array).__name__}"
+        return f"is not on the mesh: a {kind}, not a jax.Array (place it with minishard.shard)"
+    # addressable_shards: one per device of this process, each holding that device's block
+    blocks = sorted({shard.data.shape for shard in array.addressable_shards})
+    got = array.sharding.spec if isinstance(array.sharding, NamedSharding) else array.sharding
+    actual = f"got {got}, blocks {', '.join(map(str, blocks))}"
+    if array.sharding.device_set != set(mesh.devices.flat):
+        return f"is on {len(array.sharding.device_set)} device(s), not on the mesh's {mesh.size}; {actual}"
+    if spec is None:
+        return None if blocks == [want] else f"expected blocks {want}, {actual}"
+    if NamedSharding(mesh, spec).is_equivalent_to(array.sharding, array.ndim):
+        return None
+    stated = f"{spec}" if isinstance(want, PartitionSpec) else f"{want} -> {spec}"
+    block = tuple(
+        size // split_count(mesh, entry) for size, entry in zip(array.shape, _padded(spec, array.ndim))
+    )
+    return f"expected {stated}, blocks {block}; {actual}"
+
+
+def _padded(spec: PartitionSpec, ndim: int) -> tuple[MeshAxes, ...]:
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def _why(tree: Any, mesh: Mesh, rules: AxisRules) -> Callable[[str], str]:
+    """For a Layer parameter's path: the logical axes the model gave it, and ``AxisRules.explain``."""
+    try:
+        leaves = {leaf.path: leaf.logical_axes for leaf in plan(tree, mesh, rules).leaves}
+    except ShardingError:
+        leaves = {}
+
+    def why(path: str) -> str:
+        axes = leaves.get(path)
+        if axes is None:
+            return ""
+        if all(axis is None for axis in axes):
+            return f"\n  the model does not annotate it: logical axes {axes}"
+        trace = str(rules.explain(axes, mesh)).replace("\n", "\n    ")
+        return f"\n  the model names its axes {axes}; under {rules}:\n    {trace}"
+
+    return why
+
+
+__all__ = ["Layout", "assert_layout", "assert_sharded_equivalent", "assert_split"]

@@ -1,0 +1,195 @@
+"""minishard.testing.assertions: numbers, at least something split, and layout."""
+
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis.errors import Unsatisfiable
+from jax.sharding import PartitionSpec as P
+from testing_fixtures import (
+    HIDDEN,
+    MEGATRON,
+    MESH,
+    RULES,
+    SWAPPED,
+    WRONG_RULES,
+    compilations,
+    intended_blocks,
+    model_and_batch,
+)
+
+import minishard as ms
+from minishard.sharding import partition_specs
+from minishard.testing import (
+    assert_layout,
+    assert_sharded_equivalent,
+    assert_split,
+    meshes,
+)
+
+
+def test_a_difference_is_reported_with_the_output_path():
+    runs = itertools.count()
+
+    def drifts(x):  # the host callback answers something new on every run
+        run = jax.pure_callback(lambda: np.float32(next(runs)), jax.ShapeDtypeStruct((), np.float32))
+        return {"sum": jnp.sum(x), "run": run}
+
+    mesh, rules = ms.make_mesh({"data": 8, "model": 1}), ms.AxisRules(batch="data")
+    with pytest.raises(AssertionError, match=re.escape("output run: sharded != unsharded")):
+        assert_sharded_equivalent(drifts, np.ones((8, 2), np.float32), mesh=mesh, rules=rules)
+
+
+def test_a_layout_failure_names_the_path_both_layouts_and_the_rules_at_work():
+    model, _ = model_and_batch(SWAPPED)
+    with pytest.raises(AssertionError) as failure:
+        assert_layout(ms.shard(model, MESH, RULES), MESH, intended_blocks(HIDDEN, 4), rules=RULES)
+    message = str(failure.value)
+    assert message.startswith("assert_layout: 4 of 4 arrays are not laid out as expected")
+    assert "inner.layers[0].weight: expected blocks (16, 8), got P('model', None), blocks (4, 32)" in message
+    assert "the model names its axes ('mlp', 'embed'); under AxisRules(" in message
+    assert "dim 0 ('mlp'): rule mlp->'model' matched" in message
+
+
+def test_assert_layout_takes_specs_blocks_logical_axes_or_a_tree():
+    model, _ = model_and_batch(MEGATRON)
+    placed = ms.shard(model, MESH, RULES)
+    expected = {
+        "inner.layers[0].weight": P(None, "model"),
+        "inner.layers[0].bias": ("mlp",),  # logical axes, through the rules
+        "inner.layers[2].weight": (8, 16),  # a block shape
+        "inner.layers[2].bias": None,  # not checked
+    }
+    assert_layout(placed, MESH, expected, rules=RULES)
+    assert_layout(placed, MESH, partition_specs(model, RULES, MESH))  # a tree of specs
+    assert_layout(placed, MESH, jax.tree.map(lambda a: a.addressable_shards[0].data.shape, placed))
+    # Logical axes check the model's annotations under the given rules, so a wrong rule passes them;
+    # a block shape (or a spec) checks the rules too.
+    wrong = ms.shard(model, MESH, WRONG_RULES)
+    assert_layout(wrong, MESH, {"inner.layers[0].weight": ("embed", "mlp")}, rules=WRONG_RULES)
+    with pytest.raises(AssertionError, match=r"expected blocks \(16, 8\), got P\(None, 'data'\)"):
+        assert_layout(wrong, MESH, {"inner.layers[0].weight": (16, 8)}, rules=WRONG_RULES)
+
+
+def test_assert_layout_refuses_typos_and_arrays_that_are_not_on_the_mesh():
+    model, _ = model_and_batch(MEGATRON)
+    with pytest.raises(AssertionError, match=r"\['inner.layer\[0\].weight'\] name no array of the tree"):
+        assert_layout(ms.shard(model, MESH, RULES), MESH, {"inner.layer[0].weight": (16, 8)})
+    with pytest.raises(AssertionError, match=r"is not on the mesh: a numpy\.ndarray, not a jax\.Array"):
+        assert_layout(model, MESH, {"inner.layers[0].bias": (8,)})
+    on_one_device = jax.device_put(model, jax.devices()[0])
+    with pytest.raises(AssertionError, match=r"is on 1 device\(s\), not on the mesh's 8"):
+        assert_layout(on_one_device, MESH, {"inner.layers[2].bias": (16,)})
+
+
+# -- at least something split ------------------------------------------------------------
+REPLICATED = ms.AxisRules(batch="data", embed=None, mlp=None)
+
+
+def test_assert_split_counts_the_arrays_split_over_a_mesh_axis():
+    model, _ = model_and_batch(MEGATRON)
+    assert_split(model, MESH, over="model", rules=RULES, at_least=3)  # both weights and the first bias
+    assert_split(ms.shard(model, MESH, RULES), MESH, over="model", at_least=3)  # read from placed arrays
+    with pytest.raises(
+        AssertionError, match=r"^assert_split: 3 of 4 arrays are split over 'model' .*; at least 4 must be"
+    ):
+        assert_split(model, MESH, over="model", rules=RULES, at_least=4)
+    assert_split(model, MESH, rules=RULES)  # over=None: any mesh axis
+    with pytest.raises(AssertionError, match=r"0 of 4 arrays are split over each of \('data', 'model'\)"):
+        assert_split(model, MESH, over=("data", "model"), rules=RULES)
+
+
+def test_assert_split_names_what_is_and_is_not_split():
+    model, _ = model_and_batch(MEGATRON)
+    wrong = ms.shard(model, MESH, WRONG_RULES)  # mlp went to "data": split, but not over "model"
+    with pytest.raises(AssertionError) as failure:
+        assert_split(wrong, MESH, over="model")
+    assert str(failure.value) == (
+        "assert_split: 0 of 4 arrays are split over 'model' on mesh {'data': 2, 'model': 4}; "
+        "at least 1 must be\n"
+        "  split: none\n"
+        "  not split: inner.layers[0].weight P(None, 'data'), inner.layers[0].bias P('data',), "
+        "inner.layers[2].weight P('data', None), inner.layers[2].bias P(None,)"
+    )
+    assert_split(wrong, MESH, over="data", at_least=3)
+
+
+def test_assert_split_says_when_the_mesh_axis_is_1_wide_and_refuses_a_typo():
+    model, _ = model_and_batch(MEGATRON)
+    narrow = ms.make_mesh({"data": 8, "model": 1})
+    with pytest.raises(
+        AssertionError, match=r"\(mesh axis 'model' is 1 wide: nothing can be split over it\)"
+    ):
+        assert_split(model, narrow, over="model", rules=RULES)
+    with pytest.raises(
+        ValueError, match=r"names mesh axis 'modle', but the mesh's axes are \('data', 'model'\)"
+    ):
+        assert_split(model, MESH, over="modle", rules=RULES)
+
+
+def forward(model, x):
+    return model(x)
+
+
+def test_an_equivalence_test_where_nothing_is_split_fails_unless_told():
+    model, x = model_and_batch(MEGATRON)
+    with compilations() as compiled, pytest.raises(AssertionError) as failure:
+        assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=ms.AxisRules(embed=None, mlp=None))
+    message = str(failure.value)
+    assert message.startswith("assert_sharded_equivalent: 0 of 5 arrays are split over any mesh axis")
+    assert "not split: model.inner.layers[0].weight P(None, None)" in message and "x P()" in message
+    assert message.endswith("(require_split=False to run it anyway)")
+    assert compiled == []  # refused before anything ran
+    no_rules = ms.AxisRules(embed=None, mlp=None)
+    assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=no_rules, require_split=False)
+    assert_sharded_equivalent(
+        forward, model, x, mesh=MESH, rules=REPLICATED
+    )  # the batch is split: data parallel
+
+
+def test_inside_hypothesis_an_example_where_nothing_is_split_is_rejected():
+    ran_on = []
+
+    @settings(settings.get_profile("minishard-ci"), database=None, max_examples=6)
+    @given(meshes(shapes=[(1, 8), (8, 1)]))
+    def tensor_parallel(mesh):  # on 8x1, "model" is 1 wide and no batch rule: nothing is split
+        model, x = model_and_batch(MEGATRON)
+        assert_sharded_equivalent(forward, model, x, mesh=mesh, rules=ms.AxisRules(embed=None, mlp="model"))
+        ran_on.append(dict(mesh.shape))
+
+    tensor_parallel()
+    assert ran_on and all(shape == {"data": 1, "model": 8} for shape in ran_on)
+
+    @settings(settings.get_profile("minishard-ci"), database=None, max_examples=2)
+    @given(meshes(shapes=[(8, 1)]))
+    def never_split(mesh):
+        model, x = model_and_batch(MEGATRON)
+        assert_sharded_equivalent(forward, model, x, mesh=mesh, rules=ms.AxisRules(embed=None, mlp="model"))
+
+    with pytest.raises(Unsatisfiable):
+        never_split()
+
+
+# -- layouts: bad expectations are refused before comparing ---------------------------------
+def test_assert_layout_refuses_a_spec_longer_than_the_array_or_naming_no_mesh_axis():
+    placed = ms.shard(model_and_batch(MEGATRON)[0], MESH, RULES)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "assert_layout: inner.layers[0].weight: P(None, 'model', None) has 3 entries, but the array "
+            "has shape (16, 32) (rank 2)"
+        ),
+    ):
+        assert_layout(placed, MESH, {"inner.layers[0].weight": P(None, "model", None)})
+    with pytest.raises(ValueError, match=r"inner.layers\[0\].bias: \('mlp', None\) has 2 entries.*\(32,\)"):
+        assert_layout(placed, MESH, {"inner.layers[0].bias": ("mlp", None)}, rules=RULES)
+    with pytest.raises(
+        ValueError,
+        match=r"inner.layers\[0\].bias: P\('modle',\) names mesh axis 'modle', but the mesh's axes are "
+        r"\('data', 'model'\)",
+    ):
+        assert_layout(placed, MESH, {"inner.layers[0].bias": P("modle")})
