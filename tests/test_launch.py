@@ -178,6 +178,7 @@ def test_launch_is_a_subcommand_whose_command_keeps_every_word_after_the_first_s
     assert args.command == ["train", "--grace", "--", "-n"]
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # JAX's threads
 def test_a_signal_while_the_processes_start_starts_no_more_and_stops_those_started(monkeypatch, capsys):
     started, popen = [], subprocess.Popen
 
