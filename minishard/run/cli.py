@@ -261,7 +261,11 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
         choices=PRESETS,
         help="a named style's mesh and rules (--mesh and --rules still override)",
     )
-    add("--rules", type=_rules, help="logical=mesh rules, e.g. mlp=model (default: batch=data, mlp=model)")
+    add(
+        "--rules",
+        type=_rules,
+        help="logical=mesh rules, e.g. mlp=model (default: the 2d style's, on the axes of --mesh)",
+    )
     add("--devices", type=_at_least(1), help="CPU devices to simulate when there is no accelerator")
     add("--seed", type=_at_least(0))
     add("--checkpoint-dir", help="save checkpoints here (every --checkpoint-every steps and per epoch)")
