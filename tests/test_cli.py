@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from minishard.run.cli import main
+from minishard.run.cli import cli_rules, main, parse_args, unused_mesh_axes
+from minishard.run.train import TrainingError
 
 needs_mnist = pytest.mark.skipif(
     not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "mnist")),
@@ -67,6 +68,21 @@ BAD_FLAGS = [
     (["--plot", "missing/curves.png"], "argument --plot: the directory of missing/curves.png does not exist"),
     (["--log", "metrics.csv"], "argument --log: metrics.csv must end with one of .jsonl"),
     (["--log", "missing/m.jsonl"], "argument --log: the directory of missing/m.jsonl does not exist"),
+    (["--mes", "data=2,model=4"], "unrecognized arguments: --mes"),  # no abbreviation stands for --mesh
+    (
+        ["--model", "vit", "--layers", "784,10"],
+        "argument --layers: only the MLP takes it, and --model is vit",
+    ),
+    (["--model", "vit", "--activation", "relu"], "argument --activation: only the MLP takes it"),
+    (["--width", "32"], "argument --width: only the ViT takes it, and --model is mlp; add --model vit"),
+    (["--remat"], "argument --remat: only the ViT takes it"),
+    (["--resume-from", "300"], "argument --resume-from: needs --checkpoint-dir"),
+    (["--overwrite"], "argument --overwrite: needs --checkpoint-dir"),
+    (["--overwrite", "--resume", "--checkpoint-dir", "x"], "give --overwrite or --resume, not both"),
+    (
+        ["--overwrite", "--resume-from", "3", "--checkpoint-dir", "x"],
+        "give --overwrite or --resume, not both",
+    ),
 ]
 
 
@@ -78,7 +94,83 @@ def test_a_bad_flag_is_one_error_line_before_any_work(flags, message, tmp_path, 
         main(["train", *flags])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err, err
-    assert err.strip().splitlines()[-1].startswith("minishard train: error:")  # argparse's one line
+    assert err.strip().splitlines()[-1].startswith(("minishard train: error:", "minishard: error:"))
+
+
+def test_the_mesh_is_decided_from_the_parsed_values_however_it_is_spelled():
+    for spelling in (["--mesh", "data=2,model=4"], ["--mesh=data=2,model=4"]):
+        args = parse_args(["train", "--parallel", "dp", *spelling])
+        assert args.mesh == {"data": 2, "model": 4}  # --mesh wins over --parallel's data=8
+    assert parse_args(["train", "--parallel", "dp"]).mesh == {"data": 8}
+    assert parse_args(["train", "--parallel", "fsdp+tp", "--devices", "4"]).mesh == {"data": 2, "model": 2}
+    assert parse_args(["train"]).mesh == {"data": 2, "model": 4}
+
+
+def test_each_model_gets_its_own_defaults():
+    vit, mlp = parse_args(["train", "--model", "vit"]), parse_args(["train"])
+    assert (vit.epochs, vit.schedule, vit.width, vit.remat) == (3, "cosine", 64, False)
+    assert (mlp.epochs, mlp.schedule, mlp.layers, mlp.activation) == (
+        5,
+        "exponential",
+        [784, 512, 10],
+        "swish",
+    )
+    assert mlp.width is None and vit.layers is None  # neither takes the other's shape
+
+
+@pytest.fixture
+def no_data(monkeypatch):
+    """Loading any data raises KeyError: a test that stops before the data load never meets it."""
+    monkeypatch.setattr("minishard.run.cli.DATASETS", {})
+
+
+def test_the_checkpoint_directory_is_checked_before_any_data(tmp_path, capsys, monkeypatch, no_data):
+    calls = []
+
+    def refuse(directory, **flags):
+        calls.append((directory, flags))
+        raise TrainingError(f"{directory} holds another run's checkpoints (steps 850, 900, 936)")
+
+    monkeypatch.setattr("minishard.run.cli.check_checkpoint_dir", refuse)
+    directory = str(tmp_path / "ckpt")
+    assert main(["train", "--checkpoint-dir", directory, "--resume-from", "900"]) == 1
+    assert calls == [(directory, {"resume": True, "resume_from": 900, "overwrite": False})]
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {directory} holds another run's checkpoints (steps 850, 900, 936)"
+    assert main(["train", "--checkpoint-dir", directory, "--overwrite"]) == 1
+    assert calls[-1][1] == {"resume": False, "resume_from": None, "overwrite": True}
+
+
+def test_ctrl_c_before_the_checkpoint_directory_exists_is_one_line(tmp_path, capsys, monkeypatch):
+    def interrupted(args):  # as during the data load or the compile: nothing written yet
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("minishard.run.cli.train", interrupted)
+    missing = tmp_path / "not-yet"
+    assert main(["train", "--checkpoint-dir", str(missing)]) == 130
+    assert capsys.readouterr().err.strip() == f"interrupted: no checkpoint was written in {missing}"
+
+
+def test_a_mesh_axis_no_rule_uses_is_found_from_the_rules():
+    args = parse_args(["train", "--parallel", "fsdp", "--mesh", "data=2,model=4"])
+    assert unused_mesh_axes(args.mesh, cli_rules(args, list(args.mesh))) == ["model"]
+    args = parse_args(["train", "--parallel", "fsdp", "--mesh", "data=2,model=4", "--rules", "mlp=model"])
+    assert unused_mesh_axes(args.mesh, cli_rules(args, list(args.mesh))) == []
+    args = parse_args(["train", "--mesh", "data=8,model=1"])  # one device: nothing is copied
+    assert unused_mesh_axes(args.mesh, cli_rules(args, list(args.mesh))) == []
+
+
+@pytest.mark.slow
+def test_a_mesh_axis_no_rule_uses_is_warned_about_in_one_line(capsys, no_data):
+    small = ["--layers", "784,16,10"]
+    assert main(["train", *small, "--parallel", "fsdp", "--mesh", "data=2,model=4"]) == 1  # stops at the data
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: no rule uses mesh axis 'model': every array is replicated over its 4 devices (they all "
+        "compute the same); add a rule (--rules NAME=model) or drop it from --mesh"
+    ]
+    assert main(["train", *small, "--mesh", "data=2,model=4"]) == 1  # the default rules use both axes
+    assert "warning:" not in capsys.readouterr().err
 
 
 def test_a_mesh_that_does_not_fit_the_devices_stops_before_data(capsys, monkeypatch):
@@ -136,3 +228,31 @@ def test_explain_prints_and_draws_the_plan_of_a_default_model(tmp_path, capsys):
     assert picture.read_bytes()[:4] == b"\x89PNG"
     assert main(["explain", "--model", "vit", "--parallel", "tp"]) == 1  # 8 "model" devices, 4 heads
     assert "heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--plot", "missing/plan.png"], "argument --plot: the directory of missing/plan.png does not exist"),
+        (["--plot", "plan.txt"], "argument --plot: plan.txt must end with one of .png, .pdf, .svg"),
+        (["--dev", "4"], "unrecognized arguments: --dev"),
+        (["--devices", "0"], "argument --devices: must be at least 1"),
+    ],
+)
+def test_explain_checks_its_flags_before_the_report(flags, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", *flags])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and message in err and out == "", err
+    assert err.strip().splitlines()[-1].startswith(("minishard explain: error:", "minishard: error:"))
+
+
+def test_explain_plans_its_own_model_on_any_device_count(capsys):
+    # The style's own rules and mesh, no train command line: 100000 devices need no batch to split.
+    assert main(["explain", "--parallel", "dp", "--devices", "100000"]) == 0
+    assert capsys.readouterr().out.startswith("mlp under dp on 100000 devices")
+    assert main(["explain", "--devices", "100000"]) == 1  # 2d: data=2 x model=50000 cannot split 512
+    err = capsys.readouterr().err
+    assert err.startswith("error: layers[0].weight:") and "mesh axis 'model'=50000" in err
+    assert "usage:" not in err and len(err.strip().splitlines()) == 1

@@ -1,13 +1,14 @@
-"""``minishard train``: the command line over ``minishard.run.train.fit``.
+"""``minishard train | explain | launch``: the command line over ``minishard.run.train.fit``.
 
 >>> args = parse_args(["train", "--mesh", "data=2,model=4", "--rules", "mlp=model"])
 >>> args.mesh, args.rules, args.layers
 ({'data': 2, 'model': 4}, {'mlp': 'model'}, [784, 512, 10])
 
 Everything here is argument parsing and printing; the work happens in
-``fit``. One subtlety: simulated CPU devices must be requested through
-``XLA_FLAGS`` before JAX starts its backend (at the first ``jax.devices()``,
-not at ``import jax``), so ``main`` sets the flag before it asks for devices.
+``fit``, ``minishard.explain`` and ``minishard.run.launch``. One subtlety:
+simulated CPU devices must be requested through ``XLA_FLAGS`` before JAX
+starts its backend (at the first ``jax.devices()``, not at ``import jax``),
+so ``main`` sets the flag before it asks for devices.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -24,11 +25,11 @@ import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first
 import jax.numpy as jnp
 
 from minishard.layers import ACTIVATIONS, megatron_axes, mlp
-from minishard.models.vit import VIT_AXES, ViT
+from minishard.models.vit import ViT
 from minishard.optim import SGD, Schedule, exponential_decay, warmup_cosine_decay
 from minishard.presets import PRESETS, preset
 from minishard.report import explain
-from minishard.rules import AxisRules, ShardingError
+from minishard.rules import AxisRules, MeshAxes, ShardingError
 from minishard.run import distributed, launch
 from minishard.run.data import DATASET_INFO, DATASETS, DataError
 from minishard.run.render import plot_report, show
@@ -39,33 +40,46 @@ try:  # orbax is an optional extra (minishard[checkpoint])
     from minishard.run.checkpoint import CheckpointError
 except ImportError:
     CheckpointError = TrainingError  # type: ignore[misc,assignment]  # never raised without orbax
+try:  # TODO(W1): import directly once train.check_checkpoint_dir and fit's resume_from=/overwrite= land
+    from minishard.run.train import check_checkpoint_dir  # type: ignore[attr-defined,unused-ignore]
+except ImportError:
+    check_checkpoint_dir = None
+try:  # TODO(M): import directly once presets.rules_for_mesh lands; this fallback is a copy of it
+    from minishard.presets import rules_for_mesh  # type: ignore[attr-defined,unused-ignore]
+except ImportError:
+    from minishard.presets import LOGICAL_AXES
+
+    def rules_for_mesh(mesh_axes: Sequence[str], overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
+        splits = {axis: target for axis, target in preset("2d", 2)[1].pairs if target in mesh_axes}
+        return AxisRules(**{**{axis: splits.get(axis) for axis in LOGICAL_AXES}, **overrides})
+
 
 HIDDEN = {"mnist": [512], "cats_vs_dogs": [2048, 1024]}
 """Hidden layer sizes of each dataset's classic MLP; inputs and classes come from DATASET_INFO."""
+DEFAULT_MESH = "data=2,model=4"
+"""The mesh without --mesh or --parallel (with --parallel: the style's mesh)."""
 DEFAULTS = dict(
     model="mlp",
     dataset="mnist",
-    layers=None,  # the dataset's classic MLP
-    activation="swish",
-    width=64,
-    depth=4,
-    heads=4,
-    patch_size=7,
-    mlp_ratio=2,
     batch_size=128,
     decay_rate=0.7,
     decay_steps=1000,
     momentum=0.9,
-    mesh="data=2,model=4",
-    rules="",
     devices=8,
     seed=0,
 )
-MODEL_DEFAULTS = {
-    "mlp": dict(epochs=5, lr=0.2, schedule="exponential", warmup_steps=0),
-    "vit": dict(epochs=6, lr=0.1, schedule="cosine", warmup_steps=300),
+MODEL_FLAGS: dict[str, dict[str, Any]] = {
+    "mlp": dict(layers=None, activation="swish"),  # layers None: the dataset's classic MLP
+    "vit": dict(width=64, depth=4, heads=4, patch_size=7, mlp_ratio=2, remat=False),
 }
-"""What differs between the two models' defaults: a transformer wants a warmup and a cosine."""
+"""The flags that shape each model, with their defaults; giving one to the other model is an error."""
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mlp": dict(epochs=5, lr=0.2, schedule="exponential", warmup_steps=0),
+    "vit": dict(epochs=3, lr=0.1, schedule="cosine", warmup_steps=300),
+}
+"""What differs between the two models' training defaults: a transformer wants a warmup and a cosine.
+The ViT's 3 epochs (136-217 s each on 2 CPU cores): 0.971 test accuracy after epoch 3 of a 6-epoch
+cosine was measured; a 3-epoch cosine has finished its decay there."""
 
 
 def _sizes(text: str) -> list[int]:
@@ -145,19 +159,44 @@ def _rules(text: str) -> dict[str, str | None]:
     return {name: None if value.lower() in ("", "none") else value for name, value in _pairs(text).items()}
 
 
+EXPLAIN_HELP = "print (and --plot) the plan of a default model under a named style"
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 LOG_FORMATS = (".jsonl", ".json", ".log", ".txt")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse ``minishard train ...`` and check every flag before any data is loaded.
+    """Parse ``minishard train|explain|launch ...`` and check every flag before any work.
 
-    Mesh and rules come back as dicts, layers as a list. A bad flag exits with
-    argparse's one-line ``error: argument --flag: ...`` and status 2.
+    For ``train``, mesh and rules come back as dicts, layers as a list. A bad
+    flag exits with argparse's one-line ``error: argument --flag: ...`` and
+    status 2. No flag may be abbreviated (``--mes`` is not ``--mesh``).
     """
-    parser = argparse.ArgumentParser(prog="minishard", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train an MLP on MNIST (or cats_vs_dogs) on a device mesh")
+    parser = argparse.ArgumentParser(
+        prog="minishard", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
+    commands = parser.add_subparsers(dest="subcommand", required=True)  # launch has its own "command"
+    add = commands.add_parser  # allow_abbrev is per parser: each subcommand parses its own flags
+    train = add(
+        "train", help="train an MLP or a ViT on MNIST (or cats_vs_dogs) on a device mesh", allow_abbrev=False
+    )
+    add_train_arguments(train)
+    explainer = add("explain", help=EXPLAIN_HELP, allow_abbrev=False)
+    add_explain_arguments(explainer)
+    launcher = add(
+        "launch", help=launch.HELP, description=launch.HELP, epilog=launch.EXAMPLE, allow_abbrev=False
+    )
+    launch.add_arguments(launcher)
+    args = parser.parse_args(argv)
+    if args.subcommand == "launch":
+        return launch.check(args, launcher.error)
+    if args.subcommand == "explain":
+        _check_output("--plot", args.plot, PLOT_FORMATS, explainer.error)
+        return _fill_model_defaults(args)
+    return _finish_train(args, train.error)  # "minishard train: error: ...", as argparse words its own
+
+
+def add_train_arguments(train: argparse.ArgumentParser) -> None:
+    """``minishard train``'s flags. A flag whose default is ``None`` was not given (see ``_finish_train``)."""
     train.set_defaults(**DEFAULTS)
     add = train.add_argument
     add(
@@ -167,22 +206,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add(
         "--layers",
         type=_sizes,
-        help="layer sizes (default: 784,512,10 for mnist, 120000,2048,1024,2 for cats_vs_dogs)",
+        help="MLP: layer sizes (default: 784,512,10 for mnist, 120000,2048,1024,2 for cats_vs_dogs)",
     )
-    add("--activation", choices=sorted(ACTIVATIONS))
-    add("--width", type=_at_least(1), help="ViT: features per token (default %(default)s)")
-    add("--depth", type=_at_least(1), help="ViT: transformer blocks (default %(default)s)")
-    add("--heads", type=_at_least(1), help="ViT: attention heads; must divide --width (default %(default)s)")
+    add("--activation", choices=sorted(ACTIVATIONS), help="MLP: between layers (default swish)")
+    vit = MODEL_FLAGS["vit"]
+    add("--width", type=_at_least(1), help=f"ViT: features per token (default {vit['width']})")
+    add("--depth", type=_at_least(1), help=f"ViT: transformer blocks (default {vit['depth']})")
+    add(
+        "--heads",
+        type=_at_least(1),
+        help=f"ViT: attention heads; must divide --width (default {vit['heads']})",
+    )
     add(
         "--patch-size",
         type=_at_least(1),
-        help="ViT: square patches; must divide the image (default %(default)s)",
+        help=f"ViT: square patches; must divide the image (default {vit['patch_size']})",
     )
-    add("--mlp-ratio", type=_at_least(1), help="ViT: MLP hidden units per feature (default %(default)s)")
     add(
-        "--remat", action="store_true", help="ViT: recompute each block in the backward pass (jax.checkpoint)"
+        "--mlp-ratio",
+        type=_at_least(1),
+        help=f"ViT: MLP hidden units per feature (default {vit['mlp_ratio']})",
     )
-    add("--epochs", type=_at_least(1), help="total epochs, also when resuming (default: mlp 5, vit 6)")
+    add(
+        "--remat",
+        action="store_true",
+        default=None,
+        help="ViT: recompute each block in the backward pass (jax.checkpoint)",
+    )
+    add("--epochs", type=_at_least(1), help="total epochs, also when resuming (default: mlp 5, vit 3)")
     add("--batch-size", type=_at_least(1), help="global batch size (default %(default)s)")
     add("--lr", type=_positive, help="initial (or peak) learning rate (default: mlp 0.2, vit 0.1)")
     add(
@@ -199,20 +250,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--decay-steps", type=_at_least(1))
     add("--staircase", action="store_true", help="decay in steps rather than smoothly")
     add("--momentum", type=_momentum, help="in [0, 1) (default %(default)s)")
-    add("--mesh", type=_mesh, help="mesh axes, e.g. data=2,model=4 (default %(default)s)")
+    add(
+        "--mesh",
+        type=_mesh,
+        help=f"mesh axes, e.g. data=2,model=4 (default: --parallel's, else {DEFAULT_MESH})",
+    )
     add("--explicit", action="store_true", help="Explicit mesh axes: shardings are part of array types")
     add(
         "--parallel",
         choices=PRESETS,
         help="a named style's mesh and rules (--mesh and --rules still override)",
     )
-    add("--rules", type=_rules, help="logical=mesh rules, e.g. mlp=model (default: batch=data, mlp=model)")
+    add(
+        "--rules",
+        type=_rules,
+        help="logical=mesh rules, e.g. mlp=model (default: the 2d style's, on the axes of --mesh)",
+    )
     add("--devices", type=_at_least(1), help="CPU devices to simulate when there is no accelerator")
     add("--seed", type=_at_least(0))
     add("--checkpoint-dir", help="save checkpoints here (every --checkpoint-every steps and per epoch)")
     add("--checkpoint-every", type=_at_least(1), default=None, help="steps between checkpoints")
     add("--keep", type=_at_least(1), default=3, help="checkpoints to keep (default %(default)s)")
     add("--resume", action="store_true", help="continue from the latest good checkpoint")
+    add(
+        "--resume-from",
+        metavar="STEP",
+        type=_at_least(0),
+        help="continue from this checkpoint (implies --resume)",
+    )
+    add(
+        "--overwrite",
+        action="store_true",
+        help="a fresh run may delete the checkpoints another run left in --checkpoint-dir",
+    )
     add("--plot", help=f"write a chart of loss and accuracy ({', '.join(PLOT_FORMATS)})")
     add("--log", help="append JSON lines of metrics (per epoch, and every 100 steps)")
     add("--data-dir", help="TFDS data directory (default: $TFDS_DATA_DIR, then ~/tensorflow_datasets)")
@@ -223,29 +293,54 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add("--debug", action="store_true", help="show the full traceback of an unexpected error")
     distributed.add_arguments(train)  # --coordinator, --num-processes, --process-id, --init-timeout
-    commands.add_parser("launch", help=launch.HELP, add_help=False)
-    commands.add_parser(
-        "explain", help="print (and --plot) the plan of a default model", add_help=False
-    )  # listed here, parsed by launch.main
-    args = parser.parse_args(argv)
-    if args.parallel and "--mesh" not in (argv if argv is not None else sys.argv):
-        args.mesh = preset(args.parallel, args.devices)[0]
-    for name, parse in (("mesh", _mesh), ("rules", _rules)):  # argparse leaves string defaults as they are
-        if isinstance(getattr(args, name), str):
-            setattr(args, name, parse(getattr(args, name)))
+
+
+def add_explain_arguments(explainer: argparse.ArgumentParser) -> None:
+    """``minishard explain``'s flags: a default model, a named style, a device count."""
+    explainer.description = explain_command.__doc__
+    explainer.set_defaults(dataset="mnist")  # the default model's shapes: MNIST's
+    add = explainer.add_argument
+    add("--model", choices=sorted(MODEL_DEFAULTS), default="mlp", help="(default %(default)s)")
+    add("--parallel", choices=PRESETS, default="2d", help="(default %(default)s)")
+    add("--devices", type=_at_least(1), default=8, help="(default %(default)s)")
+    add("--plot", help=f"draw which devices hold each block of each parameter ({', '.join(PLOT_FORMATS)})")
+
+
+def _finish_train(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> argparse.Namespace:
+    """Fill in what was not given (per model, per style) and check the flags together."""
+    for other, flags in MODEL_FLAGS.items():  # a flag of the other model would be silently ignored
+        if given := [name for name in flags if other != args.model and getattr(args, name) is not None]:
+            flag, model = "--" + given[0].replace("_", "-"), {"mlp": "MLP", "vit": "ViT"}[other]
+            error(
+                f"argument {flag}: only the {model} takes it, and --model is {args.model}; "
+                f"add --model {other}"
+            )
+    if args.mesh is None:  # decided from the parsed values: --mesh given (in any spelling) always wins
+        args.mesh = preset(args.parallel, args.devices)[0] if args.parallel else _mesh(DEFAULT_MESH)
+    args.rules = args.rules or {}
+    args.resume = args.resume or args.resume_from is not None
     for name, value in MODEL_DEFAULTS[args.model].items():  # what the user did not set, per model
         if getattr(args, name, None) is None:
             setattr(args, name, value)
-    info = DATASET_INFO[args.dataset]
-    args.layers = args.layers or [info.num_features, *HIDDEN[args.dataset], info.num_classes]
-    _check_together(args, train.error)  # "minishard train: error: ...", as argparse words its own
+    _check_together(_fill_model_defaults(args), error)
+    return args
+
+
+def _fill_model_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The shape of ``args.model`` from its flags, or their defaults (MLP: the dataset's classic sizes)."""
+    for name, value in MODEL_FLAGS[args.model].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.model == "mlp" and args.layers is None:
+        info = DATASET_INFO[args.dataset]
+        args.layers = [info.num_features, *HIDDEN[args.dataset], info.num_classes]
     return args
 
 
 def _check_together(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
     """The checks that need several flags at once (each ends with a one-line ``error:``)."""
     info = DATASET_INFO[args.dataset]
-    if args.layers[0] != info.num_features or args.layers[-1] != info.num_classes:
+    if args.model == "mlp" and (args.layers[0] != info.num_features or args.layers[-1] != info.num_classes):
         error(
             f"argument --layers: must start with {info.num_features} inputs and end with "
             f"{info.num_classes} classes for {args.dataset}, got {','.join(map(str, args.layers))}"
@@ -256,10 +351,17 @@ def _check_together(args: argparse.Namespace, error: Callable[[str], NoReturn]) 
             error(f"argument --heads: {args.heads} heads must divide --width {args.width}")
         if height % args.patch_size:
             error(f"argument --patch-size: {args.patch_size} must divide the image size {height}")
-    elif args.remat:
-        error("argument --remat: only the ViT has blocks to recompute; add --model vit")
+    if not args.checkpoint_dir:
+        for flag, given in (("--resume-from", args.resume_from is not None), ("--overwrite", args.overwrite)):
+            if given:
+                error(f"argument {flag}: needs --checkpoint-dir")
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.overwrite and args.resume:
+        error(
+            "argument --overwrite: a resumed run keeps its checkpoints; "
+            "give --overwrite or --resume, not both"
+        )
     data_ways = args.mesh.get("data", 1)
     if args.batch_size % data_ways:
         error(
@@ -275,13 +377,20 @@ def _check_together(args: argparse.Namespace, error: Callable[[str], NoReturn]) 
         error(f"argument --batch-size: {args.batch_size} exceeds the {info.train_examples} training examples")
     if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         error(f"argument --checkpoint-dir: {args.checkpoint_dir} is a file, not a directory")
-    for flag, path, formats in (("--plot", args.plot, PLOT_FORMATS), ("--log", args.log, LOG_FORMATS)):
-        if path is None:
-            continue
-        if os.path.splitext(path)[1].lower() not in formats:
-            error(f"argument {flag}: {path} must end with one of {', '.join(formats)}")
-        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            error(f"argument {flag}: the directory of {path} does not exist; create it first")
+    _check_output("--plot", args.plot, PLOT_FORMATS, error)
+    _check_output("--log", args.log, LOG_FORMATS, error)
+
+
+def _check_output(
+    flag: str, path: str | None, formats: Sequence[str], error: Callable[[str], NoReturn]
+) -> None:
+    """A file to write at the end: its format and its directory are checked at the start."""
+    if path is None:
+        return
+    if os.path.splitext(path)[1].lower() not in formats:
+        error(f"argument {flag}: {path} must end with one of {', '.join(formats)}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        error(f"argument {flag}: the directory of {path} does not exist; create it first")
 
 
 def simulate_devices(count: int) -> None:
@@ -294,24 +403,33 @@ def simulate_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{current} --xla_force_host_platform_device_count={count}".strip()
 
 
-def default_rules(
-    mesh_axes: Sequence[str], user: dict[str, str | None], model: str = "mlp"
-) -> dict[str, Any]:
-    """The CLI's rules, then the user's: the batch over "data"; MLP hidden units (and the ViT's
-    heads) over "model", when the mesh has those axes; every other logical axis replicated."""
-    model_axis = "model" if "model" in mesh_axes else None
-    rules: dict[str, Any] = {"batch": "data" if "data" in mesh_axes else None, "embed": None, "classes": None}
-    rules["mlp"] = model_axis
-    if model == "vit":
-        rules.update({name: None for name in VIT_AXES if name not in rules}, heads=model_axis)
-    return {**rules, **user}
-
-
 def cli_rules(args: argparse.Namespace, mesh_axes: Sequence[str]) -> AxisRules:
-    """``--parallel``'s ordered rules (``--rules`` first, so they win), or the default rules."""
+    """``--parallel``'s ordered rules (``--rules`` first, so they win), or the rules for this mesh."""
     if not args.parallel:
-        return AxisRules(**default_rules(mesh_axes, args.rules, args.model))
+        return rules_for_mesh(mesh_axes, args.rules)
     return AxisRules.from_pairs([*args.rules.items(), *preset(args.parallel, args.devices)[1].pairs])
+
+
+def unused_mesh_axes(mesh: Mapping[str, int], rules: AxisRules) -> list[str]:
+    """The mesh axes (of more than one device) that no rule names: every array is whole on each.
+
+    >>> unused_mesh_axes({"data": 2, "model": 4}, AxisRules(batch="data", mlp=None))
+    ['model']
+    """
+    named = {
+        axis for _, target in rules.pairs for axis in ((target,) if isinstance(target, str) else target or ())
+    }
+    return [axis for axis, size in mesh.items() if size > 1 and axis not in named]
+
+
+def warn_unused(mesh: Mapping[str, int], rules: AxisRules) -> None:
+    """One ``warning:`` line per mesh axis no rule uses: it only makes copies."""
+    for axis in unused_mesh_axes(mesh, rules):
+        print(
+            f"warning: no rule uses mesh axis {axis!r}: every array is replicated over its {mesh[axis]} "
+            f"devices (they all compute the same); add a rule (--rules NAME={axis}) or drop it from --mesh",
+            file=sys.stderr,
+        )
 
 
 def build_model(args: argparse.Namespace, key: Any) -> Any:
@@ -333,6 +451,13 @@ def learning_rate(args: argparse.Namespace, steps_per_epoch: int) -> Schedule:
 
 def train(args: argparse.Namespace) -> int:
     """Run ``fit`` as the arguments say; 0 on success, 2 on a mesh that does not fit the devices."""
+    resume = dict(resume=args.resume)
+    if check_checkpoint_dir is not None:  # TODO(W1): always, once it lands
+        resume.update(resume_from=args.resume_from, overwrite=args.overwrite)
+        if (
+            args.checkpoint_dir
+        ):  # another run's checkpoints, a read-only disk, a missing step: before any work
+            check_checkpoint_dir(args.checkpoint_dir, **resume)
     devices = jax.devices()  # with several processes: the devices of all of them
     if jax.process_count() > 1:
         print(f"{jax.process_count()} processes x {jax.local_device_count()} devices: {len(devices)} in all")
@@ -353,6 +478,8 @@ def train(args: argparse.Namespace) -> int:
     rules = cli_rules(args, mesh.axis_names)
     distributed.check_batch_split(Sharded(mesh, rules).batch_sharding, args.batch_size)
     model = build_model(args, jax.random.key(args.seed))
+    if distributed.is_main_process():
+        warn_unused(args.mesh, rules)
     print(f"Rules: {rules}")
     show(explain(model, mesh, rules))  # plans every parameter: a rule that cannot work fails here
     load = DATASETS[args.dataset]
@@ -372,7 +499,7 @@ def train(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         keep=args.keep,
-        resume=args.resume,
+        **resume,
         metrics_log=args.log if distributed.is_main_process() else None,  # one writer per file
         log_every=20,
     )
@@ -425,17 +552,21 @@ def plot_history(history: list[dict[str, Any]], path: str, schedule: Schedule | 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``minishard`` console script: parse, set up simulated devices, train.
+    """The ``minishard`` console script: ``train``, ``explain`` or ``launch``, as parsed.
 
     Every failure reaches the user as one ``error:`` line (``--debug`` shows the
     traceback); Ctrl-C stops with one line that says where to resume from.
     """
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["launch"]:  # minishard launch -n 2 -- train ...: N processes of this same main
-        return launch.main(argv[1:])
-    if argv[:1] == ["explain"]:  # no devices, no data: shapes only
-        return explain_command(argv[1:])
     args = parse_args(argv)
+    if args.subcommand == "launch":  # minishard launch -n 2 -- train ...: N processes of this same main
+        return launch.run(args)
+    if args.subcommand == "explain":  # no devices, no data: shapes only
+        return explain_command(args)
+    return train_command(args)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    """Set up simulated devices, join the run, ``train``; every way out is one line and a status."""
     simulate_devices(args.devices)  # per process: with 2 processes, --devices 4 makes 8 in all
     try:
         # Join the run that the flags or the environment describe (nothing to do for one process).
@@ -459,40 +590,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         return distributed.leave(1)
 
 
-def explain_command(argv: Sequence[str]) -> int:
+def explain_command(args: argparse.Namespace) -> int:
     """``minishard explain --parallel fsdp [--model vit] [--plot FILE]``: the plan of a default model.
 
     Nothing is trained or allocated: the model is built by ``jax.eval_shape`` and
-    planned on an ``AbstractMesh``, so any device count works on any machine.
+    planned on an ``AbstractMesh`` with the style's rules, so any device count
+    works on any machine.
     """
-    parser = argparse.ArgumentParser(prog="minishard explain", description=explain_command.__doc__)
-    parser.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="mlp")
-    parser.add_argument("--parallel", choices=PRESETS, default="2d", help="(default %(default)s)")
-    parser.add_argument("--devices", type=_at_least(1), default=8, help="(default %(default)s)")
-    parser.add_argument("--plot", help="draw which devices hold each block of each parameter (.png)")
-    options = parser.parse_args(argv)
-    flags = ["--model", options.model, "--parallel", options.parallel, "--devices", str(options.devices)]
-    args = parse_args(["train", *flags, "--batch-size", str(options.devices * 16)])
-    mesh = jax.sharding.AbstractMesh(tuple(args.mesh.values()), tuple(args.mesh))
+    shape, rules = preset(args.parallel, args.devices)
+    mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
     model = jax.eval_shape(lambda: build_model(args, jax.random.key(0)))
     try:
-        report = explain(model, mesh, cli_rules(args, mesh.axis_names))
+        report = explain(model, mesh, rules)
     except ShardingError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"{options.model} under {options.parallel} on {options.devices} devices")
+    warn_unused(shape, rules)
+    print(f"{args.model} under {args.parallel} on {args.devices} devices")
     show(report)
-    if options.plot:
-        plot_report(report, options.plot)
-        print(f"Wrote {options.plot}")
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"Wrote {args.plot}")
     return 0
 
 
 def _latest_checkpoint(directory: str | None) -> str:
-    """``"; the latest checkpoint is step 300 in runs/x: ..."``, read from the directory listing."""
-    steps = sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit()) if directory else []
+    """``"; the latest checkpoint is step 300 in runs/x: ..."``, read from the directory listing.
+
+    Ctrl-C may come before the directory exists (during the data load or the compile).
+    """
+    if not directory:
+        return ""
+    try:
+        steps = sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit())
+    except OSError:  # not created yet (or unreadable): nothing was written there
+        steps = []
     if not steps:
-        return ": no checkpoint was written" if directory else ""
+        return f": no checkpoint was written in {directory}"
     return f"; the latest checkpoint is step {steps[-1]} in {directory}: continue with --resume"
 
 

@@ -21,7 +21,9 @@ What it does, and why each matters with N processes:
   wait forever in their next collective. So the first failure stops the rest
   (SIGTERM, then SIGKILL after ``--grace`` seconds), and the launcher exits
   with that process's status and a line naming its rank.
-* **Passes Ctrl-C on** to every process (a second Ctrl-C kills them).
+* **Passes Ctrl-C (and SIGTERM) on** to every process, whenever it comes: while
+  they start, before they import JAX, mid-run; a second one kills them, and
+  what does not stop within ``--grace`` seconds is killed. It exits 130 (143).
 * **Leaves no orphans.** Each process leads its own process group, which is
   what gets signalled, and on Linux it is killed if the launcher itself dies.
 """
@@ -32,6 +34,7 @@ import argparse
 import contextlib
 import ctypes
 import functools
+import math
 import os
 import re
 import signal
@@ -40,8 +43,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import IO, Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import IO, Any, NoReturn, TextIO
 
 MINISHARD_COMMANDS = ("train",)
 """Words after ``--`` that mean ``python -m minishard <word> ...``; anything else runs as given."""
@@ -52,18 +55,11 @@ GLOO_CONNECTED = re.compile(r"(\[Gloo\] Rank )*(\d+ )?is connected to \d+ peer r
 sometimes two threads' copies interleaved. It says that all is well; the launcher drops it."""
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """``-n N [--devices-per-process K] [--grace S] -- COMMAND ...``.
+EXAMPLE = "example: minishard launch -n 2 --devices-per-process 4 -- train --mesh data=2,model=4"
 
-    >>> args = parse_args(["-n", "2", "--", "train", "--epochs", "1"])
-    >>> args.processes, args.devices_per_process, args.command
-    (2, 4, ['train', '--epochs', '1'])
-    """
-    parser = argparse.ArgumentParser(
-        prog="minishard launch",
-        description=HELP,
-        epilog="example: minishard launch -n 2 --devices-per-process 4 -- train --mesh data=2,model=4",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The launcher's flags, and the command after ``--`` (``check`` finishes them)."""
     add = parser.add_argument
     add("-n", "--processes", type=int, required=True, help="processes to start")
     add(
@@ -80,23 +76,45 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="seconds between SIGTERM (or Ctrl-C) and SIGKILL when stopping (default %(default)s)",
     )
     add("command", nargs=argparse.REMAINDER, help="after --: train ... or any program")
-    argv = list(argv)
-    # Everything after the first "--" is the command, even words that look like our own flags.
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:split])
+
+
+def check(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> argparse.Namespace:
+    """Refuse what cannot run, each with argparse's one-line ``error:``; ``args.command`` loses its ``--``.
+
+    Everything after the first ``--`` is the command, even words that look like our own flags
+    (argparse keeps that ``--`` at the head of a ``REMAINDER``).
+    """
     for flag, value in (("-n", args.processes), ("--devices-per-process", args.devices_per_process)):
         if value < 1:
-            parser.error(f"argument {flag}: must be at least 1, got {value}")
+            error(f"argument {flag}: must be at least 1, got {value}")
     if args.port is not None and not 0 < args.port < 65536:
-        parser.error(f"argument --port: must be a port number in 1..65535, got {args.port}")
-    if args.command:
-        parser.error(f"unrecognized arguments: {' '.join(args.command)} (put the command after --)")
-    args.command = argv[split + 1 :]
+        error(f"argument --port: must be a port number in 1..65535, got {args.port}")
+    if not 0 <= args.grace < math.inf:  # NaN fails too
+        error(f"argument --grace: must be a number of seconds >= 0, got {args.grace:g}")
+    command = list(args.command)
+    if command[:1] != ["--"] and command:
+        before = command[: command.index("--")] if "--" in command else command
+        error(f"unrecognized arguments: {' '.join(before)} (put the command after --)")
+    args.command = command[1:]
     if not args.command:
-        parser.error("no command: put it after --, e.g. minishard launch -n 2 -- train --epochs 1")
+        error("no command: put it after --, e.g. minishard launch -n 2 -- train --epochs 1")
     if args.command[0] == "launch":
-        parser.error("a launch cannot launch launches")
+        error("a launch cannot launch launches")
     return args
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``-n N [--devices-per-process K] [--grace S] -- COMMAND ...`` (``minishard launch`` parses the same).
+
+    >>> args = parse_args(["-n", "2", "--", "train", "--epochs", "1"])
+    >>> args.processes, args.devices_per_process, args.command
+    (2, 4, ['train', '--epochs', '1'])
+    """
+    parser = argparse.ArgumentParser(
+        prog="minishard launch", description=HELP, epilog=EXAMPLE, allow_abbrev=False
+    )
+    add_arguments(parser)
+    return check(parser.parse_args(argv), parser.error)
 
 
 def command_line(command: Sequence[str]) -> list[str]:
@@ -136,15 +154,19 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``minishard launch ...``: start the processes, relay their output, return the run's status."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def run(args: argparse.Namespace) -> int:
+    """Start the processes ``args`` (``parse_args``) describes, relay their output, return the status."""
     address = f"127.0.0.1:{args.port or free_port()}"
     command = command_line(args.command)
     envs = [
         environment(rank, args.processes, address, args.devices_per_process) for rank in range(args.processes)
     ]
     return Launch(command, envs, grace=args.grace).run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m minishard.run.launch ...``, as ``minishard launch ...``."""
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
 
 
 class Launch:
@@ -172,6 +194,8 @@ class Launch:
     def _start(self) -> None:
         address = self.envs[0]["JAX_COORDINATOR_ADDRESS"]
         for rank, env in enumerate(self.envs):
+            if self.signalled is not None:  # stopped while starting: start no more
+                break
             try:
                 process = subprocess.Popen(
                     self.command,
@@ -214,7 +238,13 @@ class Launch:
         return code if code > 0 else 128 - code  # killed by signal S: the shell's 128 + S
 
     def _interrupted(self, signum: int) -> int:
-        self._say(f"launch: {signal.Signals(signum).name}: stopping all {len(self.processes)} processes")
+        name, started, wanted = signal.Signals(signum).name, len(self.processes), len(self.envs)
+        which = (
+            f"all {started} processes"
+            if started == wanted
+            else f"the {started} of {wanted} processes started so far"
+        )
+        self._say(f"launch: {name}: stopping {which}")
         self._stop(signum, wait=self.grace)
         return 128 + signum
 
@@ -266,7 +296,13 @@ def _describe(code: int) -> str:
 
 
 def _die_with_parent(launcher: int) -> None:
-    """In the child, before exec: ask Linux for SIGKILL when the launcher dies (even by SIGKILL)."""
+    """In the child, before exec: ask Linux for SIGKILL when the launcher dies (even by SIGKILL).
+
+    Also drop the launcher's signal handlers, so that a signal sent between fork and exec
+    stops the child (the default) instead of running the launcher's handler in it.
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
         if os.getppid() != launcher:  # it died before we asked

@@ -1,0 +1,73 @@
+"""The program that launched tests run, and the helpers that start it.
+
+    minishard launch -n 2 --devices-per-process 4 -- python tests/launched.py train ...
+
+runs the real ``minishard train`` (``cli.main``) in each process on a small
+synthetic MNIST, so each process starts in seconds instead of importing
+TensorFlow for a minute. Used by tests/test_launch.py and tests/test_distributed.py;
+every subprocess runs under a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minishard.run import cli
+from minishard.run.data import Dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ["train", "--layers", "784,32,10", "--batch-size", "64", "--mesh", "data=2,model=4"]
+"""16 steps per epoch on the synthetic set below; a data=2 x model=4 mesh (Megatron MLP, batch split)."""
+
+
+def synthetic_mnist(split: str, batch_size: int, *, shuffle_seed: int = 0, flatten: bool = True, **options):
+    """MNIST-shaped random images with one bright row per class: learnable, and no TensorFlow."""
+    options.pop("data_dir", None), options.pop("download", None)
+    n = 1024 if split == "train" else 256
+    rng = np.random.default_rng(0 if split == "train" else 1)
+    labels = rng.integers(0, 10, n)
+    images = rng.integers(0, 32, (n, 28, 28, 1), dtype=np.uint8)
+    images[np.arange(n), 2 * labels, :, 0] = 255  # class c lights up row 2c
+    shuffle = split == "train"
+    return Dataset(
+        images, labels, batch_size, shuffle=shuffle, shuffle_seed=shuffle_seed, flatten=flatten, **options
+    )
+
+
+def launch_command(args: list[str], *, processes: int = 2, devices: int = 4, grace: float = 5.0) -> list[str]:
+    """``minishard launch -n 2 --devices-per-process 4 -- python tests/test_launch.py <args>``.
+
+    The launched runs share one persistent compilation cache: the second one compiles little.
+    """
+    command = [sys.executable, "-m", "minishard", "launch", "-n", str(processes), "--grace", str(grace)]
+    command += ["--devices-per-process", str(devices), "--", sys.executable, __file__, *args]
+    return [*command, "--compile-cache", str(COMPILE_CACHE)] if args[0] == "train" else command
+
+
+def run_launch(args: list[str], *, devices: int = 4, timeout: float = 120) -> subprocess.CompletedProcess:
+    command = launch_command(args, devices=devices)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+COMPILE_CACHE = Path(tempfile.gettempdir()) / f"minishard-test-launch-{os.getuid()}"
+
+
+@pytest.fixture(scope="module")
+def fresh_compile_cache():
+    """One compilation cache per test module, removed after it."""
+    shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
+    yield
+    shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
+
+
+if __name__ == "__main__":  # one process of a launched run: the real CLI on the synthetic data
+    cli.DATASETS["mnist"] = synthetic_mnist
+    sys.exit(cli.main(sys.argv[1:]))
