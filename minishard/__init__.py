@@ -18,6 +18,12 @@ Read the modules in this order; each teaches one idea, and imports only the ones
   your own models' sharding.
 """
 
+import signal as _signal
+
+# A Ctrl-C that lands while JAX imports can be swallowed there (inside its gc callback), and a
+# launcher would run on: SIGINT and SIGTERM wait until these imports are done, then arrive.
+_held = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT, _signal.SIGTERM})
+
 from minishard import tree
 from minishard.census import Collective, collectives
 from minishard.layers import Layer, Linear, ReLU, Sequential, Swish, megatron_axes, mlp
@@ -26,6 +32,8 @@ from minishard.optim import SGD, SGDState, exponential_decay, warmup_cosine_deca
 from minishard.report import Report, explain
 from minishard.rules import AxisRules, LogicalAxes, ShardingError
 from minishard.sharding import Plan, Sharded, make_mesh, partition_specs, plan, shard
+
+_signal.pthread_sigmask(_signal.SIG_SETMASK, _held)
 
 __all__ = [
     "SGD",

@@ -239,15 +239,7 @@ def signal_launcher(signum: int, moment: str) -> tuple[int, str, list[int]]:
     [
         *[(signal.SIGINT, moment) for moment in ("spawned", "child import", "running")],
         *[(signal.SIGTERM, moment) for moment in ("spawned", "child import")],
-        pytest.param(
-            signal.SIGINT,
-            "launcher import",
-            marks=pytest.mark.skip(
-                reason="can be lost inside jax's own import (a KeyboardInterrupt raised in its gc callback "
-                "is swallowed), before any minishard code runs: needs minishard/__init__.py to hold "
-                "SIGINT/SIGTERM across its imports; run it once it does"
-            ),
-        ),
+        (signal.SIGINT, "launcher import"),
     ],
 )
 def test_a_signal_to_the_launcher_at_any_moment_stops_every_process(signum, moment):
