@@ -267,8 +267,8 @@ def compare(
         for shape in mesh_shapes(style, devices):
             try:
                 cost = cost_report(step, args, make_mesh(shape), rules, hardware)
-            except (ShardingError, ValueError) as error:  # a dimension that does not divide
-                layouts.append(Layout(style, shape, None, f"does not fit: {str(error).splitlines()[0][:60]}"))
+            except ShardingError as error:  # "... dimension 1 (logical axis 'heads') has size 4, which ..."
+                layouts.append(Layout(style, shape, None, str(error).split(", ", 1)[-1].split(";")[0]))
                 continue
             layouts.append(Layout(style, shape, cost))
     fastest = sorted(layouts, key=lambda layout: math.inf if layout.cost is None else layout.cost.step_s)
