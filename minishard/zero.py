@@ -9,7 +9,7 @@ inside ``jax.shard_map``: the function below runs once *per device*, on that
 device's block, and talks to the others only through ``jax.lax`` collectives
 over the mesh axis "data".
 
-* **ZeRO-1/2** (``stage=2``): each device takes the gradient of its own
+* **ZeRO-1/2** (``stage=2``; ``stage=1`` runs the same code): each device takes the gradient of its own
   examples, then ``psum_scatter`` (a reduce-scatter, V / W) hands it the sum of
   its 1/N of every gradient; it updates only that 1/N of the parameters and of
   the optimizer state (the state lives split: ZeRO-1; the summed gradient too:
@@ -91,18 +91,17 @@ class ZeroStep:
     def _split(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(self.axis))
 
+    def _blocks(self, tree: Any) -> Any:
+        return jax.tree.map(lambda leaf: flat_padded(leaf, self.n), tree)
+
     def shard(self, model: Any) -> Any:
         """A copy of ``model`` placed for the step (the step donates it): whole on every device
         (stages 1, 2), or each array as a flat vector split over the devices (stage 3)."""
         self.shapes = jax.eval_shape(lambda: model)
         if self.stage < 3:
-            return jax.jit(lambda m: jax.tree.map(jnp.copy, m), out_shardings=NamedSharding(self.mesh, P()))(
-                model
-            )
-        split = jax.jit(
-            lambda m: jax.tree.map(lambda p: flat_padded(p, self.n), m), out_shardings=self._split()
-        )
-        return split(model)
+            whole = NamedSharding(self.mesh, P())
+            return jax.jit(lambda m: jax.tree.map(jnp.copy, m), out_shardings=whole)(model)
+        return jax.jit(self._blocks, out_shardings=self._split())(model)
 
     def gather(self, model: Any) -> Any:
         """The whole model again (stage 3); the model itself at stage 2."""
@@ -112,10 +111,8 @@ class ZeroStep:
 
     def init(self, model: Any) -> SGDState:
         """The optimizer's state for the *blocks*: each device holds 1/N of the velocity."""
-        blocks = jax.eval_shape(lambda m: jax.tree.map(lambda p: flat_padded(p, self.n), m), model)
-        whole = NamedSharding(self.mesh, P())
-        layout = SGDState(whole, self._split())  # type: ignore[arg-type]  # shardings in the state's shape
-        return jax.jit(self.optimizer.init, out_shardings=layout)(blocks)
+        layout = SGDState(NamedSharding(self.mesh, P()), self._split())  # type: ignore[arg-type]
+        return jax.jit(self.optimizer.init, out_shardings=layout)(jax.eval_shape(self._blocks, model))
 
     # -- the step -----------------------------------------------------------------
     def __call__(
@@ -128,6 +125,8 @@ class ZeroStep:
         return self._step.lower(model, opt_state, batch)
 
     def _shard_mapped(self, model: Any, opt_state: SGDState, batch: Batch) -> Any:
+        if self.stage == 3 and self.shapes is None:
+            raise ValueError("ZeroStep: place the model with step.shard(model) first (stage 3 splits it)")
         body = self._zero3 if self.stage == 3 else self._zero2
         model_spec = P(self.axis) if self.stage == 3 else P()
         state_spec = SGDState(P(), P(self.axis))  # type: ignore[arg-type]  # step whole, velocity split
@@ -140,23 +139,31 @@ class ZeroStep:
 
     def _zero2(self, model: Any, opt_state: SGDState, batch: Batch) -> Any:
         """Runs on one device: its own examples, the whole model, 1/N of the velocity."""
-        own = jax.lax.pcast(model, self.axis, to="varying")  # my copy: grad stays mine, no psum
+        own = jax.lax.pcast(model, self.axis, to="varying")  # my copy: its gradient stays mine, no psum
         (loss, logits), grads = jax.value_and_grad(_loss, has_aux=True)(own, batch)
-        scatter = lambda g: jax.lax.psum_scatter(flat_padded(g, self.n), self.axis, tiled=True)  # noqa: E731
-        grads = jax.tree.map(lambda g: scatter(g) / self.n, grads)  # reduce-scatter: my 1/N, summed
         me = jax.lax.axis_index(self.axis)
-        mine = lambda p, g: jax.lax.dynamic_slice_in_dim(flat_padded(p, self.n), me * g.size, g.size)  # noqa: E731
-        params = jax.tree.map(mine, model, grads)  # my 1/N of the parameters
-        params, opt_state = self.optimizer.update(params, grads, opt_state)  # 1/N of the work
-        gather = lambda p, like: unpadded(jax.lax.all_gather(p, self.axis, tiled=True, to="invarying"), like)  # noqa
-        return jax.tree.map(gather, params, model), opt_state, *self._mean(loss, logits, batch)
+
+        def reduce_scatter(grad: jax.Array) -> jax.Array:  # the sum of my 1/N, from every device
+            return jax.lax.psum_scatter(flat_padded(grad, self.n), self.axis, tiled=True) / self.n
+
+        def my_part(param: jax.Array, grad: jax.Array) -> jax.Array:  # the same 1/N of the parameter
+            return jax.lax.dynamic_slice_in_dim(flat_padded(param, self.n), me * grad.size, grad.size)
+
+        def all_gather(part: jax.Array, like: jax.Array) -> jax.Array:  # everyone's parts, whole again
+            return unpadded(jax.lax.all_gather(part, self.axis, tiled=True, to="invarying"), like)
+
+        grads = jax.tree.map(reduce_scatter, grads)
+        params, opt_state = self.optimizer.update(jax.tree.map(my_part, model, grads), grads, opt_state)
+        return jax.tree.map(all_gather, params, model), opt_state, *self._mean(loss, logits, batch)
 
     def _zero3(self, blocks: Any, opt_state: SGDState, batch: Batch) -> Any:
         """Runs on one device: its own examples, 1/N of every parameter and of the velocity."""
 
-        def gathered(layer_blocks: Any, like: Any) -> Any:  # autodiff: all_gather -> psum_scatter
-            gather = lambda b, s: unpadded(jax.lax.all_gather(b, self.axis, tiled=True), s)  # noqa: E731
-            return jax.tree.map(gather, layer_blocks, like)
+        def all_gather(block: jax.Array, like: jax.Array) -> jax.Array:  # its transpose: psum_scatter
+            return unpadded(jax.lax.all_gather(block, self.axis, tiled=True), like)
+
+        def gathered(layer_blocks: Any, like: Any) -> Any:  # one layer, whole, on every device
+            return jax.tree.map(all_gather, layer_blocks, like)
 
         def forward(blocks: Any, x: jax.Array) -> jax.Array:
             if not isinstance(blocks, Sequential):  # any other model: gather it all at once
