@@ -15,9 +15,8 @@ Scale Your Model" (jax-ml/scaling-book) applied to *your* step:
   training step's FLOPs), not the forward pass, as in the training chapter:
   T = T_compute / 3 + max(2/3 T_compute, T_comms); communication-bound by x k
   when T_comms = k · 2/3 T_compute with k > 1;
-* the flip: data parallelism and FSDP send weights, whose bytes do not grow with
-  the batch, so the verdict flips at this step's per-device batch x k; for data
-  parallelism that is C / W, the chip's FLOP/s over its link bandwidth.
+* the flip: data parallelism and FSDP send weights, whose bytes do not grow with the
+  batch: the verdict flips at the per-device batch x k; for data parallelism, C / W.
 
 >>> round(collective_time("all-gather", 2048 * 8192 * 2, 4, HARDWARE["v5e"]) * 1e6)  # µs, pop quiz 2
 373
@@ -34,6 +33,7 @@ from typing import Any
 
 import jax
 
+from minishard._costplot import plot_comparison as plot_comparison  # re-exported: the picture of compare
 from minishard._hardware import HARDWARE, Hardware
 from minishard.collectives import _mesh_of, as_asked, human_bytes, instructions
 from minishard.presets import PRESETS, preset
