@@ -55,3 +55,6 @@ HARDWARE = {
     "h200": Hardware("H200", 9.9e14, 4.8e12, 141e9, 450e9, "switch", node=8, scale_out=400e9),
     "b200": Hardware("B200", 2.25e15, 8.0e12, 192e9, 900e9, "switch", node=8, scale_out=400e9),
 }
+
+
+__all__ = ["HARDWARE", "Hardware"]

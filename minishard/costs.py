@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 
-from minishard._costplot import plot_comparison as plot_comparison  # re-exported: the picture of compare
+from minishard._costplot import plot_comparison  # the picture of compare
 from minishard._hardware import HARDWARE, Hardware
 from minishard.collectives import _mesh_of, as_asked, human_bytes, instructions
 from minishard.presets import PRESETS, preset
@@ -190,11 +190,13 @@ def cost_report(
     """``step_cost`` of ``Sharded(mesh, rules)(step)`` on example ``args``, whose last is the batch.
 
     The batch per device is the batch's leading dimension over the mesh axes
-    the ``batch`` rule names (the whole batch when it has none).
+    the ``batch`` rule names (the whole batch when it has none). A ``step`` with
+    ``.lower`` (a ``Sharded`` function, a ``zero.ZeroStep``) is lowered as it is;
+    ``rules`` then only says how the batch splits.
     """
     sharded = step if hasattr(step, "lower") else Sharded(mesh, rules)(step)
     global_batch = jax.tree.leaves(args[-1])[0].shape[0]
-    entry = (rules or AxisRules()).spec(("batch",), mesh)[0] if rules and "batch" in rules else None
+    entry = rules.spec(("batch",), mesh)[0] if rules and "batch" in rules else None
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     split = math.prod(mesh.shape[name] for name in names)
     return step_cost(sharded.lower(*args), hardware, batch=global_batch / split)
@@ -219,26 +221,15 @@ class Comparison:
     layouts: tuple[Layout, ...]
 
     def __str__(self) -> str:
-        lines = [
-            f"{'':2}{'style':8} {'mesh':18} {'step':>9} {'compute':>9} {'comms':>9} {'memory':>9}  verdict"
-        ]
+        lines = [f"  {'style':8} {'mesh':18} {'step':>9} {'compute':>9} {'comms':>9} {'memory':>9}  verdict"]
         for i, layout in enumerate(self.layouts):
-            shape, cost = "x".join(f"{k}={v}" for k, v in layout.mesh.items()), layout.cost
+            cost, shape, t = layout.cost, "x".join(f"{k}={v}" for k, v in layout.mesh.items()), _time
+            head = f"{'* ' if i == 0 and cost else '  '}{layout.style:8} {shape:18} "
             if cost is None:
-                lines.append(f"  {layout.style:8} {shape:18} {layout.why}")
+                lines.append(head + layout.why)
                 continue
-            cells = (
-                _time(cost.step_s),
-                _time(cost.compute_s),
-                _time(cost.comm_s),
-                human_bytes(cost.memory.total),
-            )
-            mark = "* " if i == 0 else "  "
-            lines.append(
-                f"{mark}{layout.style:8} {shape:18} "
-                + " ".join(f"{c:>9}" for c in cells)
-                + f"  {cost.verdict}"
-            )
+            cells = (t(cost.step_s), t(cost.compute_s), t(cost.comm_s), human_bytes(cost.memory.total))
+            lines.append(head + " ".join(f"{cell:>9}" for cell in cells) + f"  {cost.verdict}")
         return "\n".join([*lines, f"(* the fastest predicted step on {self.hardware.name})"])
 
 
@@ -298,3 +289,9 @@ def _time(seconds: float) -> str:
         if seconds >= scale:
             return f"{seconds / scale:.3g} {unit}"
     return f"{seconds * 1e9:.3g} ns"
+
+
+__all__ = [
+    "BACKWARD", "HARDWARE", "Comparison", "Hardware", "Layout", "Memory", "StepCost", "collective_time",
+    "compare", "cost_report", "critical_batch", "mesh_shapes", "plot_comparison", "step_cost",
+]  # fmt: skip
