@@ -316,3 +316,54 @@ def _iota(reshape: list[int], perm: list[int] | None) -> np.ndarray:
 
 def _ints(text: str | None) -> list[int]:
     return [int(i) for i in _INTS.findall(text or "")]
+
+
+# --- 3. bytes in the dtype the program asked for --------------------------------
+# XLA:CPU widens bf16 collectives to f32 (a bf16 psum compiles to an f32 all-reduce
+# between two converts), so the compiled CPU program moves twice the bytes a GPU or
+# TPU would. The lowered StableHLO still holds what the program asked for.
+
+_STABLEHLO_COLLECTIVE = re.compile(r'"?stablehlo\.(?:all_reduce|all_gather|reduce_scatter|all_to_all)"?')
+_TENSOR_FLOAT = re.compile(r"tensor<(?:[\d?]+x)*(f64|f32|bf16|f16|f8\w*)>")
+_FLOAT_BITS = {"f64": 64, "f32": 32, "bf16": 16, "f16": 16}
+
+
+def asked_float(lowered: jax.stages.Lowered) -> str | None:
+    """The widest float type the program asks to communicate: ``"bf16"``, ``"f32"``, ...; None if none.
+
+    Read from the collectives of the lowered StableHLO (``shard_map`` programs
+    write them there); a ``jax.jit`` program with shardings has none before XLA's
+    partitioner runs, so its floating-point arguments answer instead.
+    """
+    lines = lowered.as_text().splitlines()
+    found = [t for i, line in enumerate(lines) if _STABLEHLO_COLLECTIVE.search(line)
+             for t in _TENSOR_FLOAT.findall(" ".join(lines[i : i + 12]))]  # fmt: skip
+    if not found:  # the partitioner will insert the collectives: they carry the arguments' floats
+        dtypes = {np.dtype(a.dtype) for a in jax.tree.leaves(lowered.in_avals) if hasattr(a, "dtype")}
+        floats = [d for d in dtypes if jax.numpy.issubdtype(d, jax.numpy.floating) and d.itemsize > 1]
+        found = [{2: "bf16", 4: "f32", 8: "f64"}[d.itemsize] for d in floats]
+    return max(found, key=lambda t: _FLOAT_BITS.get(t, 8), default=None)
+
+
+def as_asked(lowered: jax.stages.Lowered) -> str:
+    """The compiled HLO text, with each f32 collective written in the float type the program asked for.
+
+    Feed it to ``collectives`` or ``instructions`` (with ``mesh=``) to count the
+    bytes a GPU or TPU would move. A program that asked for f32 comes back unchanged.
+
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
+    ...                              in_specs=jax.P("data"), out_specs=jax.P()))
+    >>> lowered = psum.lower(jax.numpy.ones(8 * 1024, jax.numpy.bfloat16))
+    >>> collectives(lowered)["all-reduce"].bytes, collectives(as_asked(lowered), mesh)["all-reduce"].bytes
+    (4096, 2048)
+    """
+    text = lowered.compile().as_text() or ""
+    asked = asked_float(lowered)
+    if asked is None or _FLOAT_BITS.get(asked, 32) >= 32:
+        return text
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if match := _INSTRUCTION.match(stripped := _COMMENT.sub("", line)):  # narrow the result only
+            lines[i] = stripped.replace(match["shape"], match["shape"].replace("f32[", f"{asked}["), 1)
+    return "\n".join(lines)

@@ -200,3 +200,51 @@ def test_errors_name_what_is_missing():
         collectives(all_reduce("replica_groups={{0,9}}"), MESH)
     with pytest.raises(ValueError, match="element type"):
         collectives(all_reduce("replica_groups=[2,4]<=[8]", shape="weird[2]{0}"), MESH)
+
+
+# -- bytes as the program asked for them (issue 20) ------------------------------
+def test_cpu_widens_a_bf16_psum_and_as_asked_counts_it_in_bf16():
+    from minishard.collectives import as_asked, asked_float
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    psum = jax.jit(
+        jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P())
+    )
+    lowered = psum.lower(abstract((8 * 1000,), mesh, P("data"), jnp.bfloat16))
+    assert asked_float(lowered) == "bf16"
+    # XLA:CPU all-reduces f32: 1000 elements x 4 bytes; a GPU or TPU moves 1000 x 2.
+    assert collectives(lowered)["all-reduce"].bytes == 4000
+    assert collectives(as_asked(lowered), mesh)["all-reduce"].bytes == 2000
+
+
+def test_as_asked_leaves_an_f32_program_alone_and_reads_jit_arguments():
+    from minishard.collectives import as_asked, asked_float
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    grad = jax.jit(jax.grad(lambda w, x: jnp.sum((x @ w).astype(jnp.float32) ** 2)))
+    for dtype, expected in ((jnp.float32, 4), (jnp.bfloat16, 2)):
+        lowered = grad.lower(abstract((64, 32), mesh, P(), dtype), abstract((16, 64), mesh, P("data"), dtype))
+        assert asked_float(lowered) == {4: "f32", 2: "bf16"}[expected]  # no collectives yet: the arguments
+        assert collectives(as_asked(lowered), mesh)["all-reduce"].bytes == 64 * 32 * expected
+
+
+def test_all_to_all_tuple_bytes_are_the_sum_of_its_elements():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    swap = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.all_to_all(x, "data", split_axis=1, concat_axis=0, tiled=True),
+            mesh=mesh, in_specs=P("data", None), out_specs=P(None, "data"),
+        )
+    )  # fmt: skip
+    lowered = swap.lower(abstract((64, 32), mesh, P("data", None)))
+    text = lowered.compile().as_text()
+    found = collectives(lowered)["all-to-all"]
+    # Each device holds (8, 32) floats = 1,024 B. XLA:CPU sends them as ONE all-to-all
+    # whose result is a tuple of 8 pieces, (f32[8,4], ..., f32[8,4]), one per device:
+    # the census adds the pieces up, 8 x 8 x 4 x 4 = 1,024 B, not one piece's 128 B.
+    assert found.bytes == 8 * 32 * 4 and found.count == 1
+    from minishard.collectives import collective_instructions, shape_bytes
+
+    shapes = [m["shape"] for m in collective_instructions(text) if m["kind"] == "all-to-all"]
+    assert shapes[0].startswith("(f32[8,4]") and shapes[0].count("f32[8,4]") == 8
+    assert sum(shape_bytes(shape) for shape in shapes) == 1024

@@ -1,0 +1,60 @@
+"""The accelerators ``minishard.costs`` prices a step on, each number with its source.
+
+Sources. TPUs: the scaling book's TPU chapter (jax-ml/scaling-book, ``tpus.md``):
+its chip table (HBM capacity and bandwidth, bf16 FLOP/s) and its ICI table
+(bidirectional bandwidth per link), and about 1 µs per ICI hop from its sharding
+chapter. GPUs: its GPU chapter (``gpus.md``): the FLOPs-and-bandwidth and memory
+tables, and the node table: 18 NVLink 4 links x 25 GB/s = 450 GB/s of egress per
+H100 or H200, 900 GB/s per B200 (NVLink 5), and 400 GB/s per GPU into the
+InfiniBand fat tree beyond a node of 8. The GPU per-hop latency is an
+assumption (the book's ICI figure); NCCL's small messages take longer.
+
+>>> HARDWARE["v5p"].flops / HARDWARE["v5p"].link_bandwidth  # the ICI arithmetic intensity
+2550.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One accelerator, as the formulas see it. Per chip: ``flops`` (peak bf16
+    FLOP/s), ``hbm_bandwidth`` (bytes/s), ``hbm_bytes``. ``link_bandwidth`` is the
+    W the collective formulas divide by: on a TPU torus the *bidirectional*
+    bandwidth along one axis (a ring sends both ways), on a GPU the NVLink egress
+    of one GPU into its switch. ``node``: GPUs behind one NVLink switch, beyond
+    which ``scale_out`` (InfiniBand, per GPU) applies. ``latency``: per hop.
+    """
+
+    name: str
+    flops: float
+    hbm_bandwidth: float
+    hbm_bytes: float
+    link_bandwidth: float
+    topology: str  # "torus" (TPU ICI: each chip linked to its neighbours) or "switch" (NVLink)
+    latency: float = 1e-6
+    node: int | None = None
+    scale_out: float | None = None
+
+    def bandwidth(self, devices: int, axes: int = 1) -> float:
+        """W over ``devices`` spanning ``axes`` mesh axes (a torus gets one link per axis)."""
+        if self.topology == "torus":
+            return self.link_bandwidth * axes
+        beyond_node = self.node is not None and devices > self.node and self.scale_out is not None
+        return self.scale_out if beyond_node else self.link_bandwidth  # type: ignore[return-value]
+
+
+HARDWARE = {
+    "v4p": Hardware("TPU v4p", 2.75e14, 1.2e12, 32e9, 9e10, "torus"),
+    "v5e": Hardware("TPU v5e", 1.97e14, 8.1e11, 16e9, 9e10, "torus"),
+    "v5p": Hardware("TPU v5p", 4.59e14, 2.8e12, 96e9, 1.8e11, "torus"),
+    "v6e": Hardware("TPU v6e", 9.20e14, 1.6e12, 32e9, 1.8e11, "torus"),
+    "h100": Hardware("H100", 9.9e14, 3.35e12, 80e9, 450e9, "switch", node=8, scale_out=400e9),
+    "h200": Hardware("H200", 9.9e14, 4.8e12, 141e9, 450e9, "switch", node=8, scale_out=400e9),
+    "b200": Hardware("B200", 2.25e15, 8.0e12, 192e9, 900e9, "switch", node=8, scale_out=400e9),
+}
+
+
+__all__ = ["HARDWARE", "Hardware"]
