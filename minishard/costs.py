@@ -35,7 +35,7 @@ import jax
 
 from minishard._costplot import plot_comparison  # the picture of compare
 from minishard._hardware import HARDWARE, Hardware
-from minishard.collectives import _mesh_of, as_asked, human_bytes, instructions
+from minishard.census import _mesh_of, as_asked, human_bytes, instructions
 from minishard.presets import PRESETS, preset
 from minishard.rules import AnyMesh, AxisRules, ShardingError
 from minishard.sharding import Sharded, make_mesh

@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import minishard as ms
-from minishard.collectives import as_asked, collectives
+from minishard.census import as_asked, collectives
 from minishard.costs import HARDWARE, collective_time, compare, cost_report, critical_batch, step_cost
 from minishard.presets import PRESETS, preset
 

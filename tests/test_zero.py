@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minishard as ms
-from minishard.collectives import collectives
-from minishard.train import make_train_step
+from minishard.census import collectives
+from minishard.run.train import make_train_step
 from minishard.zero import flat_padded, unpadded, zero_train_step
 
 MESH_SHAPE = {"data": 8}
