@@ -96,7 +96,7 @@ def rank(where: str, x: Any, logical_axes: Any) -> None:
 
 def spec_on_mesh(path: Any, spec: Any, mesh: Mesh) -> None:
     """A leaf of ``named_shardings``' specs: a PartitionSpec naming only axes of ``mesh``."""
-    where = path_str(path) or "specs"
+    where = path_str(path)
     if not isinstance(spec, PartitionSpec):
         raise ShardingError(
             f"named_shardings: {where} is {spec!r} ({type(spec).__name__}), not a PartitionSpec; "
