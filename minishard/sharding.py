@@ -376,33 +376,38 @@ class ShardedFunction:
         scalars = tuple([getattr(leaves[i], "ndim", 0) == 0 for i in outside])
         compiled = by_scalars.get(scalars)
         if compiled is None:
-            compiled = by_scalars[scalars] = self._build(args, treedef)
+            compiled = by_scalars[scalars] = self._build(args, leaves, treedef)
         return compiled, leaves
 
-    def _build(self, args: tuple[Any, ...], treedef: Any) -> _Compiled:
+    def _build(self, args: tuple[Any, ...], leaves: list[Any], treedef: Any) -> _Compiled:
         """Plan the arguments, trace for the outputs' shapes, plan them, make the ``jax.jit``."""
         _diagnose.arrays(self, args)
         try:
             inputs = self.config.plan_inputs(args).specs
         except ShardingError as e:
             raise ShardingError(_diagnose.name_argument(self, str(e))) from None
-        outputs = self._plan_outputs(self._eval_shape(args))
         mesh, env = self.config.mesh, self.config.logical_sharding
         in_shardings = tuple(jax.tree_util.tree_leaves(named_shardings(inputs, mesh)))
-        fn, typed = self.fn, _typed if env.explicit else _as_given
-
-        def on_leaves(*leaves: Any) -> Any:  # traced once per key: rebuilding the trees here is free
-            return fn(*jax.tree_util.tree_unflatten(treedef, typed(leaves, in_shardings)))
-
-        on_leaves.__name__ = on_leaves.__qualname__ = self.name  # the program keeps fn's name
+        traced = env.wrap(self._on_leaves(treedef, in_shardings))  # constrain inside fn reads env
+        outputs = self._plan_outputs(self._eval_shape(traced, args, leaves))
         donated = _leaf_positions(args, self.config.donate_argnums)
         jitted = jax.jit(  # over the flat leaves: __call__ has them already, so JAX flattens nothing
-            env.wrap(on_leaves),  # minishard.constrain inside fn resolves logical axes with our rules
+            traced,
             in_shardings=in_shardings,
             out_shardings=named_shardings(outputs, mesh),
             donate_argnums=donated,
         )
         return _Compiled(jitted, Specs(inputs, outputs), in_shardings, donated)
+
+    def _on_leaves(self, treedef: Any, in_shardings: tuple[NamedSharding, ...]) -> Callable[..., Any]:
+        """``fn`` over the flat leaves, as jit and eval_shape trace it."""
+        fn, typed = self.fn, _typed if self.config.logical_sharding.explicit else _as_given
+
+        def on_leaves(*leaves: Any) -> Any:  # traced once per key: rebuilding the trees here is free
+            return fn(*jax.tree_util.tree_unflatten(treedef, typed(leaves, in_shardings)))
+
+        on_leaves.__name__ = on_leaves.__qualname__ = self.name  # the program keeps fn's name
+        return on_leaves
 
     def _plan_outputs(self, out_shapes: Any) -> Any:
         """The outputs' specs: Layers' parameters by the rules, scalars replicated, the rest XLA's."""
@@ -411,12 +416,12 @@ class ShardedFunction:
         except ShardingError as e:
             raise ShardingError(f"{self.name}: output {e}") from None
 
-    def _eval_shape(self, args: tuple[Any, ...]) -> Any:
-        """``jax.eval_shape(fn, *args)`` in our sharding environment, as ``fn`` will be traced."""
-        try:  # wrap makes a fresh function: this trace is never reused by a plain jax.jit(fn)
-            return jax.eval_shape(self.config.logical_sharding.wrap(self.fn), *args)
+    def _eval_shape(self, traced: Callable[..., Any], args: tuple[Any, ...], leaves: list[Any]) -> Any:
+        """``jax.eval_shape`` of the function jit will trace; an Explicit mesh's ambiguity is named."""
+        try:
+            return jax.eval_shape(traced, *leaves)
         except Exception as error:
-            _diagnose.ambiguous_layout(self, args, Layer, error)  # an Explicit mesh's, named
+            _diagnose.ambiguous_layout(self, args, Layer, error)
             raise
 
 
