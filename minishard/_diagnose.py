@@ -127,19 +127,22 @@ def batch_axis_known(batch_axis: str | None, rules: AxisRules, mesh: Mesh) -> No
         )
 
 
-def donate_argnums(name: str, donate: tuple[Any, ...], arg_names: list[str] | None) -> None:
+def donate_argnums(name: str, donate: Any, arg_names: list[str] | None) -> tuple[int, ...]:
     """Each donated position is an argument of the function (``arg_names`` None: any count)."""
+    one = isinstance(donate, str) or not isinstance(donate, Sequence)
+    positions = (donate,) if one else tuple(donate)
     count = "" if arg_names is None else f"; {name} takes {len(arg_names)} positional arguments"
-    for a in donate:
+    for a in positions:
         if isinstance(a, bool) or not isinstance(a, int) or a < 0:
             raise ShardingError(
-                f"{name}: donate_argnums={donate} must be non-negative ints (argument positions){count}"
+                f"{name}: donate_argnums={donate!r} must be non-negative ints (argument positions){count}"
             )
         if arg_names is not None and a >= len(arg_names):
             raise ShardingError(
-                f"{name}: donate_argnums={donate} names argument {a}, but {name} takes "
+                f"{name}: donate_argnums={donate!r} names argument {a}, but {name} takes "
                 f"{len(arg_names)} positional arguments ({', '.join(arg_names) or 'none'})"
             )
+    return positions
 
 
 def keywords(name: str, kwargs: dict[str, Any]) -> None:

@@ -280,7 +280,7 @@ class Sharded:
         rules.check_mesh(mesh)
         _diagnose.batch_axis_known(batch_axis, rules, mesh)
         self.logical_sharding = LogicalSharding(mesh, rules, batch_axis or DEFAULT_BATCH_AXIS)
-        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        self.donate_argnums = donate_argnums
 
     mesh = property(lambda self: self.logical_sharding.mesh)
     rules = property(lambda self: self.logical_sharding.rules)
@@ -332,7 +332,7 @@ class ShardedFunction:
         self.fn, self.config = fn, config
         self.name = getattr(fn, "__name__", "function")
         self.arg_names = _positional_names(fn)  # None: any number (*args, or no signature)
-        _diagnose.donate_argnums(self.name, config.donate_argnums, self.arg_names)
+        self.donated_args = _diagnose.donate_argnums(self.name, config.donate_argnums, self.arg_names)
         # treedef -> (positions of the leaves outside Layers, {which of them are scalars: jit})
         self._cache: dict[Any, tuple[tuple[int, ...], dict[tuple[bool, ...], _Compiled]]] = {}
 
@@ -390,7 +390,7 @@ class ShardedFunction:
         in_shardings = tuple(jax.tree_util.tree_leaves(named_shardings(inputs, mesh)))
         traced = env.wrap(self._on_leaves(treedef, in_shardings))  # constrain inside fn reads env
         outputs = self._plan_outputs(self._eval_shape(traced, args, leaves))
-        donated = _leaf_positions(args, self.config.donate_argnums)
+        donated = _leaf_positions(args, self.donated_args)
         jitted = jax.jit(  # over the flat leaves: __call__ has them already, so JAX flattens nothing
             traced,
             in_shardings=in_shardings,

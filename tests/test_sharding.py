@@ -227,7 +227,7 @@ ERRORS = [
     ),
     pytest.param(
         lambda: ms.Sharded(MESH, RULES, donate_argnums=2)(forward),
-        r"^forward: donate_argnums=\(2,\) names argument 2, but forward takes 2 positional arguments "
+        r"^forward: donate_argnums=2 names argument 2, but forward takes 2 positional arguments "
         r"\(model, x\)$",
         id="donate-out-of-range",
     ),
@@ -239,7 +239,7 @@ ERRORS = [
     ),
     pytest.param(
         lambda: ms.Sharded(MESH, RULES, donate_argnums="0")(forward),
-        r"^forward: donate_argnums=\('0',\) must be non-negative ints",
+        r"^forward: donate_argnums='0' must be non-negative ints",
         id="donate-not-an-int",
     ),
     pytest.param(
@@ -319,6 +319,28 @@ def test_an_explicit_mesh_traces_sharded_types_for_unplaced_inputs_too():
     assert len(seen) >= 2 and len(set(seen)) == 1, seen
     weight, x = seen[0]
     assert (str(weight), str(x)) == ("float32[8,16@model]", "float32[4@data,8]")
+
+
+class Bilinear(ms.Layer):
+    """Contracts a split dimension without saying where its output goes: ambiguous when Explicit."""
+
+    param_fields = ("weight",)
+
+    def __init__(self):
+        self.weight = np.ones((16, 8), np.float32)
+
+    def __call__(self, x):
+        return x @ self.weight
+
+    def param_logical_axes(self):
+        return {"weight": ("mlp", "embed")}
+
+
+def test_an_ambiguous_contraction_is_named_for_unplaced_inputs_too():
+    model = ms.Sequential([numpy_mlp([8, 16], [("embed", "mlp")])[0], Bilinear()])  # NumPy: unplaced
+    step = Sharded(make_mesh({"data": 2, "model": 4}, explicit=True), RULES)(forward)
+    with pytest.raises(ShardingError, match=r"^forward: in model\.layers\[1\] \(Bilinear\): Contracting"):
+        step(model, X)
 
 
 def test_a_renamed_batch_axis_on_an_explicit_mesh_trains_like_the_auto_mesh():
