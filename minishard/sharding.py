@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from minishard import _diagnose
+from minishard._diagnose import is_deleted
 from minishard.constraints import DEFAULT_BATCH_AXIS, LogicalSharding
 from minishard.layers import Layer
 from minishard.rules import (
@@ -342,7 +343,7 @@ class ShardedFunction:
         compiled, leaves = self._lookup(args)
         # A donated array is deleted after the call it was given to; handing it to XLA
         # again would crash the process (XLA:CPU), so look first. Free without donation.
-        if compiled.donated and any(_diagnose.is_deleted(leaves[i]) for i in compiled.donated):
+        if compiled.donated and any(is_deleted(leaves[i]) for i in compiled.donated):
             _diagnose.failed_call(self, args, compiled.in_shardings)
         try:
             return compiled.jitted(*leaves)
