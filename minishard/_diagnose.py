@@ -170,12 +170,17 @@ def arrays(fn: ShardedFunction, args: tuple[Any, ...]) -> None:
 
 
 def name_argument(fn: ShardedFunction, message: str) -> str:
-    """``[0].layers[0].weight`` -> ``model.layers[0].weight``, using fn's parameter names."""
-    index, _, rest = message.removeprefix("[").partition("]")
+    """``[0].layers[0].weight: ...`` -> ``step: argument model.layers[0].weight: ...``."""
+    return f"{fn.name}: argument {named(fn, message)}"
+
+
+def named(fn: ShardedFunction, where: str) -> str:
+    """``[0].layers[0]`` -> ``model.layers[0]``, using fn's parameter names."""
+    index, _, rest = where.removeprefix("[").partition("]")
     names = fn.arg_names or []
-    if message.startswith("[") and index.isdigit() and int(index) < len(names):
-        message = names[int(index)] + rest
-    return f"{fn.name}: argument {message}"
+    if where.startswith("[") and index.isdigit() and int(index) < len(names):
+        return names[int(index)] + rest
+    return where
 
 
 def failed_call(fn: ShardedFunction, args: tuple[Any, ...], shardings: tuple[Any, ...]) -> None:
@@ -211,7 +216,7 @@ def ambiguous_layout(fn: ShardedFunction, args: tuple[Any, ...], layer_type: typ
     if type(error).__name__ != "ShardingTypeError":  # jax._src.core's: not exported
         return
     layer = innermost(error, layer_type)
-    where = f"in {paths_of(args, type(layer), fn.arg_names or [])}: " if layer is not None else ""
+    where = f"in {paths_of(fn, args, type(layer))}: " if layer is not None else ""
     raise ShardingError(
         f"{fn.name}: {where}{str(error).splitlines()[0]} On an Explicit mesh a contraction over "
         "a split dimension must say where its output goes: pass "
@@ -230,13 +235,14 @@ def innermost(error: BaseException, kind: type) -> Any:
     return found
 
 
-def paths_of(args: tuple[Any, ...], kind: type, names: list[str]) -> str:
+def paths_of(fn: ShardedFunction, args: tuple[Any, ...], kind: type) -> str:
     """Where in the arguments Layers of type ``kind`` sit: ``model.layers[2] (Bilinear)``."""
-    found = []
-    for path, node in jax.tree_util.tree_flatten_with_path(args, is_leaf=lambda n: type(n) is kind)[0]:
-        if type(node) is kind:
-            index, _, rest = path_str(path).removeprefix("[").partition("]")  # "[0].layers[2]"
-            found.append(names[int(index)] + rest if index.isdigit() and int(index) < len(names) else rest)
+    is_kind = lambda node: type(node) is kind  # noqa: E731
+    found = [
+        named(fn, path_str(path))
+        for path, node in jax.tree_util.tree_flatten_with_path(args, is_leaf=is_kind)[0]
+        if is_kind(node)
+    ]
     return f"{' or '.join(found) or 'a layer'} ({kind.__name__})"
 
 
