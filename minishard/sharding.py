@@ -283,6 +283,7 @@ class Sharded:
         self.logical_sharding = LogicalSharding(mesh, rules, batch_axis or DEFAULT_BATCH_AXIS)
         self.donate_argnums = donate_argnums
 
+    # Read from the one environment, never copied: ``constrain`` sees the same values.
     mesh = property(lambda self: self.logical_sharding.mesh)
     rules = property(lambda self: self.logical_sharding.rules)
     batch_axis = property(lambda self: self.logical_sharding.batch_axis)
