@@ -1,21 +1,26 @@
 """minishard: a from-scratch mini-framework that teaches distributed training on JAX.
 
-Read the modules in this order; each teaches one idea, and imports only the ones before it:
+Read the modules in this order, which is their import order: each teaches one
+idea, and imports only the ones before it.
 
 * ``tree``: naming and counting the leaves of any pytree;
 * ``rules``: logical axes -> mesh axes (``AxisRules``);
-* ``constraints``: where activations live (``constrain``; output layouts on Explicit meshes);
+* ``constraints``: where activations live (``constrain``), read from the one sharding environment;
 * ``layers``: models as pytrees (``Layer``, ``Linear``, ``Sequential``, ``mlp``);
 * ``losses``, ``optim``: cross-entropy and a pure, functional SGD;
 * ``sharding``: meshes, one ``plan`` for a whole tree, ``shard`` and ``Sharded``;
 * ``presets``: five named styles (dp, tp, 2d, fsdp, fsdp+tp) as a mesh shape and rules;
 * ``census``: ``collectives``, what a compiled program sends between devices, read from its HLO;
-* ``report``: ``explain``, the plan and the collectives of a step, as one report;
-* ``transformer``: a Vision Transformer as Layers, whose heads and MLP split like the MLP's;
-* ``distributed``, ``launch``: one run over several processes (one per host), or N local ones;
-* ``data``, ``checkpoint``, ``train``, ``cli``: MNIST end to end;
-* ``testing``: strategies and assertions (numbers, layout, communication) to property-test
-  your own models' sharding.
+* ``report``: ``explain``, the plan and the collectives of a step, as one ``Report``.
+
+Running it (``minishard.run``, the workshop: it uses the names above as any user would):
+``data``, ``checkpoint``, ``train``, ``distributed``, ``launch``, ``render`` (the report as
+a rich table, HTML or pictures) and ``cli`` (``minishard train``, ``explain``, ``launch``).
+
+Models (``minishard.models``): ``vit``, a Vision Transformer whose heads and MLP split like the MLP's.
+
+Tools (``minishard.testing``): strategies and assertions (numbers, layout, communication)
+to property-test your own models' sharding.
 """
 
 import signal as _signal
@@ -25,24 +30,23 @@ import signal as _signal
 _held = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT, _signal.SIGTERM})
 
 from minishard import tree
-from minishard.census import Collective, collectives
+from minishard.census import collectives
+from minishard.constraints import constrain
 from minishard.layers import Layer, Linear, ReLU, Sequential, Swish, megatron_axes, mlp
 from minishard.losses import accuracy, cross_entropy, one_hot
 from minishard.optim import SGD, SGDState, exponential_decay, warmup_cosine_decay
 from minishard.report import Report, explain
 from minishard.rules import AxisRules, LogicalAxes, ShardingError
-from minishard.sharding import Plan, Sharded, make_mesh, partition_specs, plan, shard
+from minishard.sharding import Sharded, make_mesh, partition_specs, plan, shard
 
 _signal.pthread_sigmask(_signal.SIG_SETMASK, _held)
 
 __all__ = [
     "SGD",
     "AxisRules",
-    "Collective",
     "Layer",
     "Linear",
     "LogicalAxes",
-    "Plan",
     "ReLU",
     "Report",
     "SGDState",
@@ -52,6 +56,7 @@ __all__ = [
     "Swish",
     "accuracy",
     "collectives",
+    "constrain",
     "cross_entropy",
     "explain",
     "exponential_decay",

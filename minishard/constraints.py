@@ -10,11 +10,12 @@ vocabulary, as Flax's ``with_logical_constraint`` and MaxText do:
 
     y = constrain(x @ w, ("batch", "mlp"))
 
-The mesh and the rules come from the surrounding ``Sharded`` call, which sets
-them (``logical_sharding``) while it traces. Outside such a context ``constrain``
-returns ``x`` unchanged, so the same model still runs on one device, or under a
-plain ``jax.jit``. Inside one, it lowers to ``jax.lax.with_sharding_constraint``
-on an Auto mesh, and to ``jax.sharding.reshard`` on an Explicit one.
+The mesh and the rules come from the surrounding ``Sharded`` call: it builds one
+``LogicalSharding`` (the mesh, the rules, where the batch goes) and sets it while
+it traces. Outside it ``constrain`` checks only the rank and returns ``x``, so
+the same model still runs on one device, or under a plain ``jax.jit``. Inside,
+it lowers to ``jax.lax.with_sharding_constraint`` on an Auto mesh, and to
+``jax.sharding.reshard`` on an Explicit one.
 
 On an Explicit mesh a matmul that contracts a split dimension (the second
 Linear of a Megatron pair) is ambiguous, and JAX asks for its output sharding;
@@ -28,34 +29,59 @@ is how minishard's ``Linear`` runs unchanged in both modes.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Iterator
-from dataclasses import dataclass
+import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from minishard import _diagnose
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes, ShardingError
+
+__all__ = [
+    "DEFAULT_BATCH_AXIS",
+    "LogicalSharding",
+    "activation_axes",
+    "as_activation",
+    "constrain",
+    "output_sharding",
+]
 
 DEFAULT_BATCH_AXIS = "batch"
 """The logical axis of a batch's leading dimension, unless ``Sharded(batch_axis=...)`` names another."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LogicalSharding:
-    """The mesh and rules in effect, and where the batch goes (``Sharded`` always knows that)."""
+    """The sharding environment: a mesh, its rules, and where a batch goes.
+
+    ``Sharded`` builds one and sets it while it traces; ``constrain``,
+    ``activation_axes`` and ``output_sharding`` read it. Under a hand-written
+    ``jax.jit``, wrap the function, ``jax.jit(LogicalSharding(mesh, rules).wrap(step))``:
+    JAX caches a trace under the function it is given, so setting the environment
+    around ``jax.jit(step)`` would leave a constrained trace for a later plain
+    ``jax.jit(step)`` to reuse.
+
+    >>> from jax.sharding import AbstractMesh
+    >>> env = LogicalSharding(AbstractMesh((8,), ("data",)), AxisRules(batch="data", embed=None))
+    >>> env.batch_target, env.spec(("batch", "embed"))
+    ('data', P('data', None))
+    """
 
     mesh: Mesh
     rules: AxisRules
     batch_axis: str = DEFAULT_BATCH_AXIS
-    batch_target: MeshAxes = None
+    batch_target: MeshAxes = dataclasses.field(init=False)  # mesh axes of a batch's leading dim
+    explicit: bool = dataclasses.field(init=False)  # shardings are part of every array's type
 
-    @property
-    def explicit(self) -> bool:
-        """Explicit mesh axes: shardings are part of every array's type (``jax.typeof``)."""
-        return any(kind == AxisType.Explicit for kind in self.mesh.axis_types)
+    def __post_init__(self) -> None:  # derived once, here only
+        known = self.batch_axis in self.rules or self.batch_axis in self.mesh.axis_names
+        target = self.rules.spec((self.batch_axis,), self.mesh)[0] if known else None
+        object.__setattr__(self, "batch_target", target)
+        object.__setattr__(self, "explicit", AxisType.Explicit in self.mesh.axis_types)
 
     def sharding(self, logical_axes: LogicalAxes) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(logical_axes))
@@ -70,34 +96,23 @@ class LogicalSharding:
         entries[dim] = self.batch_target
         return PartitionSpec(*entries)
 
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, run with this environment in effect: a new function, so its trace is its own."""
+
+        @functools.wraps(fn)
+        def within(*args: Any, **kwargs: Any) -> Any:
+            token = _CURRENT.set(self)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _CURRENT.reset(token)
+
+        return within
+
 
 _CURRENT: contextvars.ContextVar[LogicalSharding | None] = contextvars.ContextVar(
-    "minishard_logical_sharding"
+    "minishard_logical_sharding", default=None
 )
-
-
-def current() -> LogicalSharding | None:
-    """The logical sharding in effect, or None outside ``Sharded`` (and ``logical_sharding``)."""
-    return _CURRENT.get(None)
-
-
-@contextlib.contextmanager
-def logical_sharding(
-    mesh: Mesh, rules: AxisRules, batch_axis: str = DEFAULT_BATCH_AXIS, batch_target: MeshAxes = None
-) -> Iterator[None]:
-    """Make ``constrain`` resolve logical axes with ``rules`` on ``mesh`` inside the block.
-
-    ``Sharded`` does this while it traces; use it yourself around a hand-written
-    ``jax.jit`` call (the first call traces, so that is when it must be active)::
-
-        with logical_sharding(mesh, rules):
-            out = jax.jit(step)(model, batch)
-    """
-    token = _CURRENT.set(LogicalSharding(mesh, rules, batch_axis, batch_target))
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
 
 
 def activation_axes(ndim: int, *trailing: str | None) -> LogicalAxes:
@@ -112,7 +127,7 @@ def activation_axes(ndim: int, *trailing: str | None) -> LogicalAxes:
     """
     if ndim <= len(trailing):
         return tuple(trailing[len(trailing) - ndim :])
-    context = current()
+    context = _CURRENT.get()
     batch = DEFAULT_BATCH_AXIS if context is None else context.batch_axis
     return (batch, *[None] * (ndim - 1 - len(trailing)), *trailing)
 
@@ -120,18 +135,19 @@ def activation_axes(ndim: int, *trailing: str | None) -> LogicalAxes:
 def constrain(x: Any, logical_axes: LogicalAxes) -> Any:
     """Pin ``x``'s layout: its dimensions named by ``logical_axes``, mapped by the rules in effect.
 
-    An unknown logical axis raises the same ``ShardingError`` as for a parameter.
+    The rank is checked everywhere (shapes are static: it is free); inside
+    ``Sharded``, an unknown logical axis or a dimension its mesh axes cannot split
+    evenly raises the same ``ShardingError`` as for a parameter.
     """
-    context = current()
+    _diagnose.rank("constrain", x, logical_axes)
+    context = _CURRENT.get()
     if context is None:
         return x
-    if len(logical_axes) != jax.numpy.ndim(x):
-        shape = jax.numpy.shape(x)
-        raise ShardingError(f"constrain: {logical_axes} name {len(logical_axes)} dims; x has shape {shape}")
     try:
         sharding = context.sharding(tuple(logical_axes))
     except ShardingError as e:
         raise ShardingError(f"constrain: {e}") from None
+    _diagnose.divisible("constrain", jax.numpy.shape(x), tuple(logical_axes), sharding.spec, context.mesh)
     if context.explicit:  # the sharding is the array's type: change the type
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)  # a hint to XLA's propagation
@@ -142,16 +158,14 @@ def output_sharding(logical_axes: LogicalAxes) -> NamedSharding | None:
 
     Pass it as ``out_sharding=`` to ``jnp.matmul`` or ``jnp.einsum``: None lets JAX decide.
     """
-    context = current()
+    context = _CURRENT.get()
     if context is None or not context.explicit:
         return None
     # An activation's layout is a choice, not a contract: where two of its dimensions want
     # the same mesh axis (strict rules batch->data, mlp->data), the later one is replicated.
     names = {name for name in logical_axes if name is not None and name in context.rules}
     lenient = AxisRules.from_pairs([*context.rules.pairs, *((name, None) for name in sorted(names))])
-    return LogicalSharding(context.mesh, lenient, context.batch_axis, context.batch_target).sharding(
-        tuple(logical_axes)
-    )
+    return dataclasses.replace(context, rules=lenient).sharding(tuple(logical_axes))
 
 
 def as_activation(param: Any, activation_axes: LogicalAxes) -> Any:

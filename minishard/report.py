@@ -6,6 +6,23 @@ row per array, read from ``minishard.sharding.plan`` (the same plan ``Sharded``
 uses, not re-derived here), with the block each device keeps and its bytes.
 Only the mesh's axis names and sizes are needed, so an ``AbstractMesh`` plans a
 model far too big for this machine (with ``jax.eval_shape`` for the model).
+
+>>> import jax
+>>> from minishard import AxisRules, mlp
+>>> model = mlp([8, 16, 4], key=jax.random.key(0), axes=[("embed", "mlp"), ("mlp", "embed")])
+>>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))  # only shapes needed here
+>>> report = explain(model, mesh, AxisRules(embed=None, mlp="model"))
+>>> print(report)
+mesh {'data': 2, 'model': 4} (8 devices)
+path              shape    logical axes      spec              bytes  per device  bytes/device
+----------------  -------  ----------------  ----------------  -----  ----------  ------------
+layers[0].weight  (8, 16)  ('embed', 'mlp')  P(None, 'model')  512 B  (8, 4)      128 B
+layers[0].bias    (16,)    ('mlp',)          P('model',)       64 B   (4,)        16 B
+layers[2].weight  (16, 4)  ('mlp', 'embed')  P('model', None)  256 B  (4, 4)      64 B
+layers[2].bias    (4,)     ('embed',)        P(None,)          16 B   (4,)        16 B
+total: 848 B unsharded, 224 B per device (3.8x less)
+>>> report.rows[0].device_bytes, report.total_bytes, report.device_bytes
+(128, 848, 224)
 """
 
 from __future__ import annotations
@@ -23,6 +40,8 @@ from minishard.census import Collective, collectives, human_bytes, summary
 from minishard.rules import AnyMesh, AxisRules, LogicalAxes
 from minishard.sharding import Sharded, plan
 from minishard.tree import named_leaves
+
+__all__ = ["Report", "Row", "explain"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +87,7 @@ class Report:
     )
 
     def cells(self) -> list[tuple[str, ...]]:
-        """The table's rows as strings, shared by the text and the rich renderings."""
+        """The table's rows as strings, one per ``HEADER`` column: for ``str`` and the renderers."""
         return [
             (
                 row.path,
@@ -82,15 +101,13 @@ class Report:
             for row in self.rows
         ]
 
-    def _totals(self) -> str:
+    def footer(self) -> list[str]:
+        """The lines under the table: the totals, and the step's collectives if there was a step."""
         ratio = self.total_bytes / self.device_bytes if self.device_bytes else 1.0
-        return (
+        lines = [
             f"total: {human_bytes(self.total_bytes)} unsharded, "
             f"{human_bytes(self.device_bytes)} per device ({ratio:.1f}x less)"
-        )
-
-    def footer(self) -> list[str]:
-        lines = [self._totals()]
+        ]
         if self.collectives is not None:
             lines += [f"collectives of {self.step_name}:"]
             lines += ["  " + line for line in summary(self.collectives).splitlines()]
@@ -116,30 +133,26 @@ def explain(
     """Every array of ``tree`` (a model, an optimizer state, ...) on ``mesh`` under ``rules``.
 
     Only the mesh's axis names and sizes are read, so a ``jax.sharding.AbstractMesh``
-    will do, unless a step is to be compiled.
+    will do, unless a step is to be compiled (the module docstring shows a report).
 
     With ``step`` and its example ``args``, the report also lists the
     collectives of the compiled step. ``step`` is a ``Sharded`` function (or
     anything with ``.lower``, such as a ``jax.jit`` function), or a plain
     function, which is then wrapped in ``Sharded(mesh, rules)``.
-
-    >>> import jax
-    >>> from minishard import AxisRules, mlp
-    >>> model = mlp([8, 16, 4], key=jax.random.key(0), axes=[("embed", "mlp"), ("mlp", "embed")])
-    >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))  # only shapes needed here
-    >>> report = explain(model, mesh, AxisRules(embed=None, mlp="model"))
-    >>> print(report)
-    mesh {'data': 2, 'model': 4} (8 devices)
-    path              shape    logical axes      spec              bytes  per device  bytes/device
-    ----------------  -------  ----------------  ----------------  -----  ----------  ------------
-    layers[0].weight  (8, 16)  ('embed', 'mlp')  P(None, 'model')  512 B  (8, 4)      128 B
-    layers[0].bias    (16,)    ('mlp',)          P('model',)       64 B   (4,)        16 B
-    layers[2].weight  (16, 4)  ('mlp', 'embed')  P('model', None)  256 B  (4, 4)      64 B
-    layers[2].bias    (4,)     ('embed',)        P(None,)          16 B   (4,)        16 B
-    total: 848 B unsharded, 224 B per device (3.8x less)
-    >>> report.rows[0].device_bytes, report.total_bytes, report.device_bytes
-    (128, 848, 224)
     """
+    rows = _rows(tree, mesh, rules)
+    return Report(
+        mesh=dict(mesh.shape),
+        rows=rows,
+        total_bytes=sum(row.bytes for row in rows),
+        device_bytes=sum(row.device_bytes for row in rows),
+        collectives=None if step is None else _collectives_of(step, args, mesh, rules),
+        step_name=getattr(getattr(step, "fn", step), "__name__", "step"),
+    )
+
+
+def _rows(tree: Any, mesh: AnyMesh, rules: AxisRules | None) -> tuple[Row, ...]:
+    """One Row per array, from the plan ``Sharded`` uses, with each array's bytes."""
     arrays = dict(named_leaves(tree))  # path -> array, for each row's dtype
     rows = []
     for leaf in plan(tree, mesh, rules).leaves:
@@ -156,21 +169,18 @@ def explain(
                 device_bytes=math.prod(leaf.block_shape) * dtype.itemsize,
             )
         )
-    found = None
-    if step is not None:
-        if args is None:
-            raise TypeError("explain: a step needs example args to compile it with, e.g. args=(model, batch)")
-        sharded: Any = step
-        if not hasattr(step, "lower"):
-            if not isinstance(mesh, jax.sharding.Mesh):
-                raise TypeError("explain: compiling a step needs a mesh of real devices, not an AbstractMesh")
-            sharded = Sharded(mesh, rules)(step)
-        found = collectives(sharded.lower(*args))
-    return Report(
-        mesh=dict(mesh.shape),
-        rows=tuple(rows),
-        total_bytes=sum(row.bytes for row in rows),
-        device_bytes=sum(row.device_bytes for row in rows),
-        collectives=found,
-        step_name=getattr(getattr(step, "fn", step), "__name__", "step"),
-    )
+    return tuple(rows)
+
+
+def _collectives_of(
+    step: Callable[..., Any], args: Sequence[Any] | None, mesh: AnyMesh, rules: AxisRules | None
+) -> dict[str, Collective]:
+    """Compile ``step`` on ``args`` (wrapped in ``Sharded`` unless it can ``.lower``) and count."""
+    if args is None:
+        raise TypeError("explain: a step needs example args to compile it with, e.g. args=(model, batch)")
+    sharded: Any = step
+    if not hasattr(step, "lower"):
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError("explain: compiling a step needs a mesh of real devices, not an AbstractMesh")
+        sharded = Sharded(mesh, rules)(step)
+    return collectives(sharded.lower(*args))

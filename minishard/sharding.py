@@ -33,9 +33,7 @@ rules for ``spec(...)``; ``Sharded`` wraps the specs in ``NamedSharding``\\ s fo
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -44,7 +42,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from minishard.constraints import DEFAULT_BATCH_AXIS, logical_sharding
+from minishard import _diagnose
+from minishard._diagnose import is_deleted
+from minishard.constraints import DEFAULT_BATCH_AXIS, LogicalSharding
 from minishard.layers import Layer
 from minishard.rules import (
     IDENTITY_RULES,
@@ -53,7 +53,6 @@ from minishard.rules import (
     LogicalAxes,
     P,
     ShardingError,
-    as_mesh_axes,
     split_count,
 )
 from minishard.tree import path_str
@@ -80,31 +79,9 @@ def make_mesh(
     >>> make_mesh({"data": 2, "model": 4}).shape
     OrderedDict([('data', 2), ('model', 4)])
     """
-    if isinstance(shape, Mapping):
-        if names is not None:
-            raise ShardingError(f"make_mesh: {dict(shape)} already names its axes; drop names={names}")
-        names, sizes = tuple(shape), tuple(shape.values())
-    else:
-        sizes = tuple(shape)
-        if names is None or len(names) != len(sizes):
-            raise ShardingError(f"make_mesh: shape {sizes} needs one name per axis, got names={names}")
-        names = tuple(names)
-    if bad := [
-        f"{n}={s!r}" for n, s in zip(names, sizes) if isinstance(s, bool) or not isinstance(s, int) or s < 1
-    ]:
-        raise ShardingError(f"make_mesh: axis sizes must be positive ints, got {', '.join(bad)}")
-    if twice := sorted({n for n in names if names.count(n) > 1}):
-        raise ShardingError(
-            f"make_mesh: mesh axis {twice} named twice in {names}; each axis needs its own name"
-        )
+    names, sizes = _diagnose.mesh_shape(shape, names)
     devices = list(jax.devices() if devices is None else devices)
-    if math.prod(sizes) != len(devices):
-        platform = devices[0].platform if devices else "none"
-        raise ShardingError(
-            f"make_mesh: mesh {dict(zip(names, sizes))} needs {math.prod(sizes)} devices, but "
-            f"{len(devices)} {platform} device(s) were given. To simulate N CPU devices, set "
-            "XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX is first imported."
-        )
+    _diagnose.mesh_devices(names, sizes, devices)
     kind = AxisType.Explicit if explicit else AxisType.Auto
     return jax.make_mesh(sizes, names, axis_types=(kind,) * len(sizes), devices=devices)
 
@@ -224,19 +201,10 @@ def _leaf_plan(
     mesh: AnyMesh | None,
 ) -> LeafPlan:
     """Each split dimension must divide evenly by the size of its mesh axes."""
+    _diagnose.divisible(path_str(path), shape, axes, spec, mesh)
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-    block = []
-    for dim, (size, entry) in enumerate(zip(shape, entries)):
-        ways = 1 if mesh is None else split_count(mesh, entry)
-        if size % ways:
-            sizes = ", ".join(f"{a!r}={mesh.shape[a]}" for a in as_mesh_axes(entry))  # type: ignore[union-attr]
-            raise ShardingError(
-                f"{path_str(path)}: shape {shape}, dimension {dim} (logical axis {axes[dim]!r}) has "
-                f"size {size}, which mesh axis {sizes} cannot split evenly; choose sizes divisible "
-                f"by {ways} or change the rules"
-            )
-        block.append(size // ways)
-    return LeafPlan(path_str(path), shape, axes, spec, tuple(block))
+    ways = [1 if mesh is None else split_count(mesh, entry) for entry in entries]
+    return LeafPlan(path_str(path), shape, axes, spec, tuple(s // w for s, w in zip(shape, ways)))
 
 
 def partition_specs(tree: Any, rules: AxisRules | None = None, mesh: AnyMesh | None = None) -> Any:
@@ -249,7 +217,11 @@ def partition_specs(tree: Any, rules: AxisRules | None = None, mesh: AnyMesh | N
 
 
 def named_shardings(specs: Any, mesh: Mesh) -> Any:
-    """PartitionSpec leaves -> ``NamedSharding(mesh, spec)``; ``None`` (unspecified) stays None."""
+    """PartitionSpec leaves -> ``NamedSharding(mesh, spec)``; ``None`` (unspecified) stays None.
+
+    Each spec is checked first: a PartitionSpec that names only axes of ``mesh``.
+    """
+    jax.tree_util.tree_map_with_path(lambda path, spec: _diagnose.spec_on_mesh(path, spec, mesh), specs)
     return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs)
 
 
@@ -285,6 +257,9 @@ class Sharded:
       a returned model keeps its parameters' shardings; scalars (a loss) come
       back replicated; other arrays are left to XLA.
 
+    The mesh, the rules and where the batch goes are one ``LogicalSharding``,
+    built here once: the same object ``minishard.constrain`` reads while ``fn`` traces.
+
     >>> import jax, jax.numpy as jnp
     >>> from minishard import mlp
     >>> mesh = make_mesh({"data": 8})
@@ -301,24 +276,17 @@ class Sharded:
         batch_axis: str | None = None,
         donate_argnums: int | Sequence[int] = (),
     ) -> None:
-        kinds = set(mesh.axis_types)
-        if len(kinds) > 1:
-            raise ShardingError(
-                f"Sharded: mesh axes {dict(zip(mesh.axis_names, mesh.axis_types))} mix Auto and Explicit; "
-                "minishard supports meshes of one kind: make_mesh(..., explicit=True) or explicit=False"
-            )
-        self.mesh = mesh
-        self.rules = rules or IDENTITY_RULES
-        self.rules.check_mesh(mesh)
-        knows = lambda name: name in self.rules or name in mesh.axis_names  # noqa: E731
-        if batch_axis is not None and not knows(batch_axis):
-            raise ShardingError(
-                f"Sharded: batch_axis={batch_axis!r} has no rule in {self.rules} and is no mesh axis "
-                f"{mesh.axis_names}; add a rule such as AxisRules({batch_axis}='data')"
-            )
-        self.batch_axis = batch_axis or DEFAULT_BATCH_AXIS
+        rules = rules or IDENTITY_RULES
+        _diagnose.one_kind_of_axes(mesh)
+        rules.check_mesh(mesh)
+        _diagnose.batch_axis_known(batch_axis, rules, mesh)
+        self.logical_sharding = LogicalSharding(mesh, rules, batch_axis or DEFAULT_BATCH_AXIS)
         self.donate_argnums = donate_argnums
-        self._batch_entry = self.rules.spec((self.batch_axis,), mesh)[0] if knows(self.batch_axis) else None
+
+    # Read from the one environment, never copied: ``constrain`` sees the same values.
+    mesh = property(lambda self: self.logical_sharding.mesh)
+    rules = property(lambda self: self.logical_sharding.rules)
+    batch_axis = property(lambda self: self.logical_sharding.batch_axis)
 
     def __call__(self, fn: Callable[..., Any]) -> ShardedFunction:
         """Wrap ``fn``; nothing is traced or compiled until the first call."""
@@ -327,23 +295,24 @@ class Sharded:
     @property
     def batch_sharding(self) -> NamedSharding:
         """Where a global batch goes: leading dimension split over the batch mesh axes."""
-        return NamedSharding(self.mesh, P(self._batch_entry))
-
-    def logical_sharding(self) -> contextlib.AbstractContextManager[None]:
-        """The context ``fn`` traces in: ``minishard.constrain`` resolves with this mesh and these rules."""
-        return logical_sharding(self.mesh, self.rules, self.batch_axis, self._batch_entry)
+        return NamedSharding(self.mesh, P(self.logical_sharding.batch_target))
 
     def batch_layout(self, leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:
         """Arrays outside Layers: leading dim over the batch mesh axes; scalars replicated."""
-        ndim = np.ndim(leaf)
-        if ndim == 0 or self._batch_entry is None:
+        ndim, target = np.ndim(leaf), self.logical_sharding.batch_target
+        if ndim == 0 or target is None:
             return (None,) * ndim, P()
-        return (self.batch_axis,) + (None,) * (ndim - 1), P(self._batch_entry)
+        return (self.batch_axis,) + (None,) * (ndim - 1), P(target)
+
+    def plan_inputs(self, args: tuple[Any, ...]) -> Plan:
+        """The plan of a call's arguments: Layers' parameters by the rules, the rest by ``batch_layout``."""
+        return plan(args, self.mesh, self.rules, self.batch_layout)
 
 
 class _Compiled(NamedTuple):
     jitted: Any  # jax.jit(fn, in_shardings=..., out_shardings=...)
     specs: Specs
+    in_shardings: tuple[NamedSharding, ...]  # one per leaf of the arguments
     donated: tuple[int, ...]  # positions, in the flattened arguments, of the donated leaves
 
 
@@ -357,34 +326,30 @@ class ShardedFunction:
       makes the ``jax.jit``; the result is cached under the structure;
     * **every later call**: one ``tree_flatten`` and two dict lookups find the
       cached ``jax.jit``, which is called directly.
+
+    When jit refuses a call, ``minishard._diagnose`` says which argument was wrong.
     """
 
     def __init__(self, fn: Callable[..., Any], config: Sharded) -> None:
-        self.fn = fn
-        self.config = config
+        self.fn, self.config = fn, config
         self.name = getattr(fn, "__name__", "function")
+        self.arg_names = _positional_names(fn)  # None: any number (*args, or no signature)
+        self.donated_args = _diagnose.donate_argnums(self.name, config.donate_argnums, self.arg_names)
         # treedef -> (positions of the leaves outside Layers, {which of them are scalars: jit})
         self._cache: dict[Any, tuple[tuple[int, ...], dict[tuple[bool, ...], _Compiled]]] = {}
-        try:
-            self._arg_names = list(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            self._arg_names = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
-            raise TypeError(
-                f"Sharded function {self.name!r}: pass arguments by position; "
-                f"shardings are derived per positional argument, got keywords {sorted(kwargs)}"
-            )
+            _diagnose.keywords(self.name, kwargs)
         compiled, leaves = self._lookup(args)
         # A donated array is deleted after the call it was given to; handing it to XLA
         # again would crash the process (XLA:CPU), so look first. Free without donation.
-        if compiled.donated and any(_is_deleted(leaves[i]) for i in compiled.donated):
-            self._diagnose(args, compiled.specs)
+        if compiled.donated and any(is_deleted(leaves[i]) for i in compiled.donated):
+            _diagnose.failed_call(self, args, compiled.in_shardings)
         try:
             return compiled.jitted(*leaves)
-        except (ValueError, RuntimeError) as error:  # explain JAX's generic errors in minishard's terms
-            self._diagnose(args, compiled.specs)
+        except (TypeError, ValueError, RuntimeError) as error:  # JAX's generic errors, in minishard's terms
+            _diagnose.failed_call(self, args, compiled.in_shardings)
             raise error
 
     def specs(self, *args: Any) -> Specs:
@@ -394,7 +359,11 @@ class ShardedFunction:
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """``jax.jit(...).lower(*args)``: look at the program (``.as_text()``) or compile it."""
         compiled, leaves = self._lookup(args)
-        return compiled.jitted.lower(*leaves)
+        try:
+            return compiled.jitted.lower(*leaves)
+        except (TypeError, ValueError, RuntimeError) as error:  # the same errors as a call
+            _diagnose.failed_call(self, args, compiled.in_shardings)
+            raise error
 
     def _lookup(self, args: tuple[Any, ...]) -> tuple[_Compiled, list[Any]]:
         # The hot path of every training step. Layer parameters' specs follow from the
@@ -409,115 +378,86 @@ class ShardedFunction:
         scalars = tuple([getattr(leaves[i], "ndim", 0) == 0 for i in outside])
         compiled = by_scalars.get(scalars)
         if compiled is None:
-            compiled = by_scalars[scalars] = self._build(args, treedef)
+            compiled = by_scalars[scalars] = self._build(args, leaves, treedef)
         return compiled, leaves
 
-    def _build(self, args: tuple[Any, ...], treedef: Any) -> _Compiled:
-        config, mesh = self.config, self.config.mesh
+    def _build(self, args: tuple[Any, ...], leaves: list[Any], treedef: Any) -> _Compiled:
+        """Plan the arguments, trace for the outputs' shapes, plan them, make the ``jax.jit``."""
+        _diagnose.arrays(self, args)
         try:
-            inputs = plan(args, mesh, config.rules, config.batch_layout).specs
+            inputs = self.config.plan_inputs(args).specs
         except ShardingError as e:
-            raise ShardingError(self._name_argument(str(e))) from None
-        with self.config.logical_sharding():
-            out_shapes = self._eval_shape(args)
-        try:
-            outputs = plan(out_shapes, mesh, config.rules, _scalars_replicated).specs
-        except ShardingError as e:
-            raise ShardingError(f"{self.name}: output {e}") from None
-        donate = (config.donate_argnums,) if isinstance(config.donate_argnums, int) else config.donate_argnums
-        starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(arg)) for arg in args])
-        donated = tuple(i for a in donate for i in range(starts[a], starts[a + 1]))
-        fn, logical = self.fn, self.config.logical_sharding
-
-        def on_leaves(*leaves: Any) -> Any:  # traced once per key: rebuilding the trees here is free
-            with logical():  # minishard.constrain inside fn resolves logical axes with our rules
-                return fn(*jax.tree_util.tree_unflatten(treedef, leaves))
-
-        on_leaves.__name__ = on_leaves.__qualname__ = self.name  # the program keeps fn's name
-
+            raise ShardingError(_diagnose.name_argument(self, str(e))) from None
+        mesh, env = self.config.mesh, self.config.logical_sharding
+        in_shardings = tuple(jax.tree_util.tree_leaves(named_shardings(inputs, mesh)))
+        traced = env.wrap(self._on_leaves(treedef, in_shardings))  # constrain inside fn reads env
+        outputs = self._plan_outputs(self._eval_shape(traced, args, leaves))
+        donated = _leaf_positions(args, self.donated_args)
         jitted = jax.jit(  # over the flat leaves: __call__ has them already, so JAX flattens nothing
-            on_leaves,
-            in_shardings=tuple(jax.tree_util.tree_leaves(named_shardings(inputs, mesh))),
+            traced,
+            in_shardings=in_shardings,
             out_shardings=named_shardings(outputs, mesh),
             donate_argnums=donated,
         )
-        return _Compiled(jitted, Specs(inputs, outputs), donated)
+        return _Compiled(jitted, Specs(inputs, outputs), in_shardings, donated)
 
-    def _eval_shape(self, args: tuple[Any, ...]) -> Any:
-        """``jax.eval_shape(fn, *args)``; an ambiguous sharding (Explicit mesh) names its layer."""
-        fn = self.fn
+    def _on_leaves(self, treedef: Any, in_shardings: tuple[NamedSharding, ...]) -> Callable[..., Any]:
+        """``fn`` over the flat leaves, as jit and eval_shape trace it."""
+        fn, typed = self.fn, _typed if self.config.logical_sharding.explicit else _as_given
+
+        def on_leaves(*leaves: Any) -> Any:  # traced once per key: rebuilding the trees here is free
+            return fn(*jax.tree_util.tree_unflatten(treedef, typed(leaves, in_shardings)))
+
+        on_leaves.__name__ = on_leaves.__qualname__ = self.name  # the program keeps fn's name
+        return on_leaves
+
+    def _plan_outputs(self, out_shapes: Any) -> Any:
+        """The outputs' specs: Layers' parameters by the rules, scalars replicated, the rest XLA's."""
         try:
-            # A fresh function: jax.eval_shape caches its trace under the function it is given,
-            # and this trace (inside logical_sharding) must never be reused by a plain jax.jit(fn).
-            return jax.eval_shape(lambda *args: fn(*args), *args)
-        except Exception as error:
-            if type(error).__name__ != "ShardingTypeError":  # jax._src.core's: not exported
-                raise
-            layer = _innermost_layer(error)
-            where = f"in {_paths_of(args, type(layer), self._arg_names)}: " if layer is not None else ""
-            raise ShardingError(
-                f"{self.name}: {where}{str(error).splitlines()[0]} On an Explicit mesh a contraction over "
-                "a split dimension must say where its output goes: pass "
-                "out_sharding=minishard.constraints.output_sharding(<the output's logical axes>) to "
-                "jnp.matmul/jnp.einsum, as minishard's Linear does"
-            ) from None
-
-    def _name_argument(self, message: str) -> str:
-        """``[0].layers[0].weight`` -> ``model.layers[0].weight``, using fn's parameter names."""
-        index, _, rest = message.removeprefix("[").partition("]")
-        if message.startswith("[") and index.isdigit() and int(index) < len(self._arg_names):
-            message = self._arg_names[int(index)] + rest
-        return f"{self.name}: argument {message}"
-
-    def _diagnose(self, args: tuple[Any, ...], specs: Specs) -> None:
-        """After jit refused a call: raise a ShardingError that names the argument, if we can."""
-        config = self.config
-        try:  # another batch size under a cached structure: is it still divisible?
-            plan(args, config.mesh, config.rules, config.batch_layout)
+            return plan(out_shapes, self.config.mesh, self.config.rules, _scalars_replicated).specs
         except ShardingError as e:
-            raise ShardingError(self._name_argument(str(e))) from None
-        expected = jax.tree_util.tree_leaves(named_shardings(specs.inputs, config.mesh))
-        for (path, arg), want in zip(jax.tree_util.tree_leaves_with_path(args), expected):
-            where = path_str(path)
-            if _is_deleted(arg):
-                raise ShardingError(
-                    self._name_argument(
-                        f"{where}: was deleted, because it was donated to an earlier call "
-                        f"(donate_argnums={config.donate_argnums}); pass the arrays that call returned"
-                    )
-                )
-            if getattr(arg, "committed", False) and not arg.sharding.is_equivalent_to(want, arg.ndim):
-                raise ShardingError(
-                    self._name_argument(
-                        f"{where}: is committed to {arg.sharding}, but Sharded derived {want}. "
-                        "Place it with minishard.shard(tree, mesh, rules) (or jax.device_put with "
-                        "that sharding) before the call."
-                    )
-                )
+            raise ShardingError(f"{self.name}: output {e}") from None
+
+    def _eval_shape(self, traced: Callable[..., Any], args: tuple[Any, ...], leaves: list[Any]) -> Any:
+        """``jax.eval_shape`` of the function jit will trace; an Explicit mesh's ambiguity is named."""
+        try:
+            return jax.eval_shape(traced, *leaves)
+        except Exception as error:
+            _diagnose.ambiguous_layout(self, args, Layer, error)
+            raise
 
 
-def _innermost_layer(error: BaseException) -> Layer | None:
-    """The last Layer whose method the traceback passes through: where the error happened."""
-    layer, frame = None, error.__traceback__
-    while frame is not None:
-        if isinstance(candidate := frame.tb_frame.f_locals.get("self"), Layer):
-            layer = candidate
-        frame = frame.tb_next
-    return layer
+def _typed(leaves: tuple[Any, ...], shardings: tuple[NamedSharding, ...]) -> list[Any]:
+    """Explicit meshes: trace with the types the shardings imply, however the inputs were placed.
+
+    An unplaced input (a numpy array, a fresh model) has an unsharded type; ``reshard``
+    gives it the type ``in_shardings`` already placed it with: a trace-time relabel, free per call.
+    """
+    return [
+        jax.sharding.reshard(x, s) if jax.typeof(x).sharding.mesh.empty else x
+        for x, s in zip(leaves, shardings)
+    ]
 
 
-def _paths_of(args: tuple[Any, ...], kind: type, names: list[str]) -> str:
-    """Where in the arguments Layers of type ``kind`` sit: ``model.layers[2] (Bilinear)``."""
-    found = []
-    for path, node in jax.tree_util.tree_flatten_with_path(args, is_leaf=lambda n: type(n) is kind)[0]:
-        if type(node) is kind:
-            index, _, rest = path_str(path).removeprefix("[").partition("]")  # "[0].layers[2]"
-            found.append(names[int(index)] + rest if index.isdigit() and int(index) < len(names) else rest)
-    return f"{' or '.join(found) or 'a layer'} ({kind.__name__})"
+def _as_given(leaves: tuple[Any, ...], shardings: tuple[NamedSharding, ...]) -> tuple[Any, ...]:
+    return leaves  # Auto meshes: types carry no sharding
 
 
-def _is_deleted(leaf: Any) -> bool:
-    return getattr(leaf, "is_deleted", bool)()  # numpy arrays are never donated away
+def _positional_names(fn: Callable[..., Any]) -> list[str] | None:
+    """The names of ``fn``'s positional parameters; None when it takes ``*args`` or has no signature."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _leaf_positions(args: tuple[Any, ...], argnums: tuple[int, ...]) -> tuple[int, ...]:
+    """The positions, among the flattened ``args``, of the leaves of the arguments ``argnums``."""
+    starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(arg)) for arg in args])
+    return tuple(i for a in argnums for i in range(starts[a], starts[a + 1]))
 
 
 def _positions_outside_layers(tree: Any) -> tuple[int, ...]:

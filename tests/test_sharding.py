@@ -28,7 +28,7 @@ import minishard as ms
 from minishard.census import Collective, bytes_by_mesh_axes, collectives
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
-from minishard.sharding import Sharded, make_mesh, partition_specs
+from minishard.sharding import Sharded, make_mesh, named_shardings, partition_specs
 from minishard.tree import named_leaves, tree_bytes
 
 MESH = make_mesh({"data": 2, "model": 4})
@@ -203,6 +203,46 @@ ERRORS = [
     ),
     pytest.param(lambda: ms.make_mesh((2, 4)), r"needs one name per axis", id="mesh-without-names"),
     pytest.param(
+        lambda: ms.make_mesh({}),
+        r"^make_mesh: the mesh has no axes; name at least one, e\.g\. make_mesh\(\{'data': 8\}\)$",
+        id="mesh-without-axes",
+    ),
+    pytest.param(
+        lambda: ms.make_mesh({"data": 1}, devices=[]),
+        r"^make_mesh: no devices were given for mesh \{'data': 1\}; pass some \(jax\.devices\(\)\), "
+        r"or leave devices=None for all of them$",
+        id="mesh-without-devices",
+    ),
+    pytest.param(
+        lambda: named_shardings({"w": P("data"), "b": "model"}, MESH),
+        r"^named_shardings: b is 'model' \(str\), not a PartitionSpec; use P\(\.\.\.\) \(None for an "
+        r"unspecified leaf\)$",
+        id="named-shardings-not-a-spec",
+    ),
+    pytest.param(
+        lambda: named_shardings({"layers": [P(None, ("data", "modle"))]}, MESH),
+        r"^named_shardings: layers\[0\]: P\(None, \('data', 'modle'\)\) names mesh axis 'modle', which the "
+        r"mesh \{'data': 2, 'model': 4\} lacks$",
+        id="named-shardings-unknown-mesh-axis",
+    ),
+    pytest.param(
+        lambda: ms.Sharded(MESH, RULES, donate_argnums=2)(forward),
+        r"^forward: donate_argnums=2 names argument 2, but forward takes 2 positional arguments "
+        r"\(model, x\)$",
+        id="donate-out-of-range",
+    ),
+    pytest.param(
+        lambda: ms.Sharded(MESH, RULES, donate_argnums=(0, -1))(forward),
+        r"^forward: donate_argnums=\(0, -1\) must be non-negative ints \(argument positions\); forward "
+        r"takes 2 positional arguments$",
+        id="donate-negative",
+    ),
+    pytest.param(
+        lambda: ms.Sharded(MESH, RULES, donate_argnums="0")(forward),
+        r"^forward: donate_argnums='0' must be non-negative ints",
+        id="donate-not-an-int",
+    ),
+    pytest.param(
         lambda: ms.shard(numpy_mlp([8, 16, 6], axes=[("embed", "mlp")] * 2), MESH, RULES),
         r"^layers\[2\]\.weight: shape \(16, 6\), dimension 1 \(logical axis 'mlp'\) has size 6, "
         r"which mesh axis 'model'=4 cannot split evenly; choose sizes divisible by 4",
@@ -234,6 +274,89 @@ ERRORS = [
 def test_sharding_errors_say_what_and_where(make, message):
     with pytest.raises(ShardingError, match=message):
         make()
+
+
+def scaled(model, scale):
+    return model(X) * scale
+
+
+@pytest.mark.parametrize("first", [None, 2.0], ids=["first-call", "cached"])
+def test_a_string_argument_is_named_by_its_parameter(first):
+    step = ms.Sharded(MESH, RULES)(scaled)
+    if first is not None:  # a scalar first: the string then meets the cached jit
+        jax.block_until_ready(step(MODEL, first))
+    with pytest.raises(
+        TypeError,
+        match=r"^scaled: argument scale: is str 'abc', not an array; a Sharded function takes arrays \(or "
+        r"pytrees of them\): pass other values through functools\.partial or a closure$",
+    ):
+        step(MODEL, "abc")
+
+
+def test_lower_raises_the_same_named_error_as_a_call():
+    step = ms.Sharded(MESH, RULES)(forward)
+    jax.block_until_ready(step(MODEL, X))  # the structure is cached: a batch of 3 meets jit's own check
+    bad = np.ones((3, 8), np.float32)
+    expected = r"^forward: argument x: shape \(3, 8\), dimension 0 \(logical axis 'batch'\) has size 3"
+    for how in (step, step.lower, ms.Sharded(MESH, RULES)(forward).lower):
+        with pytest.raises(ShardingError, match=expected):
+            how(MODEL, bad)
+
+
+# -- Explicit meshes: the types its shardings imply, however the inputs were placed ---------
+def test_an_explicit_mesh_traces_sharded_types_for_unplaced_inputs_too():
+    mesh = make_mesh({"data": 2, "model": 4}, explicit=True)
+    seen = []
+
+    def forward(model, x):
+        seen.append((jax.typeof(model[0].weight), jax.typeof(x)))
+        return model(x)
+
+    step = Sharded(mesh, RULES)(forward)
+    model = numpy_mlp([8, 16, 8], axes=MEGATRON)
+    jax.block_until_ready(step(model, X))  # numpy: unplaced
+    jax.block_until_ready(step(ms.shard(model, mesh, RULES), jax.device_put(X, step.config.batch_sharding)))
+    assert len(seen) >= 2 and len(set(seen)) == 1, seen
+    weight, x = seen[0]
+    assert (str(weight), str(x)) == ("float32[8,16@model]", "float32[4@data,8]")
+
+
+class Bilinear(ms.Layer):
+    """Contracts a split dimension without saying where its output goes: ambiguous when Explicit."""
+
+    param_fields = ("weight",)
+
+    def __init__(self):
+        self.weight = np.ones((16, 8), np.float32)
+
+    def __call__(self, x):
+        return x @ self.weight
+
+    def param_logical_axes(self):
+        return {"weight": ("mlp", "embed")}
+
+
+def test_an_ambiguous_contraction_is_named_for_unplaced_inputs_too():
+    model = ms.Sequential([numpy_mlp([8, 16], [("embed", "mlp")])[0], Bilinear()])  # NumPy: unplaced
+    step = Sharded(make_mesh({"data": 2, "model": 4}, explicit=True), RULES)(forward)
+    with pytest.raises(ShardingError, match=r"^forward: in model\.layers\[1\] \(Bilinear\): Contracting"):
+        step(model, X)
+
+
+def test_a_renamed_batch_axis_on_an_explicit_mesh_trains_like_the_auto_mesh():
+    args = example(axes=MEGATRON)
+    auto = Sharded(make_mesh({"data": 2, "model": 4}), RULES_2D)(train_step)
+    rows_rules = AxisRules(rows="data", embed=None, mlp="model")  # no rule names "batch"
+    explicit = make_mesh({"data": 2, "model": 4}, explicit=True)
+    rows = Sharded(explicit, rows_rules, batch_axis="rows")(train_step)
+    assert rows.specs(*args).inputs[2] == P("data")  # the batch is split, over the renamed axis's rule
+    results = []
+    for step in (auto, rows):
+        state = args
+        for _ in range(2):
+            state = (*jax.block_until_ready(step(*state))[:2], *args[2:])
+        results.append(state[:2])
+    assert_trees_close(*results)
 
 
 def test_sharded_refuses_a_mesh_that_mixes_auto_and_explicit_axes():
