@@ -17,7 +17,7 @@ from models import SIZES, example, train_step
 
 import minishard as ms
 from minishard.census import bytes_by_mesh_axes
-from minishard.constraints import constrain, logical_sharding
+from minishard.constraints import constrain
 from minishard.presets import PRESETS, preset
 from minishard.rules import ShardingError
 from minishard.testing import assert_sharded_equivalent, axis_rules, batch_sizes, meshes, mlps
@@ -74,19 +74,6 @@ def test_fsdp_gathers_each_weight_and_reduces_the_whole_gradient():
         ("all-gather", ("data",)): tree_bytes(split),  # forward: each split weight, whole
         ("all-reduce", ("data",)): tree_bytes(model) + 4,  # backward: every gradient, whole, and the loss
     }
-
-
-def test_constrain_is_a_no_op_outside_a_context_and_pins_the_layout_inside():
-    x = jnp.ones((16, 8))
-    assert constrain(x, ("batch", "embed")) is x
-    mesh = ms.make_mesh({"data": 2, "model": 4})
-    rules = ms.AxisRules(batch="data", embed="model")
-    step = ms.Sharded(mesh, rules)(lambda x: constrain(x * 2, ("batch", "embed")))
-    assert jax.block_until_ready(step(x)).sharding.spec == P("data", "model")
-    with logical_sharding(mesh, rules):  # the same, around a hand-written jax.jit
-        assert jax.jit(lambda x: constrain(x * 2, (None, "embed")))(x).sharding.spec == P(None, "model")
-    with pytest.raises(ShardingError, match=r"constrain: logical axis 'vocab' .* has no rule"):
-        ms.Sharded(mesh, rules)(lambda x: constrain(x, ("batch", "vocab")))(x)
 
 
 def test_the_cli_takes_a_preset_and_lets_mesh_and_rules_override():
