@@ -92,7 +92,7 @@ ROWS = [
     (
         lambda: SGD(0.1).update({"w": jnp.ones(2)}, {"w": jnp.ones(3)}, SGD(0.1).init({"w": jnp.ones(2)})),
         ValueError,
-        ["grads do not match params at params['w']", "(2,)", "(3,)"],
+        ["grads do not match params at params.w", "(2,)", "(3,)"],
     ),
     # tree helpers
     (lambda: count_params({"a": "x"}), TypeError, ["leaf a is a str"]),

@@ -127,20 +127,47 @@ def test_sgd_state_is_a_pytree_shaped_like_the_params():
     assert SGD(0.1).init(params) == minishard.SGDState(step=None, velocity=None)  # no array to carry
 
 
-def test_a_constant_rate_keeps_a_step_counter_it_was_given():
-    # The state's structure must not change across update (scan carries, Sharded's cache).
-    params = {"w": jnp.ones(2)}
-    state = SGD(exponential_decay(0.1, 0.5, 10)).init(params)
-    _, new_state = SGD(0.1).update(params, params, state)
-    assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(state)
-    assert int(new_state.step) == 1
-
-
 def test_a_schedule_refuses_a_state_without_its_step():
     params = {"w": jnp.ones(2)}
     constant_state = SGD(0.1).init(params)
     with pytest.raises(ValueError, match="schedule, but the state has no step"):
         SGD(exponential_decay(0.1, 0.5, 10)).update(params, params, constant_state)
+
+
+def test_a_constant_rate_refuses_a_state_with_a_step():
+    # Symmetric to the schedule's case: a constant rate's state never has a step (an older
+    # checkpoint that kept one is migrated when the workshop restores it).
+    params = {"w": jnp.ones(2)}
+    schedule_state = SGD(exponential_decay(0.1, 0.5, 10)).init(params)
+    with pytest.raises(ValueError) as error:
+        SGD(0.1).update(params, params, schedule_state)
+    assert str(error.value) == (
+        "SGD.update: this SGD's learning rate is a constant, but the state has a step (it was made for a "
+        "schedule); make the state with the same SGD's init"
+    )
+
+
+def test_momentum_refuses_a_state_without_velocity():
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError) as error:
+        SGD(0.1, momentum=0.9).update(params, params, SGD(0.1).init(params))
+    assert str(error.value) == (
+        "SGD.update: this SGD has momentum 0.9, but the state has no velocity; "
+        "make the state with the same SGD's init"
+    )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "signature"), [(lambda: 0.1, "()"), (lambda step, total: 0.1, "(step, total)")]
+)
+def test_a_schedule_must_take_the_step_and_is_refused_when_built(schedule, signature):
+    with pytest.raises(TypeError) as error:
+        SGD(schedule)
+    assert str(error.value) == (
+        f"SGD: learning_rate is a callable of {signature}, but a schedule is called with one argument, "
+        "the step; write lambda step: ..., or use exponential_decay"
+    )
+    assert SGD(lambda step, total=10: 0.1 * (1 - step / total)).init({}).step == 0  # one argument will do
 
 
 @pytest.mark.parametrize("momentum", [-0.1, 1.0])
