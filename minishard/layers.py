@@ -187,8 +187,7 @@ class Layer:
 def _field_reader(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     """``fields -> (fields[names[0]], fields[names[1]], ...)``, read by C code (``operator.itemgetter``).
 
-    A flatten takes about half the time a comprehension does (the benchmarks' model, flatten
-    and unflatten: 10.4 -> 7.5 µs), which matters at one call per Layer per jit call.
+    Every jit call flattens: the benchmarks' 4-Layer MLP in 2.4 µs, 5.1 with a tuple comprehension (timeit).
     """
     if len(names) == 1:  # itemgetter of one name returns the bare value, not a 1-tuple
         (name,) = names
