@@ -453,6 +453,8 @@ def sgd_update(sgd: SGD, params: Any, grads: Any, state: SGDState) -> None:
         raise ValueError(
             f"SGD.update: this SGD has momentum {sgd.momentum}, but the state has no velocity; {fix}"
         )
+    if not sgd.momentum and state.velocity is not None:
+        raise ValueError(f"SGD.update: this SGD has no momentum, but the state has a velocity; {fix}")
     _same_structure(params, grads)
 
 

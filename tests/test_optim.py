@@ -147,12 +147,18 @@ def test_a_constant_rate_refuses_a_state_with_a_step():
     )
 
 
-def test_momentum_refuses_a_state_without_velocity():
+def test_momentum_refuses_a_state_without_velocity_and_plain_sgd_one_with():
     params = {"w": jnp.ones(2)}
     with pytest.raises(ValueError) as error:
         SGD(0.1, momentum=0.9).update(params, params, SGD(0.1).init(params))
     assert str(error.value) == (
         "SGD.update: this SGD has momentum 0.9, but the state has no velocity; "
+        "make the state with the same SGD's init"
+    )
+    with pytest.raises(ValueError) as error:
+        SGD(0.1).update(params, params, SGD(0.1, momentum=0.9).init(params))
+    assert str(error.value) == (
+        "SGD.update: this SGD has no momentum, but the state has a velocity; "
         "make the state with the same SGD's init"
     )
 
