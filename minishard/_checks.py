@@ -39,25 +39,33 @@ def leaves_with_path(where: str, pytree: Any) -> list[tuple[Any, Any]]:
     try:
         return jax.tree_util.tree_leaves_with_path(pytree)
     except ValueError:  # JAX visits a dict in sorted key order, and says only "Comparator raised ..."
-        bad = jax.tree_util.tree_leaves_with_path(pytree, is_leaf=_unsortable_dict)
-        for path, node in bad:
-            if _unsortable_dict(node):
-                raise TypeError(
-                    f"{where}: the dict at {tree.path_str(path)} has keys of different types "
-                    f"({list(node)!r:.100}), which cannot be sorted, and JAX flattens a dict in sorted "
-                    "key order; use keys of one type (all str, for example)"
-                ) from None
-        raise
+        if (found := _unsortable_dict(pytree)) is None:
+            raise
+        path, keys = found
+        raise TypeError(
+            f"{where}: the dict at {tree.path_str(path)} has keys of different types ({keys!r:.100}), "
+            "which cannot be sorted, and JAX flattens a dict in sorted key order; use keys of one type "
+            "(all str, for example)"
+        ) from None
 
 
-def _unsortable_dict(node: Any) -> bool:
-    if type(node) not in (dict, defaultdict):  # the dicts JAX sorts (an OrderedDict keeps its order)
+def _unsortable_dict(pytree: Any) -> tuple[Any, list[Any]] | None:
+    """The path and keys of the first dict JAX would sort but cannot; None if there is none."""
+
+    def unsortable(node: Any) -> bool:
+        if type(node) not in (dict, defaultdict):  # the dicts JAX sorts (an OrderedDict keeps its order)
+            return False
+        try:
+            sorted(node)
+        except TypeError:
+            return True
         return False
+
     try:
-        sorted(node)
-    except TypeError:
-        return True
-    return False
+        nodes = jax.tree_util.tree_leaves_with_path(pytree, is_leaf=unsortable)
+    except ValueError:  # the flatten fails for another reason: JAX's own error says it
+        return None
+    return next(((path, list(node)) for path, node in nodes if unsortable(node)), None)
 
 
 def array_leaves(where: str, pytree: Any) -> list[Any]:

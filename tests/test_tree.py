@@ -91,3 +91,17 @@ def test_no_module_writes_a_leaf_path_but_path_str():
     package = Path(minishard.__file__).parent
     writers = [path for path in package.rglob("*.py") if "keystr(" in path.read_text()]
     assert writers == []
+
+
+def test_another_flatten_error_comes_through_unchanged():
+    @jax.tree_util.register_pytree_node_class
+    class Broken:
+        def tree_flatten(self):
+            raise ValueError("Broken cannot flatten")
+
+        @classmethod
+        def tree_unflatten(cls, aux_data, children):
+            return cls()
+
+    with pytest.raises(ValueError, match=r"^Broken cannot flatten$"):
+        count_params({"a": Broken()})
