@@ -456,3 +456,48 @@ def test_megatron_axes_needs_a_linear():
     assert ms.megatron_axes(2) == [("embed", "mlp"), ("mlp", "classes")]
     with pytest.raises(ValueError, match="at least one Linear"):
         ms.megatron_axes(0)
+
+
+# -- bad inputs: each named before any work starts (the call, the exception, words its message holds)
+class Forgetful(Layer):
+    param_fields = ("w", "b")
+
+    def __init__(self):
+        self.w = jnp.ones(2)
+
+
+def layer_class(**fields):
+    return type("Bad", (Layer,), fields)
+
+
+def _set_rate(self):
+    self.rate = float("nan")
+
+
+BAD_INPUTS = [
+    (
+        lambda: Linear(2, 3, key=KEY, axes="mlp"),
+        TypeError,
+        ["axes must be a tuple of 2 logical axes", "'mlp'"],
+    ),
+    (lambda: Linear(2, 3, key=KEY, axes=None), TypeError, ["axes must be a tuple of 2 logical axes", "None"]),
+    (lambda: Linear(2, 3, key=KEY, axes=("embed", 3)), TypeError, ["logical axes (str or None)", "3"]),
+    (lambda: Linear(2, 3, key=0), TypeError, ["Linear: key must be a PRNG key", "jax.random.key(0)"]),
+    (lambda: Linear(2, 3, key=KEY, scale="big"), TypeError, ["scale must be a finite number", "'big'"]),
+    (lambda: mlp("784,10", key=KEY), TypeError, ["sizes must be a list of ints", "'784,10'"]),
+    (lambda: layer_class(param_fields="w"), TypeError, ["param_fields must be a tuple", "('w',)"]),
+    (lambda: layer_class(param_fields=("w",), static_fields=("w",)), TypeError, ["in both param_fields"]),
+    (Forgetful, TypeError, ["Forgetful.__init__ never set ['b']"]),
+    (lambda: mlp([2, 2], key=KEY)([1.0, 2.0]), TypeError, ["takes an array", "list"]),
+    (lambda: mlp([2, 2], key=KEY)("ab"), TypeError, ["takes an array", "str"]),
+    (lambda: ms.megatron_axes(0), ValueError, ["at least one Linear", "num_linear=0"]),
+    (lambda: layer_class(static_fields=("rate",), __init__=_set_rate)(), ValueError, ["Bad.rate is NaN"]),
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "words"), BAD_INPUTS)
+def test_bad_input_is_named(call, kind, words):
+    with pytest.raises(kind) as error:
+        call()
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"

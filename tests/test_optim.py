@@ -206,3 +206,28 @@ def test_sgd_trains_an_mlp_on_linearly_separable_data():
     assert int(state.step) == 200
     assert losses[-1] < 0.2 * losses[0]
     assert float(accuracy(trained(x), labels)) > 0.95
+
+
+# -- bad inputs: each named before any work starts (the call, the exception, words its message holds)
+BAD_INPUTS = [
+    (lambda: SGD(-0.1), ValueError, ["learning_rate", "-0.1"]),
+    (lambda: SGD(0.0), ValueError, ["learning_rate", "> 0"]),
+    (lambda: SGD(float("nan")), ValueError, ["learning_rate", "nan"]),
+    (lambda: SGD("0.1"), ValueError, ["learning_rate", "'0.1'"]),
+    (lambda: SGD(0.1, momentum=1.5), ValueError, ["momentum must be a number in [0, 1)", "1.5"]),
+    (lambda: exponential_decay(0.1, -0.5, 100), ValueError, ["decay_rate", "-0.5"]),
+    (lambda: exponential_decay(0.1, 0.5, 0), ValueError, ["decay_steps must be a positive int", "0"]),
+    (
+        lambda: SGD(0.1).update({"w": jnp.ones(2)}, {"w": jnp.ones(3)}, SGD(0.1).init({"w": jnp.ones(2)})),
+        ValueError,
+        ["grads do not match params at params.w", "(2,)", "(3,)"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "words"), BAD_INPUTS)
+def test_bad_input_is_named(call, kind, words):
+    with pytest.raises(kind) as error:
+        call()
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"

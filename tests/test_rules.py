@@ -129,3 +129,20 @@ def test_logical_axes_as_one_string_asks_for_a_tuple(method):
         "logical_axes must be a tuple with one name (or None) per dimension, got 'embed' "
         "(one string: did you mean a tuple?); for one dimension write ('embed',)"
     )
+
+
+# -- bad inputs: each named before any work starts (the call, the exception, words its message holds)
+BAD_INPUTS = [
+    (lambda: AxisRules.from_pairs([("mlp",)]), ShardingError, ["(logical axis, mesh axes) pairs"]),
+    (lambda: AxisRules.from_pairs("mlp"), ShardingError, ["(logical axis, mesh axes) pairs"]),
+    (lambda: AxisRules(mlp=("model", "model")), ShardingError, ["names a mesh axis twice"]),
+    (lambda: AxisRules(mlp="model").spec("mlp"), ShardingError, ["for one dimension write ('mlp',)"]),
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "words"), BAD_INPUTS)
+def test_bad_input_is_named(call, kind, words):
+    with pytest.raises(kind) as error:
+        call()
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"

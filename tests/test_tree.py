@@ -105,3 +105,18 @@ def test_another_flatten_error_comes_through_unchanged():
 
     with pytest.raises(ValueError, match=r"^Broken cannot flatten$"):
         count_params({"a": Broken()})
+
+
+# -- bad inputs: each named before any work starts (the call, the exception, words its message holds)
+BAD_INPUTS = [
+    (lambda: count_params({"a": "x"}), TypeError, ["leaf a is a str"]),
+    (lambda: tree_bytes([1.5]), TypeError, ["leaf [0] is a float"]),
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "words"), BAD_INPUTS)
+def test_bad_input_is_named(call, kind, words):
+    with pytest.raises(kind) as error:
+        call()
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"
