@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import checkify
+
+from minishard import _checks
+
+__all__ = ["accuracy", "cross_entropy", "one_hot"]
 
 
 def one_hot(labels: jax.Array, num_classes: int, *, checked: bool = False) -> jax.Array:
@@ -33,11 +36,8 @@ def one_hot(labels: jax.Array, num_classes: int, *, checked: bool = False) -> ja
     loss). ``checked=True`` adds a ``checkify.check`` on the values; run the
     function under ``checkify.checkify`` to get the error (see the module docstring).
     """
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int | np.integer) or num_classes < 1:
-        raise ValueError(f"one_hot: num_classes must be an int >= 1, got {num_classes!r}")
     labels = jnp.asarray(labels)
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise TypeError(f"one_hot: labels must be integers (class indices), got dtype {labels.dtype}")
+    _checks.one_hot(labels, num_classes)
     if checked:
         in_range = jnp.all((labels >= 0) & (labels < num_classes))
         message = f"one_hot: labels must lie in [0, {num_classes}), got values from {{lo}} to {{hi}}"
@@ -51,11 +51,7 @@ def cross_entropy(logits: jax.Array, targets_onehot: jax.Array) -> jax.Array:
     ``log_softmax`` is ``logits - logsumexp(logits)``: ``logsumexp`` subtracts
     the max before exponentiating, so large logits never overflow.
     """
-    if jnp.shape(logits) != jnp.shape(targets_onehot) or jnp.ndim(logits) == 0:
-        raise ValueError(
-            f"cross_entropy: logits {jnp.shape(logits)} and one-hot targets {jnp.shape(targets_onehot)} "
-            "must have the same shape [..., classes]; turn labels into targets with one_hot(labels, classes)"
-        )
+    _checks.cross_entropy(logits, targets_onehot)
     log_probs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     return -jnp.mean(jnp.sum(targets_onehot * log_probs, axis=-1))
 
@@ -66,11 +62,7 @@ def accuracy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
     ``mask`` (1 for real rows, 0 for padding) lets a padded last batch count
     only its real examples.
     """
-    rows = jnp.shape(logits)[:-1]
-    if jnp.ndim(logits) == 0 or jnp.shape(labels) != rows:
-        raise ValueError(f"accuracy: labels {jnp.shape(labels)} must have the shape {rows} of logits[..., 0]")
-    if mask is not None and jnp.shape(mask) != rows:
-        raise ValueError(f"accuracy: mask {jnp.shape(mask)} must have the shape {rows} of the labels")
+    _checks.accuracy(logits, labels, mask)
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     if mask is None:
         return jnp.mean(correct)

@@ -27,27 +27,18 @@ without being told.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 
+from minishard import _checks
+
+__all__ = ["SGD", "SGDState", "Schedule", "exponential_decay", "warmup_cosine_decay"]
+
 Schedule = Callable[[jax.Array], jax.Array]
-
-
-def _positive(where: str, value: Any) -> float:
-    """A finite number > 0, or an error naming the argument: a negative rate would ascend."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{where} must be a finite number > 0, got {value!r}")
-    return float(value)
+"""A learning rate that changes: a function of the step (updates taken so far)."""
 
 
 def exponential_decay(
@@ -59,10 +50,9 @@ def exponential_decay(
     every ``decay_steps`` updates instead of smoothly. Step 0 uses ``init_value``.
     A ``decay_rate`` above 1 grows the rate; one at or below 0 is refused.
     """
-    init_value = _positive("exponential_decay: init_value", init_value)
-    decay_rate = _positive("exponential_decay: decay_rate", decay_rate)
-    if isinstance(decay_steps, bool) or not isinstance(decay_steps, int) or decay_steps <= 0:
-        raise ValueError(f"exponential_decay: decay_steps must be a positive int, got {decay_steps!r}")
+    init_value = _checks.positive("exponential_decay: init_value", init_value)
+    decay_rate = _checks.positive("exponential_decay: decay_rate", decay_rate)
+    _checks.decay_steps(decay_steps)
 
     def schedule(step: jax.Array) -> jax.Array:
         exponent = jnp.asarray(step, jnp.float32) / decay_steps
@@ -88,14 +78,8 @@ def warmup_cosine_decay(
     >>> [round(float(schedule(step)), 3) for step in (0, 5, 10, 60, 110)]
     [0.0, 0.5, 1.0, 0.5, 0.0]
     """
-    peak_value = _positive("warmup_cosine_decay: peak_value", peak_value)
-    for name, steps in (("warmup_steps", warmup_steps), ("decay_steps", decay_steps)):
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"warmup_cosine_decay: {name} must be an int >= 0, got {steps!r}")
-    if decay_steps <= warmup_steps:
-        raise ValueError(
-            f"warmup_cosine_decay: decay_steps {decay_steps} must exceed warmup_steps {warmup_steps}"
-        )
+    peak_value = _checks.positive("warmup_cosine_decay: peak_value", peak_value)
+    _checks.warmup_cosine(warmup_steps, decay_steps)
 
     def schedule(step: jax.Array) -> jax.Array:
         step = jnp.asarray(step, jnp.float32)
@@ -113,8 +97,7 @@ class SGDState(NamedTuple):
     ``step``: updates taken so far, kept when the learning rate is a schedule
     (None for a constant rate: a counter nobody reads would still be one more
     array in and out of every jitted step). ``velocity``: shaped like params
-    (None without momentum); earlier versions called it ``momentum``, and their
-    checkpoints still load.
+    (None without momentum).
     """
 
     step: jax.Array | None
@@ -130,13 +113,8 @@ class SGD:
     """
 
     def __init__(self, learning_rate: float | Schedule, momentum: float = 0.0) -> None:
-        if not callable(learning_rate):
-            learning_rate = _positive(
-                "SGD: learning_rate (a number, or a callable of the step)", learning_rate
-            )
-        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"SGD: momentum must be a number in [0, 1), got {momentum!r}")
-        self.learning_rate: float | Schedule = learning_rate
+        self.learning_rate: float | Schedule = _checks.learning_rate(learning_rate)
+        _checks.momentum(momentum)
         self.momentum: float = float(momentum)
 
     def init(self, params: Any) -> SGDState:
@@ -151,40 +129,16 @@ class SGD:
         The schedule is evaluated at ``state.step`` *before* it is incremented,
         so the first update (step 0) uses the schedule's initial value, as in optax.
         """
-        _check_same_structure(params, grads)
+        _checks.sgd_update(self, params, grads, state)  # a state made by this SGD's init; grads like params
         lr: float | jax.Array
-        step: jax.Array | None
+        step: jax.Array | None = None
         if callable(self.learning_rate):
-            if state.step is None:
-                raise ValueError(
-                    "SGD.update: this SGD's learning rate is a schedule, but the state has no step; "
-                    "make the state with the same SGD's init"
-                )
-            lr, step = self.learning_rate(state.step), state.step + 1
-        else:  # a step counter given is kept counting: the state leaves with the structure it came in
-            lr, step = self.learning_rate, None if state.step is None else state.step + 1
+            step = cast(jax.Array, state.step)  # a schedule's state has a step: checked above
+            lr, step = self.learning_rate(step), step + 1
+        else:
+            lr = self.learning_rate
         velocity = grads
         if self.momentum:
             velocity = jax.tree_util.tree_map(lambda g, v: g + self.momentum * v, grads, state.velocity)
         params = jax.tree_util.tree_map(lambda p, v: p - lr * v, params, velocity)
         return params, SGDState(step, velocity if self.momentum else None)
-
-
-def _check_same_structure(params: Any, grads: Any) -> None:
-    """Gradients must mirror the parameters; name the first place where they do not."""
-    p_leaves, p_def = jax.tree_util.tree_flatten_with_path(params)
-    g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
-    p_def, g_def = cast(Any, p_def), cast(Any, g_def)  # PyTreeDef comes without type stubs
-    if p_def == g_def and all(jnp.shape(p) == jnp.shape(g) for (_, p), (_, g) in zip(p_leaves, g_leaves)):
-        return
-    for (p_path, p), (g_path, g) in zip(p_leaves, g_leaves):
-        if p_path != g_path or jnp.shape(p) != jnp.shape(g):
-            where = jax.tree_util.keystr(p_path)
-            raise ValueError(
-                f"SGD.update: grads do not match params at params{where} (shape {jnp.shape(p)}): grads has "
-                f"{jax.tree_util.keystr(g_path)} with shape {jnp.shape(g)}"
-            )
-    raise ValueError(
-        f"SGD.update: grads have {len(g_leaves)} arrays, params {len(p_leaves)} (or other containers); "
-        "compute grads with jax.grad with respect to the same params"
-    )

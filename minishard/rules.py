@@ -21,9 +21,26 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import NamedTuple
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+
+from minishard import _checks
+
+__all__ = [
+    "IDENTITY_RULES",
+    "AnyMesh",
+    "Attempt",
+    "AxisRules",
+    "LogicalAxes",
+    "MeshAxes",
+    "P",
+    "RuleTrace",
+    "ShardingError",
+    "as_mesh_axes",
+    "resolve",
+    "split_count",
+]
 
 P = PartitionSpec
 AnyMesh = Mesh | AbstractMesh
@@ -48,21 +65,81 @@ def as_mesh_axes(target: MeshAxes) -> tuple[str, ...]:
     return () if target is None else (target,) if isinstance(target, str) else tuple(target)
 
 
+class Attempt(NamedTuple):
+    """One rule tried on the dimension it names, and what stopped it, if anything."""
+
+    dim: int
+    name: str
+    target: MeshAxes
+    already_decided: bool  # an earlier rule claimed the dimension
+    taken: tuple[str, int] | None  # a mesh axis the rule wants, and the dimension that claimed it
+
+    @property
+    def won(self) -> bool:
+        return not self.already_decided and self.taken is None
+
+    def __str__(self) -> str:
+        rule = f"rule {self.name}->{self.target!r}"
+        if self.already_decided:
+            return f"{rule} skipped: dimension already decided"
+        if self.taken is not None:
+            return f"{rule} skipped: mesh axis {self.taken[0]!r} already used by dim {self.taken[1]}"
+        return f"{rule} matched" + ("" if as_mesh_axes(self.target) else ": replicated")
+
+
+def resolve(
+    logical_axes: LogicalAxes, rules: Sequence[tuple[str, MeshAxes]]
+) -> tuple[PartitionSpec, list[Attempt]]:
+    """Flax's rule algorithm (``_logical_to_mesh_axes``): one pass over the rules, in list order.
+
+    A rule tries the dimension its logical axis names, and claims it if the
+    dimension is still open and every mesh axis it wants is still free; a later
+    rule for the same name is a fallback. A dimension no rule claimed is
+    replicated. Returns the spec, and every rule tried, in order: the record
+    ``AxisRules.explain`` prints.
+
+    >>> spec, attempts = resolve(("embed", "mlp"), [("mlp", "model"), ("embed", "model")])
+    >>> spec, [attempt.won for attempt in attempts]
+    (P(None, 'model'), [True, False])
+    """
+    entries: list[MeshAxes] = [None] * len(logical_axes)
+    decided: set[int] = set()
+    claimed: dict[str, int] = {}  # mesh axis -> the dimension that claimed it
+    attempts = []
+    for name, target in rules:  # rule by rule, not dimension by dimension
+        if name not in logical_axes:
+            continue
+        dim, wanted = logical_axes.index(name), as_mesh_axes(target)
+        taken = None if dim in decided else next(((a, claimed[a]) for a in wanted if a in claimed), None)
+        attempts.append(Attempt(dim, name, target, already_decided=dim in decided, taken=taken))
+        if attempts[-1].won:
+            entries[dim] = target
+            decided.add(dim)
+            claimed.update(dict.fromkeys(wanted, dim))
+    return P(*entries), attempts
+
+
 @dataclasses.dataclass(frozen=True)
 class RuleTrace:
-    """What ``AxisRules.explain`` found: the spec, and per dimension which rules matched or were skipped.
+    """What ``AxisRules.explain`` found: the spec, and every rule tried on each dimension.
 
     ``print(trace)`` shows it as text, as ``print(minishard.explain(...))`` shows a whole model.
     """
 
     logical_axes: LogicalAxes
     spec: PartitionSpec
-    notes: tuple[tuple[str, ...], ...]  # per dimension, in the order the rules were tried
+    attempts: tuple[Attempt, ...]  # as ``resolve`` tried them
 
     def __str__(self) -> str:
         lines = [f"{self.logical_axes} -> {self.spec}"]
-        for dim, dim_notes in enumerate(self.notes):
-            lines += [f"  dim {dim} ({self.logical_axes[dim]!r}): {note}" for note in dim_notes]
+        for dim, name in enumerate(self.logical_axes):
+            tried = [attempt for attempt in self.attempts if attempt.dim == dim]
+            notes = [str(attempt) for attempt in tried]
+            if name is None:
+                notes = ["not annotated: replicated"]
+            elif not any(attempt.won for attempt in tried):
+                notes.append("every rule was blocked: replicated (as in Flax)")
+            lines += [f"  dim {dim} ({name!r}): {note}" for note in notes]
         return "\n".join(lines)
 
 
@@ -104,33 +181,12 @@ class AxisRules:
         P('data', None)
         """
         rules = object.__new__(cls)
-        try:
-            pairs = tuple((name, target) for name, target in pairs)
-        except (TypeError, ValueError):
-            raise ShardingError(
-                f"AxisRules.from_pairs: expected (logical axis, mesh axes) pairs, got {pairs!r:.200}"
-            ) from None
-        rules._init(pairs, ordered=True)
+        rules._init(_checks.rule_pairs(pairs), ordered=True)
         return rules
 
     def _init(self, pairs: tuple[tuple[str, MeshAxes], ...], ordered: bool) -> None:
         for name, target in pairs:
-            names_mesh_axes = (
-                target is None
-                or isinstance(target, str)
-                or (isinstance(target, tuple | list) and all(isinstance(a, str) for a in target))
-            )
-            if not isinstance(name, str) or not names_mesh_axes:
-                raise ShardingError(
-                    f"AxisRules: rule {name!r} -> {target!r} must map a logical axis (str) to a "
-                    "mesh axis name, a tuple of them, or None"
-                )
-            axes = as_mesh_axes(target)
-            if len(set(axes)) < len(axes):
-                raise ShardingError(
-                    f"AxisRules: rule {name!r} -> {target!r} names a mesh axis twice; an array "
-                    "dimension can be split over each mesh axis only once"
-                )
+            _checks.rule(name, target)
         self.pairs = tuple((name, tuple(t) if isinstance(t, list) else t) for name, t in pairs)
         self.ordered = ordered
 
@@ -145,90 +201,34 @@ class AxisRules:
     def check_mesh(self, mesh: AnyMesh) -> None:
         """Every mesh axis a rule names must exist in ``mesh``. Run once per mesh, not per array."""
         for name, target in self.pairs:
-            _check_rule_on_mesh(name, target, mesh)
+            _checks.rule_on_mesh(name, target, mesh)
 
     def spec(self, logical_axes: LogicalAxes, mesh: AnyMesh | None = None) -> PartitionSpec:
         """The ``PartitionSpec`` for an array whose dimensions have these logical axes.
 
         Pass ``mesh`` so that a logical axis with no rule can fall back to the
         mesh axis of the same name; the rules that match are checked against it.
+        With ordered rules a dimension no rule could claim is replicated, as in
+        Flax; keyword rules raise instead.
         """
-        return self.explain(logical_axes, mesh).spec
+        return self._resolve(logical_axes, mesh)[1]
 
     def explain(self, logical_axes: LogicalAxes, mesh: AnyMesh | None = None) -> RuleTrace:
         """Which rule decided each dimension, and which rules were skipped and why."""
-        axes = _checked_logical_axes(logical_axes)
-        rules = list(self.pairs)
-        for name in axes:  # identity fallback: a mesh axis name maps to itself
-            if name is not None and name not in self:
-                if mesh is None or name not in mesh.axis_names:
-                    known = sorted({n for n, _ in self.pairs})
-                    where = "" if mesh is None else f" nor a mesh axis {mesh.axis_names}"
-                    raise ShardingError(
-                        f"logical axis {name!r} (in {axes}) has no rule{where}; add one, e.g. "
-                        f"AxisRules({name}='model') or AxisRules({name}=None) to replicate. "
-                        f"Rules exist for {known}"
-                    )
-                rules.append((name, name))
+        return RuleTrace(*self._resolve(logical_axes, mesh))
 
-        unassigned = object()
-        result: list[Any] = [None if a is None else unassigned for a in axes]
-        notes: list[list[str]] = [["not annotated: replicated"] if a is None else [] for a in axes]
-        used: dict[str, int] = {}  # mesh axis -> the dimension that took it
-        for name, target in rules:  # Flax's order: rule by rule, not dimension by dimension
-            if name not in axes:
-                continue
-            dim, wanted = axes.index(name), as_mesh_axes(target)
-            if result[dim] is not unassigned:
-                notes[dim].append(f"rule {name}->{target!r} skipped: dimension already decided")
-            elif taken := [a for a in wanted if a in used]:
-                by = used[taken[0]]
-                notes[dim].append(
-                    f"rule {name}->{target!r} skipped: mesh axis {taken[0]!r} already used by dim {by}"
-                )
-            else:
-                if mesh is not None:
-                    _check_rule_on_mesh(name, target, mesh)
-                result[dim] = target
-                used.update(dict.fromkeys(wanted, dim))
-                notes[dim].append(f"rule {name}->{target!r} matched" + ("" if wanted else ": replicated"))
-        for dim, entry in enumerate(result):
-            if entry is unassigned:
-                if not self.ordered:
-                    raise ShardingError(
-                        f"logical axes {axes}: dimension {dim} ({axes[dim]!r}) maps to a mesh axis that "
-                        f"another dimension already uses ({notes[dim][-1]}); a mesh axis can split an "
-                        "array only once. Give a fallback with an ordered list, e.g. "
-                        f"AxisRules.from_pairs([..., ({axes[dim]!r}, None)])"
-                    )
-                result[dim] = None
-                notes[dim].append("every rule was blocked: replicated (as in Flax)")
-        return RuleTrace(axes, P(*result), tuple(map(tuple, notes)))
-
-
-def _check_rule_on_mesh(name: str, target: MeshAxes, mesh: AnyMesh) -> None:
-    for axis in as_mesh_axes(target):
-        if axis not in mesh.axis_names:
-            raise ShardingError(
-                f"rule {name!r} -> {target!r} names mesh axis {axis!r}, but the mesh has "
-                f"axes {mesh.axis_names}; fix the rule or the mesh"
-            )
-
-
-def _checked_logical_axes(logical_axes: Any) -> LogicalAxes:
-    """A tuple of str-or-None, each name used once; a bare string is a common slip."""
-    if isinstance(logical_axes, str) or not isinstance(logical_axes, Sequence):
-        raise ShardingError(
-            f"logical axes must be a tuple with one name (or None) per dimension, got {logical_axes!r}; "
-            f"for one dimension write ({logical_axes!r},)"
-        )
-    axes = tuple(logical_axes)
-    if bad := [a for a in axes if a is not None and not isinstance(a, str)]:
-        raise ShardingError(f"logical axes {axes}: {bad} are not names (str) or None")
-    names = [a for a in axes if a is not None]
-    if twice := sorted({a for a in names if names.count(a) > 1}):
-        raise ShardingError(f"logical axes {axes}: {twice} name more than one dimension")
-    return axes
+    def _resolve(
+        self, logical_axes: LogicalAxes, mesh: AnyMesh | None
+    ) -> tuple[LogicalAxes, PartitionSpec, tuple[Attempt, ...]]:
+        """``resolve`` with these rules, then each remaining name that is a mesh axis mapping to itself."""
+        axes = _checks.logical_axes(logical_axes)
+        _checks.every_name_has_a_rule(self, axes, mesh)
+        identity = [(name, name) for name in axes if name is not None and name not in self]
+        spec, attempts = resolve(axes, [*self.pairs, *identity])
+        _checks.winners_on_mesh(attempts, mesh)
+        if not self.ordered:  # keyword rules are strict: a blocked dimension is an error, not replicated
+            _checks.every_dimension_decided(axes, attempts)
+        return axes, spec, tuple(attempts)
 
 
 IDENTITY_RULES = AxisRules()

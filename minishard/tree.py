@@ -20,16 +20,25 @@ from typing import Any
 import jax
 import numpy as np
 
+from minishard import _checks
 
-def path_str(path: tuple[Any, ...]) -> str:
+__all__ = ["count_params", "named_leaves", "path_str", "tree_bytes"]
+
+
+def path_str(path: tuple[Any, ...], root: str = "") -> str:
     """``(DictKey('model'), GetAttrKey('layers'), SequenceKey(0), ...)`` -> ``'model.layers[0]...'``.
 
-    The one way minishard names a leaf: in errors, reports and checkpoints.
-    ``jax.tree_util.keystr`` would write ``['model'].layers[0]``; a dict key
-    that is a Python name reads better as an attribute. Other keys keep their
-    brackets (``['a b']``, ``[3]``), so two different leaves never share a name.
+    The one way minishard names a leaf: its errors, reports and checkpoints all
+    write paths with it. ``jax.tree_util.keystr`` would write ``['model'].layers[0]``;
+    a dict key that is a Python name reads better as an attribute. Other keys keep
+    their brackets (``['a b']``, ``[3]``), so two different leaves never share a name.
+    ``root`` names the tree itself, for a path inside one argument or field.
+
+    >>> from jax.tree_util import DictKey, SequenceKey
+    >>> path_str((DictKey("w"), SequenceKey(0))), path_str((DictKey("w"),), root="params")
+    ('w[0]', 'params.w')
     """
-    return "".join(map(_key_str, path)).removeprefix(".") or "<root>"
+    return (root + "".join(map(_key_str, path))).removeprefix(".") or "<root>"
 
 
 def _key_str(key: Any) -> str:
@@ -38,30 +47,17 @@ def _key_str(key: Any) -> str:
     return str(key)  # GetAttrKey: ".name"; SequenceKey: "[0]"; other DictKeys: "['a b']"
 
 
-def _array_leaves(tree: Any, where: str) -> list[Any]:
-    """The leaves, each checked to be an array (or an abstract one, from ``jax.eval_shape``)."""
-    leaves = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-            raise TypeError(
-                f"{where}: leaf {path_str(path)} is a {type(leaf).__name__} ({leaf!r:.40}), not an array"
-            )
-        leaves.append(leaf)
-    return leaves
-
-
 def named_leaves(tree: Any) -> list[tuple[str, Any]]:
     """Every leaf of ``tree`` with its readable path, in flattening order."""
-    return [(path_str(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+    return [(path_str(path), leaf) for path, leaf in _checks.leaves_with_path("named_leaves", tree)]
 
 
 def count_params(tree: Any) -> int:
     """Total number of array elements in ``tree``."""
-    return sum(math.prod(leaf.shape) for leaf in _array_leaves(tree, "count_params"))
+    return sum(math.prod(leaf.shape) for leaf in _checks.array_leaves("count_params", tree))
 
 
 def tree_bytes(tree: Any) -> int:
     """Total bytes of the arrays in ``tree`` (unsharded: the whole arrays)."""
-    return sum(
-        math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in _array_leaves(tree, "tree_bytes")
-    )
+    leaves = _checks.array_leaves("tree_bytes", tree)
+    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)

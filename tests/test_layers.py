@@ -260,7 +260,7 @@ def test_mlp_rejects_unknown_activation_and_wrong_axes_count():
         ([0.5, 2.0], r"Scale\.factor\[0\] is a float"),
         ("big", r"Scale\.factor is a str"),
         (1.5, r"Scale\.factor is a float"),
-        ({"w": jnp.ones(2), "b": "x"}, r"Scale\.factor\['b'\] is a str"),
+        ({"w": jnp.ones(2), "b": "x"}, r"Scale\.factor\.b is a str"),
     ],
 )
 def test_a_parameter_must_hold_arrays(factor, message):
@@ -329,6 +329,89 @@ def test_replace_returns_a_checked_copy_with_the_same_treedef():
         layer.replace(colour=1)
 
 
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"weight": jnp.ones((3, 3))}, "Linear.weight has shape (3, 3), but a Linear(4 -> 2) needs (4, 2)"),
+        ({"weight": None}, "Linear.weight has shape None, but a Linear(4 -> 2) needs (4, 2)"),
+        ({"bias": jnp.ones(4)}, "Linear.bias has shape (4,), but a Linear(4 -> 2) needs (2,)"),
+        ({"in_features": 5}, "Linear.weight has shape (4, 2), but a Linear(5 -> 2) needs (5, 2)"),
+    ],
+)
+def test_replace_runs_the_layer_check_on_the_copy(changes, message):
+    layer = Linear(4, 2, key=KEY)
+    with pytest.raises(ValueError) as error:
+        layer.replace(**changes)
+    assert str(error.value) == f"{message}; change the sizes with it, or build a new Linear"
+    resized = layer.replace(in_features=3, weight=jnp.ones((3, 2)))  # together, they fit
+    assert resized(jnp.ones(3)).shape == (2,)
+    assert layer.replace(bias=None).param_logical_axes() == {"weight": (None, None)}
+
+
+def test_replace_refuses_logical_axes_of_the_wrong_rank():
+    with pytest.raises(TypeError) as error:
+        Linear(4, 2, key=KEY).replace(logical_axes=("a",))
+    assert (
+        str(error.value) == "Linear.logical_axes must be a tuple of 2 logical axes (str or None), got ('a',)"
+    )
+
+
+def test_a_user_layer_check_runs_after_init_and_replace_but_never_in_jax_rebuilds():
+    class Positive(Layer):
+        param_fields = ("w",)
+        checks = 0
+
+        def __init__(self, w):
+            self.w = w
+
+        def check(self):
+            type(self).checks += 1
+            if not bool(jnp.all(self.w > 0)):
+                raise ValueError("Positive.w must be > 0")
+
+    layer = Positive(jnp.ones(2))
+    with pytest.raises(ValueError, match=r"Positive\.w must be > 0"):
+        Positive(-jnp.ones(2))
+    with pytest.raises(ValueError, match=r"Positive\.w must be > 0"):
+        layer.replace(w=jnp.zeros(2))
+    before = Positive.checks
+    jax.tree_util.tree_map(lambda a: -a, layer)  # tree_unflatten: no check, no __init__
+    jax.jit(lambda m: m)(layer)
+    assert Positive.checks == before
+
+
+def test_a_donated_model_called_directly_names_the_parameter_and_donation():
+    model = mlp([4, 3, 2], key=KEY)
+    double = jax.jit(lambda m: jax.tree_util.tree_map(lambda a: 2 * a, m), donate_argnums=0)
+    doubled = double(model)
+    assert doubled(jnp.ones(4)).shape == (2,)  # the returned model is the one to call
+    with pytest.raises(RuntimeError) as error:
+        model(jnp.ones(4))
+    assert str(error.value) == (
+        "Linear(4 -> 3).weight was deleted: this model was donated to a jitted function (donate_argnums), "
+        "which reused its arrays' memory for its outputs. Call the model that function returned, or do "
+        "not donate this one"
+    )
+
+
+@pytest.mark.parametrize("axes", ["embed", ("embed", "mlp"), [None, ("mlp", "embed")]])
+def test_mlp_axes_must_be_a_list_of_pairs(axes):
+    with pytest.raises(TypeError) as error:
+        mlp([2, 3, 2], key=KEY, axes=axes)
+    assert str(error.value) == (
+        f"mlp: axes must be a list with one (in, out) pair of logical axes per Linear, got {axes!r}; "
+        "did you mean a list of tuples, such as [('embed', 'mlp'), ('mlp', 'classes')]?"
+    )
+
+
+def test_linear_axes_as_one_string_asks_for_a_tuple():
+    with pytest.raises(TypeError) as error:
+        Linear(2, 3, key=KEY, axes="mlp")
+    assert str(error.value) == (
+        "Linear: axes must be a tuple of 2 logical axes (str or None), got 'mlp'; did you mean ('mlp', ...)?"
+    )
+
+
 def test_a_declared_field_never_assigned_is_named():
     class Forgetful(Layer):
         param_fields = ("w", "b")
@@ -373,3 +456,48 @@ def test_megatron_axes_needs_a_linear():
     assert ms.megatron_axes(2) == [("embed", "mlp"), ("mlp", "classes")]
     with pytest.raises(ValueError, match="at least one Linear"):
         ms.megatron_axes(0)
+
+
+# -- bad inputs: each named before any work starts (the call, the exception, words its message holds)
+class Forgetful(Layer):
+    param_fields = ("w", "b")
+
+    def __init__(self):
+        self.w = jnp.ones(2)
+
+
+def layer_class(**fields):
+    return type("Bad", (Layer,), fields)
+
+
+def _set_rate(self):
+    self.rate = float("nan")
+
+
+BAD_INPUTS = [
+    (
+        lambda: Linear(2, 3, key=KEY, axes="mlp"),
+        TypeError,
+        ["axes must be a tuple of 2 logical axes", "'mlp'"],
+    ),
+    (lambda: Linear(2, 3, key=KEY, axes=None), TypeError, ["axes must be a tuple of 2 logical axes", "None"]),
+    (lambda: Linear(2, 3, key=KEY, axes=("embed", 3)), TypeError, ["logical axes (str or None)", "3"]),
+    (lambda: Linear(2, 3, key=0), TypeError, ["Linear: key must be a PRNG key", "jax.random.key(0)"]),
+    (lambda: Linear(2, 3, key=KEY, scale="big"), TypeError, ["scale must be a finite number", "'big'"]),
+    (lambda: mlp("784,10", key=KEY), TypeError, ["sizes must be a list of ints", "'784,10'"]),
+    (lambda: layer_class(param_fields="w"), TypeError, ["param_fields must be a tuple", "('w',)"]),
+    (lambda: layer_class(param_fields=("w",), static_fields=("w",)), TypeError, ["in both param_fields"]),
+    (Forgetful, TypeError, ["Forgetful.__init__ never set ['b']"]),
+    (lambda: mlp([2, 2], key=KEY)([1.0, 2.0]), TypeError, ["takes an array", "list"]),
+    (lambda: mlp([2, 2], key=KEY)("ab"), TypeError, ["takes an array", "str"]),
+    (lambda: ms.megatron_axes(0), ValueError, ["at least one Linear", "num_linear=0"]),
+    (lambda: layer_class(static_fields=("rate",), __init__=_set_rate)(), ValueError, ["Bad.rate is NaN"]),
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "words"), BAD_INPUTS)
+def test_bad_input_is_named(call, kind, words):
+    with pytest.raises(kind) as error:
+        call()
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"

@@ -87,3 +87,43 @@ def test_accuracy_with_a_padding_mask(mask, expected):
     logits = jnp.array([[2.0, 0.0], [0.0, 3.0]])
     mask = None if mask is None else jnp.array(mask)
     assert float(accuracy(logits, jnp.array([0, 0]), mask)) == expected
+
+
+# -- bad inputs: each named before any work starts (the call, the exception, words its message holds)
+BAD_INPUTS = [
+    (lambda: one_hot(jnp.array([0.0, 1.0]), 3), TypeError, ["labels must be integers", "float32"]),
+    (lambda: one_hot(jnp.array([0, 1]), 0), ValueError, ["num_classes must be an int >= 1", "0"]),
+    (
+        lambda: cross_entropy(jnp.zeros((4, 3)), jnp.zeros((4, 1))),
+        ValueError,
+        ["(4, 3)", "(4, 1)", "one_hot"],
+    ),
+    (
+        lambda: accuracy(jnp.zeros((4, 3)), jnp.zeros((4, 1), jnp.int32)),
+        ValueError,
+        ["labels (4, 1)", "(4,)"],
+    ),
+    (lambda: accuracy(jnp.zeros((4, 3)), jnp.zeros(4, jnp.int32), jnp.ones(3)), ValueError, ["mask (3,)"]),
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "words"), BAD_INPUTS)
+def test_bad_input_is_named(call, kind, words):
+    with pytest.raises(kind) as error:
+        call()
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"
+
+
+def test_the_checked_mode_catches_label_values_under_jit():
+    from jax.experimental import checkify
+
+    def loss(logits, labels):
+        return cross_entropy(logits, one_hot(labels, 3, checked=True))
+
+    checked = jax.jit(checkify.checkify(loss))
+    error, _ = checked(jnp.zeros((2, 3)), jnp.array([0, 2]))
+    assert error.get() is None
+    error, _ = checked(jnp.zeros((2, 3)), jnp.array([-1, 7]))
+    assert "labels must lie in [0, 3), got values from -1 to 7" in error.get()
+    assert np.isfinite(float(loss(jnp.zeros((2, 3)), jnp.array([0, 2]))))  # unchecked: no checkify needed

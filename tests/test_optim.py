@@ -127,20 +127,53 @@ def test_sgd_state_is_a_pytree_shaped_like_the_params():
     assert SGD(0.1).init(params) == minishard.SGDState(step=None, velocity=None)  # no array to carry
 
 
-def test_a_constant_rate_keeps_a_step_counter_it_was_given():
-    # The state's structure must not change across update (scan carries, Sharded's cache).
-    params = {"w": jnp.ones(2)}
-    state = SGD(exponential_decay(0.1, 0.5, 10)).init(params)
-    _, new_state = SGD(0.1).update(params, params, state)
-    assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(state)
-    assert int(new_state.step) == 1
-
-
 def test_a_schedule_refuses_a_state_without_its_step():
     params = {"w": jnp.ones(2)}
     constant_state = SGD(0.1).init(params)
     with pytest.raises(ValueError, match="schedule, but the state has no step"):
         SGD(exponential_decay(0.1, 0.5, 10)).update(params, params, constant_state)
+
+
+def test_a_constant_rate_refuses_a_state_with_a_step():
+    # Symmetric to the schedule's case: a constant rate's state never has a step (an older
+    # checkpoint that kept one is migrated when the workshop restores it).
+    params = {"w": jnp.ones(2)}
+    schedule_state = SGD(exponential_decay(0.1, 0.5, 10)).init(params)
+    with pytest.raises(ValueError) as error:
+        SGD(0.1).update(params, params, schedule_state)
+    assert str(error.value) == (
+        "SGD.update: this SGD's learning rate is a constant, but the state has a step (it was made for a "
+        "schedule); make the state with the same SGD's init"
+    )
+
+
+def test_momentum_refuses_a_state_without_velocity_and_plain_sgd_one_with():
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError) as error:
+        SGD(0.1, momentum=0.9).update(params, params, SGD(0.1).init(params))
+    assert str(error.value) == (
+        "SGD.update: this SGD has momentum 0.9, but the state has no velocity; "
+        "make the state with the same SGD's init"
+    )
+    with pytest.raises(ValueError) as error:
+        SGD(0.1).update(params, params, SGD(0.1, momentum=0.9).init(params))
+    assert str(error.value) == (
+        "SGD.update: this SGD has no momentum, but the state has a velocity; "
+        "make the state with the same SGD's init"
+    )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "signature"), [(lambda: 0.1, "()"), (lambda step, total: 0.1, "(step, total)")]
+)
+def test_a_schedule_must_take_the_step_and_is_refused_when_built(schedule, signature):
+    with pytest.raises(TypeError) as error:
+        SGD(schedule)
+    assert str(error.value) == (
+        f"SGD: learning_rate is a callable of {signature}, but a schedule is called with one argument, "
+        "the step; write lambda step: ..., or use exponential_decay"
+    )
+    assert SGD(lambda step, total=10: 0.1 * (1 - step / total)).init({}).step == 0  # one argument will do
 
 
 @pytest.mark.parametrize("momentum", [-0.1, 1.0])
@@ -173,3 +206,28 @@ def test_sgd_trains_an_mlp_on_linearly_separable_data():
     assert int(state.step) == 200
     assert losses[-1] < 0.2 * losses[0]
     assert float(accuracy(trained(x), labels)) > 0.95
+
+
+# -- bad inputs: each named before any work starts (the call, the exception, words its message holds)
+BAD_INPUTS = [
+    (lambda: SGD(-0.1), ValueError, ["learning_rate", "-0.1"]),
+    (lambda: SGD(0.0), ValueError, ["learning_rate", "> 0"]),
+    (lambda: SGD(float("nan")), ValueError, ["learning_rate", "nan"]),
+    (lambda: SGD("0.1"), ValueError, ["learning_rate", "'0.1'"]),
+    (lambda: SGD(0.1, momentum=1.5), ValueError, ["momentum must be a number in [0, 1)", "1.5"]),
+    (lambda: exponential_decay(0.1, -0.5, 100), ValueError, ["decay_rate", "-0.5"]),
+    (lambda: exponential_decay(0.1, 0.5, 0), ValueError, ["decay_steps must be a positive int", "0"]),
+    (
+        lambda: SGD(0.1).update({"w": jnp.ones(2)}, {"w": jnp.ones(3)}, SGD(0.1).init({"w": jnp.ones(2)})),
+        ValueError,
+        ["grads do not match params at params.w", "(2,)", "(3,)"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "words"), BAD_INPUTS)
+def test_bad_input_is_named(call, kind, words):
+    with pytest.raises(kind) as error:
+        call()
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"

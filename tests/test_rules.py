@@ -21,6 +21,7 @@ from models import numpy_mlp
 
 import minishard as ms
 from minishard import AxisRules, ShardingError
+from minishard.rules import resolve
 from minishard.sharding import partition_specs
 from minishard.testing import axis_rules
 
@@ -105,3 +106,43 @@ def test_mesh_axis_names_map_to_themselves_when_the_mesh_is_known():
     assert placed[0].weight.sharding.spec == P(None, "model")
     with pytest.raises(ShardingError, match=r"logical axis 'model' \(in \(None, 'model'\)\) has no rule"):
         partition_specs(layer)  # no mesh: 'model' is just a name without a rule
+
+
+# -- the record explain prints, and bad logical axes ---------------------------------
+def test_resolve_records_every_rule_tried_in_order_and_skips_absent_names():
+    spec, attempts = resolve(
+        ("embed", "mlp"), [("vocab", "data"), ("mlp", "model"), ("embed", "model"), ("embed", None)]
+    )
+    assert spec == P(None, "model")
+    assert [(a.dim, a.name, a.won, a.taken) for a in attempts] == [
+        (1, "mlp", True, None),
+        (0, "embed", False, ("model", 1)),
+        (0, "embed", True, None),
+    ]
+
+
+@pytest.mark.parametrize("method", ["spec", "explain"])
+def test_logical_axes_as_one_string_asks_for_a_tuple(method):
+    with pytest.raises(ShardingError) as error:
+        getattr(AxisRules(embed=None), method)("embed")
+    assert str(error.value) == (
+        "logical_axes must be a tuple with one name (or None) per dimension, got 'embed' "
+        "(one string: did you mean a tuple?); for one dimension write ('embed',)"
+    )
+
+
+# -- bad inputs: each named before any work starts (the call, the exception, words its message holds)
+BAD_INPUTS = [
+    (lambda: AxisRules.from_pairs([("mlp",)]), ShardingError, ["(logical axis, mesh axes) pairs"]),
+    (lambda: AxisRules.from_pairs("mlp"), ShardingError, ["(logical axis, mesh axes) pairs"]),
+    (lambda: AxisRules(mlp=("model", "model")), ShardingError, ["names a mesh axis twice"]),
+    (lambda: AxisRules(mlp="model").spec("mlp"), ShardingError, ["for one dimension write ('mlp',)"]),
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "words"), BAD_INPUTS)
+def test_bad_input_is_named(call, kind, words):
+    with pytest.raises(kind) as error:
+        call()
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"

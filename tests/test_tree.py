@@ -1,11 +1,14 @@
 """minishard.tree: naming, counting and weighing the leaves of any pytree."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from strategies import EVERY_CONTAINER, build
 
+import minishard
 from minishard import mlp
 from minishard.tree import count_params, named_leaves, path_str, tree_bytes
 
@@ -58,3 +61,62 @@ def test_path_str_writes_name_keys_as_attributes_and_keeps_brackets_otherwise():
 def test_helpers_refuse_leaves_that_are_not_arrays(helper):
     with pytest.raises(TypeError, match=r"leaf b\[0\] is a str \('x'\), not an array"):
         helper({"a": jnp.ones(2), "b": ["x"]})
+
+
+def test_path_str_writes_a_path_below_a_named_root():
+    tree = {"w": [1], "a b": 2}
+    paths = [path_str(path, root="params") for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    assert paths == ["params['a b']", "params.w[0]"]
+    assert path_str((), root="params") == "params"
+
+
+@pytest.mark.parametrize(
+    ("helper", "tree", "where", "keys"),
+    [
+        (count_params, {1: jnp.ones(1), "a": jnp.ones(2)}, "<root>", "[1, 'a']"),
+        (named_leaves, {"m": [{"a": jnp.ones(1), 1: jnp.ones(2)}]}, "m[0]", "['a', 1]"),
+        (tree_bytes, {"m": {2: jnp.ones(1), "b": jnp.ones(2)}, "n": {3: jnp.ones(1)}}, "m", "[2, 'b']"),
+    ],
+)
+def test_helpers_name_a_dict_whose_keys_cannot_be_sorted(helper, tree, where, keys):
+    with pytest.raises(TypeError) as error:
+        helper(tree)
+    assert str(error.value) == (
+        f"{helper.__name__}: the dict at {where} has keys of different types ({keys}), which cannot "
+        "be sorted, and JAX flattens a dict in sorted key order; use keys of one type (all str, for example)"
+    )
+
+
+def test_no_module_writes_a_leaf_path_but_path_str():
+    package = Path(minishard.__file__).parent
+    writers = [path for path in package.rglob("*.py") if "keystr(" in path.read_text()]
+    assert writers == []
+
+
+def test_another_flatten_error_comes_through_unchanged():
+    @jax.tree_util.register_pytree_node_class
+    class Broken:
+        def tree_flatten(self):
+            raise ValueError("Broken cannot flatten")
+
+        @classmethod
+        def tree_unflatten(cls, aux_data, children):
+            return cls()
+
+    with pytest.raises(ValueError, match=r"^Broken cannot flatten$"):
+        count_params({"a": Broken()})
+
+
+# -- bad inputs: each named before any work starts (the call, the exception, words its message holds)
+BAD_INPUTS = [
+    (lambda: count_params({"a": "x"}), TypeError, ["leaf a is a str"]),
+    (lambda: tree_bytes([1.5]), TypeError, ["leaf [0] is a float"]),
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "words"), BAD_INPUTS)
+def test_bad_input_is_named(call, kind, words):
+    with pytest.raises(kind) as error:
+        call()
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"
