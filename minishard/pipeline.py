@@ -33,16 +33,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from minishard.collectives import collective_instructions, collectives
-from minishard.layers import Layer, Linear, Sequential, Swish
+from minishard._pipeline import compiled_ticks, draw, pipeline_rules, stacked_mlp, stacked_vit, staged
+from minishard.collectives import collectives
+from minishard.layers import Layer
 from minishard.losses import accuracy, cross_entropy, one_hot
-from minishard.presets import LOGICAL_AXES
-from minishard.rules import AxisRules, LogicalAxes
-from minishard.transformer import Block, LayerNorm, MeanPool, PatchEmbedding
 
 # --- 1. microbatches: gradient accumulation ------------------------------------
 
@@ -79,8 +76,10 @@ def microbatched(loss_fn: Callable[..., Any], m: int) -> Callable[..., Any]:
         def add_one(total: Any, microbatch: Any) -> tuple[Any, None]:
             return jax.tree.map(jnp.add, total, grad_fn(model, microbatch)), None
 
-        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, model, _first(batch, m)))
-        total, _ = jax.lax.scan(add_one, zeros, split_microbatches(batch, m))
+        microbatches = split_microbatches(batch, m)
+        first = jax.tree.map(lambda a: a[0], microbatches)
+        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, model, first))  # the sums start at 0
+        total, _ = jax.lax.scan(add_one, zeros, microbatches)
         return jax.tree.map(lambda t: t / m, total)
 
     return value_and_grad
@@ -102,10 +101,6 @@ def microbatched_train_step(optimizer: Any, m: int) -> Callable[..., Any]:
     return train_step
 
 
-def _first(batch: Any, m: int) -> Any:
-    return jax.tree.map(lambda a: a[: a.shape[0] // m], batch)
-
-
 # --- 2. blocks stacked on a "stage" axis ---------------------------------------
 
 
@@ -119,6 +114,7 @@ class Stacked(Layer):
     same name with ``metadata_params``), so ``plan`` and ``explain`` read
     ``blocks.block.layers[0].weight  ('stage', None, None)``.
 
+    >>> from minishard import Linear
     >>> blocks = Stacked(lambda k: Linear(4, 4, key=k), 3, key=jax.random.key(0))
     >>> blocks.block.weight.shape, blocks.block.param_logical_axes()["weight"]
     ((3, 4, 4), ('stage', None, None))
@@ -128,7 +124,7 @@ class Stacked(Layer):
     static_fields = ("n",)
 
     def __init__(self, make_block: Callable[[jax.Array], Layer], n: int, *, key: jax.Array) -> None:
-        self.block = _staged(jax.vmap(make_block)(jax.random.split(key, n)))
+        self.block = staged(jax.vmap(make_block)(jax.random.split(key, n)))
         self.n = int(n)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -138,30 +134,6 @@ class Stacked(Layer):
 def run_blocks(block: Any, x: jax.Array) -> jax.Array:
     """Apply stacked blocks in order: a ``lax.scan`` over their leading axis."""
     return jax.lax.scan(lambda h, one: (one(h), None), x, block)[0]
-
-
-def _staged(tree: Any) -> Any:
-    """``tree`` with each Layer re-typed so that its parameters' logical axes lead with "stage"."""
-
-    def retype(node: Any) -> Any:
-        if not isinstance(node, Layer):
-            return node
-        children, aux_data = node.tree_flatten()
-        kind: Any = type(node)  # (a Layer class is hashable, whatever mypy reads into __hash__)
-        return _staged_class(kind).tree_unflatten(aux_data, [_staged(c) for c in children])
-
-    return jax.tree.map(retype, tree, is_leaf=lambda node: isinstance(node, Layer))
-
-
-@functools.cache
-def _staged_class(cls: Any) -> type[Layer]:
-    """A subclass of ``cls`` (same name, same call) whose ``param_logical_axes`` prepend "stage"."""
-
-    def param_logical_axes(self: Layer) -> dict[str, LogicalAxes]:
-        axes = cls.param_logical_axes(self)
-        return {name: ("stage", *a)[: np.ndim(self.__dict__[name])] for name, a in axes.items()}
-
-    return type(cls.__name__, (cls,), {"param_logical_axes": param_logical_axes, "__doc__": cls.__doc__})
 
 
 class StackedModel(Layer):
@@ -181,32 +153,6 @@ class StackedModel(Layer):
         h = self.before(x)
         h = self.blocks(h) if self.schedule is None else pipeline(self.blocks, h, self.schedule)
         return self.after(h)
-
-
-def stacked_mlp(sizes: list[int], *, key: jax.Array) -> StackedModel:
-    """``mlp(sizes)`` with its square hidden Linears stacked: ``[784, 256, 256, 256, 10]`` stacks 2.
-
-    >>> model = stacked_mlp([784, 256, 256, 256, 10], key=jax.random.key(0))
-    >>> model.blocks.n, model.blocks.block.layers[0].weight.shape
-    (2, (2, 256, 256))
-    """
-    width, k_in, k_blocks, k_out = sizes[1], *jax.random.split(key, 3)
-    if len(sizes) < 4 or set(sizes[1:-1]) != {width}:
-        raise ValueError(f"stacked_mlp: sizes need >= 2 equal hidden widths, got {sizes}")
-    before = Sequential([Linear(sizes[0], width, key=k_in), Swish()])
-    blocks = Stacked(
-        lambda k: Sequential([Linear(width, width, key=k), Swish()]), len(sizes) - 3, key=k_blocks
-    )
-    return StackedModel(before, blocks, Linear(width, sizes[-1], key=k_out))
-
-
-def stacked_vit(*, key: jax.Array, depth: int = 4, width: int = 64, heads: int = 4, classes: int = 10):
-    """The default ViT (28x28x1 images, patches of 7) with its ``depth`` blocks stacked."""
-    k_embed, k_blocks, k_head = jax.random.split(key, 3)
-    before = PatchEmbedding(28, 7, 1, width, key=k_embed)
-    blocks = Stacked(lambda k: Block(width, heads, 2 * width, key=k), depth, key=k_blocks)
-    head = Linear(width, classes, key=k_head, scale=width**-0.5, axes=("embed", "classes"))
-    return StackedModel(before, blocks, Sequential([LayerNorm(width), MeanPool(), head]))
 
 
 # --- 3. the schedule, and the loop that runs it ---------------------------------
@@ -315,19 +261,6 @@ def megatron_bubble(p: int, m: int, r: int = 1) -> float:
     return (p - 1) / (r * m)
 
 
-def compiled_ticks(compiled: jax.stages.Compiled) -> int:
-    """The ticks the program runs: how often each of its ``collective-permute``\\ s runs (the census).
-
-    Each tick loop (forward, and its transpose in a gradient) holds one
-    ``ppermute``; the census counts it once per trip of the loop.
-    """
-    text = compiled.as_text() or ""
-    written = [c for c in collective_instructions(text) if c["kind"] == "collective-permute"]
-    return collectives(compiled)["collective-permute"].count // len(
-        [c for c in written if c["phase"] != "-done"]
-    )
-
-
 def pipeline_report(step: Any, args: tuple[Any, ...], plan: Schedule) -> dict[str, Any]:
     """What ``explain`` prints for a pipelined step: stages, ticks, bubble, bytes sent, temp memory."""
     compiled = step.lower(*args).compile()
@@ -346,18 +279,13 @@ def pipeline_report(step: Any, args: tuple[Any, ...], plan: Schedule) -> dict[st
     }
 
 
-def pipeline_rules(data: bool = False) -> AxisRules:
-    """``stage -> "stage"``, the batch over "data" if ``data``; every other axis replicated."""
-    pairs: list[tuple[str, Any]] = [("batch", "data" if data else None), ("stage", "stage")]
-    return AxisRules.from_pairs(pairs + [(axis, None) for axis in LOGICAL_AXES])
-
-
 __all__ = [
     "Schedule",
     "Stacked",
     "StackedModel",
     "bubble_fraction",
     "compiled_ticks",
+    "draw",
     "megatron_bubble",
     "microbatched",
     "microbatched_train_step",

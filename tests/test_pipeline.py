@@ -53,15 +53,17 @@ def mlp_loss(model, batch):
     return ms.cross_entropy(logits, ms.one_hot(labels, 4)), {"accuracy": ms.accuracy(logits, labels)}
 
 
+full_batch = jax.jit(jax.value_and_grad(mlp_loss, has_aux=True))
+microbatched = functools.cache(lambda m: jax.jit(pp.microbatched(mlp_loss, m)))  # one compile per m
+
+
 @settings(max_examples=6)
-@given(m=st.sampled_from([1, 2, 4, 8]), batch=st.sampled_from([8, 16, 32]), seed=st.integers(0, 3))
+@given(m=st.sampled_from([1, 2, 4, 8]), batch=st.sampled_from([8, 16]), seed=st.integers(0, 3))
 def test_microbatched_equals_the_full_batch(m, batch, seed):
     model = ms.mlp([6, 16, 4], key=jax.random.key(seed), scale=0.5)
     rng = np.random.default_rng(seed)
     data = {"image": rng.normal(size=(batch, 6)).astype(np.float32), "label": rng.integers(0, 4, batch)}
-    full = jax.jit(jax.value_and_grad(mlp_loss, has_aux=True))(model, data)
-    micro = jax.jit(pp.microbatched(mlp_loss, m))(model, data)
-    close(micro, full)
+    close(microbatched(m)(model, data), full_batch(model, data))
 
 
 def test_a_batch_that_does_not_split_evenly_is_refused():
@@ -98,7 +100,7 @@ def test_stacked_vit_blocks_carry_the_stage_axis():
 @given(p=st.sampled_from([2, 4, 8]), m=st.integers(1, 12), r=st.sampled_from([1, 2, 3]))
 def test_the_schedule_visits_every_chunk_once_in_order(p, m, r):
     if r > 1 and m < p:
-        with pytest.raises(ValueError, match="at least as many microbatches as stages"):
+        with pytest.raises(ValueError, match="needs m >= p microbatches"):
             pp.schedule(p, m, r)
         return
     grid = pp.schedule(p, m, r)
