@@ -3,14 +3,16 @@
 * ``staged``: how ``Stacked`` makes every Layer of a stacked block name its
   leading axis ``"stage"`` (a subclass per Layer class, same name and call);
 * ``compiled_ticks``: the ticks, read back from the compiled program;
-* ``pipeline_rules``, ``stacked_mlp``, ``stacked_vit``: the rules and models
-  ``minishard train --parallel pp`` uses;
+* ``pipeline_preset``, ``pipeline_rules``, ``stacked_mlp``, ``stacked_vit``,
+  ``microbatched_train_step``: what ``minishard train --parallel pp`` (and
+  ``--microbatches M``) uses;
 * ``draw``: a schedule as a text grid, for docs/pipeline.md.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,6 +20,7 @@ import numpy as np
 
 from minishard.collectives import collective_instructions, collectives
 from minishard.layers import Layer, Linear, Sequential, Swish
+from minishard.losses import accuracy, cross_entropy, one_hot
 from minishard.presets import LOGICAL_AXES
 from minishard.rules import AxisRules, LogicalAxes
 from minishard.transformer import Block, LayerNorm, MeanPool, PatchEmbedding
@@ -63,6 +66,36 @@ def pipeline_rules(data: bool = False) -> AxisRules:
     """``stage -> "stage"``, the batch over "data" if ``data``; every other axis replicated."""
     pairs: list[tuple[str, Any]] = [("batch", "data" if data else None), ("stage", "stage")]
     return AxisRules.from_pairs(pairs + [(axis, None) for axis in LOGICAL_AXES])
+
+
+def microbatched_train_step(optimizer: Any, m: int) -> Callable[..., Any]:
+    """``minishard.train.make_train_step``, its gradients accumulated over ``m`` microbatches."""
+
+    def loss_fn(model: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+        logits = model(batch["image"])
+        labels = batch["label"]
+        return cross_entropy(logits, one_hot(labels, logits.shape[-1])), accuracy(logits, labels)
+
+    from minishard.pipeline import microbatched
+
+    def train_step(model: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array, jax.Array]:
+        (loss, acc), grads = microbatched(loss_fn, m)(model, batch)
+        model, opt_state = optimizer.update(model, grads, opt_state)
+        return model, opt_state, loss, acc
+
+    return train_step
+
+
+def pipeline_preset(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
+    """``(mesh shape, rules)`` for ``"pp"`` (every device a stage) or ``"dp+pp"`` (2 x devices/2).
+
+    >>> pipeline_preset("dp+pp", 8)[0]
+    {'data': 2, 'stage': 4}
+    """
+    shapes = {"pp": {"stage": devices}, "dp+pp": {"data": 2, "stage": devices // 2}}
+    if name not in shapes:
+        raise ValueError(f"pipeline_preset: unknown style {name!r}; choose from {sorted(shapes)}")
+    return shapes[name], pipeline_rules(data=name == "dp+pp")
 
 
 def stacked_mlp(sizes: list[int], *, key: jax.Array) -> Any:

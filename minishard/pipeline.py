@@ -36,10 +36,18 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from minishard._pipeline import compiled_ticks, draw, pipeline_rules, stacked_mlp, stacked_vit, staged
+from minishard._pipeline import (
+    compiled_ticks,
+    draw,
+    microbatched_train_step,
+    pipeline_preset,
+    pipeline_rules,
+    stacked_mlp,
+    stacked_vit,
+    staged,
+)
 from minishard.collectives import collectives
 from minishard.layers import Layer
-from minishard.losses import accuracy, cross_entropy, one_hot
 
 # --- 1. microbatches: gradient accumulation ------------------------------------
 
@@ -83,22 +91,6 @@ def microbatched(loss_fn: Callable[..., Any], m: int) -> Callable[..., Any]:
         return jax.tree.map(lambda t: t / m, total)
 
     return value_and_grad
-
-
-def microbatched_train_step(optimizer: Any, m: int) -> Callable[..., Any]:
-    """``minishard.train.make_train_step``, its gradients accumulated over ``m`` microbatches."""
-
-    def loss_fn(model: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
-        logits = model(batch["image"])
-        labels = batch["label"]
-        return cross_entropy(logits, one_hot(labels, logits.shape[-1])), accuracy(logits, labels)
-
-    def train_step(model: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array, jax.Array]:
-        (loss, acc), grads = microbatched(loss_fn, m)(model, batch)
-        model, opt_state = optimizer.update(model, grads, opt_state)
-        return model, opt_state, loss, acc
-
-    return train_step
 
 
 # --- 2. blocks stacked on a "stage" axis ---------------------------------------
@@ -290,6 +282,7 @@ __all__ = [
     "microbatched",
     "microbatched_train_step",
     "pipeline",
+    "pipeline_preset",
     "pipeline_report",
     "pipeline_rules",
     "run_blocks",
