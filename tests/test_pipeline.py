@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import minishard as ms
 from minishard import pipeline as pp
+from minishard._pipeline import one_f_one_b
 from minishard.train import make_train_step
 
 WIDTH = 8
@@ -214,3 +215,48 @@ def test_the_compiled_bubble_is_the_formula(p, m, r):
 def test_the_two_bubble_formulas():
     assert [round(pp.bubble_fraction(4, m), 3) for m in (4, 8, 16, 32)] == [0.429, 0.273, 0.158, 0.086]
     assert pp.megatron_bubble(4, 4) == 0.75 and pp.bubble_fraction(4, 4, r=2) == 3 / 11
+
+
+# -- 1F1B: one forward and one backward per tick --------------------------------
+def sin_loss(y, t):
+    return jnp.mean(jnp.sin(y) * t)
+
+
+@settings(max_examples=3)
+@given(p=st.sampled_from([2, 4]), m_per_p=st.sampled_from([1, 2]), seed=st.integers(0, 3))
+def test_one_f_one_b_equals_sequential(p, m_per_p, seed):
+    m = p * m_per_p
+    blocks, oracle = blocks_and_oracle(2 * p, seed)
+    x, t = jax.random.normal(jax.random.key(seed), (2, 2 * m, WIDTH))
+    plan = pp.Schedule(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m)
+    loss, grads, x_grad = jax.block_until_ready(
+        jax.jit(lambda b, x, t: one_f_one_b(b, x, t, sin_loss, plan))(blocks, x, t)
+    )
+    expected, (expected_grads, expected_x_grad) = jax.jit(
+        jax.value_and_grad(lambda bs, x: sin_loss(sequential(bs, x), t), argnums=(0, 1))
+    )(oracle, x)
+    close(loss, expected)
+    close(x_grad, expected_x_grad, rtol=1e-4, atol=1e-6)
+    close(grads.block, jax.tree.map(lambda *a: jnp.stack(a), *expected_grads), rtol=1e-4, atol=1e-6)
+
+
+def temp_bytes(m, p=4):
+    """Temporary bytes of a GPipe and of a 1F1B step, and 1F1B's ticks read from its program."""
+    plan = pp.Schedule(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m)
+    blocks, x = (
+        jax.eval_shape(lambda: blocks_and_oracle(2 * p)[0]),
+        jax.ShapeDtypeStruct((4 * m, WIDTH), jnp.float32),
+    )
+    gpipe = jax.value_and_grad(lambda b, x, t: sin_loss(pp.pipeline(b, x, plan), t), argnums=(0, 1))
+    ofob = jax.jit(lambda b, x, t: one_f_one_b(b, x, t, sin_loss, plan)).lower(blocks, x, x).compile()
+    gpipe_temp = jax.jit(gpipe).lower(blocks, x, x).compile().memory_analysis().temp_size_in_bytes
+    return gpipe_temp, ofob.memory_analysis().temp_size_in_bytes, pp.compiled_ticks(ofob)
+
+
+@pytest.mark.slow
+def test_one_f_one_b_memory_stays_flat_where_gpipe_grows():
+    (gpipe_4, ofob_4, ticks_4), (gpipe_16, ofob_16, ticks_16) = temp_bytes(4), temp_bytes(16)
+    assert (ticks_4, ticks_16) == (4 + 2 * 4 - 2, 16 + 2 * 4 - 2)
+    batch_io = 2 * 12 * 4 * WIDTH * 4  # 12 more microbatches of 4: their input copy and its gradient
+    assert ofob_16 - ofob_4 < 1.1 * batch_io  # no more activations: only the batch itself grew
+    assert gpipe_16 - gpipe_4 > 5 * (ofob_16 - ofob_4)
