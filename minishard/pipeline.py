@@ -46,7 +46,7 @@ from minishard._pipeline import (
     stacked_vit,
     staged,
 )
-from minishard.collectives import collectives
+from minishard.collectives import bytes_by_mesh_axes
 from minishard.layers import Layer
 
 # --- 1. microbatches: gradient accumulation ------------------------------------
@@ -253,20 +253,22 @@ def megatron_bubble(p: int, m: int, r: int = 1) -> float:
     return (p - 1) / (r * m)
 
 
-def pipeline_report(step: Any, args: tuple[Any, ...], plan: Schedule) -> dict[str, Any]:
-    """What ``explain`` prints for a pipelined step: stages, ticks, bubble, bytes sent, temp memory."""
+def pipeline_report(step: Any, args: tuple[Any, ...], plan: Schedule | None = None) -> dict[str, Any]:
+    """What ``explain`` prints for a pipelined step: stages, ticks, bubble, bytes sent, temp memory.
+
+    ``plan``: by default the schedule of the first ``StackedModel`` in ``args``.
+    """
+    plan = plan or next(a.schedule for a in args if isinstance(a, StackedModel) and a.schedule)
     compiled = step.lower(*args).compile()
     ticks, work = compiled_ticks(compiled), plan.repeats * plan.microbatches
-    permute = collectives(compiled)["collective-permute"]
     return {
         "stages": plan.stages,
         "microbatches": plan.microbatches,
         "repeats": plan.repeats,
-        "ticks": ticks,
+        "ticks": ticks,  # read from the program: how often each collective-permute runs
         "bubble": (ticks - work) / ticks,
         "bubble_formula": bubble_fraction(plan.stages, plan.microbatches, plan.repeats),
-        "permute_bytes": permute.bytes,
-        "permute_over": permute.mesh_axes,
+        "permute_bytes": bytes_by_mesh_axes(compiled).get(("collective-permute", (plan.stage_axis,)), 0),
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
     }
 
