@@ -182,8 +182,7 @@ def _one_f_one_b_loop(
     from minishard.pipeline import run_blocks, slot
 
     stage, varying = jax.lax.axis_index(axis), functools.partial(jax.lax.pcast, axis_name=axis, to="varying")
-    zeros = jnp.zeros_like(xs[0])
-    grads = jax.tree.map(jnp.zeros_like, chunk)  # varying already, like the chunk
+    zeros, grads = jnp.zeros_like(xs[0]), jax.tree.map(jnp.zeros_like, chunk)  # (grads vary, as chunk)
     # The forward and backward shift registers, the saved inputs (a ring of 2p), the sums.
     saved = jnp.zeros((2 * p, *zeros.shape))
     carry = varying(zeros), varying(zeros), varying(saved), grads, varying(jnp.zeros_like(xs)), varying(0.0)

@@ -175,6 +175,9 @@ def slot(tick: Any, stage: Any, m: int, r: int = 1) -> tuple[Any, Any, Any]:
     Work item ``k = tick - stage``: microbatch ``k % m`` enters stage 0 at tick
     ``k`` and moves one stage per tick; after the last stage it comes back round
     to stage 0 for its next repeat ``k // m`` (the circular schedule).
+
+    >>> slot(tick=5, stage=1, m=4, r=2)   # microbatch 0, on its second round
+    (True, 0, 1)
     """
     k = tick - stage
     return (k >= 0) & (k < m * r), k % m, k // m
@@ -204,16 +207,16 @@ def pipeline(blocks: Stacked, x: jax.Array, plan: Schedule) -> jax.Array:
         raise ValueError(f"pipeline: {blocks.n} blocks do not split into {p} stages x {r} repeats")
     schedule(p, m, r)  # checks m >= p for a circular schedule
     chunks = jax.tree.map(lambda a: a.reshape(r, p, -1, *a.shape[1:]).swapaxes(0, 1), blocks.block)
-    loop = functools.partial(_gpipe, p=p, m=m, r=r, plan=plan)
+    loop = functools.partial(_gpipe, plan=plan)
     x_spec = P(None, plan.data_axis)  # [m, B/m, ...]: microbatch rows split over "data", if any
     run = jax.shard_map(loop, mesh=plan.mesh, in_specs=(P(plan.stage_axis), x_spec), out_specs=x_spec)
     y = run(chunks, split_microbatches(x, m))
     return y.swapaxes(0, 1).reshape(x.shape[0], *y.shape[2:])  # undo the strided split
 
 
-def _gpipe(chunks: Any, xs: jax.Array, *, p: int, m: int, r: int, plan: Schedule) -> jax.Array:
+def _gpipe(chunks: Any, xs: jax.Array, *, plan: Schedule) -> jax.Array:
     """One device's program: ``plan.ticks`` times, run one chunk and pass the result on (``ppermute``)."""
-    axis, data = plan.stage_axis, plan.data_axis
+    p, m, r, axis, data = plan.stages, plan.microbatches, plan.repeats, plan.stage_axis, plan.data_axis
     stage, chunks = jax.lax.axis_index(axis), jax.tree.map(lambda a: a[0], chunks)  # [r, L, ...]
     if data:  # cast once, so that the gradient's psum over "data" (its transpose) runs once, not per tick
         chunks = jax.lax.pcast(chunks, data, to="varying")
