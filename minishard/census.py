@@ -67,9 +67,11 @@ class Collective:
     """Every collective instruction of one kind in a compiled program.
 
     * ``kind``: the HLO opcode, e.g. ``"all-reduce"``.
-    * ``count``: how many such instructions the program text holds (one inside
-      a loop body counts once, however often the loop runs).
-    * ``bytes``: their result sizes on one device, summed.
+    * ``count``: how many times such instructions run in one call of the program:
+      one inside a loop body counts once per trip (``runs_per_call``), so a
+      ``psum`` in a 5-step ``lax.scan`` counts 5; one in a loop whose trip count
+      XLA cannot prove counts once.
+    * ``bytes``: their result sizes on one device, summed over those runs.
     * ``mesh_axes``: the distinct device groupings they use, each as a tuple of
       mesh axis names, sorted: ``(("y",),)`` when all run over "y";
       ``(("x",), ("x", "y"))`` when some run over "x" and others over both.
@@ -125,7 +127,9 @@ def bytes_by_mesh_axes(
 def instructions(
     program: Program, mesh: AnyMesh | None = None
 ) -> Iterator[tuple[str, int, tuple[tuple[str, ...], ...]]]:
-    """``(kind, bytes on one device, groups)`` of each collective instruction, in program order.
+    """``(kind, bytes on one device, groups)`` of each collective the program runs, in program order.
+
+    An instruction inside a loop body is yielded once per trip (``runs_per_call``).
 
     ``groups``: the mesh axes of each distinct group shape, sorted; nearly always just one.
 
@@ -142,10 +146,12 @@ def instructions(
         mesh = _mesh_of(program) if mesh is None else mesh
         text = program.as_text() or ""
     started: dict[str, list[tuple[tuple[str, ...], ...]]] = {kind: [] for kind in KINDS}
-    for match in collective_instructions(text):
+    runs = runs_per_call(text)
+    for computation, match in _located(text):
         kind, phase = match["kind"], match["phase"]
         if phase == "-done":
-            yield kind, shape_bytes(match["shape"]), started[kind].pop(0) if started[kind] else (("?",),)
+            done = kind, shape_bytes(match["shape"]), started[kind].pop(0) if started[kind] else (("?",),)
+            yield from [done] * runs.get(computation, 1)
             continue
         if mesh is None:
             raise ValueError(f"found an {kind} but no mesh to name its devices; pass mesh=")
@@ -153,7 +159,7 @@ def instructions(
         if phase == "-start":
             started[kind].append(groups)
         else:
-            yield kind, shape_bytes(match["shape"]), groups
+            yield from [(kind, shape_bytes(match["shape"]), groups)] * runs.get(computation, 1)
 
 
 def summary(found: Mapping[str, Collective]) -> str:
@@ -221,6 +227,58 @@ def collective_instructions(text: str) -> Iterator[re.Match[str]]:
     for line in text.splitlines():
         if match := _INSTRUCTION.match(_COMMENT.sub("", line)):
             yield match
+
+
+# A computation starts at column 0: `%body.3 (p: (s32[], f32[8])) -> (s32[], f32[8]) {`.
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+# Where an instruction names the computations it runs: `condition=%c, body=%b`, `calls=%f`, ...
+_CALLS = re.compile(
+    r"\b(?P<attr>body|condition|calls|to_apply|branch_computations)=\{?(?P<names>%?[\w.\-]+(?:,\s*%[\w.\-]+)*)"
+)
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')  # in a while's backend_config
+
+
+def runs_per_call(text: str) -> dict[str, int]:
+    r"""How many times each computation of an HLO module runs when the program is called once.
+
+    A ``lax.scan`` or ``fori_loop`` becomes a ``while`` whose body XLA proves runs a
+    fixed number of times and writes into the instruction,
+    ``backend_config={..."known_trip_count":{"n":"7"}}``: its body runs 7 times per
+    run of the computation holding the while; nested loops multiply. Anything else
+    called (fusions, reducers, branches) runs once per run of its caller.
+
+    >>> loop = '%w = f32[] while(%p), condition=%c, body=%body, backend_config={"known_trip_count":{"n":"7"}}'
+    >>> hlo = "\n".join(["%body (p: f32[]) -> f32[] {", "}", "ENTRY %main (p: f32[]) -> f32[] {", loop])
+    >>> runs_per_call(hlo)["body"]
+    7
+    """
+    caller: dict[str, tuple[str, int]] = {}  # computation -> (who calls it, how often per run)
+    computation = ""
+    for line in text.splitlines():
+        if header := _COMPUTATION.match(line):
+            computation = header["name"]
+            continue
+        trips = _TRIP_COUNT.search(line)
+        for called in _CALLS.finditer(line):
+            times = int(trips[1]) if trips and called["attr"] == "body" else 1
+            for name in called["names"].split(","):
+                caller[name.strip().lstrip("%")] = (computation, times)
+
+    def runs(name: str) -> int:
+        parent, times = caller.get(name, ("", 1))
+        return times * runs(parent) if parent else times
+
+    return {name: runs(name) for name in caller}
+
+
+def _located(text: str) -> Iterator[tuple[str, re.Match[str]]]:
+    """``collective_instructions``, each with the name of the computation it is in."""
+    computation = ""
+    for line in text.splitlines():
+        if header := _COMPUTATION.match(line):
+            computation = header["name"]
+        elif match := _INSTRUCTION.match(_COMMENT.sub("", line)):
+            yield computation, match
 
 
 def shape_bytes(shape: str) -> int:

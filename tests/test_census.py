@@ -248,3 +248,37 @@ def test_all_to_all_tuple_bytes_are_the_sum_of_its_elements():
     shapes = [m["shape"] for m in collective_instructions(text) if m["kind"] == "all-to-all"]
     assert shapes[0].startswith("(f32[8,4]") and shapes[0].count("f32[8,4]") == 8
     assert sum(shape_bytes(shape) for shape in shapes) == 1024
+
+
+# -- loops: the census counts what a call executes ----------------------------
+def test_a_psum_in_a_scan_of_5_steps_counts_5_times_its_bytes():
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+
+    def scanned(x, steps):  # x + psum(x) / 2, `steps` times: one all-reduce per step
+        return jax.lax.scan(lambda c, _: (c + jax.lax.psum(c, "x") / 2, None), x, length=steps)[0]
+
+    def census(steps):
+        step = jax.shard_map(lambda x: scanned(x, steps), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        return collectives(jax.jit(step).lower(abstract((64,), mesh, P("x"))))["all-reduce"]
+
+    once, five = census(1), census(5)
+    assert (once.count, once.bytes) == (1, 8 * 4)  # f32[8] on each device
+    assert (five.count, five.bytes) == (5, 5 * 8 * 4)
+
+
+def test_nested_loops_multiply_their_trip_counts():
+    hlo = """
+%inner (p: f32[8]) -> f32[8] {
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups=[2,4]<=[8], to_apply=%add
+}
+%outer (p: f32[8]) -> f32[8] {
+  %w = f32[8]{0} while(%p), condition=%c1, body=%inner, backend_config={"known_trip_count":{"n":"3"}}
+}
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %w2 = f32[8]{0} while(%p), condition=%c2, body=%outer, backend_config={"known_trip_count":{"n":"7"}}
+  %cp = f32[2]{0} collective-permute(f32[2]{0} %p), source_target_pairs={{0,4},{4,0}}
+}
+"""
+    found = collectives(hlo, mesh_2x4())
+    assert (found["all-reduce"].count, found["all-reduce"].bytes) == (21, 21 * 32)
+    assert (found["collective-permute"].count, found["collective-permute"].bytes) == (1, 8)

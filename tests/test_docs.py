@@ -144,7 +144,7 @@ def test_printed_output_is_compared_with_the_comment_below_it(tmp_path, capsys):
         run_page(page)
 
 
-SLOW_PAGES = {"costs.md", "sharding.md", "training.md", "then-and-now.md"}  # over 5 s each
+SLOW_PAGES = {"costs.md", "pipeline.md", "sharding.md", "training.md", "then-and-now.md"}  # over 5 s each
 
 
 @pytest.mark.parametrize(

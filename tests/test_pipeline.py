@@ -1,0 +1,281 @@
+"""minishard.pipeline: microbatches, stacked blocks and the GPipe / circular schedules.
+
+The oracle is always the model run plainly: a full batch for microbatches, the
+blocks one after another for a pipeline. Sizes are drawn from small fixed sets,
+so that hypothesis's examples reuse compiled programs (each new shape compiles).
+Every sharded call is waited for before the next: on simulated CPU devices,
+overlapping collectives can deadlock XLA's rendezvous.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minishard as ms
+from minishard import pipeline as pp
+from minishard._pipeline import one_f_one_b
+from minishard.run.train import make_train_step
+
+WIDTH = 8
+
+
+def make_block(key):
+    return ms.Sequential([ms.Linear(WIDTH, WIDTH, key=key, scale=0.5), ms.Swish()])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))  # built by one compiled program, not op by op
+def blocks_and_oracle(n, seed=0):
+    """``Stacked`` blocks, and the same blocks built one by one with the same keys."""
+    key = jax.random.key(seed)
+    return pp.Stacked(make_block, n, key=key), [make_block(k) for k in jax.random.split(key, n)]
+
+
+def sequential(blocks, x):
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+def close(a, b, rtol=1e-5, atol=1e-6):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+# -- 1. microbatches ------------------------------------------------------------
+def mlp_loss(model, batch):
+    logits = model(batch["image"])
+    labels = batch["label"]
+    return ms.cross_entropy(logits, ms.one_hot(labels, 4)), {"accuracy": ms.accuracy(logits, labels)}
+
+
+full_batch = jax.jit(jax.value_and_grad(mlp_loss, has_aux=True))
+microbatched = functools.cache(lambda m: jax.jit(pp.microbatched(mlp_loss, m)))  # one compile per m
+
+
+@settings(max_examples=6)
+@given(m=st.sampled_from([1, 2, 4, 8]), batch=st.sampled_from([8, 16]), seed=st.integers(0, 3))
+def test_microbatched_equals_the_full_batch(m, batch, seed):
+    model = ms.mlp([6, 16, 4], key=jax.random.key(seed), scale=0.5)
+    rng = np.random.default_rng(seed)
+    data = {"image": rng.normal(size=(batch, 6)).astype(np.float32), "label": rng.integers(0, 4, batch)}
+    close(microbatched(m)(model, data), full_batch(model, data))
+
+
+def test_a_batch_that_does_not_split_evenly_is_refused():
+    with pytest.raises(ValueError, match="10 does not split into 4"):
+        pp.split_microbatches(jnp.ones((10, 2)), 4)
+
+
+# -- 2. stacked blocks ----------------------------------------------------------
+def test_stacked_blocks_are_the_blocks_built_one_by_one():
+    blocks, oracle = blocks_and_oracle(3)
+    close(jax.tree.map(lambda a: a[1], blocks.block), oracle[1])
+    x = jnp.ones((2, WIDTH))
+    close(blocks(x), sequential(oracle, x))
+
+
+def test_plan_rows_lead_with_the_stage_axis():
+    sizes = [12, WIDTH, WIDTH, WIDTH, WIDTH, WIDTH, 3]  # 4 square hidden Linears: 4 stacked blocks
+    model = jax.eval_shape(lambda: pp.stacked_mlp(sizes, key=jax.random.key(0)))
+    mesh = ms.make_mesh({"data": 2, "stage": 4}, devices=jax.devices()[:8])
+    rows = {leaf.path: leaf for leaf in ms.plan(model, mesh, pp.pipeline_rules(data=True)).leaves}
+    weight = rows["blocks.block.layers[0].weight"]
+    assert (weight.shape, weight.logical_axes) == ((4, WIDTH, WIDTH), ("stage", None, None))
+    assert rows["before.layers[0].weight"].logical_axes == (None, None)
+
+
+def test_stacked_vit_blocks_carry_the_stage_axis():
+    model = jax.eval_shape(lambda: pp.stacked_vit(key=jax.random.key(0), depth=2, width=16, heads=2))
+    query = model.blocks.block.attention
+    assert query.query.shape == (2, 16, 2, 8)
+    assert query.param_logical_axes()["query"] == ("stage", "embed", "heads", "kv")
+
+
+# -- 3. the schedule and the pipeline ------------------------------------------
+@given(p=st.sampled_from([2, 4, 8]), m=st.integers(1, 12), r=st.sampled_from([1, 2, 3]))
+def test_the_schedule_visits_every_chunk_once_in_order(p, m, r):
+    if r > 1 and m < p:
+        with pytest.raises(ValueError, match="needs m >= p microbatches"):
+            pp.schedule(p, m, r)
+        return
+    grid = pp.schedule(p, m, r)
+    done = {}  # (microbatch, repeat, stage) -> tick
+    for stage, row in enumerate(grid):
+        for tick, cell in enumerate(row):
+            if cell is not None:
+                i, j = (cell, 0) if r == 1 else cell
+                assert (i, j, stage) not in done
+                done[i, j, stage] = tick
+    assert len(done) == m * r * p and len(grid[0]) == r * m + p - 1
+    for (i, j, stage), tick in done.items():  # each chunk runs after the one before it
+        before = (i, j, stage - 1) if stage else (i, j - 1, p - 1)
+        assert before not in done or done[before] < tick
+
+
+def mesh_for(p):
+    return ms.make_mesh({"data": 8 // p, "stage": p})
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def value_and_grads(blocks, x, plan):
+    """The loss, and its gradients for the blocks and the input: pipelined if ``plan``, else in order."""
+
+    def loss(blocks, x):
+        y = pp.pipeline(blocks, x, plan) if plan else sequential(blocks, x)
+        return jnp.sum(jnp.sin(y))  # not linear in y: every output's gradient differs
+
+    return jax.value_and_grad(loss, argnums=(0, 1))(blocks, x)
+
+
+def test_one_circular_pipeline_on_data_x_stage_equals_sequential_and_runs_its_ticks():
+    # The quick loop's case; the property below sweeps p, m, layers per stage and r (slow).
+    blocks, oracle = blocks_and_oracle(8, 0)
+    x = jax.random.normal(jax.random.key(1), (16, WIDTH))
+    plan = pp.Schedule(mesh_for(4), microbatches=4, repeats=2, data_axis="data")
+    value, (grads, x_grad) = jax.block_until_ready(value_and_grads(blocks, x, plan))
+    expected, (expected_grads, expected_x_grad) = value_and_grads(oracle, x, None)
+    close((value, x_grad), (expected, expected_x_grad), rtol=1e-4, atol=1e-5)
+    close(grads.block, jax.tree.map(lambda *a: jnp.stack(a), *expected_grads), rtol=1e-4, atol=1e-5)
+    compiled = value_and_grads.lower(blocks, x, plan).compile()
+    assert pp.compiled_ticks(compiled) == plan.ticks == 2 * 4 + 4 - 1
+
+
+@pytest.mark.slow
+@settings(max_examples=5)
+@given(
+    p=st.sampled_from([2, 4, 8]),
+    m_per_p=st.sampled_from([1, 2]),
+    per_stage=st.sampled_from([1, 2]),
+    r=st.sampled_from([1, 2]),
+    seed=st.integers(0, 3),
+)
+def test_pipelined_equals_sequential_forward_and_gradients(p, m_per_p, per_stage, r, seed):
+    m, mesh = m_per_p * p, mesh_for(p)
+    blocks, oracle = blocks_and_oracle(p * r * per_stage, seed)
+    x = jax.random.normal(jax.random.key(seed + 1), (m * (8 // p), WIDTH))
+    plan = pp.Schedule(mesh, microbatches=m, repeats=r, data_axis="data")
+    value, (grads, x_grad) = jax.block_until_ready(value_and_grads(blocks, x, plan))
+    expected, (expected_grads, expected_x_grad) = value_and_grads(oracle, x, None)
+    close(value, expected)
+    close(x_grad, expected_x_grad, rtol=1e-4, atol=1e-5)
+    stacked_expected = jax.tree.map(lambda *a: jnp.stack(a), *expected_grads)
+    close(grads.block, stacked_expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_pipelined_model_trains_like_the_sequential_one():
+    mesh = ms.make_mesh({"data": 2, "stage": 4})
+    model = pp.stacked_mlp([12, WIDTH, WIDTH, WIDTH, WIDTH, WIDTH, 3], key=jax.random.key(0))
+    piped = model.replace(schedule=pp.Schedule(mesh, microbatches=4, data_axis="data"))
+    rng = np.random.default_rng(0)
+    batch = {"image": rng.normal(size=(16, 12)).astype(np.float32), "label": rng.integers(0, 3, 16)}
+    step = ms.Sharded(mesh, pp.pipeline_rules(data=True))(make_train_step(ms.SGD(0.1)))
+    model_step = ms.Sharded(mesh, pp.pipeline_rules(data=True))(pp.microbatched_train_step(ms.SGD(0.1), 2))
+    opt_state = ms.SGD(0.1).init(model)
+    report = pp.pipeline_report(step, (piped, opt_state, batch))  # what `explain` shows
+    assert (report["stages"], report["ticks"], report["bubble"]) == (4, 7, 3 / 7)
+    assert report["permute_bytes"] == 2 * 7 * (16 // 4 // 2) * WIDTH * 4  # 2 rows of 8 floats per shift
+    for _ in range(3):
+        piped, _, loss, _ = jax.block_until_ready(step(piped, opt_state, batch))
+        model, opt_state, expected, _ = jax.block_until_ready(model_step(model, opt_state, batch))
+        close(loss, expected, rtol=1e-5)
+
+
+# -- NaN in the bubbles: a leak fails instead of hiding in a zero ----------------
+def test_a_tick_too_few_leaves_nan_in_the_output():
+    @dataclasses.dataclass(frozen=True)
+    class OneTickShort(pp.Schedule):
+        @property
+        def ticks(self):
+            return super().ticks - 1
+
+    blocks, _ = blocks_and_oracle(4)
+    run = jax.jit(pp.pipeline, static_argnums=2)
+    good = jax.block_until_ready(run(blocks, jnp.ones((8, WIDTH)), pp.Schedule(mesh_for(4), microbatches=4)))
+    short = jax.block_until_ready(
+        run(blocks, jnp.ones((8, WIDTH)), OneTickShort(mesh_for(4), microbatches=4))
+    )
+    assert np.isfinite(good).all()
+    last = short[3::4]  # microbatch 3 (examples 3 and 7) never reached the output
+    assert np.isnan(last).all() and np.isfinite(short[0::4]).all()
+
+
+def test_a_bubble_computed_on_as_real_work_poisons_the_gradients(monkeypatch):
+    blocks, _ = blocks_and_oracle(4)
+    plan = pp.Schedule(mesh_for(4), microbatches=4)
+    always_busy = lambda tick, stage, m, r=1: (tick >= 0, (tick - stage) % m, (tick - stage) // m)  # noqa: E731
+    monkeypatch.setattr(pp, "slot", always_busy)
+    loss = jax.jit(lambda b: pp.pipeline(b, jnp.ones((8, WIDTH)), plan).sum())
+    grads = jax.block_until_ready(jax.grad(loss)(blocks))
+    assert np.isnan(grads.block.layers[0].weight).any()
+
+
+# -- 4. the bubble, read from the compiled program -----------------------------
+@pytest.mark.slow
+@settings(max_examples=4)
+@given(p=st.sampled_from([2, 4]), m=st.sampled_from([4, 8]), r=st.sampled_from([1, 2]))
+def test_the_compiled_bubble_is_the_formula(p, m, r):
+    blocks, _ = blocks_and_oracle(p * r)
+    plan = pp.Schedule(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m, repeats=r)
+    step = jax.jit(jax.grad(lambda b, x: pp.pipeline(b, x, plan).sum()))
+    report = pp.pipeline_report(step, (blocks, jnp.ones((m, WIDTH))), plan)
+    assert report["ticks"] == r * m + p - 1
+    assert report["bubble"] == pytest.approx(pp.bubble_fraction(p, m, r))
+    assert report["permute_bytes"] == 2 * report["ticks"] * WIDTH * 4  # a shift each way per tick
+
+
+def test_the_two_bubble_formulas():
+    assert [round(pp.bubble_fraction(4, m), 3) for m in (4, 8, 16, 32)] == [0.429, 0.273, 0.158, 0.086]
+    assert pp.megatron_bubble(4, 4) == 0.75 and pp.bubble_fraction(4, 4, r=2) == 3 / 11
+
+
+# -- 1F1B: one forward and one backward per tick --------------------------------
+def sin_loss(y, t):
+    return jnp.mean(jnp.sin(y) * t)
+
+
+@pytest.mark.slow
+@settings(max_examples=3)
+@given(p=st.sampled_from([2, 4]), m_per_p=st.sampled_from([1, 2]), seed=st.integers(0, 3))
+def test_one_f_one_b_equals_sequential(p, m_per_p, seed):
+    m = p * m_per_p
+    blocks, oracle = blocks_and_oracle(2 * p, seed)
+    x, t = jax.random.normal(jax.random.key(seed), (2, 2 * m, WIDTH))
+    plan = pp.Schedule(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m)
+    loss, grads, x_grad = jax.block_until_ready(
+        jax.jit(lambda b, x, t: one_f_one_b(b, x, t, sin_loss, plan))(blocks, x, t)
+    )
+    expected, (expected_grads, expected_x_grad) = jax.jit(
+        jax.value_and_grad(lambda bs, x: sin_loss(sequential(bs, x), t), argnums=(0, 1))
+    )(oracle, x)
+    close(loss, expected)
+    close(x_grad, expected_x_grad, rtol=1e-4, atol=1e-6)
+    close(grads.block, jax.tree.map(lambda *a: jnp.stack(a), *expected_grads), rtol=1e-4, atol=1e-6)
+
+
+def temp_bytes(m, p=4):
+    """Temporary bytes of a GPipe and of a 1F1B step, and 1F1B's ticks read from its program."""
+    plan = pp.Schedule(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m)
+    blocks, x = (
+        jax.eval_shape(lambda: blocks_and_oracle(2 * p)[0]),
+        jax.ShapeDtypeStruct((4 * m, WIDTH), jnp.float32),
+    )
+    gpipe = jax.value_and_grad(lambda b, x, t: sin_loss(pp.pipeline(b, x, plan), t), argnums=(0, 1))
+    ofob = jax.jit(lambda b, x, t: one_f_one_b(b, x, t, sin_loss, plan)).lower(blocks, x, x).compile()
+    gpipe_temp = jax.jit(gpipe).lower(blocks, x, x).compile().memory_analysis().temp_size_in_bytes
+    return gpipe_temp, ofob.memory_analysis().temp_size_in_bytes, pp.compiled_ticks(ofob)
+
+
+@pytest.mark.slow
+def test_one_f_one_b_memory_stays_flat_where_gpipe_grows():
+    (gpipe_4, ofob_4, ticks_4), (gpipe_16, ofob_16, ticks_16) = temp_bytes(4), temp_bytes(16)
+    assert (ticks_4, ticks_16) == (4 + 2 * 4 - 2, 16 + 2 * 4 - 2)
+    batch_io = 2 * 12 * 4 * WIDTH * 4  # 12 more microbatches of 4: their input copy and its gradient
+    assert ofob_16 - ofob_4 < 1.1 * batch_io  # no more activations: only the batch itself grew
+    assert gpipe_16 - gpipe_4 > 5 * (ofob_16 - ofob_4)
