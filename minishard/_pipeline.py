@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from minishard.census import collective_instructions, collectives
+from minishard._hlo import collective_instructions
+from minishard.census import collectives
 from minishard.layers import Layer, Linear, Sequential, Swish
 from minishard.losses import accuracy, cross_entropy, one_hot
 from minishard.models.vit import Block, LayerNorm, MeanPool, PatchEmbedding

@@ -48,16 +48,13 @@ an all-reduce about twice that (a reduce-scatter followed by an all-gather).
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from collections.abc import Iterator, Mapping
 
 import jax
-import numpy as np
 
+from minishard import _hlo
+from minishard._hlo import KINDS
 from minishard.rules import AnyMesh
-
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 # --- 1. what a program sends ---------------------------------------------------
 
@@ -129,37 +126,36 @@ def instructions(
 ) -> Iterator[tuple[str, int, tuple[tuple[str, ...], ...]]]:
     """``(kind, bytes on one device, groups)`` of each collective the program runs, in program order.
 
-    An instruction inside a loop body is yielded once per trip (``runs_per_call``).
-
     ``groups``: the mesh axes of each distinct group shape, sorted; nearly always just one.
-
+    An instruction inside a loop body is yielded once per trip (XLA's ``known_trip_count``).
     Async pairs (``all-gather-start`` then ``all-gather-done``) count once: the
-    start carries the groups, the done the result (the start's result is a
-    bundle of buffers, not the result); each done is paired with the oldest
-    open start of its kind.
+    start carries the groups, the done the result; each done is paired with the
+    oldest open start of its kind.
     """
-    if isinstance(program, jax.stages.Lowered):
-        program = program.compile()
-    if isinstance(program, str):
-        text = program
-    else:
-        mesh = _mesh_of(program) if mesh is None else mesh
-        text = program.as_text() or ""
+    text, mesh = _text_and_mesh(program, mesh)
     started: dict[str, list[tuple[tuple[str, ...], ...]]] = {kind: [] for kind in KINDS}
-    runs = runs_per_call(text)
-    for computation, match in _located(text):
-        kind, phase = match["kind"], match["phase"]
-        if phase == "-done":
-            done = kind, shape_bytes(match["shape"]), started[kind].pop(0) if started[kind] else (("?",),)
-            yield from [done] * runs.get(computation, 1)
-            continue
-        if mesh is None:
+    runs = _hlo.runs_per_call(text)
+    for computation, match in _hlo.located(text):
+        kind, phase, nbytes = match["kind"], match["phase"], _hlo.shape_bytes(match["shape"])
+        if phase == "-done":  # the result of a start seen before
+            groups = started[kind].pop(0) if started[kind] else (("?",),)
+        elif mesh is None:
             raise ValueError(f"found an {kind} but no mesh to name its devices; pass mesh=")
-        groups = tuple(sorted(instruction_axes(match.string, mesh)))
+        else:
+            groups = tuple(sorted(_hlo.instruction_axes(match.string, mesh)))
         if phase == "-start":
             started[kind].append(groups)
         else:
-            yield from [(kind, shape_bytes(match["shape"]), groups)] * runs.get(computation, 1)
+            yield from [(kind, nbytes, groups)] * runs.get(computation, 1)
+
+
+def _text_and_mesh(program: Program, mesh: AnyMesh | None) -> tuple[str, AnyMesh | None]:
+    """The compiled HLO text, and the mesh that names its devices."""
+    if isinstance(program, jax.stages.Lowered):
+        program = program.compile()
+    if isinstance(program, str):
+        return program, mesh
+    return program.as_text() or "", mesh_of(program) if mesh is None else mesh
 
 
 def summary(found: Mapping[str, Collective]) -> str:
@@ -185,222 +181,15 @@ def human_bytes(n: int) -> str:
     return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
-def _mesh_of(compiled: jax.stages.Compiled) -> AnyMesh | None:
+def mesh_of(compiled: jax.stages.Compiled) -> AnyMesh | None:
     shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
     return next((s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)), None)
 
 
-# --- 2. reading HLO text: instructions, result shapes, replica groups ----------
-
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-_COMMENT = re.compile(r"/\*.*?\*/")  # long tuples are numbered: (a, b, c, d, e, /*index=5*/f, ...)
-# An instruction whose opcode is a collective: `[ROOT] %name = SHAPE KIND[-start|-done](...)`.
-# SHAPE may hold spaces, "(f32[2]{0}, f32[8]{0})", but no "=" (once comments are removed)
-# except in dynamic sizes, "f32[<=8]"; that keeps the match from running into attributes.
-_KIND = "(?P<kind>" + "|".join(KINDS) + ")(?P<phase>-start|-done)?"
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>(?:<=|[^=])+?)\s+" + _KIND + r"\(")
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")  # "bf16[8,128]", "pred[]", "f32[<=10]"
-# replica_groups={{0,1,2,3},{4,5,6,7}}: explicit lists; "{}" means one group of all devices.
-_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
-# replica_groups=[2,4]<=[8] or [4,2]<=[2,4]T(1,0): iota(8), reshaped to [2,4] and
-# transposed by (1,0) if given, then read row by row as [groups, devices per group].
-_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-# replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_1'}: XLA's own
-# mesh (names, sizes, and device order when not 0..n-1), then the axes a group spans.
-_MESH = re.compile(
-    r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
-    r"(?:,\s*device_ids=\((?P<ids>[^()]*(?:\([^()]*\))?)\))?\s*\{(?P<grouped>[^}]*)\}"
-)
-_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")  # 'axis_0'=2
-_GROUPED_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")  # 'axis_1', or sub-axis 'axis_1':(2)2
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")  # {{0,1},{1,2},...}
-_INTS = re.compile(r"\d+")
-_SPECIAL_BITS = {"pred": 8, "token": 0, "opaque": 0}
-
-
-def collective_instructions(text: str) -> Iterator[re.Match[str]]:
-    """Each collective instruction in ``text``, as a match with ``kind``, ``phase`` and ``shape``.
-
-    ``phase`` is ``-start`` or ``-done`` for the two halves of an async collective, else None.
-    """
-    for line in text.splitlines():
-        if match := _INSTRUCTION.match(_COMMENT.sub("", line)):
-            yield match
-
-
-# A computation starts at column 0: `%body.3 (p: (s32[], f32[8])) -> (s32[], f32[8]) {`.
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
-# Where an instruction names the computations it runs: `condition=%c, body=%b`, `calls=%f`, ...
-_CALLS = re.compile(
-    r"\b(?P<attr>body|condition|calls|to_apply|branch_computations)=\{?(?P<names>%?[\w.\-]+(?:,\s*%[\w.\-]+)*)"
-)
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')  # in a while's backend_config
-
-
-def runs_per_call(text: str) -> dict[str, int]:
-    r"""How many times each computation of an HLO module runs when the program is called once.
-
-    A ``lax.scan`` or ``fori_loop`` becomes a ``while`` whose body XLA proves runs a
-    fixed number of times and writes into the instruction,
-    ``backend_config={..."known_trip_count":{"n":"7"}}``: its body runs 7 times per
-    run of the computation holding the while; nested loops multiply. Anything else
-    called (fusions, reducers, branches) runs once per run of its caller.
-
-    >>> loop = '%w = f32[] while(%p), condition=%c, body=%body, backend_config={"known_trip_count":{"n":"7"}}'
-    >>> hlo = "\n".join(["%body (p: f32[]) -> f32[] {", "}", "ENTRY %main (p: f32[]) -> f32[] {", loop])
-    >>> runs_per_call(hlo)["body"]
-    7
-    """
-    caller: dict[str, tuple[str, int]] = {}  # computation -> (who calls it, how often per run)
-    computation = ""
-    for line in text.splitlines():
-        if header := _COMPUTATION.match(line):
-            computation = header["name"]
-            continue
-        trips = _TRIP_COUNT.search(line)
-        for called in _CALLS.finditer(line):
-            times = int(trips[1]) if trips and called["attr"] == "body" else 1
-            for name in called["names"].split(","):
-                caller[name.strip().lstrip("%")] = (computation, times)
-
-    def runs(name: str) -> int:
-        parent, times = caller.get(name, ("", 1))
-        return times * runs(parent) if parent else times
-
-    return {name: runs(name) for name in caller}
-
-
-def _located(text: str) -> Iterator[tuple[str, re.Match[str]]]:
-    """``collective_instructions``, each with the name of the computation it is in."""
-    computation = ""
-    for line in text.splitlines():
-        if header := _COMPUTATION.match(line):
-            computation = header["name"]
-        elif match := _INSTRUCTION.match(_COMMENT.sub("", line)):
-            yield computation, match
-
-
-def shape_bytes(shape: str) -> int:
-    """``"(f32[512]{0}, bf16[2,3]{1,0})"`` -> 512*4 + 6*2 bytes."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        elements = math.prod(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip())
-        total += -(-elements * _bits(dtype) // 8)  # ceil: sub-byte types (s4) are packed
-    return total
-
-
-def _bits(dtype: str) -> int:
-    """Bits per element: the first number in the type's name (f32, bf16, f8e4m3fn, c64, s4)."""
-    if dtype in _SPECIAL_BITS:
-        return _SPECIAL_BITS[dtype]
-    if not (digits := _INTS.search(dtype)):
-        raise ValueError(f"unknown HLO element type {dtype!r}")
-    return int(digits.group())
-
-
-def instruction_axes(line: str, mesh: AnyMesh) -> set[tuple[str, ...]]:
-    """The mesh axes one instruction runs over: one tuple per distinct group shape."""
-    sizes, names = tuple(mesh.axis_sizes), tuple(mesh.axis_names)
-    if pairs := _PAIRS.search(line):
-        src, dst = np.array(_ints(pairs[1])).reshape(-1, 2).T
-        moved = np.stack(_coords(src, sizes)) != np.stack(_coords(dst, sizes))
-        return {tuple(name for name, m in zip(names, moved.any(axis=1)) if m)}
-    return {_group_axes(group, sizes, names) for group in _replica_groups(line, math.prod(sizes))}
-
-
-def _replica_groups(line: str, n_devices: int) -> list[np.ndarray]:
-    """Device ids of each group, whichever of XLA's three notations the line uses."""
-    if match := _EXPLICIT.search(line):
-        groups = [np.array(_ints(group)) for group in re.findall(r"\{([\d,]*)\}", match[1])]
-        return groups or [np.arange(n_devices)]
-    if match := _IOTA.search(line):
-        shape, reshape, perm = (_ints(g) for g in match.groups())
-        return list(_iota(reshape, perm).reshape(shape))
-    if match := _MESH.search(line):
-        return _mesh_groups(match)
-    raise ValueError(f"no replica groups found in: {line.strip()[:200]}")
-
-
-def _mesh_groups(match: re.Match[str]) -> list[np.ndarray]:
-    """Groups of XLA's mesh notation: devices that agree on every axis not listed."""
-    axes = [(name, int(size)) for name, size in _MESH_AXIS.findall(match["axes"])]
-    sizes = [size for _, size in axes]
-    ids, index = match["ids"], {name: i for i, (name, _) in enumerate(axes)}
-    if ids is None:  # devices in order 0..n-1
-        devices = _iota(sizes, None)
-    elif ids.startswith("["):  # "[2,4]T(1,0)": iota reshaped and transposed, as above
-        reshape, _, perm = ids[1:].partition("]")
-        devices = _iota(_ints(reshape), _ints(perm))
-    else:  # an explicit list of device ids
-        devices = np.array(_ints(ids))
-    coords = np.indices(sizes).reshape(len(sizes), -1)  # mesh coordinates of each position
-    key = coords.copy()  # the coordinates a group's members share: grouped ones erased
-    for name, pre_size, size in _GROUPED_AXIS.findall(match["grouped"]):
-        d = index[name]
-        if not size:  # the whole axis
-            key[d] = 0
-        else:  # sub-axis (p)s: axis d viewed as [p, s, rest]; the group spans the s
-            stride = sizes[d] // (int(pre_size) * int(size))
-            key[d] -= (coords[d] // stride) % int(size) * stride
-    _, group_of = np.unique(key.T, axis=0, return_inverse=True)
-    flat = devices.reshape(-1)
-    return [flat[group_of.reshape(-1) == g] for g in range(group_of.max() + 1)]
-
-
-def _group_axes(group: np.ndarray, sizes: tuple[int, ...], names: tuple[str, ...]) -> tuple[str, ...]:
-    """Mesh axes along which the devices of ``group`` vary, checked to form a sub-grid."""
-    coords = _coords(group, sizes)
-    spans = [len(np.unique(c)) for c in coords]
-    if math.prod(spans) != len(np.unique(group)):  # not every combination present: no sub-grid
-        return ("?",)
-    return tuple(
-        name if span == size else f"{name}({span} of {size})"
-        for name, size, span in zip(names, sizes, spans)
-        if span > 1
-    )
-
-
-def _coords(devices: np.ndarray, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    if devices.size and devices.max() >= math.prod(sizes):
-        raise ValueError(f"device {devices.max()} is outside the mesh {sizes}; pass the program's mesh")
-    return np.unravel_index(devices, sizes)
-
-
-def _iota(reshape: list[int], perm: list[int] | None) -> np.ndarray:
-    devices = np.arange(math.prod(reshape)).reshape(reshape)
-    return devices.transpose(perm) if perm else devices
-
-
-def _ints(text: str | None) -> list[int]:
-    return [int(i) for i in _INTS.findall(text or "")]
-
-
-# --- 3. bytes in the dtype the program asked for --------------------------------
+# --- 2. bytes in the dtype the program asked for --------------------------------
 # XLA:CPU widens bf16 collectives to f32 (a bf16 psum compiles to an f32 all-reduce
 # between two converts), so the compiled CPU program moves twice the bytes a GPU or
 # TPU would. The lowered StableHLO still holds what the program asked for.
-
-_STABLEHLO_COLLECTIVE = re.compile(r'"?stablehlo\.(?:all_reduce|all_gather|reduce_scatter|all_to_all)"?')
-_TENSOR_FLOAT = re.compile(r"tensor<(?:[\d?]+x)*(f64|f32|bf16|f16|f8\w*)>")
-_FLOAT_BITS = {"f64": 64, "f32": 32, "bf16": 16, "f16": 16}
-
-
-def asked_float(lowered: jax.stages.Lowered) -> str | None:
-    """The widest float type the program asks to communicate: ``"bf16"``, ``"f32"``, ...; None if none.
-
-    Read from the collectives of the lowered StableHLO (``shard_map`` programs
-    write them there); a ``jax.jit`` program with shardings has none before XLA's
-    partitioner runs, so its floating-point arguments answer instead.
-    """
-    lines = lowered.as_text().splitlines()
-    found = [t for i, line in enumerate(lines) if _STABLEHLO_COLLECTIVE.search(line)
-             for t in _TENSOR_FLOAT.findall(" ".join(lines[i : i + 12]))]  # fmt: skip
-    if not found:  # the partitioner will insert the collectives: they carry the arguments' floats
-        dtypes = {np.dtype(a.dtype) for a in jax.tree.leaves(lowered.in_avals) if hasattr(a, "dtype")}
-        floats = [d for d in dtypes if jax.numpy.issubdtype(d, jax.numpy.floating) and d.itemsize > 1]
-        found = [{2: "bf16", 4: "f32", 8: "f64"}[d.itemsize] for d in floats]
-    return max(found, key=lambda t: _FLOAT_BITS.get(t, 8), default=None)
 
 
 def as_asked(lowered: jax.stages.Lowered) -> str:
@@ -417,11 +206,21 @@ def as_asked(lowered: jax.stages.Lowered) -> str:
     (4096, 2048)
     """
     text = lowered.compile().as_text() or ""
-    asked = asked_float(lowered)
-    if asked is None or _FLOAT_BITS.get(asked, 32) >= 32:
+    asked = _hlo.asked_float(lowered)
+    if asked is None or _hlo.FLOAT_BITS.get(asked, 32) >= 32:
         return text
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        if match := _INSTRUCTION.match(stripped := _COMMENT.sub("", line)):  # narrow the result only
-            lines[i] = stripped.replace(match["shape"], match["shape"].replace("f32[", f"{asked}["), 1)
-    return "\n".join(lines)
+    return _hlo.narrowed(text, asked)
+
+
+__all__ = [
+    "KINDS",
+    "Collective",
+    "Program",
+    "as_asked",
+    "bytes_by_mesh_axes",
+    "collectives",
+    "human_bytes",
+    "instructions",
+    "mesh_of",
+    "summary",
+]

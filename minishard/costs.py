@@ -35,7 +35,7 @@ import jax
 
 from minishard._costplot import plot_comparison  # the picture of compare
 from minishard._hardware import HARDWARE, Hardware
-from minishard.census import _mesh_of, as_asked, human_bytes, instructions
+from minishard.census import as_asked, human_bytes, instructions, mesh_of
 from minishard.presets import PRESETS, preset
 from minishard.rules import AnyMesh, AxisRules, ShardingError
 from minishard.sharding import Sharded, make_mesh
@@ -170,7 +170,7 @@ def step_cost(
     lowered = program if isinstance(program, jax.stages.Lowered) else None
     compiled = lowered.compile() if lowered is not None else program
     assert isinstance(compiled, jax.stages.Compiled)
-    mesh = mesh if mesh is not None else _mesh_of(compiled)
+    mesh = mesh if mesh is not None else mesh_of(compiled)
     text = as_asked(lowered) if lowered is not None else compiled.as_text() or ""
     analysis = compiled.cost_analysis() or {}  # per device: XLA analyses the partitioned program
     stats = compiled.memory_analysis()

@@ -131,7 +131,7 @@ def test_replica_group_notations(groups, axes):
 
 
 def test_sub_axis_groups_hold_the_right_devices():
-    from minishard.census import _replica_groups
+    from minishard._hlo import _replica_groups
 
     line = all_reduce(XLA_MESH + " {'axis_1':(1)2}")
     assert sorted(sorted(g.tolist()) for g in _replica_groups(line, 8)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -204,7 +204,8 @@ def test_errors_name_what_is_missing():
 
 # -- bytes as the program asked for them (issue 20) ------------------------------
 def test_cpu_widens_a_bf16_psum_and_as_asked_counts_it_in_bf16():
-    from minishard.census import as_asked, asked_float
+    from minishard._hlo import asked_float
+    from minishard.census import as_asked
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     psum = jax.jit(
@@ -218,7 +219,8 @@ def test_cpu_widens_a_bf16_psum_and_as_asked_counts_it_in_bf16():
 
 
 def test_as_asked_leaves_an_f32_program_alone_and_reads_jit_arguments():
-    from minishard.census import as_asked, asked_float
+    from minishard._hlo import asked_float
+    from minishard.census import as_asked
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     grad = jax.jit(jax.grad(lambda w, x: jnp.sum((x @ w).astype(jnp.float32) ** 2)))
@@ -243,7 +245,7 @@ def test_all_to_all_tuple_bytes_are_the_sum_of_its_elements():
     # whose result is a tuple of 8 pieces, (f32[8,4], ..., f32[8,4]), one per device:
     # the census adds the pieces up, 8 x 8 x 4 x 4 = 1,024 B, not one piece's 128 B.
     assert found.bytes == 8 * 32 * 4 and found.count == 1
-    from minishard.census import collective_instructions, shape_bytes
+    from minishard._hlo import collective_instructions, shape_bytes
 
     shapes = [m["shape"] for m in collective_instructions(text) if m["kind"] == "all-to-all"]
     assert shapes[0].startswith("(f32[8,4]") and shapes[0].count("f32[8,4]") == 8

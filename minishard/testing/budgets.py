@@ -13,9 +13,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from minishard.census import KINDS, Collective, collectives, human_bytes, instructions, summary
+from minishard.census import KINDS, Collective, collectives, human_bytes, instructions, mesh_of, summary
 from minishard.rules import AnyMesh, AxisRules, as_mesh_axes
 from minishard.sharding import Sharded
 from minishard.testing.assertions import _check_mesh_axes, _sharded
@@ -136,10 +136,7 @@ def _mesh_of(program: Any) -> AnyMesh | None:
     """The mesh a ``Sharded`` function runs on, or the one a compiled program's shardings name."""
     if isinstance(getattr(program, "config", None), Sharded):
         return program.config.mesh
-    if not isinstance(program, jax.stages.Compiled):
-        return None
-    shardings = jax.tree.leaves((program.input_shardings, program.output_shardings))
-    return next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
+    return mesh_of(program) if isinstance(program, jax.stages.Compiled) else None
 
 
 def _check_limits(limits: Sequence[Limit], mesh: AnyMesh | None) -> None:
