@@ -416,10 +416,10 @@ def _verify(arrays: dict[str, Any], records: dict[str, Any]) -> list[str]:
     ]
     outcome = np.asarray([_check_block(arrays[name], key, crc) for name, key, crc in checks], np.int8)
     outcome = _across_processes(outcome).max(axis=0) if checks else outcome
-    if bad := [name for (name, _, _), result in zip(checks, outcome) if result == _MISMATCH]:
-        key = next(key for (name, key, _), result in zip(checks, outcome) if result == _MISMATCH)
-        block = f" (block [{key}])" if len(records[bad[0]]) > 1 else ""
-        raise CorruptCheckpointError(f"{bad[0]}{block} does not match the checksum written with it")
+    if bad := [(name, key) for (name, key, _), result in zip(checks, outcome) if result == _MISMATCH]:
+        name, key = bad[0]
+        block = f" (block [{key}])" if sum(check[0] == name for check in checks) > 1 else ""
+        raise CorruptCheckpointError(f"{name}{block} does not match the checksum written with it")
     return sorted({name for (name, _, _), result in zip(checks, outcome) if result == _NOT_HERE})
 
 
@@ -574,8 +574,9 @@ def _whole_array_checksum(blocks: dict[str, int] | int, shape: tuple[int, ...]) 
 
 def _reason(error: BaseException, checkpoint: Path) -> str:
     """Type and first line of ``error``; of tensorstore's "CODE: Error ...: Error ...: cause"
-    chains, the code, the first read and the cause, without the spec dump."""
+    chains, the code, the first read and the cause, without the spec dumps."""
     line = (str(error).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+    line = line.split(" See full TensorStore details")[0]  # then a spec dump, over many lines
     parts = [part for part in line.split(": ") if not part.startswith("Error opening ")]
     line = ": ".join(parts[:2] + parts[-1:] if len(parts) > 3 else parts).replace(f"{checkpoint}/", "")
     return f"{type(error).__name__}: {line[:240]}" if line else type(error).__name__
