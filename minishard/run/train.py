@@ -54,6 +54,23 @@ try:  # orbax is an optional extra (minishard[checkpoint]): without it, fit trai
 except ImportError:
     checkpoint = None  # type: ignore[assignment]
 
+__all__ = [
+    "CACHE_HIT",
+    "COMPILE_PHASES",
+    "CheckpointDirError",
+    "NonFiniteLossError",
+    "ResumeError",
+    "TrainingError",
+    "check_checkpoint_dir",
+    "compile_report",
+    "enable_compilation_cache",
+    "eval_step",
+    "evaluate",
+    "fit",
+    "format_epoch",
+    "make_train_step",
+]
+
 History = list[dict[str, Any]]
 GlobalBatch = dict[str, jax.Array]  # a Batch placed on the mesh by `to_global`
 
@@ -207,6 +224,16 @@ def fit(
     return run.model, run.opt_state, run.history
 
 
+# -- fit's helpers, in the order it calls them ------------------------------------------------
+def _check_settings(**settings: int | None) -> None:
+    """Each setting an int >= 1 (``checkpoint_every`` may be None: only at epoch ends)."""
+    for name, value in settings.items():
+        if value is None and name == "checkpoint_every":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"fit: {name} must be an int >= 1, got {value!r}")
+
+
 @dataclasses.dataclass
 class _Run:
     """Where training is: the state, the step, the position in the data, and what was measured."""
@@ -233,71 +260,11 @@ class _Run:
         return {"model": self.model, "opt_state": self.opt_state}
 
 
-def _take_step(run: _Run, train_step: Any, batch: GlobalBatch, log: Callable[[str], None]) -> float:
-    """One step of ``run``; returns its loss. The first compiles: say how long that took, and its memory."""
-    if not run.compiled:
-        with _compile_events() as events:
-            run.model, run.opt_state, loss, acc = jax.block_until_ready(
-                train_step(run.model, run.opt_state, batch)
-            )
-        log(
-            compile_report(events, train_step.lower(run.model, run.opt_state, batch).compile())
-        )  # cached: free
-        run.compiled = True
-    else:
-        run.model, run.opt_state, loss, acc = train_step(run.model, run.opt_state, batch)
-    run.step += 1
-    loss_value = float(loss)  # waits for the step; XLA:CPU must not queue collectives unboundedly
-    run.sums = [run.sums[0] + loss_value, run.sums[1] + float(acc)]
-    return loss_value
-
-
-def _check_finite(loss: float, run: _Run, epoch: int, index: int, checkpointer: Any) -> None:
-    if not math.isfinite(loss):
-        raise NonFiniteLossError(
-            f"loss is {loss} at step {run.step} (epoch {epoch + 1}, batch {index})"
-            f"{_kept(checkpointer)}. Try a smaller --lr."
-        )
-
-
 def _tester(
     step: Callable[..., Any], data: Dataset | None, sharding: NamedSharding
 ) -> Callable[[Any], float] | None:
     """``model -> accuracy on data`` (None without data)."""
     return None if data is None else functools.partial(evaluate, step, data=data, sharding=sharding)
-
-
-def _sample_loss(run: _Run, loss: float, epoch: int, metrics: IO[str] | None) -> None:
-    run.curve.append([run.step, loss])
-    if metrics:
-        metrics.write(json.dumps({"step": run.step, "epoch": epoch + 1, "loss": loss}) + "\n")
-
-
-def _end_epoch(
-    run: _Run,
-    epoch: int,
-    started: float,
-    steps: int,
-    test: Callable[[Any], float] | None,
-    log: Callable[[str], None],
-    metrics: IO[str] | None,
-) -> None:
-    """Record the epoch (its sums cover all ``steps``, resumed or not) and start the next at batch 0."""
-    record = {
-        "epoch": epoch + 1,
-        "seconds": time.perf_counter() - started,
-        "loss": run.sums[0] / steps,
-        "train_acc": run.sums[1] / steps,
-        "steps": steps,
-        "loss_curve": run.curve,  # [step, loss] every log_every steps, for plots
-    }
-    if test is not None:
-        record["test_acc"] = test(run.model)
-    run.history.append(record)
-    log(format_epoch(record))
-    if metrics:
-        metrics.write(json.dumps(record) + "\n")
-    run.batch, run.sums, run.curve = 0, [0.0, 0.0], []
 
 
 def _open_checkpointer(
@@ -347,6 +314,121 @@ def _resume(
         log(f"The checkpoints of steps {_listed(later)} come after it: this run replaces them as it saves")
 
 
+def _check_meta(meta: dict[str, Any], data: Dataset, signature: str, directory: Any) -> None:
+    """Is this checkpoint's position possible, and is it a checkpoint *of this run*?
+
+    Impossible metadata (missing fields, batch 9999 of 468) raises ValueError:
+    the checkpoint is corrupt and ``restore`` falls back. Possible metadata of
+    another run (another model, seed or batch size) raises ResumeError: falling
+    back would not help, the user must choose.
+    """
+    for name, kind in (("epoch", int), ("batch", int), ("sums", list), ("history", list)):
+        if not isinstance(meta.get(name), kind):
+            raise ValueError(f"field {name!r} is {meta.get(name)!r}, not a {kind.__name__}")
+    if meta["epoch"] < 0 or not 0 <= meta["batch"] < data.steps_per_epoch:
+        raise ValueError(f"position epoch {meta['epoch']}, batch {meta['batch']} of {data.steps_per_epoch}")
+    if "model" in meta and meta["model"] != signature:  # older checkpoints did not store it
+        raise ResumeError(
+            f"the checkpoint in {directory} was saved from another model:\n"
+            f"  checkpoint: {_around_difference(meta['model'], signature)}\n"
+            f"  this run:   {_around_difference(signature, meta['model'])}\n"
+            "resume with the same model settings (--layers, --activation, ...), or start afresh"
+        )
+    saved = {name: meta.get(name) for name in _data_order(data)}
+    if saved != _data_order(data):
+        raise ResumeError(
+            f"the checkpoint in {directory} was saved with data order {saved}, but this run has "
+            f"{_data_order(data)}; resume with the same --seed and --batch-size, or start afresh"
+        )
+
+
+def _data_order(data: Dataset) -> dict[str, int]:
+    """What fixes which examples batch ``b`` of epoch ``e`` holds."""
+    return {"shuffle_seed": data.shuffle_seed, "batch_size": data.batch_size, "examples": data.num_examples}
+
+
+def _around_difference(text: str, other: str, context: int = 50) -> str:
+    """The part of ``text`` around its first difference from ``other``."""
+    first = next((i for i, (a, b) in enumerate(zip(text, other)) if a != b), min(len(text), len(other)))
+    start = max(first - context, 0)
+    return (
+        ("..." if start else "")
+        + text[start : first + context]
+        + ("..." if first + context < len(text) else "")
+    )
+
+
+def _progress(
+    batches: Iterator[Batch], data: Dataset, epoch: int, start: int, show: bool | None
+) -> Iterator[tuple[int, Batch]]:
+    """Number the batches; draw a progress bar when attached to a terminal (rich, if installed)."""
+    numbered = enumerate(batches, start)
+    if not (sys.stdout.isatty() if show is None else show):
+        yield from numbered
+        return
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        yield from numbered
+        return
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"epoch {epoch + 1}", total=data.steps_per_epoch, completed=start)
+        for item in numbered:
+            yield item
+            bar.advance(task)
+
+
+def _take_step(run: _Run, train_step: Any, batch: GlobalBatch, log: Callable[[str], None]) -> float:
+    """One step of ``run``; returns its loss. The first compiles: say how long that took, and its memory."""
+    if not run.compiled:
+        with _compile_events() as events:
+            run.model, run.opt_state, loss, acc = jax.block_until_ready(
+                train_step(run.model, run.opt_state, batch)
+            )
+        log(
+            compile_report(events, train_step.lower(run.model, run.opt_state, batch).compile())
+        )  # cached: free
+        run.compiled = True
+    else:
+        run.model, run.opt_state, loss, acc = train_step(run.model, run.opt_state, batch)
+    run.step += 1
+    loss_value = float(loss)  # waits for the step; XLA:CPU must not queue collectives unboundedly
+    run.sums = [run.sums[0] + loss_value, run.sums[1] + float(acc)]
+    return loss_value
+
+
+def _check_finite(loss: float, run: _Run, epoch: int, index: int, checkpointer: Any) -> None:
+    if not math.isfinite(loss):
+        raise NonFiniteLossError(
+            f"loss is {loss} at step {run.step} (epoch {epoch + 1}, batch {index})"
+            f"{_kept(checkpointer)}. Try a smaller --lr."
+        )
+
+
+def _kept(checkpointer: Any) -> str:
+    """``"; the last good checkpoint (step 5) is kept, and steps 3, 4 before it (...)"``."""
+    saved = checkpointer.steps() if checkpointer is not None else []
+    if not saved:
+        return ""
+    line = f"; the last good checkpoint (step {saved[-1]}) is kept"
+    if len(saved) > 1:
+        line += (
+            f", and steps {_listed(saved[:-1])} before it (if step {saved[-1]} had already begun to "
+            "diverge, resume from one of them with --resume-from STEP)"
+        )
+    return line
+
+
+def _listed(steps: list[int]) -> str:
+    return ", ".join(map(str, steps))
+
+
+def _sample_loss(run: _Run, loss: float, epoch: int, metrics: IO[str] | None) -> None:
+    run.curve.append([run.step, loss])
+    if metrics:
+        metrics.write(json.dumps({"step": run.step, "epoch": epoch + 1, "loss": loss}) + "\n")
+
+
 def _save(checkpointer: Any, run: _Run, data: Dataset, next_epoch: int, next_batch: int) -> None:
     """Checkpoint the state and where training continues from: (epoch, batch) to run next."""
     if checkpointer is None:
@@ -359,6 +441,49 @@ def _save(checkpointer: Any, run: _Run, data: Dataset, next_epoch: int, next_bat
         raise NonFiniteLossError(f"{e}{_kept(checkpointer)}") from None
 
 
+def _end_epoch(
+    run: _Run,
+    epoch: int,
+    started: float,
+    steps: int,
+    test: Callable[[Any], float] | None,
+    log: Callable[[str], None],
+    metrics: IO[str] | None,
+) -> None:
+    """Record the epoch (its sums cover all ``steps``, resumed or not) and start the next at batch 0."""
+    record = {
+        "epoch": epoch + 1,
+        "seconds": time.perf_counter() - started,
+        "loss": run.sums[0] / steps,
+        "train_acc": run.sums[1] / steps,
+        "steps": steps,
+        "loss_curve": run.curve,  # [step, loss] every log_every steps, for plots
+    }
+    if test is not None:
+        record["test_acc"] = test(run.model)
+    run.history.append(record)
+    log(format_epoch(record))
+    if metrics:
+        metrics.write(json.dumps(record) + "\n")
+    run.batch, run.sums, run.curve = 0, [0.0, 0.0], []
+
+
+def format_epoch(record: dict[str, Any]) -> str:
+    """``Epoch 1 in 2.31 s · loss 0.412 · train acc 0.951 · test acc 0.948``."""
+    line = f"Epoch {record['epoch']} in {record['seconds']:.2f} s · loss {record['loss']:.3f}"
+    line += f" · train acc {record['train_acc']:.3f}"
+    if "test_acc" in record:
+        line += f" · test acc {record['test_acc']:.3f}"
+    return line
+
+
+def _checkpoint_module() -> Any:
+    if checkpoint is None:
+        raise ImportError("checkpoint_dir needs orbax-checkpoint: pip install 'minishard[checkpoint]'")
+    return checkpoint
+
+
+# -- compiling: how long it took, and JAX's persistent cache -------------------------------------
 COMPILE_PHASES = {
     "/jax/core/compile/jaxpr_trace_duration": "trace",
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
@@ -433,109 +558,3 @@ def enable_compilation_cache(directory: str | os.PathLike[str], log: Callable[[s
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # cache even small programs
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return True
-
-
-def _check_settings(**settings: int | None) -> None:
-    """Each setting an int >= 1 (``checkpoint_every`` may be None: only at epoch ends)."""
-    for name, value in settings.items():
-        if value is None and name == "checkpoint_every":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"fit: {name} must be an int >= 1, got {value!r}")
-
-
-def _kept(checkpointer: Any) -> str:
-    """``"; the last good checkpoint (step 5) is kept, and steps 3, 4 before it (...)"``."""
-    saved = checkpointer.steps() if checkpointer is not None else []
-    if not saved:
-        return ""
-    line = f"; the last good checkpoint (step {saved[-1]}) is kept"
-    if len(saved) > 1:
-        line += (
-            f", and steps {_listed(saved[:-1])} before it (if step {saved[-1]} had already begun to "
-            "diverge, resume from one of them with --resume-from STEP)"
-        )
-    return line
-
-
-def _listed(steps: list[int]) -> str:
-    return ", ".join(map(str, steps))
-
-
-def format_epoch(record: dict[str, Any]) -> str:
-    """``Epoch 1 in 2.31 s · loss 0.412 · train acc 0.951 · test acc 0.948``."""
-    line = f"Epoch {record['epoch']} in {record['seconds']:.2f} s · loss {record['loss']:.3f}"
-    line += f" · train acc {record['train_acc']:.3f}"
-    if "test_acc" in record:
-        line += f" · test acc {record['test_acc']:.3f}"
-    return line
-
-
-def _data_order(data: Dataset) -> dict[str, int]:
-    """What fixes which examples batch ``b`` of epoch ``e`` holds."""
-    return {"shuffle_seed": data.shuffle_seed, "batch_size": data.batch_size, "examples": data.num_examples}
-
-
-def _check_meta(meta: dict[str, Any], data: Dataset, signature: str, directory: Any) -> None:
-    """Is this checkpoint's position possible, and is it a checkpoint *of this run*?
-
-    Impossible metadata (missing fields, batch 9999 of 468) raises ValueError:
-    the checkpoint is corrupt and ``restore`` falls back. Possible metadata of
-    another run (another model, seed or batch size) raises ResumeError: falling
-    back would not help, the user must choose.
-    """
-    for name, kind in (("epoch", int), ("batch", int), ("sums", list), ("history", list)):
-        if not isinstance(meta.get(name), kind):
-            raise ValueError(f"field {name!r} is {meta.get(name)!r}, not a {kind.__name__}")
-    if meta["epoch"] < 0 or not 0 <= meta["batch"] < data.steps_per_epoch:
-        raise ValueError(f"position epoch {meta['epoch']}, batch {meta['batch']} of {data.steps_per_epoch}")
-    if "model" in meta and meta["model"] != signature:  # older checkpoints did not store it
-        raise ResumeError(
-            f"the checkpoint in {directory} was saved from another model:\n"
-            f"  checkpoint: {_around_difference(meta['model'], signature)}\n"
-            f"  this run:   {_around_difference(signature, meta['model'])}\n"
-            "resume with the same model settings (--layers, --activation, ...), or start afresh"
-        )
-    saved = {name: meta.get(name) for name in _data_order(data)}
-    if saved != _data_order(data):
-        raise ResumeError(
-            f"the checkpoint in {directory} was saved with data order {saved}, but this run has "
-            f"{_data_order(data)}; resume with the same --seed and --batch-size, or start afresh"
-        )
-
-
-def _around_difference(text: str, other: str, context: int = 50) -> str:
-    """The part of ``text`` around its first difference from ``other``."""
-    first = next((i for i, (a, b) in enumerate(zip(text, other)) if a != b), min(len(text), len(other)))
-    start = max(first - context, 0)
-    return (
-        ("..." if start else "")
-        + text[start : first + context]
-        + ("..." if first + context < len(text) else "")
-    )
-
-
-def _checkpoint_module() -> Any:
-    if checkpoint is None:
-        raise ImportError("checkpoint_dir needs orbax-checkpoint: pip install 'minishard[checkpoint]'")
-    return checkpoint
-
-
-def _progress(
-    batches: Iterator[Batch], data: Dataset, epoch: int, start: int, show: bool | None
-) -> Iterator[tuple[int, Batch]]:
-    """Number the batches; draw a progress bar when attached to a terminal (rich, if installed)."""
-    numbered = enumerate(batches, start)
-    if not (sys.stdout.isatty() if show is None else show):
-        yield from numbered
-        return
-    try:
-        from rich.progress import Progress
-    except ImportError:
-        yield from numbered
-        return
-    with Progress(transient=True) as bar:
-        task = bar.add_task(f"epoch {epoch + 1}", total=data.steps_per_epoch, completed=start)
-        for item in numbered:
-            yield item
-            bar.advance(task)
