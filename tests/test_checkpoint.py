@@ -594,3 +594,22 @@ def test_a_failed_read_is_one_line_without_tensorstore_s_spec_dump(tmp_path, cap
     assert "is unreadable (Exception: Encountered error while reading array index" in lines[0]
     assert "bound method" not in lines[0] and "TensorStore(" not in lines[0] and "\n" not in lines[0]
     assert capfd.readouterr() == ("", "")  # no "Exception ignored in: <coroutine ...>" either
+
+
+def test_a_missing_or_cut_checksum_record_is_corruption_not_an_old_checkpoint(tmp_path):
+    state, lines = {"w": jax.device_put(jnp.ones((8, 8)), split_2x4()), "b": jnp.ones(3)}, []
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state, {})
+        (tmp_path / "3" / "integrity" / "process_0").unlink()
+        record_2 = tmp_path / "2" / "integrity" / "process_0"
+        record = json.loads(record_2.read_text())
+        del record["w"]["4:8,6:8"]  # one block's checksum gone: a process's record, say
+        record_2.write_text(json.dumps(record))
+        assert ckpt.restore(state)[0] == 1
+    assert lines == [
+        f"checkpoint {tmp_path / '3'} is corrupt (its checksum records are missing from integrity/); "
+        "falling back to step 2",
+        f"checkpoint {tmp_path / '2'} is corrupt (the checksums of w cover 56 of its 64 values "
+        "(a process's record is missing or cut)); falling back to step 1",
+    ]

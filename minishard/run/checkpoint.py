@@ -48,6 +48,7 @@ import fcntl
 import gc
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -409,11 +410,13 @@ def _verify(arrays: dict[str, Any], records: dict[str, Any]) -> list[str]:
     on the outcome, so they fall back together. Returns the arrays of blocks
     that no process could check (possible only on unusual meshes).
     """
-    checks = [
-        (name, key, crc)
-        for name in sorted(records.keys() & arrays.keys())
-        for key, crc in sorted(_whole_array_checksum(records[name], arrays[name].shape).items())
-    ]
+    if records and all(isinstance(blocks, dict) for blocks in records.values()):
+        _check_coverage(arrays, records)  # (the older one-CRC-per-array records skipped some arrays)
+    records = {
+        name: _whole_array_checksum(records[name], arrays[name].shape)
+        for name in records.keys() & arrays.keys()
+    }
+    checks = [(name, key, crc) for name in sorted(records) for key, crc in sorted(records[name].items())]
     outcome = np.asarray([_check_block(arrays[name], key, crc) for name, key, crc in checks], np.int8)
     outcome = _across_processes(outcome).max(axis=0) if checks else outcome
     if bad := [(name, key) for (name, key, _), result in zip(checks, outcome) if result == _MISMATCH]:
@@ -424,6 +427,18 @@ def _verify(arrays: dict[str, Any], records: dict[str, Any]) -> list[str]:
 
 
 _NOT_HERE, _MATCH, _MISMATCH = 0, 1, 2
+
+
+def _check_coverage(arrays: dict[str, Any], records: dict[str, dict[str, int]]) -> None:
+    """The blocks recorded for each array add up to the whole array: no process's record is missing."""
+    for name in sorted(arrays):
+        blocks = [_parse_block_key(key) for key in records.get(name, {})]
+        covered = sum(math.prod(stop - start for start, stop in bounds) for bounds in blocks)
+        if covered != math.prod(arrays[name].shape):
+            raise CorruptCheckpointError(
+                f"the checksums of {name} cover {covered} of its {math.prod(arrays[name].shape)} values "
+                "(a process's record is missing or cut)"
+            )
 
 
 def _check_block(array: Any, key: str, crc: int) -> int:
@@ -485,7 +500,9 @@ def _read_integrity(step_dir: Path) -> dict[str, Any]:
     folder = step_dir / INTEGRITY
     records: dict[str, Any] = {}
     files = sorted(folder.glob("process_*")) + [folder / "metadata"] * (folder / "metadata").exists()
-    for file in files:  # (checkpoints older than checksums have no folder at all)
+    if folder.is_dir() and not files:  # (checkpoints older than checksums have no folder at all)
+        raise CorruptCheckpointError(f"its checksum records are missing from {INTEGRITY}/")
+    for file in files:
         try:
             record = json.loads(file.read_text())
         except (OSError, ValueError) as e:
