@@ -535,6 +535,8 @@ def test_a_directory_inside_a_file_is_named(tmp_path):
         CheckpointError, match=r"checkpoint directory .*/file/run is inside .*/file, which is a file"
     ):
         check_writable(tmp_path / "file" / "run")
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .*/file is a file; choose a directory"):
+        check_writable(tmp_path / "file")
 
 
 def test_saved_steps_lists_finalized_steps_and_never_raises(tmp_path):

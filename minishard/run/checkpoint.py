@@ -350,7 +350,8 @@ def check_writable(directory: str | os.PathLike[str]) -> None:
     path = Path(directory).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} is inside {existing}, which is a file")
+        where = "is a file" if existing == path else f"is inside {existing}, which is a file"
+        raise CheckpointError(f"checkpoint directory {path} {where}; choose a directory")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".minishard-probe-", dir=existing))
         if (path / LOCK_FILE).exists():
