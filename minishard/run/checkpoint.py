@@ -26,7 +26,9 @@ is not stored: it comes from the target.
 Three more promises, each checked by a test:
 
 * **Only finite state is saved.** A NaN or an infinity in any array refuses the
-  save (``NonFiniteStateError``), so "the last checkpoint" is always a good one.
+  save (``NonFiniteStateError``), so every checkpoint holds finite numbers. (Finite
+  is not good: a diverging run's newest ones may already be climbing, which is why
+  the error names every kept step and ``restore(step=...)`` can go back to any.)
 * **Restoring falls back.** If the latest checkpoint is unreadable (a truncated
   file, a bad checksum, impossible metadata), the ``Checkpointer`` logs why and
   tries the one before. That is why it keeps several (``keep``), not one.
@@ -38,7 +40,7 @@ Three more promises, each checked by a test:
   from read-only storage, and never writes or deletes anything.
 
 Checkpoints of older minishard versions still load: the section *Migrations*
-at the end lists every rename and every dropped array, one function each.
+lists every rename, dropped array and older checksum record, one function each.
 """
 
 from __future__ import annotations
