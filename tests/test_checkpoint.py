@@ -1,5 +1,8 @@
 """Checkpoints: resharding on restore, retention, a save killed midway, corrupted files."""
 
+import contextlib
+import json
+import logging
 import os
 import re
 import signal
@@ -15,7 +18,13 @@ import numpy as np
 import pytest
 
 import minishard
-from minishard.run.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
+from minishard.run.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    NonFiniteStateError,
+    check_writable,
+    saved_steps,
+)
 from minishard.sharding import named_shardings, partition_specs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -341,7 +350,13 @@ def test_a_dtype_that_differs_is_refused_not_cast(tmp_path):
 FAILING_WRITE = """
 import resource, signal, sys
 import jax, jax.numpy as jnp
-from minishard.run.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
+from minishard.run.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    NonFiniteStateError,
+    check_writable,
+    saved_steps,
+)
 with Checkpointer(sys.argv[1]) as ckpt:
     ckpt.save(1, {"w": jnp.ones(16)}, {})
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), nothing is killed
@@ -405,3 +420,198 @@ def test_the_lock_of_a_killed_trainer_is_taken_over_and_said(tmp_path):
     with Checkpointer(tmp_path, log=lines.append):  # a clean close leaves nothing to take over
         pass
     assert len(lines) == 1
+
+
+# -- checksums per block, on any topology; checkpoints from before them -----------------------------
+def test_each_block_of_a_sharded_array_gets_its_own_checksum_and_a_flip_names_the_block(tmp_path):
+    noise = jax.random.normal(jax.random.key(0), (64, 64))  # incompressible: a flip changes values
+    state = {"w": jax.device_put(noise, split_2x4())}
+    lines = []
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        ckpt.save(1, state, {})
+        ckpt.save(2, jax.tree_util.tree_map(lambda x: x + 1, state), {})
+        record = json.loads((tmp_path / "2" / "integrity" / "process_0").read_text())
+        assert set(record["w"]) == {
+            f"{32 * i}:{32 * i + 32},{16 * j}:{16 * j + 16}" for i in (0, 1) for j in range(4)
+        }
+        flip_16_bytes_of_the_biggest_file(tmp_path / "2")
+        one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # another topology checks it too
+        step, restored, _ = ckpt.restore(
+            {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=one_device)}
+        )
+    assert step == 1
+    assert_same_values(restored, state)
+    assert re.fullmatch(
+        rf"checkpoint {re.escape(str(tmp_path / '2'))} is corrupt \(w \(block \[\d+:\d+,\d+:\d+\]\) does not "
+        r"match the checksum written with it\); falling back to step 1",
+        lines[0],
+    ), lines
+
+
+def split_2x4():
+    mesh = minishard.make_mesh({"data": 2, "model": 4})
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
+
+
+def test_non_finite_values_are_counted_over_every_block(tmp_path):
+    bad = jnp.ones((8, 8)).at[0, 0].set(jnp.nan).at[7, 7].set(jnp.inf)  # in two different blocks
+    with Checkpointer(tmp_path) as ckpt, pytest.raises(NonFiniteStateError, match="w holds 2 non-finite"):
+        ckpt.save(1, {"w": jax.device_put(bad, split_2x4())}, {})
+
+
+def test_checkpoints_with_one_checksum_per_array_or_none_still_load_and_verify(tmp_path):
+    # Migration: before per-block checksums, integrity/metadata held one CRC of each whole array;
+    # before that, there was no integrity item at all.
+    import zlib
+
+    state, lines = {"w": jnp.arange(4096, dtype=jnp.float32)}, []
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, jax.tree_util.tree_map(lambda x, s=step: x + s, state), {})
+        (tmp_path / "1" / "integrity" / "process_0").unlink()  # oldest: no checksums (and no folder)
+        (tmp_path / "1" / "integrity").rename(tmp_path / "1" / "no-integrity")
+        for step in (2, 3):
+            folder = tmp_path / str(step) / "integrity"
+            (folder / "process_0").unlink()
+            crc = zlib.crc32(np.asarray(state["w"] + step).tobytes())
+            (folder / "metadata").write_text(json.dumps({"w": crc}))
+        assert ckpt.restore(state)[0] == 3  # the old record verifies
+        flip_16_bytes_of_the_biggest_file(tmp_path / "3")
+        assert ckpt.restore(state)[0] == 2  # and still catches a flip
+        assert ckpt.restore(state, step=1)[1]["w"].tolist() == (state["w"] + 1).tolist()
+    assert lines == [
+        f"checkpoint {tmp_path / '3'} is corrupt (w does not match the checksum written with it); "
+        "falling back to step 2"
+    ]
+
+
+# -- read-only storage, listing a directory that is not there -------------------------------------
+@contextlib.contextmanager
+def read_only_directory(path: Path):
+    """``path`` made read-only: a read-only bind mount as root (root ignores permission bits), else chmod."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    mounted = subprocess.run(
+        ["mount", "--bind", "-o", "ro", str(path), str(path)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot make a read-only directory here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_read_only_storage_is_refused_for_writing_and_restores_without_a_lock(tmp_path):
+    state = {"w": jnp.arange(3.0)}
+    with Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save(5, state, {"epoch": 1})
+    (tmp_path / "run" / ".minishard.lock").unlink()
+    with read_only_directory(tmp_path / "run") as directory:
+        with pytest.raises(
+            CheckpointError, match=rf"checkpoint directory {re.escape(str(directory))} is not writable \(\w"
+        ):
+            Checkpointer(directory)
+        with Checkpointer(directory, read_only=True) as reader:
+            assert reader.steps() == [5]
+            step, restored, meta = reader.restore({"w": jnp.zeros(3)})
+            with pytest.raises(CheckpointError, match="is open read-only: step 6 cannot be saved"):
+                reader.save(6, state, {})
+        assert (step, restored["w"].tolist(), meta) == (5, [0.0, 1.0, 2.0], {"epoch": 1})
+        assert sorted(p.name for p in directory.iterdir()) == ["5"]  # no lock, nothing written
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Checkpointer(tmp_path / "missing", read_only=True)
+
+
+def test_a_directory_inside_a_file_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint directory .*/file/run is inside .*/file, which is a file"
+    ):
+        check_writable(tmp_path / "file" / "run")
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .*/file is a file; choose a directory"):
+        check_writable(tmp_path / "file")
+
+
+def test_saved_steps_lists_finalized_steps_and_never_raises(tmp_path):
+    # What an interrupt handler calls: before the directory exists, on a file, and on a real one.
+    assert saved_steps(tmp_path / "not-yet") == [] and saved_steps(None) == []
+    (tmp_path / "file").write_text("")
+    assert saved_steps(tmp_path / "file") == []
+    with Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save(20, {"w": jnp.ones(2)}, {})
+    (tmp_path / "run" / "7.orbax-checkpoint-tmp-1").mkdir()  # an unfinished save does not count
+    assert saved_steps(tmp_path / "run") == [20]
+
+
+# -- one line per reason ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "damaged, expected",
+    [
+        (
+            "_CHECKPOINT_METADATA",
+            r"\S+/2/_CHECKPOINT_METADATA is damaged \(not JSON: .*\); orbax only describes",
+        ),
+        (
+            "state/array_metadatas/process_0",
+            r"checkpoint \S+/2 is unreadable \(JSONDecodeError: .*\); falling back",
+        ),
+        ("meta/metadata", r"checkpoint \S+/2 is unreadable \(JSONDecodeError: .*\); falling back to step 1"),
+    ],
+)
+def test_a_damaged_json_file_gives_exactly_one_line(tmp_path, capfd, caplog, damaged, expected):
+    lines = []
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(3)}, {"epoch": 1})
+        ckpt.save(2, {"w": jnp.ones(3)}, {"epoch": 2})
+        (tmp_path / "2" / damaged).write_text("{not json")
+        capfd.readouterr()
+        with caplog.at_level(logging.WARNING):
+            ckpt.restore({"w": jnp.zeros(3)})
+    assert len(lines) == 1 and re.match(expected, lines[0]), lines
+    assert capfd.readouterr() == ("", "")  # no "ERROR:absl:Failed to json parse", no TensorStore spec
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_failed_read_is_one_line_without_tensorstore_s_spec_dump(tmp_path, capfd):
+    state, lines = (
+        {"w": jax.device_put(jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64), split_2x4())},
+        [],
+    )
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        ckpt.save(1, state, {})
+        ckpt.save(2, state, {})
+        biggest = max((tmp_path / "2" / "state").rglob("d/*"), key=lambda f: f.stat().st_size)
+        data = biggest.read_bytes()
+        biggest.write_bytes(bytes(b ^ 0xFF for b in data[:16]) + data[16:])  # a zstd header: the read fails
+        capfd.readouterr()
+        assert ckpt.restore(state)[0] == 1
+    assert len(lines) == 1 and lines[0].endswith("; falling back to step 1"), lines
+    assert "is unreadable (Exception: Encountered error while reading array index" in lines[0]
+    assert "bound method" not in lines[0] and "TensorStore(" not in lines[0] and "\n" not in lines[0]
+    assert capfd.readouterr() == ("", "")  # no "Exception ignored in: <coroutine ...>" either
+
+
+def test_a_missing_or_cut_checksum_record_is_corruption_not_an_old_checkpoint(tmp_path):
+    state, lines = {"w": jax.device_put(jnp.ones((8, 8)), split_2x4()), "b": jnp.ones(3)}, []
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state, {})
+        (tmp_path / "3" / "integrity" / "process_0").unlink()
+        record_2 = tmp_path / "2" / "integrity" / "process_0"
+        record = json.loads(record_2.read_text())
+        del record["w"]["4:8,6:8"]  # one block's checksum gone: a process's record, say
+        record_2.write_text(json.dumps(record))
+        assert ckpt.restore(state)[0] == 1
+    assert lines == [
+        f"checkpoint {tmp_path / '3'} is corrupt (its checksum records are missing from integrity/); "
+        "falling back to step 2",
+        f"checkpoint {tmp_path / '2'} is corrupt (the checksums of w cover 56 of its 64 values "
+        "(a process's record is missing or cut)); falling back to step 1",
+    ]

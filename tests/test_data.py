@@ -148,6 +148,24 @@ def test_missing_data_is_one_clear_error(tmp_path):
     assert list(tmp_path.iterdir()) == []  # download=False wrote (and fetched) nothing
 
 
+@pytest.mark.parametrize("stage", ["load", "read"])
+def test_ctrl_c_while_the_data_loads_is_passed_on_untouched(tmp_path, monkeypatch, stage):
+    # The CLI's handler turns it into one line and exit 130; a DataError here would hide it.
+    pytest.importorskip("tensorflow_datasets")
+    _, tfds = data._tensorflow()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tfds, "load" if stage == "load" else "as_numpy", interrupted)
+    if stage == "read":  # load succeeds on a tiny stand-in dataset; reading it is interrupted
+        tf = data._tensorflow()[0]
+        fake = tf.data.Dataset.from_tensor_slices((np.zeros((2, 28, 28, 1), np.uint8), np.zeros(2, np.int64)))
+        monkeypatch.setattr(tfds, "load", lambda *args, **kwargs: fake)
+    with pytest.raises(KeyboardInterrupt):
+        data.mnist("test", 128, data_dir=str(tmp_path), download=False)
+
+
 @needs_mnist
 def test_a_truncated_data_file_is_named_with_how_to_re_prepare_it(tmp_path):
     shutil.copytree(os.path.join(_TFDS_DIR, "mnist"), tmp_path / "mnist")

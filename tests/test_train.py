@@ -19,12 +19,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from strategies import assert_trees_equal
+from test_checkpoint import read_only_directory
 
 import minishard as ms
 from minishard.models.vit import ViT, vit_rules
-from minishard.run.checkpoint import Checkpointer
+from minishard.run.checkpoint import Checkpointer, CheckpointError, saved_steps
 from minishard.run.data import Dataset, mnist
-from minishard.run.train import NonFiniteLossError, ResumeError, enable_compilation_cache, fit
+from minishard.run.train import (
+    CheckpointDirError,
+    NonFiniteLossError,
+    ResumeError,
+    check_checkpoint_dir,
+    enable_compilation_cache,
+    fit,
+)
 
 needs_mnist = pytest.mark.skipif(
     not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "mnist")),
@@ -75,7 +83,8 @@ def test_a_diverging_run_never_saves_non_finite_state_and_resumes_from_the_last_
     blows_up = ms.SGD(lambda step: jnp.where(step == 5, jnp.inf, 0.1), momentum=0.9)
     common = {"checkpoint_dir": tmp_path, "checkpoint_every": 1, **MESH_RULES}
     with pytest.raises(
-        NonFiniteLossError, match=r"not saving step 6: .* non-finite .*last good checkpoint \(step 5\)"
+        NonFiniteLossError,
+        match=r"not saving step 6: .* non-finite .*last good checkpoint \(step 5\) is kept, and steps 3, 4",
     ):
         fit(tiny_model(), blows_up, tiny_data(), epochs=2, log=print, **common)
     with Checkpointer(tmp_path) as ckpt:
@@ -125,6 +134,122 @@ def test_resume_says_when_there_is_nothing_to_do_and_when_it_starts_from_scratch
     _, _, history = fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, **run)
     assert lines[-1].startswith("Nothing to do: the checkpoint of step 4 has finished epoch 1, and epochs=1")
     assert len(history) == 1
+
+
+# -- the checkpoint directory: another run's, an older step, read-only storage, an interrupt ---------
+def finished_run(directory, **options):
+    """One epoch of 4 steps, checkpointed at steps 2 and 4."""
+    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=directory, checkpoint_every=2,
+        log=lambda line: None, **options, **MESH_RULES)  # fmt: skip
+
+
+def files_of(directory):
+    return {p: p.read_bytes() for p in directory.rglob("*") if p.is_file() and p.name != ".minishard.lock"}
+
+
+def test_a_fresh_run_never_deletes_another_runs_checkpoints(tmp_path):
+    finished_run(tmp_path)
+    before = files_of(tmp_path)
+    refused = (
+        rf"{re.escape(str(tmp_path))} holds the checkpoints of another run \(steps 2, 4\), which this run "
+        r"would replace. Continue that run with --resume, give this run another --checkpoint-dir, or "
+        r"delete them with --overwrite"
+    )
+    with pytest.raises(CheckpointDirError, match=refused):
+        check_checkpoint_dir(tmp_path, resume=False)
+    with pytest.raises(CheckpointDirError, match=refused):
+        finished_run(tmp_path)
+    assert files_of(tmp_path) == before  # not a byte changed
+
+
+def test_overwrite_deletes_the_other_runs_checkpoints_and_says_so(tmp_path):
+    finished_run(tmp_path)
+    lines = []
+    fit(tiny_model(), ms.SGD(0.1), tiny_data(seed=1), epochs=1, checkpoint_dir=tmp_path, overwrite=True,
+        log=lines.append, **MESH_RULES)  # fmt: skip
+    assert lines[0] == (
+        f"discarding checkpoints [2, 4] in {tmp_path}: "
+        "another run's checkpoints, deleted as asked (--overwrite)"
+    )
+    assert saved_steps(tmp_path) == [4]
+    with Checkpointer(tmp_path, read_only=True) as ckpt:  # step 4 is the new run's (seed 1)
+        assert (
+            ckpt.restore({"model": tiny_model(), "opt_state": ms.SGD(0.1).init(tiny_model())})[2][
+                "shuffle_seed"
+            ]
+            == 1
+        )
+    with pytest.raises(
+        CheckpointDirError, match="--overwrite deletes the checkpoints that --resume would continue"
+    ):
+        check_checkpoint_dir(tmp_path, resume=True, overwrite=True)
+    with pytest.raises(CheckpointDirError, match="resuming needs a checkpoint directory"):
+        check_checkpoint_dir(None, resume=False, resume_from=4)
+
+
+def test_resume_from_an_older_step_replaces_the_later_ones_and_a_step_not_kept_is_named(tmp_path):
+    finished_run(tmp_path)
+    with pytest.raises(
+        CheckpointDirError,
+        match=rf"--resume-from 3: {re.escape(str(tmp_path))} has no step 3; it keeps steps 2, 4$",
+    ):
+        check_checkpoint_dir(tmp_path, resume=True, resume_from=3)
+    with pytest.raises(
+        CheckpointDirError, match=r"--resume-from 3: .* has no step 3; it holds no checkpoint"
+    ):
+        check_checkpoint_dir(tmp_path / "new", resume=False, resume_from=3)
+    lines = []
+    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=tmp_path, resume_from=2,
+        log=lines.append, **MESH_RULES)  # fmt: skip
+    assert lines[:2] == [
+        "Resumed from step 2: epoch 1, batch 2",
+        "The checkpoints of steps 4 come after it: this run replaces them as it saves",
+    ]
+    assert (
+        f"discarding checkpoints [4] in {tmp_path}: this run resumed before them and now saves step 4"
+        in lines
+    )
+    assert saved_steps(tmp_path) == [2, 4]
+
+
+def test_a_diverged_run_names_every_kept_step(tmp_path):
+    nan_from_step_3 = ms.SGD(lambda step: jnp.where(step >= 3, jnp.nan, 0.1))  # the 4th update is NaN
+    expected = (
+        r"not saving step 4: .* non-finite .*; the last good checkpoint \(step 3\) is kept, and steps 1, 2 "
+        r"before it \(if step 3 had already begun to diverge, resume from one of them with "
+        r"--resume-from STEP\)$"
+    )
+    with pytest.raises(NonFiniteLossError, match=expected):
+        fit(tiny_model(), nan_from_step_3, tiny_data(), epochs=1, checkpoint_dir=tmp_path, checkpoint_every=1,
+            log=lambda line: None, **MESH_RULES)  # fmt: skip
+    assert saved_steps(tmp_path) == [1, 2, 3]
+
+
+def test_an_unwritable_checkpoint_directory_is_refused_before_any_work(tmp_path):
+    with read_only_directory(tmp_path / "storage") as storage:
+        unwritable = (
+            rf"checkpoint directory {re.escape(str(storage / 'run'))} is not writable "
+            r"\((Read-only file system|Permission denied)\); choose another --checkpoint-dir"
+        )
+        with pytest.raises(CheckpointError, match=unwritable):
+            check_checkpoint_dir(storage / "run", resume=False)
+        with pytest.raises(CheckpointError, match=unwritable):
+            fit(
+                tiny_model(), ms.SGD(0.1), None, epochs=1, checkpoint_dir=storage / "run", **MESH_RULES
+            )  # no data needed
+
+
+def test_an_interrupt_passes_through_fit_and_leaves_the_directory_usable(tmp_path):
+    def interrupt_after_compiling(line):
+        if line.startswith("Compiled"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=tmp_path / "run",
+            log=interrupt_after_compiling, **MESH_RULES)  # fmt: skip
+    assert saved_steps(tmp_path / "run") == []
+    finished_run(tmp_path / "run")  # the lock was released, and there was nothing to refuse
+    assert saved_steps(tmp_path / "run") == [2, 4]
 
 
 # -- the real MNIST ------------------------------------------------------------------

@@ -29,6 +29,7 @@ parameters.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -36,7 +37,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import IO, Any
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,23 @@ try:  # orbax is an optional extra (minishard[checkpoint]): without it, fit trai
 except ImportError:
     checkpoint = None  # type: ignore[assignment]
 
+__all__ = [
+    "CACHE_HIT",
+    "COMPILE_PHASES",
+    "CheckpointDirError",
+    "NonFiniteLossError",
+    "ResumeError",
+    "TrainingError",
+    "check_checkpoint_dir",
+    "compile_report",
+    "enable_compilation_cache",
+    "eval_step",
+    "evaluate",
+    "fit",
+    "format_epoch",
+    "make_train_step",
+]
+
 History = list[dict[str, Any]]
 GlobalBatch = dict[str, jax.Array]  # a Batch placed on the mesh by `to_global`
 
@@ -67,6 +85,10 @@ class NonFiniteLossError(TrainingError):
 
 class ResumeError(TrainingError):
     """The checkpoint's data position does not fit this run's data (another seed or batch size)."""
+
+
+class CheckpointDirError(TrainingError):
+    """The checkpoint directory cannot serve this run as asked: another run's checkpoints, no such step."""
 
 
 def make_train_step(optimizer: SGD) -> Callable[..., Any]:
@@ -100,6 +122,46 @@ def evaluate(step: Callable[..., Any], model: Any, data: Dataset, sharding: Name
     return correct / max(count, 1.0)
 
 
+def check_checkpoint_dir(
+    directory: str | os.PathLike[str] | None,
+    *,
+    resume: bool,
+    resume_from: int | None = None,
+    overwrite: bool = False,
+) -> None:
+    """Refuse a checkpoint directory this run cannot use as asked, before any data is loaded.
+
+    A run that does not resume never deletes checkpoints it did not write: it
+    stops here, naming them, unless ``overwrite`` says to delete them.
+    ``resume_from`` must name a kept step. The directory must be writable (tried,
+    not guessed). ``fit`` calls this first; the CLI calls it before the data loads.
+
+    >>> check_checkpoint_dir(None, resume=False)  # no checkpoints: nothing to check
+    """
+    asked_to_resume = resume or resume_from is not None
+    if directory is None:
+        if asked_to_resume:
+            raise CheckpointDirError("resuming needs a checkpoint directory (checkpoint_dir) to resume from")
+        return
+    if overwrite and asked_to_resume:
+        raise CheckpointDirError(
+            "--overwrite deletes the checkpoints that --resume would continue from: give only one of them"
+        )
+    _checkpoint_module().check_writable(directory)
+    steps = checkpoint.saved_steps(directory)
+    if resume_from is not None and resume_from not in steps:
+        kept = f"it keeps steps {_listed(steps)}" if steps else "it holds no checkpoint"
+        raise CheckpointDirError(
+            f"--resume-from {resume_from}: {os.fspath(directory)} has no step {resume_from}; {kept}"
+        )
+    if steps and not asked_to_resume and not overwrite:
+        raise CheckpointDirError(
+            f"{os.fspath(directory)} holds the checkpoints of another run (steps {_listed(steps)}), which "
+            "this run would replace. Continue that run with --resume, give this run another "
+            "--checkpoint-dir, or delete them with --overwrite"
+        )
+
+
 def fit(
     model: Any,
     optimizer: SGD,
@@ -113,6 +175,8 @@ def fit(
     checkpoint_every: int | None = None,
     keep: int = 3,
     resume: bool = False,
+    resume_from: int | None = None,
+    overwrite: bool = False,
     log: Callable[[str], None] = print,
     metrics_log: str | os.PathLike[str] | None = None,
     log_every: int = 100,
@@ -124,119 +188,302 @@ def fit(
     (mean over the epoch's steps), ``train_acc``, ``test_acc`` (when
     ``eval_data`` is given) and ``steps``. With ``checkpoint_dir``, a
     checkpoint is written every ``checkpoint_every`` steps and at each epoch
-    end; ``resume=True`` continues from the latest good one (``epochs`` is the
-    total, so resuming after epoch 1 with ``epochs=2`` trains one more epoch).
-    A non-finite loss stops training (``NonFiniteLossError``) before anything
-    bad is saved. The caller's ``model`` is left intact: ``fit`` trains a copy.
+    end, keeping the last ``keep``; ``resume=True`` continues from the latest
+    good one, ``resume_from=STEP`` from that one (``epochs`` is the total, so
+    resuming after epoch 1 with ``epochs=2`` trains one more epoch). A directory
+    holding another run's checkpoints is refused unless ``overwrite=True``
+    deletes them (see ``check_checkpoint_dir``). A non-finite loss stops training
+    (``NonFiniteLossError``) before anything bad is saved, naming the kept steps.
+    The caller's ``model`` is left intact: ``fit`` trains a copy.
     """
-    for name, value, least in (("epochs", epochs, 1), ("keep", keep, 1), ("log_every", log_every, 1)):
-        _check_int(name, value, least)
-    if checkpoint_every is not None:
-        _check_int("checkpoint_every", checkpoint_every, 1)
+    check_checkpoint_dir(checkpoint_dir, resume=resume, resume_from=resume_from, overwrite=overwrite)
+    _check_settings(epochs=epochs, keep=keep, log_every=log_every, checkpoint_every=checkpoint_every)
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
     train_step = sharded(make_train_step(optimizer))
-    evaluate_step = Sharded(mesh, rules)(eval_step)
-    signature = str(jax.tree_util.tree_structure(model))  # classes, sizes, activations, logical axes
-    # A copy: `shard` may reuse the caller's buffers, and the first (donating) step would delete them.
-    model = jax.tree_util.tree_map(jnp.copy, shard(model, mesh, rules))
-    opt_state = shard(optimizer.init(model), mesh, rules)
-    history: History = []
-    first_epoch, start_batch, step, sums = 0, 0, 0, [0.0, 0.0]
-    curve: list[list[float]] = []  # this epoch's [step, loss] samples
-
+    test = _tester(Sharded(mesh, rules)(eval_step), eval_data, sharded.batch_sharding)  # None: no eval_data
+    run = _Run.start(model, optimizer, mesh, rules)
     with contextlib.ExitStack() as open_files:
-        checkpointer = None
-        if checkpoint_dir is not None:
-            checkpointer = open_files.enter_context(_checkpointer(checkpoint_dir, keep, log))
-        if checkpointer is not None and resume:
-            if not checkpointer.steps():
-                log(f"No checkpoint in {checkpointer.directory} yet: starting from scratch")
-            else:
-
-                def check_meta(meta: dict[str, Any]) -> None:
-                    _check_meta(meta, train_data, signature, checkpointer.directory)
-
-                state = {"model": model, "opt_state": opt_state}
-                step, state, meta = checkpointer.restore(state, check_meta=check_meta)
-                model, opt_state = state["model"], state["opt_state"]
-                first_epoch, start_batch, sums, history = (
-                    meta[k] for k in ("epoch", "batch", "sums", "history")
-                )
-                curve = meta.get("curve", [])  # older checkpoints have none
-                if first_epoch >= epochs:
-                    log(
-                        f"Nothing to do: the checkpoint of step {step} has finished epoch {first_epoch}, "
-                        f"and epochs={epochs}. Ask for more epochs to train on."
-                    )
-                    return model, opt_state, history
-                log(f"Resumed from step {step}: epoch {first_epoch + 1}, batch {start_batch}")
+        checkpointer = _open_checkpointer(open_files, checkpoint_dir, keep, overwrite, log)
+        if checkpointer is not None and (resume or resume_from is not None):
+            _resume(run, checkpointer, train_data, epochs, resume_from, log)
         metrics = open_files.enter_context(open(metrics_log, "a")) if metrics_log else None
-
-        def save(next_epoch: int, next_batch: int) -> None:
-            """Checkpoint the state and where training continues from: (epoch, batch) to run next."""
-            if checkpointer is None:
-                return
-            position = {"epoch": next_epoch, "batch": next_batch, **_data_order(train_data)}
-            meta = {**position, "sums": sums, "curve": curve, "history": history, "model": signature}
-            try:
-                checkpointer.save(step, {"model": model, "opt_state": opt_state}, meta)
-            except checkpoint.NonFiniteStateError as e:
-                raise NonFiniteLossError(f"{e}{_last_good(checkpointer)}") from None
-
-        compiled = None
-        for epoch in range(first_epoch, epochs):
+        for epoch in range(run.epoch, epochs):
             started = time.perf_counter()
-            batches = train_data.epoch(epoch, start_batch)
-            for index, batch in _progress(batches, train_data, epoch, start_batch, progress):
-                global_batch = to_global(
-                    batch, sharded.batch_sharding, ("image", "label")
-                )  # no mask: no padding
-                if compiled is None:  # the first step compiles: say how long it took, and its memory
-                    with _compile_events() as events:
-                        model, opt_state, loss, acc = jax.block_until_ready(
-                            train_step(model, opt_state, global_batch)
-                        )
-                    compiled = train_step.lower(model, opt_state, global_batch).compile()  # cached: free
-                    log(compile_report(events, compiled))
-                else:
-                    model, opt_state, loss, acc = train_step(model, opt_state, global_batch)
-                step += 1
-                loss_value = float(loss)  # waits for the step; XLA:CPU must not queue collectives unboundedly
-                if not math.isfinite(loss_value):
-                    raise NonFiniteLossError(
-                        f"loss is {loss_value} at step {step} (epoch {epoch + 1}, batch {index})"
-                        f"{_last_good(checkpointer)}. Try a smaller --lr."
-                    )
-                sums = [sums[0] + loss_value, sums[1] + float(acc)]
-                if step % log_every == 0:
-                    curve.append([step, loss_value])
-                    if metrics:
-                        metrics.write(
-                            json.dumps({"step": step, "epoch": epoch + 1, "loss": loss_value}) + "\n"
-                        )
+            batches = _progress(train_data.epoch(epoch, run.batch), train_data, epoch, run.batch, progress)
+            for index, batch in batches:
+                global_batch = to_global(batch, sharded.batch_sharding, ("image", "label"))  # no padding
+                loss = _take_step(run, train_step, global_batch, log)
+                _check_finite(loss, run, epoch, index, checkpointer)
+                if run.step % log_every == 0:
+                    _sample_loss(run, loss, epoch, metrics)
                 last_batch = index + 1 == train_data.steps_per_epoch  # saved below, at the epoch's end
-                if checkpoint_every and step % checkpoint_every == 0 and not last_batch:
-                    save(epoch, index + 1)
-            steps = train_data.steps_per_epoch  # sums cover the whole epoch, resumed or not
-            record = {
-                "epoch": epoch + 1,
-                "seconds": time.perf_counter() - started,
-                "loss": sums[0] / steps,
-                "train_acc": sums[1] / steps,
-                "steps": steps,
-                "loss_curve": curve,  # [step, loss] every log_every steps, for plots
-            }
-            if eval_data is not None:
-                record["test_acc"] = evaluate(evaluate_step, model, eval_data, sharded.batch_sharding)
-            history.append(record)
-            log(format_epoch(record))
-            if metrics:
-                metrics.write(json.dumps(record) + "\n")
-            start_batch, sums, curve = 0, [0.0, 0.0], []
-            save(epoch + 1, 0)
-    return model, opt_state, history
+                if checkpoint_every and run.step % checkpoint_every == 0 and not last_batch:
+                    _save(checkpointer, run, train_data, epoch, index + 1)
+            _end_epoch(run, epoch, started, train_data.steps_per_epoch, test, log, metrics)
+            _save(checkpointer, run, train_data, epoch + 1, 0)
+    return run.model, run.opt_state, run.history
 
 
+# -- fit's helpers, in the order it calls them ------------------------------------------------
+def _check_settings(**settings: int | None) -> None:
+    """Each setting an int >= 1 (``checkpoint_every`` may be None: only at epoch ends)."""
+    for name, value in settings.items():
+        if value is None and name == "checkpoint_every":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"fit: {name} must be an int >= 1, got {value!r}")
+
+
+@dataclasses.dataclass
+class _Run:
+    """Where training is: the state, the step, the position in the data, and what was measured."""
+
+    model: Any
+    opt_state: Any
+    signature: str  # the model's structure: classes, sizes, activations, logical axes
+    step: int = 0
+    epoch: int = 0  # the epoch to run next ...
+    batch: int = 0  # ... from this batch on
+    sums: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # this epoch's loss, accuracy
+    curve: list[list[float]] = dataclasses.field(default_factory=list)  # this epoch's [step, loss] samples
+    history: History = dataclasses.field(default_factory=list)
+    compiled: bool = False  # the first step compiles, and says so
+
+    @classmethod
+    def start(cls, model: Any, optimizer: SGD, mesh: Mesh, rules: AxisRules | None) -> _Run:
+        signature = str(jax.tree_util.tree_structure(model))
+        # A copy: `shard` may reuse the caller's buffers, and the first (donating) step would delete them.
+        model = jax.tree_util.tree_map(jnp.copy, shard(model, mesh, rules))
+        return cls(model, shard(optimizer.init(model), mesh, rules), signature)
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model, "opt_state": self.opt_state}
+
+
+def _tester(
+    step: Callable[..., Any], data: Dataset | None, sharding: NamedSharding
+) -> Callable[[Any], float] | None:
+    """``model -> accuracy on data`` (None without data)."""
+    return None if data is None else functools.partial(evaluate, step, data=data, sharding=sharding)
+
+
+def _open_checkpointer(
+    open_files: contextlib.ExitStack,
+    directory: str | os.PathLike[str] | None,
+    keep: int,
+    overwrite: bool,
+    log: Callable[[str], None],
+) -> Any:
+    """The run's Checkpointer (None without a directory); ``overwrite`` deletes what it holds, saying so."""
+    if directory is None:
+        return None
+    checkpointer = open_files.enter_context(_checkpoint_module().Checkpointer(directory, keep=keep, log=log))
+    if overwrite and (steps := checkpointer.steps()):
+        checkpointer.delete(steps, "another run's checkpoints, deleted as asked (--overwrite)")
+    return checkpointer
+
+
+def _resume(
+    run: _Run,
+    checkpointer: Any,
+    data: Dataset,
+    epochs: int,
+    step: int | None,
+    log: Callable[[str], None],
+) -> None:
+    """Load the latest good checkpoint (or ``step``) into ``run``, and say where training goes on."""
+    if not checkpointer.steps():
+        log(f"No checkpoint in {checkpointer.directory} yet: starting from scratch")
+        return
+
+    def check_meta(meta: dict[str, Any]) -> None:
+        _check_meta(meta, data, run.signature, checkpointer.directory)
+
+    run.step, state, meta = checkpointer.restore(run.state(), step=step, check_meta=check_meta)
+    run.model, run.opt_state = state["model"], state["opt_state"]
+    run.epoch, run.batch, run.sums, run.history = (meta[k] for k in ("epoch", "batch", "sums", "history"))
+    run.curve = meta.get("curve", [])  # older checkpoints have none
+    if run.epoch >= epochs:
+        log(
+            f"Nothing to do: the checkpoint of step {run.step} has finished epoch {run.epoch}, "
+            f"and epochs={epochs}. Ask for more epochs to train on."
+        )
+        return
+    log(f"Resumed from step {run.step}: epoch {run.epoch + 1}, batch {run.batch}")
+    if step is not None and (later := [s for s in checkpointer.steps() if s > step]):
+        log(f"The checkpoints of steps {_listed(later)} come after it: this run replaces them as it saves")
+
+
+def _check_meta(meta: dict[str, Any], data: Dataset, signature: str, directory: Any) -> None:
+    """Is this checkpoint's position possible, and is it a checkpoint *of this run*?
+
+    Impossible metadata (missing fields, batch 9999 of 468) raises ValueError:
+    the checkpoint is corrupt and ``restore`` falls back. Possible metadata of
+    another run (another model, seed or batch size) raises ResumeError: falling
+    back would not help, the user must choose.
+    """
+    for name, kind in (("epoch", int), ("batch", int), ("sums", list), ("history", list)):
+        if not isinstance(meta.get(name), kind):
+            raise ValueError(f"field {name!r} is {meta.get(name)!r}, not a {kind.__name__}")
+    if meta["epoch"] < 0 or not 0 <= meta["batch"] < data.steps_per_epoch:
+        raise ValueError(f"position epoch {meta['epoch']}, batch {meta['batch']} of {data.steps_per_epoch}")
+    if "model" in meta and meta["model"] != signature:  # older checkpoints did not store it
+        raise ResumeError(
+            f"the checkpoint in {directory} was saved from another model:\n"
+            f"  checkpoint: {_around_difference(meta['model'], signature)}\n"
+            f"  this run:   {_around_difference(signature, meta['model'])}\n"
+            "resume with the same model settings (--layers, --activation, ...), or start afresh"
+        )
+    saved = {name: meta.get(name) for name in _data_order(data)}
+    if saved != _data_order(data):
+        raise ResumeError(
+            f"the checkpoint in {directory} was saved with data order {saved}, but this run has "
+            f"{_data_order(data)}; resume with the same --seed and --batch-size, or start afresh"
+        )
+
+
+def _data_order(data: Dataset) -> dict[str, int]:
+    """What fixes which examples batch ``b`` of epoch ``e`` holds."""
+    return {"shuffle_seed": data.shuffle_seed, "batch_size": data.batch_size, "examples": data.num_examples}
+
+
+def _around_difference(text: str, other: str, context: int = 50) -> str:
+    """The part of ``text`` around its first difference from ``other``."""
+    first = next((i for i, (a, b) in enumerate(zip(text, other)) if a != b), min(len(text), len(other)))
+    start = max(first - context, 0)
+    return (
+        ("..." if start else "")
+        + text[start : first + context]
+        + ("..." if first + context < len(text) else "")
+    )
+
+
+def _progress(
+    batches: Iterator[Batch], data: Dataset, epoch: int, start: int, show: bool | None
+) -> Iterator[tuple[int, Batch]]:
+    """Number the batches; draw a progress bar when attached to a terminal (rich, if installed)."""
+    numbered = enumerate(batches, start)
+    if not (sys.stdout.isatty() if show is None else show):
+        yield from numbered
+        return
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        yield from numbered
+        return
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"epoch {epoch + 1}", total=data.steps_per_epoch, completed=start)
+        for item in numbered:
+            yield item
+            bar.advance(task)
+
+
+def _take_step(run: _Run, train_step: Any, batch: GlobalBatch, log: Callable[[str], None]) -> float:
+    """One step of ``run``; returns its loss. The first compiles: say how long that took, and its memory."""
+    if not run.compiled:
+        with _compile_events() as events:
+            run.model, run.opt_state, loss, acc = jax.block_until_ready(
+                train_step(run.model, run.opt_state, batch)
+            )
+        log(
+            compile_report(events, train_step.lower(run.model, run.opt_state, batch).compile())
+        )  # cached: free
+        run.compiled = True
+    else:
+        run.model, run.opt_state, loss, acc = train_step(run.model, run.opt_state, batch)
+    run.step += 1
+    loss_value = float(loss)  # waits for the step; XLA:CPU must not queue collectives unboundedly
+    run.sums = [run.sums[0] + loss_value, run.sums[1] + float(acc)]
+    return loss_value
+
+
+def _check_finite(loss: float, run: _Run, epoch: int, index: int, checkpointer: Any) -> None:
+    if not math.isfinite(loss):
+        raise NonFiniteLossError(
+            f"loss is {loss} at step {run.step} (epoch {epoch + 1}, batch {index})"
+            f"{_kept(checkpointer)}. Try a smaller --lr."
+        )
+
+
+def _kept(checkpointer: Any) -> str:
+    """``"; the last good checkpoint (step 5) is kept, and steps 3, 4 before it (...)"``."""
+    saved = checkpointer.steps() if checkpointer is not None else []
+    if not saved:
+        return ""
+    line = f"; the last good checkpoint (step {saved[-1]}) is kept"
+    if len(saved) > 1:
+        line += (
+            f", and steps {_listed(saved[:-1])} before it (if step {saved[-1]} had already begun to "
+            "diverge, resume from one of them with --resume-from STEP)"
+        )
+    return line
+
+
+def _listed(steps: list[int]) -> str:
+    return ", ".join(map(str, steps))
+
+
+def _sample_loss(run: _Run, loss: float, epoch: int, metrics: IO[str] | None) -> None:
+    run.curve.append([run.step, loss])
+    if metrics:
+        metrics.write(json.dumps({"step": run.step, "epoch": epoch + 1, "loss": loss}) + "\n")
+
+
+def _save(checkpointer: Any, run: _Run, data: Dataset, next_epoch: int, next_batch: int) -> None:
+    """Checkpoint the state and where training continues from: (epoch, batch) to run next."""
+    if checkpointer is None:
+        return
+    position = {"epoch": next_epoch, "batch": next_batch, **_data_order(data)}
+    meta = {**position, "sums": run.sums, "curve": run.curve, "history": run.history, "model": run.signature}
+    try:
+        checkpointer.save(run.step, run.state(), meta)
+    except checkpoint.NonFiniteStateError as e:
+        raise NonFiniteLossError(f"{e}{_kept(checkpointer)}") from None
+
+
+def _end_epoch(
+    run: _Run,
+    epoch: int,
+    started: float,
+    steps: int,
+    test: Callable[[Any], float] | None,
+    log: Callable[[str], None],
+    metrics: IO[str] | None,
+) -> None:
+    """Record the epoch (its sums cover all ``steps``, resumed or not) and start the next at batch 0."""
+    record = {
+        "epoch": epoch + 1,
+        "seconds": time.perf_counter() - started,
+        "loss": run.sums[0] / steps,
+        "train_acc": run.sums[1] / steps,
+        "steps": steps,
+        "loss_curve": run.curve,  # [step, loss] every log_every steps, for plots
+    }
+    if test is not None:
+        record["test_acc"] = test(run.model)
+    run.history.append(record)
+    log(format_epoch(record))
+    if metrics:
+        metrics.write(json.dumps(record) + "\n")
+    run.batch, run.sums, run.curve = 0, [0.0, 0.0], []
+
+
+def format_epoch(record: dict[str, Any]) -> str:
+    """``Epoch 1 in 2.31 s · loss 0.412 · train acc 0.951 · test acc 0.948``."""
+    line = f"Epoch {record['epoch']} in {record['seconds']:.2f} s · loss {record['loss']:.3f}"
+    line += f" · train acc {record['train_acc']:.3f}"
+    if "test_acc" in record:
+        line += f" · test acc {record['test_acc']:.3f}"
+    return line
+
+
+def _checkpoint_module() -> Any:
+    if checkpoint is None:
+        raise ImportError("checkpoint_dir needs orbax-checkpoint: pip install 'minishard[checkpoint]'")
+    return checkpoint
+
+
+# -- compiling: how long it took, and JAX's persistent cache -------------------------------------
 COMPILE_PHASES = {
     "/jax/core/compile/jaxpr_trace_duration": "trace",
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
@@ -311,92 +558,3 @@ def enable_compilation_cache(directory: str | os.PathLike[str], log: Callable[[s
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # cache even small programs
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return True
-
-
-def _check_int(name: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"fit: {name} must be an int >= {least}, got {value!r}")
-
-
-def _last_good(checkpointer: Any) -> str:
-    saved = checkpointer.steps() if checkpointer is not None else []
-    return f"; the last good checkpoint (step {saved[-1]}) is kept" if saved else ""
-
-
-def format_epoch(record: dict[str, Any]) -> str:
-    """``Epoch 1 in 2.31 s · loss 0.412 · train acc 0.951 · test acc 0.948``."""
-    line = f"Epoch {record['epoch']} in {record['seconds']:.2f} s · loss {record['loss']:.3f}"
-    line += f" · train acc {record['train_acc']:.3f}"
-    if "test_acc" in record:
-        line += f" · test acc {record['test_acc']:.3f}"
-    return line
-
-
-def _data_order(data: Dataset) -> dict[str, int]:
-    """What fixes which examples batch ``b`` of epoch ``e`` holds."""
-    return {"shuffle_seed": data.shuffle_seed, "batch_size": data.batch_size, "examples": data.num_examples}
-
-
-def _check_meta(meta: dict[str, Any], data: Dataset, signature: str, directory: Any) -> None:
-    """Is this checkpoint's position possible, and is it a checkpoint *of this run*?
-
-    Impossible metadata (missing fields, batch 9999 of 468) raises ValueError:
-    the checkpoint is corrupt and ``restore`` falls back. Possible metadata of
-    another run (another model, seed or batch size) raises ResumeError: falling
-    back would not help, the user must choose.
-    """
-    for name, kind in (("epoch", int), ("batch", int), ("sums", list), ("history", list)):
-        if not isinstance(meta.get(name), kind):
-            raise ValueError(f"field {name!r} is {meta.get(name)!r}, not a {kind.__name__}")
-    if meta["epoch"] < 0 or not 0 <= meta["batch"] < data.steps_per_epoch:
-        raise ValueError(f"position epoch {meta['epoch']}, batch {meta['batch']} of {data.steps_per_epoch}")
-    if "model" in meta and meta["model"] != signature:  # older checkpoints did not store it
-        raise ResumeError(
-            f"the checkpoint in {directory} was saved from another model:\n"
-            f"  checkpoint: {_around_difference(meta['model'], signature)}\n"
-            f"  this run:   {_around_difference(signature, meta['model'])}\n"
-            "resume with the same model settings (--layers, --activation, ...), or start afresh"
-        )
-    saved = {name: meta.get(name) for name in _data_order(data)}
-    if saved != _data_order(data):
-        raise ResumeError(
-            f"the checkpoint in {directory} was saved with data order {saved}, but this run has "
-            f"{_data_order(data)}; resume with the same --seed and --batch-size, or start afresh"
-        )
-
-
-def _around_difference(text: str, other: str, context: int = 50) -> str:
-    """The part of ``text`` around its first difference from ``other``."""
-    first = next((i for i, (a, b) in enumerate(zip(text, other)) if a != b), min(len(text), len(other)))
-    start = max(first - context, 0)
-    return (
-        ("..." if start else "")
-        + text[start : first + context]
-        + ("..." if first + context < len(text) else "")
-    )
-
-
-def _checkpointer(directory: str | os.PathLike[str], keep: int, log: Callable[[str], None]) -> Any:
-    if checkpoint is None:
-        raise ImportError("checkpoint_dir needs orbax-checkpoint: pip install 'minishard[checkpoint]'")
-    return checkpoint.Checkpointer(directory, keep=keep, log=log)
-
-
-def _progress(
-    batches: Iterator[Batch], data: Dataset, epoch: int, start: int, show: bool | None
-) -> Iterator[tuple[int, Batch]]:
-    """Number the batches; draw a progress bar when attached to a terminal (rich, if installed)."""
-    numbered = enumerate(batches, start)
-    if not (sys.stdout.isatty() if show is None else show):
-        yield from numbered
-        return
-    try:
-        from rich.progress import Progress
-    except ImportError:
-        yield from numbered
-        return
-    with Progress(transient=True) as bar:
-        task = bar.add_task(f"epoch {epoch + 1}", total=data.steps_per_epoch, completed=start)
-        for item in numbered:
-            yield item
-            bar.advance(task)

@@ -1,0 +1,100 @@
+"""Checkpoints of a 2-process run carry every process's checksums, and both topologies verify them.
+
+The run is the real ``minishard train`` in two processes through the launcher,
+
+    minishard launch -n 2 --devices-per-process 4 -- python tests/test_checkpoint_multiprocess.py train ...
+
+on a small synthetic MNIST (this file doubles as the program, see ``__main__``), on a
+``data=2,model=4`` mesh whose "data" axis also splits the first weight's rows (process 0 holds
+devices ``data=0``, process 1 ``data=1``), so that each process writes its own blocks of it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minishard.run import cli
+from minishard.run.data import Dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = [
+    "train",
+    "--layers",
+    "784,32,10",
+    "--batch-size",
+    "64",
+    "--mesh",
+    "data=2,model=4",
+    "--rules",
+    "embed=data",
+]
+"""16 steps per epoch; the first weight's rows split over "data", so each process writes half of it."""
+
+
+def synthetic_mnist(split: str, batch_size: int, *, shuffle_seed: int = 0, flatten: bool = True, **_: object):
+    """MNIST-shaped random images: enough to train a few steps, and no TensorFlow to import."""
+    n = 1024 if split == "train" else 256
+    rng = np.random.default_rng(0 if split == "train" else 1)
+    images = rng.integers(0, 256, (n, 28, 28, 1), dtype=np.uint8)
+    return Dataset(images, rng.integers(0, 10, n), batch_size, shuffle=split == "train",
+                   shuffle_seed=shuffle_seed, flatten=flatten)  # fmt: skip
+
+
+def launch(args: list[str], cache: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "minishard", "launch", "-n", "2", "--devices-per-process", "4", "--"]
+    command += [sys.executable, __file__, *args, "--compile-cache", str(cache)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def flip_16_bytes(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_a_flipped_shard_of_a_2_process_checkpoint_is_caught_in_2_processes_and_in_1(
+    tmp_path, monkeypatch, capsys
+):
+    saved, cache = tmp_path / "saved", tmp_path / "cache"
+    run = launch([*TRAIN, "--epochs", "1", "--checkpoint-dir", str(saved), "--checkpoint-every", "8"], cache)
+    assert run.returncode == 0, run.stdout + run.stderr
+    records = {f.name: json.loads(f.read_text()) for f in (saved / "16" / "integrity").glob("process_*")}
+    assert sorted(records) == ["process_0", "process_1"]  # each process wrote its own record
+    weight = "model.layers[0].weight"
+    assert set(records["process_0"][weight]) == {f"0:392,{8 * i}:{8 * i + 8}" for i in range(4)}
+    assert set(records["process_1"][weight]) == {f"392:784,{8 * i}:{8 * i + 8}" for i in range(4)}
+
+    written_by_1 = [f for f in (saved / "16" / "state").glob("ocdbt.process_1/d/*") if f.is_file()]
+    flip_16_bytes(max(written_by_1, key=lambda f: f.stat().st_size))
+    caught = (  # process 1 finds the damage; process 0 speaks for the run
+        r"checkpoint \S+/16 is corrupt \(\S+ \(block \[392:784,\d+:\d+\]\) does not match the checksum "
+        r"written with it\); falling back to step 8"
+    )
+
+    two = shutil.copytree(saved, tmp_path / "two", ignore=shutil.ignore_patterns(".minishard.lock"))
+    run = launch([*TRAIN, "--epochs", "2", "--checkpoint-dir", str(two), "--resume"], cache)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"\[rank 0\] " + caught, run.stdout), run.stdout
+    assert "[rank 0] Resumed from step 8: epoch 1, batch 8" in run.stdout
+
+    monkeypatch.setitem(cli.DATASETS, "mnist", synthetic_mnist)  # one process, 8 devices (conftest)
+    assert cli.main([*TRAIN, "--epochs", "2", "--checkpoint-dir", str(saved), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(caught, out), out
+    assert "not checked" not in out  # one process holds every block of step 8, written by two
+    assert "Resumed from step 8: epoch 1, batch 8" in out
+
+
+if __name__ == "__main__":  # one process of a launched run: the real CLI on the synthetic data
+    cli.DATASETS["mnist"] = synthetic_mnist
+    sys.exit(cli.main(sys.argv[1:]))
