@@ -36,8 +36,9 @@ CHAPTERS = ("pipeline", "costs", "zero")
 OUTSIDE = ("run", "models", "testing")
 
 
-def textbook() -> list[Path]:
-    return sorted(p for p in PACKAGE.glob("*.py") if not p.name.startswith("_"))
+def textbook(private: bool = False) -> list[Path]:
+    """``minishard/*.py``: the reading path, and with ``private`` the ``_``-modules a reader may skip."""
+    return sorted(p for p in PACKAGE.glob("*.py") if private or not p.name.startswith("_"))
 
 
 def imports(path: Path) -> list[tuple[str, str | None]]:
@@ -54,7 +55,8 @@ def imports(path: Path) -> list[tuple[str, str | None]]:
 def test_the_textbook_never_imports_the_workshop_models_or_tools():
     wrong = [
         f"{path.name}: {module}"
-        for path in textbook()
+        for path in textbook(private=True)
+        if path.name != "__main__.py"  # the command line's entry point
         for module, name in imports(path)
         if any(
             module == f"minishard.{part}"
@@ -64,6 +66,18 @@ def test_the_textbook_never_imports_the_workshop_models_or_tools():
         )
     ]
     assert not wrong, wrong
+
+
+def test_no_textbook_function_hides_an_import_of_minishard():
+    hidden = [
+        f"{path.name}:{node.lineno} {function.name} imports {node.module}"
+        for path in textbook(private=True)
+        for function in ast.walk(ast.parse(path.read_text()))
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+        for node in ast.walk(function)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minishard")
+    ]
+    assert not hidden, hidden
 
 
 @pytest.mark.parametrize("part", OUTSIDE)

@@ -33,17 +33,13 @@ from minishard.rules import AxisRules, MeshAxes, ShardingError
 from minishard.run import distributed, launch
 from minishard.run.data import DATASET_INFO, DATASETS, DataError
 from minishard.run.render import plot_report, show
-from minishard.run.train import TrainingError, enable_compilation_cache, fit
+from minishard.run.train import TrainingError, check_checkpoint_dir, enable_compilation_cache, fit
 from minishard.sharding import Sharded, make_mesh
 
 try:  # orbax is an optional extra (minishard[checkpoint])
     from minishard.run.checkpoint import CheckpointError
 except ImportError:
     CheckpointError = TrainingError  # type: ignore[misc,assignment]  # never raised without orbax
-try:  # TODO(W1): import directly once train.check_checkpoint_dir and fit's resume_from=/overwrite= land
-    from minishard.run.train import check_checkpoint_dir  # type: ignore[attr-defined,unused-ignore]
-except ImportError:
-    check_checkpoint_dir = None
 try:  # TODO(M): import directly once presets.rules_for_mesh lands; this fallback is a copy of it
     from minishard.presets import rules_for_mesh  # type: ignore[attr-defined,unused-ignore]
 except ImportError:
@@ -451,13 +447,9 @@ def learning_rate(args: argparse.Namespace, steps_per_epoch: int) -> Schedule:
 
 def train(args: argparse.Namespace) -> int:
     """Run ``fit`` as the arguments say; 0 on success, 2 on a mesh that does not fit the devices."""
-    resume = dict(resume=args.resume)
-    if check_checkpoint_dir is not None:  # TODO(W1): always, once it lands
-        resume.update(resume_from=args.resume_from, overwrite=args.overwrite)
-        if (
-            args.checkpoint_dir
-        ):  # another run's checkpoints, a read-only disk, a missing step: before any work
-            check_checkpoint_dir(args.checkpoint_dir, **resume)
+    resume = dict(resume=args.resume, resume_from=args.resume_from, overwrite=args.overwrite)
+    if args.checkpoint_dir:  # another run's checkpoints, a read-only disk, a missing step: before any work
+        check_checkpoint_dir(args.checkpoint_dir, **resume)
     devices = jax.devices()  # with several processes: the devices of all of them
     if jax.process_count() > 1:
         print(f"{jax.process_count()} processes x {jax.local_device_count()} devices: {len(devices)} in all")
