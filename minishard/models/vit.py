@@ -63,7 +63,7 @@ parameters: 1/4 of the attention and MLP weights, all of the rest.
 Measured with ``minishard.explain`` (and checked by ``tests/test_vit.py``)
 for the default ``ViT`` (28x28x1 images, patch 7: 16 tokens; width 64, depth 4,
 4 heads of 16, MLP 128) and ``minishard.run.train.make_train_step`` (momentum SGD)
-at batch 128 on data=2 x model=4 with ``vit_rules("2d")``::
+at batch 128 with ``preset("2d", 8)`` (data=2 x model=4)::
 
     all-reduce  x17  4.4 MB  over ('data',), ('model',)
 
@@ -80,8 +80,8 @@ at batch 128 on data=2 x model=4 with ``vit_rules("2d")``::
 
 So 4.2 MB over "model" against 0.16 MB over "data": for a model this small,
 its activations outweigh its weights, and tensor parallelism costs far more
-communication than data parallelism (``vit_rules("dp")`` on data=8
-all-reduces the 551,464 bytes of gradients, plus loss and accuracy, and nothing else).
+communication than data parallelism (``preset("dp", 8)``, data=8, all-reduces
+the 551,464 bytes of gradients, plus loss and accuracy, and nothing else).
 
 Rematerialisation: ``ViT(..., remat=True)`` wraps each block's call in
 ``jax.checkpoint`` with ``jax.checkpoint_policies.nothing_saveable``: the
