@@ -23,13 +23,27 @@ so ``embed`` takes "data".
 >>> shape, rules = preset("fsdp", 8)
 >>> shape, rules.spec(("batch", "embed")), rules.spec(("embed", "mlp"))
 ({'data': 8}, P('data', None), P('data', None))
+
+``STYLES`` is the one table of what a style is; the CLI's ``--parallel``, the
+ViT and the docs read it. ``rules_for_mesh`` gives the rules for a mesh when
+no style is named: the ``2d`` style, minus the mesh axes the mesh lacks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from minishard.rules import AxisRules, MeshAxes
 
-PRESETS = ("dp", "tp", "2d", "fsdp", "fsdp+tp")
+STYLES: dict[str, tuple[tuple[str, MeshAxes], ...]] = {
+    "dp": (("batch", "data"),),
+    "tp": (("mlp", "model"), ("heads", "model")),
+    "2d": (("batch", "data"), ("mlp", "model"), ("heads", "model")),
+    "fsdp": (("batch", "data"), ("embed", "data"), ("mlp", "data"), ("heads", "data")),
+    "fsdp+tp": (("batch", "data"), ("mlp", "model"), ("heads", "model"), ("embed", "data")),
+}
+"""What each style splits, as ordered rules; every logical axis they leave is replicated."""
+PRESETS = tuple(STYLES)
 LOGICAL_AXES = ("batch", "embed", "mlp", "heads", "kv", "tokens", "patch", "classes")
 """Every logical axis minishard's MLP and ViT name: each preset gives each one a rule."""
 
@@ -39,27 +53,48 @@ def preset(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
 
     2-D styles put 2 devices on "data" and the rest on "model" (``2d`` on 8
     devices: data=2 x model=4), or 1 on "data" when ``devices`` is odd.
+
+    >>> preset("2d", 8)[0], preset("tp", 8)[0]
+    ({'data': 2, 'model': 4}, {'model': 8})
     """
-    if name not in PRESETS:
-        raise ValueError(f"preset: unknown parallel style {name!r}; choose from {', '.join(PRESETS)}")
+    rules = preset_rules(name)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"preset: devices must be an int >= 1, got {devices!r}")
+    mesh_axes = [axis for axis in ("data", "model") if axis in dict(STYLES[name]).values()]
+    if len(mesh_axes) == 1:
+        return {mesh_axes[0]: devices}, rules
     data = 2 if devices % 2 == 0 and devices > 1 else 1
-    shapes = {
-        "dp": {"data": devices},
-        "tp": {"model": devices},
-        "2d": {"data": data, "model": devices // data},
-        "fsdp": {"data": devices},
-        "fsdp+tp": {"data": data, "model": devices // data},
-    }
-    pairs: list[tuple[str, MeshAxes]] = []
-    if name in ("dp", "2d", "fsdp", "fsdp+tp"):
-        pairs.append(("batch", "data"))
-    if name in ("tp", "2d", "fsdp+tp"):
-        pairs += [("mlp", "model"), ("heads", "model")]
-    if name == "fsdp":
-        pairs += [("embed", "data"), ("mlp", "data"), ("heads", "data")]
-    if name == "fsdp+tp":
-        pairs += [("embed", "data")]
-    pairs += [(axis, None) for axis in LOGICAL_AXES]  # the fallback of every axis: replicated
-    return shapes[name], AxisRules.from_pairs(pairs)
+    return {"data": data, "model": devices // data}, rules
+
+
+def preset_rules(name: str, overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
+    """The ordered rules of the style ``name``: ``overrides`` first (so they win), then its splits.
+
+    Last come ``LOGICAL_AXES`` to ``None``, the fallback of every axis: replicated.
+
+    >>> preset_rules("tp", {"embed": "model"}).spec(("embed", "mlp"))   # embed came first
+    P('model', None)
+    """
+    if name not in STYLES:
+        raise ValueError(f"preset: unknown parallel style {name!r}; choose from {', '.join(PRESETS)}")
+    replicated = [(axis, None) for axis in LOGICAL_AXES]
+    return AxisRules.from_pairs([*overrides.items(), *STYLES[name], *replicated])
+
+
+def rules_for_mesh(mesh_axes: Sequence[str], overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
+    """Rules for a mesh when no style is named: ``2d``'s splits onto the mesh axes it has.
+
+    The batch goes over "data", MLP hidden units and attention heads over
+    "model", each only if the mesh has that axis; every other logical axis is
+    replicated; ``overrides`` replace single rules. One rule per logical axis
+    (``AxisRules(**...)``): a rule that cannot apply is an error, not skipped.
+
+    >>> rules = rules_for_mesh(["data"], {"embed": "data"})   # no "model": heads replicated
+    >>> rules.spec(("embed", "heads", "kv")), rules.spec(("batch", "mlp"))
+    (P('data', None, None), P('data', None))
+    """
+    splits = {axis: target for axis, target in STYLES["2d"] if target in mesh_axes}
+    return AxisRules(**{**{axis: splits.get(axis) for axis in LOGICAL_AXES}, **overrides})
+
+
+__all__ = ["LOGICAL_AXES", "PRESETS", "STYLES", "preset", "preset_rules", "rules_for_mesh"]

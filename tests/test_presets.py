@@ -18,7 +18,7 @@ from models import SIZES, example, train_step
 import minishard as ms
 from minishard.census import bytes_by_mesh_axes
 from minishard.constraints import constrain
-from minishard.presets import PRESETS, preset
+from minishard.presets import LOGICAL_AXES, PRESETS, STYLES, preset, preset_rules, rules_for_mesh
 from minishard.rules import ShardingError
 from minishard.testing import assert_sharded_equivalent, axis_rules, batch_sizes, meshes, mlps
 from minishard.tree import tree_bytes
@@ -36,6 +36,79 @@ def test_every_preset_trains_like_data_parallelism(name):
     got = jax.block_until_ready(ms.Sharded(*sharded(name))(train_step)(*args))
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def test_a_preset_puts_two_devices_on_data_and_the_rest_on_model():
+    assert preset("2d", 8)[0] == preset("fsdp+tp", 8)[0] == {"data": 2, "model": 4}
+    assert preset("2d", 7)[0] == {"data": 1, "model": 7}  # odd: nothing to pair on "data"
+    assert preset("dp", 8)[0] == preset("fsdp", 8)[0] == {"data": 8}
+    assert preset("tp", 1)[0] == {"model": 1}
+    replicated = [(axis, None) for axis in LOGICAL_AXES]  # the fallback, last
+    assert list(preset_rules("2d").pairs) == [
+        ("batch", "data"),
+        ("mlp", "model"),
+        ("heads", "model"),
+        *replicated,
+    ]
+    for name in PRESETS:  # the style's row of the table, then the fallback
+        assert preset(name, 8)[1].pairs == preset_rules(name).pairs == (*STYLES[name], *replicated)
+
+
+def test_a_preset_refuses_an_unknown_style_or_device_count():
+    with pytest.raises(ValueError, match=r"unknown parallel style 'pp'; choose from dp, tp, 2d, fsdp"):
+        preset("pp", 8)
+    with pytest.raises(ValueError, match=r"preset: unknown parallel style 'pp'"):
+        preset_rules("pp")
+    for devices in (0, 2.0, True):
+        with pytest.raises(ValueError, match=r"preset: devices must be an int >= 1, got"):
+            preset("dp", devices)
+
+
+def test_preset_rules_put_overrides_first_so_they_win():
+    rules = preset_rules("2d", {"embed": "model", "batch": None})
+    assert rules.pairs[:2] == (("embed", "model"), ("batch", None))
+    assert rules.spec(("batch", "embed")) == P(None, "model")
+    assert rules.spec(("embed", "mlp")) == P("model", None)  # "model" is taken: mlp falls back
+
+
+# What the CLI's default_rules gave (minishard/run/cli.py, before presets held them), by hand:
+# the batch over "data", MLP hidden units and heads over "model" when the mesh has them.
+EVERY_AXIS_REPLICATED = dict.fromkeys(LOGICAL_AXES)
+
+
+@pytest.mark.parametrize(
+    ("mesh_axes", "overrides", "splits"),
+    [
+        (["data", "model"], {}, {"batch": "data", "mlp": "model", "heads": "model"}),
+        (["data"], {}, {"batch": "data"}),
+        (["model"], {}, {"mlp": "model", "heads": "model"}),
+        (
+            ["model", "data"],
+            {"embed": "model", "mlp": None},
+            {"batch": "data", "heads": "model", "embed": "model"},
+        ),
+        (["x"], {"rows": "x"}, {"rows": "x"}),  # an axis of the user's own: added, last
+    ],
+)
+def test_rules_for_a_mesh_are_the_2d_splits_the_mesh_can_take(mesh_axes, overrides, splits):
+    rules = rules_for_mesh(mesh_axes, overrides)
+    assert not rules.ordered  # one rule per logical axis, as AxisRules(**...) has
+    assert dict(rules.pairs) == {**EVERY_AXIS_REPLICATED, **splits}
+    assert [name for name, _ in rules.pairs][: len(LOGICAL_AXES)] == list(LOGICAL_AXES)
+
+
+def test_rules_for_a_mesh_plan_the_mlp_and_the_vit():
+    from minishard.models.vit import ViT
+
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    rules = rules_for_mesh(mesh.axis_names)
+    mlp = ms.mlp(SIZES, key=jax.random.key(0), axes=ms.megatron_axes(2))
+    assert ms.Sharded(mesh, rules).batch_sharding.spec == P("data")
+    assert rules.spec(mlp[0].param_logical_axes()["weight"]) == P(None, "model")
+    vit = jax.eval_shape(lambda: ViT(key=jax.random.key(0)))
+    specs = {leaf.path: leaf.spec for leaf in ms.plan(vit, mesh, rules).leaves}
+    assert specs["blocks[0].attention.query"] == P(None, "model", None)
+    assert specs["embedding.positions"] == P(None, None)
 
 
 def test_fsdp_stores_an_eighth_of_every_divisible_parameter_and_its_velocity():

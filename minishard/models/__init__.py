@@ -1,4 +1,13 @@
 """Models built as a user would build them, from minishard's public API only.
 
-* ``vit``: a Vision Transformer whose heads and MLP split like the MLP's.
+A model here is a tree of ``Layer``s whose parameters name their logical axes
+(``param_logical_axes``) and whose activations name theirs through
+``minishard.constraints`` (``activation_axes``, ``output_sharding``,
+``as_activation``). It knows nothing of meshes, devices or the batch axis's
+name: a preset's rules (``minishard.presets``) and ``Sharded`` decide where it
+runs. It imports no ``_``-prefixed name of the textbook; what it needs and the
+public API lacks, the API grows. The textbook never imports it.
+
+* ``vit``: a Vision Transformer whose heads and MLP hidden units split like the
+  MLP's hidden units.
 """

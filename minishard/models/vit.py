@@ -15,7 +15,7 @@ Every parameter names its logical axes. Heads are a dimension of their own
 can split them without any reshaping in the model:
 
 =====================  ============================  ==========================
-parameter              logical axes                  2-D rules (``vit_rules``)
+parameter              logical axes                  the ``2d`` preset
 =====================  ============================  ==========================
 patch projection       ``("patch", "embed")``        replicated
 positions              ``("tokens", "embed")``       replicated
@@ -27,8 +27,12 @@ MLP out                ``("mlp", "embed")``          hidden units over "model"
 head                   ``("embed", "classes")``      replicated
 =====================  ============================  ==========================
 
-``vit_rules("data")``, ``vit_rules("tensor")`` and ``vit_rules("2d")`` run the
-same model data-, tensor- (Megatron) or 2-D-parallel; only the rules change.
+The presets of ``minishard.presets`` (``dp``, ``tp``, ``2d``, ``fsdp``,
+``fsdp+tp``) run the same model data-, tensor- (Megatron), 2-D- or fully
+sharded data-parallel; only the rules change. ``vit_rules(style)`` gives a
+preset's rules. The model names the batch axis nowhere: every activation's
+layout comes from ``activation_axes``, so ``Sharded(batch_axis=...)`` can
+call it what it likes.
 
 Where the collectives of a Megatron block come from
 ---------------------------------------------------
@@ -56,10 +60,10 @@ activation ``[B / data, tokens, width]`` float32 on each device. With
 data-parallel all-reduce), each device sending its own block of the
 parameters: 1/4 of the attention and MLP weights, all of the rest.
 
-Measured with ``minishard.explain`` (and checked by ``tests/test_transformer.py``)
+Measured with ``minishard.explain`` (and checked by ``tests/test_vit.py``)
 for the default ``ViT`` (28x28x1 images, patch 7: 16 tokens; width 64, depth 4,
 4 heads of 16, MLP 128) and ``minishard.run.train.make_train_step`` (momentum SGD)
-at batch 128 on data=2 x model=4 with ``vit_rules("2d")``::
+at batch 128 with ``preset("2d", 8)`` (data=2 x model=4)::
 
     all-reduce  x17  4.4 MB  over ('data',), ('model',)
 
@@ -76,8 +80,8 @@ at batch 128 on data=2 x model=4 with ``vit_rules("2d")``::
 
 So 4.2 MB over "model" against 0.16 MB over "data": for a model this small,
 its activations outweigh its weights, and tensor parallelism costs far more
-communication than data parallelism (``vit_rules("data")`` on data=8
-all-reduces the 551,464 bytes of gradients, plus loss and accuracy, and nothing else).
+communication than data parallelism (``preset("dp", 8)``, data=8, all-reduces
+the 551,464 bytes of gradients, plus loss and accuracy, and nothing else).
 
 Rematerialisation: ``ViT(..., remat=True)`` wraps each block's call in
 ``jax.checkpoint`` with ``jax.checkpoint_policies.nothing_saveable``: the
@@ -107,36 +111,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from minishard.constraints import as_activation, output_sharding
+from minishard.constraints import activation_axes, as_activation, output_sharding
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key, mlp
+from minishard.presets import preset_rules
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes
 
-PARALLELISMS: dict[str, dict[str, MeshAxes]] = {
-    "data": {"batch": "data"},
-    "tensor": {"heads": "model", "mlp": "model"},
-    "2d": {"batch": "data", "heads": "model", "mlp": "model"},
-}
-"""What each parallelism splits; every other logical axis of the ViT is replicated."""
 
-VIT_AXES = ("batch", "tokens", "patch", "embed", "heads", "kv", "mlp", "classes")
-"""Every logical axis the ViT (and its batch) names."""
+def vit_rules(style: str = "2d", **overrides: MeshAxes) -> AxisRules:
+    """The rules of the preset ``style`` (``minishard.presets``), ``overrides`` first: they win.
 
+    ``"data"`` and ``"tensor"`` are the older names of ``dp`` and ``tp``.
 
-def vit_rules(parallelism: str = "2d", **overrides: MeshAxes) -> AxisRules:
-    """``AxisRules`` for every logical axis of the ViT: ``"data"``, ``"tensor"`` or ``"2d"`` parallel.
-
-    ``overrides`` change single rules, e.g. ``vit_rules("2d", embed="model")``.
-
-    >>> rules = vit_rules("tensor")   # Megatron: heads and hidden units over "model", batch whole
-    >>> rules.spec(("embed", "heads", "kv")), rules.spec(("batch", "tokens", "embed"))
-    (P(None, 'model', None), P(None, None, None))
+    >>> vit_rules("tp").spec(("embed", "heads", "kv"))   # Megatron: heads over "model"
+    P(None, 'model', None)
+    >>> vit_rules("data", heads="data").spec(("embed", "heads", "kv"))   # an override wins
+    P(None, 'data', None)
     """
-    if parallelism not in PARALLELISMS:
-        raise ValueError(
-            f"vit_rules: unknown parallelism {parallelism!r}; choose from {sorted(PARALLELISMS)}"
-        )
-    mapping = {name: PARALLELISMS[parallelism].get(name) for name in VIT_AXES}
-    return AxisRules(**{**mapping, **overrides})
+    return preset_rules({"data": "dp", "tensor": "tp"}.get(style, style), overrides)
 
 
 class LayerNorm(Layer):
@@ -161,7 +152,7 @@ class LayerNorm(Layer):
     def __call__(self, x: jax.Array) -> jax.Array:
         mean = x.mean(-1, keepdims=True)
         var = jnp.square(x - mean).mean(-1, keepdims=True)
-        axes = ("batch", *[None] * (jnp.ndim(x) - 2), "embed")  # how scale and bias meet x (Explicit mode)
+        axes = activation_axes(jnp.ndim(x), "embed")  # how scale and bias meet x (Explicit mode)
         scale, bias = as_activation(self.scale, axes), as_activation(self.bias, axes)
         return (x - mean) * jax.lax.rsqrt(var + self.eps) * scale + bias
 
@@ -212,20 +203,18 @@ class Attention(Layer):
         # On an Explicit mesh, the contractions name their outputs' layouts (output_sharding);
         # elsewhere output_sharding is None and XLA decides.
         qkv = jnp.stack([self.query, self.key, self.value])
-        q, k, v = jnp.einsum("bte,cehk->cbthk", x, qkv, out_sharding=output_sharding(_QKV))
+        stacked = (None, *activation_axes(4, "heads", "kv"))  # [which of q/k/v, b, t, h, k]
+        q, k, v = jnp.einsum("bte,cehk->cbthk", x, qkv, out_sharding=output_sharding(stacked))
         logits = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(q.shape[-1])
         weights = jax.nn.softmax(logits, axis=-1)  # each query's weights over the keys sum to 1
         mixed = jnp.einsum("bhts,bshk->bthk", weights, v)
         # The one sum over heads: with heads split, a partial sum per device -> all-reduce.
-        out = output_sharding(("batch", None, "embed"))
+        out = output_sharding(activation_axes(3, "embed"))
         return jnp.einsum("bthk,hke->bte", mixed, self.out, out_sharding=out)
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
         qkv: LogicalAxes = ("embed", "heads", "kv")
         return {"query": qkv, "key": qkv, "value": qkv, "out": ("heads", "kv", "embed")}
-
-
-_QKV: LogicalAxes = (None, "batch", None, "heads", "kv")  # [which of q/k/v, batch, tokens, heads, kv]
 
 
 class PatchEmbedding(Layer):
@@ -275,7 +264,7 @@ class PatchEmbedding(Layer):
         # [B, g, p, g, p, C] -> [B, g, g, p, p, C] -> [B, g*g, p*p*C]: local to each example,
         # so a batch split over "data" stays split, with no communication.
         patches = images.reshape(-1, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(-1, g * g, p * p * c)
-        return self.projection(patches) + as_activation(self.positions, ("batch", "tokens", "embed"))
+        return self.projection(patches) + as_activation(self.positions, activation_axes(3, "tokens", "embed"))
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
         return {"positions": ("tokens", "embed")}  # the projection (a Linear) answers for itself
@@ -378,8 +367,6 @@ class ViT(Layer):
 
 
 __all__ = [
-    "PARALLELISMS",
-    "VIT_AXES",
     "Attention",
     "Block",
     "LayerNorm",

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from minishard.layers import ACTIVATIONS, megatron_axes, mlp
 from minishard.models.vit import ViT
 from minishard.optim import SGD, Schedule, exponential_decay, warmup_cosine_decay
-from minishard.presets import PRESETS, preset
+from minishard.presets import PRESETS, preset, preset_rules, rules_for_mesh
 from minishard.report import explain
-from minishard.rules import AxisRules, MeshAxes, ShardingError
+from minishard.rules import AxisRules, ShardingError
 from minishard.run import distributed, launch
 from minishard.run.data import DATASET_INFO, DATASETS, DataError
 from minishard.run.render import plot_report, show
@@ -40,14 +40,6 @@ try:  # orbax is an optional extra (minishard[checkpoint])
     from minishard.run.checkpoint import CheckpointError
 except ImportError:
     CheckpointError = TrainingError  # type: ignore[misc,assignment]  # never raised without orbax
-try:  # TODO(M): import directly once presets.rules_for_mesh lands; this fallback is a copy of it
-    from minishard.presets import rules_for_mesh  # type: ignore[attr-defined,unused-ignore]
-except ImportError:
-    from minishard.presets import LOGICAL_AXES
-
-    def rules_for_mesh(mesh_axes: Sequence[str], overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
-        splits = {axis: target for axis, target in preset("2d", 2)[1].pairs if target in mesh_axes}
-        return AxisRules(**{**{axis: splits.get(axis) for axis in LOGICAL_AXES}, **overrides})
 
 
 HIDDEN = {"mnist": [512], "cats_vs_dogs": [2048, 1024]}
@@ -403,7 +395,7 @@ def cli_rules(args: argparse.Namespace, mesh_axes: Sequence[str]) -> AxisRules:
     """``--parallel``'s ordered rules (``--rules`` first, so they win), or the rules for this mesh."""
     if not args.parallel:
         return rules_for_mesh(mesh_axes, args.rules)
-    return AxisRules.from_pairs([*args.rules.items(), *preset(args.parallel, args.devices)[1].pairs])
+    return preset_rules(args.parallel, args.rules)
 
 
 def unused_mesh_axes(mesh: Mapping[str, int], rules: AxisRules) -> list[str]:

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 import minishard as ms
 import minishard.models.vit as transformer
 from minishard.census import bytes_by_mesh_axes
-from minishard.models.vit import PARALLELISMS, VIT_AXES, Attention, LayerNorm, PatchEmbedding, ViT, vit_rules
+from minishard.models.vit import Attention, LayerNorm, PatchEmbedding, ViT, vit_rules
+from minishard.presets import LOGICAL_AXES, PRESETS, preset_rules
 from minishard.run.train import make_train_step
 from minishard.testing import assert_sharded_equivalent, meshes
 
@@ -112,7 +113,7 @@ def test_vit_maps_a_batch_of_images_to_logits_and_names_every_axis():
     # embedding: projection (2), positions; per block: 2 norms (4), q, k, v, out, MLP (4); norm, head
     assert len(leaves) == 3 + SMALL["depth"] * 12 + 4
     for leaf in leaves:
-        assert leaf.logical_axes and all(axis in VIT_AXES for axis in leaf.logical_axes), leaf.path
+        assert leaf.logical_axes and all(axis in LOGICAL_AXES for axis in leaf.logical_axes), leaf.path
 
 
 def test_one_key_gives_every_layer_its_own_randomness():
@@ -125,12 +126,14 @@ def test_one_key_gives_every_layer_its_own_randomness():
     assert not np.allclose(model.blocks[0].attention.query, model.blocks[0].attention.key)
 
 
-def test_vit_rules_give_data_tensor_and_2d_parallelism():
-    assert vit_rules("data").spec(("batch", "embed", "heads")) == P("data", None, None)
-    assert vit_rules("tensor").spec(("batch", "embed", "heads")) == P(None, None, "model")
+def test_vit_rules_are_the_presets_rules_with_overrides_first():
+    assert vit_rules("dp").spec(("batch", "embed", "heads")) == P("data", None, None)
+    assert vit_rules("tp").spec(("batch", "embed", "heads")) == P(None, None, "model")
     assert vit_rules("2d").spec(("batch", "mlp")) == P("data", "model")
     assert vit_rules("2d", embed="model").spec(("embed",)) == P("model")
-    with pytest.raises(ValueError, match="unknown parallelism"):
+    for old, name in (("data", "dp"), ("tensor", "tp")):  # the names vit_rules had before the presets
+        assert vit_rules(old).pairs == preset_rules(name).pairs
+    with pytest.raises(ValueError, match="unknown parallel style 'pipeline'; choose from dp, tp, 2d"):
         vit_rules("pipeline")
 
 
@@ -172,7 +175,7 @@ sgd_step = make_train_step(ms.SGD(0.1))
 @given(st.data())
 def test_sharded_vit_forward_and_sgd_step_equal_the_unsharded_ones(data):
     mesh = data.draw(meshes(), label="mesh")  # 1x8, 2x4, 4x2 or 8x1 over ("data", "model")
-    rules = vit_rules(data.draw(st.sampled_from(sorted(PARALLELISMS)), label="parallelism"))
+    rules = preset_rules(data.draw(st.sampled_from(PRESETS), label="style"))
     seed = data.draw(st.integers(0, 3), label="seed")
     model, batch = small_vit(seed), small_batch(seed)
     assert_sharded_equivalent(forward, model, batch["image"], mesh=mesh, rules=rules, rtol=1e-4, atol=1e-5)
@@ -180,12 +183,41 @@ def test_sharded_vit_forward_and_sgd_step_equal_the_unsharded_ones(data):
     assert_sharded_equivalent(sgd_step, model, state, batch, mesh=mesh, rules=rules, rtol=1e-4, atol=1e-5)
 
 
+def renamed_batch_axis(rules, name):
+    """``rules`` with the logical axis "batch" called ``name``."""
+    return ms.AxisRules.from_pairs(
+        [(name if axis == "batch" else axis, mesh_axes) for axis, mesh_axes in rules.pairs]
+    )
+
+
+@pytest.mark.slow  # over 5 s: two meshes, two compiles
+def test_the_vit_trains_with_any_batch_axis_name_on_an_explicit_mesh_as_on_an_auto_one():
+    # "rows" where the preset says "batch", and no rule for "batch": a layer that spelled
+    # "batch" in an activation's layout would fail with "logical axis 'batch' has no rule".
+    rows = renamed_batch_axis(preset_rules("2d"), "rows")
+    assert "batch" not in rows and "rows" in rows
+    runs = {}
+    for explicit, rules, batch_axis in ((False, preset_rules("2d"), None), (True, rows, "rows")):
+        mesh = ms.make_mesh({"data": 2, "model": 4}, explicit=explicit)
+        step = ms.Sharded(mesh, rules, batch_axis=batch_axis)(sgd_step)
+        model, batch = ms.shard(small_vit(), mesh, rules), small_batch()
+        state = ms.shard(ms.SGD(0.1).init(model), mesh, rules)
+        for _ in range(2):
+            model, state, loss, _ = jax.block_until_ready(step(model, state, batch))
+        runs[explicit] = model, loss
+        assert model.blocks[0].attention.query.sharding.spec == P(None, "model", None)  # heads split
+    for got, expected in zip(jax.tree.leaves(runs[True]), jax.tree.leaves(runs[False]), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=1e-6)
+    explicit_query = runs[True][0].blocks[0].attention.query
+    assert str(jax.typeof(explicit_query)).endswith("@model,2]")  # Explicit: the split is in the type
+
+
 # --- the collectives the module docstring predicts -------------------------------
 
 
 def megatron_step_collectives(remat):
     """Compile one 2-D momentum-SGD step of the default ViT (from shapes only); its HLO's collectives."""
-    mesh, rules = ms.make_mesh({"data": 2, "model": 4}), vit_rules("2d")
+    mesh, rules = ms.make_mesh({"data": 2, "model": 4}), preset_rules("2d")
     model = jax.eval_shape(lambda: ViT(key=jax.random.key(0), remat=remat))
     optimizer = ms.SGD(0.05, momentum=0.9)
     state = jax.eval_shape(optimizer.init, model)
