@@ -9,8 +9,9 @@ It imports only ``rules`` and ``tree``, so ``constraints`` (before ``layers``) c
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -81,6 +82,16 @@ def divisible(
                 f"size {size}, which mesh axis {sizes} cannot split evenly; choose sizes divisible "
                 f"by {ways} or change the rules"
             )
+
+
+def param_spec(where: str, axes: Any, shape: tuple[int, ...], rules: AxisRules, mesh: Any) -> Any:
+    """A parameter's spec, with its path in any error: its logical axes name each of its dimensions."""
+    if len(axes) != len(shape):
+        raise ShardingError(f"{where}: logical axes {axes} name {len(axes)} dims; its shape is {shape}")
+    try:
+        return rules.spec(axes, mesh)
+    except ShardingError as e:
+        raise ShardingError(f"{where}: {e}") from None
 
 
 def rank(where: str, x: Any, logical_axes: Any) -> None:
@@ -244,6 +255,17 @@ def paths_of(fn: ShardedFunction, args: tuple[Any, ...], kind: type) -> str:
         if is_kind(node)
     ]
     return f"{' or '.join(found) or 'a layer'} ({kind.__name__})"
+
+
+def positional_names(fn: Callable[..., Any]) -> list[str] | None:
+    """The names of ``fn``'s positional parameters; None when it takes ``*args`` or has no signature."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def is_deleted(leaf: Any) -> bool:

@@ -24,16 +24,15 @@ rules for ``spec(...)``; ``Sharded`` wraps the specs in ``NamedSharding``\\ s fo
 ``jax.jit``, whose compiled program holds the collectives.
 
 >>> import jax
->>> from minishard import mlp
->>> rules = AxisRules(embed=None, mlp="model")
->>> model = mlp([8, 16, 4], key=jax.random.key(0), axes=[("embed", "mlp"), ("mlp", "embed")])
+>>> from minishard import megatron_axes, mlp
+>>> rules = AxisRules(embed=None, mlp="model", classes=None)
+>>> model = mlp([8, 16, 4], key=jax.random.key(0), axes=megatron_axes(2))
 >>> [spec for spec in jax.tree_util.tree_leaves(partition_specs(model, rules))]
 [P(None, 'model'), P('model',), P('model', None), P(None,)]
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -181,13 +180,8 @@ def _walk_layer(
             # Arrays in it that no Layer annotates are parameters, never a batch: replicated.
             specs.append(_walk(child, child_path, rules, mesh, replicated, out))
             continue
-        where, axes, shape = path_str(child_path), logical_axes[name], tuple(child.shape)
-        if len(axes) != len(shape):
-            raise ShardingError(f"{where}: logical axes {axes} name {len(axes)} dims; its shape is {shape}")
-        try:
-            spec = rules.spec(axes, mesh)
-        except ShardingError as e:
-            raise ShardingError(f"{where}: {e}") from None
+        axes, shape = logical_axes[name], tuple(child.shape)
+        spec = _diagnose.param_spec(path_str(child_path), axes, shape, rules, mesh)
         out.append(_leaf_plan(child_path, shape, axes, spec, mesh))
         specs.append(spec)
     return type(layer).tree_unflatten(aux_data, specs)
@@ -333,7 +327,7 @@ class ShardedFunction:
     def __init__(self, fn: Callable[..., Any], config: Sharded) -> None:
         self.fn, self.config = fn, config
         self.name = getattr(fn, "__name__", "function")
-        self.arg_names = _positional_names(fn)  # None: any number (*args, or no signature)
+        self.arg_names = _diagnose.positional_names(fn)  # None: any number (*args, or no signature)
         self.donated_args = _diagnose.donate_argnums(self.name, config.donate_argnums, self.arg_names)
         # treedef -> (positions of the leaves outside Layers, {which of them are scalars: jit})
         self._cache: dict[Any, tuple[tuple[int, ...], dict[tuple[bool, ...], _Compiled]]] = {}
@@ -443,17 +437,6 @@ def _as_given(leaves: tuple[Any, ...], shardings: tuple[NamedSharding, ...]) -> 
     return leaves  # Auto meshes: types carry no sharding
 
 
-def _positional_names(fn: Callable[..., Any]) -> list[str] | None:
-    """The names of ``fn``'s positional parameters; None when it takes ``*args`` or has no signature."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
-        return None
-    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-
 def _leaf_positions(args: tuple[Any, ...], argnums: tuple[int, ...]) -> tuple[int, ...]:
     """The positions, among the flattened ``args``, of the leaves of the arguments ``argnums``."""
     starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(arg)) for arg in args])
@@ -475,3 +458,19 @@ def _positions_outside_layers(tree: Any) -> tuple[int, ...]:
 def _scalars_replicated(leaf: Any) -> tuple[LogicalAxes, PartitionSpec] | None:
     """Outputs outside Layers: a scalar (a loss) comes back on every device; the rest XLA decides."""
     return replicated(leaf) if np.ndim(leaf) == 0 else None
+
+
+__all__ = [
+    "LeafPlan",
+    "OutsideLayers",
+    "Plan",
+    "Sharded",
+    "ShardedFunction",
+    "Specs",
+    "make_mesh",
+    "named_shardings",
+    "partition_specs",
+    "plan",
+    "replicated",
+    "shard",
+]
