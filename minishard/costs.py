@@ -33,7 +33,6 @@ from typing import Any
 
 import jax
 
-from minishard._costplot import plot_comparison  # the picture of compare
 from minishard._hardware import HARDWARE, Hardware
 from minishard.census import as_asked, human_bytes, instructions, mesh_of
 from minishard.presets import PRESETS, preset
@@ -293,5 +292,5 @@ def _time(seconds: float) -> str:
 
 __all__ = [
     "BACKWARD", "HARDWARE", "Comparison", "Hardware", "Layout", "Memory", "StepCost", "collective_time",
-    "compare", "cost_report", "critical_batch", "mesh_shapes", "plot_comparison", "step_cost",
+    "compare", "cost_report", "critical_batch", "mesh_shapes", "step_cost",
 ]  # fmt: skip
