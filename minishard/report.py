@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minishard.census import Collective, collectives, human_bytes, summary
+from minishard.costs import Hardware, StepCost, cost_report
 from minishard.rules import AnyMesh, AxisRules, LogicalAxes
 from minishard.sharding import Sharded, plan
 from minishard.tree import named_leaves
@@ -66,7 +67,8 @@ class Report:
     * ``rows``: one ``Row`` per array, in the tree's order;
     * ``total_bytes``: all arrays, unsharded; ``device_bytes``: what one device holds;
     * ``collectives``: the step's collectives by kind, as ``collectives()`` returns
-      them (``None`` when no step was given).
+      them (``None`` when no step was given);
+    * ``cost``: the step priced on an accelerator (``minishard.costs``), when one was named.
     """
 
     mesh: dict[str, int]
@@ -75,6 +77,7 @@ class Report:
     device_bytes: int
     collectives: dict[str, Collective] | None = None
     step_name: str = "step"
+    cost: StepCost | None = None
 
     HEADER: ClassVar[tuple[str, ...]] = (
         "path",
@@ -111,7 +114,7 @@ class Report:
         if self.collectives is not None:
             lines += [f"collectives of {self.step_name}:"]
             lines += ["  " + line for line in summary(self.collectives).splitlines()]
-        return lines
+        return lines + (str(self.cost).splitlines() if self.cost else [])
 
     def __str__(self) -> str:
         n_devices = math.prod(self.mesh.values())
@@ -129,6 +132,7 @@ def explain(
     rules: AxisRules | None = None,
     step: Callable[..., Any] | None = None,
     args: Sequence[Any] | None = None,
+    hardware: Hardware | str | None = None,
 ) -> Report:
     """Every array of ``tree`` (a model, an optimizer state, ...) on ``mesh`` under ``rules``.
 
@@ -138,16 +142,27 @@ def explain(
     With ``step`` and its example ``args``, the report also lists the
     collectives of the compiled step. ``step`` is a ``Sharded`` function (or
     anything with ``.lower``, such as a ``jax.jit`` function), or a plain
-    function, which is then wrapped in ``Sharded(mesh, rules)``.
+    function, which is then wrapped in ``Sharded(mesh, rules)``. With
+    ``hardware`` too ("v5p", "h100", a key of ``minishard.costs.HARDWARE``), it
+    prices the step there: compute, communication, memory, the verdict, and the
+    per-device batch where the verdict flips (``costs.cost_report``).
     """
     rows = _rows(tree, mesh, rules)
+    found, cost = None, None
+    if step is not None:
+        sharded, args = _compilable(step, args, mesh, rules)
+        found = collectives(sharded.lower(*args))
+        cost = None if hardware is None else cost_report(sharded, args, mesh, rules, hardware)
+    elif hardware is not None:
+        raise TypeError("explain: hardware= prices a step; give the step and its args too")
     return Report(
         mesh=dict(mesh.shape),
         rows=rows,
         total_bytes=sum(row.bytes for row in rows),
         device_bytes=sum(row.device_bytes for row in rows),
-        collectives=None if step is None else _collectives_of(step, args, mesh, rules),
+        collectives=found,
         step_name=getattr(getattr(step, "fn", step), "__name__", "step"),
+        cost=cost,
     )
 
 
@@ -172,15 +187,14 @@ def _rows(tree: Any, mesh: AnyMesh, rules: AxisRules | None) -> tuple[Row, ...]:
     return tuple(rows)
 
 
-def _collectives_of(
+def _compilable(
     step: Callable[..., Any], args: Sequence[Any] | None, mesh: AnyMesh, rules: AxisRules | None
-) -> dict[str, Collective]:
-    """Compile ``step`` on ``args`` (wrapped in ``Sharded`` unless it can ``.lower``) and count."""
+) -> tuple[Any, Sequence[Any]]:
+    """``step`` if it can ``.lower``, else ``Sharded(mesh, rules)(step)``, and its ``args``, checked."""
     if args is None:
         raise TypeError("explain: a step needs example args to compile it with, e.g. args=(model, batch)")
-    sharded: Any = step
-    if not hasattr(step, "lower"):
-        if not isinstance(mesh, jax.sharding.Mesh):
-            raise TypeError("explain: compiling a step needs a mesh of real devices, not an AbstractMesh")
-        sharded = Sharded(mesh, rules)(step)
-    return collectives(sharded.lower(*args))
+    if hasattr(step, "lower"):
+        return step, args
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError("explain: compiling a step needs a mesh of real devices, not an AbstractMesh")
+    return Sharded(mesh, rules)(step), args
