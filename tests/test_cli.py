@@ -273,7 +273,7 @@ def test_explain_zero_sends_no_full_gradient_all_reduce_and_the_minimum(capsys):
     assert main(["explain", "--parallel", "zero", "--hardware", "h100", "--batch", "64"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("mlp under zero (ZeRO-3 by hand) on 8 devices, batch 64")
-    assert "full-gradient all-reduce: 0 B (of 8 B: the loss and accuracy)" in out
+    assert "full-gradient all-reduce: 0 B (8 B all-reduced, 8 B of it the loss and accuracy)" in out
     # 407,050 float32 parameters, each array padded to a multiple of 8 (the (10,) bias to 16): 1,628,224 B
     # gathered, 1/8 of it reduce-scattered to each device.
     assert "sent: all-gather 1,628,224 B + reduce-scatter 203,528 B = 1,831,752 B" in out

@@ -727,7 +727,8 @@ def zero_report(args: argparse.Namespace, optimizer: SGD, model: Any, batch: dic
     print(f"{args.model} under zero (ZeRO-{ZERO_STAGE} by hand) on {n} devices, batch {args.batch}")
     print("collectives of the zero step:\n" + "\n".join("  " + line for line in summary(found).splitlines()))
     gradient = max(sent["all-reduce"] - METRIC_BYTES, 0)
-    print(f"full-gradient all-reduce: {gradient:,} B (of {sent['all-reduce']:,} B: the loss and accuracy)")
+    reduced = f"{sent['all-reduce']:,} B all-reduced, {METRIC_BYTES} B of it the loss and accuracy"
+    print(f"full-gradient all-reduce: {gradient:,} B ({reduced})")
     gathered, scattered = sent["all-gather"], sent["reduce-scatter"]
     print(f"sent: all-gather {gathered:,} B + reduce-scatter {scattered:,} B = {gathered + scattered:,} B")
     minimum = whole + whole // n  # every parameter gathered, 1/n of every gradient scattered to each
