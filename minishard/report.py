@@ -142,19 +142,11 @@ def explain(
     With ``step`` and its example ``args``, the report also lists the
     collectives of the compiled step. ``step`` is a ``Sharded`` function (or
     anything with ``.lower``, such as a ``jax.jit`` function), or a plain
-    function, which is then wrapped in ``Sharded(mesh, rules)``. With
-    ``hardware`` too ("v5p", "h100", a key of ``minishard.costs.HARDWARE``), it
-    prices the step there: compute, communication, memory, the verdict, and the
-    per-device batch where the verdict flips (``costs.cost_report``).
+    function, which is then wrapped in ``Sharded(mesh, rules)``. With ``hardware``
+    too ("v5p", a key of ``costs.HARDWARE``), ``report.cost`` prices it there (``costs.cost_report``).
     """
     rows = _rows(tree, mesh, rules)
-    found, cost = None, None
-    if step is not None:
-        sharded, args = _compilable(step, args, mesh, rules)
-        found = collectives(sharded.lower(*args))
-        cost = None if hardware is None else cost_report(sharded, args, mesh, rules, hardware)
-    elif hardware is not None:
-        raise TypeError("explain: hardware= prices a step; give the step and its args too")
+    found, cost = _compiled(step, args, mesh, rules, hardware)
     return Report(
         mesh=dict(mesh.shape),
         rows=rows,
@@ -187,14 +179,21 @@ def _rows(tree: Any, mesh: AnyMesh, rules: AxisRules | None) -> tuple[Row, ...]:
     return tuple(rows)
 
 
-def _compilable(
-    step: Callable[..., Any], args: Sequence[Any] | None, mesh: AnyMesh, rules: AxisRules | None
-) -> tuple[Any, Sequence[Any]]:
-    """``step`` if it can ``.lower``, else ``Sharded(mesh, rules)(step)``, and its ``args``, checked."""
+def _compiled(
+    step: Callable[..., Any] | None, args: Sequence[Any] | None, mesh: AnyMesh, rules: AxisRules | None,
+    hardware: Hardware | str | None,
+) -> tuple[dict[str, Collective] | None, StepCost | None]:  # fmt: skip
+    """Compile ``step`` on ``args`` (wrapped in ``Sharded`` unless it can ``.lower``), count, and price."""
+    if step is None:
+        if hardware is not None:
+            raise TypeError("explain: hardware= prices a step; give the step and its args too")
+        return None, None
     if args is None:
         raise TypeError("explain: a step needs example args to compile it with, e.g. args=(model, batch)")
-    if hasattr(step, "lower"):
-        return step, args
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError("explain: compiling a step needs a mesh of real devices, not an AbstractMesh")
-    return Sharded(mesh, rules)(step), args
+    sharded: Any = step
+    if not hasattr(step, "lower"):
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError("explain: compiling a step needs a mesh of real devices, not an AbstractMesh")
+        sharded = Sharded(mesh, rules)(step)
+    cost = None if hardware is None else cost_report(sharded, args, mesh, rules, hardware)
+    return collectives(sharded.lower(*args)), cost
