@@ -259,7 +259,7 @@ class _Run:
     placer: Any = None  # a step that places the state itself (zero.ZeroStep), or None: Sharded's plan
 
     @classmethod
-    def start(cls, model: Any, optimizer: SGD, mesh: Mesh, rules: AxisRules | None, step: Any) -> _Run:
+    def start(cls, model: Any, optimizer: SGD, mesh: Mesh, rules: AxisRules | None, step: Any = None) -> _Run:
         placer = step if all(hasattr(step, name) for name in ("shard", "init", "gather")) else None
         signature = str(jax.tree_util.tree_structure(model)) + (f" under {placer!r}" if placer else "")
         # A copy: `shard` may reuse the caller's buffers, and the first (donating) step would delete them.
