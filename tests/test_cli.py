@@ -366,3 +366,11 @@ def test_train_parallel_zero_reaches_95_percent_on_mnist_in_one_epoch(capsys):
     assert main(["train", "--parallel", "zero", "--epochs", "1"]) == 0
     line = final_line(capsys.readouterr().out)
     assert float(line.rsplit("test acc ", 1)[1]) >= 0.95, line
+
+
+def test_explain_with_hardware_says_in_one_line_what_cannot_compile(capsys):
+    assert main(["explain", "--model", "vit", "--parallel", "tp", "--hardware", "h100"]) == 1  # 4 heads
+    err = capsys.readouterr().err
+    assert err.startswith("error: blocks[0].attention.query:") and len(err.strip().splitlines()) == 1
+    assert main(["explain", "--parallel", "dp", "--hardware", "h100", "--devices", "4"]) == 2  # 8 here
+    assert capsys.readouterr().err.strip() == "error: argument --devices: 4 asked, there are 8"

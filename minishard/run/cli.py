@@ -681,11 +681,26 @@ def cost_command(args: argparse.Namespace) -> int:
 
     The default model's train step is compiled on ``--devices`` (simulated)
     devices: its plan and collectives, priced on ``--hardware`` (``minishard.costs``).
+    A failure is one ``error:`` line (XLA:CPU compiled for 2,048 simulated devices here, not 4,096).
     """
     simulate_devices(args.devices)
     if (found := len(jax.devices())) != args.devices:
         print(f"error: argument --devices: {args.devices} asked, there are {found}", file=sys.stderr)
         return 2
+    try:
+        return _compile_and_price(args)
+    except ShardingError as error:
+        print(f"error: {error}", file=sys.stderr)
+    except jax.errors.JaxRuntimeError as error:  # e.g. too many simulated devices for XLA:CPU
+        first = str(error).splitlines()[0]
+        print(
+            f"error: XLA cannot compile the step on {found} devices ({first}); try fewer --devices",
+            file=sys.stderr,
+        )
+    return 1
+
+
+def _compile_and_price(args: argparse.Namespace) -> int:
     optimizer, model = SGD(0.1, momentum=0.9), build_model(args, jax.random.key(0))  # train's momentum
     step_args = (model, optimizer.init(model), example_batch(args))
     if args.compare:
@@ -699,11 +714,7 @@ def cost_command(args: argparse.Namespace) -> int:
     if args.parallel == ZERO:
         return zero_report(args, optimizer, model, step_args[-1])
     shape, rules = preset(args.parallel, args.devices)
-    try:
-        report = explain(model, make_mesh(shape), rules, make_train_step(optimizer), step_args, args.hardware)
-    except ShardingError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    report = explain(model, make_mesh(shape), rules, make_train_step(optimizer), step_args, args.hardware)
     warn_unused(shape, rules)
     print(f"{args.model} under {args.parallel} on {args.devices} devices, batch {args.batch}")
     show(report)
