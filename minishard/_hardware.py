@@ -57,4 +57,13 @@ HARDWARE = {
 }
 
 
-__all__ = ["HARDWARE", "Hardware"]
+def hardware_named(hardware: Hardware | str) -> Hardware:
+    """``hardware`` itself, or the entry of ``HARDWARE`` it names; an unknown name lists the known ones."""
+    if isinstance(hardware, Hardware):
+        return hardware
+    if hardware not in HARDWARE:
+        raise ValueError(f"unknown hardware {hardware!r}: one of {', '.join(HARDWARE)}")
+    return HARDWARE[hardware]
+
+
+__all__ = ["HARDWARE", "Hardware", "hardware_named"]

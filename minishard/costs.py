@@ -33,8 +33,7 @@ from typing import Any
 
 import jax
 
-from minishard._costplot import plot_comparison  # the picture of compare
-from minishard._hardware import HARDWARE, Hardware
+from minishard._hardware import HARDWARE, Hardware, hardware_named
 from minishard.census import as_asked, human_bytes, instructions, mesh_of
 from minishard.presets import PRESETS, preset
 from minishard.rules import AnyMesh, AxisRules, ShardingError
@@ -160,13 +159,13 @@ def step_cost(
     mesh: AnyMesh | None = None,
     overlap: float = BACKWARD,
 ) -> StepCost:
-    """Price a lowered (or compiled) step on ``hardware`` (a ``Hardware`` or a key of ``HARDWARE``).
+    """Price a lowered (or compiled) step on ``hardware`` (a ``Hardware`` or a key of ``HARDWARE``: "v5p").
 
     Given the ``Lowered`` program, bytes are counted in the float type it asked
     for (``collectives.as_asked``: XLA:CPU widens bf16 collectives to f32); a
     ``Compiled`` one is counted as compiled. ``batch``: examples per device.
     """
-    hardware = HARDWARE[hardware] if isinstance(hardware, str) else hardware
+    hardware = hardware_named(hardware)
     lowered = program if isinstance(program, jax.stages.Lowered) else None
     compiled = lowered.compile() if lowered is not None else program
     assert isinstance(compiled, jax.stages.Compiled)
@@ -184,7 +183,7 @@ def step_cost(
 
 
 def cost_report(
-    step: Callable[..., Any], args: Sequence[Any], mesh: jax.sharding.Mesh, rules: AxisRules | None,
+    step: Callable[..., Any], args: Sequence[Any], mesh: AnyMesh, rules: AxisRules | None,
     hardware: Hardware | str = "v5p",
 ) -> StepCost:  # fmt: skip
     """``step_cost`` of ``Sharded(mesh, rules)(step)`` on example ``args``, whose last is the batch.
@@ -194,7 +193,7 @@ def cost_report(
     ``.lower`` (a ``Sharded`` function, a ``zero.ZeroStep``) is lowered as it is;
     ``rules`` then only says how the batch splits.
     """
-    sharded = step if hasattr(step, "lower") else Sharded(mesh, rules)(step)
+    sharded = step if hasattr(step, "lower") else Sharded(mesh, rules)(step)  # type: ignore[arg-type]
     global_batch = jax.tree.leaves(args[-1])[0].shape[0]
     entry = rules.spec(("batch",), mesh)[0] if rules and "batch" in rules else None
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
@@ -250,7 +249,7 @@ def compare(
     ``args`` are the step's example arguments (model, optimizer state, batch);
     ``devices``: 0 for all of them. Each layout compiles once.
     """
-    hardware = HARDWARE[hardware] if isinstance(hardware, str) else hardware
+    hardware = hardware_named(hardware)
     devices = devices or jax.device_count()  # 0: all of them
     layouts = []
     for style in PRESETS:
@@ -293,5 +292,5 @@ def _time(seconds: float) -> str:
 
 __all__ = [
     "BACKWARD", "HARDWARE", "Comparison", "Hardware", "Layout", "Memory", "StepCost", "collective_time",
-    "compare", "cost_report", "critical_batch", "mesh_shapes", "plot_comparison", "step_cost",
+    "compare", "cost_report", "critical_batch", "mesh_shapes", "step_cost",
 ]  # fmt: skip

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minishard.census import Collective, collectives, human_bytes, summary
+from minishard.costs import Hardware, StepCost, cost_report
 from minishard.rules import AnyMesh, AxisRules, LogicalAxes
 from minishard.sharding import Sharded, plan
 from minishard.tree import named_leaves
@@ -66,7 +67,8 @@ class Report:
     * ``rows``: one ``Row`` per array, in the tree's order;
     * ``total_bytes``: all arrays, unsharded; ``device_bytes``: what one device holds;
     * ``collectives``: the step's collectives by kind, as ``collectives()`` returns
-      them (``None`` when no step was given).
+      them (``None`` when no step was given);
+    * ``cost``: the step priced on an accelerator (``minishard.costs``), when one was named.
     """
 
     mesh: dict[str, int]
@@ -75,6 +77,7 @@ class Report:
     device_bytes: int
     collectives: dict[str, Collective] | None = None
     step_name: str = "step"
+    cost: StepCost | None = None
 
     HEADER: ClassVar[tuple[str, ...]] = (
         "path",
@@ -111,7 +114,7 @@ class Report:
         if self.collectives is not None:
             lines += [f"collectives of {self.step_name}:"]
             lines += ["  " + line for line in summary(self.collectives).splitlines()]
-        return lines
+        return lines + (str(self.cost).splitlines() if self.cost else [])
 
     def __str__(self) -> str:
         n_devices = math.prod(self.mesh.values())
@@ -129,6 +132,7 @@ def explain(
     rules: AxisRules | None = None,
     step: Callable[..., Any] | None = None,
     args: Sequence[Any] | None = None,
+    hardware: Hardware | str | None = None,
 ) -> Report:
     """Every array of ``tree`` (a model, an optimizer state, ...) on ``mesh`` under ``rules``.
 
@@ -138,16 +142,19 @@ def explain(
     With ``step`` and its example ``args``, the report also lists the
     collectives of the compiled step. ``step`` is a ``Sharded`` function (or
     anything with ``.lower``, such as a ``jax.jit`` function), or a plain
-    function, which is then wrapped in ``Sharded(mesh, rules)``.
+    function, which is then wrapped in ``Sharded(mesh, rules)``. With ``hardware``
+    too ("v5p", a key of ``costs.HARDWARE``), ``report.cost`` prices it there (``costs.cost_report``).
     """
     rows = _rows(tree, mesh, rules)
+    found, cost = _compiled(step, args, mesh, rules, hardware)
     return Report(
         mesh=dict(mesh.shape),
         rows=rows,
         total_bytes=sum(row.bytes for row in rows),
         device_bytes=sum(row.device_bytes for row in rows),
-        collectives=None if step is None else _collectives_of(step, args, mesh, rules),
+        collectives=found,
         step_name=getattr(getattr(step, "fn", step), "__name__", "step"),
+        cost=cost,
     )
 
 
@@ -172,10 +179,15 @@ def _rows(tree: Any, mesh: AnyMesh, rules: AxisRules | None) -> tuple[Row, ...]:
     return tuple(rows)
 
 
-def _collectives_of(
-    step: Callable[..., Any], args: Sequence[Any] | None, mesh: AnyMesh, rules: AxisRules | None
-) -> dict[str, Collective]:
-    """Compile ``step`` on ``args`` (wrapped in ``Sharded`` unless it can ``.lower``) and count."""
+def _compiled(
+    step: Callable[..., Any] | None, args: Sequence[Any] | None, mesh: AnyMesh, rules: AxisRules | None,
+    hardware: Hardware | str | None,
+) -> tuple[dict[str, Collective] | None, StepCost | None]:  # fmt: skip
+    """Compile ``step`` on ``args`` (wrapped in ``Sharded`` unless it can ``.lower``), count, and price."""
+    if step is None:
+        if hardware is not None:
+            raise TypeError("explain: hardware= prices a step; give the step and its args too")
+        return None, None
     if args is None:
         raise TypeError("explain: a step needs example args to compile it with, e.g. args=(model, batch)")
     sharded: Any = step
@@ -183,4 +195,5 @@ def _collectives_of(
         if not isinstance(mesh, jax.sharding.Mesh):
             raise TypeError("explain: compiling a step needs a mesh of real devices, not an AbstractMesh")
         sharded = Sharded(mesh, rules)(step)
-    return collectives(sharded.lower(*args))
+    cost = None if hardware is None else cost_report(sharded, args, mesh, rules, hardware)
+    return collectives(sharded.lower(*args)), cost

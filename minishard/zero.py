@@ -87,6 +87,9 @@ class ZeroStep:
         self.shapes: Any = None  # the whole model's shapes, set by shard()
         self._step = jax.jit(self._shard_mapped, donate_argnums=(0, 1))
 
+    def __repr__(self) -> str:  # what a checkpoint's signature records: it resumes only under the same step
+        return f"ZeroStep(stage={self.stage}, axis={self.axis!r})"
+
     # -- where the arrays live, outside the step --------------------------------
     def _split(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(self.axis))
@@ -104,10 +107,11 @@ class ZeroStep:
         return jax.jit(self._blocks, out_shardings=self._split())(model)
 
     def gather(self, model: Any) -> Any:
-        """The whole model again (stage 3); the model itself at stage 2."""
+        """The whole model again, on every device (stage 3); the model itself at stage 2."""
         if self.stage < 3:
             return model
-        return jax.jit(lambda m: jax.tree.map(unpadded, m, self.shapes))(model)
+        whole = NamedSharding(self.mesh, P())  # every device holds all of it
+        return jax.jit(lambda m: jax.tree.map(unpadded, m, self.shapes), out_shardings=whole)(model)
 
     def init(self, model: Any) -> SGDState:
         """The optimizer's state for the *blocks*: each device holds 1/N of the velocity."""

@@ -256,3 +256,121 @@ def test_explain_plans_its_own_model_on_any_device_count(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: layers[0].weight:") and "mesh axis 'model'=50000" in err
     assert "usage:" not in err and len(err.strip().splitlines()) == 1
+
+
+# -- what a step costs (explain --hardware, --compare) and ZeRO by hand (--parallel zero) ---------------
+def test_explain_prices_a_preset_on_an_accelerator(capsys):
+    assert main(["explain", "--parallel", "fsdp", "--hardware", "v5p"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mlp under fsdp on 8 devices, batch 128") and "P('data', None)" in out
+    assert "collectives of train_step:" in out
+    assert "predicted step on TPU v5p, 16 examples per device" in out  # 128 over data=8
+    step = next(line for line in out.splitlines() if line.strip().startswith("step "))
+    assert re.search(r"step +[\d.]+ [µm]?s +communication-bound by x[\d.]+; flips at [\d,]+ examples", step)
+
+
+def test_explain_zero_sends_no_full_gradient_all_reduce_and_the_minimum(capsys):
+    assert main(["explain", "--parallel", "zero", "--hardware", "h100", "--batch", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mlp under zero (ZeRO-3 by hand) on 8 devices, batch 64")
+    assert "full-gradient all-reduce: 0 B (8 B all-reduced, 8 B of it the loss and accuracy)" in out
+    # 407,050 float32 parameters, each array padded to a multiple of 8 (the (10,) bias to 16): 1,628,224 B
+    # gathered, 1/8 of it reduce-scattered to each device.
+    assert "sent: all-gather 1,628,224 B + reduce-scatter 203,528 B = 1,831,752 B" in out
+    assert "+ 1/8: 1,831,752 B" in out and "predicted step on H100, 8 examples per device" in out
+
+
+@pytest.mark.slow  # 11 layouts compiled: ~8 s
+def test_explain_compare_ranks_every_layout_and_draws_them(tmp_path, capsys):
+    picture = tmp_path / "compare.png"
+    assert main(["explain", "--compare", "--hardware", "v5p", "--plot", str(picture)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "mlp, batch 128, on 8 devices: every preset and mesh shape"
+    rows = [line for line in lines if re.match(r"[* ] \w", line) and "style" not in line]
+    assert len(rows) == 11 and rows[0].startswith("* ") and not any(r.startswith("* ") for r in rows[1:])
+    steps = [float(re.split(r"\s+", row[2:].strip())[2]) for row in rows]  # all in µs for this model
+    assert steps == sorted(steps) and "(* the fastest predicted step on TPU v5p)" in lines
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+
+
+COST_FLAGS = [
+    (["explain", "--hardware", "v9"], "argument --hardware: invalid choice: 'v9'"),
+    (["explain", "--compare"], "argument --compare: needs --hardware"),
+    (["explain", "--parallel", "dp", "--hardware", "h100", "--batch", "100"],
+     "argument --batch: 100 cannot be split evenly over data=8 devices"),
+    (["explain", "--parallel", "2d", "--hardware", "h100", "--batch", "3"],
+     "argument --batch: 3 cannot be split evenly over data=2 devices"),
+    (["explain", "--compare", "--hardware", "v5p", "--batch", "4"],
+     "argument --batch: 4 cannot be split evenly over data=8 devices"),
+    (["explain", "--batch", "64"], "argument --batch: only a compiled step takes it; add --hardware"),
+    (["explain", "--parallel", "zero", "--plot", "zero.png"], "argument --plot: --parallel zero has no plan"),
+    (["train", "--parallel", "zero", "--rules", "mlp=data"], "argument --rules: --parallel zero places"),
+    (["train", "--parallel", "zero", "--explicit"], "argument --explicit: --parallel zero places"),
+    (["train", "--parallel", "zero", "--mesh", "data=2,model=4"],
+     "argument --mesh: --parallel zero runs on one axis, data=N"),
+    (["train", "--parallel", "zero", "--batch-size", "100"], "argument --batch-size: 100 cannot be split"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "message"), COST_FLAGS, ids=[" ".join(a) for a, _ in COST_FLAGS])
+def test_cost_and_zero_flags_are_one_error_line_before_any_work(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and message in err and out == "", err
+    assert err.strip().splitlines()[-1].startswith(f"minishard {argv[0]}: error: argument --")
+
+
+def test_train_parallel_zero_is_dp_s_mesh_and_rules_with_zero_s_step():
+    zero, dp = parse_args(["train", "--parallel", "zero"]), parse_args(["train", "--parallel", "dp"])
+    assert zero.zero and not dp.zero
+    assert (zero.mesh, str(cli_rules(zero, list(zero.mesh)))) == (dp.mesh, str(cli_rules(dp, list(dp.mesh))))
+    assert parse_args(["train", "--parallel", "zero", "--mesh", "data=4", "--devices", "4"]).mesh == {
+        "data": 4
+    }
+
+
+@pytest.fixture
+def synthetic_data(monkeypatch):
+    from launched import synthetic_mnist
+
+    from minishard.run import cli
+
+    monkeypatch.setitem(cli.DATASETS, "mnist", synthetic_mnist)
+
+
+@pytest.mark.slow  # four short trainings: ~8 s
+def test_train_zero_learns_like_dp_and_resumes_only_under_zero(tmp_path, capsys, synthetic_data):
+    small = ["train", "--layers", "784,32,10", "--batch-size", "64", "--checkpoint-dir"]
+    assert main([*small, str(tmp_path / "dp"), "--parallel", "dp", "--epochs", "2"]) == 0
+    dp = capsys.readouterr().out
+    zero = [*small, str(tmp_path / "zero"), "--parallel", "zero"]
+    assert main([*zero, "--epochs", "1"]) == 0
+    assert main([*zero, "--epochs", "2", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-3 by hand (minishard.zero): every array split 1/8 per device" in out
+    assert "Resumed from step 16" in out and final_line(out) == final_line(dp)  # the same to 3 digits
+    dp_resumes_zero = [*small, str(tmp_path / "zero"), "--parallel", "dp", "--epochs", "3", "--resume"]
+    assert main(dp_resumes_zero) == 1  # its velocity is ZeRO's flat blocks
+    err = capsys.readouterr().err
+    assert err.startswith("error: checkpoint ") and "holds other arrays than the state to restore" in err
+    assert "opt_state.velocity.layers[0].weight: checkpoint (25088,) float32, target (784, 32)" in err
+    zero_resumes_dp = [*small, str(tmp_path / "dp"), "--parallel", "zero", "--epochs", "3", "--resume"]
+    assert main(zero_resumes_dp) == 1
+    assert "target (25088,) float32" in capsys.readouterr().err
+
+
+@needs_mnist
+@pytest.mark.slow
+def test_train_parallel_zero_reaches_95_percent_on_mnist_in_one_epoch(capsys):
+    assert main(["train", "--parallel", "zero", "--epochs", "1"]) == 0
+    line = final_line(capsys.readouterr().out)
+    assert float(line.rsplit("test acc ", 1)[1]) >= 0.95, line
+
+
+def test_explain_with_hardware_says_in_one_line_what_cannot_compile(capsys):
+    assert main(["explain", "--model", "vit", "--parallel", "tp", "--hardware", "h100"]) == 1  # 4 heads
+    err = capsys.readouterr().err
+    assert err.startswith("error: blocks[0].attention.query:") and len(err.strip().splitlines()) == 1
+    assert main(["explain", "--parallel", "dp", "--hardware", "h100", "--devices", "4"]) == 2  # 8 here
+    assert capsys.readouterr().err.strip() == "error: argument --devices: 4 asked, there are 8"

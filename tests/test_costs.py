@@ -153,17 +153,3 @@ def test_compare_ranks_every_preset_and_mesh_shape():
     assert styles == set(PRESETS) and len(ranked.layouts) == 1 + 1 + 4 + 1 + 4  # 2-D styles: 1x8 .. 8x1
     times = [layout.cost.step_s for layout in ranked.layouts if layout.cost is not None]
     assert times == sorted(times) and str(ranked).splitlines()[1].startswith("* ")
-
-
-def test_plot_comparison_draws_one_bar_pair_per_layout(tmp_path):
-    pytest.importorskip("matplotlib")
-    from minishard.costs import Comparison, Layout, Memory, StepCost, plot_comparison
-
-    def cost(flops, seconds):
-        return StepCost(V5P, flops, 0.0, (("all-reduce", 1000, seconds),), Memory(1, 1, 1))
-
-    layouts = (Layout("tp", {"model": 8}, cost(1e9, 1e-5)), Layout("dp", {"data": 8}, cost(1e9, 2e-5)))
-    comparison = Comparison(V5P, (*layouts, Layout("fsdp", {"data": 8}, None, "does not divide")))
-    plot_comparison(comparison, str(tmp_path / "compare.png"))
-    assert (tmp_path / "compare.png").stat().st_size > 1000
-    assert "does not divide" in str(comparison) and str(comparison).splitlines()[1].startswith("* tp")

@@ -16,6 +16,7 @@ from models import F32, MEGATRON, SIZES, example, train_step
 
 import minishard as ms
 from minishard.census import collectives, summary
+from minishard.costs import cost_report
 from minishard.report import Report, explain
 from minishard.rules import AxisRules
 from minishard.run.data import DATASET_INFO
@@ -65,6 +66,23 @@ def test_explain_with_a_step_lists_its_collectives():
     assert explain(model, mesh, RULES_2D, step=sharded, args=args).collectives == expected
     with pytest.raises(TypeError, match="args"):
         explain(model, mesh, RULES_2D, step=train_step)
+
+
+def test_explain_with_hardware_prices_the_step():
+    mesh = make_mesh({"data": 2, "model": 4})
+    args = model, *_ = example(axes=MEGATRON)
+    sharded = Sharded(mesh, RULES_2D)(train_step)
+    report = explain(model, mesh, RULES_2D, step=sharded, args=args, hardware="v5p")
+    expected = cost_report(sharded, args, mesh, RULES_2D, "v5p")
+    assert report.cost is not None and report.cost.batch == 64 / 2  # the batch rule: "data", 2 ways
+    assert (report.cost.flops, report.cost.communication) == (expected.flops, expected.communication)
+    text = str(report)
+    assert text.endswith(str(expected)) and "predicted step on TPU v5p, 32 examples per device" in text
+    assert report.cost.verdict in text and "collectives of train_step:" in text
+    with pytest.raises(TypeError, match="hardware= prices a step; give the step and its args too"):
+        explain(model, mesh, RULES_2D, hardware="v5p")
+    with pytest.raises(ValueError, match="unknown hardware 'v9': one of v4p, v5e, v5p, v6e, h100"):
+        explain(model, mesh, RULES_2D, step=sharded, args=args, hardware="v9")
 
 
 def test_explain_covers_every_leaf_of_any_tree():

@@ -24,6 +24,8 @@ from typing import Any, NoReturn
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 import jax.numpy as jnp
 
+from minishard.census import collectives, summary
+from minishard.costs import HARDWARE, compare, cost_report
 from minishard.layers import ACTIVATIONS, megatron_axes, mlp
 from minishard.models.vit import ViT
 from minishard.optim import SGD, Schedule, exponential_decay, warmup_cosine_decay
@@ -32,9 +34,16 @@ from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
 from minishard.run import distributed, launch
 from minishard.run.data import DATASET_INFO, DATASETS, DataError
-from minishard.run.render import plot_report, show
-from minishard.run.train import TrainingError, check_checkpoint_dir, enable_compilation_cache, fit
+from minishard.run.render import plot_comparison, plot_report, show
+from minishard.run.train import (
+    TrainingError,
+    check_checkpoint_dir,
+    enable_compilation_cache,
+    fit,
+    make_train_step,
+)
 from minishard.sharding import Sharded, make_mesh
+from minishard.zero import zero_train_step
 
 try:  # orbax is an optional extra (minishard[checkpoint])
     from minishard.run.checkpoint import CheckpointError
@@ -179,7 +188,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return launch.check(args, launcher.error)
     if args.subcommand == "explain":
         _check_output("--plot", args.plot, PLOT_FORMATS, explainer.error)
+        check_cost_flags(args, explainer.error)
         return _fill_model_defaults(args)
+    args = finish_zero(args, train.error)  # --parallel zero: dp's mesh and rules, ZeRO's step
     return _finish_train(args, train.error)  # "minishard train: error: ...", as argparse words its own
 
 
@@ -246,7 +257,7 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--explicit", action="store_true", help="Explicit mesh axes: shardings are part of array types")
     add(
         "--parallel",
-        choices=PRESETS,
+        choices=PARALLEL_STYLES,
         help="a named style's mesh and rules (--mesh and --rules still override)",
     )
     add(
@@ -289,9 +300,10 @@ def add_explain_arguments(explainer: argparse.ArgumentParser) -> None:
     explainer.set_defaults(dataset="mnist")  # the default model's shapes: MNIST's
     add = explainer.add_argument
     add("--model", choices=sorted(MODEL_DEFAULTS), default="mlp", help="(default %(default)s)")
-    add("--parallel", choices=PRESETS, default="2d", help="(default %(default)s)")
+    add("--parallel", choices=PARALLEL_STYLES, default="2d", help="(default %(default)s)")
     add("--devices", type=_at_least(1), default=8, help="(default %(default)s)")
     add("--plot", help=f"draw which devices hold each block of each parameter ({', '.join(PLOT_FORMATS)})")
+    add_cost_arguments(explainer)
 
 
 def _finish_train(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> argparse.Namespace:
@@ -484,6 +496,7 @@ def train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         keep=args.keep,
         **resume,
+        make_step=zero_step(args, mesh),  # None: fit's own Sharded step
         metrics_log=args.log if distributed.is_main_process() else None,  # one writer per file
         log_every=20,
     )
@@ -579,8 +592,11 @@ def explain_command(args: argparse.Namespace) -> int:
 
     Nothing is trained or allocated: the model is built by ``jax.eval_shape`` and
     planned on an ``AbstractMesh`` with the style's rules, so any device count
-    works on any machine.
+    works on any machine. Pricing a step (``--hardware``, ``--compare``) or ZeRO's
+    step (``--parallel zero``) compiles it: see ``cost_command``.
     """
+    if args.hardware or args.compare or args.parallel == ZERO:
+        return cost_command(args)
     shape, rules = preset(args.parallel, args.devices)
     mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
     model = jax.eval_shape(lambda: build_model(args, jax.random.key(0)))
@@ -595,6 +611,141 @@ def explain_command(args: argparse.Namespace) -> int:
     if args.plot:
         plot_report(report, args.plot)
         print(f"Wrote {args.plot}")
+    return 0
+
+
+# -- what a step costs (minishard.costs), and ZeRO by hand (minishard.zero) ---------------------
+ZERO = "zero"
+"""``--parallel zero``: data parallelism written by hand (``minishard.zero``) at ``ZERO_STAGE``:
+parameters, gradients and SGD velocity split over "data". The other styles are presets."""
+ZERO_STAGE = 3
+PARALLEL_STYLES = (*PRESETS, ZERO)
+METRIC_BYTES = 2 * 4
+"""What any train step all-reduces besides gradients: its loss and accuracy, two float32 scalars."""
+
+
+def add_cost_arguments(explainer: argparse.ArgumentParser) -> None:
+    """``minishard explain``'s flags that compile the default model's train step and price it."""
+    add = explainer.add_argument
+    add("--hardware", choices=list(HARDWARE), help="price the train step on this accelerator")
+    add("--batch", type=_at_least(1), help=f"global batch of that step (default {DEFAULTS['batch_size']})")
+    add("--compare", action="store_true", help="rank every preset and mesh shape on --hardware")
+
+
+def check_cost_flags(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
+    """--compare needs --hardware; --batch needs a step to compile, and must split over "data"."""
+    compiles = args.hardware or args.compare or args.parallel == ZERO
+    if args.compare and not args.hardware:
+        error("argument --compare: needs --hardware, the accelerator to rank the layouts on (e.g. v5p)")
+    if args.batch is not None and not compiles:
+        error("argument --batch: only a compiled step takes it; add --hardware (or --parallel zero)")
+    if args.parallel == ZERO and args.plot and not args.compare:
+        error("argument --plot: --parallel zero has no plan to draw (it splits flat blocks); use --compare")
+    args.batch = args.batch or DEFAULTS["batch_size"]
+    whole = args.compare or args.parallel == ZERO  # "data" may span every device
+    ways = args.devices if whole else preset(args.parallel, args.devices)[0].get("data", 1)
+    if compiles and args.batch % ways:
+        error(f"argument --batch: {args.batch} cannot be split evenly over data={ways} devices")
+
+
+def finish_zero(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> argparse.Namespace:
+    """``train --parallel zero``: dp's mesh ("data" over every device) and rules, and ``args.zero``."""
+    args.zero = args.parallel == ZERO
+    if args.zero:
+        if args.rules or args.explicit:
+            flag = "--rules" if args.rules else "--explicit"
+            error(f"argument {flag}: --parallel zero places every array itself (minishard.zero); drop {flag}")
+        if args.mesh is not None and list(args.mesh) != ["data"]:
+            error(f"argument --mesh: --parallel zero runs on one axis, data=N; got {args.mesh}")
+        args.parallel = "dp"
+    return args
+
+
+def zero_step(args: argparse.Namespace, mesh: jax.sharding.Mesh) -> Callable[[SGD], Any] | None:
+    """``fit``'s ``make_step`` for ``--parallel zero`` (None otherwise: fit's own Sharded step)."""
+    if not args.zero:
+        return None
+    print(f"ZeRO-{ZERO_STAGE} by hand (minishard.zero): every array split 1/{mesh.size} per device")
+    return lambda optimizer: zero_train_step(optimizer, mesh, stage=ZERO_STAGE)
+
+
+def example_batch(args: argparse.Namespace) -> dict[str, jax.Array]:
+    """``--batch`` blank examples shaped for ``args.model`` (the MLP's flattened): to compile a step."""
+    shape = DATASET_INFO[args.dataset].input_shape
+    image = (math.prod(shape),) if args.model == "mlp" else shape
+    return {"image": jnp.zeros((args.batch, *image)), "label": jnp.zeros(args.batch, jnp.int32)}
+
+
+def cost_command(args: argparse.Namespace) -> int:
+    """``explain --hardware H [--parallel NAME | --compare] [--batch B]`` and ``explain --parallel zero``.
+
+    The default model's train step is compiled on ``--devices`` (simulated)
+    devices: its plan and collectives, priced on ``--hardware`` (``minishard.costs``).
+    A failure is one ``error:`` line (XLA:CPU compiled for 2,048 simulated devices here, not 4,096).
+    """
+    simulate_devices(args.devices)
+    if (found := len(jax.devices())) != args.devices:
+        print(f"error: argument --devices: {args.devices} asked, there are {found}", file=sys.stderr)
+        return 2
+    try:
+        return _compile_and_price(args)
+    except ShardingError as error:
+        print(f"error: {error}", file=sys.stderr)
+    except jax.errors.JaxRuntimeError as error:  # e.g. too many simulated devices for XLA:CPU
+        first = str(error).splitlines()[0]
+        print(
+            f"error: XLA cannot compile the step on {found} devices ({first}); try fewer --devices",
+            file=sys.stderr,
+        )
+    return 1
+
+
+def _compile_and_price(args: argparse.Namespace) -> int:
+    optimizer, model = SGD(0.1, momentum=0.9), build_model(args, jax.random.key(0))  # train's momentum
+    step_args = (model, optimizer.init(model), example_batch(args))
+    if args.compare:
+        ranked = compare(make_train_step(optimizer), step_args, args.hardware, args.devices)
+        print(f"{args.model}, batch {args.batch}, on {args.devices} devices: every preset and mesh shape")
+        print(ranked)
+        if args.plot:
+            plot_comparison(ranked, args.plot)
+            print(f"Wrote {args.plot}")
+        return 0
+    if args.parallel == ZERO:
+        return zero_report(args, optimizer, model, step_args[-1])
+    shape, rules = preset(args.parallel, args.devices)
+    report = explain(model, make_mesh(shape), rules, make_train_step(optimizer), step_args, args.hardware)
+    warn_unused(shape, rules)
+    print(f"{args.model} under {args.parallel} on {args.devices} devices, batch {args.batch}")
+    show(report)
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"Wrote {args.plot}")
+    return 0
+
+
+def zero_report(args: argparse.Namespace, optimizer: SGD, model: Any, batch: dict[str, jax.Array]) -> int:
+    """What ZeRO's step sends, against the analytic minimum: an all-gather of the parameters
+    (each padded to split evenly) plus a reduce-scatter of their gradients; no gradient all-reduce."""
+    n, mesh = args.devices, make_mesh({"data": args.devices})
+    step = zero_train_step(optimizer, mesh, stage=ZERO_STAGE)
+    placed = step.shard(model)
+    step_args = (placed, step.init(placed), batch)
+    found = collectives(step.lower(*step_args))
+    kinds = ("all-gather", "reduce-scatter", "all-reduce")
+    sent = {kind: found[kind].bytes if kind in found else 0 for kind in kinds}
+    whole = sum((leaf.size + -leaf.size % n) * leaf.dtype.itemsize for leaf in jax.tree.leaves(model))
+    print(f"{args.model} under zero (ZeRO-{ZERO_STAGE} by hand) on {n} devices, batch {args.batch}")
+    print("collectives of the zero step:\n" + "\n".join("  " + line for line in summary(found).splitlines()))
+    gradient = max(sent["all-reduce"] - METRIC_BYTES, 0)
+    reduced = f"{sent['all-reduce']:,} B all-reduced, {METRIC_BYTES} B of it the loss and accuracy"
+    print(f"full-gradient all-reduce: {gradient:,} B ({reduced})")
+    gathered, scattered = sent["all-gather"], sent["reduce-scatter"]
+    print(f"sent: all-gather {gathered:,} B + reduce-scatter {scattered:,} B = {gathered + scattered:,} B")
+    minimum = whole + whole // n  # every parameter gathered, 1/n of every gradient scattered to each
+    print(f"the minimum: the parameters (padded to split {n} ways) {whole:,} B + 1/{n}: {minimum:,} B")
+    if args.hardware:
+        print(cost_report(step, step_args, mesh, preset("dp", n)[1], args.hardware))
     return 0
 
 
@@ -616,3 +767,11 @@ def _latest_checkpoint(directory: str | None) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+__all__ = [
+    "add_cost_arguments", "add_explain_arguments", "add_train_arguments", "build_model", "check_cost_flags",
+    "cli_rules", "cost_command", "example_batch", "explain_command", "finish_zero", "learning_rate", "main",
+    "parse_args", "plot_history", "simulate_devices", "train", "train_command", "unused_mesh_axes",
+    "warn_unused", "zero_report", "zero_step",
+]  # fmt: skip

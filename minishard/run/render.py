@@ -1,4 +1,5 @@
-"""Drawing an ``explain`` report: a rich table, HTML for notebooks, a picture of the blocks.
+"""Drawing an ``explain`` report: a rich table, HTML for notebooks, a picture of the blocks;
+and the picture of ``minishard.costs.compare``: compute against communication per layout.
 
 ``minishard.explain`` builds the report and prints it as text; how it looks
 anywhere else is the workshop's business, kept here so the textbook stays about
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 
 from minishard import Report
+from minishard.costs import Comparison
 
 
 def rich_table(report: Report) -> Any:
@@ -121,3 +123,30 @@ def plot_report(report: Report, path: str, max_panels: int = 8) -> None:
 def _flat_spec(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:
     """A 1-D array drawn as one row: its only dimension becomes the columns."""
     return jax.sharding.PartitionSpec(None, *tuple(spec)[:1])
+
+
+def plot_comparison(comparison: Comparison, path: str) -> None:
+    """Save a horizontal bar chart: per layout, the compute the communication can hide behind
+    (2/3 of the step's FLOPs) and the communication, on a log scale; the fastest on top."""
+    import matplotlib  # an optional extra: imported only to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = [layout for layout in comparison.layouts if layout.cost is not None][::-1]
+    names = [f"{layout.style} {'x'.join(map(str, layout.mesh.values()))}" for layout in layouts]
+    hidden = [layout.cost.overlap * layout.cost.compute_s * 1e6 for layout in layouts if layout.cost]
+    comms = [layout.cost.comm_s * 1e6 for layout in layouts if layout.cost]
+    fig, ax = plt.subplots(figsize=(6.4, 0.32 * len(layouts) + 1.6))
+    rows = range(len(layouts))
+    ax.barh([r + 0.2 for r in rows], hidden, height=0.4, label="backward-pass compute (µs)", color="tab:blue")
+    ax.barh([r - 0.2 for r in rows], comms, height=0.4, label="communication (µs)", color="tab:orange")
+    ax.set(yticks=list(rows), yticklabels=names, xscale="log", xlabel="µs per step, predicted")
+    ax.set_title(f"compute vs communication on {comparison.hardware.name} (fastest on top)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["device_blocks", "plot_comparison", "plot_report", "report_html", "rich_table", "show"]

@@ -181,6 +181,7 @@ def fit(
     metrics_log: str | os.PathLike[str] | None = None,
     log_every: int = 100,
     progress: bool | None = None,
+    make_step: Callable[[SGD], Any] | None = None,
 ) -> tuple[Any, Any, History]:
     """Train ``model`` for ``epochs`` epochs in total; return ``(model, opt_state, history)``.
 
@@ -195,13 +196,20 @@ def fit(
     deletes them (see ``check_checkpoint_dir``). A non-finite loss stops training
     (``NonFiniteLossError``) before anything bad is saved, naming the kept steps.
     The caller's ``model`` is left intact: ``fit`` trains a copy.
+
+    ``make_step(optimizer)`` builds another training step than
+    ``Sharded(mesh, rules)(make_train_step(optimizer))``, with the same
+    signature. One with ``shard``, ``init`` and ``gather`` (``minishard.zero``'s
+    ``ZeroStep``) places the model and optimizer state itself; evaluation,
+    checkpoints and the returned model see ``gather(model)``, and its
+    checkpoints resume only under the same step.
     """
     check_checkpoint_dir(checkpoint_dir, resume=resume, resume_from=resume_from, overwrite=overwrite)
     _check_settings(epochs=epochs, keep=keep, log_every=log_every, checkpoint_every=checkpoint_every)
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
-    train_step = sharded(make_train_step(optimizer))
+    train_step = make_step(optimizer) if make_step else sharded(make_train_step(optimizer))
     test = _tester(Sharded(mesh, rules)(eval_step), eval_data, sharded.batch_sharding)  # None: no eval_data
-    run = _Run.start(model, optimizer, mesh, rules)
+    run = _Run.start(model, optimizer, mesh, rules, train_step)
     with contextlib.ExitStack() as open_files:
         checkpointer = _open_checkpointer(open_files, checkpoint_dir, keep, overwrite, log)
         if checkpointer is not None and (resume or resume_from is not None):
@@ -221,7 +229,7 @@ def fit(
                     _save(checkpointer, run, train_data, epoch, index + 1)
             _end_epoch(run, epoch, started, train_data.steps_per_epoch, test, log, metrics)
             _save(checkpointer, run, train_data, epoch + 1, 0)
-    return run.model, run.opt_state, run.history
+    return run.whole_model(), run.opt_state, run.history
 
 
 # -- fit's helpers, in the order it calls them ------------------------------------------------
@@ -248,16 +256,25 @@ class _Run:
     curve: list[list[float]] = dataclasses.field(default_factory=list)  # this epoch's [step, loss] samples
     history: History = dataclasses.field(default_factory=list)
     compiled: bool = False  # the first step compiles, and says so
+    placer: Any = None  # a step that places the state itself (zero.ZeroStep), or None: Sharded's plan
 
     @classmethod
-    def start(cls, model: Any, optimizer: SGD, mesh: Mesh, rules: AxisRules | None) -> _Run:
-        signature = str(jax.tree_util.tree_structure(model))
+    def start(cls, model: Any, optimizer: SGD, mesh: Mesh, rules: AxisRules | None, step: Any = None) -> _Run:
+        placer = step if all(hasattr(step, name) for name in ("shard", "init", "gather")) else None
+        signature = str(jax.tree_util.tree_structure(model)) + (f" under {placer!r}" if placer else "")
         # A copy: `shard` may reuse the caller's buffers, and the first (donating) step would delete them.
         model = jax.tree_util.tree_map(jnp.copy, shard(model, mesh, rules))
+        if placer is not None:
+            model = placer.shard(model)
+            return cls(model, placer.init(model), signature, placer=placer)
         return cls(model, shard(optimizer.init(model), mesh, rules), signature)
 
+    def whole_model(self) -> Any:
+        """The model as evaluated and saved: gathered, if the step keeps it split."""
+        return self.placer.gather(self.model) if self.placer is not None else self.model
+
     def state(self) -> dict[str, Any]:
-        return {"model": self.model, "opt_state": self.opt_state}
+        return {"model": self.whole_model(), "opt_state": self.opt_state}
 
 
 def _tester(
@@ -301,6 +318,8 @@ def _resume(
 
     run.step, state, meta = checkpointer.restore(run.state(), step=step, check_meta=check_meta)
     run.model, run.opt_state = state["model"], state["opt_state"]
+    if run.placer is not None:  # saved whole: split it again
+        run.model = run.placer.shard(run.model)
     run.epoch, run.batch, run.sums, run.history = (meta[k] for k in ("epoch", "batch", "sums", "history"))
     run.curve = meta.get("curve", [])  # older checkpoints have none
     if run.epoch >= epochs:
@@ -460,7 +479,7 @@ def _end_epoch(
         "loss_curve": run.curve,  # [step, loss] every log_every steps, for plots
     }
     if test is not None:
-        record["test_acc"] = test(run.model)
+        record["test_acc"] = test(run.whole_model())
     run.history.append(record)
     log(format_epoch(record))
     if metrics:
