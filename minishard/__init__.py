@@ -11,7 +11,10 @@ idea, and imports only the ones before it.
 * ``sharding``: meshes, one ``plan`` for a whole tree, ``shard`` and ``Sharded``;
 * ``presets``: five named styles (dp, tp, 2d, fsdp, fsdp+tp) as a mesh shape and rules;
 * ``census``: ``collectives``, what a compiled program sends between devices, read from its HLO;
-* ``report``: ``explain``, the plan and the collectives of a step, as one ``Report``.
+* ``costs``: what a step would take on a TPU or GPU (a roofline from the compiled program);
+* ``report``: ``explain``, the plan, the collectives and the cost of a step, as one ``Report``;
+* ``pipeline``: pipeline parallelism by hand (microbatches, GPipe, circular schedules);
+* ``zero``: ZeRO by hand with ``shard_map``: the minimum bytes for data parallelism.
 
 Running it (``minishard.run``, the workshop: it uses the names above as any user would):
 ``data``, ``checkpoint``, ``train``, ``distributed``, ``launch``, ``render`` (the report as

@@ -311,3 +311,18 @@ def _die_with_parent(launcher: int) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+__all__ = [
+    "HELP",
+    "MINISHARD_COMMANDS",
+    "Launch",
+    "add_arguments",
+    "check",
+    "command_line",
+    "environment",
+    "free_port",
+    "main",
+    "parse_args",
+    "run",
+]
