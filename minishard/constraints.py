@@ -42,13 +42,9 @@ from minishard import _diagnose
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes, ShardingError
 
 __all__ = [
-    "DEFAULT_BATCH_AXIS",
-    "LogicalSharding",
-    "activation_axes",
-    "as_activation",
-    "constrain",
-    "output_sharding",
-]
+    "DEFAULT_BATCH_AXIS", "LogicalSharding", "activation_axes", "as_activation", "constrain",
+    "output_sharding"
+]  # fmt: skip
 
 DEFAULT_BATCH_AXIS = "batch"
 """The logical axis of a batch's leading dimension, unless ``Sharded(batch_axis=...)`` names another."""

@@ -47,17 +47,9 @@ from minishard.constraints import activation_axes, as_activation, output_shardin
 from minishard.rules import LogicalAxes
 
 __all__ = [
-    "ACTIVATIONS",
-    "Layer",
-    "Linear",
-    "ReLU",
-    "Sequential",
-    "Swish",
-    "check_input",
-    "check_key",
-    "megatron_axes",
-    "mlp",
-]
+    "ACTIVATIONS", "Layer", "Linear", "ReLU", "Sequential", "Swish", "check_input", "check_key",
+    "megatron_axes", "mlp"
+]  # fmt: skip
 
 _BUILDING = "__building__"  # in a layer's __dict__ only while its __init__ runs
 

@@ -28,19 +28,9 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from minishard import _checks
 
 __all__ = [
-    "IDENTITY_RULES",
-    "AnyMesh",
-    "Attempt",
-    "AxisRules",
-    "LogicalAxes",
-    "MeshAxes",
-    "P",
-    "RuleTrace",
-    "ShardingError",
-    "as_mesh_axes",
-    "resolve",
-    "split_count",
-]
+    "IDENTITY_RULES", "AnyMesh", "Attempt", "AxisRules", "LogicalAxes", "MeshAxes", "P", "RuleTrace",
+    "ShardingError", "as_mesh_axes", "resolve", "split_count"
+]  # fmt: skip
 
 P = PartitionSpec
 AnyMesh = Mesh | AbstractMesh

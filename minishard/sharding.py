@@ -461,16 +461,6 @@ def _scalars_replicated(leaf: Any) -> tuple[LogicalAxes, PartitionSpec] | None:
 
 
 __all__ = [
-    "LeafPlan",
-    "OutsideLayers",
-    "Plan",
-    "Sharded",
-    "ShardedFunction",
-    "Specs",
-    "make_mesh",
-    "named_shardings",
-    "partition_specs",
-    "plan",
-    "replicated",
-    "shard",
-]
+    "LeafPlan", "OutsideLayers", "Plan", "Sharded", "ShardedFunction", "Specs", "make_mesh",
+    "named_shardings", "partition_specs", "plan", "replicated", "shard"
+]  # fmt: skip
