@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from minishard import _diagnose
+from minishard import _diagnose, _sharding
 from minishard._diagnose import is_deleted
 from minishard.constraints import DEFAULT_BATCH_AXIS, LogicalSharding
 from minishard.layers import Layer
@@ -367,7 +367,7 @@ class ShardedFunction:
         leaves, treedef = jax.tree_util.tree_flatten(args)
         found = self._cache.get(treedef)
         if found is None:
-            found = self._cache[treedef] = (_positions_outside_layers(args), {})
+            found = self._cache[treedef] = (_sharding.positions_outside_layers(args), {})
         outside, by_scalars = found
         scalars = tuple([getattr(leaves[i], "ndim", 0) == 0 for i in outside])
         compiled = by_scalars.get(scalars)
@@ -386,7 +386,7 @@ class ShardedFunction:
         in_shardings = tuple(jax.tree_util.tree_leaves(named_shardings(inputs, mesh)))
         traced = env.wrap(self._on_leaves(treedef, in_shardings))  # constrain inside fn reads env
         outputs = self._plan_outputs(self._eval_shape(traced, args, leaves))
-        donated = _leaf_positions(args, self.donated_args)
+        donated = _sharding.leaf_positions(args, self.donated_args)
         jitted = jax.jit(  # over the flat leaves: __call__ has them already, so JAX flattens nothing
             traced,
             in_shardings=in_shardings,
@@ -397,7 +397,7 @@ class ShardedFunction:
 
     def _on_leaves(self, treedef: Any, in_shardings: tuple[NamedSharding, ...]) -> Callable[..., Any]:
         """``fn`` over the flat leaves, as jit and eval_shape trace it."""
-        fn, typed = self.fn, _typed if self.config.logical_sharding.explicit else _as_given
+        fn, typed = self.fn, _sharding.typed if self.config.logical_sharding.explicit else _sharding.as_given
 
         def on_leaves(*leaves: Any) -> Any:  # traced once per key: rebuilding the trees here is free
             return fn(*jax.tree_util.tree_unflatten(treedef, typed(leaves, in_shardings)))
@@ -419,40 +419,6 @@ class ShardedFunction:
         except Exception as error:
             _diagnose.ambiguous_layout(self, args, Layer, error)
             raise
-
-
-def _typed(leaves: tuple[Any, ...], shardings: tuple[NamedSharding, ...]) -> list[Any]:
-    """Explicit meshes: trace with the types the shardings imply, however the inputs were placed.
-
-    An unplaced input (a numpy array, a fresh model) has an unsharded type; ``reshard``
-    gives it the type ``in_shardings`` already placed it with: a trace-time relabel, free per call.
-    """
-    return [
-        jax.sharding.reshard(x, s) if jax.typeof(x).sharding.mesh.empty else x
-        for x, s in zip(leaves, shardings)
-    ]
-
-
-def _as_given(leaves: tuple[Any, ...], shardings: tuple[NamedSharding, ...]) -> tuple[Any, ...]:
-    return leaves  # Auto meshes: types carry no sharding
-
-
-def _leaf_positions(args: tuple[Any, ...], argnums: tuple[int, ...]) -> tuple[int, ...]:
-    """The positions, among the flattened ``args``, of the leaves of the arguments ``argnums``."""
-    starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(arg)) for arg in args])
-    return tuple(i for a in argnums for i in range(starts[a], starts[a + 1]))
-
-
-def _positions_outside_layers(tree: Any) -> tuple[int, ...]:
-    """Indices, in ``tree_leaves(tree)``, of the leaves that do not belong to a Layer."""
-    positions, index = [], 0
-    for node in jax.tree_util.tree_leaves(tree, is_leaf=lambda node: isinstance(node, Layer)):
-        if isinstance(node, Layer):
-            index += len(jax.tree_util.tree_leaves(node))
-        else:
-            positions.append(index)
-            index += 1
-    return tuple(positions)
 
 
 def _scalars_replicated(leaf: Any) -> tuple[LogicalAxes, PartitionSpec] | None:
