@@ -19,8 +19,10 @@ from hypothesis import strategies as st
 
 import minishard as ms
 from minishard import pipeline as pp
-from minishard._pipeline import one_f_one_b
-from minishard.run.train import make_train_step
+from minishard._pipeline_1f1b import one_f_one_b
+from minishard.models.vit import stacked_vit
+from minishard.presets import preset_rules
+from minishard.run.train import make_train_step, microbatched_train_step
 
 WIDTH = 8
 
@@ -84,14 +86,14 @@ def test_plan_rows_lead_with_the_stage_axis():
     sizes = [12, WIDTH, WIDTH, WIDTH, WIDTH, WIDTH, 3]  # 4 square hidden Linears: 4 stacked blocks
     model = jax.eval_shape(lambda: pp.stacked_mlp(sizes, key=jax.random.key(0)))
     mesh = ms.make_mesh({"data": 2, "stage": 4}, devices=jax.devices()[:8])
-    rows = {leaf.path: leaf for leaf in ms.plan(model, mesh, pp.pipeline_rules(data=True)).leaves}
+    rows = {leaf.path: leaf for leaf in ms.plan(model, mesh, preset_rules("dp+pp")).leaves}
     weight = rows["blocks.block.layers[0].weight"]
     assert (weight.shape, weight.logical_axes) == ((4, WIDTH, WIDTH), ("stage", None, None))
     assert rows["before.layers[0].weight"].logical_axes == (None, None)
 
 
 def test_stacked_vit_blocks_carry_the_stage_axis():
-    model = jax.eval_shape(lambda: pp.stacked_vit(key=jax.random.key(0), depth=2, width=16, heads=2))
+    model = jax.eval_shape(lambda: stacked_vit(key=jax.random.key(0), depth=2, width=16, heads=2))
     query = model.blocks.block.attention
     assert query.query.shape == (2, 16, 2, 8)
     assert query.param_logical_axes()["query"] == ("stage", "embed", "heads", "kv")
@@ -175,8 +177,8 @@ def test_a_pipelined_model_trains_like_the_sequential_one():
     piped = model.replace(schedule=pp.Schedule(mesh, microbatches=4, data_axis="data"))
     rng = np.random.default_rng(0)
     batch = {"image": rng.normal(size=(16, 12)).astype(np.float32), "label": rng.integers(0, 3, 16)}
-    step = ms.Sharded(mesh, pp.pipeline_rules(data=True))(make_train_step(ms.SGD(0.1)))
-    model_step = ms.Sharded(mesh, pp.pipeline_rules(data=True))(pp.microbatched_train_step(ms.SGD(0.1), 2))
+    step = ms.Sharded(mesh, preset_rules("dp+pp"))(make_train_step(ms.SGD(0.1)))
+    model_step = ms.Sharded(mesh, preset_rules("dp+pp"))(microbatched_train_step(ms.SGD(0.1), 2))
     opt_state = ms.SGD(0.1).init(model)
     report = pp.pipeline_report(step, (piped, opt_state, batch))  # what `explain` shows
     assert (report["stages"], report["ticks"], report["bubble"]) == (4, 7, 3 / 7)

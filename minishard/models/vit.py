@@ -113,6 +113,7 @@ import jax.numpy as jnp
 
 from minishard.constraints import activation_axes, as_activation, output_sharding
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key, mlp
+from minishard.pipeline import Stacked, StackedModel
 from minishard.presets import preset_rules
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes
 
@@ -366,6 +367,27 @@ class ViT(Layer):
         return {}  # every parameter lives in a sub-layer, which answers for itself
 
 
+def stacked_vit(
+    *, key: jax.Array, depth: int = 4, width: int = 64, heads: int = 4, classes: int = 10
+) -> StackedModel:
+    """The default ViT (28x28x1 images, patches of 7) with its ``depth`` blocks stacked for a pipeline.
+
+    ``minishard.pipeline.Stacked`` holds the blocks, their parameters on a
+    leading "stage" axis; the embedding runs before them and the norm, pool and
+    head after, outside the pipeline (``minishard train --model vit --parallel pp``).
+
+    >>> model = jax.eval_shape(lambda: stacked_vit(key=jax.random.key(0)))
+    >>> model.blocks.n, model.blocks.block.attention.query.shape
+    (4, (4, 64, 4, 16))
+    """
+    check_key("stacked_vit", key)
+    k_embed, k_blocks, k_head = jax.random.split(key, 3)
+    before = PatchEmbedding(28, 7, 1, width, key=k_embed)
+    blocks = Stacked(lambda k: Block(width, heads, 2 * width, key=k), depth, key=k_blocks)
+    head = Linear(width, classes, key=k_head, scale=width**-0.5, axes=("embed", "classes"))
+    return StackedModel(before, blocks, Sequential([LayerNorm(width), MeanPool(), head]))
+
+
 __all__ = [
     "Attention",
     "Block",
@@ -373,5 +395,6 @@ __all__ = [
     "MeanPool",
     "PatchEmbedding",
     "ViT",
+    "stacked_vit",
     "vit_rules",
 ]

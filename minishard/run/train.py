@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from minishard.losses import accuracy, cross_entropy, one_hot
 from minishard.optim import SGD
+from minishard.pipeline import microbatched
 from minishard.rules import AxisRules
 from minishard.run.data import Batch, Dataset, to_global
 from minishard.sharding import Sharded, shard
@@ -69,6 +70,7 @@ __all__ = [
     "fit",
     "format_epoch",
     "make_train_step",
+    "microbatched_train_step",
 ]
 
 History = list[dict[str, Any]]
@@ -102,6 +104,26 @@ def make_train_step(optimizer: SGD) -> Callable[..., Any]:
         (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(model)
         model, opt_state = optimizer.update(model, grads, opt_state)
         return model, opt_state, loss, accuracy(logits, batch["label"])
+
+    return train_step
+
+
+def microbatched_train_step(optimizer: SGD, m: int) -> Callable[..., Any]:
+    """``make_train_step``, its gradients accumulated over ``m`` microbatches (``pipeline.microbatched``).
+
+    The same step (loss and gradients averaged over the batch), one microbatch's
+    activations alive at a time: ``minishard train --microbatches M``.
+    """
+
+    def loss_fn(model: Any, batch: GlobalBatch) -> tuple[jax.Array, jax.Array]:
+        logits = model(batch["image"])
+        labels = batch["label"]
+        return cross_entropy(logits, one_hot(labels, logits.shape[-1])), accuracy(logits, labels)
+
+    def train_step(model: Any, opt_state: Any, batch: GlobalBatch) -> tuple[Any, Any, jax.Array, jax.Array]:
+        (loss, acc), grads = microbatched(loss_fn, m)(model, batch)
+        model, opt_state = optimizer.update(model, grads, opt_state)
+        return model, opt_state, loss, acc
 
     return train_step
 
