@@ -368,9 +368,18 @@ class ViT(Layer):
 
 
 def stacked_vit(
-    *, key: jax.Array, depth: int = 4, width: int = 64, heads: int = 4, classes: int = 10
+    image_size: int = 28,
+    patch_size: int = 7,
+    channels: int = 1,
+    width: int = 64,
+    depth: int = 4,
+    heads: int = 4,
+    mlp_ratio: int = 2,
+    classes: int = 10,
+    *,
+    key: jax.Array,
 ) -> StackedModel:
-    """The default ViT (28x28x1 images, patches of 7) with its ``depth`` blocks stacked for a pipeline.
+    """``ViT(...)``'s layers with its ``depth`` blocks stacked, for a pipeline (same arguments, no remat).
 
     ``minishard.pipeline.Stacked`` holds the blocks, their parameters on a
     leading "stage" axis; the embedding runs before them and the norm, pool and
@@ -382,8 +391,8 @@ def stacked_vit(
     """
     check_key("stacked_vit", key)
     k_embed, k_blocks, k_head = jax.random.split(key, 3)
-    before = PatchEmbedding(28, 7, 1, width, key=k_embed)
-    blocks = Stacked(lambda k: Block(width, heads, 2 * width, key=k), depth, key=k_blocks)
+    before = PatchEmbedding(image_size, patch_size, channels, width, key=k_embed)
+    blocks = Stacked(lambda k: Block(width, heads, mlp_ratio * width, key=k), depth, key=k_blocks)
     head = Linear(width, classes, key=k_head, scale=width**-0.5, axes=("embed", "classes"))
     return StackedModel(before, blocks, Sequential([LayerNorm(width), MeanPool(), head]))
 

@@ -203,6 +203,7 @@ def fit(
     metrics_log: str | os.PathLike[str] | None = None,
     log_every: int = 100,
     progress: bool | None = None,
+    microbatches: int = 1,
 ) -> tuple[Any, Any, History]:
     """Train ``model`` for ``epochs`` epochs in total; return ``(model, opt_state, history)``.
 
@@ -216,12 +217,17 @@ def fit(
     holding another run's checkpoints is refused unless ``overwrite=True``
     deletes them (see ``check_checkpoint_dir``). A non-finite loss stops training
     (``NonFiniteLossError``) before anything bad is saved, naming the kept steps.
-    The caller's ``model`` is left intact: ``fit`` trains a copy.
+    The caller's ``model`` is left intact: ``fit`` trains a copy. ``microbatches > 1``
+    accumulates each step's gradients over that many microbatches (``microbatched_train_step``).
     """
     check_checkpoint_dir(checkpoint_dir, resume=resume, resume_from=resume_from, overwrite=overwrite)
-    _check_settings(epochs=epochs, keep=keep, log_every=log_every, checkpoint_every=checkpoint_every)
+    _check_settings(epochs=epochs, keep=keep, log_every=log_every, checkpoint_every=checkpoint_every,
+                    microbatches=microbatches)  # fmt: skip
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
-    train_step = sharded(make_train_step(optimizer))
+    one = (
+        make_train_step(optimizer) if microbatches == 1 else microbatched_train_step(optimizer, microbatches)
+    )
+    train_step = sharded(one)
     test = _tester(Sharded(mesh, rules)(eval_step), eval_data, sharded.batch_sharding)  # None: no eval_data
     run = _Run.start(model, optimizer, mesh, rules)
     with contextlib.ExitStack() as open_files:
