@@ -714,14 +714,15 @@ def explain_pipeline(args: argparse.Namespace, rules: AxisRules) -> int:
     split = args.microbatches * shape.get("data", 1)  # a microbatch's rows split over "data"
     if problem := (
         f"--devices: {args.devices} devices asked, there are {len(jax.devices())}"
-        if args.devices != len(jax.devices())
+        if args.devices > len(jax.devices())
         else f"--microbatches: a batch of {batch_size} is not a multiple of {split}"
         if batch_size % split
         else ""
     ):
         print(f"error: argument {problem}", file=sys.stderr)
         return 2
-    mesh, info, args.batch_size = make_mesh(shape), DATASET_INFO[args.dataset], batch_size
+    mesh = make_mesh(shape, devices=jax.devices()[: args.devices])
+    info, args.batch_size = DATASET_INFO[args.dataset], batch_size
     model = pipelined(jax.eval_shape(lambda: build_model(args, jax.random.key(0))), args, mesh)
     image = (info.num_features,) if args.model == "mlp" else info.input_shape
     batch = {
