@@ -318,6 +318,29 @@ def test_data_tensor_and_2d_parallel_give_the_same_loss_curve(small_train, tmp_p
 
 
 @needs_mnist
+def test_gradient_accumulation_gives_the_loss_curve_of_the_full_batch(small_train, tmp_path):
+    def curve(microbatches):
+        log = tmp_path / f"m{microbatches}.jsonl"
+        fit(model_of([784, 64, 10]), sgd(), small_train, mesh=ms.make_mesh({"data": 2, "model": 4}),
+            rules=ms.AxisRules(**MEGATRON_RULES), epochs=1, metrics_log=log, log_every=1,
+            microbatches=microbatches, **QUIET)  # fmt: skip
+        return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "step" in r]
+
+    full, accumulated = curve(1), curve(4)  # 4 microbatches of 32 per step of 128
+    assert len(full) == 8 and full[-1] < full[0]
+    np.testing.assert_allclose(accumulated, full, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"fit: microbatches must be an int >= 1, got 0"):
+        fit(
+            model_of([784, 64, 10]),
+            sgd(),
+            small_train,
+            mesh=ms.make_mesh({"data": 8}),
+            epochs=1,
+            microbatches=0,
+        )
+
+
+@needs_mnist
 def test_non_finite_loss_stops_training_and_names_the_step(small_train):
     exploding = ms.SGD(1e6, momentum=0.9)
     with pytest.raises(NonFiniteLossError, match=r"loss is (nan|inf) at step \d+ \(epoch 1, batch \d+\)"):
