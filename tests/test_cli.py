@@ -319,3 +319,12 @@ def test_explain_reads_a_pipelines_ticks_bubble_and_bytes_from_the_compiled_step
     assert f"collective-permute over 'stage': {2 * 11 * 16 * 256 * 4} bytes per step" in out
     assert re.search(r"temporary memory: [\d.]+ MB per device", out)
     assert "stage 3 | . . . 0 1 2 3 4 5 6 7" in out
+
+
+def test_explain_checks_a_pipelines_microbatches_and_devices_before_any_work(capsys):
+    assert main(["explain", "--parallel", "dp+pp", "--microbatches", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.strip()) == ("", "error: argument --microbatches: a batch of 128 is not a multiple of 6")
+    assert main(["explain", "--parallel", "pp", "--devices", "16"]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.strip()) == ("", "error: argument --devices: 16 devices asked, there are 8")

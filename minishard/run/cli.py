@@ -595,8 +595,8 @@ def explain_command(args: argparse.Namespace) -> int:
     planned on an ``AbstractMesh`` with the style's rules, so any device count
     works on any machine.
     """
-    if args.parallel in PIPELINED:  # its costs are read from the compiled step: devices are needed
-        simulate_devices(args.devices)
+    if args.parallel in PIPELINED and (refused := _check_pipeline_explain(args)):
+        return refused  # before any work: a pipeline's step is compiled below, on devices
     shape, rules = preset(args.parallel, args.devices)
     mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
     model = jax.eval_shape(lambda: build_model(args, jax.random.key(0)))
@@ -617,6 +617,8 @@ def explain_command(args: argparse.Namespace) -> int:
 # -- pipelines: --parallel pp and dp+pp, --microbatches (docs/pipeline.md) ---------------------
 PIPELINE_WIDTH = 256
 """The MLP's hidden width under a pipeline style when --layers is not given: 784, 256 x (stages + 1), 10."""
+EXPLAIN_BATCH = 128
+"""The batch of the training step ``explain --parallel pp`` compiles (train's default --batch-size)."""
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
@@ -703,26 +705,31 @@ def pipelined(model: Any, args: argparse.Namespace, mesh: Any) -> Any:
     p, m = plan.stages, plan.microbatches
     print(
         f"Pipeline: {model.blocks.n} blocks over {p} stages, {m} microbatches of "
-        f"{args.batch_size // m} examples, {plan.ticks} ticks; bubble {pipeline.bubble_fraction(p, m):.3f}"
+        f"{getattr(args, 'batch_size', EXPLAIN_BATCH) // m} examples, {plan.ticks} ticks; "
+        f"bubble {pipeline.bubble_fraction(p, m):.3f}"
     )
     return model.replace(schedule=plan)
 
 
+def _check_pipeline_explain(args: argparse.Namespace) -> int:
+    """Simulate the devices ``explain_pipeline`` compiles on; 2 (one ``error:`` line) if they cannot."""
+    simulate_devices(args.devices)
+    split = args.microbatches * preset(args.parallel, args.devices)[0].get("data", 1)
+    if args.devices > len(jax.devices()):
+        problem = f"--devices: {args.devices} devices asked, there are {len(jax.devices())}"
+    elif EXPLAIN_BATCH % split:  # a microbatch's rows split over "data"
+        problem = f"--microbatches: a batch of {EXPLAIN_BATCH} is not a multiple of {split}"
+    else:
+        return 0
+    print(f"error: argument {problem}", file=sys.stderr)
+    return 2
+
+
 def explain_pipeline(args: argparse.Namespace, rules: AxisRules) -> int:
     """Compile one training step of the pipelined model and print what it costs (``pipeline_report``)."""
-    shape, batch_size = preset(args.parallel, args.devices)[0], DEFAULTS["batch_size"]
-    split = args.microbatches * shape.get("data", 1)  # a microbatch's rows split over "data"
-    if problem := (
-        f"--devices: {args.devices} devices asked, there are {len(jax.devices())}"
-        if args.devices > len(jax.devices())
-        else f"--microbatches: a batch of {batch_size} is not a multiple of {split}"
-        if batch_size % split
-        else ""
-    ):
-        print(f"error: argument {problem}", file=sys.stderr)
-        return 2
+    shape, batch_size = preset(args.parallel, args.devices)[0], EXPLAIN_BATCH
     mesh = make_mesh(shape, devices=jax.devices()[: args.devices])
-    info, args.batch_size = DATASET_INFO[args.dataset], batch_size
+    info = DATASET_INFO[args.dataset]
     model = pipelined(jax.eval_shape(lambda: build_model(args, jax.random.key(0))), args, mesh)
     image = (info.num_features,) if args.model == "mlp" else info.input_shape
     batch = {
