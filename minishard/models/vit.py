@@ -264,7 +264,13 @@ class PatchEmbedding(Layer):
         g = size // p  # patches per side
         # [B, g, p, g, p, C] -> [B, g, g, p, p, C] -> [B, g*g, p*p*C]: local to each example,
         # so a batch split over "data" stays split, with no communication.
-        patches = images.reshape(-1, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(-1, g * g, p * p * c)
+        # On an Explicit mesh a reshape must say where its output goes (None elsewhere: JAX decides).
+        split = jnp.reshape(images, (-1, g, p, g, p, c), out_sharding=output_sharding(activation_axes(6)))
+        patches = jnp.reshape(
+            split.transpose(0, 1, 3, 2, 4, 5),
+            (-1, g * g, p * p * c),
+            out_sharding=output_sharding(activation_axes(3)),
+        )
         return self.projection(patches) + as_activation(self.positions, activation_axes(3, "tokens", "embed"))
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
