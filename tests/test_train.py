@@ -32,6 +32,8 @@ from minishard.run.train import (
     check_checkpoint_dir,
     enable_compilation_cache,
     fit,
+    make_train_step,
+    microbatched_train_step,
 )
 
 needs_mnist = pytest.mark.skipif(
@@ -338,6 +340,23 @@ def test_gradient_accumulation_gives_the_loss_curve_of_the_full_batch(small_trai
             epochs=1,
             microbatches=0,
         )
+
+
+def test_microbatches_cut_the_temporary_memory_of_a_vit_step():
+    # What `minishard train --microbatches M` reports at compile: the activations of one microbatch.
+    model = jax.eval_shape(lambda: ViT(depth=2, key=jax.random.key(0)))
+    batch = {
+        "image": jax.ShapeDtypeStruct((512, 28, 28, 1), jnp.float32),
+        "label": jax.ShapeDtypeStruct((512,), jnp.int32),
+    }
+    mesh, optimizer = ms.make_mesh({"data": 8}), ms.SGD(0.1)
+    temp = {}
+    for m, step in ((1, make_train_step(optimizer)), (8, microbatched_train_step(optimizer, m=8))):
+        lowered = ms.Sharded(mesh, vit_rules("dp"))(step).lower(
+            model, jax.eval_shape(optimizer.init, model), batch
+        )
+        temp[m] = lowered.compile().memory_analysis().temp_size_in_bytes
+    assert temp[8] < temp[1] / 3, temp
 
 
 @needs_mnist
