@@ -8,15 +8,12 @@ tick after tick: a loop, with one ``jax.lax.ppermute`` per tick, inside
 ``jax.shard_map``, where each device runs its own part of the program. This
 module writes that loop in four steps:
 
-1. **Microbatches.** Split a batch into ``m`` and add up their gradients in a
-   ``lax.scan``: the same gradients, ``m`` times less activation memory. This is
-   the first half of a pipeline (it needs microbatches to keep stages busy).
-2. **Stacked blocks.** ``n`` identical blocks whose parameters share a leading
-   ``"stage"`` axis, so a rule ``stage -> "stage"`` gives each device its layers.
-3. **The schedule.** ``slot(tick, stage)`` says what a stage does at a tick;
-   ``pipeline`` runs it, ``schedule`` draws it (docs/pipeline.md).
-4. **Costs.** ``bubble_fraction``, and ``pipeline_report`` reads the ticks, the
-   bytes sent and the temporary memory from the compiled program.
+1. **Microbatches.** Split a batch into ``m``, add up their gradients in a ``lax.scan``: the
+   same gradients, ``m`` times less activation memory; the first half of a pipeline.
+2. **Stacked blocks.** ``n`` identical blocks, their parameters on a leading ``"stage"``
+   axis: the rule ``stage -> "stage"`` (the ``pp`` preset) gives each device its layers.
+3. **The schedule.** ``slot(tick, stage)`` says what a stage does at a tick; ``pipeline`` runs it.
+4. **Costs.** ``bubble_fraction``; ``pipeline_report`` reads ticks, bytes and memory from the program.
 
 >>> schedule(p=2, m=3)      # stage 1 starts a tick late and finishes a tick late: the bubble
 [[0, 1, 2, None], [None, 0, 1, 2]]
@@ -36,18 +33,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from minishard._pipeline import (
-    compiled_ticks,
-    draw,
-    microbatched_train_step,
-    pipeline_preset,
-    pipeline_rules,
-    stacked_mlp,
-    stacked_vit,
-    staged,
-)
+from minishard._pipeline import compiled_ticks, draw, staged
 from minishard.census import bytes_by_mesh_axes
-from minishard.layers import Layer
+from minishard.layers import Layer, Linear, Sequential, Swish
 
 # --- 1. microbatches: gradient accumulation ------------------------------------
 
@@ -145,6 +133,23 @@ class StackedModel(Layer):
         h = self.before(x)
         h = self.blocks(h) if self.schedule is None else pipeline(self.blocks, h, self.schedule)
         return self.after(h)
+
+
+def stacked_mlp(sizes: list[int], *, key: jax.Array) -> StackedModel:
+    """``mlp(sizes)`` with its equal hidden Linears stacked: ``[784, 256, 256, 256, 10]`` stacks 2.
+
+    Weights have standard deviation ``1/sqrt(inputs)``: ``mlp``'s 0.01 fades to nothing in a deep stack.
+
+    >>> jax.eval_shape(lambda: stacked_mlp([784, 256, 256, 256, 10], key=jax.random.key(0))).blocks.n
+    2
+    """
+    width, k_in, k_blocks, k_out = sizes[1], *jax.random.split(key, 3)
+    if len(sizes) < 4 or set(sizes[1:-1]) != {width}:
+        raise ValueError(f"stacked_mlp: sizes need >= 2 equal hidden widths, got {sizes}")
+    linear = lambda n_in, n_out, k: Linear(n_in, n_out, key=k, scale=n_in**-0.5)  # noqa: E731
+    before = Sequential([linear(sizes[0], width, k_in), Swish()])
+    blocks = Stacked(lambda k: Sequential([linear(width, width, k), Swish()]), len(sizes) - 3, key=k_blocks)
+    return StackedModel(before, blocks, linear(width, sizes[-1], k_out))
 
 
 # --- 3. the schedule, and the loop that runs it ---------------------------------
@@ -259,8 +264,7 @@ def megatron_bubble(p: int, m: int, r: int = 1) -> float:
 def pipeline_report(step: Any, args: tuple[Any, ...], plan: Schedule | None = None) -> dict[str, Any]:
     """What ``explain`` prints for a pipelined step: stages, ticks, bubble, bytes sent, temp memory.
 
-    ``plan``: by default the schedule of the first ``StackedModel`` in ``args``.
-    """
+    ``plan``: by default the schedule of the first ``StackedModel`` in ``args``."""
     plan = plan or next(a.schedule for a in args if isinstance(a, StackedModel) and a.schedule)
     compiled = step.lower(*args).compile()
     ticks, work = compiled_ticks(compiled), plan.repeats * plan.microbatches
@@ -285,15 +289,11 @@ __all__ = [
     "draw",
     "megatron_bubble",
     "microbatched",
-    "microbatched_train_step",
     "pipeline",
-    "pipeline_preset",
     "pipeline_report",
-    "pipeline_rules",
     "run_blocks",
     "schedule",
     "slot",
     "split_microbatches",
     "stacked_mlp",
-    "stacked_vit",
 ]

@@ -1,4 +1,4 @@
-"""Five named ways to spread a model over devices: a mesh shape and ordered rules for each.
+"""Seven named ways to spread a model over devices: a mesh shape and ordered rules for each.
 
 Nobody should have to write rules to *try* a style. ``preset(name, devices)``
 returns the mesh shape and the ``AxisRules`` of one of them; the model never
@@ -14,6 +14,9 @@ changes, only where its logical axes go:
   of every weight and of the optimizer state that mirrors it, and XLA gathers
   a weight only while computing with it.
 * ``fsdp+tp``: FSDP on "data" and Megatron on "model".
+* ``pp``: pipeline parallel. A model's stacked blocks (``minishard.pipeline``)
+  over "stage", every device a stage; ``dp+pp``: the batch over "data" too.
+  They split only the logical axis "stage", which only stacked blocks name.
 
 The rules are ordered (Flax's semantics): for an activation ``(batch, embed)``
 the batch rule comes first and takes "data", so ``embed`` falls back to its
@@ -41,30 +44,35 @@ STYLES: dict[str, tuple[tuple[str, MeshAxes], ...]] = {
     "2d": (("batch", "data"), ("mlp", "model"), ("heads", "model")),
     "fsdp": (("batch", "data"), ("embed", "data"), ("mlp", "data"), ("heads", "data")),
     "fsdp+tp": (("batch", "data"), ("mlp", "model"), ("heads", "model"), ("embed", "data")),
+    "pp": (("stage", "stage"),),
+    "dp+pp": (("batch", "data"), ("stage", "stage")),
 }
 """What each style splits, as ordered rules; every logical axis they leave is replicated."""
-PRESETS = tuple(STYLES)
-LOGICAL_AXES = ("batch", "embed", "mlp", "heads", "kv", "tokens", "patch", "classes")
+PIPELINED = tuple(name for name, splits in STYLES.items() if ("stage", "stage") in splits)
+"""The styles that need a model with stacked blocks (``minishard.pipeline.Stacked``)."""
+PRESETS = tuple(name for name in STYLES if name not in PIPELINED)
+"""The styles any model takes."""
+LOGICAL_AXES = ("batch", "embed", "mlp", "heads", "kv", "tokens", "patch", "classes", "stage")
 """Every logical axis minishard's MLP and ViT name: each preset gives each one a rule."""
 
 
 def preset(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
     """``(mesh shape, rules)`` of the style ``name`` on ``devices`` devices.
 
-    2-D styles put 2 devices on "data" and the rest on "model" (``2d`` on 8
-    devices: data=2 x model=4), or 1 on "data" when ``devices`` is odd.
+    2-D styles put 2 devices on "data" and the rest on "model" or "stage" (``2d``
+    on 8 devices: data=2 x model=4), or 1 on "data" when ``devices`` is odd.
 
-    >>> preset("2d", 8)[0], preset("tp", 8)[0]
-    ({'data': 2, 'model': 4}, {'model': 8})
+    >>> preset("2d", 8)[0], preset("tp", 8)[0], preset("dp+pp", 8)[0]
+    ({'data': 2, 'model': 4}, {'model': 8}, {'data': 2, 'stage': 4})
     """
     rules = preset_rules(name)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"preset: devices must be an int >= 1, got {devices!r}")
-    mesh_axes = [axis for axis in ("data", "model") if axis in dict(STYLES[name]).values()]
+    mesh_axes = [axis for axis in ("data", "model", "stage") if axis in dict(STYLES[name]).values()]
     if len(mesh_axes) == 1:
         return {mesh_axes[0]: devices}, rules
     data = 2 if devices % 2 == 0 and devices > 1 else 1
-    return {"data": data, "model": devices // data}, rules
+    return {"data": data, mesh_axes[1]: devices // data}, rules
 
 
 def preset_rules(name: str, overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
@@ -76,7 +84,7 @@ def preset_rules(name: str, overrides: Mapping[str, MeshAxes] = {}) -> AxisRules
     P('model', None)
     """
     if name not in STYLES:
-        raise ValueError(f"preset: unknown parallel style {name!r}; choose from {', '.join(PRESETS)}")
+        raise ValueError(f"preset: unknown parallel style {name!r}; choose from {', '.join(STYLES)}")
     replicated = [(axis, None) for axis in LOGICAL_AXES]
     return AxisRules.from_pairs([*overrides.items(), *STYLES[name], *replicated])
 
@@ -97,4 +105,4 @@ def rules_for_mesh(mesh_axes: Sequence[str], overrides: Mapping[str, MeshAxes] =
     return AxisRules(**{**{axis: splits.get(axis) for axis in LOGICAL_AXES}, **overrides})
 
 
-__all__ = ["LOGICAL_AXES", "PRESETS", "STYLES", "preset", "preset_rules", "rules_for_mesh"]
+__all__ = ["LOGICAL_AXES", "PIPELINED", "PRESETS", "STYLES", "preset", "preset_rules", "rules_for_mesh"]

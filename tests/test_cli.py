@@ -83,6 +83,33 @@ BAD_FLAGS = [
         ["--overwrite", "--resume-from", "3", "--checkpoint-dir", "x"],
         "give --overwrite or --resume, not both",
     ),
+    # pipelines (docs/pipeline.md): the blocks must split over the stages, the batch into microbatches
+    (
+        ["--parallel", "pp", "--devices", "4", "--layers", "784,256,256,256,256,10"],
+        "argument --layers: 3 identical 256x256 blocks cannot split over 4 stages; give 4 blocks",
+    ),
+    (["--parallel", "pp", "--layers", "784,256,128,10"], "argument --layers: a pipeline stacks equal hidden"),
+    (["--parallel", "pp", "--layers", "784,256,10"], "argument --layers: a pipeline stacks equal hidden"),
+    (
+        ["--parallel", "pp", "--model", "vit", "--depth", "6"],
+        "argument --depth: 6 blocks cannot split over 8",
+    ),
+    (
+        ["--parallel", "pp", "--model", "vit", "--remat"],
+        "argument --remat: not with a pipeline (--parallel pp)",
+    ),
+    (["--parallel", "dp+pp", "--explicit"], "argument --explicit: not with a pipeline (--parallel dp+pp)"),
+    (
+        ["--parallel", "pp", "--mesh", "data=8"],
+        "argument --mesh: --parallel pp puts stacked blocks on a 'stage'",
+    ),
+    (
+        ["--parallel", "dp+pp", "--microbatches", "3"],
+        "argument --microbatches: --batch-size 128 does not split",
+    ),
+    (["--microbatches", "5"], "argument --microbatches: --batch-size 128 does not split into 5 microbatches"),
+    (["--microbatches", "0"], "argument --microbatches: must be at least 1"),
+    (["--parallel", "gpipe"], "argument --parallel: invalid choice: 'gpipe'"),
 ]
 
 
@@ -104,6 +131,17 @@ def test_the_mesh_is_decided_from_the_parsed_values_however_it_is_spelled():
     assert parse_args(["train", "--parallel", "dp"]).mesh == {"data": 8}
     assert parse_args(["train", "--parallel", "fsdp+tp", "--devices", "4"]).mesh == {"data": 2, "model": 2}
     assert parse_args(["train"]).mesh == {"data": 2, "model": 4}
+
+
+def test_a_pipeline_stacks_one_block_per_stage_by_default_with_two_microbatches_per_stage():
+    dp_pp, pp = parse_args(["train", "--parallel", "dp+pp"]), parse_args(["train", "--parallel", "pp"])
+    assert dp_pp.mesh == {"data": 2, "stage": 4} and dp_pp.layers == [784, *[256] * 5, 10]
+    assert (pp.mesh, pp.microbatches, len(pp.layers)) == ({"stage": 8}, 16, 11)  # 8 blocks of 256 x 256
+    assert parse_args(["train", "--parallel", "pp", "--mesh", "stage=4", "--devices", "4"]).microbatches == 8
+    vit = parse_args(["train", "--model", "vit", "--parallel", "dp+pp"])
+    assert (vit.depth, vit.microbatches) == (4, 8)
+    assert parse_args(["train", "--model", "vit", "--parallel", "pp"]).depth == 8  # 4 rounded up to 8 stages
+    assert parse_args(["train", "--microbatches", "4"]).layers == [784, 512, 10]  # no pipeline: accumulation
 
 
 def test_each_model_gets_its_own_defaults():
@@ -374,3 +412,37 @@ def test_explain_with_hardware_says_in_one_line_what_cannot_compile(capsys):
     assert err.startswith("error: blocks[0].attention.query:") and len(err.strip().splitlines()) == 1
     assert main(["explain", "--parallel", "dp", "--hardware", "h100", "--devices", "4"]) == 2  # 8 here
     assert capsys.readouterr().err.strip() == "error: argument --devices: 4 asked, there are 8"
+
+
+@needs_mnist
+@pytest.mark.slow  # about 20 s: one epoch of the stacked MLP on data 2 x stage 4
+def test_the_cli_trains_a_pipeline_on_data_and_stage_axes(capsys):
+    assert main(["train", "--parallel", "dp+pp", "--epochs", "1", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "Pipeline: 4 blocks over 4 stages, 4 microbatches of 32 examples, 7 ticks; bubble 0.429" in out
+    assert (
+        "blocks.block.layers[0].weight  (4, 256, 256)  ('stage', None, None)  P('stage', None, None)" in out
+    )
+    assert float(re.search(r"test acc ([\d.]+)", final_line(out)).group(1)) > 0.9
+
+
+@pytest.mark.slow  # compiles one training step
+def test_explain_reads_a_pipelines_ticks_bubble_and_bytes_from_the_compiled_step(capsys):
+    assert main(["explain", "--parallel", "pp", "--devices", "4", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "mlp under pp on 4 devices" in out and "(4, 256, 256)" in out
+    assert "stages 4, microbatches 8, ticks 11 (read from the compiled loop)" in out
+    assert "bubble 0.273 from the program, 0.273 = (p-1)/(m+p-1)" in out
+    # forward and backward: 2 shifts per tick of one microbatch, 16 rows x 256 float32
+    assert f"collective-permute over 'stage': {2 * 11 * 16 * 256 * 4} bytes per step" in out
+    assert re.search(r"temporary memory: [\d.]+ MB per device", out)
+    assert "stage 3 | . . . 0 1 2 3 4 5 6 7" in out
+
+
+def test_explain_checks_a_pipelines_microbatches_and_devices_before_any_work(capsys):
+    assert main(["explain", "--parallel", "dp+pp", "--microbatches", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.strip()) == ("", "error: argument --microbatches: a batch of 128 is not a multiple of 6")
+    assert main(["explain", "--parallel", "pp", "--devices", "16"]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.strip()) == ("", "error: argument --devices: 16 devices asked, there are 8")

@@ -18,7 +18,7 @@ from models import SIZES, example, train_step
 import minishard as ms
 from minishard.census import bytes_by_mesh_axes
 from minishard.constraints import constrain
-from minishard.presets import LOGICAL_AXES, PRESETS, STYLES, preset, preset_rules, rules_for_mesh
+from minishard.presets import LOGICAL_AXES, PIPELINED, PRESETS, STYLES, preset, preset_rules, rules_for_mesh
 from minishard.rules import ShardingError
 from minishard.testing import assert_sharded_equivalent, axis_rules, batch_sizes, meshes, mlps
 from minishard.tree import tree_bytes
@@ -54,11 +54,20 @@ def test_a_preset_puts_two_devices_on_data_and_the_rest_on_model():
         assert preset(name, 8)[1].pairs == preset_rules(name).pairs == (*STYLES[name], *replicated)
 
 
+def test_the_pipeline_styles_split_only_the_stage_axis():
+    assert PIPELINED == ("pp", "dp+pp") and not set(PIPELINED) & set(PRESETS)  # PRESETS: any model
+    assert preset("pp", 8)[0] == {"stage": 8} and preset("dp+pp", 8)[0] == {"data": 2, "stage": 4}
+    rules = preset_rules("dp+pp")
+    assert rules.spec(("stage", "embed", "mlp")) == P("stage", None, None)
+    assert rules.spec(("batch", "embed")) == P("data", None)
+    assert preset_rules("dp").spec(("stage", "embed")) == P(None, None)  # a stacked model under dp
+
+
 def test_a_preset_refuses_an_unknown_style_or_device_count():
-    with pytest.raises(ValueError, match=r"unknown parallel style 'pp'; choose from dp, tp, 2d, fsdp"):
-        preset("pp", 8)
-    with pytest.raises(ValueError, match=r"preset: unknown parallel style 'pp'"):
-        preset_rules("pp")
+    with pytest.raises(ValueError, match=r"unknown parallel style 'gpipe'; choose from dp, .*, pp, dp\+pp"):
+        preset("gpipe", 8)
+    with pytest.raises(ValueError, match=r"preset: unknown parallel style 'gpipe'"):
+        preset_rules("gpipe")
     for devices in (0, 2.0, True):
         with pytest.raises(ValueError, match=r"preset: devices must be an int >= 1, got"):
             preset("dp", devices)

@@ -32,6 +32,8 @@ from minishard.run.train import (
     check_checkpoint_dir,
     enable_compilation_cache,
     fit,
+    make_train_step,
+    microbatched_train_step,
 )
 
 needs_mnist = pytest.mark.skipif(
@@ -315,6 +317,46 @@ def test_data_tensor_and_2d_parallel_give_the_same_loss_curve(small_train, tmp_p
     assert len(curves["2d"]) == small_train.steps_per_epoch == 8
     np.testing.assert_allclose(curves["data"], curves["2d"], rtol=2e-5)
     np.testing.assert_allclose(curves["tensor"], curves["2d"], rtol=2e-5)
+
+
+@needs_mnist
+def test_gradient_accumulation_gives_the_loss_curve_of_the_full_batch(small_train, tmp_path):
+    def curve(microbatches):
+        log = tmp_path / f"m{microbatches}.jsonl"
+        fit(model_of([784, 64, 10]), sgd(), small_train, mesh=ms.make_mesh({"data": 2, "model": 4}),
+            rules=ms.AxisRules(**MEGATRON_RULES), epochs=1, metrics_log=log, log_every=1,
+            microbatches=microbatches, **QUIET)  # fmt: skip
+        return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "step" in r]
+
+    full, accumulated = curve(1), curve(4)  # 4 microbatches of 32 per step of 128
+    assert len(full) == 8 and full[-1] < full[0]
+    np.testing.assert_allclose(accumulated, full, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"fit: microbatches must be an int >= 1, got 0"):
+        fit(
+            model_of([784, 64, 10]),
+            sgd(),
+            small_train,
+            mesh=ms.make_mesh({"data": 8}),
+            epochs=1,
+            microbatches=0,
+        )
+
+
+def test_microbatches_cut_the_temporary_memory_of_a_vit_step():
+    # What `minishard train --microbatches M` reports at compile: the activations of one microbatch.
+    model = jax.eval_shape(lambda: ViT(depth=2, key=jax.random.key(0)))
+    batch = {
+        "image": jax.ShapeDtypeStruct((512, 28, 28, 1), jnp.float32),
+        "label": jax.ShapeDtypeStruct((512,), jnp.int32),
+    }
+    mesh, optimizer = ms.make_mesh({"data": 8}), ms.SGD(0.1)
+    temp = {}
+    for m, step in ((1, make_train_step(optimizer)), (8, microbatched_train_step(optimizer, m=8))):
+        lowered = ms.Sharded(mesh, vit_rules("dp"))(step).lower(
+            model, jax.eval_shape(optimizer.init, model), batch
+        )
+        temp[m] = lowered.compile().memory_analysis().temp_size_in_bytes
+    assert temp[8] < temp[1] / 3, temp
 
 
 @needs_mnist

@@ -18,9 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 import minishard as ms
 import minishard.models.vit as transformer
+from minishard import pipeline as pp
 from minishard.census import bytes_by_mesh_axes
-from minishard.models.vit import Attention, LayerNorm, PatchEmbedding, ViT, vit_rules
-from minishard.presets import LOGICAL_AXES, PRESETS, preset_rules
+from minishard.models.vit import Attention, LayerNorm, PatchEmbedding, ViT, stacked_vit, vit_rules
+from minishard.presets import LOGICAL_AXES, PRESETS, preset, preset_rules
 from minishard.run.train import make_train_step
 from minishard.testing import assert_sharded_equivalent, meshes
 
@@ -254,3 +255,23 @@ def test_a_2d_step_has_exactly_the_collectives_the_docstring_predicts(remat):
         assert all_reduce.count == 4 * depth + 1  # XLA combines all the "data" ones into one
     for number in (activation, model_bytes, data_bytes):  # the docstring states these numbers
         assert f"{number:,}" in transformer.__doc__, number
+
+
+# -- the stacked ViT: its blocks on a "stage" axis, for a pipeline ----------------------------
+@pytest.mark.slow  # two pipelined programs compile
+def test_the_stacked_vit_trains_alike_pipelined_over_data_and_stage_or_data_parallel():
+    small = {**SMALL, "depth": 4, "heads": 4}
+    model = stacked_vit(**small, key=jax.random.key(0))
+    assert model.blocks.block.attention.param_logical_axes()["query"] == ("stage", "embed", "heads", "kv")
+    batch = {**small_batch(), "image": np.tile(small_batch()["image"], (2, 1, 1, 1))}
+    batch["label"] = np.tile(batch["label"], 2)  # 16 examples: 4 microbatches of 4, 2 per data device
+    losses = {}
+    for style in ("dp", "dp+pp"):
+        shape, rules = preset(style, 8)
+        mesh = ms.make_mesh(shape)
+        piped = model if style == "dp" else model.replace(schedule=pp.Schedule(mesh, 4, data_axis="data"))
+        step, state = ms.Sharded(mesh, rules)(sgd_step), ms.SGD(0.1).init(piped)
+        for _ in range(3):
+            piped, state, loss, _ = jax.block_until_ready(step(piped, state, batch))
+        losses[style] = float(loss)
+    assert losses["dp+pp"] == pytest.approx(losses["dp"], rel=1e-4)

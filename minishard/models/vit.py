@@ -113,6 +113,7 @@ import jax.numpy as jnp
 
 from minishard.constraints import activation_axes, as_activation, output_sharding
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key, mlp
+from minishard.pipeline import Stacked, StackedModel
 from minishard.presets import preset_rules
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes
 
@@ -263,7 +264,13 @@ class PatchEmbedding(Layer):
         g = size // p  # patches per side
         # [B, g, p, g, p, C] -> [B, g, g, p, p, C] -> [B, g*g, p*p*C]: local to each example,
         # so a batch split over "data" stays split, with no communication.
-        patches = images.reshape(-1, g, p, g, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(-1, g * g, p * p * c)
+        # On an Explicit mesh a reshape must say where its output goes (None elsewhere: JAX decides).
+        split = jnp.reshape(images, (-1, g, p, g, p, c), out_sharding=output_sharding(activation_axes(6)))
+        patches = jnp.reshape(
+            split.transpose(0, 1, 3, 2, 4, 5),
+            (-1, g * g, p * p * c),
+            out_sharding=output_sharding(activation_axes(3)),
+        )
         return self.projection(patches) + as_activation(self.positions, activation_axes(3, "tokens", "embed"))
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
@@ -366,6 +373,36 @@ class ViT(Layer):
         return {}  # every parameter lives in a sub-layer, which answers for itself
 
 
+def stacked_vit(
+    image_size: int = 28,
+    patch_size: int = 7,
+    channels: int = 1,
+    width: int = 64,
+    depth: int = 4,
+    heads: int = 4,
+    mlp_ratio: int = 2,
+    classes: int = 10,
+    *,
+    key: jax.Array,
+) -> StackedModel:
+    """``ViT(...)``'s layers with its ``depth`` blocks stacked, for a pipeline (same arguments, no remat).
+
+    ``minishard.pipeline.Stacked`` holds the blocks, their parameters on a
+    leading "stage" axis; the embedding runs before them and the norm, pool and
+    head after, outside the pipeline (``minishard train --model vit --parallel pp``).
+
+    >>> model = jax.eval_shape(lambda: stacked_vit(key=jax.random.key(0)))
+    >>> model.blocks.n, model.blocks.block.attention.query.shape
+    (4, (4, 64, 4, 16))
+    """
+    check_key("stacked_vit", key)
+    k_embed, k_blocks, k_head = jax.random.split(key, 3)
+    before = PatchEmbedding(image_size, patch_size, channels, width, key=k_embed)
+    blocks = Stacked(lambda k: Block(width, heads, mlp_ratio * width, key=k), depth, key=k_blocks)
+    head = Linear(width, classes, key=k_head, scale=width**-0.5, axes=("embed", "classes"))
+    return StackedModel(before, blocks, Sequential([LayerNorm(width), MeanPool(), head]))
+
+
 __all__ = [
     "Attention",
     "Block",
@@ -373,5 +410,6 @@ __all__ = [
     "MeanPool",
     "PatchEmbedding",
     "ViT",
+    "stacked_vit",
     "vit_rules",
 ]

@@ -24,12 +24,13 @@ from typing import Any, NoReturn
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 import jax.numpy as jnp
 
+from minishard import pipeline
 from minishard.census import collectives, summary
 from minishard.costs import HARDWARE, compare, cost_report
 from minishard.layers import ACTIVATIONS, megatron_axes, mlp
-from minishard.models.vit import ViT
+from minishard.models.vit import ViT, stacked_vit
 from minishard.optim import SGD, Schedule, exponential_decay, warmup_cosine_decay
-from minishard.presets import PRESETS, preset, preset_rules, rules_for_mesh
+from minishard.presets import PIPELINED, STYLES, preset, preset_rules, rules_for_mesh
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
 from minishard.run import distributed, launch
@@ -292,6 +293,7 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     )
     add("--debug", action="store_true", help="show the full traceback of an unexpected error")
     distributed.add_arguments(train)  # --coordinator, --num-processes, --process-id, --init-timeout
+    add_pipeline_arguments(train)
 
 
 def add_explain_arguments(explainer: argparse.ArgumentParser) -> None:
@@ -301,6 +303,7 @@ def add_explain_arguments(explainer: argparse.ArgumentParser) -> None:
     add = explainer.add_argument
     add("--model", choices=sorted(MODEL_DEFAULTS), default="mlp", help="(default %(default)s)")
     add("--parallel", choices=PARALLEL_STYLES, default="2d", help="(default %(default)s)")
+    add_pipeline_arguments(explainer)
     add("--devices", type=_at_least(1), default=8, help="(default %(default)s)")
     add("--plot", help=f"draw which devices hold each block of each parameter ({', '.join(PLOT_FORMATS)})")
     add_cost_arguments(explainer)
@@ -323,11 +326,13 @@ def _finish_train(args: argparse.Namespace, error: Callable[[str], NoReturn]) ->
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     _check_together(_fill_model_defaults(args), error)
+    _check_pipeline(args, error)
     return args
 
 
 def _fill_model_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """The shape of ``args.model`` from its flags, or their defaults (MLP: the dataset's classic sizes)."""
+    _fill_pipeline_defaults(args)
     for name, value in MODEL_FLAGS[args.model].items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
@@ -433,7 +438,9 @@ def warn_unused(mesh: Mapping[str, int], rules: AxisRules) -> None:
 
 
 def build_model(args: argparse.Namespace, key: Any) -> Any:
-    """The MLP (Megatron axes) or the ViT the arguments describe."""
+    """The MLP (Megatron axes) or the ViT the arguments describe (their blocks stacked under pp, dp+pp)."""
+    if args.parallel in PIPELINED:
+        return stacked_model(args, key)
     if args.model == "mlp":
         return mlp(args.layers, key=key, activation=args.activation, axes=megatron_axes(len(args.layers) - 1))
     height, _, channels = DATASET_INFO[args.dataset].input_shape
@@ -473,7 +480,7 @@ def train(args: argparse.Namespace) -> int:
     mesh = make_mesh(args.mesh, explicit=args.explicit)
     rules = cli_rules(args, mesh.axis_names)
     distributed.check_batch_split(Sharded(mesh, rules).batch_sharding, args.batch_size)
-    model = build_model(args, jax.random.key(args.seed))
+    model = pipelined(build_model(args, jax.random.key(args.seed)), args, mesh)
     if distributed.is_main_process():
         warn_unused(args.mesh, rules)
     print(f"Rules: {rules}")
@@ -499,6 +506,7 @@ def train(args: argparse.Namespace) -> int:
         make_step=zero_step(args, mesh),  # None: fit's own Sharded step
         metrics_log=args.log if distributed.is_main_process() else None,  # one writer per file
         log_every=20,
+        microbatches=1 if args.parallel in PIPELINED else args.microbatches,  # a pipeline's are its own
     )
     if args.plot and history and distributed.is_main_process():
         plot_history(history, args.plot, schedule)
@@ -595,6 +603,8 @@ def explain_command(args: argparse.Namespace) -> int:
     works on any machine. Pricing a step (``--hardware``, ``--compare``) or ZeRO's
     step (``--parallel zero``) compiles it: see ``cost_command``.
     """
+    if args.parallel in PIPELINED and (refused := _check_pipeline_explain(args)):
+        return refused  # before any work: a pipeline's step is compiled below, on devices
     if args.hardware or args.compare or args.parallel == ZERO:
         return cost_command(args)
     shape, rules = preset(args.parallel, args.devices)
@@ -611,6 +621,141 @@ def explain_command(args: argparse.Namespace) -> int:
     if args.plot:
         plot_report(report, args.plot)
         print(f"Wrote {args.plot}")
+    return explain_pipeline(args, rules) if args.parallel in PIPELINED else 0
+
+
+# -- pipelines: --parallel pp and dp+pp, --microbatches (docs/pipeline.md) ---------------------
+PIPELINE_WIDTH = 256
+"""The MLP's hidden width under a pipeline style when --layers is not given: 784, 256 x (stages + 1), 10."""
+EXPLAIN_BATCH = 128
+"""The batch of the training step ``explain --parallel pp`` compiles (train's default --batch-size)."""
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--microbatches",
+        type=_at_least(1),
+        help="split each batch into M: gradient accumulation, or under pp and dp+pp the pipeline's "
+        "microbatches (default: 1; under pp and dp+pp 2 per stage)",
+    )
+
+
+def _fill_pipeline_defaults(args: argparse.Namespace) -> None:
+    """Under pp and dp+pp, one stacked block per stage unless given, and 2 microbatches per stage.
+
+    The MLP gets ``784, 256 x (stages + 1), 10``: ``stages`` identical 256 x 256
+    blocks. The ViT's depth (4) rounds up to a multiple of the stages.
+    """
+    if args.parallel not in PIPELINED:
+        args.microbatches = args.microbatches or 1
+        return
+    stages = _stages(args)
+    args.microbatches = args.microbatches or 2 * stages
+    if args.model == "mlp" and getattr(args, "layers", None) is None:
+        info = DATASET_INFO[args.dataset]
+        args.layers = [info.num_features, *[PIPELINE_WIDTH] * (stages + 1), info.num_classes]
+    if args.model == "vit" and getattr(args, "depth", None) is None:
+        args.depth = stages * math.ceil(MODEL_FLAGS["vit"]["depth"] / stages)
+
+
+def _stages(args: argparse.Namespace) -> int:
+    """The pipeline's stages: the "stage" axis of --mesh (train), or of the style's mesh."""
+    mesh = getattr(args, "mesh", None) or preset(args.parallel, args.devices)[0]
+    return int(mesh.get("stage", 1))
+
+
+def _check_pipeline(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
+    """A pipeline's flags, together: its blocks split over the stages, its batch into microbatches."""
+    m, data = args.microbatches, args.mesh.get("data", 1)
+    if args.batch_size % (m * data):
+        error(
+            f"argument --microbatches: --batch-size {args.batch_size} does not split into {m} microbatches "
+            f"over data={data} devices ({args.batch_size} is not a multiple of {m * data})"
+        )
+    if args.parallel not in PIPELINED:
+        return
+    if "stage" not in args.mesh:
+        error(
+            f"argument --mesh: --parallel {args.parallel} puts stacked blocks on a 'stage' axis; it has none"
+        )
+    for flag, given in (("--remat", args.model == "vit" and args.remat), ("--explicit", args.explicit)):
+        if given:
+            error(f"argument {flag}: not with a pipeline (--parallel {args.parallel})")
+    stages, hidden = args.mesh["stage"], args.layers[1:-1] if args.model == "mlp" else []
+    if args.model == "mlp" and (len(hidden) < 2 or len(set(hidden)) > 1):
+        error("argument --layers: a pipeline stacks equal hidden layers, e.g. 784,256,256,256,256,256,10")
+    if args.model == "vit" and args.depth % stages:
+        error(
+            f"argument --depth: {args.depth} blocks cannot split over {stages} stages; "
+            f"give a multiple of {stages}"
+        )
+    if args.model == "mlp" and (len(hidden) - 1) % stages:
+        error(
+            f"argument --layers: {len(hidden) - 1} identical {hidden[0]}x{hidden[0]} blocks cannot split "
+            f"over {stages} stages; give {stages} blocks ({stages + 1} hidden sizes of {hidden[0]}) "
+            "or a multiple"
+        )
+
+
+def stacked_model(args: argparse.Namespace, key: Any) -> pipeline.StackedModel:
+    """The MLP (its equal hidden layers) or the ViT (its blocks) with the blocks stacked on "stage"."""
+    if args.model == "mlp":
+        return pipeline.stacked_mlp(args.layers, key=key)
+    height, _, channels = DATASET_INFO[args.dataset].input_shape
+    classes = DATASET_INFO[args.dataset].num_classes
+    return stacked_vit(height, args.patch_size, channels, args.width, args.depth, args.heads, args.mlp_ratio,
+                       classes, key=key)  # fmt: skip
+
+
+def pipelined(model: Any, args: argparse.Namespace, mesh: Any) -> Any:
+    """Under pp and dp+pp, ``model`` with its schedule on ``mesh``, said in one line; else ``model``."""
+    if args.parallel not in PIPELINED:
+        return model
+    plan = pipeline.Schedule(mesh, args.microbatches, data_axis="data" if "data" in mesh.axis_names else None)
+    p, m = plan.stages, plan.microbatches
+    print(
+        f"Pipeline: {model.blocks.n} blocks over {p} stages, {m} microbatches of "
+        f"{getattr(args, 'batch_size', EXPLAIN_BATCH) // m} examples, {plan.ticks} ticks; "
+        f"bubble {pipeline.bubble_fraction(p, m):.3f}"
+    )
+    return model.replace(schedule=plan)
+
+
+def _check_pipeline_explain(args: argparse.Namespace) -> int:
+    """Simulate the devices ``explain_pipeline`` compiles on; 2 (one ``error:`` line) if they cannot."""
+    simulate_devices(args.devices)
+    split = args.microbatches * preset(args.parallel, args.devices)[0].get("data", 1)
+    if args.devices > len(jax.devices()):
+        problem = f"--devices: {args.devices} devices asked, there are {len(jax.devices())}"
+    elif EXPLAIN_BATCH % split:  # a microbatch's rows split over "data"
+        problem = f"--microbatches: a batch of {EXPLAIN_BATCH} is not a multiple of {split}"
+    else:
+        return 0
+    print(f"error: argument {problem}", file=sys.stderr)
+    return 2
+
+
+def explain_pipeline(args: argparse.Namespace, rules: AxisRules) -> int:
+    """Compile one training step of the pipelined model and print what it costs (``pipeline_report``)."""
+    shape, batch_size = preset(args.parallel, args.devices)[0], EXPLAIN_BATCH
+    mesh = make_mesh(shape, devices=jax.devices()[: args.devices])
+    info = DATASET_INFO[args.dataset]
+    model = pipelined(jax.eval_shape(lambda: build_model(args, jax.random.key(0))), args, mesh)
+    image = (info.num_features,) if args.model == "mlp" else info.input_shape
+    batch = {
+        "image": jax.ShapeDtypeStruct((batch_size, *image), jnp.float32),
+        "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+    }
+    optimizer = SGD(0.1, momentum=0.9)
+    step = Sharded(mesh, rules)(make_train_step(optimizer))
+    r = pipeline.pipeline_report(step, (model, jax.eval_shape(optimizer.init, model), batch))
+    p, m = r["stages"], r["microbatches"]
+    print(f"\nOne training step (batch {batch_size}), compiled:")
+    print(f"  stages {p}, microbatches {m}, ticks {r['ticks']} (read from the compiled loop)")
+    print(f"  bubble {r['bubble']:.3f} from the program, {r['bubble_formula']:.3f} = (p-1)/(m+p-1)")
+    print(f"  collective-permute over 'stage': {r['permute_bytes']} bytes per step")
+    print(f"  temporary memory: {r['temp_bytes'] / 1e6:.2f} MB per device")
+    print(pipeline.draw(pipeline.schedule(p, m)))
     return 0
 
 
@@ -619,7 +764,7 @@ ZERO = "zero"
 """``--parallel zero``: data parallelism written by hand (``minishard.zero``) at ``ZERO_STAGE``:
 parameters, gradients and SGD velocity split over "data". The other styles are presets."""
 ZERO_STAGE = 3
-PARALLEL_STYLES = (*PRESETS, ZERO)
+PARALLEL_STYLES = (*STYLES, ZERO)
 METRIC_BYTES = 2 * 4
 """What any train step all-reduces besides gradients: its loss and accuracy, two float32 scalars."""
 

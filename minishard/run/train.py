@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from minishard.losses import accuracy, cross_entropy, one_hot
 from minishard.optim import SGD
+from minishard.pipeline import microbatched
 from minishard.rules import AxisRules
 from minishard.run.data import Batch, Dataset, to_global
 from minishard.sharding import Sharded, shard
@@ -69,6 +70,7 @@ __all__ = [
     "fit",
     "format_epoch",
     "make_train_step",
+    "microbatched_train_step",
 ]
 
 History = list[dict[str, Any]]
@@ -102,6 +104,26 @@ def make_train_step(optimizer: SGD) -> Callable[..., Any]:
         (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(model)
         model, opt_state = optimizer.update(model, grads, opt_state)
         return model, opt_state, loss, accuracy(logits, batch["label"])
+
+    return train_step
+
+
+def microbatched_train_step(optimizer: SGD, m: int) -> Callable[..., Any]:
+    """``make_train_step``, its gradients accumulated over ``m`` microbatches (``pipeline.microbatched``).
+
+    The same step (loss and gradients averaged over the batch), one microbatch's
+    activations alive at a time: ``minishard train --microbatches M``.
+    """
+
+    def loss_fn(model: Any, batch: GlobalBatch) -> tuple[jax.Array, jax.Array]:
+        logits = model(batch["image"])
+        labels = batch["label"]
+        return cross_entropy(logits, one_hot(labels, logits.shape[-1])), accuracy(logits, labels)
+
+    def train_step(model: Any, opt_state: Any, batch: GlobalBatch) -> tuple[Any, Any, jax.Array, jax.Array]:
+        (loss, acc), grads = microbatched(loss_fn, m)(model, batch)
+        model, opt_state = optimizer.update(model, grads, opt_state)
+        return model, opt_state, loss, acc
 
     return train_step
 
@@ -181,6 +203,7 @@ def fit(
     metrics_log: str | os.PathLike[str] | None = None,
     log_every: int = 100,
     progress: bool | None = None,
+    microbatches: int = 1,
     make_step: Callable[[SGD], Any] | None = None,
 ) -> tuple[Any, Any, History]:
     """Train ``model`` for ``epochs`` epochs in total; return ``(model, opt_state, history)``.
@@ -195,7 +218,8 @@ def fit(
     holding another run's checkpoints is refused unless ``overwrite=True``
     deletes them (see ``check_checkpoint_dir``). A non-finite loss stops training
     (``NonFiniteLossError``) before anything bad is saved, naming the kept steps.
-    The caller's ``model`` is left intact: ``fit`` trains a copy.
+    The caller's ``model`` is left intact: ``fit`` trains a copy. ``microbatches > 1``
+    accumulates each step's gradients over that many microbatches (``microbatched_train_step``).
 
     ``make_step(optimizer)`` builds another training step than
     ``Sharded(mesh, rules)(make_train_step(optimizer))``, with the same
@@ -205,9 +229,13 @@ def fit(
     checkpoints resume only under the same step.
     """
     check_checkpoint_dir(checkpoint_dir, resume=resume, resume_from=resume_from, overwrite=overwrite)
-    _check_settings(epochs=epochs, keep=keep, log_every=log_every, checkpoint_every=checkpoint_every)
+    _check_settings(epochs=epochs, keep=keep, log_every=log_every, checkpoint_every=checkpoint_every,
+                    microbatches=microbatches)  # fmt: skip
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
-    train_step = make_step(optimizer) if make_step else sharded(make_train_step(optimizer))
+    one = (
+        make_train_step(optimizer) if microbatches == 1 else microbatched_train_step(optimizer, microbatches)
+    )
+    train_step = make_step(optimizer) if make_step else sharded(one)
     test = _tester(Sharded(mesh, rules)(eval_step), eval_data, sharded.batch_sharding)  # None: no eval_data
     run = _Run.start(model, optimizer, mesh, rules, train_step)
     with contextlib.ExitStack() as open_files:

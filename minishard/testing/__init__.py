@@ -24,7 +24,9 @@ hypothesis strategies that keep the number of compiled programs small.
 * ``builders.py``: ``models`` from your own builder, and ``mlps``;
 * ``assertions.py``: ``assert_sharded_equivalent``, ``assert_split``, ``assert_layout``;
 * ``budgets.py``: ``Limit``, ``assert_collectives``, ``data_parallel_limits``, ``megatron_limits``;
-* ``profiles.py``: the ``"minishard"`` hypothesis profiles (``register_profiles``).
+* ``profiles.py``: the ``"minishard"`` hypothesis profiles (``register_profiles``);
+* ``pipelines.py``: ``schedules`` that fit a stacked model, ``assert_pipeline_equivalent``
+  (pipelined == sequential, forward and gradients; a leaking bubble is named).
 
 hypothesis is a development dependency (``pip install hypothesis``), so
 ``import minishard`` never imports this package; import it yourself.
@@ -42,6 +44,7 @@ except ImportError as error:  # only the tests need hypothesis, so minishard doe
 from minishard.testing.assertions import Layout, assert_layout, assert_sharded_equivalent, assert_split
 from minishard.testing.budgets import Limit, assert_collectives, data_parallel_limits, megatron_limits
 from minishard.testing.builders import LINEAR_AXES, mlps, models
+from minishard.testing.pipelines import assert_pipeline_equivalent, schedules
 from minishard.testing.profiles import register_profiles
 from minishard.testing.strategies import (
     DEFAULT_CHOICES,
@@ -66,6 +69,7 @@ __all__ = [
     "Limit",
     "assert_collectives",
     "assert_layout",
+    "assert_pipeline_equivalent",
     "assert_sharded_equivalent",
     "assert_split",
     "axis_rules",
@@ -77,6 +81,7 @@ __all__ = [
     "mlps",
     "models",
     "register_profiles",
+    "schedules",
     "seeds",
     "split_counts",
     "splittable_widths",

@@ -1,0 +1,69 @@
+"""1F1B, one forward and one backward per tick, written by hand: an appendix to ``minishard.pipeline``.
+
+Nothing in the package imports this file (tests and docs/pipeline.md do); it
+builds on the chapter's ``slot``, ``run_blocks`` and ``split_microbatches``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from minishard.pipeline import Schedule, Stacked, run_blocks, slot, split_microbatches
+
+
+def one_f_one_b(blocks: Stacked, x: jax.Array, targets: jax.Array, loss_fn: Any, plan: Schedule) -> Any:
+    """``(loss, grads of blocks, grad of x)`` of ``mean(loss_fn(blocks(x), targets))``, scheduled 1F1B.
+
+    ``jax.grad`` of ``pipeline`` is GPipe: the backward loop is the transpose of the
+    forward one and starts after it, so every microbatch's activations wait. Here one
+    loop of ``m + 2p - 2`` ticks does, per stage and tick, a forward chunk and a
+    backward chunk (``jax.vjp``, recomputing the chunk from its saved input): a stage
+    saves the inputs of at most ``2p`` microbatches, however large ``m``. No "data"
+    axis, no repeats: the smallest version that shows the memory.
+    """
+    p, m, axis = plan.stages, plan.microbatches, plan.stage_axis
+    if plan.data_axis or plan.repeats != 1 or blocks.n % p:
+        raise ValueError("one_f_one_b: one data replica, no repeats, blocks divisible by stages")
+    loop = functools.partial(_one_f_one_b_loop, loss_fn=loss_fn, p=p, m=m, axis=axis)
+    run = jax.shard_map(loop, mesh=plan.mesh, in_specs=(P(axis), P(), P()), out_specs=(P(), P(axis), P()))
+    loss, grads, x_grads = run(blocks.block, split_microbatches(x, m), split_microbatches(targets, m))
+    return loss, blocks.replace(block=grads), x_grads.swapaxes(0, 1).reshape(x.shape)
+
+
+def _one_f_one_b_loop(
+    chunk: Any, xs: jax.Array, ts: jax.Array, *, loss_fn: Any, p: int, m: int, axis: str
+) -> Any:
+    stage, varying = jax.lax.axis_index(axis), functools.partial(jax.lax.pcast, axis_name=axis, to="varying")
+    zeros, grads = jnp.zeros_like(xs[0]), jax.tree.map(jnp.zeros_like, chunk)  # (grads vary, as chunk)
+    # The forward and backward shift registers, the saved inputs (a ring of 2p), the sums.
+    saved = jnp.zeros((2 * p, *zeros.shape))
+    carry = varying(zeros), varying(zeros), varying(saved), grads, varying(jnp.zeros_like(xs)), varying(0.0)
+
+    def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
+        fwd, bwd, saved, grads, x_grads, loss = carry
+        f_busy, i_f, _ = slot(t, stage, m)  # forward: as GPipe
+        b_busy, i_b, _ = slot(t, 2 * p - 2 - stage, m)  # backward: from the last stage back, one per tick
+        x = jnp.where(f_busy, jnp.where(stage == 0, xs[i_f], fwd), 0.0)
+        saved = saved.at[i_f % (2 * p)].set(jnp.where(f_busy, x, saved[i_f % (2 * p)]))
+        y = run_blocks(chunk, x)
+        value, y_grad = jax.value_and_grad(loss_fn)(y, ts[i_f])  # used on the last stage only
+        g = jnp.where(b_busy, jnp.where(stage == p - 1, y_grad / m, bwd), 0.0)
+        _, vjp = jax.vjp(run_blocks, chunk, jnp.where(b_busy, saved[i_b % (2 * p)], 0.0))
+        chunk_grad, x_grad = vjp(g)
+        grads = jax.tree.map(jnp.add, grads, chunk_grad)
+        x_grads = x_grads.at[i_b].set(jnp.where(b_busy & (stage == 0), x_grad, x_grads[i_b]))
+        loss = loss + jnp.where(f_busy & (stage == p - 1), value / m, 0.0)
+        fwd = jax.lax.ppermute(y, axis, [(d, (d + 1) % p) for d in range(p)])
+        bwd = jax.lax.ppermute(x_grad, axis, [(d, (d - 1) % p) for d in range(p)])
+        return (fwd, bwd, saved, grads, x_grads, loss), None
+
+    (_, _, _, grads, x_grads, loss), _ = jax.lax.scan(tick, carry, jnp.arange(m + 2 * p - 2))
+    return jax.lax.psum(loss, axis), grads, jax.lax.psum(jnp.where(stage == 0, x_grads, 0.0), axis)
+
+
+__all__ = ["one_f_one_b"]
