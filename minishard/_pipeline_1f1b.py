@@ -19,7 +19,7 @@ from minishard.pipeline import Schedule, Stacked, run_blocks, slot, split_microb
 def one_f_one_b(blocks: Stacked, x: jax.Array, targets: jax.Array, loss_fn: Any, plan: Schedule) -> Any:
     """``(loss, grads of blocks, grad of x)`` of ``mean(loss_fn(blocks(x), targets))``, scheduled 1F1B.
 
-    ``jax.grad`` of ``pipeline`` is GPipe: the backward loop is the transpose of the
+    ``jax.grad`` of ``run_pipeline`` is GPipe: the backward loop is the transpose of the
     forward one and starts after it, so every microbatch's activations wait. Here one
     loop of ``m + 2p - 2`` ticks does, per stage and tick, a forward chunk and a
     backward chunk (``jax.vjp``, recomputing the chunk from its saved input): a stage

@@ -131,7 +131,7 @@ class StackedModel(Layer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.before(x)
-        h = self.blocks(h) if self.schedule is None else pipeline(self.blocks, h, self.schedule)
+        h = self.blocks(h) if self.schedule is None else run_pipeline(self.blocks, h, self.schedule)
         return self.after(h)
 
 
@@ -200,7 +200,7 @@ def schedule(p: int, m: int, r: int = 1) -> list[list[Any]]:
     return [[cell(t, d) for t in range(r * m + p - 1)] for d in range(p)]
 
 
-def pipeline(blocks: Stacked, x: jax.Array, plan: Schedule) -> jax.Array:
+def run_pipeline(blocks: Stacked, x: jax.Array, plan: Schedule) -> jax.Array:
     """``blocks(x)``, as a pipeline: ``p`` stages, each holding ``r`` chunks of ``n / (p·r)`` layers.
 
     Device ``d`` holds chunks ``d, d + p, d + 2p, ...``: a microbatch visits every
@@ -289,7 +289,7 @@ __all__ = [
     "draw",
     "megatron_bubble",
     "microbatched",
-    "pipeline",
+    "run_pipeline",
     "pipeline_report",
     "run_blocks",
     "schedule",

@@ -133,7 +133,7 @@ def value_and_grads(blocks, x, plan):
     """The loss, and its gradients for the blocks and the input: pipelined if ``plan``, else in order."""
 
     def loss(blocks, x):
-        y = pp.pipeline(blocks, x, plan) if plan else sequential(blocks, x)
+        y = pp.run_pipeline(blocks, x, plan) if plan else sequential(blocks, x)
         return jnp.sum(jnp.sin(y))  # not linear in y: every output's gradient differs
 
     return jax.value_and_grad(loss, argnums=(0, 1))(blocks, x)
@@ -202,7 +202,7 @@ def test_a_tick_too_few_leaves_nan_in_the_output():
             return super().ticks - 1
 
     blocks, _ = blocks_and_oracle(4)
-    run = jax.jit(pp.pipeline, static_argnums=2)
+    run = jax.jit(pp.run_pipeline, static_argnums=2)
     good = jax.block_until_ready(run(blocks, jnp.ones((8, WIDTH)), pp.Schedule(mesh_for(4), microbatches=4)))
     short = jax.block_until_ready(
         run(blocks, jnp.ones((8, WIDTH)), OneTickShort(mesh_for(4), microbatches=4))
@@ -217,7 +217,7 @@ def test_a_bubble_computed_on_as_real_work_poisons_the_gradients(monkeypatch):
     plan = pp.Schedule(mesh_for(4), microbatches=4)
     always_busy = lambda tick, stage, m, r=1: (tick >= 0, (tick - stage) % m, (tick - stage) // m)  # noqa: E731
     monkeypatch.setattr(pp, "slot", always_busy)
-    loss = jax.jit(lambda b: pp.pipeline(b, jnp.ones((8, WIDTH)), plan).sum())
+    loss = jax.jit(lambda b: pp.run_pipeline(b, jnp.ones((8, WIDTH)), plan).sum())
     grads = jax.block_until_ready(jax.grad(loss)(blocks))
     assert np.isnan(grads.block.layers[0].weight).any()
 
@@ -229,7 +229,7 @@ def test_a_bubble_computed_on_as_real_work_poisons_the_gradients(monkeypatch):
 def test_the_compiled_bubble_is_the_formula(p, m, r):
     blocks, _ = blocks_and_oracle(p * r)
     plan = pp.Schedule(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m, repeats=r)
-    step = jax.jit(jax.grad(lambda b, x: pp.pipeline(b, x, plan).sum()))
+    step = jax.jit(jax.grad(lambda b, x: pp.run_pipeline(b, x, plan).sum()))
     report = pp.pipeline_report(step, (blocks, jnp.ones((m, WIDTH))), plan)
     assert report["ticks"] == r * m + p - 1
     assert report["bubble"] == pytest.approx(pp.bubble_fraction(p, m, r))
@@ -272,7 +272,7 @@ def temp_bytes(m, p=4):
         jax.eval_shape(lambda: blocks_and_oracle(2 * p)[0]),
         jax.ShapeDtypeStruct((4 * m, WIDTH), jnp.float32),
     )
-    gpipe = jax.value_and_grad(lambda b, x, t: sin_loss(pp.pipeline(b, x, plan), t), argnums=(0, 1))
+    gpipe = jax.value_and_grad(lambda b, x, t: sin_loss(pp.run_pipeline(b, x, plan), t), argnums=(0, 1))
     ofob = jax.jit(lambda b, x, t: one_f_one_b(b, x, t, sin_loss, plan)).lower(blocks, x, x).compile()
     gpipe_temp = jax.jit(gpipe).lower(blocks, x, x).compile().memory_analysis().temp_size_in_bytes
     return gpipe_temp, ofob.memory_analysis().temp_size_in_bytes, pp.compiled_ticks(ofob)

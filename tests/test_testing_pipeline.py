@@ -94,7 +94,7 @@ class CutOffFromTheGradient(pp.StackedModel):
     def __call__(self, x):
         if self.schedule is None:
             return super().__call__(x)
-        return self.after(pp.pipeline(jax.lax.stop_gradient(self.blocks), self.before(x), self.schedule))
+        return self.after(pp.run_pipeline(jax.lax.stop_gradient(self.blocks), self.before(x), self.schedule))
 
 
 def test_wrong_gradients_name_the_parameter():

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from minishard.pipeline import Schedule, Stacked, StackedModel, pipeline
+from minishard.pipeline import Schedule, Stacked, StackedModel, run_pipeline
 from minishard.sharding import make_mesh
 from minishard.tree import path_str
 
@@ -78,7 +78,7 @@ def assert_pipeline_equivalent(
     """The pipelined ``model(x)`` and its gradients equal the sequential ones; returns the pipelined output.
 
     ``model``: a ``StackedModel`` (run with ``schedule``, and with none) or bare
-    ``Stacked`` blocks (``pipeline(blocks, x, schedule)`` against ``blocks(x)``).
+    ``Stacked`` blocks (``run_pipeline(blocks, x, schedule)`` against ``blocks(x)``).
     The gradients are those of ``sum(sin(output))`` with respect to every
     parameter and to ``x``. A NaN where the sequential run has a number is a
     bubble leaking into the result, and the message says so; any other
@@ -119,7 +119,7 @@ def _named(path: str) -> str:
 def _runs(model: StackedModel | Stacked, schedule: Schedule) -> tuple[Any, Any]:
     """``(pipelined, sequential)``, each a function of ``(model, x)``."""
     if isinstance(model, Stacked):
-        return (lambda m, x: pipeline(m, x, schedule)), (lambda m, x: m(x))
+        return (lambda m, x: run_pipeline(m, x, schedule)), (lambda m, x: m(x))
     return (lambda m, x: m.replace(schedule=schedule)(x)), (lambda m, x: m.replace(schedule=None)(x))
 
 
