@@ -23,6 +23,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import BATCH, F32, MEGATRON, SIZES, example, forward, numpy_mlp, train_step
+from named import assert_named
 
 import minishard as ms
 from minishard.census import Collective, bytes_by_mesh_axes, collectives
@@ -440,3 +441,19 @@ def test_unannotated_arrays_inside_a_layer_are_replicated_by_shard_and_sharded_a
     step = ms.Sharded(MESH, RULES)(lambda layer, x: layer(x))
     assert step.specs(bank, np.ones((4, 8), np.float32)).inputs[0].weights["w"] == P()
     assert step(bank, np.ones((4, 8), np.float32)).shape == (4, 4)  # no "committed to" mismatch
+
+
+BAD_INPUTS = [
+    (lambda: ms.make_mesh({"data": -2, "model": 4}), ShardingError, ["positive ints", "data=-2"]),
+    (lambda: ms.make_mesh((2, 4), ("data", "data")), ShardingError, ["'data'] named twice"]),
+    (
+        lambda: ms.Sharded(make_mesh({"data": 2, "model": 4}), AxisRules(batch="data"), batch_axis="rows"),
+        ShardingError,
+        ["batch_axis='rows'"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "kind", "words"), BAD_INPUTS)
+def test_bad_input_is_named(call, kind, words):
+    assert_named(call, kind, words)

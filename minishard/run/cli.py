@@ -615,13 +615,20 @@ def explain_command(args: argparse.Namespace) -> int:
     except ShardingError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    print_report(args, report, shape, rules, f"{args.model} under {args.parallel} on {args.devices} devices")
+    return explain_pipeline(args, rules) if args.parallel in PIPELINED else 0
+
+
+def print_report(
+    args: argparse.Namespace, report: Any, shape: dict[str, int], rules: AxisRules, title: str
+) -> None:
+    """What ``explain`` prints: a warning for an unused mesh axis, the title, the report, the picture."""
     warn_unused(shape, rules)
-    print(f"{args.model} under {args.parallel} on {args.devices} devices")
+    print(title)
     show(report)
     if args.plot:
         plot_report(report, args.plot)
         print(f"Wrote {args.plot}")
-    return explain_pipeline(args, rules) if args.parallel in PIPELINED else 0
 
 
 # -- pipelines: --parallel pp and dp+pp, --microbatches (docs/pipeline.md) ---------------------
@@ -860,12 +867,8 @@ def _compile_and_price(args: argparse.Namespace) -> int:
         return zero_report(args, optimizer, model, step_args[-1])
     shape, rules = preset(args.parallel, args.devices)
     report = explain(model, make_mesh(shape), rules, make_train_step(optimizer), step_args, args.hardware)
-    warn_unused(shape, rules)
-    print(f"{args.model} under {args.parallel} on {args.devices} devices, batch {args.batch}")
-    show(report)
-    if args.plot:
-        plot_report(report, args.plot)
-        print(f"Wrote {args.plot}")
+    title = f"{args.model} under {args.parallel} on {args.devices} devices, batch {args.batch}"
+    print_report(args, report, shape, rules, title)
     return 0
 
 
@@ -917,6 +920,6 @@ if __name__ == "__main__":
 __all__ = [
     "add_cost_arguments", "add_explain_arguments", "add_train_arguments", "build_model", "check_cost_flags",
     "cli_rules", "cost_command", "example_batch", "explain_command", "finish_zero", "learning_rate", "main",
-    "parse_args", "plot_history", "simulate_devices", "train", "train_command", "unused_mesh_axes",
-    "warn_unused", "zero_report", "zero_step",
+    "parse_args", "plot_history", "print_report", "simulate_devices", "train", "train_command",
+    "unused_mesh_axes", "warn_unused", "zero_report", "zero_step",
 ]  # fmt: skip
