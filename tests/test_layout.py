@@ -146,3 +146,9 @@ def test_readme_package_docstring_and_index_give_the_import_order():
     }
     for where, text in texts.items():
         assert reading_order(text) == order, f"{where} reads {reading_order(text)}; the imports say {order}"
+
+
+def test_fit_reads_in_sixty_lines():
+    tree = ast.parse((PACKAGE / "run" / "train.py").read_text())
+    (fit,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "fit"]
+    assert fit.end_lineno - fit.lineno + 1 <= 60

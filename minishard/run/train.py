@@ -208,34 +208,20 @@ def fit(
 ) -> tuple[Any, Any, History]:
     """Train ``model`` for ``epochs`` epochs in total; return ``(model, opt_state, history)``.
 
-    ``history`` has one dict per epoch: ``epoch``, ``seconds``, ``loss``
-    (mean over the epoch's steps), ``train_acc``, ``test_acc`` (when
-    ``eval_data`` is given) and ``steps``. With ``checkpoint_dir``, a
-    checkpoint is written every ``checkpoint_every`` steps and at each epoch
-    end, keeping the last ``keep``; ``resume=True`` continues from the latest
-    good one, ``resume_from=STEP`` from that one (``epochs`` is the total, so
-    resuming after epoch 1 with ``epochs=2`` trains one more epoch). A directory
-    holding another run's checkpoints is refused unless ``overwrite=True``
-    deletes them (see ``check_checkpoint_dir``). A non-finite loss stops training
-    (``NonFiniteLossError``) before anything bad is saved, naming the kept steps.
-    The caller's ``model`` is left intact: ``fit`` trains a copy. ``microbatches > 1``
-    accumulates each step's gradients over that many microbatches (``microbatched_train_step``).
-
-    ``make_step(optimizer)`` builds another training step than
-    ``Sharded(mesh, rules)(make_train_step(optimizer))``, with the same
-    signature. One with ``shard``, ``init`` and ``gather`` (``minishard.zero``'s
-    ``ZeroStep``) places the model and optimizer state itself; evaluation,
-    checkpoints and the returned model see ``gather(model)``, and its
-    checkpoints resume only under the same step.
+    ``history``: per epoch ``epoch``, ``seconds``, ``loss`` (the epoch's mean), ``train_acc``,
+    ``test_acc`` (with ``eval_data``) and ``steps``. With ``checkpoint_dir``, a checkpoint
+    every ``checkpoint_every`` steps and at each epoch end, the last ``keep`` kept; ``resume``
+    continues from the latest good one, ``resume_from`` from that step (``epochs`` is the
+    total); another run's checkpoints are refused unless ``overwrite`` (``check_checkpoint_dir``).
+    A non-finite loss stops training before anything bad is saved, naming the kept steps.
+    ``microbatches > 1`` accumulates gradients; ``make_step(optimizer)`` builds another step
+    (``minishard.zero``'s places the state itself). ``fit`` trains a copy of ``model``.
     """
     check_checkpoint_dir(checkpoint_dir, resume=resume, resume_from=resume_from, overwrite=overwrite)
     _check_settings(epochs=epochs, keep=keep, log_every=log_every, checkpoint_every=checkpoint_every,
                     microbatches=microbatches)  # fmt: skip
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
-    one = (
-        make_train_step(optimizer) if microbatches == 1 else microbatched_train_step(optimizer, microbatches)
-    )
-    train_step = make_step(optimizer) if make_step else sharded(one)
+    train_step = make_step(optimizer) if make_step else sharded(_step(optimizer, microbatches))
     test = _tester(Sharded(mesh, rules)(eval_step), eval_data, sharded.batch_sharding)  # None: no eval_data
     run = _Run.start(model, optimizer, mesh, rules, train_step)
     with contextlib.ExitStack() as open_files:
@@ -303,6 +289,13 @@ class _Run:
 
     def state(self) -> dict[str, Any]:
         return {"model": self.whole_model(), "opt_state": self.opt_state}
+
+
+def _step(optimizer: SGD, microbatches: int) -> Callable[..., Any]:
+    """The training step: whole batches, or accumulated over ``microbatches``."""
+    if microbatches == 1:
+        return make_train_step(optimizer)
+    return microbatched_train_step(optimizer, microbatches)
 
 
 def _tester(
