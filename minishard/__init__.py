@@ -28,9 +28,16 @@ to property-test your own models' sharding.
 
 import signal as _signal
 
+
+def _mask(how: int, signals: set[int]) -> set[int]:
+    """``signal.pthread_sigmask``, which only POSIX has: elsewhere nothing is held."""
+    mask = getattr(_signal, "pthread_sigmask", None)
+    return set() if mask is None else set(mask(how, signals))
+
+
 # A Ctrl-C that lands while JAX imports can be swallowed there (inside its gc callback), and a
 # launcher would run on: SIGINT and SIGTERM wait until these imports are done, then arrive.
-_held = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT, _signal.SIGTERM})
+_held = _mask(_signal.SIG_BLOCK, {_signal.SIGINT, _signal.SIGTERM})
 
 from minishard import tree
 from minishard.census import collectives
@@ -42,7 +49,7 @@ from minishard.report import Report, explain
 from minishard.rules import AxisRules, LogicalAxes, ShardingError
 from minishard.sharding import Sharded, make_mesh, partition_specs, plan, shard
 
-_signal.pthread_sigmask(_signal.SIG_SETMASK, _held)
+_mask(_signal.SIG_SETMASK, _held)
 
 __all__ = [
     "SGD",
