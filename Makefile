@@ -21,8 +21,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check minishard tests benchmarks examples
 	$(VENV)/bin/mypy minishard
 
+# Two workers (pytest-xdist), one per core: each test's tmp_path, free port and compilation cache
+# are its own. The quick loop skips the tests marked slow: $(VENV)/bin/pytest -n 2 -m "not slow"
 test: lint
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --durations=30
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --json runs/bench.json

@@ -8,6 +8,8 @@ library's documentation writes a training step:
 =====================  ======================================================
 ``raw``                ``jax.jit`` over a list of ``(W, b)`` tuples: the reference
 ``raw_copy``           the same again: the A/A control (noise floor)
+``minimal_pytree``     ``jax.jit`` over the smallest hand-written pytree classes of
+                       minishard's shape: what any Python pytree node costs (the floor)
 ``minishard_jit``      plain ``jax.jit`` over a minishard ``mlp`` and ``ms.SGD``
 ``minishard_sharded``  ``ms.Sharded`` on a 1-device mesh
 ``nnx_jit``            ``nnx.jit`` + ``nnx.Optimizer`` (Flax NNX's default style)
@@ -126,6 +128,70 @@ def make_raw(problem: Problem) -> Contender:
         return loss
 
     return Contender(step, lambda: state["params"], lambda: step_fn.lower(state["params"], x, y))
+
+
+# --- the floor: the smallest Python pytree classes of minishard's shape ---------------------
+
+
+class MinimalLinear:  # the classes hold arrays only: no logical axes, no checks, mutable
+    def __init__(self, weight: Any, bias: Any) -> None:
+        self.weight, self.bias = weight, bias
+
+
+class MinimalReLU:
+    pass
+
+
+class MinimalSequential:
+    def __init__(self, layers: tuple[Any, ...]) -> None:
+        self.layers = layers
+
+
+def _register(cls: type, fields: tuple[str, ...]) -> None:
+    """As a user writes a pytree class in a hurry: no keys, no static data, no checks."""
+
+    def flatten(node: Any) -> tuple[tuple[Any, ...], None]:
+        return tuple(getattr(node, name) for name in fields), None
+
+    def unflatten(_: None, children: Any) -> Any:
+        node = object.__new__(cls)
+        for name, child in zip(fields, children):
+            setattr(node, name, child)
+        return node
+
+    jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+
+
+_register(MinimalLinear, ("weight", "bias"))
+_register(MinimalReLU, ())
+_register(MinimalSequential, ("layers",))
+
+
+def minimal_model(params: Sequence[tuple[Any, Any]]) -> MinimalSequential:
+    """``Linear, ReLU, Linear, ...`` as the minimal classes, holding ``params``."""
+    layers: list[Any] = []
+    for i, (w, b) in enumerate(params):
+        layers += [MinimalReLU()] if i else []
+        layers.append(MinimalLinear(w, b))
+    return MinimalSequential(tuple(layers))
+
+
+def minimal_train_step(model: MinimalSequential, x: jax.Array, y: jax.Array) -> tuple[Any, jax.Array]:
+    params = [(layer.weight, layer.bias) for layer in model.layers[::2]]
+    new, loss = raw_train_step(params, x, y)
+    return minimal_model(new), loss
+
+
+def make_minimal_pytree(problem: Problem) -> Contender:
+    step_fn = jax.jit(minimal_train_step)
+    x, y = jnp.asarray(problem.x), jnp.asarray(problem.y)
+    state = {"model": minimal_model([(jnp.asarray(w), jnp.asarray(b)) for w, b in problem.params])}
+
+    def step() -> jax.Array:
+        state["model"], loss = step_fn(state["model"], x, y)
+        return loss
+
+    return Contender(step, lambda: state["model"], lambda: step_fn.lower(state["model"], x, y))
 
 
 # --- minishard -----------------------------------------------------------------
@@ -363,10 +429,11 @@ def make_eqx_partition_jit(problem: Problem) -> Contender:
 
 # --- the registry --------------------------------------------------------------
 
-REFERENCE, CONTROL = "raw", "raw_copy"
+REFERENCE, CONTROL, FLOOR = "raw", "raw_copy", "minimal_pytree"
 FACTORIES: dict[str, Callable[[Problem], Contender]] = {
     REFERENCE: make_raw,
     CONTROL: make_raw,
+    FLOOR: make_minimal_pytree,
     "minishard_jit": make_minishard_jit,
     "minishard_sharded": make_minishard_sharded,
     "nnx_jit": make_nnx_jit,

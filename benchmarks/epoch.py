@@ -6,7 +6,7 @@ batch 128, SGD with momentum 0.9 and ``lr = 0.2 * 0.7 ** (step / 1000)``,
 from the same initial parameters, over the same in-memory batches
 (``Dataset.epoch``: numpy gather, float32 / 255).
 
-* ``minishard``: the loop ``fit`` runs (``minishard.run.train.make_train_step``
+* ``minishard``: the loop ``fit`` runs (``minishard.run.steps.make_train_step``
   under ``Sharded(mesh, rules, donate_argnums=(0, 1))``, ``to_global`` of the
   fields the step reads per batch, ``float(loss)`` and ``float(acc)`` per step). We run *the same loop*
   rather than ``fit`` itself because each ``fit`` call builds and compiles a
@@ -42,7 +42,8 @@ from jax.sharding import PartitionSpec as P
 
 import minishard as ms
 from minishard.run.data import Dataset, mnist, to_global
-from minishard.run.train import fit, make_train_step
+from minishard.run.steps import make_train_step
+from minishard.run.train import fit
 
 SIZES = [784, 512, 10]
 BATCH = 128

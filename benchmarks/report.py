@@ -47,6 +47,30 @@ def targets_table(doc: dict[str, Any]) -> str:
     return table(["target", "limit", "measured: median [range over rounds]", "verdict"], rows)
 
 
+def figures_table(doc: dict[str, Any]) -> str:
+    rows = []
+    for row in doc.get("figures", []):
+        verdict = "met" if row["met"] else "**missed**"
+        sign = "≥" if "/ minishard" in row["target"] and "host overhead" in row["target"] else "≤"
+        rows.append([row["figure"], f"{row['median']} [{row['range'][0]}, {row['range'][1]}]",
+                     f"{sign} {row['limit']}", verdict])  # fmt: skip
+    return table(["figure", "measured: median [range over rounds]", "target", "verdict"], rows)
+
+
+def phases_table(doc: dict[str, Any]) -> str:
+    ph = doc.get("phases")
+    if not ph:
+        return "(not run)"
+    rows = [
+        [f"`{name}`", stat(ph["host_diff_us"][name], ".1f"), stat(ratio)]
+        for name, ratio in ph["host_ratio"].items()
+    ]
+    calls = table(["contender", "host µs per call over raw", "host ratio"], rows)
+    parts = [[name, stat(entry, ".1f")] for name, entry in ph["breakdown_us"].items()]
+    parts += [[f"alone: {name}", f"{us:.2f}"] for name, us in ph["phase_us"].items()]
+    return calls + "\n\n" + table(["where the µs go (paired differences; phases timed alone)", "µs"], parts)
+
+
 def steps_table(doc: dict[str, Any]) -> str:
     names = list(doc.get("host_ratio", {}))
     rows = []
@@ -161,6 +185,20 @@ def epoch_table(doc: dict[str, Any]) -> str:
     return table(["quantity", "median [range]"], rows)
 
 
+def gpt_table(doc: dict[str, Any]) -> str:
+    g = doc.get("gpt_step")
+    if not g:
+        return "(not run: section not selected)"
+    rows = [
+        [name, stat(g["ratio"][name]), g["step_ms"][name], f"{g['tokens_per_s'][name]:,}"]
+        for name in g["ratio"]
+    ]
+    sizes = ", ".join(f"{k} {v}" for k, v in g["sizes"].items())
+    return f"GPT {sizes}; batch {g['batch']}; mesh {g['mesh']}; {g['parameters']:,} parameters.\n\n" + table(
+        ["contender", "step ratio to hand-written, median [range]", "step ms", "tokens/s"], rows
+    )
+
+
 def roofline_table(doc: dict[str, Any]) -> str:
     r = doc.get("roofline")
     if not r:
@@ -193,6 +231,7 @@ def render(doc: dict[str, Any], chart: str | None = None) -> str:
         f"{meta['cores']} cores, {doc['devices']}; {versions}. Load average "
         f"{', '.join(f'{x:.2f}' for x in doc['loadavg_start'])} at the start, "
         f"{', '.join(f'{x:.2f}' for x in doc['loadavg_end'])} at the end.",
+        "### The figures of issue 28\n\n" + figures_table(doc),
         "### Targets\n\n" + targets_table(doc),
         "### 1. Per-step cost (paired ratios to `raw`; host µs: paired difference per call)\n\n"
         + steps_table(doc),
@@ -208,6 +247,10 @@ def render(doc: dict[str, Any], chart: str | None = None) -> str:
         "### 6. Physical reference\n\n" + roofline_table(doc),
         "### 7. Where the remaining per-call cost sits: minishard against bounds "
         "(dispatch-bound step, paired with `raw`)\n\n" + variants_table(doc),
+        "### 8. The GPT's AdamW step under `Sharded` dp vs a hand-written plain-JAX step\n\n"
+        + gpt_table(doc),
+        "### 9. One `Sharded` call on 8 devices against raw `jax.jit`, phase by phase "
+        "(dispatch-bound step, batch 8)\n\n" + phases_table(doc),
     ]
     return "\n\n".join(parts) + "\n"
 

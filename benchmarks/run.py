@@ -1,6 +1,6 @@
 """``make bench``: what does minishard cost, next to raw JAX, Flax and Equinox, on this machine?
 
-Seven sections, each a module of this folder (``python benchmarks/run.py --help``):
+Nine sections, each a module of this folder (``python benchmarks/run.py --help``):
 
 1. ``steps``: per-step cost of the same MLP step in every library, blocked,
    pipelined and host-only, dispatch-bound ([784, 64, 10], batch 1) and seed
@@ -11,7 +11,9 @@ Seven sections, each a module of this folder (``python benchmarks/run.py --help`
    devices (data, Megatron, 2-D, FSDP), with collectives and their analytic minimum;
 5. ``epoch``: an MNIST epoch vs a hand-written plain-JAX loop, and the input pipeline;
 6. ``roofline``: GFLOP/s of a 1024² matmul, and the seed step's fraction of it;
-7. ``variants``: where minishard's remaining per-call cost sits, against bounds it cannot adopt.
+7. ``variants``: where minishard's remaining per-call cost sits, against bounds it cannot adopt;
+8. ``gpt_step``: the GPT's AdamW step under ``Sharded`` dp vs a hand-written plain-JAX one, 8 devices;
+9. ``phases``: one ``Sharded`` call on 8 devices against raw ``jax.jit``, phase by phase.
 
 Every comparison uses the method of ``harness.py``: interleaved contenders
 in rotating order, paired ratios, medians over rounds with their range, an A/A
@@ -24,33 +26,26 @@ control, GC off in timed loops. Absolute times are never quoted alone.
 
 from __future__ import annotations
 
+from simulated import FLAG  # first: 8 simulated devices before JAX starts its backend
+
+# isort: split
+
+import argparse
+import datetime
+import importlib.metadata
+import json
 import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
-# XLA reads this once, when JAX first starts its backend: set it before importing jax.
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
-_DATA = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "tensorflow_datasets"
-)
-if os.path.isdir(_DATA):
-    os.environ.setdefault("TFDS_DATA_DIR", os.path.normpath(_DATA))
+import jax
+from contenders import CONTROL, FACTORIES, FLOOR, REFERENCE, Problem, available
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import importlib.metadata  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-from contenders import CONTROL, FACTORIES, REFERENCE, Problem, available  # noqa: E402
-
-SECTIONS = ("steps", "flatten", "compile", "parallel", "epoch", "roofline", "variants")
+SECTIONS = ("steps", "flatten", "compile", "parallel", "epoch", "roofline", "variants", "gpt", "phases")
 
 
 @dataclass(frozen=True)
@@ -70,21 +65,29 @@ class Settings:
     flatten_iters: int = 60
     flatten_number: int = 50
     compile_rounds: int = 4
-    compile_contenders: tuple[str, ...] = tuple(name for name in FACTORIES if name != CONTROL)
+    compile_contenders: tuple[str, ...] = tuple(name for name in FACTORIES if name not in (CONTROL, FLOOR))
     parallel_rounds: int = 5
     parallel_iters: int = 40
     epoch_examples: int | None = None  # None: the whole epoch
     epoch_rounds: int = 4
     roofline_rounds: int = 5
     roofline_iters: int = 20
+    gpt_shape: tuple[int, int, int, int] = (128, 4, 4, 64)  # width, depth, heads, context: nanoGPT's CPU one
+    gpt_batch: int = 16
+    gpt_rounds: int = 5
+    gpt_iters: int = 20
+    gpt_warmup: int = 3
+    phases_batch: int = 8  # one example per device: the dispatch-bound step on 8 devices
+    phases_rounds: int = 7
+    phases_iters: int = 300  # a step is ~0.3 ms of host time: many iterations are cheap here
 
 
 FULL = Settings()
 QUICK = Settings(
     rounds=3, micro_iters=60, seed_iters=30, warmup=10, micro_pipe_iters=10, seed_pipe_iters=4,
     flatten_iters=30, compile_rounds=2, compile_contenders=("raw", "minishard_jit", "minishard_sharded"),
-    parallel_rounds=3, parallel_iters=10,
-    epoch_examples=60 * 128, epoch_rounds=3, roofline_rounds=3, roofline_iters=6,
+    parallel_rounds=5, parallel_iters=20, phases_rounds=5, phases_iters=200,
+    epoch_examples=60 * 128, epoch_rounds=3, roofline_rounds=3, roofline_iters=6, gpt_rounds=3, gpt_iters=8,
 )  # fmt: skip
 TINY = Settings(  # the smoke test: every code path, tiny sizes, seconds
     micro=((32, 16, 10), 2), seed=((32, 16, 10), 8), parallel_batch=16,
@@ -92,11 +95,14 @@ TINY = Settings(  # the smoke test: every code path, tiny sizes, seconds
     flatten_iters=3, flatten_number=5, compile_rounds=1, compile_contenders=("raw", "minishard_sharded"),
     parallel_rounds=2, parallel_iters=2, epoch_examples=2 * 128, epoch_rounds=1,
     roofline_rounds=2, roofline_iters=2,
+    gpt_shape=(32, 1, 4, 16), gpt_batch=8, gpt_rounds=2, gpt_iters=2, gpt_warmup=1,
+    phases_rounds=2, phases_iters=5,
 )  # fmt: skip
 
 TARGETS = {
-    "host_ratio.minishard_jit": 1.3,
-    "host_ratio.minishard_sharded": 1.6,
+    "phases.host_diff_us.sharded": 10.0,  # µs over raw jax.jit, 8 devices
+    "host_ratio.minishard_jit": 1.1,
+    "host_ratio.minishard_sharded": 1.2,
     "step_ratio.micro.minishard_sharded": 1.08,
     "step_ratio.seed.minishard_jit": 1.02,
     "step_ratio.seed.minishard_sharded": 1.02,
@@ -104,6 +110,18 @@ TARGETS = {
     "compile_ratio.minishard_jit": 1.05,
     "compile_ratio.minishard_sharded": 1.05,
     "epoch_ratio": 1.03,
+    "gpt_step_ratio": 1.05,
+}
+
+
+FIGURES = {  # issue 28's table: each figure, and the target row that measures it
+    "`Sharded` host overhead per call over raw `jax.jit`, 8 devices, µs": "phases.host_diff_us.sharded",
+    "eqx.filter_jit's host overhead / `Sharded`'s": "host overhead eqx_filter_jit / minishard_sharded",
+    "nnx.jit's host overhead / `Sharded`'s": "host overhead nnx_jit / minishard_sharded",
+    "`Sharded` host time / raw `jax.jit`, 1 device": "host_ratio.minishard_sharded",
+    "plain `jax.jit` of a minishard model / raw, 1 device": "host_ratio.minishard_jit",
+    "seed step (784-512-10, batch 128) `Sharded` / raw": "step_ratio.seed.minishard_sharded",
+    "`Sharded` / the hand-written data-parallel step": "sharded_vs_handwritten.data_parallel",
 }
 
 
@@ -130,7 +148,7 @@ def machine() -> dict[str, Any]:
             "platform": platform.platform(),
             "python": sys.version.split()[0],
         },
-        "devices": f"{jax.device_count()} x {jax.devices()[0].platform} (simulated: {_FLAG})",
+        "devices": f"{jax.device_count()} x {jax.devices()[0].platform} (simulated: {FLAG})",
         "versions": versions,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "loadavg_start": list(os.getloadavg()),
@@ -272,6 +290,30 @@ def run_sections(settings: Settings, sections: Sequence[str]) -> dict[str, Any]:
                 settings.flatten_number,
             ),
         )  # fmt: skip
+    if "gpt" in sections:
+        import gpt_step
+
+        width, depth, heads, context = settings.gpt_shape
+        sizes = dict(vocab=65, context=context, width=width, depth=depth, heads=heads)
+        result = timed(
+            f"8. gpt step {sizes} batch {settings.gpt_batch}",
+            lambda: gpt_step.bench_gpt(
+                sizes, settings.gpt_batch, settings.gpt_rounds, settings.gpt_iters, settings.gpt_warmup
+            ),
+        )
+        out["gpt_step_ratio"] = result["ratio"]["minishard"]
+        out["gpt_step"] = result
+    if "phases" in sections:
+        import phases
+
+        sizes, _ = settings.micro
+        out["phases"] = timed(
+            f"9. phases {list(sizes)} batch {settings.phases_batch}, 8 devices",
+            lambda: phases.bench_phases(
+                Problem.make(sizes, settings.phases_batch), settings.phases_rounds, settings.phases_iters,
+                settings.warmup, settings.flatten_number,
+            ),
+        )  # fmt: skip
     out["seconds_per_section"] = timings
     out["loadavg_end"] = list(os.getloadavg())
     return out
@@ -332,6 +374,12 @@ def check_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def figures(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's table: each figure with its target row (those measured in this run)."""
+    rows = {row["target"]: row for row in doc["targets"]}
+    return [{"figure": figure, **rows[name]} for figure, name in FIGURES.items() if name in rows]
+
+
 def print_summary(doc: dict[str, Any]) -> None:
     def table(title: str, entries: dict[str, Any] | None, fmt: str = ".3f") -> None:
         if not entries:
@@ -361,6 +409,13 @@ def print_summary(doc: dict[str, Any]) -> None:
         table("seed step GFLOP/s as a fraction of a 1024² matmul's", doc["matmul_fraction"])
     if doc.get("variants"):
         table("variants: host time ratio to raw (dispatch-bound)", doc["variants"]["host_ratio"])
+    if doc.get("gpt_step"):
+        table("GPT AdamW step under dp, ratio to the hand-written jit, 8 devices", doc["gpt_step"]["ratio"])
+        log(f"  tokens per second: {doc['gpt_step']['tokens_per_s']}")
+    if doc.get("phases"):
+        table("Sharded on 8 devices: host µs per call over raw jax.jit", doc["phases"]["host_diff_us"], ".1f")
+        table("  of which (paired differences, µs)", doc["phases"]["breakdown_us"], ".1f")
+        log(f"  phases alone, µs per call: {doc['phases']['phase_us']}")
     log("\ntargets (met: by the median; every round: by the whole range)")
     for row in doc["targets"]:
         verdict = "MET" if row["met"] else "MISSED"
@@ -396,6 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc["mode"] = mode
     doc["seconds"] = round(time.perf_counter() - started, 1)
     doc["targets"] = check_targets(doc)
+    doc["figures"] = figures(doc)
     print_summary(doc)
     log(f"\ntotal {doc['seconds']} s; load average {doc['loadavg_start']} -> {doc['loadavg_end']}")
     if opts.json:

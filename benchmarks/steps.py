@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from contenders import CONTROL, REFERENCE, Contender, Problem, available, build, check_same_losses
+from contenders import CONTROL, FLOOR, REFERENCE, Contender, Problem, available, build, check_same_losses
 from harness import Comparison, batched, compare_blocked, compare_calls, compare_pipelined
 
 
@@ -69,6 +69,8 @@ def flatten_cases(contenders: dict[str, Contender]) -> dict[str, tuple[Callable[
     model = {name: c.model() for name, c in contenders.items()}
     add(REFERENCE, tree_round_trip(model[REFERENCE]), model[REFERENCE])
     add(CONTROL, tree_round_trip(model[CONTROL]), model[CONTROL])
+    if FLOOR in model:
+        add(FLOOR, tree_round_trip(model[FLOOR]), model[FLOOR])
     if "minishard_jit" in model:
         add("minishard", tree_round_trip(model["minishard_jit"]), model["minishard_jit"])
     if "nnx_jit" in model:

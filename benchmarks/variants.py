@@ -15,13 +15,15 @@ cost in a way minishard cannot adopt, so the gap says how much is left to win.
     which minishard forbids (JAX unflattens with placeholder leaves, where
     ``__init__``'s checks would be wrong): a bound on what C++ buys.
 
-* **Sharded's prelude** (``minishard_sharded`` pays it on top): one flatten of
-  the arguments, two dict lookups (their structure, then the ranks of the
-  batch leaves).
+* **Sharded's prelude** (``minishard_sharded`` paid it on top until issue 28:
+  one flatten of the arguments, the look-up of their structure). ``Sharded``
+  now calls the last call's jit on the arguments as given, and checks their
+  structure only when jit traces, so it should sit on its floor:
 
   - ``sharded``: the code as it is;
-  - ``sharded_floor``: call the cached jit with no key at all. Unsound (a
-    scalar arriving where an array was would be mis-sharded): the floor.
+  - ``sharded_floor``: the cached jit called directly, with no structure check
+    at all (unsound: a scalar arriving where an array was would be
+    mis-sharded): the floor.
 
 All run the dispatch-bound training step, interleaved and paired with
 ``raw`` exactly like section 1.

@@ -34,7 +34,7 @@ import minishard as ms
 from minishard.census import bytes_by_mesh_axes
 from minishard.models.vit import Attention, ViT
 from minishard.presets import preset
-from minishard.run.train import make_train_step
+from minishard.run.steps import make_train_step
 
 IMAGE, CLASSES, BATCH = 16, 4, 64
 
@@ -61,7 +61,7 @@ class AttentionPool(ms.Layer):
         return self.attention(jnp.concatenate([probe, x], axis=1))[:, 0]
 
     def param_logical_axes(self) -> dict[str, ms.LogicalAxes]:
-        return {"probe": ("tokens", "embed")}  # only this layer's own arrays; `attention` answers for itself
+        return {"probe": ("seq", "embed")}  # only this layer's own arrays; `attention` answers for itself
 
 
 def brightest_quadrant(n: int, seed: int) -> dict[str, np.ndarray]:

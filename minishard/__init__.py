@@ -6,27 +6,41 @@ idea, and imports only the ones before it.
 * ``tree``: naming and counting the leaves of any pytree;
 * ``rules``: logical axes -> mesh axes (``AxisRules``);
 * ``constraints``: where activations live (``constrain``), read from the one sharding environment;
-* ``layers``: models as pytrees (``Layer``, ``Linear``, ``Sequential``, ``mlp``);
-* ``losses``, ``optim``: cross-entropy and a pure, functional SGD;
+* ``layers``: models as pytrees (``Layer``, ``Linear``, ``Sequential``, ``Residual``, ``mlp``);
+* ``losses``, ``optim``: cross-entropy and pure, functional optimizers (SGD, AdamW);
 * ``sharding``: meshes, one ``plan`` for a whole tree, ``shard`` and ``Sharded``;
-* ``presets``: five named styles (dp, tp, 2d, fsdp, fsdp+tp) as a mesh shape and rules;
+* ``presets``: twelve named styles (dp, tp, 2d, fsdp, fsdp+tp, pp, dp+pp, cp, dp+cp, tp+sp, ep,
+  dp+ep) as a mesh shape and rules;
 * ``census``: ``collectives``, what a compiled program sends between devices, read from its HLO;
+* ``hardware``: the accelerators a step is priced on, each number with its source, and their links;
 * ``costs``: what a step would take on a TPU or GPU (a roofline from the compiled program);
 * ``report``: ``explain``, the plan, the collectives and the cost of a step, as one ``Report``;
 * ``pipeline``: pipeline parallelism by hand (microbatches, GPipe, circular schedules);
-* ``zero``: ZeRO by hand with ``shard_map``: the minimum bytes for data parallelism.
+* ``pipeline_1f1b``: its appendix, 1F1B by hand (a forward and a backward per tick);
+* ``zero``: ZeRO by hand with ``shard_map``: the minimum bytes for data parallelism;
+* ``context``: ring attention by hand (online softmax across devices, a backward ring, zig-zag);
+* ``sequence``: the sequence split by one collective each (all-gather, all-to-all, Megatron's);
+* ``experts``: a mixture of experts, and expert parallelism by hand: two ``all_to_all`` collectives per layer.
+
+Three private modules hold what a reader may skip, each at its place in that order:
+``_checks``, the guards (first: it imports nothing); ``_diagnose``, what went wrong
+after ``jax.jit`` refused a call (just before sharding); ``_hlo``, parsing XLA's text
+(just before the census).
 
 Running it (``minishard.run``, the workshop: it uses the names above as any user would):
 ``data``, ``checkpoint``, ``train``, ``distributed``, ``launch``, ``render`` (the report as
 a rich table, HTML or pictures) and ``cli`` (``minishard train``, ``explain``, ``launch``).
 
-Models (``minishard.models``): ``vit``, a Vision Transformer whose heads and MLP split like the MLP's.
+Models (``minishard.models``): ``vit``, a Vision Transformer whose heads and MLP split like the MLP's;
+``gpt``, a character-level GPT (nanoGPT's shape) with a KV cache; ``transformer``, the blocks they share.
 
 Tools (``minishard.testing``): strategies and assertions (numbers, layout, communication)
 to property-test your own models' sharding.
 """
 
+import os as _os
 import signal as _signal
+import sys as _sys
 
 
 def _mask(how: int, signals: set[int]) -> set[int]:
@@ -42,22 +56,39 @@ _held = _mask(_signal.SIG_BLOCK, {_signal.SIGINT, _signal.SIGTERM})
 from minishard import tree
 from minishard.census import collectives
 from minishard.constraints import constrain
-from minishard.layers import Layer, Linear, ReLU, Sequential, Swish, megatron_axes, mlp
+from minishard.layers import Layer, Linear, ReLU, Residual, Sequential, Swish, megatron_axes, mlp
 from minishard.losses import accuracy, cross_entropy, one_hot
-from minishard.optim import SGD, SGDState, exponential_decay, warmup_cosine_decay
+from minishard.optim import SGD, AdamW, AdamWState, SGDState, exponential_decay, warmup_cosine_decay
 from minishard.report import Report, explain
 from minishard.rules import AxisRules, LogicalAxes, ShardingError
 from minishard.sharding import Sharded, make_mesh, partition_specs, plan, shard
 
+
+def _started_as_the_command() -> bool:
+    """``minishard ...`` or ``python -m minishard ...``: this process is the CLI (a launcher's ranks too)."""
+    command = list(getattr(_sys, "orig_argv", []))
+    module = command[command.index("-m") + 1] if "-m" in command[:-1] else None
+    return _os.path.basename(_sys.argv[0]) == "minishard" or module == "minishard"
+
+
+# A signal that came while the imports ran arrives now: the command stops as it does elsewhere,
+# one line and 128 + signal (a library import raises KeyboardInterrupt, as Python does).
+_pending = set(getattr(_signal, "sigpending", set)()) & {_signal.SIGINT, _signal.SIGTERM}
+if _pending and _started_as_the_command():
+    print("\ninterrupted: while minishard was importing; nothing ran", file=_sys.stderr)
+    raise SystemExit(128 + min(_pending))
 _mask(_signal.SIG_SETMASK, _held)
 
 __all__ = [
     "SGD",
+    "AdamW",
+    "AdamWState",
     "AxisRules",
     "Layer",
     "Linear",
     "LogicalAxes",
     "ReLU",
+    "Residual",
     "Report",
     "SGDState",
     "Sequential",

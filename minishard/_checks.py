@@ -1,16 +1,18 @@
 """The guards of the textbook modules: what each one checks, and the words it says.
 
-A reader may skip this file. Each guard is one line where it is used
+A reader may skip this file. Each guard is one statement where it is used
 (``_checks.linear(in_features, out_features, ...)`` in ``Linear.__init__``), so the
 module it guards reads like the idea; the conditions and the messages stand here.
+A guard raises or returns None: what the happy path computes stays in the textbook.
 Every message names what was wrong and where (argument, field, leaf path, axis),
 and says how to fix it. Guards run before any work, and never on a Layer's
 flatten path; under ``jit`` they run while tracing only (shapes, dtypes and
 pytree structure are static), so they cost nothing per step.
 
-Sections follow the reading order of the modules they guard. This module
-imports ``tree`` (for ``path_str``) and ``rules`` (for ``ShardingError``), which
-import it in turn: it only reads them when a guard runs, after all are loaded.
+This module imports nothing from minishard, so every module may use it: it takes
+plain values, and where it names a leaf of a tree it is handed the one namer,
+``minishard.tree.path_str``. ``ShardingError`` is defined here, under it, and
+``minishard.rules`` (and ``minishard``) export it. Sections follow the reading order.
 """
 
 from __future__ import annotations
@@ -19,34 +21,73 @@ import inspect
 import math
 import numbers
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
-from minishard import rules, tree
+Namer = Callable[..., str]
+"""``minishard.tree.path_str``: ``(key path, root="") -> "layers[0].weight"``, handed in by the caller."""
 
-if TYPE_CHECKING:
-    from minishard.layers import Layer, Linear
-    from minishard.optim import SGD, SGDState
+
+class ShardingError(ValueError):
+    """A sharding request that cannot work; the message names what and where, and how to fix it."""
+
+    __module__ = "minishard.rules"  # where users meet it (and where pickle finds it)
+
+
+# -- the shared checks ---------------------------------------------------------------------------
+def count(where: str, value: Any, minimum: int = 1) -> None:
+    """An int (a numpy one too, never a bool) of at least ``minimum``: a size, a count, steps."""
+    if not _is_count(value, minimum):
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{where} must be {kind}, got {value!r}")
+
+
+def _is_count(value: Any, minimum: int = 1) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | np.integer) and bool(value >= minimum)
+
+
+def logical_axes(where: str, axes: Any, shape: tuple[int, ...] | None = None) -> None:
+    """Logical axes: a tuple of names (str) or None, one per dimension of ``shape`` (when given).
+
+    A bare string is the common slip: ``"embed"`` where ``("embed",)`` was meant.
+    """
+    at = f"{where}: " if where else ""
+    if isinstance(axes, str) or not isinstance(axes, Sequence):
+        hint = f" (one string: did you mean a tuple?); for one dimension write ({axes!r},)"
+        if shape is not None and len(shape) != 1:
+            hint = f" (one string: did you mean a tuple?); for {len(shape)} dimensions write ({axes!r}, ...)"
+        raise ShardingError(
+            f"{at}logical axes must be a tuple with one name (or None) per dimension, got {axes!r}"
+            + (hint if isinstance(axes, str) else "")
+        )
+    axes = tuple(axes)
+    if bad := [a for a in axes if a is not None and not isinstance(a, str)]:
+        raise ShardingError(f"{at}logical axes {axes}: {bad} are not names (str) or None")
+    if shape is not None and len(axes) != len(shape):
+        raise ShardingError(f"{at}logical axes {axes} name {len(axes)} dims; its shape is {shape}")
+
+
+def _mesh_axes(entry: Any) -> tuple[str, ...]:
+    """A rule's target or a spec entry as mesh axis names, as ``rules.as_mesh_axes`` reads it."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 # -- tree ----------------------------------------------------------------------------------------
-def leaves_with_path(where: str, pytree: Any) -> list[tuple[Any, Any]]:
-    """``jax.tree_util.tree_leaves_with_path``; a dict whose keys cannot be sorted is named."""
-    try:
-        return jax.tree_util.tree_leaves_with_path(pytree)
-    except ValueError:  # JAX visits a dict in sorted key order, and says only "Comparator raised ..."
-        if (found := _unsortable_dict(pytree)) is None:
-            raise
-        path, keys = found
-        raise TypeError(
-            f"{where}: the dict at {tree.path_str(path)} has keys of different types ({keys!r:.100}), "
-            "which cannot be sorted, and JAX flattens a dict in sorted key order; use keys of one type "
-            "(all str, for example)"
-        ) from None
+def sortable_dicts(where: str, pytree: Any, name: Namer) -> None:
+    """After JAX failed to flatten ``pytree``: name a dict whose keys cannot be sorted, if there is one."""
+    if (found := _unsortable_dict(pytree)) is None:
+        return  # another failure: JAX's own error says it
+    path, keys = found
+    raise TypeError(
+        f"{where}: the dict at {name(path)} has keys of different types ({keys!r:.100}), "
+        "which cannot be sorted, and JAX flattens a dict in sorted key order; use keys of one type "
+        "(all str, for example)"
+    ) from None
 
 
 def _unsortable_dict(pytree: Any) -> tuple[Any, list[Any]] | None:
@@ -68,27 +109,20 @@ def _unsortable_dict(pytree: Any) -> tuple[Any, list[Any]] | None:
     return next(((path, list(node)) for path, node in nodes if unsortable(node)), None)
 
 
-def array_leaves(where: str, pytree: Any) -> list[Any]:
-    """The leaves, each checked to be an array (or an abstract one, from ``jax.eval_shape``)."""
-    leaves = []
-    for path, leaf in leaves_with_path(where, pytree):
+def arrays(where: str, leaves: Sequence[tuple[Any, Any]], name: Namer) -> None:
+    """Each ``(path, leaf)`` holds an array (or an abstract one, from ``jax.eval_shape``)."""
+    for path, leaf in leaves:
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-            raise TypeError(
-                f"{where}: leaf {tree.path_str(path)} is a {type(leaf).__name__} ({leaf!r:.40}), not an array"
-            )
-        leaves.append(leaf)
-    return leaves
+            kind = type(leaf).__name__
+            raise TypeError(f"{where}: leaf {name(path)} is a {kind} ({leaf!r:.40}), not an array")
 
 
 # -- rules ---------------------------------------------------------------------------------------
-def rule_pairs(pairs: Any) -> tuple[tuple[str, rules.MeshAxes], ...]:
-    """``AxisRules.from_pairs``'s argument as a tuple of pairs, or an error saying what it must be."""
-    try:
-        return tuple((name, target) for name, target in pairs)
-    except (TypeError, ValueError):
-        raise rules.ShardingError(
-            f"AxisRules.from_pairs: expected (logical axis, mesh axes) pairs, got {pairs!r:.200}"
-        ) from None
+def rule_pairs(pairs: Any) -> NoReturn:
+    """``AxisRules.from_pairs``'s argument did not unpack into pairs: say what it must be."""
+    raise ShardingError(
+        f"AxisRules.from_pairs: expected (logical axis, mesh axes) pairs, got {pairs!r:.200}"
+    ) from None
 
 
 def rule(name: Any, target: Any) -> None:
@@ -99,74 +133,61 @@ def rule(name: Any, target: Any) -> None:
         or (isinstance(target, tuple | list) and all(isinstance(a, str) for a in target))
     )
     if not isinstance(name, str) or not names_mesh_axes:
-        raise rules.ShardingError(
+        raise ShardingError(
             f"AxisRules: rule {name!r} -> {target!r} must map a logical axis (str) to a "
             "mesh axis name, a tuple of them, or None"
         )
-    axes = rules.as_mesh_axes(target)
-    if len(set(axes)) < len(axes):
-        raise rules.ShardingError(
+    if len(set(_mesh_axes(target))) < len(_mesh_axes(target)):
+        raise ShardingError(
             f"AxisRules: rule {name!r} -> {target!r} names a mesh axis twice; an array "
             "dimension can be split over each mesh axis only once"
         )
 
 
-def rule_on_mesh(name: str, target: rules.MeshAxes, mesh: rules.AnyMesh) -> None:
-    for axis in rules.as_mesh_axes(target):
+def rule_on_mesh(name: str, target: Any, mesh: Any) -> None:
+    for axis in _mesh_axes(target):
         if axis not in mesh.axis_names:
-            raise rules.ShardingError(
+            raise ShardingError(
                 f"rule {name!r} -> {target!r} names mesh axis {axis!r}, but the mesh has "
                 f"axes {mesh.axis_names}; fix the rule or the mesh"
             )
 
 
-def logical_axes(value: Any) -> rules.LogicalAxes:
-    """A tuple of str-or-None, each name used once; a bare string is a common slip."""
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        hint = " (one string: did you mean a tuple?)" if isinstance(value, str) else ""
-        raise rules.ShardingError(
-            f"logical_axes must be a tuple with one name (or None) per dimension, got {value!r}"
-            f"{hint}; for one dimension write ({value!r},)"
-        )
-    axes = tuple(value)
-    if bad := [a for a in axes if a is not None and not isinstance(a, str)]:
-        raise rules.ShardingError(f"logical axes {axes}: {bad} are not names (str) or None")
+def each_name_once(axes: tuple[str | None, ...]) -> None:
+    """A logical axis names one dimension of an array: the rules would not know which to split."""
     names = [a for a in axes if a is not None]
     if twice := sorted({a for a in names if names.count(a) > 1}):
-        raise rules.ShardingError(f"logical axes {axes}: {twice} name more than one dimension")
-    return axes
+        raise ShardingError(f"logical axes {axes}: {twice} name more than one dimension")
 
 
-def every_name_has_a_rule(
-    axis_rules: rules.AxisRules, axes: rules.LogicalAxes, mesh: rules.AnyMesh | None
-) -> None:
+def every_name_has_a_rule(axis_rules: Any, axes: tuple[str | None, ...], mesh: Any) -> None:
     """A logical axis needs a rule, unless it is itself the name of an axis of ``mesh``."""
     for name in axes:
         if name is None or name in axis_rules or (mesh is not None and name in mesh.axis_names):
             continue
         known = sorted({n for n, _ in axis_rules.pairs})
         where = "" if mesh is None else f" nor a mesh axis {mesh.axis_names}"
-        raise rules.ShardingError(
+        raise ShardingError(
             f"logical axis {name!r} (in {axes}) has no rule{where}; add one, e.g. "
             f"AxisRules({name}='model') or AxisRules({name}=None) to replicate. "
             f"Rules exist for {known}"
         )
 
 
-def winners_on_mesh(attempts: Sequence[rules.Attempt], mesh: rules.AnyMesh | None) -> None:
-    """The rules that decided a dimension name only axes ``mesh`` has."""
+def winners_on_mesh(attempts: Sequence[Any], mesh: Any) -> None:
+    """The rules that decided a dimension (``rules.Attempt``\\ s that won) name only axes ``mesh`` has."""
     for attempt in attempts:
         if mesh is not None and attempt.won:
             rule_on_mesh(attempt.name, attempt.target, mesh)
 
 
-def every_dimension_decided(axes: rules.LogicalAxes, attempts: Sequence[rules.Attempt]) -> None:
+def every_dimension_decided(axes: tuple[str | None, ...], attempts: Sequence[Any]) -> None:
     """Keyword rules are strict: a dimension whose one rule was blocked is an error, not replicated."""
     won = {attempt.dim for attempt in attempts if attempt.won}
     for dim, name in enumerate(axes):
         if name is not None and dim not in won:
             last = [attempt for attempt in attempts if attempt.dim == dim][-1]
-            raise rules.ShardingError(
+            raise ShardingError(
                 f"logical axes {axes}: dimension {dim} ({name!r}) maps to a mesh axis that "
                 f"another dimension already uses ({last}); a mesh axis can split an "
                 "array only once. Give a fallback with an ordered list, e.g. "
@@ -174,11 +195,132 @@ def every_dimension_decided(axes: rules.LogicalAxes, attempts: Sequence[rules.At
             )
 
 
+# -- constraints and sharding: arrays on a mesh --------------------------------------------------
+def divisible(
+    where: str, shape: tuple[int, ...], axes: tuple[str | None, ...], spec: PartitionSpec, mesh: Any
+) -> None:
+    """Each split dimension of an array (a parameter, an input, an activation) divides evenly."""
+    if mesh is None:
+        return
+    for dim, (size, entry) in enumerate(zip(shape, spec)):
+        if size % (ways := math.prod(mesh.shape[a] for a in _mesh_axes(entry))):
+            sizes = ", ".join(f"{a!r}={mesh.shape[a]}" for a in _mesh_axes(entry))
+            raise ShardingError(
+                f"{where}: shape {shape}, dimension {dim} (logical axis {axes[dim]!r}) has "
+                f"size {size}, which mesh axis {sizes} cannot split evenly; choose sizes divisible "
+                f"by {ways} or change the rules"
+            )
+
+
+def mesh_shape(shape: Any, names: Any) -> None:
+    """``make_mesh``'s shape and names: a dict, or sizes with a name each; positive sizes, distinct names."""
+    if isinstance(shape, Mapping):
+        if names is not None:
+            raise ShardingError(f"make_mesh: {dict(shape)} already names its axes; drop names={names}")
+        names, sizes = tuple(shape), tuple(shape.values())
+    else:
+        sizes = tuple(shape)
+        if names is None or len(names) != len(sizes):
+            raise ShardingError(f"make_mesh: shape {sizes} needs one name per axis, got names={names}")
+        names = tuple(names)
+    if not sizes:
+        raise ShardingError("make_mesh: the mesh has no axes; name at least one, e.g. make_mesh({'data': 8})")
+    if bad := [n for n in names if not isinstance(n, str)]:
+        raise ShardingError(f"make_mesh: axis names must be str, got {', '.join(map(repr, bad))} in {names}")
+    if bad := [f"{n}={s!r}" for n, s in zip(names, sizes) if not _is_count(s)]:
+        raise ShardingError(f"make_mesh: axis sizes must be positive ints, got {', '.join(bad)}")
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise ShardingError(
+            f"make_mesh: mesh axis {twice} named twice in {names}; each axis needs its own name"
+        )
+
+
+def mesh_devices(names: tuple[str, ...], sizes: tuple[int, ...], devices: Sequence[Any]) -> None:
+    """As many devices as the mesh has places."""
+    if not devices:
+        raise ShardingError(
+            f"make_mesh: no devices were given for mesh {dict(zip(names, sizes))}; pass some "
+            "(jax.devices()), or leave devices=None for all of them"
+        )
+    if math.prod(sizes) != len(devices):
+        raise ShardingError(
+            f"make_mesh: mesh {dict(zip(names, sizes))} needs {math.prod(sizes)} devices, but "
+            f"{len(devices)} {devices[0].platform} device(s) were given. To simulate N CPU devices, set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX is first imported."
+        )
+
+
+def spec_on_mesh(where: str, spec: Any, mesh: Any) -> None:
+    """A leaf of ``named_shardings``' specs: a PartitionSpec naming only axes of ``mesh``."""
+    if not isinstance(spec, PartitionSpec):
+        raise ShardingError(
+            f"named_shardings: {where} is {spec!r} ({type(spec).__name__}), not a PartitionSpec; "
+            "use P(...) (None for an unspecified leaf)"
+        )
+    for axis in [axis for entry in spec for axis in _mesh_axes(entry)]:
+        if axis not in mesh.axis_names:
+            raise ShardingError(
+                f"named_shardings: {where}: {spec} names mesh axis {axis!r}, which the mesh "
+                f"{dict(mesh.shape)} lacks"
+            )
+
+
+def one_kind_of_axes(mesh: Any) -> None:
+    if len(set(mesh.axis_types)) > 1:
+        raise ShardingError(
+            f"Sharded: mesh axes {dict(zip(mesh.axis_names, mesh.axis_types))} mix Auto and Explicit; "
+            "minishard supports meshes of one kind: make_mesh(..., explicit=True) or explicit=False"
+        )
+
+
+def batch_axis_known(batch_axis: str | None, axis_rules: Any, mesh: Any) -> None:
+    if batch_axis is not None and batch_axis not in axis_rules and batch_axis not in mesh.axis_names:
+        raise ShardingError(
+            f"Sharded: batch_axis={batch_axis!r} has no rule in {axis_rules} and is no mesh axis "
+            f"{mesh.axis_names}; add a rule such as AxisRules({batch_axis}='data')"
+        )
+
+
+def donate_argnums(name: str, donate: Any, fn: Callable[..., Any]) -> None:
+    """Each donated position is an argument of ``fn`` (any count when it takes ``*args``)."""
+    one = isinstance(donate, str) or not isinstance(donate, Sequence)
+    arg_names = positional_names(fn)
+    takes = "" if arg_names is None else f"; {name} takes {len(arg_names)} positional arguments"
+    for a in (donate,) if one else tuple(donate):
+        if isinstance(a, bool) or not isinstance(a, int) or a < 0:
+            raise ShardingError(
+                f"{name}: donate_argnums={donate!r} must be non-negative ints (argument positions){takes}"
+            )
+        if arg_names is not None and a >= len(arg_names):
+            raise ShardingError(
+                f"{name}: donate_argnums={donate!r} names argument {a}, but {name} takes "
+                f"{len(arg_names)} positional arguments ({', '.join(arg_names) or 'none'})"
+            )
+
+
+def positional_names(fn: Callable[..., Any]) -> list[str] | None:
+    """The names of ``fn``'s positional parameters; None when it takes ``*args`` or has no signature."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def keywords(name: str, kwargs: dict[str, Any]) -> NoReturn:
+    raise TypeError(
+        f"Sharded function {name!r}: pass arguments by position; "
+        f"shardings are derived per positional argument, got keywords {sorted(kwargs)}"
+    )
+
+
 # -- layers --------------------------------------------------------------------------------------
 ARRAY_TYPES = (jax.Array, np.ndarray, np.number, np.bool_)  # what jit accepts as a leaf
 
 
-def field_lists(cls: type[Layer]) -> None:
+def field_lists(cls: Any) -> None:
     """``param_fields``/``static_fields``: tuples of names, no name in both."""
     for kind in ("param_fields", "static_fields"):
         names = getattr(cls, kind)
@@ -191,23 +333,13 @@ def field_lists(cls: type[Layer]) -> None:
         raise TypeError(f"{cls.__name__}: {both} listed in both param_fields and static_fields; choose one")
 
 
-def not_frozen(layer: Layer, name: str, building: str) -> None:
-    """Assignments are for ``__init__`` (while ``building`` is in the layer's ``__dict__``)."""
-    if building not in layer.__dict__:
-        raise AttributeError(
-            f"cannot assign {type(layer).__name__}.{name}: a built Layer is immutable (jit would not "
-            f"see the change). Make a changed copy: layer.replace({name}=...), or "
-            "jax.tree_util.tree_map for every array"
-        )
-
-
-def field(cls: type[Layer], name: str, value: Any) -> None:
+def field(cls: Any, name: str, value: Any, namer: Namer) -> None:
     """A declared field: a parameter holds arrays, static data is hashable and holds none."""
     where = f"{cls.__name__}.{name}"
     if name in cls.param_fields:
-        _param(where, value)
+        _param(where, value, namer)
     elif name in cls.static_fields:
-        _static(where, value)
+        _static(where, value, namer)
     else:
         raise AttributeError(
             f"{where} is neither in param_fields {cls.param_fields} nor in "
@@ -216,10 +348,10 @@ def field(cls: type[Layer], name: str, value: Any) -> None:
         )
 
 
-def _param(where: str, value: Any) -> None:
+def _param(where: str, value: Any, namer: Namer) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(value):
         if not isinstance(leaf, ARRAY_TYPES):
-            at = tree.path_str(path, root=where)
+            at = namer(path, root=where)
             if callable(leaf):
                 raise TypeError(
                     f"{at} is the function {getattr(leaf, '__name__', leaf)!r}; a function cannot be a "
@@ -232,17 +364,17 @@ def _param(where: str, value: Any) -> None:
             )
 
 
-def _static(where: str, value: Any) -> None:
+def _static(where: str, value: Any, namer: Namer) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(value):
         if isinstance(leaf, ARRAY_TYPES):
             raise TypeError(
-                f"static field {tree.path_str(path, root=where)} holds an array of shape "
+                f"static field {namer(path, root=where)} holds an array of shape "
                 f"{leaf.shape}; static data is hashed into jit's cache key, so an array "
                 "there recompiles on every new value. Make it a parameter (param_fields)."
             )
         if isinstance(leaf, float) and math.isnan(leaf):
             raise ValueError(
-                f"static field {tree.path_str(path, root=where)} is NaN; NaN != NaN, so jit's "
+                f"static field {namer(path, root=where)} is NaN; NaN != NaN, so jit's "
                 "cache would never find its compiled code and recompile on every call"
             )
     try:
@@ -254,7 +386,7 @@ def _static(where: str, value: Any) -> None:
         ) from None
 
 
-def all_fields_set(layer: Layer) -> None:
+def all_fields_set(layer: Any) -> None:
     if missing := [n for n in (*layer.param_fields, *layer.static_fields) if n not in layer.__dict__]:
         raise TypeError(
             f"{type(layer).__name__}.__init__ never set {missing}; every field in param_fields "
@@ -276,38 +408,22 @@ def check_input(where: str, x: Any) -> None:
         raise TypeError(f"{where} takes an array (jax or numpy), got a {type(x).__name__}: {x!r:.60}")
 
 
-def layer_axes(where: str, axes: Any, ndim: int) -> None:
-    """``ndim`` logical axes, each a str or None, in a tuple (a bare string is a common slip)."""
-    if isinstance(axes, str) or not isinstance(axes, Sequence):
-        raise TypeError(
-            f"{where} must be a tuple of {ndim} logical axes (str or None), got {axes!r}"
-            + (f"; did you mean ({axes!r}, ...)?" if isinstance(axes, str) else "")
-        )
-    if len(axes) != ndim or not all(a is None or isinstance(a, str) for a in axes):
-        raise TypeError(f"{where} must be a tuple of {ndim} logical axes (str or None), got {tuple(axes)!r}")
-
-
-def _size(where: str, size: Any) -> None:
-    if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
-        raise ValueError(f"{where} must be a positive int, got {size!r}")
-
-
 def linear(in_features: Any, out_features: Any, *, scale: Any, key: Any, axes: Any) -> None:
     """``Linear``'s arguments, all before any weight is drawn."""
-    _size("Linear: in_features", in_features)
-    _size("Linear: out_features", out_features)
+    count("Linear: in_features", in_features)
+    count("Linear: out_features", out_features)
     number = not isinstance(scale, bool) and isinstance(scale, int | float | np.floating)
     if not number or not math.isfinite(scale):
         raise TypeError(f"Linear: scale must be a finite number, got {scale!r}")
     check_key("Linear", key)
-    layer_axes("Linear: axes", axes, ndim=2)
+    logical_axes("Linear: axes", axes, (in_features, out_features))
 
 
-def linear_fields(layer: Linear) -> None:
+def linear_fields(layer: Any) -> None:
     """A built ``Linear`` (or a ``replace``d one): the fields fit together."""
-    _size("Linear.in_features", layer.in_features)
-    _size("Linear.out_features", layer.out_features)
-    layer_axes("Linear.logical_axes", layer.logical_axes, ndim=2)
+    count("Linear.in_features", layer.in_features)
+    count("Linear.out_features", layer.out_features)
+    logical_axes("Linear.logical_axes", layer.logical_axes, (layer.in_features, layer.out_features))
     for name, shape in (("weight", (layer.in_features, layer.out_features)), ("bias", (layer.out_features,))):
         got = getattr(layer.__dict__[name], "shape", None)
         if got != shape and not (name == "bias" and layer.bias is None):
@@ -317,7 +433,7 @@ def linear_fields(layer: Linear) -> None:
             )
 
 
-def linear_call(layer: Linear, x: Any) -> None:
+def linear_call(layer: Any, x: Any) -> None:
     """An array whose last dimension is ``in_features``, into a Linear whose arrays still exist."""
     where = f"Linear({layer.in_features} -> {layer.out_features})"
     check_input(where, x)
@@ -328,7 +444,7 @@ def linear_call(layer: Linear, x: Any) -> None:
     not_donated(where, layer)
 
 
-def not_donated(where: str, layer: Layer) -> None:
+def not_donated(where: str, layer: Any) -> None:
     """A parameter deleted by ``donate_argnums``; checked on concrete arrays only (a tracer has no buffer)."""
     for name in layer.param_fields:
         value = layer.__dict__[name]
@@ -365,15 +481,9 @@ def _not_a_pair(entry: Any) -> bool:
     return entry is None or isinstance(entry, str)  # a logical axis where a pair of them belongs
 
 
-def num_linear(value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"megatron_axes: an MLP has at least one Linear, got num_linear={value!r}")
-
-
 # -- losses --------------------------------------------------------------------------------------
 def one_hot(labels: jax.Array, num_classes: Any) -> None:
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int | np.integer) or num_classes < 1:
-        raise ValueError(f"one_hot: num_classes must be an int >= 1, got {num_classes!r}")
+    count("one_hot: num_classes", num_classes)
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise TypeError(f"one_hot: labels must be integers (class indices), got dtype {labels.dtype}")
 
@@ -395,7 +505,7 @@ def accuracy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None) -> No
 
 
 # -- optim ---------------------------------------------------------------------------------------
-def positive(where: str, value: Any) -> float:
+def positive(where: str, value: Any) -> None:
     """A finite number > 0, or an error naming the argument: a negative rate would ascend."""
     if (
         isinstance(value, bool)
@@ -404,40 +514,33 @@ def positive(where: str, value: Any) -> float:
         or value <= 0
     ):
         raise ValueError(f"{where} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def decay_steps(value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"exponential_decay: decay_steps must be a positive int, got {value!r}")
 
 
 def warmup_cosine(warmup_steps: Any, decay_steps: Any) -> None:
-    for name, steps in (("warmup_steps", warmup_steps), ("decay_steps", decay_steps)):
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"warmup_cosine_decay: {name} must be an int >= 0, got {steps!r}")
+    count("warmup_cosine_decay: warmup_steps", warmup_steps, minimum=0)
+    count("warmup_cosine_decay: decay_steps", decay_steps, minimum=0)
     if decay_steps <= warmup_steps:
         raise ValueError(
             f"warmup_cosine_decay: decay_steps {decay_steps} must exceed warmup_steps {warmup_steps}"
         )
 
 
-def learning_rate(value: Any) -> float | Callable[[jax.Array], jax.Array]:
-    """A number > 0, or a schedule: a callable of one argument, the step."""
+def learning_rate(value: Any, where: str = "SGD") -> None:
+    """A number > 0, or a ``LearningRate``: a callable of one argument, the step."""
     if not callable(value):
-        return positive("SGD: learning_rate (a number, or a callable of the step)", value)
+        positive(f"{where}: learning_rate (a number, or a callable of the step)", value)
+        return
     try:
         signature = inspect.signature(value)
     except (TypeError, ValueError):  # some builtins have none: nothing to check
-        return cast(Callable[[jax.Array], jax.Array], value)
+        return
     try:
         signature.bind(0)
     except TypeError:
         raise TypeError(
-            f"SGD: learning_rate is a callable of {signature}, but a schedule is called with one "
+            f"{where}: learning_rate is a callable of {signature}, but a learning rate is called with one "
             "argument, the step; write lambda step: ..., or use exponential_decay"
         ) from None
-    return cast(Callable[[jax.Array], jax.Array], value)
 
 
 def momentum(value: Any) -> None:
@@ -445,17 +548,40 @@ def momentum(value: Any) -> None:
         raise ValueError(f"SGD: momentum must be a number in [0, 1), got {value!r}")
 
 
-def sgd_update(sgd: SGD, params: Any, grads: Any, state: SGDState) -> None:
+def adamw(b1: Any, b2: Any, eps: Any, weight_decay: Any, clip_norm: Any) -> None:
+    for name, beta in (("b1", b1), ("b2", b2)):
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"AdamW: {name} must be a number in [0, 1), got {beta!r}")
+    positive("AdamW: eps", eps)
+    real = isinstance(weight_decay, numbers.Real) and not isinstance(weight_decay, bool)
+    if not real or not float(weight_decay) >= 0:
+        raise ValueError(f"AdamW: weight_decay must be a number >= 0, got {weight_decay!r}")
+    if clip_norm is not None:
+        positive("AdamW: clip_norm (None: no clipping)", clip_norm)
+
+
+def adamw_update(params: Any, grads: Any, state: Any, namer: Namer) -> None:
+    """The state has AdamW's two moments, shaped like the parameters, and the gradients mirror them."""
+    if not hasattr(state, "mu") or not hasattr(state, "nu"):
+        raise ValueError(
+            f"AdamW.update: the state is a {type(state).__name__}, not AdamW's (step, mu, nu); "
+            "make the state with the same AdamW's init"
+        )
+    _same_structure(params, grads, namer, "AdamW.update")
+    _same_structure(params, state.mu, namer, "AdamW.update", other="state.mu")
+
+
+def sgd_update(sgd: Any, params: Any, grads: Any, state: Any, namer: Namer) -> None:
     """The state was made by this SGD's ``init``, and the gradients mirror the parameters."""
     fix = "make the state with the same SGD's init"
     if callable(sgd.learning_rate) and state.step is None:
         raise ValueError(
-            f"SGD.update: this SGD's learning rate is a schedule, but the state has no step; {fix}"
+            f"SGD.update: this SGD's learning rate changes with the step, but the state has no step; {fix}"
         )
     if not callable(sgd.learning_rate) and state.step is not None:
         raise ValueError(
             "SGD.update: this SGD's learning rate is a constant, but the state has a step (it was made "
-            f"for a schedule); {fix}"
+            f"for a learning rate that changes); {fix}"
         )
     if sgd.momentum and state.velocity is None:
         raise ValueError(
@@ -463,11 +589,13 @@ def sgd_update(sgd: SGD, params: Any, grads: Any, state: SGDState) -> None:
         )
     if not sgd.momentum and state.velocity is not None:
         raise ValueError(f"SGD.update: this SGD has no momentum, but the state has a velocity; {fix}")
-    _same_structure(params, grads)
+    _same_structure(params, grads, namer)
 
 
-def _same_structure(params: Any, grads: Any) -> None:
-    """Gradients must mirror the parameters; name the first place where they do not."""
+def _same_structure(
+    params: Any, grads: Any, namer: Namer, where: str = "SGD.update", other: str = "grads"
+) -> None:
+    """Gradients (or moments) must mirror the parameters; name the first place where they do not."""
     p_leaves, p_def = jax.tree_util.tree_flatten_with_path(params)
     g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
     p_def, g_def = cast(Any, p_def), cast(Any, g_def)  # PyTreeDef comes without type stubs
@@ -476,11 +604,268 @@ def _same_structure(params: Any, grads: Any) -> None:
     for (p_path, p), (g_path, g) in zip(p_leaves, g_leaves):
         if p_path != g_path or jnp.shape(p) != jnp.shape(g):
             raise ValueError(
-                f"SGD.update: grads do not match params at {tree.path_str(p_path, root='params')} "
-                f"(shape {jnp.shape(p)}): grads has {tree.path_str(g_path, root='grads')} "
+                f"{where}: {other} do not match params at {namer(p_path, root='params')} "
+                f"(shape {jnp.shape(p)}): {other} has {namer(g_path, root=other)} "
                 f"with shape {jnp.shape(g)}"
             )
+    if len(g_leaves) == len(p_leaves):  # the same arrays, other static fields (a Layer's remat, say)
+        raise ValueError(
+            f"{where}: {other} hold the same {len(p_leaves)} arrays as params, but their trees differ "
+            f"(another container, or a Layer with other static fields); make {other} from these params"
+        )
     raise ValueError(
-        f"SGD.update: grads have {len(g_leaves)} arrays, params {len(p_leaves)} (or other containers); "
+        f"{where}: {other} have {len(g_leaves)} arrays, params {len(p_leaves)} (or other containers); "
         "compute grads with jax.grad with respect to the same params"
     )
+
+
+# -- context parallelism (context.py, sequence.py) ------------------------------------------------
+# Plain values in, nothing from minishard imported: these guards need no other module.
+def sequence_layout(seq_len: Any, p: Any, layout: Any, chunks: dict[str, int]) -> None:
+    """A known layout, whose chunks split the sequence evenly over ``p`` devices."""
+    if layout not in chunks:
+        known = ", ".join(map(repr, chunks))
+        raise ValueError(f"context: unknown sequence layout {layout!r}; choose from {known}")
+    if seq_len % (p * chunks[layout]):
+        n = p * chunks[layout]
+        raise ValueError(
+            f"context: a sequence of {seq_len} tokens does not split into {n} equal chunks ({chunks[layout]} "
+            f"on each of {p} devices, layout {layout!r}); use a multiple of {n} tokens"
+        )
+
+
+def context_inputs(
+    where: str, q: Any, k: Any, v: Any, axis: Any, layout: Any, chunks: dict[str, int]
+) -> None:
+    """Inside ``shard_map`` over ``axis``: q, k, v of one ``[batch, seq, heads, head_dim]`` shape."""
+    shapes = [jnp.shape(x) for x in (q, k, v)]
+    if len(shapes[0]) != 4 or len(set(shapes)) > 1:
+        raise ValueError(
+            f"{where}: q, k and v must be [batch, seq, heads, head_dim] arrays of one shape, got {shapes} "
+            "on this device"
+        )
+    try:
+        p = jax.lax.axis_size(axis)
+    except NameError:
+        raise ValueError(
+            f"{where}: {axis!r} is no axis of a surrounding jax.shard_map; call it inside one whose mesh "
+            "has it (minishard.sequence.over_sequence builds one)"
+        ) from None
+    sequence_layout(shapes[0][1] * p, p, layout, chunks)
+
+
+def heads_split(where: str, heads: int, p: int, axis: str) -> None:
+    """DeepSpeed-Ulysses gives each device whole heads: they must split evenly."""
+    if heads % p:
+        raise ValueError(
+            f"{where}: {heads} heads do not split over the {p} devices of axis {axis!r}: Ulysses gives "
+            f"each device whole heads; use a multiple of {p} heads, or ring_attention"
+        )
+
+
+def mesh_has(where: str, axis: str, mesh_axes: tuple[str, ...]) -> None:
+    """The sequence's mesh axis is one of the mesh's."""
+    if axis not in mesh_axes:
+        raise ValueError(
+            f"{where}: axis={axis!r} is no axis of the mesh, whose axes are {mesh_axes}; split the "
+            "sequence over one of them, or make the mesh with it"
+        )
+
+
+# -- experts (plain values only: this section imports nothing from minishard) ------------------
+def moe(n_experts: Any, k: Any, capacity_factor: Any, balance_weight: Any, z_weight: Any) -> None:
+    """``MoE``'s routing arguments, before any weight is drawn."""
+    count("MoE: n_experts", n_experts)
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or not 1 <= k <= n_experts:
+        raise ValueError(
+            f"MoE: k={k!r} with n_experts={n_experts}; each token picks k distinct experts, "
+            f"so k must be an int from 1 to {n_experts} (1: Switch, 2: GShard)"
+        )
+    if not _finite(capacity_factor) or capacity_factor <= 0:
+        raise ValueError(
+            f"MoE: capacity_factor={capacity_factor!r}; it must be a number > 0 (1.25 is usual; "
+            f"n_experts / k = {n_experts / k:g} never drops a token)"
+        )
+    for name, weight in (("balance_weight", balance_weight), ("z_weight", z_weight)):
+        if not _finite(weight) or weight < 0:
+            raise ValueError(f"MoE: {name}={weight!r}; a loss weight must be a number >= 0")
+
+
+def experts(n: Any, features: Any, hidden: Any, activation: Any, activations: Sequence[str]) -> None:
+    """``Experts``' sizes and activation, before any weight is drawn."""
+    for name, size in (("n", n), ("features", features), ("hidden", hidden)):
+        count(f"Experts: {name}", size)
+    if activation not in activations:
+        raise ValueError(f"Experts: unknown activation {activation!r}; choose from {', '.join(activations)}")
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+def moe_input(x: Any, features: int) -> None:
+    """An array ``[..., tokens, features]``: at least a group of tokens, each of the router's width."""
+    check_input("MoE", x)
+    if len(shape := np.shape(x)) < 2 or shape[-1] != features:
+        raise ValueError(
+            f"MoE: input of shape {shape}; it takes [..., tokens, {features}] (each leading index a group "
+            f"of tokens, routed together), with {features} features, the router's in_features"
+        )
+
+
+def expert_parallel(mesh_shape: dict[str, int], expert_axis: Any, data_axis: Any) -> None:
+    """The named mesh axes exist and differ; no other mesh axis splits anything."""
+    for name, axis in (("expert_axis", expert_axis), ("data_axis", data_axis)):
+        if axis is not None and axis not in mesh_shape:
+            raise ValueError(f"ExpertParallel: {name}={axis!r} is not an axis of the mesh {mesh_shape}")
+    if expert_axis is None or expert_axis == data_axis:
+        raise ValueError(
+            f"ExpertParallel: expert_axis={expert_axis!r}, data_axis={data_axis!r}; the experts need a mesh "
+            "axis of their own (the batch is split over it too), and data_axis another one or None"
+        )
+    if others := {a: n for a, n in mesh_shape.items() if a not in (expert_axis, data_axis) and n > 1}:
+        raise ValueError(
+            f"ExpertParallel: mesh axes {others} are neither the expert axis {expert_axis!r} nor the data "
+            f"axis {data_axis!r}; the all-to-all MoE composes with data parallelism only (place tensor-"
+            "parallel experts with rules and Sharded instead)"
+        )
+
+
+def experts_split(
+    n_experts: int, groups: int, mesh_shape: dict[str, int], batch_axes: tuple[str, ...]
+) -> None:
+    """Every device holds as many whole experts (``batch_axes[-1]``), and routes as many groups."""
+    expert_axis, devices = batch_axes[-1], math.prod(mesh_shape[a] for a in batch_axes)
+    if n_experts % mesh_shape[expert_axis]:
+        raise ValueError(
+            f"all_to_all_moe: {n_experts} experts do not split over mesh axis {expert_axis!r} of "
+            f"{mesh_shape[expert_axis]} devices; n_experts must be a multiple of {mesh_shape[expert_axis]}"
+        )
+    if groups % devices:
+        sizes = " x ".join(f"{a!r}={mesh_shape[a]}" for a in batch_axes)
+        raise ValueError(
+            f"all_to_all_moe: {groups} groups (the input's leading dimensions) do not split over mesh "
+            f"axes {sizes}; each device routes its own groups, so their number must divide by {devices}"
+        )
+
+
+# -- pipeline ------------------------------------------------------------------------------------
+def pipeline(pipe: Any) -> None:
+    """``Pipeline``'s fields: counts, and mesh axes the mesh has (the stage axis; the data axis or None)."""
+    count("Pipeline: microbatches", pipe.microbatches)
+    count("Pipeline: repeats", pipe.repeats)
+    mesh_shape, stage_axis, data_axis = dict(pipe.mesh.shape), pipe.stage_axis, pipe.data_axis
+    if stage_axis not in mesh_shape:
+        raise ValueError(
+            f"Pipeline: stage_axis={stage_axis!r} is not an axis of the mesh {mesh_shape}; make the mesh "
+            f"with it (make_mesh({{{stage_axis!r}: 4}})) or name the mesh's stage axis"
+        )
+    if data_axis is not None and (data_axis not in mesh_shape or data_axis == stage_axis):
+        raise ValueError(
+            f"Pipeline: data_axis={data_axis!r} is not an axis of the mesh {mesh_shape} other than the stage "
+            f"axis {stage_axis!r}; name one, or None for one replica of the pipeline"
+        )
+
+
+def pipeline_sizes(where: str, p: Any, m: Any, r: Any) -> None:
+    """Stages, microbatches and repeats of a schedule or a bubble: each a positive int."""
+    for name, value in (("p", p), ("m", m), ("r", r)):
+        count(f"{where}: {name}", value)
+
+
+def pipeline_batch(where: str, x: Any, pipe: Any) -> None:
+    """The batch splits into the pipeline's microbatches, each split over its data axis, if any."""
+    rows, m, data_axis = np.shape(x)[0], pipe.microbatches, pipe.data_axis
+    data = int(pipe.mesh.shape[data_axis]) if data_axis else 1
+    if rows % (m * data):
+        over = f" x {data_axis}={data} devices" if data_axis else ""
+        raise ValueError(
+            f"{where}: a batch of {rows} does not split into m={m} microbatches{over}; "
+            f"use a batch that is a multiple of {m * data}, or other microbatches"
+        )
+
+
+def instance(where: str, value: Any, cls: type, hint: str) -> None:
+    """``value`` is a ``cls``, or an error naming what it is instead and what to pass."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{where} must be a {cls.__name__}, got a {type(value).__name__}; {hint}")
+
+
+def stacked(n: Any, key: Any) -> None:
+    """``Stacked``'s count of blocks and key, before any block is built."""
+    count("Stacked: n", n)
+    check_key("Stacked", key)
+
+
+def blocks_keep_shape(block: Any, x: Any) -> None:
+    """Stacked blocks run one after another (a ``lax.scan``): each must keep its input's shape."""
+    first = jax.tree.map(lambda a: a[0], block)
+    out = jax.eval_shape(lambda b, h: b(h), first, jax.ShapeDtypeStruct(np.shape(x), x.dtype))
+    if (out.shape, out.dtype) != (np.shape(x), x.dtype):
+        raise ValueError(
+            f"Stacked: a block maps {x.dtype}{list(np.shape(x))} to {out.dtype}{list(out.shape)}; stacked "
+            "blocks run one after another, each on the previous one's output, so each must keep its "
+            "input's shape and dtype"
+        )
+
+
+def one_of(where: str, value: Any, allowed: Sequence[Any]) -> None:
+    """``value`` is one of ``allowed``: a choice among a few named ones."""
+    if value not in allowed:
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def pipelined(where: str, pipeline: Any, args: Sequence[Any]) -> None:
+    """A pipeline is given, or one of ``args`` is a model with one (a ``StackedModel``)."""
+    if pipeline is None and not any(getattr(a, "pipeline", None) for a in args):
+        raise ValueError(
+            f"{where}: no argument is a model with a pipeline (a StackedModel with pipeline=...); "
+            "give the model its Pipeline, or pass pipeline="
+        )
+
+
+# -- costs ---------------------------------------------------------------------------------------
+def collective(kind: Any, nbytes: Any, devices: Any, kinds: Sequence[str]) -> None:
+    """``collective_time``'s arguments: a known kind, bytes >= 0, a device count >= 1."""
+    one_of("collective_time: kind", kind, kinds)
+    if not _finite(nbytes) or nbytes < 0:
+        raise ValueError(f"collective_time: nbytes must be a number of bytes >= 0, got {nbytes!r}")
+    count("collective_time: devices", devices)
+
+
+def optional_count(where: str, value: Any) -> None:
+    """None, or a positive int."""
+    if value is not None:
+        count(where, value)
+
+
+def optional_positive(where: str, value: Any) -> None:
+    """None, or a finite number > 0."""
+    if value is not None:
+        positive(where, value)
+
+
+def program_mesh(where: str, given: Any, program: Any) -> None:
+    """A mesh passed for a program is the one it was compiled for: the same axes, sizes and devices."""
+    if given is None or program is None:
+        return
+    same = dict(given.shape) == dict(program.shape)
+    if same and all(isinstance(m, jax.sharding.Mesh) for m in (given, program)):
+        same = np.array_equal(given.device_ids, program.device_ids)
+    if not same:
+        raise ValueError(
+            f"{where}: mesh={dict(given.shape)} is not the mesh the program was compiled for, "
+            f"{dict(program.shape)}; omit mesh= (it is read from the program) or pass that mesh"
+        )
+
+
+# -- zero ----------------------------------------------------------------------------------------
+def batch_splits(where: str, batch: Any, n: int, axis: str) -> None:
+    """Every array of the batch splits evenly over the ``n`` devices of ``axis``: each its own examples."""
+    for leaf in jax.tree.leaves(batch):
+        rows = np.shape(leaf)[0] if np.ndim(leaf) else None
+        if rows is None or rows % n:
+            raise ValueError(
+                f"{where}: a batch of {rows} examples does not split over the {n} devices of axis {axis!r}; "
+                f"each device takes its own examples, so the batch must be a multiple of {n}"
+            )

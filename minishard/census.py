@@ -194,6 +194,14 @@ def mesh_of(compiled: jax.stages.Compiled) -> AnyMesh | None:
 
 
 __all__ = [
-    "KINDS", "Collective", "Program", "as_asked", "bytes_by_mesh_axes", "collectives", "human_bytes",
-    "instructions", "mesh_of", "summary"
-]  # fmt: skip
+    "KINDS",
+    "Collective",
+    "Program",
+    "as_asked",
+    "bytes_by_mesh_axes",
+    "collectives",
+    "human_bytes",
+    "instructions",
+    "mesh_of",
+    "summary",
+]

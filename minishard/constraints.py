@@ -38,13 +38,18 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from minishard import _diagnose
+from minishard import _checks
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes, ShardingError
 
 __all__ = [
-    "DEFAULT_BATCH_AXIS", "LogicalSharding", "activation_axes", "as_activation", "constrain",
-    "output_sharding"
-]  # fmt: skip
+    "DEFAULT_BATCH_AXIS",
+    "LogicalSharding",
+    "activation_axes",
+    "as_activation",
+    "constrain",
+    "environment",
+    "output_sharding",
+]
 
 DEFAULT_BATCH_AXIS = "batch"
 """The logical axis of a batch's leading dimension, unless ``Sharded(batch_axis=...)`` names another."""
@@ -111,6 +116,12 @@ _CURRENT: contextvars.ContextVar[LogicalSharding | None] = contextvars.ContextVa
 )
 
 
+def environment() -> LogicalSharding | None:
+    """The ``LogicalSharding`` in effect (``Sharded`` sets one while it traces), or None outside:
+    where a layer that writes its own ``shard_map`` (ring attention) finds its mesh and rules."""
+    return _CURRENT.get()
+
+
 def activation_axes(ndim: int, *trailing: str | None) -> LogicalAxes:
     """The logical axes of a rank-``ndim`` activation: the batch axis first, ``trailing`` last.
 
@@ -135,7 +146,7 @@ def constrain(x: Any, logical_axes: LogicalAxes) -> Any:
     ``Sharded``, an unknown logical axis or a dimension its mesh axes cannot split
     evenly raises the same ``ShardingError`` as for a parameter.
     """
-    _diagnose.rank("constrain", x, logical_axes)
+    _checks.logical_axes("constrain", logical_axes, jax.numpy.shape(x))
     context = _CURRENT.get()
     if context is None:
         return x
@@ -143,7 +154,7 @@ def constrain(x: Any, logical_axes: LogicalAxes) -> Any:
         sharding = context.sharding(tuple(logical_axes))
     except ShardingError as e:
         raise ShardingError(f"constrain: {e}") from None
-    _diagnose.divisible("constrain", jax.numpy.shape(x), tuple(logical_axes), sharding.spec, context.mesh)
+    _checks.divisible("constrain", jax.numpy.shape(x), tuple(logical_axes), sharding.spec, context.mesh)
     if context.explicit:  # the sharding is the array's type: change the type
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)  # a hint to XLA's propagation

@@ -15,8 +15,10 @@ Scale Your Model" (jax-ml/scaling-book) applied to *your* step:
   training step's FLOPs), not the forward pass, as in the training chapter:
   T = T_compute / 3 + max(2/3 T_compute, T_comms); communication-bound by x k
   when T_comms = k · 2/3 T_compute with k > 1;
+* a ring (context parallelism) sends each K/V chunk behind one step's attention of it: hidden
+  while seq·q_heads/(kv_heads·|CP|), MaxText's intensity, is large enough (``ring_bound``);
 * the flip: data parallelism and FSDP send weights, whose bytes do not grow with the
-  batch: the verdict flips at the per-device batch x k; for data parallelism, C / W.
+  batch: the verdict flips at the per-device batch x k; for data parallelism, C / W (``critical_batch``).
 
 >>> round(collective_time("all-gather", 2048 * 8192 * 2, 4, HARDWARE["v5e"]) * 1e6)  # µs, pop quiz 2
 373
@@ -33,10 +35,12 @@ from typing import Any
 
 import jax
 
-from minishard._hardware import HARDWARE, Hardware, hardware_named
+from minishard import _checks
+from minishard._hlo import repeated_dot_flops
 from minishard.census import as_asked, human_bytes, instructions, mesh_of
+from minishard.hardware import HARDWARE, Hardware, hardware_named
 from minishard.presets import PRESETS, preset
-from minishard.rules import AnyMesh, AxisRules, ShardingError
+from minishard.rules import AnyMesh, AxisRules, ShardingError, split_count
 from minishard.sharding import Sharded, make_mesh
 
 BACKWARD = 2 / 3  # the share of a training step's FLOPs that communication can hide behind
@@ -49,16 +53,22 @@ _SHARE: dict[str, Callable[[int], tuple[float, float]]] = {
     "reduce-scatter": lambda n: (1.0, (n - 1) / n),
     "all-reduce": lambda n: (2.0, 2 * (n - 1) / n),
     "all-to-all": lambda n: (0.25, (n - 1) / n**2),
-    "collective-permute": lambda n: (2.0, 1.0),  # one block to one neighbour, one direction
+    "collective-permute": lambda n: (2.0, 1.0),  # one shard to one neighbour, one direction
 }
 
 
-def collective_time(kind: str, nbytes: float, devices: int, hardware: Hardware, axes: int = 1) -> float:
-    """Seconds for one collective over ``devices``, whose result on one device is ``nbytes``.
+def collective_time(
+    kind: str, nbytes: float, devices: int, hardware: Hardware | str, n_axes: int = 1
+) -> float:
+    """Seconds for one collective over ``devices`` (along ``n_axes`` mesh axes), whose result on one
+    device is ``nbytes``.
 
     ``nbytes`` is what ``minishard.collectives`` reports: for an all-gather the
     gathered array, for a reduce-scatter or an all-to-all one device's 1/n of it.
+    W is ``hardware.bandwidth(devices, n_axes)`` (``minishard.hardware``); ``hardware`` may be its name.
     """
+    _checks.collective(kind, nbytes, devices, tuple(_SHARE))
+    hardware = hardware_named(hardware)
     if devices <= 1:
         return 0.0
     whole = nbytes * devices if kind in ("reduce-scatter", "all-to-all") else nbytes  # the book's V
@@ -66,19 +76,45 @@ def collective_time(kind: str, nbytes: float, devices: int, hardware: Hardware, 
     share = torus if hardware.topology == "torus" else switch
     hops = 1 if kind == "collective-permute" else devices / 2 if hardware.topology == "torus" else devices - 1
     floor = hops * hardware.latency * (2 if kind == "all-reduce" else 1)
-    return max(floor, whole * share / hardware.bandwidth(devices, axes))
+    return max(floor, whole * share / hardware.bandwidth(devices, n_axes))
 
 
-def critical_batch(hardware: Hardware, devices: int | None = None, axes: int = 1) -> float:
+def critical_batch(hardware: Hardware | str, devices: int | None = None, n_axes: int = 1) -> float:
     """Examples (tokens) per device above which data parallelism is compute-bound: C / W.
 
-    Per weight of P parameters, the backward pass does 2 matmuls of 2·b·P FLOPs
-    on b examples while the all-reduce moves 2P bf16 bytes twice (2 · 2P / W):
-    they are equal at b = C / W. Behind a switch of ``devices`` GPUs the ring
-    factor (n - 1) / n lowers it (the book's 2,200 for H100 drops it, n → ∞).
+    The scaling book's derivation (training chapter), the one minishard uses. Per weight of
+    P parameters, b examples per device: the forward pass (2bP FLOPs) sends nothing; the
+    backward pass does two matmuls (the weight's gradient and the input's, 4bP FLOPs), and
+    behind them hides the gradient's all-reduce of 2P bf16 bytes, 2 · 2P / W. Equal at
+    b = C / W. So the overlap is the backward pass only (``BACKWARD``, 2/3 of the FLOPs);
+    float32 gradients double it, 2 C / W; FSDP (all-gather + reduce-scatter) keeps it.
+    Behind a switch of ``devices`` GPUs the ring factor (n - 1) / n lowers it (the book's
+    2,200 for H100 drops it, n → ∞).
     """
+    _checks.optional_count("critical_batch: devices", devices)
+    hardware = hardware_named(hardware)
     ring = 1.0 if devices is None or hardware.topology == "torus" else (devices - 1) / devices
-    return hardware.flops * ring / hardware.bandwidth(devices or 1, axes)
+    return hardware.flops * ring / hardware.bandwidth(devices or 1, n_axes)
+
+
+def ring_bound(
+    seq: int, q_heads: int, kv_heads: int, head_dim: int, devices: int, hardware: Hardware, batch: int = 1
+) -> float:
+    """k = a causal zig-zag ring step's sends over the attention they hide behind; > 1: the ring waits.
+
+    Each of the p = ``devices`` holds c = seq / p tokens. A step attends them to one K/V chunk
+    of c tokens, 4·b·c²·q_heads·head_dim FLOPs, half of it causal (zig-zag: on every device
+    alike), while the next K and V chunks leave: 2·b·c·kv_heads·head_dim bf16 bytes. FLOPs per
+    byte go as c·q_heads/kv_heads: MaxText's intensity seq·q_heads/(kv_heads·|CP|). A longer
+    context hides the ring; more devices on the same context expose it.
+
+    >>> [round(ring_bound(seq, 32, 8, 128, 8, HARDWARE["v5p"]), 2) for seq in (8192, 32768)]  # Llama-3 8B's
+    [2.49, 0.62]
+    """
+    chunk = seq / devices
+    flops = 4 * batch * chunk**2 * q_heads * head_dim / 2
+    kv_bytes = batch * chunk * kv_heads * head_dim * 2
+    return 2 * collective_time("collective-permute", kv_bytes, devices, hardware) / (flops / hardware.flops)
 
 
 # --- 2. one compiled step ----------------------------------------------------------
@@ -96,6 +132,12 @@ class Memory:
     @property
     def total(self) -> int:
         return self.arguments + self.outputs + self.temporaries - self.aliased
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> Memory:
+        stats = compiled.memory_analysis()
+        kinds = ("argument", "output", "temp", "alias")
+        return cls(*(getattr(stats, f"{kind}_size_in_bytes") for kind in kinds))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,14 +175,16 @@ class StepCost:
 
     @property
     def flip_batch(self) -> float | None:
-        """Per-device batch where the verdict flips, if the bytes do not grow with the batch."""
-        return None if self.batch is None or not self.comm_s else self.batch * self.bound
+        """Per-device batch where the verdict flips, if the bytes do not grow with the batch (as a
+        pipeline's permuted activations do)."""
+        grows = any(kind == "collective-permute" for kind, _, _ in self.communication)
+        return None if self.batch is None or not self.comm_s or grows else self.batch * self.bound
 
     def __str__(self) -> str:
         hw, mem, size = self.hardware, self.memory, human_bytes
         sent = ", ".join(f"{kind} {size(n)} {_time(s)}" for kind, n, s in self.communication) or "none"
         flip = f"; flips at {self.flip_batch:,.0f} examples per device" if self.flip_batch else ""
-        return "\n".join([
+        lines = [
             f"predicted step on {hw.name}" + (f", {self.batch:g} examples per device" if self.batch else ""),
             f"  compute        {_time(self.compute_s):>9}  {self.flops:.3g} FLOP at {hw.flops:.3g} FLOP/s",
             f"  communication  {_time(self.comm_s):>9}  {sent}",
@@ -148,7 +192,8 @@ class StepCost:
             f"  step           {_time(self.step_s):>9}  {self.verdict}{flip}",
             f"  memory/device  {size(mem.total)} of {size(int(hw.hbm_bytes))}: arguments "
             f"{size(mem.arguments)}, outputs {size(mem.outputs)}, temporaries {size(mem.temporaries)}",
-        ])  # fmt: skip
+        ]
+        return "\n".join(lines)
 
 
 def step_cost(
@@ -165,27 +210,28 @@ def step_cost(
     for (``collectives.as_asked``: XLA:CPU widens bf16 collectives to f32); a
     ``Compiled`` one is counted as compiled. ``batch``: examples per device.
     """
+    _checks.optional_positive("step_cost: batch", batch)
     hardware = hardware_named(hardware)
     lowered = program if isinstance(program, jax.stages.Lowered) else None
     compiled = lowered.compile() if lowered is not None else program
     assert isinstance(compiled, jax.stages.Compiled)
+    _checks.program_mesh("step_cost", mesh, mesh_of(compiled))
     mesh = mesh if mesh is not None else mesh_of(compiled)
     text = as_asked(lowered) if lowered is not None else compiled.as_text() or ""
     analysis = compiled.cost_analysis() or {}  # per device: XLA analyses the partitioned program
-    stats = compiled.memory_analysis()
-    memory = Memory(
-        *(getattr(stats, f"{name}_size_in_bytes") for name in ("argument", "output", "temp", "alias"))
-    )
-    return StepCost(
-        hardware, float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)),
-        _communication(text, mesh, hardware), memory, batch, overlap,
-    )  # fmt: skip
+    flops = float(analysis.get("flops", 0.0)) + repeated_dot_flops(text)  # a loop's body runs n times
+    accessed = float(analysis.get("bytes accessed", 0.0))
+    communication = _communication(text, mesh, hardware)
+    return StepCost(hardware, flops, accessed, communication, Memory.of(compiled), batch, overlap)
 
 
 def cost_report(
-    step: Callable[..., Any], args: Sequence[Any], mesh: AnyMesh, rules: AxisRules | None,
+    step: Callable[..., Any],
+    args: Sequence[Any],
+    mesh: AnyMesh,
+    rules: AxisRules | None,
     hardware: Hardware | str = "v5p",
-) -> StepCost:  # fmt: skip
+) -> StepCost:
     """``step_cost`` of ``Sharded(mesh, rules)(step)`` on example ``args``, whose last is the batch.
 
     The batch per device is the batch's leading dimension over the mesh axes
@@ -196,14 +242,12 @@ def cost_report(
     sharded = step if hasattr(step, "lower") else Sharded(mesh, rules)(step)  # type: ignore[arg-type]
     global_batch = jax.tree.leaves(args[-1])[0].shape[0]
     entry = rules.spec(("batch",), mesh)[0] if rules and "batch" in rules else None
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    split = math.prod(mesh.shape[name] for name in names)
-    return step_cost(sharded.lower(*args), hardware, batch=global_batch / split)
+    return step_cost(sharded.lower(*args), hardware, batch=global_batch / split_count(mesh, entry))
 
 
-# --- 3. every layout, ranked -------------------------------------------------------
+# --- 3. every candidate layout, ranked ----------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Candidate:
     """One preset on one mesh shape; ``cost`` is None when the model does not divide over it."""
 
     style: str
@@ -214,18 +258,18 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """Every layout ``compare`` tried, fastest predicted step first."""
+    """Every candidate ``compare`` tried, fastest predicted step first."""
 
     hardware: Hardware
-    layouts: tuple[Layout, ...]
+    candidates: tuple[Candidate, ...]
 
     def __str__(self) -> str:
         lines = [f"  {'style':8} {'mesh':18} {'step':>9} {'compute':>9} {'comms':>9} {'memory':>9}  verdict"]
-        for i, layout in enumerate(self.layouts):
-            cost, shape, t = layout.cost, "x".join(f"{k}={v}" for k, v in layout.mesh.items()), _time
-            head = f"{'* ' if i == 0 and cost else '  '}{layout.style:8} {shape:18} "
+        for i, candidate in enumerate(self.candidates):
+            cost, shape, t = candidate.cost, "x".join(f"{k}={v}" for k, v in candidate.mesh.items()), _time
+            head = f"{'* ' if i == 0 and cost else '  '}{candidate.style:8} {shape:18} "
             if cost is None:
-                lines.append(head + layout.why)
+                lines.append(head + candidate.why)
                 continue
             cells = (t(cost.step_s), t(cost.compute_s), t(cost.comm_s), human_bytes(cost.memory.total))
             lines.append(head + " ".join(f"{cell:>9}" for cell in cells) + f"  {cost.verdict}")
@@ -242,26 +286,34 @@ def mesh_shapes(style: str, devices: int) -> list[dict[str, int]]:
 
 
 def compare(
-    step: Callable[..., Any], args: Sequence[Any], hardware: Hardware | str = "v5p", devices: int = 0
+    step: Callable[..., Any],
+    args: Sequence[Any],
+    hardware: Hardware | str = "v5p",
+    devices: int = 0,
+    styles: Sequence[str] = PRESETS,
+    others: Sequence[Candidate] = (),
 ) -> Comparison:
-    """``cost_report`` of ``step`` under every preset and every mesh shape of ``devices``, fastest first.
+    """``cost_report`` of ``step`` under every style and every mesh shape of ``devices``, fastest first.
 
     ``args`` are the step's example arguments (model, optimizer state, batch);
-    ``devices``: 0 for all of them. Each layout compiles once.
+    ``devices``: 0 for all of them; ``styles``: the presets any model takes, or more
+    (``presets.SEQUENCE`` for a long context, ``presets.EXPERT`` for a model with experts,
+    whose all-to-alls cost a quarter of an all-gather). Each candidate compiles once.
+    ``others``, priced elsewhere (a pipeline's step, ZeRO's), are ranked with them.
     """
     hardware = hardware_named(hardware)
     devices = devices or jax.device_count()  # 0: all of them
-    layouts = []
-    for style in PRESETS:
+    candidates = []
+    for style in styles:
         rules = preset(style, devices)[1]
         for shape in mesh_shapes(style, devices):
             try:
                 cost = cost_report(step, args, make_mesh(shape), rules, hardware)
             except ShardingError as error:  # "... dimension 1 (logical axis 'heads') has size 4, which ..."
-                layouts.append(Layout(style, shape, None, str(error).split(", ", 1)[-1].split(";")[0]))
+                candidates.append(Candidate(style, shape, None, str(error).split(", ", 1)[-1].split(";")[0]))
                 continue
-            layouts.append(Layout(style, shape, cost))
-    fastest = sorted(layouts, key=lambda layout: math.inf if layout.cost is None else layout.cost.step_s)
+            candidates.append(Candidate(style, shape, cost))
+    fastest = sorted([*candidates, *others], key=lambda c: math.inf if c.cost is None else c.cost.step_s)
     return Comparison(hardware, tuple(fastest))
 
 
@@ -269,7 +321,7 @@ def _communication(text: str, mesh: AnyMesh | None, hardware: Hardware) -> tuple
     """``(kind, bytes, seconds)`` per kind: each instruction priced over its own group of devices."""
     sent: dict[str, tuple[int, float]] = {}
     for kind, nbytes, groups in instructions(text, mesh):
-        seconds = collective_time(kind, nbytes, _group_size(groups[0], mesh), hardware, axes=len(groups[0]))
+        seconds = collective_time(kind, nbytes, _group_size(groups[0], mesh), hardware, n_axes=len(groups[0]))
         total, time = sent.get(kind, (0, 0.0))
         sent[kind] = (total + nbytes, time + seconds)
     return tuple((kind, n, s) for kind, (n, s) in sent.items())
@@ -291,6 +343,18 @@ def _time(seconds: float) -> str:
 
 
 __all__ = [
-    "BACKWARD", "HARDWARE", "Comparison", "Hardware", "Layout", "Memory", "StepCost", "collective_time",
-    "compare", "cost_report", "critical_batch", "mesh_shapes", "step_cost",
-]  # fmt: skip
+    "BACKWARD",
+    "HARDWARE",
+    "Candidate",
+    "Comparison",
+    "Hardware",
+    "Memory",
+    "StepCost",
+    "collective_time",
+    "compare",
+    "cost_report",
+    "critical_batch",
+    "mesh_shapes",
+    "ring_bound",
+    "step_cost",
+]

@@ -12,7 +12,8 @@ module writes that loop in four steps:
    same gradients, ``m`` times less activation memory; the first half of a pipeline.
 2. **Stacked blocks.** ``n`` identical blocks, their parameters on a leading ``"stage"``
    axis: the rule ``stage -> "stage"`` (the ``pp`` preset) gives each device its layers.
-3. **The schedule.** ``slot(tick, stage)`` says what a stage does at a tick; ``pipeline`` runs it.
+3. **The schedule.** ``slot(tick, stage)`` says what a stage does at a tick; ``run_pipeline`` runs
+   it, as a ``Pipeline`` (the mesh, the microbatches, the repeats) says.
 4. **Costs.** ``bubble_fraction``; ``pipeline_report`` reads ticks, bytes and memory from the program.
 
 >>> schedule(p=2, m=3)      # stage 1 starts a tick late and finishes a tick late: the bubble
@@ -33,9 +34,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from minishard._pipeline import compiled_ticks, draw, staged
-from minishard.census import bytes_by_mesh_axes
+from minishard import _checks
+from minishard._hlo import collective_instructions
+from minishard.census import bytes_by_mesh_axes, collectives
 from minishard.layers import Layer, Linear, Sequential, Swish
+from minishard.rules import LogicalAxes
 
 # --- 1. microbatches: gradient accumulation ------------------------------------
 
@@ -58,14 +61,16 @@ def split_microbatches(batch: Any, m: int) -> Any:
     return jax.tree.map(split, batch)
 
 
-def microbatched(loss_fn: Callable[..., Any], m: int) -> Callable[..., Any]:
+def microbatched(loss_fn: Callable[..., Any], m: int, reduction: str = "mean") -> Callable[..., Any]:
     """``jax.value_and_grad(loss_fn, has_aux=True)``, computed ``m`` microbatches at a time.
 
-    ``loss_fn(model, batch) -> (loss, aux)`` must *average* over the batch (so
-    must ``aux``, a pytree of scalars such as an accuracy): the mean of ``m``
-    equal microbatches' means is the batch mean, and so are the gradients. Only
-    one microbatch's activations are alive at a time.
+    ``loss_fn(model, batch) -> (loss, aux)`` reduces over the batch (so does ``aux``, a pytree of
+    scalars such as an accuracy) as ``reduction`` says: ``"mean"``, and the mean of ``m`` equal
+    microbatches' means is the batch mean, and so are the gradients; ``"sum"``, the sum of their
+    sums. Only one microbatch's activations are alive at a time.
     """
+    _checks.count("microbatched: m", m)
+    _checks.one_of("microbatched: reduction", reduction, ("mean", "sum"))
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def value_and_grad(model: Any, batch: Any) -> Any:
@@ -76,7 +81,7 @@ def microbatched(loss_fn: Callable[..., Any], m: int) -> Callable[..., Any]:
         first = jax.tree.map(lambda a: a[0], microbatches)
         zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, model, first))  # the sums start at 0
         total, _ = jax.lax.scan(add_one, zeros, microbatches)
-        return jax.tree.map(lambda t: t / m, total)
+        return jax.tree.map(lambda t: t / m, total) if reduction == "mean" else total
 
     return value_and_grad
 
@@ -89,49 +94,57 @@ class Stacked(Layer):
 
     Built with ``jax.vmap`` over one key per block, so block ``k`` is what
     ``make_block(keys[k])`` alone would build; applied with ``lax.scan``, one
-    compiled block for all ``n``. Each Layer inside ``block`` answers
-    ``param_logical_axes`` with ``"stage"`` in front (Flax's ``nn.scan`` adds the
-    same name with ``metadata_params``), so ``plan`` and ``explain`` read
+    compiled block for all ``n``. ``Stacked`` answers ``param_logical_axes`` for its
+    block: every array in it leads with ``"stage"`` (Flax's ``nn.scan`` adds the same
+    name with ``metadata_params``), and each Layer inside names the rest as it would
+    unstacked. So ``plan`` and ``explain`` read
     ``blocks.block.layers[0].weight  ('stage', None, None)``.
 
-    >>> from minishard import Linear
+    >>> from minishard import Linear, plan
     >>> blocks = Stacked(lambda k: Linear(4, 4, key=k), 3, key=jax.random.key(0))
-    >>> blocks.block.weight.shape, blocks.block.param_logical_axes()["weight"]
-    ((3, 4, 4), ('stage', None, None))
+    >>> type(blocks.block).__name__, blocks.block.weight.shape, blocks.param_logical_axes()
+    ('Linear', (3, 4, 4), {'block': ('stage',)})
+    >>> plan(blocks, jax.sharding.AbstractMesh((3,), ("stage",))).leaves[0].spec
+    P('stage', None, None)
     """
 
     param_fields = ("block",)
     static_fields = ("n",)
 
     def __init__(self, make_block: Callable[[jax.Array], Layer], n: int, *, key: jax.Array) -> None:
-        self.block = staged(jax.vmap(make_block)(jax.random.split(key, n)))
+        _checks.stacked(n, key)
+        self.block = jax.vmap(make_block)(jax.random.split(key, n))
         self.n = int(n)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return run_blocks(self.block, x)
 
+    def param_logical_axes(self) -> dict[str, LogicalAxes]:
+        return {"block": ("stage",)}  # the leading axis of every array in the block: which block
+
 
 def run_blocks(block: Any, x: jax.Array) -> jax.Array:
     """Apply stacked blocks in order: a ``lax.scan`` over their leading axis."""
+    _checks.blocks_keep_shape(block, x)  # the scan's carry: each block's output is the next one's input
     return jax.lax.scan(lambda h, one: (one(h), None), x, block)[0]
 
 
 class StackedModel(Layer):
-    """``after(blocks(before(x)))``, the blocks run sequentially or, with a ``schedule``, pipelined.
+    """``after(blocks(before(x)))``, the blocks run sequentially or, with a ``pipeline``, pipelined.
 
     ``before`` and ``after`` (an embedding, a head) run outside the pipeline on
     every stage; the rules lay them out as for any model.
     """
 
     param_fields = ("before", "blocks", "after")
-    static_fields = ("schedule",)
+    static_fields = ("pipeline",)
 
-    def __init__(self, before: Any, blocks: Stacked, after: Any, schedule: Schedule | None = None) -> None:
-        self.before, self.blocks, self.after, self.schedule = before, blocks, after, schedule
+    def __init__(self, before: Any, blocks: Stacked, after: Any, pipeline: Pipeline | None = None) -> None:
+        self.before, self.blocks, self.after, self.pipeline = before, blocks, after, pipeline
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.before(x)
-        h = self.blocks(h) if self.schedule is None else run_pipeline(self.blocks, h, self.schedule)
+        h = self.blocks(h) if self.pipeline is None else run_pipeline(self.blocks, h, self.pipeline)
         return self.after(h)
 
 
@@ -156,7 +169,7 @@ def stacked_mlp(sizes: list[int], *, key: jax.Array) -> StackedModel:
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class Pipeline:
     """Where and how to pipeline: ``p`` stages on ``mesh[stage_axis]``, ``m`` microbatches, ``r`` repeats."""
 
     mesh: Mesh
@@ -164,6 +177,9 @@ class Schedule:
     repeats: int = 1
     stage_axis: str = "stage"
     data_axis: str | None = None
+
+    def __post_init__(self) -> None:
+        _checks.pipeline(self)
 
     @property
     def stages(self) -> int:
@@ -190,6 +206,7 @@ def slot(tick: Any, stage: Any, m: int, r: int = 1) -> tuple[Any, Any, Any]:
 
 def schedule(p: int, m: int, r: int = 1) -> list[list[Any]]:
     """Per stage, per tick: the microbatch worked on (``(microbatch, repeat)`` if ``r > 1``), or None."""
+    _checks.pipeline_sizes("schedule", p, m, r)
     if r > 1 and m < p:  # microbatch 0 would come back round to stage 0 before the last one started
         raise ValueError(f"a circular schedule needs m >= p microbatches, got m={m} < p={p}")
 
@@ -200,28 +217,54 @@ def schedule(p: int, m: int, r: int = 1) -> list[list[Any]]:
     return [[cell(t, d) for t in range(r * m + p - 1)] for d in range(p)]
 
 
-def run_pipeline(blocks: Stacked, x: jax.Array, plan: Schedule) -> jax.Array:
+def draw(grid: list[list[Any]]) -> str:
+    """``schedule(p, m, r)`` as text: a row per stage, a column per tick, ``.`` for a bubble.
+
+    A cell is the microbatch; with repeats, a ``'`` per repeat after the first.
+
+    >>> print(draw(schedule(p=2, m=2)))
+    stage 0 | 0 1 .
+    stage 1 | . 0 1
+    """
+    text = [[_cell(work) for work in row] for row in grid]
+    width = max(len(cell) for row in text for cell in row)
+    return "\n".join(
+        f"stage {d} | " + " ".join(cell.ljust(width) for cell in row).rstrip() for d, row in enumerate(text)
+    )
+
+
+def _cell(work: Any) -> str:
+    if work is None:
+        return "."
+    return f"{work[0]}" + "'" * work[1] if isinstance(work, tuple) else str(work)
+
+
+def run_pipeline(blocks: Stacked, x: jax.Array, pipeline: Pipeline) -> jax.Array:
     """``blocks(x)``, as a pipeline: ``p`` stages, each holding ``r`` chunks of ``n / (p·r)`` layers.
 
     Device ``d`` holds chunks ``d, d + p, d + 2p, ...``: a microbatch visits every
     device ``r`` times, round a ring. The layers are reordered ``[n] -> [p, r, L]``
     here; with ``r = 1`` that is free, with ``r > 1`` XLA moves them each step.
     """
-    p, m, r = plan.stages, plan.microbatches, plan.repeats
+    _checks.instance("run_pipeline: blocks", blocks, Stacked, "stack them: Stacked(make_block, n, key=key)")
+    p, m, r = pipeline.stages, pipeline.microbatches, pipeline.repeats
+    _checks.pipeline_batch("run_pipeline", x, pipeline)
     if blocks.n % (p * r):
         raise ValueError(f"pipeline: {blocks.n} blocks do not split into {p} stages x {r} repeats")
     schedule(p, m, r)  # checks m >= p for a circular schedule
     chunks = jax.tree.map(lambda a: a.reshape(r, p, -1, *a.shape[1:]).swapaxes(0, 1), blocks.block)
-    loop = functools.partial(_gpipe, plan=plan)
-    x_spec = P(None, plan.data_axis)  # [m, B/m, ...]: microbatch rows split over "data", if any
-    run = jax.shard_map(loop, mesh=plan.mesh, in_specs=(P(plan.stage_axis), x_spec), out_specs=x_spec)
+    loop = functools.partial(_gpipe, pipeline=pipeline)
+    x_spec = P(None, pipeline.data_axis)  # [m, B/m, ...]: microbatch rows split over "data", if any
+    stages = P(pipeline.stage_axis)
+    run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=(stages, x_spec), out_specs=x_spec)
     y = run(chunks, split_microbatches(x, m))
     return y.swapaxes(0, 1).reshape(x.shape[0], *y.shape[2:])  # undo the strided split
 
 
-def _gpipe(chunks: Any, xs: jax.Array, *, plan: Schedule) -> jax.Array:
-    """One device's program: ``plan.ticks`` times, run one chunk and pass the result on (``ppermute``)."""
-    p, m, r, axis, data = plan.stages, plan.microbatches, plan.repeats, plan.stage_axis, plan.data_axis
+def _gpipe(chunks: Any, xs: jax.Array, *, pipeline: Pipeline) -> jax.Array:
+    """One device's program: ``pipeline.ticks`` times, run one chunk and pass the result on (``ppermute``)."""
+    p, m, r, axis = pipeline.stages, pipeline.microbatches, pipeline.repeats, pipeline.stage_axis
+    data = pipeline.data_axis
     stage, chunks = jax.lax.axis_index(axis), jax.tree.map(lambda a: a[0], chunks)  # [r, L, ...]
     if data:  # cast once, so that the gradient's psum over "data" (its transpose) runs once, not per tick
         chunks = jax.lax.pcast(chunks, data, to="varying")
@@ -244,7 +287,7 @@ def _gpipe(chunks: Any, xs: jax.Array, *, plan: Schedule) -> jax.Array:
         inputs = inputs.at[i_back].set(jnp.where(back, state, inputs[i_back]))
         return (state, inputs, outputs), None
 
-    (_, _, outputs), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+    (_, _, outputs), _ = jax.lax.scan(tick, carry, jnp.arange(pipeline.ticks))
     return jax.lax.psum(jnp.where(stage == p - 1, outputs, 0.0), axis)  # the last stage's, to all
 
 
@@ -253,35 +296,68 @@ def _gpipe(chunks: Any, xs: jax.Array, *, plan: Schedule) -> jax.Array:
 
 def bubble_fraction(p: int, m: int, r: int = 1) -> float:
     """The share of a step a stage idles, over the *total* time (GPipe, MaxText): ``(p-1)/(r·m+p-1)``."""
+    _checks.pipeline_sizes("bubble_fraction", p, m, r)
     return (p - 1) / (r * m + p - 1)
 
 
 def megatron_bubble(p: int, m: int, r: int = 1) -> float:
     """The bubble over the *ideal* time, as Megatron-LM writes it: ``(p-1)/(r·m)``. Grows past 1."""
+    _checks.pipeline_sizes("megatron_bubble", p, m, r)
     return (p - 1) / (r * m)
 
 
-def pipeline_report(step: Any, args: tuple[Any, ...], plan: Schedule | None = None) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class PipelineReport:
+    """What ``pipeline_report`` read from a compiled pipelined step; ``print`` shows it, schedule drawn."""
+
+    stages: int
+    microbatches: int
+    repeats: int
+    ticks: int  # read from the program: how often each collective-permute runs
+    bubble: float  # (ticks - work) / ticks, from the program
+    bubble_formula: float  # bubble_fraction(p, m, r)
+    permute_bytes: int  # sent over the stage axis in one step
+    temp_bytes: int  # temporary memory per device
+
+    def __str__(self) -> str:
+        p, m, r = self.stages, self.microbatches, self.repeats
+        lines = [
+            f"stages {p}, microbatches {m}, repeats {r}, ticks {self.ticks} (read from the compiled loop)",
+            f"bubble {self.bubble:.3f} from the program, {self.bubble_formula:.3f} = (p-1)/(r·m+p-1)",
+            f"collective-permute over the stage axis: {self.permute_bytes} bytes per step",
+            f"temporary memory: {self.temp_bytes / 1e6:.2f} MB per device",
+        ]
+        return "\n".join([*lines, draw(schedule(p, m, r))])
+
+
+def pipeline_report(step: Any, args: tuple[Any, ...], pipeline: Pipeline | None = None) -> PipelineReport:
     """What ``explain`` prints for a pipelined step: stages, ticks, bubble, bytes sent, temp memory.
 
-    ``plan``: by default the schedule of the first ``StackedModel`` in ``args``."""
-    plan = plan or next(a.schedule for a in args if isinstance(a, StackedModel) and a.schedule)
+    ``pipeline``: by default that of the first ``StackedModel`` in ``args``."""
+    _checks.pipelined("pipeline_report", pipeline, args)
+    pipeline = pipeline or next(a.pipeline for a in args if isinstance(a, StackedModel) and a.pipeline)
+    p, m, r = pipeline.stages, pipeline.microbatches, pipeline.repeats
     compiled = step.lower(*args).compile()
-    ticks, work = compiled_ticks(compiled), plan.repeats * plan.microbatches
-    return {
-        "stages": plan.stages,
-        "microbatches": plan.microbatches,
-        "repeats": plan.repeats,
-        "ticks": ticks,  # read from the program: how often each collective-permute runs
-        "bubble": (ticks - work) / ticks,
-        "bubble_formula": bubble_fraction(plan.stages, plan.microbatches, plan.repeats),
-        "permute_bytes": bytes_by_mesh_axes(compiled).get(("collective-permute", (plan.stage_axis,)), 0),
-        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-    }
+    ticks = compiled_ticks(compiled)
+    sent = bytes_by_mesh_axes(compiled).get(("collective-permute", (pipeline.stage_axis,)), 0)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return PipelineReport(p, m, r, ticks, (ticks - r * m) / ticks, bubble_fraction(p, m, r), sent, temp)
+
+
+def compiled_ticks(compiled: jax.stages.Compiled) -> int:
+    """The ticks a program runs: how often each of its ``collective-permute``\\ s runs (the census).
+
+    Each tick loop (forward, and its transpose in a gradient) holds one ``ppermute``,
+    which the census counts once per trip of its loop.
+    """
+    found = collective_instructions(compiled.as_text() or "")
+    written = [c for c in found if c["kind"] == "collective-permute" and c["phase"] != "-done"]  # async: once
+    return collectives(compiled)["collective-permute"].count // len(written)
 
 
 __all__ = [
-    "Schedule",
+    "Pipeline",
+    "PipelineReport",
     "Stacked",
     "StackedModel",
     "bubble_fraction",
@@ -289,9 +365,9 @@ __all__ = [
     "draw",
     "megatron_bubble",
     "microbatched",
-    "run_pipeline",
     "pipeline_report",
     "run_blocks",
+    "run_pipeline",
     "schedule",
     "slot",
     "split_microbatches",

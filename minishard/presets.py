@@ -1,4 +1,4 @@
-"""Seven named ways to spread a model over devices: a mesh shape and ordered rules for each.
+"""Twelve named ways to spread a model over devices: a mesh shape and ordered rules for each.
 
 Nobody should have to write rules to *try* a style. ``preset(name, devices)``
 returns the mesh shape and the ``AxisRules`` of one of them; the model never
@@ -17,6 +17,14 @@ changes, only where its logical axes go:
 * ``pp``: pipeline parallel. A model's stacked blocks (``minishard.pipeline``)
   over "stage", every device a stage; ``dp+pp``: the batch over "data" too.
   They split only the logical axis "stage", which only stacked blocks name.
+* ``cp``, ``dp+cp``: context parallel. The sequence ("seq") over a mesh axis of its own,
+  "context", as the batch goes over "data"; attention then needs every key on every
+  device (``minishard.context``'s ring). ``tp+sp``: tensor parallel, and Megatron's
+  sequence parallelism: "seq" over "model" too, after heads and hidden units, so only
+  the residual stream (``("batch", "seq", "embed")``) takes it (``minishard.sequence``).
+* ``ep``: expert parallel. A mixture of experts' stacked experts (``minishard.experts``) over
+  "expert", and the batch over it too, as is usual; ``dp+ep``: the batch over "data" x "expert".
+  The expert rule comes first, so an MoE's slots split by expert: two all-to-alls per layer.
 
 The rules are ordered (Flax's semantics): for an activation ``(batch, embed)``
 the batch rule comes first and takes "data", so ``embed`` falls back to its
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from minishard import _checks
 from minishard.rules import AxisRules, MeshAxes
 
 STYLES: dict[str, tuple[tuple[str, MeshAxes], ...]] = {
@@ -46,29 +55,38 @@ STYLES: dict[str, tuple[tuple[str, MeshAxes], ...]] = {
     "fsdp+tp": (("batch", "data"), ("mlp", "model"), ("heads", "model"), ("embed", "data")),
     "pp": (("stage", "stage"),),
     "dp+pp": (("batch", "data"), ("stage", "stage")),
+    "cp": (("seq", "context"),),
+    "dp+cp": (("batch", "data"), ("seq", "context")),
+    "tp+sp": (("mlp", "model"), ("heads", "model"), ("seq", "model")),
+    "ep": (("expert", "expert"), ("batch", "expert")),
+    "dp+ep": (("expert", "expert"), ("batch", ("data", "expert")), ("batch", "data")),
 }
 """What each style splits, as ordered rules; every logical axis they leave is replicated."""
 PIPELINED = tuple(name for name, splits in STYLES.items() if ("stage", "stage") in splits)
 """The styles that need a model with stacked blocks (``minishard.pipeline.Stacked``)."""
-PRESETS = tuple(name for name in STYLES if name not in PIPELINED)
+SEQUENCE = tuple(name for name, splits in STYLES.items() if "seq" in dict(splits))
+"""The styles that split the sequence: for a model whose activations name "seq" (the GPT's)."""
+EXPERT = tuple(name for name, splits in STYLES.items() if ("expert", "expert") in splits)
+"""The styles that split a mixture of experts' experts; a model without experts they leave as dp."""
+PRESETS = tuple(name for name in STYLES if name not in PIPELINED + SEQUENCE + EXPERT)
 """The styles any model takes."""
-LOGICAL_AXES = ("batch", "embed", "mlp", "heads", "kv", "tokens", "patch", "classes", "stage")
-"""Every logical axis minishard's MLP and ViT name: each preset gives each one a rule."""
+LOGICAL_AXES = ("batch", "embed", "mlp", "heads", "kv", "seq", "patch", "classes", "stage", "expert", "vocab")
+"""Every logical axis minishard's MLP, ViT, GPT and MoE name: each preset gives each one a rule."""
 
 
 def preset(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
     """``(mesh shape, rules)`` of the style ``name`` on ``devices`` devices.
 
-    2-D styles put 2 devices on "data" and the rest on "model" or "stage" (``2d``
-    on 8 devices: data=2 x model=4), or 1 on "data" when ``devices`` is odd.
+    2-D styles put 2 devices on "data" and the rest on "model", "stage", "context" or "expert"
+    (``2d`` on 8 devices: data=2 x model=4), or 1 on "data" when ``devices`` is odd.
 
-    >>> preset("2d", 8)[0], preset("tp", 8)[0], preset("dp+pp", 8)[0]
-    ({'data': 2, 'model': 4}, {'model': 8}, {'data': 2, 'stage': 4})
+    >>> preset("2d", 8)[0], preset("tp", 8)[0], preset("dp+ep", 8)[0]
+    ({'data': 2, 'model': 4}, {'model': 8}, {'data': 2, 'expert': 4})
     """
     rules = preset_rules(name)
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"preset: devices must be an int >= 1, got {devices!r}")
-    mesh_axes = [axis for axis in ("data", "model", "stage") if axis in dict(STYLES[name]).values()]
+    _checks.count("preset: devices", devices)
+    targets = dict(STYLES[name]).values()
+    mesh_axes = [axis for axis in ("data", "model", "stage", "context", "expert") if axis in targets]
     if len(mesh_axes) == 1:
         return {mesh_axes[0]: devices}, rules
     data = 2 if devices % 2 == 0 and devices > 1 else 1
@@ -105,4 +123,14 @@ def rules_for_mesh(mesh_axes: Sequence[str], overrides: Mapping[str, MeshAxes] =
     return AxisRules(**{**{axis: splits.get(axis) for axis in LOGICAL_AXES}, **overrides})
 
 
-__all__ = ["LOGICAL_AXES", "PIPELINED", "PRESETS", "STYLES", "preset", "preset_rules", "rules_for_mesh"]
+__all__ = [
+    "EXPERT",
+    "LOGICAL_AXES",
+    "PIPELINED",
+    "PRESETS",
+    "SEQUENCE",
+    "STYLES",
+    "preset",
+    "preset_rules",
+    "rules_for_mesh",
+]

@@ -3,7 +3,7 @@
 ``minishard.collectives`` answers "what does this program send?". ``explain``
 puts that next to the question before it, "what does each device hold?": one
 row per array, read from ``minishard.sharding.plan`` (the same plan ``Sharded``
-uses, not re-derived here), with the block each device keeps and its bytes.
+uses, not re-derived here), with the shard each device keeps and its bytes.
 Only the mesh's axis names and sizes are needed, so an ``AbstractMesh`` plans a
 model far too big for this machine (with ``jax.eval_shape`` for the model).
 
@@ -53,16 +53,16 @@ class Row:
     shape: tuple[int, ...]  # the whole array
     logical_axes: LogicalAxes  # ("embed", "mlp")
     spec: jax.sharding.PartitionSpec  # what the rules turned them into
-    block_shape: tuple[int, ...]  # the block each device holds
+    shard_shape: tuple[int, ...]  # the shard each device holds
     dtype: str  # "float32"
     bytes: int  # the whole array
-    device_bytes: int  # one device's block
+    device_bytes: int  # one device's shard
 
 
 @dataclasses.dataclass(frozen=True)
 class Report:
     """What ``explain`` found. ``str(report)`` is a plain-text table (``minishard.run.render``
-    draws it as a rich table, as HTML, or as a picture of which devices hold each block).
+    draws it as a rich table, as HTML, or as a picture of which devices hold each shard).
 
     * ``rows``: one ``Row`` per array, in the tree's order;
     * ``total_bytes``: all arrays, unsharded; ``device_bytes``: what one device holds;
@@ -98,7 +98,7 @@ class Report:
                 str(row.logical_axes),
                 str(row.spec),
                 human_bytes(row.bytes),
-                str(row.block_shape),
+                str(row.shard_shape),
                 human_bytes(row.device_bytes),
             )
             for row in self.rows
@@ -170,19 +170,22 @@ def _rows(tree: Any, mesh: AnyMesh, rules: AxisRules | None) -> tuple[Row, ...]:
                 shape=leaf.shape,
                 logical_axes=leaf.logical_axes,
                 spec=leaf.spec,
-                block_shape=leaf.block_shape,
+                shard_shape=leaf.shard_shape,
                 dtype=dtype.name,
                 bytes=math.prod(leaf.shape) * dtype.itemsize,
-                device_bytes=math.prod(leaf.block_shape) * dtype.itemsize,
+                device_bytes=math.prod(leaf.shard_shape) * dtype.itemsize,
             )
         )
     return tuple(rows)
 
 
 def _compiled(
-    step: Callable[..., Any] | None, args: Sequence[Any] | None, mesh: AnyMesh, rules: AxisRules | None,
+    step: Callable[..., Any] | None,
+    args: Sequence[Any] | None,
+    mesh: AnyMesh,
+    rules: AxisRules | None,
     hardware: Hardware | str | None,
-) -> tuple[dict[str, Collective] | None, StepCost | None]:  # fmt: skip
+) -> tuple[dict[str, Collective] | None, StepCost | None]:
     """Compile ``step`` on ``args`` (wrapped in ``Sharded`` unless it can ``.lower``), count, and price."""
     if step is None:
         if hardware is not None:

@@ -26,11 +26,22 @@ from typing import NamedTuple
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from minishard import _checks
+from minishard._checks import ShardingError  # what every guard raises; defined in the guards' leaf
 
 __all__ = [
-    "IDENTITY_RULES", "AnyMesh", "Attempt", "AxisRules", "LogicalAxes", "MeshAxes", "P", "RuleTrace",
-    "ShardingError", "as_mesh_axes", "resolve", "split_count"
-]  # fmt: skip
+    "IDENTITY_RULES",
+    "AnyMesh",
+    "Attempt",
+    "AxisRules",
+    "LogicalAxes",
+    "MeshAxes",
+    "P",
+    "RuleTrace",
+    "ShardingError",
+    "as_mesh_axes",
+    "resolve",
+    "split_count",
+]
 
 P = PartitionSpec
 AnyMesh = Mesh | AbstractMesh
@@ -41,12 +52,8 @@ MeshAxes = str | tuple[str, ...] | None
 """Where a logical axis goes: one mesh axis, several (split over their product), or None (replicated)."""
 
 
-class ShardingError(ValueError):
-    """A sharding request that cannot work; the message names what and where, and how to fix it."""
-
-
 def split_count(mesh: AnyMesh, target: MeshAxes) -> int:
-    """Into how many blocks ``target`` (a PartitionSpec entry) splits a dimension on ``mesh``."""
+    """Into how many shards ``target`` (a PartitionSpec entry) splits a dimension on ``mesh``."""
     return math.prod(mesh.shape[axis] for axis in as_mesh_axes(target))
 
 
@@ -82,16 +89,16 @@ def resolve(
 ) -> tuple[PartitionSpec, list[Attempt]]:
     """Flax's rule algorithm (``_logical_to_mesh_axes``): one pass over the rules, in list order.
 
-    A rule tries the dimension its logical axis names, and claims it if the
-    dimension is still open and every mesh axis it wants is still free; a later
-    rule for the same name is a fallback. A dimension no rule claimed is
-    replicated. Returns the spec, and every rule tried, in order: the record
-    ``AxisRules.explain`` prints.
+    A rule tries the dimension its logical axis names, and claims it if the dimension is
+    still open and every mesh axis it wants is still free; a later rule for the same name
+    is a fallback. A dimension no rule claimed is replicated; a name on two dimensions is
+    refused. Returns the spec and every rule tried, in order: what ``AxisRules.explain`` prints.
 
     >>> spec, attempts = resolve(("embed", "mlp"), [("mlp", "model"), ("embed", "model")])
     >>> spec, [attempt.won for attempt in attempts]
     (P(None, 'model'), [True, False])
     """
+    _checks.each_name_once(logical_axes)  # ("mlp", "mlp"): AxisRules.spec refuses it here too
     entries: list[MeshAxes] = [None] * len(logical_axes)
     decided: set[int] = set()
     claimed: dict[str, int] = {}  # mesh axis -> the dimension that claimed it
@@ -170,8 +177,12 @@ class AxisRules:
         ...     ("batch", "embed"))
         P('data', None)
         """
+        try:
+            pairs = tuple((name, target) for name, target in pairs)
+        except (TypeError, ValueError):  # not pairs
+            _checks.rule_pairs(pairs)
         rules = object.__new__(cls)
-        rules._init(_checks.rule_pairs(pairs), ordered=True)
+        rules._init(pairs, ordered=True)
         return rules
 
     def _init(self, pairs: tuple[tuple[str, MeshAxes], ...], ordered: bool) -> None:
@@ -211,7 +222,8 @@ class AxisRules:
         self, logical_axes: LogicalAxes, mesh: AnyMesh | None
     ) -> tuple[LogicalAxes, PartitionSpec, tuple[Attempt, ...]]:
         """``resolve`` with these rules, then each remaining name that is a mesh axis mapping to itself."""
-        axes = _checks.logical_axes(logical_axes)
+        _checks.logical_axes("", logical_axes)
+        axes = tuple(logical_axes)
         _checks.every_name_has_a_rule(self, axes, mesh)
         identity = [(name, name) for name in axes if name is not None and name not in self]
         spec, attempts = resolve(axes, [*self.pairs, *identity])

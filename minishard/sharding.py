@@ -34,26 +34,17 @@ rules for ``spec(...)``; ``Sharded`` wraps the specs in ``NamedSharding``\\ s fo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from minishard import _diagnose, _sharding
-from minishard._diagnose import is_deleted
+from minishard import _checks, _diagnose
 from minishard.constraints import DEFAULT_BATCH_AXIS, LogicalSharding
 from minishard.layers import Layer
-from minishard.rules import (
-    IDENTITY_RULES,
-    AnyMesh,
-    AxisRules,
-    LogicalAxes,
-    P,
-    ShardingError,
-    split_count,
-)
+from minishard.rules import IDENTITY_RULES, AnyMesh, AxisRules, LogicalAxes, P, ShardingError
 from minishard.tree import path_str
 
 # --- 1. the mesh -------------------------------------------------------------
@@ -78,11 +69,15 @@ def make_mesh(
     >>> make_mesh({"data": 2, "model": 4}).shape
     OrderedDict([('data', 2), ('model', 4)])
     """
-    names, sizes = _diagnose.mesh_shape(shape, names)
+    _checks.mesh_shape(shape, names)
+    if isinstance(shape, Mapping):
+        axis_names, sizes = tuple(shape), tuple(shape.values())
+    else:
+        axis_names, sizes = tuple(names or ()), tuple(shape)
     devices = list(jax.devices() if devices is None else devices)
-    _diagnose.mesh_devices(names, sizes, devices)
+    _checks.mesh_devices(axis_names, sizes, devices)
     kind = AxisType.Explicit if explicit else AxisType.Auto
-    return jax.make_mesh(sizes, names, axis_types=(kind,) * len(sizes), devices=devices)
+    return jax.make_mesh(sizes, axis_names, axis_types=(kind,) * len(sizes), devices=devices)
 
 
 # --- 2. one plan for a whole tree --------------------------------------------
@@ -90,13 +85,13 @@ def make_mesh(
 
 @dataclass(frozen=True)
 class LeafPlan:
-    """How one array is laid out: where it is, its logical axes, its spec, each device's block."""
+    """How one array is laid out: where it is, its logical axes, its spec, each device's shard."""
 
     path: str  # "layers[0].weight"
     shape: tuple[int, ...]  # the whole array
     logical_axes: LogicalAxes  # ("embed", "mlp")
     spec: PartitionSpec  # what the rules made of them: P(None, "model")
-    block_shape: tuple[int, ...]  # the block each device holds (the whole shape without a mesh)
+    shard_shape: tuple[int, ...]  # the shard each device holds (the whole shape without a mesh)
 
 
 @dataclass(frozen=True)
@@ -122,8 +117,10 @@ def plan(
     """The one walk: every array of ``tree`` gets its spec, checked against ``mesh``.
 
     Parameters of Layers (anywhere in the tree, user containers included) get
-    the spec their ``param_logical_axes`` map to under ``rules``; arrays outside
-    Layers ask ``outside`` (replicated by default; ``Sharded`` splits a batch).
+    the spec their ``param_logical_axes`` map to under ``rules``, after the
+    leading axes a container names for its sub-tree (``Stacked``: ``"stage"``);
+    arrays outside Layers ask ``outside`` (replicated by default; ``Sharded``
+    splits a batch).
     With a mesh, the rules are checked against it once and every split
     dimension must divide evenly; without one, nothing is checked.
 
@@ -131,60 +128,70 @@ def plan(
     >>> from minishard import Linear
     >>> layer = Linear(8, 16, key=jax.random.key(0), axes=("embed", "mlp"))
     >>> mesh = jax.sharding.AbstractMesh((4,), ("model",))
-    >>> plan(layer, mesh, AxisRules(embed=None, mlp="model")).leaves[0].block_shape
+    >>> plan(layer, mesh, AxisRules(embed=None, mlp="model")).leaves[0].shard_shape
     (8, 4)
     """
     rules = rules or IDENTITY_RULES
     if mesh is not None:
         rules.check_mesh(mesh)
-    leaves: list[LeafPlan] = []
-    specs = _walk(tree, (), rules, mesh, outside, leaves)
-    return Plan(specs, tuple(leaves))
+    walk = _Walk(rules, mesh, outside)
+    return Plan(walk.tree(tree, ()), tuple(walk.leaves))
 
 
-def _walk(
-    tree: Any,
-    prefix: tuple[Any, ...],
-    rules: AxisRules,
-    mesh: AnyMesh | None,
-    outside: OutsideLayers,
-    out: list,
-) -> Any:
-    """``tree`` with every array replaced by its spec; appends a LeafPlan per array to ``out``."""
-    entries, treedef = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda node: isinstance(node, Layer)
-    )
-    specs: list[Any] = []
-    for path, node in entries:
-        path = prefix + path
-        if isinstance(node, Layer):
-            specs.append(_walk_layer(node, path, rules, mesh, out))
-        elif (layout := outside(node)) is None:
-            specs.append(None)  # unspecified: XLA chooses
-        else:
-            specs.append(layout[1])
-            out.append(_leaf_plan(path, tuple(np.shape(node)), *layout, mesh))
-    return jax.tree_util.tree_unflatten(treedef, specs)
+@dataclass
+class _Walk:
+    """One walk over a tree: what it plans with, and the ``LeafPlan`` of every array found so far."""
 
+    rules: AxisRules
+    mesh: AnyMesh | None
+    outside: OutsideLayers
+    leaves: list[LeafPlan] = field(default_factory=list)
 
-def _walk_layer(
-    layer: Layer, path: tuple[Any, ...], rules: AxisRules, mesh: AnyMesh | None, out: list
-) -> Layer:
-    """The layer itself, with every parameter replaced by its PartitionSpec."""
-    logical_axes = layer.param_logical_axes()
-    children, aux_data = layer.tree_flatten()
-    specs = []
-    for name, child in zip(layer.param_fields, children):
-        child_path = (*path, jax.tree_util.GetAttrKey(name))
-        if name not in logical_axes:  # a sub-tree (e.g. Sequential.layers): recurse
-            # Arrays in it that no Layer annotates are parameters, never a batch: replicated.
-            specs.append(_walk(child, child_path, rules, mesh, replicated, out))
-            continue
-        axes, shape = logical_axes[name], tuple(child.shape)
-        spec = _diagnose.param_spec(path_str(child_path), axes, shape, rules, mesh)
-        out.append(_leaf_plan(child_path, shape, axes, spec, mesh))
-        specs.append(spec)
-    return type(layer).tree_unflatten(aux_data, specs)
+    def tree(self, tree: Any, path: tuple[Any, ...], leading: LogicalAxes | None = None) -> Any:
+        """``tree`` with every array replaced by its spec.
+
+        ``leading`` is None outside Layers; inside one, the logical axes its arrays lead with:
+        ``("stage",)`` in a ``Stacked`` block, ``()`` elsewhere.
+        """
+        is_layer = lambda node: isinstance(node, Layer)  # noqa: E731
+        entries, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_layer)
+        specs: list[Any] = []
+        for where, node in entries:
+            at = (*path, *where)
+            if isinstance(node, Layer):
+                specs.append(self.layer(node, at, leading or ()))
+            elif leading:  # an array of a stacked block that no Layer annotates: split only by the stack
+                specs.append(self.param(at, node, (*leading, *(None,) * (np.ndim(node) - len(leading)))))
+            elif (layout := (self.outside if leading is None else replicated)(node)) is None:
+                specs.append(None)  # unspecified: XLA chooses
+            else:  # as ``outside`` says; in a Layer's sub-tree, unannotated: a replicated parameter
+                specs.append(layout[1])
+                self.leaves.append(_leaf_plan(at, tuple(np.shape(node)), *layout, self.mesh))
+        return jax.tree_util.tree_unflatten(treedef, specs)
+
+    def layer(self, layer: Layer, path: tuple[Any, ...], leading: LogicalAxes) -> Layer:
+        """The layer itself, with every parameter replaced by its spec: its own axes after ``leading``."""
+        annotated = layer.param_logical_axes()
+        children, aux_data = layer.tree_flatten()
+        specs = []
+        for name, child in zip(layer.param_fields, children):
+            at, axes = (*path, jax.tree_util.GetAttrKey(name)), (*leading, *annotated.get(name, ()))
+            if name in annotated and hasattr(child, "shape"):  # an array: its logical axes
+                specs.append(self.param(at, child, axes))
+            else:  # a sub-tree (Sequential.layers; Stacked.block, led by "stage"), or an unannotated array
+                specs.append(self.tree(child, at, axes))
+        return type(layer).tree_unflatten(aux_data, specs)
+
+    def param(self, path: tuple[Any, ...], array: Any, axes: LogicalAxes) -> PartitionSpec:
+        """Logical axes -> spec, through the rules: the heart of the plan. Any error names the path."""
+        where, shape = path_str(path), tuple(np.shape(array))
+        _checks.logical_axes(where, axes, shape)
+        try:
+            spec = self.rules.spec(axes, self.mesh)
+        except ShardingError as e:
+            raise ShardingError(f"{where}: {e}") from None
+        self.leaves.append(_leaf_plan(path, shape, axes, spec, self.mesh))
+        return spec
 
 
 def _leaf_plan(
@@ -194,11 +201,11 @@ def _leaf_plan(
     spec: PartitionSpec,
     mesh: AnyMesh | None,
 ) -> LeafPlan:
-    """Each split dimension must divide evenly by the size of its mesh axes."""
-    _diagnose.divisible(path_str(path), shape, axes, spec, mesh)
-    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-    ways = [1 if mesh is None else split_count(mesh, entry) for entry in entries]
-    return LeafPlan(path_str(path), shape, axes, spec, tuple(s // w for s, w in zip(shape, ways)))
+    """Each split dimension must divide evenly; each device then holds JAX's ``shard_shape``."""
+    where = path_str(path)
+    _checks.divisible(where, shape, axes, spec, mesh)
+    shard = shape if mesh is None else NamedSharding(mesh, spec).shard_shape(shape)
+    return LeafPlan(where, shape, axes, spec, shard)
 
 
 def partition_specs(tree: Any, rules: AxisRules | None = None, mesh: AnyMesh | None = None) -> Any:
@@ -215,7 +222,8 @@ def named_shardings(specs: Any, mesh: Mesh) -> Any:
 
     Each spec is checked first: a PartitionSpec that names only axes of ``mesh``.
     """
-    jax.tree_util.tree_map_with_path(lambda path, spec: _diagnose.spec_on_mesh(path, spec, mesh), specs)
+    for path, spec in jax.tree_util.tree_leaves_with_path(specs):
+        _checks.spec_on_mesh(path_str(path), spec, mesh)
     return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs)
 
 
@@ -251,6 +259,11 @@ class Sharded:
       a returned model keeps its parameters' shardings; scalars (a loss) come
       back replicated; other arrays are left to XLA.
 
+    On an Explicit mesh (``make_mesh(..., explicit=True)``) a sharding is part of
+    every array's type: an input not yet placed (a numpy array, a fresh model)
+    would trace unsharded, so ``Sharded`` reshards it to the type its
+    ``in_shardings`` give it (``_typed``, a relabel at trace time: free per call).
+
     The mesh, the rules and where the batch goes are one ``LogicalSharding``,
     built here once: the same object ``minishard.constrain`` reads while ``fn`` traces.
 
@@ -271,9 +284,9 @@ class Sharded:
         donate_argnums: int | Sequence[int] = (),
     ) -> None:
         rules = rules or IDENTITY_RULES
-        _diagnose.one_kind_of_axes(mesh)
+        _checks.one_kind_of_axes(mesh)
         rules.check_mesh(mesh)
-        _diagnose.batch_axis_known(batch_axis, rules, mesh)
+        _checks.batch_axis_known(batch_axis, rules, mesh)
         self.logical_sharding = LogicalSharding(mesh, rules, batch_axis or DEFAULT_BATCH_AXIS)
         self.donate_argnums = donate_argnums
 
@@ -304,22 +317,26 @@ class Sharded:
 
 
 class _Compiled(NamedTuple):
-    jitted: Any  # jax.jit(fn, in_shardings=..., out_shardings=...)
+    jitted: Any  # jax.jit(fn, in_shardings=..., out_shardings=...), called on the arguments as given
     specs: Specs
-    in_shardings: tuple[NamedSharding, ...]  # one per leaf of the arguments
-    donated: tuple[int, ...]  # positions, in the flattened arguments, of the donated leaves
+    in_shardings: tuple[NamedSharding, ...]  # one per leaf of the arguments (for the diagnosis)
+    structure: Structure  # the arguments' structure this jit was planned for
 
 
 class ShardedFunction:
     """What ``Sharded(mesh)(fn)`` returns: call it like ``fn``; inspect with ``specs`` and ``lower``.
 
-    ``__call__``, ``specs`` and ``lower`` take one path, ``_lookup(args)``:
+    A plan is made per argument *structure* (``_structure``: the treedef and the
+    rank of every leaf; the specs follow from it alone):
 
-    * **first call** for an argument structure: ``_build`` plans the arguments,
-      finds the output shapes with ``jax.eval_shape``, plans them too, and
-      makes the ``jax.jit``; the result is cached under the structure;
-    * **every later call**: one ``tree_flatten`` and two dict lookups find the
-      cached ``jax.jit``, which is called directly.
+    * **first call** for a structure: ``_build`` plans the arguments, finds the
+      output shapes with ``jax.eval_shape``, plans them too, and makes the
+      ``jax.jit``; ``specs`` and ``lower`` look the same plan up;
+    * **every later call**: the last call's ``jax.jit`` is called on the
+      arguments as they are. Its C++ dispatch flattens them and finds the
+      compiled program in its own cache; arguments of another structure make
+      it trace anew, and the traced function checks the structure first, so
+      the call then looks up (or builds) the plan of its own structure.
 
     When jit refuses a call, ``minishard._diagnose`` says which argument was wrong.
     """
@@ -327,83 +344,87 @@ class ShardedFunction:
     def __init__(self, fn: Callable[..., Any], config: Sharded) -> None:
         self.fn, self.config = fn, config
         self.name = getattr(fn, "__name__", "function")
-        self.arg_names = _diagnose.positional_names(fn)  # None: any number (*args, or no signature)
-        self.donated_args = _diagnose.donate_argnums(self.name, config.donate_argnums, self.arg_names)
-        # treedef -> (positions of the leaves outside Layers, {which of them are scalars: jit})
-        self._cache: dict[Any, tuple[tuple[int, ...], dict[tuple[bool, ...], _Compiled]]] = {}
+        _checks.donate_argnums(self.name, config.donate_argnums, fn)
+        donate = config.donate_argnums
+        self.donated_args = (donate,) if isinstance(donate, int) else tuple(donate)  # argument positions
+        self._plans: dict[Structure, _Compiled] = {}
+        self._last: _Compiled | None = None  # the plan of the last call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
-            _diagnose.keywords(self.name, kwargs)
-        compiled, leaves = self._lookup(args)
+            _checks.keywords(self.name, kwargs)
+        if self._last is None:
+            self._last = self._lookup(args)
+        compiled = self._last
         # A donated array is deleted after the call it was given to; handing it to XLA
         # again would crash the process (XLA:CPU), so look first. Free without donation.
-        if compiled.donated and any(is_deleted(leaves[i]) for i in compiled.donated):
+        if self.donated_args and _any_deleted(args, self.donated_args):
             _diagnose.failed_call(self, args, compiled.in_shardings)
         try:
-            return compiled.jitted(*leaves)
-        except (TypeError, ValueError, RuntimeError) as error:  # JAX's generic errors, in minishard's terms
-            _diagnose.failed_call(self, args, compiled.in_shardings)
-            raise error
+            # No flatten or look-up in Python: jit's C++ dispatch keys its cache on the
+            # structure itself. Sharded's own cost per call on 8 devices, over the same
+            # hand-written jit: 64-82 µs -> -2 to 9 µs, paired (docs/benchmarks.md, issue 28).
+            return compiled.jitted(*args)
+        except (_OtherStructure, TypeError, ValueError, RuntimeError) as error:
+            if _structure(args) == compiled.structure:  # JAX's generic errors, in minishard's terms
+                _diagnose.failed_call(self, args, compiled.in_shardings)
+                raise error
+        self._last = self._lookup(args)  # not the last call's structure: its own plan, then the call
+        return self(*args)
 
     def specs(self, *args: Any) -> Specs:
         """The input and output PartitionSpecs ``Sharded`` derives for these arguments."""
-        return self._lookup(args)[0].specs
+        return self._lookup(args).specs
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """``jax.jit(...).lower(*args)``: look at the program (``.as_text()``) or compile it."""
-        compiled, leaves = self._lookup(args)
+        compiled = self._lookup(args)
         try:
-            return compiled.jitted.lower(*leaves)
+            return compiled.jitted.lower(*args)
         except (TypeError, ValueError, RuntimeError) as error:  # the same errors as a call
             _diagnose.failed_call(self, args, compiled.in_shardings)
             raise error
 
-    def _lookup(self, args: tuple[Any, ...]) -> tuple[_Compiled, list[Any]]:
-        # The hot path of every training step. Layer parameters' specs follow from the
-        # treedef alone (their logical axes are static data); a leaf outside Layers is
-        # batch-split unless it is a scalar, so its rank is part of the key. The cached jit
-        # takes these leaves, so JAX does not flatten the arguments a second time.
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        found = self._cache.get(treedef)
-        if found is None:
-            found = self._cache[treedef] = (_sharding.positions_outside_layers(args), {})
-        outside, by_scalars = found
-        scalars = tuple([getattr(leaves[i], "ndim", 0) == 0 for i in outside])
-        compiled = by_scalars.get(scalars)
+    def _lookup(self, args: tuple[Any, ...]) -> _Compiled:
+        structure = _structure(args)
+        compiled = self._plans.get(structure)
         if compiled is None:
-            compiled = by_scalars[scalars] = self._build(args, leaves, treedef)
-        return compiled, leaves
+            compiled = self._plans[structure] = self._build(args, structure)
+        return compiled
 
-    def _build(self, args: tuple[Any, ...], leaves: list[Any], treedef: Any) -> _Compiled:
+    def _build(self, args: tuple[Any, ...], structure: Structure) -> _Compiled:
         """Plan the arguments, trace for the outputs' shapes, plan them, make the ``jax.jit``."""
-        _diagnose.arrays(self, args)
         try:
             inputs = self.config.plan_inputs(args).specs
         except ShardingError as e:
             raise ShardingError(_diagnose.name_argument(self, str(e))) from None
-        mesh, env = self.config.mesh, self.config.logical_sharding
-        in_shardings = tuple(jax.tree_util.tree_leaves(named_shardings(inputs, mesh)))
-        traced = env.wrap(self._on_leaves(treedef, in_shardings))  # constrain inside fn reads env
-        outputs = self._plan_outputs(self._eval_shape(traced, args, leaves))
-        donated = _sharding.leaf_positions(args, self.donated_args)
-        jitted = jax.jit(  # over the flat leaves: __call__ has them already, so JAX flattens nothing
+        mesh = self.config.mesh
+        in_shardings = named_shardings(inputs, mesh)
+        flat_shardings = tuple(jax.tree_util.tree_leaves(in_shardings))
+        traced = self._traced(structure, flat_shardings)
+        outputs = self._plan_outputs(self._eval_shape(traced, args))
+        jitted = jax.jit(
             traced,
             in_shardings=in_shardings,
             out_shardings=named_shardings(outputs, mesh),
-            donate_argnums=donated,
+            donate_argnums=self.donated_args,
         )
-        return _Compiled(jitted, Specs(inputs, outputs), in_shardings, donated)
+        return _Compiled(jitted, Specs(inputs, outputs), flat_shardings, structure)
 
-    def _on_leaves(self, treedef: Any, in_shardings: tuple[NamedSharding, ...]) -> Callable[..., Any]:
-        """``fn`` over the flat leaves, as jit and eval_shape trace it."""
-        fn, typed = self.fn, _sharding.typed if self.config.logical_sharding.explicit else _sharding.as_given
+    def _traced(self, structure: Structure, in_shardings: tuple[NamedSharding, ...]) -> Callable[..., Any]:
+        """``fn`` as jit and eval_shape trace it, after a check that the arguments are of ``structure``."""
+        fn, explicit = self.fn, self.config.logical_sharding.explicit
 
-        def on_leaves(*leaves: Any) -> Any:  # traced once per key: rebuilding the trees here is free
-            return fn(*jax.tree_util.tree_unflatten(treedef, typed(leaves, in_shardings)))
+        def checked(*args: Any) -> Any:  # runs once per trace, never per call
+            if _structure(args) != structure:
+                raise _OtherStructure  # jit traces anew for new arguments: __call__ plans for them
+            if explicit:
+                leaves, treedef = jax.tree_util.tree_flatten(args)
+                args = jax.tree_util.tree_unflatten(treedef, _typed(leaves, in_shardings))
+            return fn(*args)
 
-        on_leaves.__name__ = on_leaves.__qualname__ = self.name  # the program keeps fn's name
-        return on_leaves
+        checked.__name__ = checked.__qualname__ = self.name  # the program keeps fn's name
+        return self.config.logical_sharding.wrap(checked)  # constrain inside fn reads the environment
 
     def _plan_outputs(self, out_shapes: Any) -> Any:
         """The outputs' specs: Layers' parameters by the rules, scalars replicated, the rest XLA's."""
@@ -412,11 +433,12 @@ class ShardedFunction:
         except ShardingError as e:
             raise ShardingError(f"{self.name}: output {e}") from None
 
-    def _eval_shape(self, traced: Callable[..., Any], args: tuple[Any, ...], leaves: list[Any]) -> Any:
+    def _eval_shape(self, traced: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """``jax.eval_shape`` of the function jit will trace; an Explicit mesh's ambiguity is named."""
         try:
-            return jax.eval_shape(traced, *leaves)
+            return jax.eval_shape(traced, *args)
         except Exception as error:
+            _diagnose.arrays(self, args)  # a leaf that is no array, which jit cannot take
             _diagnose.ambiguous_layout(self, args, Layer, error)
             raise
 
@@ -426,7 +448,53 @@ def _scalars_replicated(leaf: Any) -> tuple[LogicalAxes, PartitionSpec] | None:
     return replicated(leaf) if np.ndim(leaf) == 0 else None
 
 
+# --- 4. the structure a plan is for, and the guards of a call ---------------------------------
+
+Structure = tuple[Any, tuple[int, ...]]
+"""A call's arguments as a plan sees them: their treedef, and the rank of every leaf."""
+
+
+class _OtherStructure(Exception):
+    """Raised while jit traces arguments of a structure the jit was not planned for."""
+
+
+def _structure(args: tuple[Any, ...]) -> Structure:
+    """The treedef holds the Layers' static fields (their logical axes), the ranks where a batch is split."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return treedef, tuple([np.ndim(leaf) for leaf in leaves])
+
+
+def _typed(leaves: list[Any], shardings: tuple[NamedSharding, ...]) -> list[Any]:
+    """Explicit meshes: trace with the types the shardings imply, however the inputs were placed.
+
+    On an Explicit mesh a sharding is part of an array's type. An unplaced input
+    (a numpy array, a fresh model) has an unsharded type, so it would trace
+    unsharded, as if on one device; ``reshard`` gives it the type ``in_shardings``
+    already placed it with: a trace-time relabel, free per call.
+    """
+    return [
+        jax.sharding.reshard(x, s) if jax.typeof(x).sharding.mesh.empty else x
+        for x, s in zip(leaves, shardings)
+    ]
+
+
+def _any_deleted(args: tuple[Any, ...], argnums: tuple[int, ...]) -> bool:
+    """Was an array of the arguments ``argnums`` donated away by an earlier call?"""
+    donated = [args[i] for i in argnums if i < len(args)]
+    return any(getattr(leaf, "is_deleted", bool)() for leaf in jax.tree_util.tree_leaves(donated))
+
+
 __all__ = [
-    "LeafPlan", "OutsideLayers", "Plan", "Sharded", "ShardedFunction", "Specs", "make_mesh",
-    "named_shardings", "partition_specs", "plan", "replicated", "shard"
-]  # fmt: skip
+    "LeafPlan",
+    "OutsideLayers",
+    "Plan",
+    "Sharded",
+    "ShardedFunction",
+    "Specs",
+    "make_mesh",
+    "named_shardings",
+    "partition_specs",
+    "plan",
+    "replicated",
+    "shard",
+]

@@ -49,15 +49,31 @@ def _key_str(key: Any) -> str:
 
 def named_leaves(tree: Any) -> list[tuple[str, Any]]:
     """Every leaf of ``tree`` with its readable path, in flattening order."""
-    return [(path_str(path), leaf) for path, leaf in _checks.leaves_with_path("named_leaves", tree)]
+    return [(path_str(path), leaf) for path, leaf in _leaves_with_path("named_leaves", tree)]
 
 
 def count_params(tree: Any) -> int:
     """Total number of array elements in ``tree``."""
-    return sum(math.prod(leaf.shape) for leaf in _checks.array_leaves("count_params", tree))
+    return sum(math.prod(leaf.shape) for leaf in _arrays("count_params", tree))
 
 
 def tree_bytes(tree: Any) -> int:
     """Total bytes of the arrays in ``tree`` (unsharded: the whole arrays)."""
-    leaves = _checks.array_leaves("tree_bytes", tree)
+    leaves = _arrays("tree_bytes", tree)
     return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
+
+
+def _leaves_with_path(where: str, tree: Any) -> list[tuple[Any, Any]]:
+    """``jax.tree_util.tree_leaves_with_path``; a dict whose keys cannot be sorted is named."""
+    try:
+        return jax.tree_util.tree_leaves_with_path(tree)
+    except ValueError:  # JAX visits a dict in sorted key order, and says only "Comparator raised ..."
+        _checks.sortable_dicts(where, tree, path_str)
+        raise
+
+
+def _arrays(where: str, tree: Any) -> list[Any]:
+    """The leaves, each checked to be an array (or an abstract one, from ``jax.eval_shape``)."""
+    leaves = _leaves_with_path(where, tree)
+    _checks.arrays(where, leaves, path_str)
+    return [leaf for _, leaf in leaves]

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minishard.run import cli
+from minishard.run import cli, data
 from minishard.run.data import Dataset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +57,10 @@ def run_launch(args: list[str], *, devices: int = 4, timeout: float = 120) -> su
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-COMPILE_CACHE = Path(tempfile.gettempdir()) / f"minishard-test-launch-{os.getuid()}"
+# One per pytest-xdist worker ("gw0", "gw1"; "" when serial): a module's fixture removes its cache while
+# another worker's launched processes may be reading theirs.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+COMPILE_CACHE = Path(tempfile.gettempdir()) / f"minishard-test-launch-{os.getuid()}{WORKER}"
 
 
 @pytest.fixture(scope="module")
@@ -69,5 +72,5 @@ def fresh_compile_cache():
 
 
 if __name__ == "__main__":  # one process of a launched run: the real CLI on the synthetic data
-    cli.DATASETS["mnist"] = synthetic_mnist
+    data.DATASETS["mnist"] = synthetic_mnist
     sys.exit(cli.main(sys.argv[1:]))

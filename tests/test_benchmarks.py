@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +69,9 @@ def test_targets_and_report_render_from_a_synthetic_result(tmp_path):
         rows["sharded_vs_handwritten.2d"]["met"] and not rows["sharded_vs_handwritten.2d"]["met_every_round"]
     )
     assert rows["collectives.2d: bytes == analytic minimum"]["met"]
-    assert "| `host_ratio.minishard_jit` | 1.3 |" in report.targets_table({"targets": list(rows.values())})
+    assert "| `host_ratio.minishard_jit` | 1.1 |" in report.targets_table({"targets": list(rows.values())})
+    figures = run.figures({"targets": list(rows.values())})  # the figures this run measured
+    assert [row["target"] for row in figures] == ["host_ratio.minishard_jit"]
     page = tmp_path / "page.md"
     page.write_text(f"intro\n{report.START}\nold\n{report.END}\noutro\n")
     report.update_page(str(page), "new tables\n")
@@ -77,11 +80,11 @@ def test_targets_and_report_render_from_a_synthetic_result(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_run_writes_every_promised_key_and_renders(tmp_path):
-    doc = run_tiny(tmp_path, "steps,flatten,compile,parallel,roofline,variants")
+    doc = run_tiny(tmp_path, "steps,flatten,compile,parallel,roofline,variants,phases")
     for key in ("machine", "versions", "date", "loadavg_start", "loadavg_end", "targets"):
         assert key in doc
-    contenders = {"raw", "minishard_jit", "minishard_sharded", "nnx_jit", "nnx_fast", "linen",
-                  "eqx_filter_jit", "eqx_partition_jit"}  # fmt: skip
+    contenders = {"raw", "minimal_pytree", "minishard_jit", "minishard_sharded", "nnx_jit", "nnx_fast",
+                  "linen", "eqx_filter_jit", "eqx_partition_jit"}  # fmt: skip
     assert contenders <= set(doc["host_ratio"]) and contenders <= set(doc["host_overhead_us"])
     for size in ("micro", "seed"):
         assert contenders <= set(doc["step_ratio"][size])
@@ -95,6 +98,13 @@ def test_tiny_run_writes_every_promised_key_and_renders(tmp_path):
             assert collectives["bytes"] == collectives["analytic_bytes"], style
     assert set(doc["matmul_fraction"]) == {"raw", "minishard_sharded"}
     assert {"layers", "sharded_floor"} <= set(doc["variants"]["host_ratio"])
+    phases = doc["phases"]
+    assert set(phases["host_diff_us"]) == {"raw", "minimal_pytree", "handwritten", "sharded"}
+    assert all(is_stat(entry) for entry in phases["breakdown_us"].values())
+    assert {"flatten_arguments", "structure_key", "donation_check", "unflatten_outputs"} <= set(
+        phases["phase_us"]
+    )
+    assert doc["figures"][0]["figure"].startswith("`Sharded` host overhead")
 
     chart = tmp_path / "chart.png"
     done = subprocess.run(
@@ -102,7 +112,8 @@ def test_tiny_run_writes_every_promised_key_and_renders(tmp_path):
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "### Targets" in done.stdout and chart.stat().st_size > 0
+    assert "### Targets" in done.stdout and "### 9. One `Sharded` call" in done.stdout
+    assert chart.stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -112,3 +123,13 @@ def test_tiny_epoch_section_compares_the_loops_on_equal_losses(tmp_path):
     assert is_stat(doc["epoch_ratio"])
     assert doc["epoch"]["fit"]["same_loss"]
     assert doc["epoch"]["input_pipeline"]["images_per_s"]["median"] > 0
+
+
+@pytest.mark.slow
+def test_tiny_gpt_section_times_minishard_against_a_handwritten_step_of_equal_losses(tmp_path):
+    doc = run_tiny(tmp_path, "gpt")
+    assert is_stat(doc["gpt_step_ratio"])
+    losses = doc["gpt_step"]["losses_first_three_steps"]
+    np.testing.assert_allclose(losses["minishard"], losses["handwritten"], rtol=1e-5)
+    assert set(doc["gpt_step"]["tokens_per_s"]) == {"minishard", "handwritten", "handwritten_copy"}
+    assert "### 8. The GPT's AdamW step" in report.render({**doc, "mode": "tiny", "seconds": 1.0})

@@ -18,13 +18,8 @@ import numpy as np
 import pytest
 
 import minishard
-from minishard.run.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    NonFiniteStateError,
-    check_writable,
-    saved_steps,
-)
+from minishard.run.checkpoint import Checkpointer, check_writable, saved_steps
+from minishard.run.errors import CheckpointError, NonFiniteStateError
 from minishard.sharding import named_shardings, partition_specs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -350,13 +345,8 @@ def test_a_dtype_that_differs_is_refused_not_cast(tmp_path):
 FAILING_WRITE = """
 import resource, signal, sys
 import jax, jax.numpy as jnp
-from minishard.run.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    NonFiniteStateError,
-    check_writable,
-    saved_steps,
-)
+from minishard.run.checkpoint import Checkpointer, check_writable, saved_steps
+from minishard.run.errors import CheckpointError, NonFiniteStateError
 with Checkpointer(sys.argv[1]) as ckpt:
     ckpt.save(1, {"w": jnp.ones(16)}, {})
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), nothing is killed
@@ -442,7 +432,7 @@ def test_each_block_of_a_sharded_array_gets_its_own_checksum_and_a_flip_names_th
     assert step == 1
     assert_same_values(restored, state)
     assert re.fullmatch(
-        rf"checkpoint {re.escape(str(tmp_path / '2'))} is corrupt \(w \(block \[\d+:\d+,\d+:\d+\]\) does not "
+        rf"checkpoint {re.escape(str(tmp_path / '2'))} is corrupt \(w \(shard \[\d+:\d+,\d+:\d+\]\) does not "
         r"match the checksum written with it\); falling back to step 1",
         lines[0],
     ), lines
@@ -579,6 +569,19 @@ def test_a_damaged_json_file_gives_exactly_one_line(tmp_path, capfd, caplog, dam
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
+def test_a_damaged_metadata_file_read_when_opening_is_one_line_too(tmp_path, capfd, caplog):
+    with Checkpointer(tmp_path, log=print) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(3)}, {"epoch": 1})
+    (tmp_path / "1" / "_CHECKPOINT_METADATA").write_text("{not json")
+    capfd.readouterr()
+    lines = []
+    with caplog.at_level(logging.WARNING), Checkpointer(tmp_path, log=lines.append) as ckpt:
+        ckpt.restore({"w": jnp.zeros(3)})  # orbax read every step's metadata as the Checkpointer opened
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert len(lines) == 1 and re.match(r"\S+/1/_CHECKPOINT_METADATA is damaged \(not JSON", lines[0]), lines
+    assert capfd.readouterr() == ("", "")  # no raw "ERROR:absl:Failed to json parse"
+
+
 def test_a_failed_read_is_one_line_without_tensorstore_s_spec_dump(tmp_path, capfd):
     state, lines = (
         {"w": jax.device_put(jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64), split_2x4())},
@@ -615,3 +618,16 @@ def test_a_missing_or_cut_checksum_record_is_corruption_not_an_old_checkpoint(tm
         f"checkpoint {tmp_path / '2'} is corrupt (the checksums of w cover 56 of its 64 values "
         "(a process's record is missing or cut)); falling back to step 1",
     ]
+
+
+def test_the_metadata_of_a_checkpoint_reads_without_its_arrays(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, train_state(), {"info": {"model": "gpt", "vocabulary": "\n !ab"}, "step": step})
+    with Checkpointer(tmp_path, read_only=True) as ckpt:  # what `minishard sample` reads: no target, no data
+        assert ckpt.read_meta() == (2, {"info": {"model": "gpt", "vocabulary": "\n !ab"}, "step": 2})
+        assert ckpt.read_meta(1)[1]["step"] == 1
+        with pytest.raises(CheckpointError, match=r"has no checkpoint for step 3; it has \[1, 2\]"):
+            ckpt.read_meta(3)
+    with pytest.raises(CheckpointError, match="holds no checkpoint"), Checkpointer(tmp_path / "new") as ckpt:
+        ckpt.read_meta()

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minishard.run import cli
+from minishard.run import cli, data
 from minishard.run.data import Dataset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def test_a_flipped_shard_of_a_2_process_checkpoint_is_caught_in_2_processes_and_
     written_by_1 = [f for f in (saved / "16" / "state").glob("ocdbt.process_1/d/*") if f.is_file()]
     flip_16_bytes(max(written_by_1, key=lambda f: f.stat().st_size))
     caught = (  # process 1 finds the damage; process 0 speaks for the run
-        r"checkpoint \S+/16 is corrupt \(\S+ \(block \[392:784,\d+:\d+\]\) does not match the checksum "
+        r"checkpoint \S+/16 is corrupt \(\S+ \(shard \[392:784,\d+:\d+\]\) does not match the checksum "
         r"written with it\); falling back to step 8"
     )
 
@@ -87,7 +87,7 @@ def test_a_flipped_shard_of_a_2_process_checkpoint_is_caught_in_2_processes_and_
     assert re.search(r"\[rank 0\] " + caught, run.stdout), run.stdout
     assert "[rank 0] Resumed from step 8: epoch 1, batch 8" in run.stdout
 
-    monkeypatch.setitem(cli.DATASETS, "mnist", synthetic_mnist)  # one process, 8 devices (conftest)
+    monkeypatch.setitem(data.DATASETS, "mnist", synthetic_mnist)  # one process, 8 devices (conftest)
     assert cli.main([*TRAIN, "--epochs", "2", "--checkpoint-dir", str(saved), "--resume"]) == 0
     out = capsys.readouterr().out
     assert re.search(caught, out), out
@@ -96,5 +96,5 @@ def test_a_flipped_shard_of_a_2_process_checkpoint_is_caught_in_2_processes_and_
 
 
 if __name__ == "__main__":  # one process of a launched run: the real CLI on the synthetic data
-    cli.DATASETS["mnist"] = synthetic_mnist
+    data.DATASETS["mnist"] = synthetic_mnist
     sys.exit(cli.main(sys.argv[1:]))

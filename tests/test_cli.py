@@ -6,8 +6,10 @@ import re
 
 import pytest
 
-from minishard.run.cli import cli_rules, main, parse_args, unused_mesh_axes
-from minishard.run.train import TrainingError
+from minishard.census import human_bytes
+from minishard.run.cli import main, parse_args
+from minishard.run.cli.styles import cli_rules, unused_mesh_axes
+from minishard.run.errors import TrainingError
 
 needs_mnist = pytest.mark.skipif(
     not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "mnist")),
@@ -74,8 +76,11 @@ BAD_FLAGS = [
         "argument --layers: only the MLP takes it, and --model is vit",
     ),
     (["--model", "vit", "--activation", "relu"], "argument --activation: only the MLP takes it"),
-    (["--width", "32"], "argument --width: only the ViT takes it, and --model is mlp; add --model vit"),
-    (["--remat"], "argument --remat: only the ViT takes it"),
+    (
+        ["--width", "32"],
+        "argument --width: only the ViT and the GPT take it, and --model is mlp; add --model vit",
+    ),
+    (["--remat"], "argument --remat: only the ViT and the GPT take it"),
     (["--resume-from", "300"], "argument --resume-from: needs --checkpoint-dir"),
     (["--overwrite"], "argument --overwrite: needs --checkpoint-dir"),
     (["--overwrite", "--resume", "--checkpoint-dir", "x"], "give --overwrite or --resume, not both"),
@@ -159,7 +164,7 @@ def test_each_model_gets_its_own_defaults():
 @pytest.fixture
 def no_data(monkeypatch):
     """Loading any data raises KeyError: a test that stops before the data load never meets it."""
-    monkeypatch.setattr("minishard.run.cli.DATASETS", {})
+    monkeypatch.setattr("minishard.run.data.DATASETS", {})
 
 
 def test_the_checkpoint_directory_is_checked_before_any_data(tmp_path, capsys, monkeypatch, no_data):
@@ -169,7 +174,7 @@ def test_the_checkpoint_directory_is_checked_before_any_data(tmp_path, capsys, m
         calls.append((directory, flags))
         raise TrainingError(f"{directory} holds another run's checkpoints (steps 850, 900, 936)")
 
-    monkeypatch.setattr("minishard.run.cli.check_checkpoint_dir", refuse)
+    monkeypatch.setattr("minishard.run.cli.train.check_checkpoint_dir", refuse)
     directory = str(tmp_path / "ckpt")
     assert main(["train", "--checkpoint-dir", directory, "--resume-from", "900"]) == 1
     assert calls == [(directory, {"resume": True, "resume_from": 900, "overwrite": False})]
@@ -183,7 +188,7 @@ def test_ctrl_c_before_the_checkpoint_directory_exists_is_one_line(tmp_path, cap
     def interrupted(args):  # as during the data load or the compile: nothing written yet
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("minishard.run.cli.train", interrupted)
+    monkeypatch.setattr("minishard.run.cli.train.train_on_mesh", interrupted)
     missing = tmp_path / "not-yet"
     assert main(["train", "--checkpoint-dir", str(missing)]) == 130
     assert capsys.readouterr().err.strip() == f"interrupted: no checkpoint was written in {missing}"
@@ -212,7 +217,7 @@ def test_a_mesh_axis_no_rule_uses_is_warned_about_in_one_line(capsys, no_data):
 
 
 def test_a_mesh_that_does_not_fit_the_devices_stops_before_data(capsys, monkeypatch):
-    monkeypatch.setattr("minishard.run.cli.DATASETS", {})  # loading any data would raise KeyError
+    monkeypatch.setattr("minishard.run.data.DATASETS", {})  # loading any data would raise KeyError
     assert main(["train", "--mesh", "data=2,model=2", "--batch-size", "128"]) == 2
     assert "error: argument --mesh: data=2,model=2 needs 4 devices, there are 8" in capsys.readouterr().err
 
@@ -221,7 +226,7 @@ def test_library_errors_are_one_line_and_debug_shows_the_traceback(capsys, monke
     def broken(args):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr("minishard.run.cli.train", broken)
+    monkeypatch.setattr("minishard.run.cli.train.train_on_mesh", broken)
     assert main(["train"]) == 1
     assert (
         capsys.readouterr().err.strip() == "error: OSError: disk on fire (run with --debug for the traceback)"
@@ -237,7 +242,7 @@ def test_ctrl_c_says_which_checkpoint_is_the_latest(tmp_path, capsys, monkeypatc
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("minishard.run.cli.train", interrupted)
+    monkeypatch.setattr("minishard.run.cli.train.train_on_mesh", interrupted)
     assert main(["train", "--checkpoint-dir", str(tmp_path / "ckpt")]) == 130
     err = capsys.readouterr().err.strip()
     assert (
@@ -308,7 +313,7 @@ def test_explain_prices_a_preset_on_an_accelerator(capsys):
 
 
 def test_explain_zero_sends_no_full_gradient_all_reduce_and_the_minimum(capsys):
-    assert main(["explain", "--parallel", "zero", "--hardware", "h100", "--batch", "64"]) == 0
+    assert main(["explain", "--parallel", "zero", "--hardware", "h100", "--batch-size", "64"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("mlp under zero (ZeRO-3 by hand) on 8 devices, batch 64")
     assert "full-gradient all-reduce: 0 B (8 B all-reduced, 8 B of it the loss and accuracy)" in out
@@ -323,9 +328,13 @@ def test_explain_compare_ranks_every_layout_and_draws_them(tmp_path, capsys):
     picture = tmp_path / "compare.png"
     assert main(["explain", "--compare", "--hardware", "v5p", "--plot", str(picture)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "mlp, batch 128, on 8 devices: every preset and mesh shape"
+    assert lines[0] == "mlp, batch 128, on 8 devices: every style and mesh shape"
     rows = [line for line in lines if re.match(r"[* ] \w", line) and "style" not in line]
-    assert len(rows) == 11 and rows[0].startswith("* ") and not any(r.startswith("* ") for r in rows[1:])
+    assert len(rows) == 17 and rows[0].startswith("* ") and not any(r.startswith("* ") for r in rows[1:])
+    styles = {row[2:].split()[0] for row in rows}  # the pipelines and ZeRO ranked with the presets
+    assert styles == {"dp", "tp", "2d", "fsdp", "fsdp+tp", "pp", "dp+pp", "zero"}
+    pp_row = next(row for row in rows if row[2:].startswith("pp "))
+    assert "stage=8" in pp_row and "communication-bound" in pp_row
     steps = [float(re.split(r"\s+", row[2:].strip())[2]) for row in rows]  # all in µs for this model
     assert steps == sorted(steps) and "(* the fastest predicted step on TPU v5p)" in lines
     assert picture.read_bytes()[:4] == b"\x89PNG"
@@ -334,14 +343,27 @@ def test_explain_compare_ranks_every_layout_and_draws_them(tmp_path, capsys):
 COST_FLAGS = [
     (["explain", "--hardware", "v9"], "argument --hardware: invalid choice: 'v9'"),
     (["explain", "--compare"], "argument --compare: needs --hardware"),
-    (["explain", "--parallel", "dp", "--hardware", "h100", "--batch", "100"],
-     "argument --batch: 100 cannot be split evenly over data=8 devices"),
-    (["explain", "--parallel", "2d", "--hardware", "h100", "--batch", "3"],
-     "argument --batch: 3 cannot be split evenly over data=2 devices"),
-    (["explain", "--compare", "--hardware", "v5p", "--batch", "4"],
-     "argument --batch: 4 cannot be split evenly over data=8 devices"),
-    (["explain", "--batch", "64"], "argument --batch: only a compiled step takes it; add --hardware"),
+    (["explain", "--parallel", "dp", "--hardware", "h100", "--batch-size", "100"],
+     "argument --batch-size: 100 cannot be split evenly over data=8 devices"),
+    (["explain", "--parallel", "2d", "--hardware", "h100", "--batch-size", "3"],
+     "argument --batch-size: 3 cannot be split evenly over data=2 devices"),
+    (["explain", "--compare", "--hardware", "v5p", "--batch-size", "4"],
+     "argument --batch-size: 4 cannot be split evenly over data=8 devices"),
+    (["explain", "--batch-size", "64"],
+     "argument --batch-size: only a compiled step takes it; add --hardware"),
     (["explain", "--parallel", "zero", "--plot", "zero.png"], "argument --plot: --parallel zero has no plan"),
+    (["explain", "--compare", "--hardware", "v5p", "--parallel", "pp"],
+     "argument --parallel: --compare ranks every style, each as it trains by default; drop --parallel"),
+    (["explain", "--compare", "--hardware", "v5p", "--parallel", "zero"],
+     "argument --parallel: --compare ranks"),
+    (["explain", "--compare", "--hardware", "v5p", "--microbatches", "4"],
+     "argument --microbatches: --compare ranks every style"),
+    (["explain", "--microbatches", "4"],
+     "argument --microbatches: explain prices a step of whole batches under --parallel 2d; only a pipeline"),
+    (["explain", "--parallel", "zero", "--microbatches", "4"],
+     "argument --microbatches: --parallel zero's step (minishard.zero) takes each batch whole"),
+    (["train", "--parallel", "zero", "--microbatches", "4"],
+     "argument --microbatches: --parallel zero's step (minishard.zero) takes each batch whole"),
     (["train", "--parallel", "zero", "--rules", "mlp=data"], "argument --rules: --parallel zero places"),
     (["train", "--parallel", "zero", "--explicit"], "argument --explicit: --parallel zero places"),
     (["train", "--parallel", "zero", "--mesh", "data=2,model=4"],
@@ -372,9 +394,9 @@ def test_train_parallel_zero_is_dp_s_mesh_and_rules_with_zero_s_step():
 def synthetic_data(monkeypatch):
     from launched import synthetic_mnist
 
-    from minishard.run import cli
+    from minishard.run import data
 
-    monkeypatch.setitem(cli.DATASETS, "mnist", synthetic_mnist)
+    monkeypatch.setitem(data.DATASETS, "mnist", synthetic_mnist)
 
 
 @pytest.mark.slow  # four short trainings: ~8 s
@@ -389,13 +411,15 @@ def test_train_zero_learns_like_dp_and_resumes_only_under_zero(tmp_path, capsys,
     assert "ZeRO-3 by hand (minishard.zero): every array split 1/8 per device" in out
     assert "Resumed from step 16" in out and final_line(out) == final_line(dp)  # the same to 3 digits
     dp_resumes_zero = [*small, str(tmp_path / "zero"), "--parallel", "dp", "--epochs", "3", "--resume"]
-    assert main(dp_resumes_zero) == 1  # its velocity is ZeRO's flat blocks
+    assert main(dp_resumes_zero) == 1  # its velocity is ZeRO's flat shards
     err = capsys.readouterr().err
     assert err.startswith("error: checkpoint ") and "holds other arrays than the state to restore" in err
     assert "opt_state.velocity.layers[0].weight: checkpoint (25088,) float32, target (784, 32)" in err
+    assert "flat shards: saved under --parallel zero, resumed under another style, or the reverse" in err
     zero_resumes_dp = [*small, str(tmp_path / "dp"), "--parallel", "zero", "--epochs", "3", "--resume"]
     assert main(zero_resumes_dp) == 1
-    assert "target (25088,) float32" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "target (25088,) float32" in err and "resume under the --parallel it was saved" in err
 
 
 @needs_mnist
@@ -439,6 +463,18 @@ def test_explain_reads_a_pipelines_ticks_bubble_and_bytes_from_the_compiled_step
     assert "stage 3 | . . . 0 1 2 3 4 5 6 7" in out
 
 
+@pytest.mark.slow  # compiles the pipelined step twice: priced, then its ticks read
+def test_explain_prices_the_pipelined_step_that_train_runs(capsys):
+    assert main(["explain", "--parallel", "pp", "--hardware", "v5p"]) == 0
+    out = capsys.readouterr().out
+    collectives = out[out.index("collectives of train_step:") : out.index("predicted step")]
+    assert "collective-permute  x46" in collectives and "all-gather" not in collectives  # 23 ticks, twice
+    communication = next(line for line in out.splitlines() if line.strip().startswith("communication"))
+    assert "collective-permute" in communication and "flips at" not in out  # its bytes grow with the batch
+    assert "stages 8, microbatches 16, ticks 23 (read from the compiled loop)" in out
+    assert "bubble 0.304 from the program, 0.304 = (p-1)/(m+p-1)" in out
+
+
 def test_explain_checks_a_pipelines_microbatches_and_devices_before_any_work(capsys):
     assert main(["explain", "--parallel", "dp+pp", "--microbatches", "3"]) == 2
     out, err = capsys.readouterr()
@@ -446,3 +482,71 @@ def test_explain_checks_a_pipelines_microbatches_and_devices_before_any_work(cap
     assert main(["explain", "--parallel", "pp", "--devices", "16"]) == 2
     out, err = capsys.readouterr()
     assert (out, err.strip()) == ("", "error: argument --devices: 16 devices asked, there are 8")
+
+
+# -- context parallelism: --parallel cp, dp+cp (docs/context.md) -----------------------------
+needs_shakespeare = pytest.mark.skipif(
+    not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "tiny_shakespeare")),
+    reason="needs tiny_shakespeare prepared by tfds: set TFDS_DATA_DIR (make test does)",
+)
+SMALL_GPT = ["--model", "gpt", "--context", "32", "--width", "32", "--depth", "2", "--batch-size", "8"]
+
+
+@needs_shakespeare
+@pytest.mark.slow  # two short GPT trainings, about 30 s
+def test_train_gpt_under_dp_cp_with_ring_attention_matches_dp(tmp_path, capsys):
+    losses = {}
+    for style in ("dp", "dp+cp"):
+        log = tmp_path / f"{style}.jsonl"
+        argv = [
+            "train",
+            *SMALL_GPT,
+            "--parallel",
+            style,
+            "--steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--log",
+            str(log),
+        ]
+        assert main(argv) == 0
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        losses[style] = [r[k] for r in records for k in ("loss", "val_loss", "test_loss") if k in r]
+    assert "blocks[0].attention" in capsys.readouterr().out
+    assert len(losses["dp"]) == 5 and losses["dp+cp"] == pytest.approx(losses["dp"], rel=1e-4)
+
+
+@pytest.mark.slow  # compiles one GPT step
+def test_explain_dp_cp_shows_the_rings_permutes_against_the_formula_and_its_balance(capsys):
+    argv = ["explain", "--model", "gpt", "--context", "32", "--parallel", "dp+cp", "--hardware", "v5p"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # p = 4 over "context", batch 12 (the GPT's default near nanoGPT's) over data = 2: chunks of
+    # [6, 8 tokens, 4 heads, 32] float32 = 24,576 bytes; 20 of them a block, 4 blocks.
+    sent = human_bytes(4 * 20 * 6 * 8 * 128 * 4)
+    assert "Ring attention over 'context', p = 4, zig-zag. Per block, forward: K and V x 3 trips;" in out
+    assert f"census: collective-permute over context x80, {sent}" in out
+    assert f"formula: 4 blocks x 20 chunks [6, 8, 4, 32] f32 = {sent}" in out
+    assert "balance (slowest device / mean): zig-zag 1.0, in order 1.6" in out
+    assert "on v5p: a step's sends / the attention they hide behind = " in out
+    assert "gpt under dp+cp on 8 devices" in out and "P('context', None)" in out  # the position table
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["explain", "--parallel", "cp"], "argument --parallel: cp splits a sequence, and the MLP has none"),
+        (
+            ["explain", "--model", "gpt", "--parallel", "cp", "--context", "40"],
+            "40 characters do not cut into 2 x 8",
+        ),
+        (["explain", "--context", "64"], "argument --context: only the GPT takes it, and --model is mlp"),
+        (["train", "--model", "gpt", "--parallel", "dp+cp", "--explicit"], "runs ring attention's shard_map"),
+    ],
+)
+def test_context_parallel_flags_are_one_error_line_before_any_work(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err

@@ -69,9 +69,9 @@ def test_a_sharded_trace_is_not_reused_by_a_later_plain_jit():
 @pytest.mark.parametrize(
     ("axes", "message"),
     [
-        (("batch",), r"^constrain: \('batch',\) name 1 dims; x has shape \(16, 8\)"),
-        (("batch", "embed", None), r"^constrain: \('batch', 'embed', None\) name 3 dims; x has shape"),
-        ("batch", r"^constrain: logical axes 'batch' is one string; did you mean a tuple \('batch',\)\?"),
+        (("batch",), r"^constrain: logical axes \('batch',\) name 1 dims; its shape is \(16, 8\)"),
+        (("batch", "embed", None), r"^constrain: logical axes \('batch', 'embed', None\) name 3 dims; its"),
+        ("batch", r"^constrain: logical axes must be a tuple .*got 'batch' \(one string: did you mean"),
     ],
 )
 def test_the_rank_is_checked_outside_a_context_too(axes, message):

@@ -20,7 +20,7 @@ import pytest
 from launched import ROOT, TRAIN, fresh_compile_cache, run_launch, synthetic_mnist
 
 import minishard as ms
-from minishard.run import cli, distributed, launch
+from minishard.run import cli, data, distributed, launch
 from minishard.tree import named_leaves
 
 pytestmark = pytest.mark.usefixtures(fresh_compile_cache.__name__)
@@ -68,7 +68,7 @@ def keep_only(directory: Path, step: int, into: Path) -> Path:
 
 @pytest.fixture
 def fake_mnist(monkeypatch):
-    monkeypatch.setitem(cli.DATASETS, "mnist", synthetic_mnist)
+    monkeypatch.setitem(data.DATASETS, "mnist", synthetic_mnist)
 
 
 # -- two processes train like one ----------------------------------------------------------------

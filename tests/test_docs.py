@@ -144,7 +144,17 @@ def test_printed_output_is_compared_with_the_comment_below_it(tmp_path, capsys):
         run_page(page)
 
 
-SLOW_PAGES = {"costs.md", "pipeline.md", "sharding.md", "training.md", "then-and-now.md"}  # over 5 s each
+# over 5 s each
+SLOW_PAGES = {
+    "context.md",
+    "costs.md",
+    "experts.md",
+    "pipeline.md",
+    "sharding.md",
+    "testing.md",
+    "training.md",
+    "then-and-now.md",
+}
 
 
 @pytest.mark.parametrize(

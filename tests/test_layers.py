@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 from named import assert_named
 from strategies import (
     EVERY_CONTAINER,
@@ -33,6 +34,7 @@ from strategies import (
 
 import minishard as ms
 from minishard import Layer, Linear, Sequential, cross_entropy, mlp
+from minishard.sharding import partition_specs
 from minishard.tree import count_params, named_leaves, tree_bytes
 
 KEY = jax.random.key(0)
@@ -350,11 +352,9 @@ def test_replace_runs_the_layer_check_on_the_copy(changes, message):
 
 
 def test_replace_refuses_logical_axes_of_the_wrong_rank():
-    with pytest.raises(TypeError) as error:
+    with pytest.raises(ms.ShardingError) as error:
         Linear(4, 2, key=KEY).replace(logical_axes=("a",))
-    assert (
-        str(error.value) == "Linear.logical_axes must be a tuple of 2 logical axes (str or None), got ('a',)"
-    )
+    assert str(error.value) == "Linear.logical_axes: logical axes ('a',) name 1 dims; its shape is (4, 2)"
 
 
 def test_a_user_layer_check_runs_after_init_and_replace_but_never_in_jax_rebuilds():
@@ -406,10 +406,11 @@ def test_mlp_axes_must_be_a_list_of_pairs(axes):
 
 
 def test_linear_axes_as_one_string_asks_for_a_tuple():
-    with pytest.raises(TypeError) as error:
+    with pytest.raises(ms.ShardingError) as error:
         Linear(2, 3, key=KEY, axes="mlp")
     assert str(error.value) == (
-        "Linear: axes must be a tuple of 2 logical axes (str or None), got 'mlp'; did you mean ('mlp', ...)?"
+        "Linear: axes: logical axes must be a tuple with one name (or None) per dimension, got 'mlp' "
+        "(one string: did you mean a tuple?); for 2 dimensions write ('mlp', ...)"
     )
 
 
@@ -445,7 +446,20 @@ def test_param_logical_axes():
         "bias": ("mlp",),
     }
     assert Linear(3, 2, key=KEY, use_bias=False).param_logical_axes() == {"weight": (None, None)}
-    assert Scale(jnp.ones((2, 3))).param_logical_axes() == {"factor": (None, None)}
+    assert Scale(jnp.ones((2, 3))).param_logical_axes() == {}  # the default annotates nothing
+    [leaf] = ms.plan(Scale(jnp.ones((2, 3))), None).leaves
+    assert (leaf.logical_axes, leaf.spec) == ((None, None), ms.rules.P())  # so the plan replicates it
+
+
+def test_residual_adds_its_input_and_is_planned_through_its_inner_layers():
+    inner = ms.mlp([4, 8, 4], key=KEY, axes=[("embed", "mlp"), ("mlp", "embed")])
+    block = ms.Residual(inner)
+    x = jnp.arange(8.0).reshape(2, 4)
+    np.testing.assert_allclose(block(x), x + inner(x))
+    specs = partition_specs(block, ms.AxisRules(embed=None, mlp="model"))
+    assert (specs.inner[0].weight, specs.inner[2].weight) == (P(None, "model"), P("model", None))
+    grads = jax.grad(lambda b: jnp.sum(b(x)))(block)
+    assert type(grads) is ms.Residual and grads.inner[0].weight.shape == (4, 8)
 
 
 def test_a_plain_function_in_sequential_is_refused_with_the_fix():
@@ -455,7 +469,7 @@ def test_a_plain_function_in_sequential_is_refused_with_the_fix():
 
 def test_megatron_axes_needs_a_linear():
     assert ms.megatron_axes(2) == [("embed", "mlp"), ("mlp", "classes")]
-    with pytest.raises(ValueError, match="at least one Linear"):
+    with pytest.raises(ValueError, match="megatron_axes: num_linear must be a positive int, got 0"):
         ms.megatron_axes(0)
 
 
@@ -478,11 +492,12 @@ def _set_rate(self):
 BAD_INPUTS = [
     (
         lambda: Linear(2, 3, key=KEY, axes="mlp"),
-        TypeError,
-        ["axes must be a tuple of 2 logical axes", "'mlp'"],
+        ms.ShardingError,
+        ["Linear: axes: logical axes must be a tuple", "'mlp'"],
     ),
-    (lambda: Linear(2, 3, key=KEY, axes=None), TypeError, ["axes must be a tuple of 2 logical axes", "None"]),
-    (lambda: Linear(2, 3, key=KEY, axes=("embed", 3)), TypeError, ["logical axes (str or None)", "3"]),
+    (lambda: Linear(2, 3, key=KEY, axes=None), ms.ShardingError, ["logical axes must be a tuple", "None"]),
+    (lambda: Linear(2, 3, key=KEY, axes=("embed", 3)), ms.ShardingError, ["[3] are not names (str) or None"]),
+    (lambda: Linear(2, 3, key=KEY, axes=("embed",)), ms.ShardingError, ["name 1 dims; its shape is (2, 3)"]),
     (lambda: Linear(2, 3, key=0), TypeError, ["Linear: key must be a PRNG key", "jax.random.key(0)"]),
     (lambda: Linear(2, 3, key=KEY, scale="big"), TypeError, ["scale must be a finite number", "'big'"]),
     (lambda: mlp("784,10", key=KEY), TypeError, ["sizes must be a list of ints", "'784,10'"]),
@@ -491,7 +506,7 @@ BAD_INPUTS = [
     (Forgetful, TypeError, ["Forgetful.__init__ never set ['b']"]),
     (lambda: mlp([2, 2], key=KEY)([1.0, 2.0]), TypeError, ["takes an array", "list"]),
     (lambda: mlp([2, 2], key=KEY)("ab"), TypeError, ["takes an array", "str"]),
-    (lambda: ms.megatron_axes(0), ValueError, ["at least one Linear", "num_linear=0"]),
+    (lambda: ms.megatron_axes(0), ValueError, ["num_linear must be a positive int", "0"]),
     (lambda: layer_class(static_fields=("rate",), __init__=_set_rate)(), ValueError, ["Bad.rate is NaN"]),
 ]
 

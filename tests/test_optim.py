@@ -1,9 +1,10 @@
-"""Optimizers: minishard's schedule and SGD against optax, and SGD training an MLP.
+"""Optimizers: minishard's schedules, SGD and AdamW against optax, and SGD training an MLP.
 
-``optax`` is the oracle: ``exponential_decay`` must give optax's learning
-rates, and ``SGD`` must take optax's steps, one by one, on random trees of
-arrays and on minishard models. Then a small MLP trained with ``SGD`` must
-actually learn a linearly separable problem.
+``optax`` is the oracle: ``exponential_decay`` and ``warmup_cosine_decay``
+must give optax's learning rates, ``SGD`` optax's steps and ``AdamW`` those of
+``optax.chain(optax.clip_by_global_norm, optax.adamw)``, one by one, on random
+trees of arrays and on minishard models. Then a small MLP trained with ``SGD``
+must actually learn a linearly separable problem.
 """
 
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from strategies import array_trees, assert_trees_close, mlp_sizes, random_like, 
 
 import minishard
 from minishard import SGD, accuracy, cross_entropy, exponential_decay, mlp, one_hot
+from minishard.optim import AdamW, AdamWState, global_norm, warmup_cosine_decay, weight_decay_mask
 
 
 @dataclass(frozen=True)
@@ -128,23 +130,23 @@ def test_sgd_state_is_a_pytree_shaped_like_the_params():
     assert SGD(0.1).init(params) == minishard.SGDState(step=None, velocity=None)  # no array to carry
 
 
-def test_a_schedule_refuses_a_state_without_its_step():
+def test_a_changing_rate_refuses_a_state_without_its_step():
     params = {"w": jnp.ones(2)}
     constant_state = SGD(0.1).init(params)
-    with pytest.raises(ValueError, match="schedule, but the state has no step"):
+    with pytest.raises(ValueError, match="changes with the step, but the state has no step"):
         SGD(exponential_decay(0.1, 0.5, 10)).update(params, params, constant_state)
 
 
 def test_a_constant_rate_refuses_a_state_with_a_step():
-    # Symmetric to the schedule's case: a constant rate's state never has a step (an older
+    # Symmetric to the changing rate's case: a constant rate's state never has a step (an older
     # checkpoint that kept one is migrated when the workshop restores it).
     params = {"w": jnp.ones(2)}
-    schedule_state = SGD(exponential_decay(0.1, 0.5, 10)).init(params)
+    decaying_state = SGD(exponential_decay(0.1, 0.5, 10)).init(params)
     with pytest.raises(ValueError) as error:
-        SGD(0.1).update(params, params, schedule_state)
+        SGD(0.1).update(params, params, decaying_state)
     assert str(error.value) == (
         "SGD.update: this SGD's learning rate is a constant, but the state has a step (it was made for a "
-        "schedule); make the state with the same SGD's init"
+        "learning rate that changes); make the state with the same SGD's init"
     )
 
 
@@ -165,13 +167,13 @@ def test_momentum_refuses_a_state_without_velocity_and_plain_sgd_one_with():
 
 
 @pytest.mark.parametrize(
-    ("schedule", "signature"), [(lambda: 0.1, "()"), (lambda step, total: 0.1, "(step, total)")]
+    ("rate", "signature"), [(lambda: 0.1, "()"), (lambda step, total: 0.1, "(step, total)")]
 )
-def test_a_schedule_must_take_the_step_and_is_refused_when_built(schedule, signature):
+def test_a_learning_rate_must_take_the_step_and_is_refused_when_built(rate, signature):
     with pytest.raises(TypeError) as error:
-        SGD(schedule)
+        SGD(rate)
     assert str(error.value) == (
-        f"SGD: learning_rate is a callable of {signature}, but a schedule is called with one argument, "
+        f"SGD: learning_rate is a callable of {signature}, but a learning rate is called with one argument, "
         "the step; write lambda step: ..., or use exponential_decay"
     )
     assert SGD(lambda step, total=10: 0.1 * (1 - step / total)).init({}).step == 0  # one argument will do
@@ -181,6 +183,105 @@ def test_a_schedule_must_take_the_step_and_is_refused_when_built(schedule, signa
 def test_sgd_rejects_momentum_outside_0_1(momentum):
     with pytest.raises(ValueError, match=r"momentum must be a number in \[0, 1\)"):
         SGD(0.1, momentum)
+
+
+# -- AdamW against optax.chain(clip_by_global_norm, adamw) ----------------------------------
+def assert_adamw_matches_optax(params, grad_fn, steps, *, lr, warmup=None, update=None, **hyper):
+    """minishard's AdamW and optax's clip + adamw side by side; params compared after every step.
+
+    ``warmup``: ``(warmup_steps, decay_steps)`` of a warmup-cosine schedule peaking at ``lr``.
+    """
+    if warmup:
+        ours_lr = warmup_cosine_decay(lr, *warmup, end_value=lr / 10)
+        optax_lr = optax.warmup_cosine_decay_schedule(0.0, lr, *warmup, end_value=lr / 10)
+    else:
+        ours_lr = optax_lr = lr
+    ours = AdamW(ours_lr, **hyper)  # its defaults, read back for optax: b2 0.99 is not optax's
+    theirs = optax.chain(
+        optax.clip_by_global_norm(ours.clip_norm) if ours.clip_norm else optax.identity(),
+        optax.adamw(
+            optax_lr,
+            b1=ours.b1,
+            b2=ours.b2,
+            eps=ours.eps,
+            weight_decay=ours.weight_decay,
+            mask=weight_decay_mask(params),
+        ),
+    )
+    update = update or ours.update
+    ours_params, ours_state = params, ours.init(params)
+    optax_params, optax_state = params, theirs.init(params)
+    for step in range(steps):
+        # The same gradients for both: Adam divides by sqrt(nu), so a gradient near 0 turns a
+        # last-ulp difference in the params into a visible one in the next step's direction.
+        grads = grad_fn(optax_params, step)
+        ours_params, ours_state = update(ours_params, grads, ours_state)
+        updates, optax_state = theirs.update(grads, optax_state, optax_params)
+        optax_params = optax.apply_updates(optax_params, updates)
+        assert_trees_close(ours_params, optax_params, rtol=1e-5, atol=1e-6)
+    assert int(ours_state.step) == steps
+
+
+adam_hyper = st.fixed_dictionaries(
+    {"b1": st.floats(0.0, 0.95), "b2": st.floats(0.5, 0.999), "weight_decay": st.floats(0.0, 0.5)},
+    optional={"eps": st.floats(1e-8, 1e-3), "clip_norm": st.none() | st.floats(0.1, 10.0)},
+)
+
+
+@given(
+    params=array_trees(), lr=st.floats(1e-3, 0.1), hyper=adam_hyper, scale=st.floats(0.01, 10.0), seed=seeds
+)
+def test_adamw_matches_optax_clip_and_adamw_on_trees_of_arrays(params, lr, hyper, scale, seed):
+    rng = np.random.default_rng(seed)
+    grads = [jax.tree.map(lambda g: scale * g, random_like(params, rng)) for _ in range(3)]  # clipped or not
+    assert_adamw_matches_optax(params, lambda _, step: grads[step], steps=3, lr=lr, **hyper)
+
+
+@pytest.mark.slow  # over 5 s: jitted steps for every example
+@given(sizes=mlp_sizes(), lr=st.floats(1e-3, 0.1), seed=seeds)
+def test_adamw_matches_optax_on_models_under_jit_with_nanogpts_schedule(sizes, lr, seed):
+    model = mlp(sizes, key=jax.random.key(seed), scale=1.0)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((8, sizes[0]), np.float32)
+    targets = np.eye(sizes[-1], dtype=np.float32)[rng.integers(0, sizes[-1], 8)]
+    grad_fn = jax.jit(jax.grad(lambda m: cross_entropy(m(x), targets)))
+    update = jax.jit(AdamW(warmup_cosine_decay(lr, 2, 6, end_value=lr / 10)).update)
+    assert_adamw_matches_optax(model, lambda m, _: grad_fn(m), steps=8, lr=lr, warmup=(2, 6), update=update)
+
+
+@given(peak=st.floats(1e-4, 1.0), warmup=st.integers(0, 20), extra=st.integers(1, 100))
+def test_warmup_cosine_decay_matches_optax_down_to_a_tenth(peak, warmup, extra):
+    ours = warmup_cosine_decay(peak, warmup, warmup + extra, end_value=peak / 10)
+    theirs = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, warmup + extra, end_value=peak / 10)
+    steps = jnp.arange(130)  # past the end of every schedule drawn; one shape, so one compile
+    np.testing.assert_allclose(ours(steps), theirs(steps), rtol=1e-5, atol=1e-9)
+
+
+def test_adamw_clips_the_global_norm_of_all_gradients_together():
+    params = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
+    grads = {"a": jnp.full(3, 3.0), "b": jnp.full((2, 2), 4.0)}  # norm sqrt(27 + 64)
+    assert float(global_norm(grads)) == pytest.approx(np.sqrt(91.0))
+    opt = AdamW(1.0, b1=0.0, b2=0.0, eps=1.0, weight_decay=0.0, clip_norm=1.0)
+    params, _ = opt.update(params, grads, opt.init(params))
+    # b1 = b2 = 0: the step is g / (|g| + eps) of the clipped gradient g = 3 / sqrt(91), 4 / sqrt(91)
+    clipped = {name: g / np.sqrt(91.0) for name, g in grads.items()}
+    for name, g in clipped.items():
+        np.testing.assert_allclose(params[name], -g / (np.abs(g) + 1.0), rtol=1e-6)
+
+
+def test_adamw_decays_matrices_only_and_its_moments_are_shaped_like_the_params():
+    model = mlp([3, 4, 2], key=jax.random.key(0))
+    mask = weight_decay_mask(model)
+    assert [leaf for leaf in jax.tree.leaves(mask)] == [True, False, True, False]  # weights, not biases
+    opt = AdamW(0.1, weight_decay=0.5)
+    state = opt.init(model)
+    assert isinstance(state, AdamWState) and int(state.step) == 0
+    assert jax.tree.structure(state.mu) == jax.tree.structure(state.nu) == jax.tree.structure(model)
+    assert state.mu[0].weight is not state.nu[0].weight  # two buffers: a donated state is no trouble
+    zero = jax.tree.map(jnp.zeros_like, model)
+    decayed, _ = opt.update(model, zero, state)  # no gradient: only the decay moves anything
+    np.testing.assert_allclose(decayed[0].weight, model[0].weight * (1 - 0.1 * 0.5), rtol=1e-6)
+    np.testing.assert_array_equal(decayed[0].bias, model[0].bias)
 
 
 # -- training ----------------------------------------------------------------
@@ -210,6 +311,7 @@ def test_sgd_trains_an_mlp_on_linearly_separable_data():
 
 
 # -- bad inputs: each named before any work starts (the call, the exception, words its message holds)
+TWO = {"w": jnp.ones(2)}
 BAD_INPUTS = [
     (lambda: SGD(-0.1), ValueError, ["learning_rate", "-0.1"]),
     (lambda: SGD(0.0), ValueError, ["learning_rate", "> 0"]),
@@ -218,6 +320,20 @@ BAD_INPUTS = [
     (lambda: SGD(0.1, momentum=1.5), ValueError, ["momentum must be a number in [0, 1)", "1.5"]),
     (lambda: exponential_decay(0.1, -0.5, 100), ValueError, ["decay_rate", "-0.5"]),
     (lambda: exponential_decay(0.1, 0.5, 0), ValueError, ["decay_steps must be a positive int", "0"]),
+    (lambda: AdamW(-1e-3), ValueError, ["AdamW: learning_rate", "-0.001"]),
+    (lambda: AdamW(1e-3, b2=1.0), ValueError, ["AdamW: b2 must be a number in [0, 1)", "1.0"]),
+    (lambda: AdamW(1e-3, weight_decay=-0.1), ValueError, ["AdamW: weight_decay must be a number >= 0"]),
+    (lambda: AdamW(1e-3, clip_norm=0.0), ValueError, ["AdamW: clip_norm", "None: no clipping", "0.0"]),
+    (
+        lambda: AdamW(1e-3).update(TWO, TWO, SGD(0.1).init(TWO)),
+        ValueError,
+        ["AdamW.update: the state is a SGDState", "same AdamW's init"],
+    ),
+    (
+        lambda: AdamW(1e-3).update(TWO, {"w": jnp.ones(3)}, AdamW(1e-3).init(TWO)),
+        ValueError,
+        ["AdamW.update: grads do not match params at params.w", "(3,)"],
+    ),
     (
         lambda: SGD(0.1).update({"w": jnp.ones(2)}, {"w": jnp.ones(3)}, SGD(0.1).init({"w": jnp.ones(2)})),
         ValueError,

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +19,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.experimental import checkify
 
 import minishard as ms
 from minishard import pipeline as pp
-from minishard._pipeline_1f1b import one_f_one_b
-from minishard.models.vit import stacked_vit
+from minishard.models.vit import Attention, stacked_vit
+from minishard.pipeline_1f1b import one_f_one_b
 from minishard.presets import preset, preset_rules
 from minishard.run.cli import main
 from minishard.run.data import mnist
-from minishard.run.train import fit, make_train_step, microbatched_train_step
+from minishard.run.steps import make_train_step, microbatched_train_step
+from minishard.run.train import fit
 
 WIDTH = 8
 
@@ -98,9 +101,12 @@ def test_plan_rows_lead_with_the_stage_axis():
 
 def test_stacked_vit_blocks_carry_the_stage_axis():
     model = jax.eval_shape(lambda: stacked_vit(key=jax.random.key(0), depth=2, width=16, heads=2))
-    query = model.blocks.block.attention
-    assert query.query.shape == (2, 16, 2, 8)
-    assert query.param_logical_axes()["query"] == ("stage", "embed", "heads", "kv")
+    attention = model.blocks.block.attention
+    assert type(attention) is Attention and attention.query.shape == (2, 16, 2, 8)  # no stacked subclass
+    assert attention.param_logical_axes()["query"] == ("embed", "heads", "kv")  # as unstacked
+    rows = {leaf.path: leaf.logical_axes for leaf in ms.plan(model, None, preset_rules("pp")).leaves}
+    assert rows["blocks.block.attention.query"] == ("stage", "embed", "heads", "kv")  # Stacked adds it
+    assert rows["blocks.block.norm1.scale"] == ("stage", "embed")
 
 
 # -- 3. the schedule and the pipeline ------------------------------------------
@@ -129,11 +135,11 @@ def mesh_for(p):
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def value_and_grads(blocks, x, plan):
-    """The loss, and its gradients for the blocks and the input: pipelined if ``plan``, else in order."""
+def value_and_grads(blocks, x, pipeline):
+    """The loss, and its gradients for the blocks and the input: pipelined if ``pipeline``, else in order."""
 
     def loss(blocks, x):
-        y = pp.run_pipeline(blocks, x, plan) if plan else sequential(blocks, x)
+        y = pp.run_pipeline(blocks, x, pipeline) if pipeline else sequential(blocks, x)
         return jnp.sum(jnp.sin(y))  # not linear in y: every output's gradient differs
 
     return jax.value_and_grad(loss, argnums=(0, 1))(blocks, x)
@@ -143,13 +149,13 @@ def test_one_circular_pipeline_on_data_x_stage_equals_sequential_and_runs_its_ti
     # The quick loop's case; the property below sweeps p, m, layers per stage and r (slow).
     blocks, oracle = blocks_and_oracle(8, 0)
     x = jax.random.normal(jax.random.key(1), (16, WIDTH))
-    plan = pp.Schedule(mesh_for(4), microbatches=4, repeats=2, data_axis="data")
-    value, (grads, x_grad) = jax.block_until_ready(value_and_grads(blocks, x, plan))
+    pipeline = pp.Pipeline(mesh_for(4), microbatches=4, repeats=2, data_axis="data")
+    value, (grads, x_grad) = jax.block_until_ready(value_and_grads(blocks, x, pipeline))
     expected, (expected_grads, expected_x_grad) = value_and_grads(oracle, x, None)
     close((value, x_grad), (expected, expected_x_grad), rtol=1e-4, atol=1e-5)
     close(grads.block, jax.tree.map(lambda *a: jnp.stack(a), *expected_grads), rtol=1e-4, atol=1e-5)
-    compiled = value_and_grads.lower(blocks, x, plan).compile()
-    assert pp.compiled_ticks(compiled) == plan.ticks == 2 * 4 + 4 - 1
+    compiled = value_and_grads.lower(blocks, x, pipeline).compile()
+    assert pp.compiled_ticks(compiled) == pipeline.ticks == 2 * 4 + 4 - 1
 
 
 @pytest.mark.slow
@@ -165,8 +171,8 @@ def test_pipelined_equals_sequential_forward_and_gradients(p, m_per_p, per_stage
     m, mesh = m_per_p * p, mesh_for(p)
     blocks, oracle = blocks_and_oracle(p * r * per_stage, seed)
     x = jax.random.normal(jax.random.key(seed + 1), (m * (8 // p), WIDTH))
-    plan = pp.Schedule(mesh, microbatches=m, repeats=r, data_axis="data")
-    value, (grads, x_grad) = jax.block_until_ready(value_and_grads(blocks, x, plan))
+    pipeline = pp.Pipeline(mesh, microbatches=m, repeats=r, data_axis="data")
+    value, (grads, x_grad) = jax.block_until_ready(value_and_grads(blocks, x, pipeline))
     expected, (expected_grads, expected_x_grad) = value_and_grads(oracle, x, None)
     close(value, expected)
     close(x_grad, expected_x_grad, rtol=1e-4, atol=1e-5)
@@ -178,15 +184,15 @@ def test_pipelined_equals_sequential_forward_and_gradients(p, m_per_p, per_stage
 def test_a_pipelined_model_trains_like_the_sequential_one():
     mesh = ms.make_mesh({"data": 2, "stage": 4})
     model = pp.stacked_mlp([12, WIDTH, WIDTH, WIDTH, WIDTH, WIDTH, 3], key=jax.random.key(0))
-    piped = model.replace(schedule=pp.Schedule(mesh, microbatches=4, data_axis="data"))
+    piped = model.replace(pipeline=pp.Pipeline(mesh, microbatches=4, data_axis="data"))
     rng = np.random.default_rng(0)
     batch = {"image": rng.normal(size=(16, 12)).astype(np.float32), "label": rng.integers(0, 3, 16)}
     step = ms.Sharded(mesh, preset_rules("dp+pp"))(make_train_step(ms.SGD(0.1)))
     model_step = ms.Sharded(mesh, preset_rules("dp+pp"))(microbatched_train_step(ms.SGD(0.1), 2))
     opt_state = ms.SGD(0.1).init(model)
     report = pp.pipeline_report(step, (piped, opt_state, batch))  # what `explain` shows
-    assert (report["stages"], report["ticks"], report["bubble"]) == (4, 7, 3 / 7)
-    assert report["permute_bytes"] == 2 * 7 * (16 // 4 // 2) * WIDTH * 4  # 2 rows of 8 floats per shift
+    assert (report.stages, report.ticks, report.bubble) == (4, 7, 3 / 7)
+    assert report.permute_bytes == 2 * 7 * (16 // 4 // 2) * WIDTH * 4  # 2 rows of 8 floats per shift
     for _ in range(3):
         piped, _, loss, _ = jax.block_until_ready(step(piped, opt_state, batch))
         model, opt_state, expected, _ = jax.block_until_ready(model_step(model, opt_state, batch))
@@ -196,14 +202,14 @@ def test_a_pipelined_model_trains_like_the_sequential_one():
 # -- NaN in the bubbles: a leak fails instead of hiding in a zero ----------------
 def test_a_tick_too_few_leaves_nan_in_the_output():
     @dataclasses.dataclass(frozen=True)
-    class OneTickShort(pp.Schedule):
+    class OneTickShort(pp.Pipeline):
         @property
         def ticks(self):
             return super().ticks - 1
 
     blocks, _ = blocks_and_oracle(4)
     run = jax.jit(pp.run_pipeline, static_argnums=2)
-    good = jax.block_until_ready(run(blocks, jnp.ones((8, WIDTH)), pp.Schedule(mesh_for(4), microbatches=4)))
+    good = jax.block_until_ready(run(blocks, jnp.ones((8, WIDTH)), pp.Pipeline(mesh_for(4), microbatches=4)))
     short = jax.block_until_ready(
         run(blocks, jnp.ones((8, WIDTH)), OneTickShort(mesh_for(4), microbatches=4))
     )
@@ -214,10 +220,10 @@ def test_a_tick_too_few_leaves_nan_in_the_output():
 
 def test_a_bubble_computed_on_as_real_work_poisons_the_gradients(monkeypatch):
     blocks, _ = blocks_and_oracle(4)
-    plan = pp.Schedule(mesh_for(4), microbatches=4)
+    pipeline = pp.Pipeline(mesh_for(4), microbatches=4)
     always_busy = lambda tick, stage, m, r=1: (tick >= 0, (tick - stage) % m, (tick - stage) // m)  # noqa: E731
     monkeypatch.setattr(pp, "slot", always_busy)
-    loss = jax.jit(lambda b: pp.run_pipeline(b, jnp.ones((8, WIDTH)), plan).sum())
+    loss = jax.jit(lambda b: pp.run_pipeline(b, jnp.ones((8, WIDTH)), pipeline).sum())
     grads = jax.block_until_ready(jax.grad(loss)(blocks))
     assert np.isnan(grads.block.layers[0].weight).any()
 
@@ -228,12 +234,12 @@ def test_a_bubble_computed_on_as_real_work_poisons_the_gradients(monkeypatch):
 @given(p=st.sampled_from([2, 4]), m=st.sampled_from([4, 8]), r=st.sampled_from([1, 2]))
 def test_the_compiled_bubble_is_the_formula(p, m, r):
     blocks, _ = blocks_and_oracle(p * r)
-    plan = pp.Schedule(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m, repeats=r)
-    step = jax.jit(jax.grad(lambda b, x: pp.run_pipeline(b, x, plan).sum()))
-    report = pp.pipeline_report(step, (blocks, jnp.ones((m, WIDTH))), plan)
-    assert report["ticks"] == r * m + p - 1
-    assert report["bubble"] == pytest.approx(pp.bubble_fraction(p, m, r))
-    assert report["permute_bytes"] == 2 * report["ticks"] * WIDTH * 4  # a shift each way per tick
+    pipeline = pp.Pipeline(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m, repeats=r)
+    step = jax.jit(jax.grad(lambda b, x: pp.run_pipeline(b, x, pipeline).sum()))
+    report = pp.pipeline_report(step, (blocks, jnp.ones((m, WIDTH))), pipeline)
+    assert report.ticks == r * m + p - 1
+    assert report.bubble == pytest.approx(pp.bubble_fraction(p, m, r))
+    assert report.permute_bytes == 2 * report.ticks * WIDTH * 4  # a shift each way per tick
 
 
 def test_the_two_bubble_formulas():
@@ -253,9 +259,9 @@ def test_one_f_one_b_equals_sequential(p, m_per_p, seed):
     m = p * m_per_p
     blocks, oracle = blocks_and_oracle(2 * p, seed)
     x, t = jax.random.normal(jax.random.key(seed), (2, 2 * m, WIDTH))
-    plan = pp.Schedule(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m)
+    pipeline = pp.Pipeline(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m)
     loss, grads, x_grad = jax.block_until_ready(
-        jax.jit(lambda b, x, t: one_f_one_b(b, x, t, sin_loss, plan))(blocks, x, t)
+        jax.jit(lambda b, x, t: one_f_one_b(b, x, t, sin_loss, pipeline))(blocks, x, t)
     )
     expected, (expected_grads, expected_x_grad) = jax.jit(
         jax.value_and_grad(lambda bs, x: sin_loss(sequential(bs, x), t), argnums=(0, 1))
@@ -267,13 +273,13 @@ def test_one_f_one_b_equals_sequential(p, m_per_p, seed):
 
 def temp_bytes(m, p=4):
     """Temporary bytes of a GPipe and of a 1F1B step, and 1F1B's ticks read from its program."""
-    plan = pp.Schedule(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m)
+    pipeline = pp.Pipeline(ms.make_mesh({"stage": p}, devices=jax.devices()[:p]), microbatches=m)
     blocks, x = (
         jax.eval_shape(lambda: blocks_and_oracle(2 * p)[0]),
         jax.ShapeDtypeStruct((4 * m, WIDTH), jnp.float32),
     )
-    gpipe = jax.value_and_grad(lambda b, x, t: sin_loss(pp.run_pipeline(b, x, plan), t), argnums=(0, 1))
-    ofob = jax.jit(lambda b, x, t: one_f_one_b(b, x, t, sin_loss, plan)).lower(blocks, x, x).compile()
+    gpipe = jax.value_and_grad(lambda b, x, t: sin_loss(pp.run_pipeline(b, x, pipeline), t), argnums=(0, 1))
+    ofob = jax.jit(lambda b, x, t: one_f_one_b(b, x, t, sin_loss, pipeline)).lower(blocks, x, x).compile()
     gpipe_temp = jax.jit(gpipe).lower(blocks, x, x).compile().memory_analysis().temp_size_in_bytes
     return gpipe_temp, ofob.memory_analysis().temp_size_in_bytes, pp.compiled_ticks(ofob)
 
@@ -300,7 +306,7 @@ def losses_per_step(model, style, data, log):
     shape, rules = preset(style, 8)
     mesh = ms.make_mesh(shape)
     if "stage" in shape:
-        model = model.replace(schedule=pp.Schedule(mesh, microbatches=8, data_axis="data"))
+        model = model.replace(pipeline=pp.Pipeline(mesh, microbatches=8, data_axis="data"))
     sgd = ms.SGD(ms.exponential_decay(0.2, 0.7, 1000), momentum=0.9)
     fit(model, sgd, data, mesh=mesh, rules=rules, epochs=1, metrics_log=log, log_every=1, progress=False,
         log=lambda line: None)  # fmt: skip
@@ -330,3 +336,117 @@ def test_minishard_train_parallel_dp_pp_reaches_97_percent_in_two_epochs(capsys,
     assert [r["epoch"] for r in epochs] == [1, 2] and epochs[-1]["test_acc"] >= 0.97, (
         epochs
     )  # measured 0.9701
+
+
+# -- the chapter checks its own arguments (issue 27 §2) --------------------------
+MESH4 = ms.make_mesh({"stage": 4}, devices=jax.devices()[:4])
+MESH_DATA_STAGE = ms.make_mesh({"data": 2, "stage": 4})
+
+
+def sum_loss(model, batch):
+    logits = model(batch["image"])
+    return jnp.sum(logits**2), {"total": jnp.sum(logits)}
+
+
+def test_microbatched_of_a_summed_loss_states_its_reduction():
+    model = ms.mlp([4, 8, 4], key=jax.random.key(0))
+    batch = {"image": jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)}
+    want = jax.value_and_grad(sum_loss, has_aux=True)(model, batch)
+    close(jax.jit(pp.microbatched(sum_loss, 4, reduction="sum"))(model, batch), want)
+    with pytest.raises(
+        ValueError, match=r"^microbatched: reduction must be one of 'mean', 'sum', got 'max'$"
+    ):
+        pp.microbatched(sum_loss, 4, reduction="max")
+
+
+@pytest.mark.parametrize("m", [0, -2, 2.0])
+def test_microbatched_refuses_a_count_that_is_not_one(m):
+    with pytest.raises(ValueError, match=rf"^microbatched: m must be a positive int, got {m!r}$"):
+        pp.microbatched(mlp_loss, m)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"microbatches": 0}, "Pipeline: microbatches must be a positive int, got 0"),
+        ({"microbatches": 2.0}, "Pipeline: microbatches must be a positive int, got 2.0"),
+        ({"microbatches": 4, "repeats": 0}, "Pipeline: repeats must be a positive int, got 0"),
+        ({"microbatches": 4, "stage_axis": "pipe"}, "Pipeline: stage_axis='pipe' is not an axis of the mesh"),
+        ({"microbatches": 4, "data_axis": "data"}, "Pipeline: data_axis='data' is not an axis of the mesh"),
+    ],
+)
+def test_a_pipeline_names_a_bad_field(fields, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        pp.Pipeline(MESH4, **fields)
+
+
+def test_a_batch_that_does_not_split_into_the_pipelines_microbatches_is_named():
+    blocks, _ = blocks_and_oracle(4)
+    with pytest.raises(
+        ValueError,
+        match=r"^run_pipeline: a batch of 12 does not split into m=4 microbatches x data=2 devices; "
+        "use a batch that is a multiple of 8",
+    ):
+        pp.run_pipeline(blocks, jnp.ones((12, WIDTH)), pp.Pipeline(MESH_DATA_STAGE, 4, data_axis="data"))
+
+
+def test_run_pipeline_refuses_blocks_that_are_not_stacked():
+    plain = ms.Sequential([make_block(jax.random.key(0))])
+    with pytest.raises(
+        TypeError, match=r"^run_pipeline: blocks must be a Stacked, got a Sequential; stack them"
+    ):
+        pp.run_pipeline(plain, jnp.ones((8, WIDTH)), pp.Pipeline(MESH4, 4))
+
+
+@pytest.mark.parametrize("n, key, message", [
+    (-1, jax.random.key(0), "Stacked: n must be a positive int, got -1"),
+    (2.5, jax.random.key(0), "Stacked: n must be a positive int, got 2.5"),
+    (2, 0, "Stacked: key must be a PRNG key such as jax.random.key(0), got 0"),
+])  # fmt: skip
+def test_stacked_names_a_bad_count_or_key(n, key, message):
+    with pytest.raises((ValueError, TypeError), match="^" + re.escape(message) + "$"):
+        pp.Stacked(make_block, n, key=key)
+
+
+def test_stacked_blocks_that_change_width_are_named():
+    blocks = pp.Stacked(lambda k: ms.Linear(WIDTH, 2, key=k), 3, key=jax.random.key(0))
+    with pytest.raises(
+        ValueError, match=r"^Stacked: a block maps float32\[8, 8\] to float32\[8, 2\]; stacked"
+    ):
+        blocks(jnp.ones((8, WIDTH)))
+
+
+@pytest.mark.parametrize("formula", [pp.bubble_fraction, pp.megatron_bubble, pp.schedule])
+def test_the_bubble_formulas_and_the_schedule_refuse_zero_microbatches(formula):
+    with pytest.raises(ValueError, match=rf"^{formula.__name__}: m must be a positive int, got 0$"):
+        formula(4, 0)
+
+
+def test_pipeline_report_of_a_step_without_a_pipeline_says_so():
+    model = pp.stacked_mlp([4, 8, 8, 8, 4], key=jax.random.key(0))
+    with pytest.raises(
+        ValueError, match=r"^pipeline_report: no argument is a model with a pipeline \(a StackedModel"
+    ):
+        pp.pipeline_report(jax.jit(lambda m, x: m(x)), (model, jnp.ones((8, 4))))
+
+
+def test_one_f_one_b_refuses_blocks_that_are_not_stacked():
+    plain = ms.Sequential([make_block(jax.random.key(0))])
+    with pytest.raises(TypeError, match=r"^one_f_one_b: blocks must be a Stacked, got a Sequential"):
+        one_f_one_b(plain, jnp.ones((8, WIDTH)), jnp.ones((8, WIDTH)), sin_loss, pp.Pipeline(MESH4, 4))
+
+
+X8 = jnp.ones((8, 4))
+
+
+def test_a_pipelined_step_is_checked_for_nan_by_debug_nans_not_checkify():
+    """docs/pipeline.md says so: checkify's flags cannot ride the tick loop; jax_debug_nans works."""
+    model = pp.stacked_mlp([4, 8, 8, 8, 8, 8, 4], key=jax.random.key(0))
+    model = model.replace(pipeline=pp.Pipeline(MESH4, 4))
+    loss = jax.jit(jax.grad(lambda m, x: jnp.mean(m(x))))
+    with pytest.raises(ValueError, match="Scan carry input and output got mismatched varying manual axes"):
+        jax.jit(checkify.checkify(lambda m, x: jnp.mean(m(x)), errors=checkify.float_checks))(model, X8)
+    with jax.debug_nans(True):
+        jax.block_until_ready(loss(model, X8))  # healthy: the bubbles' NaN never reach an output
+        with pytest.raises(FloatingPointError):
+            jax.block_until_ready(loss(model, X8.at[0, 0].set(jnp.nan)))

@@ -1,9 +1,19 @@
-"""minishard.presets and minishard.constraints: named styles, FSDP by rules alone, pinned activations.
+"""minishard.presets, and Explicit meshes: the named styles, what each one splits, and sharding in types.
 
-FSDP is checked against the arithmetic of the shapes: the step all-gathers
-each split weight (forward), and XLA:CPU all-reduces the whole gradient and
-keeps each device's slice (where a reduce-scatter would move an eighth: the
-CPU backend does not rewrite all-reduce + slice into one; see docs/sharding.md).
+* **The styles' table**: ``preset`` gives each style its mesh shape (2 devices on
+  "data", the rest on "model" or "stage") and its ordered rules, overrides first;
+  unknown styles and device counts are refused; the pipeline styles split only
+  "stage"; ``rules_for_mesh`` keeps the 2-D splits a mesh can take; the CLI takes a
+  preset and lets ``--mesh`` and ``--rules`` override it. Every preset trains the
+  MLP exactly as ``dp`` does.
+* **FSDP by rules alone**: it stores an eighth of every divisible parameter and of
+  its velocity, and its step (activations pinned with ``constrain``) all-gathers
+  each split weight (forward) while XLA:CPU all-reduces the whole gradient and
+  keeps each device's slice (where a reduce-scatter would move an eighth: the CPU
+  backend does not rewrite all-reduce + slice into one; see docs/sharding.md).
+* **Explicit meshes**: every preset trains as on an Auto mesh, the sharding shows
+  in the arrays' types, an ambiguous contraction names the layer and the fix, and
+  on random meshes, rules and models sharding changes no number.
 """
 
 import jax
@@ -18,7 +28,17 @@ from models import SIZES, example, train_step
 import minishard as ms
 from minishard.census import bytes_by_mesh_axes
 from minishard.constraints import constrain
-from minishard.presets import LOGICAL_AXES, PIPELINED, PRESETS, STYLES, preset, preset_rules, rules_for_mesh
+from minishard.presets import (
+    EXPERT,
+    LOGICAL_AXES,
+    PIPELINED,
+    PRESETS,
+    SEQUENCE,
+    STYLES,
+    preset,
+    preset_rules,
+    rules_for_mesh,
+)
 from minishard.rules import ShardingError
 from minishard.testing import assert_sharded_equivalent, axis_rules, batch_sizes, meshes, mlps
 from minishard.tree import tree_bytes
@@ -63,13 +83,35 @@ def test_the_pipeline_styles_split_only_the_stage_axis():
     assert preset_rules("dp").spec(("stage", "embed")) == P(None, None)  # a stacked model under dp
 
 
+def test_the_sequence_styles_split_seq_over_context_or_after_the_heads_over_model():
+    assert SEQUENCE == ("cp", "dp+cp", "tp+sp") and not set(SEQUENCE) & set(PRESETS)
+    assert preset("cp", 8)[0] == {"context": 8} and preset("dp+cp", 8)[0] == {"data": 2, "context": 4}
+    rules = preset_rules("dp+cp")
+    assert rules.spec(("batch", "seq", "heads", "kv")) == P("data", "context", None, None)
+    sp = preset_rules("tp+sp")  # heads claim "model" first: attention's sequence stays whole
+    assert sp.spec(("batch", "seq", "heads", "kv")) == P(None, None, "model", None)
+    assert sp.spec(("batch", "seq", "embed")) == P(None, "model", None)  # the residual stream: split
+    assert sp.spec(("batch", "seq", "mlp")) == P(None, None, "model")
+
+
+def test_the_expert_styles_split_the_experts_first_and_the_batch_over_the_same_axis():
+    assert EXPERT == ("ep", "dp+ep") and not set(EXPERT) & set(PRESETS)
+    assert preset("ep", 8)[0] == {"expert": 8} and preset("dp+ep", 8)[0] == {"data": 2, "expert": 4}
+    for name, batch in (("ep", "expert"), ("dp+ep", ("data", "expert"))):
+        rules = preset_rules(name)
+        assert rules.spec(("expert", "embed", "mlp")) == P("expert", None, None)
+        assert rules.spec(("batch", "embed")) == P(batch, None)  # dense layers: data parallel over all
+    # An MoE's slots [E, G, C, M]: the experts claim "expert" first, the groups fall back to "data".
+    assert preset_rules("dp+ep").spec(("expert", "batch", None, "embed")) == P("expert", "data", None, None)
+
+
 def test_a_preset_refuses_an_unknown_style_or_device_count():
     with pytest.raises(ValueError, match=r"unknown parallel style 'gpipe'; choose from dp, .*, pp, dp\+pp"):
         preset("gpipe", 8)
     with pytest.raises(ValueError, match=r"preset: unknown parallel style 'gpipe'"):
         preset_rules("gpipe")
     for devices in (0, 2.0, True):
-        with pytest.raises(ValueError, match=r"preset: devices must be an int >= 1, got"):
+        with pytest.raises(ValueError, match=r"preset: devices must be a positive int, got"):
             preset("dp", devices)
 
 
@@ -159,7 +201,8 @@ def test_fsdp_gathers_each_weight_and_reduces_the_whole_gradient():
 
 
 def test_the_cli_takes_a_preset_and_lets_mesh_and_rules_override():
-    from minishard.run.cli import cli_rules, parse_args
+    from minishard.run.cli import parse_args
+    from minishard.run.cli.styles import cli_rules
 
     args = parse_args(["train", "--parallel", "fsdp"])
     assert args.mesh == {"data": 8} and cli_rules(args, ["data"]).spec(("embed", "mlp")) == P("data", None)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from minishard.costs import HARDWARE, Comparison, Layout, Memory, StepCost
-from minishard.run.render import plot_comparison
+from minishard.costs import HARDWARE, Candidate, Comparison, Memory, StepCost
+from minishard.run.render import plot_comparison, plot_history
 
 V5P = HARDWARE["v5p"]
 
@@ -14,8 +14,27 @@ def test_plot_comparison_draws_one_bar_pair_per_layout(tmp_path):
     def cost(flops, seconds):
         return StepCost(V5P, flops, 0.0, (("all-reduce", 1000, seconds),), Memory(1, 1, 1))
 
-    layouts = (Layout("tp", {"model": 8}, cost(1e9, 1e-5)), Layout("dp", {"data": 8}, cost(1e9, 2e-5)))
-    comparison = Comparison(V5P, (*layouts, Layout("fsdp", {"data": 8}, None, "does not divide")))
+    tp, dp = Candidate("tp", {"model": 8}, cost(1e9, 1e-5)), Candidate("dp", {"data": 8}, cost(1e9, 2e-5))
+    candidates = (tp, dp)
+    comparison = Comparison(V5P, (*candidates, Candidate("fsdp", {"data": 8}, None, "does not divide")))
     plot_comparison(comparison, str(tmp_path / "compare.png"))
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert "does not divide" in str(comparison) and str(comparison).splitlines()[1].startswith("* tp")
+
+
+def test_plot_history_draws_any_metrics_by_epochs_or_by_steps(tmp_path):
+    pytest.importorskip("matplotlib")
+    curve = {"seconds": 1.0, "loss_curve": [[2, 2.5]]}  # fit's records
+    by_epoch = [
+        {"epoch": e, **curve, "loss": 1 / e, "train_acc": 0.8, "steps": 4, "test_acc": 0.9} for e in (1, 2)
+    ]
+    by_step = [  # a language model's: a val loss every 4 steps, and the test loss after the last
+        {"step": 4, **curve, "loss": 2.0, "steps": 4, "val_loss": 2.1},
+        {"step": 6, **curve, "loss": 1.5, "steps": 2, "val_loss": 1.9, "test_loss": 1.8},
+    ]
+    for name, history in (("epochs.svg", by_epoch), ("steps.svg", by_step)):
+        plot_history(history, str(tmp_path / name), learning_rate=lambda step: 0.1 / (1 + step))
+    epochs, steps = ((tmp_path / name).read_text() for name in ("epochs.svg", "steps.svg"))
+    assert all(f"<!-- {title} -->" in epochs for title in ("loss", "accuracy", "learning rate", "epoch"))
+    assert all(f"<!-- {label} -->" in steps for label in ("val", "test", "train, per step", "learning rate"))
+    assert "accuracy" not in steps  # no metric it does not have

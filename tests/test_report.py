@@ -36,10 +36,10 @@ def test_explain_counts_each_devices_share():
     w1, _, w2, b2 = report.rows
     assert (w1.path, w1.shape, w1.logical_axes) == ("layers[0].weight", (784, 512), ("embed", "mlp"))
     assert w1.spec == P(None, "model")
-    assert w1.block_shape == (784, 128) and w1.dtype == "float32"
+    assert w1.shard_shape == (784, 128) and w1.dtype == "float32"
     # Split 4 ways over "model", replicated over "data": a quarter per device.
     assert w1.bytes == 784 * 512 * F32 and w1.device_bytes == w1.bytes // 4
-    assert (w2.spec, w2.block_shape, w2.device_bytes) == (P("model", None), (128, 10), w2.bytes // 4)
+    assert (w2.spec, w2.shard_shape, w2.device_bytes) == (P("model", None), (128, 10), w2.bytes // 4)
     assert b2.spec == P(None) and b2.device_bytes == b2.bytes == 10 * F32  # replicated: whole
     assert report.total_bytes == tree_bytes(model) == 1_628_200
     assert report.device_bytes == sum(row.device_bytes for row in report.rows) == 407_080
@@ -146,5 +146,5 @@ def test_sharding_the_hidden_dims_on_model_leaves_a_quarter_per_device(abstract_
     assert report.device_bytes == expected
     assert 0.25 <= report.device_bytes / report.total_bytes < 0.26
     first = report.rows[0]
-    assert (first.path, first.block_shape) == ("layers[0].weight", (120_000, 512))
+    assert (first.path, first.shard_shape) == ("layers[0].weight", (120_000, 512))
     assert "layers[0].weight" in str(report)

@@ -122,12 +122,20 @@ def test_resolve_records_every_rule_tried_in_order_and_skips_absent_names():
     ]
 
 
+def test_a_name_on_two_dimensions_is_refused_by_resolve_as_by_the_rules():
+    message = r"^logical axes \('mlp', 'mlp'\): \['mlp'\] name more than one dimension$"
+    with pytest.raises(ShardingError, match=message):
+        resolve(("mlp", "mlp"), [("mlp", "model")])
+    with pytest.raises(ShardingError, match=message):
+        AxisRules(mlp="model").spec(("mlp", "mlp"))
+
+
 @pytest.mark.parametrize("method", ["spec", "explain"])
 def test_logical_axes_as_one_string_asks_for_a_tuple(method):
     with pytest.raises(ShardingError) as error:
         getattr(AxisRules(embed=None), method)("embed")
     assert str(error.value) == (
-        "logical_axes must be a tuple with one name (or None) per dimension, got 'embed' "
+        "logical axes must be a tuple with one name (or None) per dimension, got 'embed' "
         "(one string: did you mean a tuple?); for one dimension write ('embed',)"
     )
 

@@ -121,7 +121,7 @@ def test_2d_combines_both_all_reduces_on_their_own_axes():
         ({"model": 8}, AxisRules(embed=None, mlp="model"), MEGATRON),
         ({"data": 2, "model": 4}, RULES_2D, MEGATRON),
     ],
-    ids=["data", "tensor", "2d"],
+    ids=["dp", "tp", "2d"],
 )
 def test_sharded_step_computes_what_the_unsharded_step_computes(shape, rules, axes):
     mesh = make_mesh(shape)
@@ -203,6 +203,11 @@ ERRORS = [
         id="mesh-vs-devices",
     ),
     pytest.param(lambda: ms.make_mesh((2, 4)), r"needs one name per axis", id="mesh-without-names"),
+    pytest.param(
+        lambda: ms.make_mesh({1: 8}),
+        r"^make_mesh: axis names must be str, got 1 in \(1,\)$",
+        id="mesh-int-axis-name",
+    ),
     pytest.param(
         lambda: ms.make_mesh({}),
         r"^make_mesh: the mesh has no axes; name at least one, e\.g\. make_mesh\(\{'data': 8\}\)$",
@@ -371,7 +376,7 @@ def test_plan_is_one_walk_with_specs_and_blocks():
     found = ms.plan(model, MESH, RULES)
     flat = jax.tree_util.tree_flatten  # Layers have no __eq__: compare leaves and structure
     assert flat(found.specs) == flat(partition_specs(model, RULES, MESH))
-    assert [(leaf.path, leaf.spec, leaf.block_shape) for leaf in found.leaves] == [
+    assert [(leaf.path, leaf.spec, leaf.shard_shape) for leaf in found.leaves] == [
         ("layers[0].weight", P(None, "model"), (8, 4)),
         ("layers[0].bias", P("model"), (4,)),
         ("layers[2].weight", P("model", None), (4, 8)),
@@ -385,8 +390,7 @@ def test_lower_and_specs_reuse_the_cached_call_path():
     assert step.specs(model, x).inputs[1] == P("data")
     step.lower(model, x)
     jax.block_until_ready(step(model, x))
-    jits = [jitted for _, by_scalars in step._cache.values() for jitted in by_scalars.values()]
-    assert len(jits) == 1  # specs, lower and the call built one jit between them
+    assert len(step._plans) == 1  # specs, lower and the call built one jit between them
 
 
 def test_a_donated_model_used_again_is_named():

@@ -41,7 +41,9 @@ def test_a_difference_is_reported_with_the_output_path():
 
     mesh, rules = ms.make_mesh({"data": 8, "model": 1}), ms.AxisRules(batch="data")
     with pytest.raises(AssertionError, match=re.escape("output run: sharded != unsharded")):
-        assert_sharded_equivalent(drifts, np.ones((8, 2), np.float32), mesh=mesh, rules=rules)
+        assert_sharded_equivalent(
+            drifts, np.ones((8, 2), np.float32), mesh=mesh, rules=rules, require_split="batch"
+        )
 
 
 def test_a_layout_failure_names_the_path_both_layouts_and_the_rules_at_work():
@@ -81,13 +83,17 @@ def test_assert_layout_refuses_typos_and_arrays_that_are_not_on_the_mesh():
         assert_layout(ms.shard(model, MESH, RULES), MESH, {"inner.layer[0].weight": (16, 8)})
     with pytest.raises(AssertionError, match=r"is not on the mesh: a numpy\.ndarray, not a jax\.Array"):
         assert_layout(model, MESH, {"inner.layers[0].bias": (8,)})
+    with pytest.raises(
+        TypeError, match=r"^assert_layout: inner.layers\[0\].bias: expected a PartitionSpec, a block"
+    ):
+        assert_layout(ms.shard(model, MESH, RULES), MESH, {"inner.layers[0].bias": 3})
     on_one_device = jax.device_put(model, jax.devices()[0])
     with pytest.raises(AssertionError, match=r"is on 1 device\(s\), not on the mesh's 8"):
         assert_layout(on_one_device, MESH, {"inner.layers[2].bias": (16,)})
 
 
 # -- at least something split ------------------------------------------------------------
-REPLICATED = ms.AxisRules(batch="data", embed=None, mlp=None)
+WHOLE_BATCH = ms.AxisRules(batch=None, embed=None, mlp="model")
 
 
 def test_assert_split_counts_the_arrays_split_over_a_mesh_axis():
@@ -140,15 +146,56 @@ def test_an_equivalence_test_where_nothing_is_split_fails_unless_told():
     with compilations() as compiled, pytest.raises(AssertionError) as failure:
         assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=ms.AxisRules(embed=None, mlp=None))
     message = str(failure.value)
-    assert message.startswith("assert_sharded_equivalent: 0 of 5 arrays are split over any mesh axis")
-    assert "not split: model.inner.layers[0].weight P(None, None)" in message and "x P()" in message
+    assert message.startswith("assert_sharded_equivalent: 0 of 4 parameters are split over any mesh axis")
+    assert "not split: model.inner.layers[0].weight P(None, None)" in message and "x P()" not in message
     assert message.endswith("(require_split=False to run it anyway)")
     assert compiled == []  # refused before anything ran
     no_rules = ms.AxisRules(embed=None, mlp=None)
     assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=no_rules, require_split=False)
+
+
+UNANNOTATED = [(None, None), (None, None)]  # a model with no tensor parallelism in it
+
+
+def test_a_split_batch_does_not_make_a_tensor_parallel_test_of_a_model_without_tensor_parallelism():
+    model, x = model_and_batch(UNANNOTATED)
+    with pytest.raises(AssertionError) as failure:  # RULES split the batch over "data": not the point
+        assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=RULES)
+    message = str(failure.value)
+    assert message.startswith("assert_sharded_equivalent: 0 of 4 parameters are split over any mesh axis")
+    assert (
+        "only inputs outside Layers (the batch) are split: for a data-parallel test, require_split='batch'"
+        in (message)
+    )
+    with pytest.raises(ValueError, match=r"require_split names logical axis 'mlp', which no input carries"):
+        assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=RULES, require_split="mlp")
     assert_sharded_equivalent(
-        forward, model, x, mesh=MESH, rules=REPLICATED
-    )  # the batch is split: data parallel
+        forward, model, x, mesh=MESH, rules=RULES, require_split="batch"
+    )  # data parallel
+
+
+def test_require_split_names_the_logical_axes_that_must_be_split():
+    model, x = model_and_batch(MEGATRON)
+    assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=RULES, require_split=("batch", "mlp"))
+    narrow = ms.make_mesh({"data": 8, "model": 1})  # "mlp" -> "model", 1 wide: the batch alone is split
+    with pytest.raises(AssertionError) as failure:
+        assert_sharded_equivalent(forward, model, x, mesh=narrow, rules=RULES, require_split=["batch", "mlp"])
+    assert str(failure.value).splitlines()[0] == (
+        "assert_sharded_equivalent: logical axis 'mlp' is split in none of the 3 arrays that carry it, "
+        "on mesh {'data': 8, 'model': 1}: model.inner.layers[0].weight ('embed', 'mlp') -> P(None, 'model'), "
+        "model.inner.layers[0].bias ('mlp',) -> P('model',), "
+        "model.inner.layers[2].weight ('mlp', 'embed') -> P('model', None)"
+    )
+    with pytest.raises(AssertionError, match=r"logical axis 'batch' is split in none of the 1 arrays"):
+        assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=WHOLE_BATCH, require_split="batch")
+
+
+def test_a_function_of_plain_arrays_names_what_must_be_split():
+    def total(x):
+        return jnp.sum(x)
+
+    with pytest.raises(ValueError, match=r"no argument holds a Layer; .* e\.g\. require_split='batch'"):
+        assert_sharded_equivalent(total, np.ones((8, 2), np.float32), mesh=MESH, rules=RULES)
 
 
 def test_inside_hypothesis_an_example_where_nothing_is_split_is_rejected():

@@ -9,7 +9,6 @@ from testing_fixtures import (
     MEGATRON,
     RULES,
     SWAPPED,
-    Residual,
     assert_blocks_as_planned,
     draw_one,
     residual,
@@ -34,7 +33,7 @@ def test_models_come_from_the_users_builder_with_splittable_widths(data):
     mesh = data.draw(meshes(min_sizes={"model": 2}))
     rules = data.draw(axis_rules(mesh=mesh, split=["mlp"]))
     model = data.draw(models(residual_mlp, mesh, rules, fixed={"embed": EMBED}))
-    assert isinstance(model, Residual)
+    assert isinstance(model, ms.Residual)
     assert model.inner[0].in_features == model.inner[2].out_features == EMBED
     arrays = [("embed", "mlp"), ("mlp",), ("mlp", "embed"), ("embed",)]  # the residual MLP's
     hidden, unit = model.inner[0].out_features, width_units(arrays, mesh, rules)["mlp"]

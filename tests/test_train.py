@@ -23,18 +23,15 @@ from test_checkpoint import read_only_directory
 
 import minishard as ms
 from minishard.models.vit import ViT, vit_rules
-from minishard.run.checkpoint import Checkpointer, CheckpointError, saved_steps
+from minishard.pipeline import Pipeline, stacked_mlp
+from minishard.presets import preset_rules
+from minishard.run.checkpoint import Checkpointer, saved_steps
+from minishard.run.compiling import enable_compilation_cache
 from minishard.run.data import Dataset, mnist
-from minishard.run.train import (
-    CheckpointDirError,
-    NonFiniteLossError,
-    ResumeError,
-    check_checkpoint_dir,
-    enable_compilation_cache,
-    fit,
-    make_train_step,
-    microbatched_train_step,
-)
+from minishard.run.errors import CheckpointDirError, CheckpointError, NonFiniteLossError, ResumeError
+from minishard.run.resume import check_checkpoint_dir
+from minishard.run.steps import make_train_step, microbatched_train_step
+from minishard.run.train import first_loss, fit
 
 needs_mnist = pytest.mark.skipif(
     not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "mnist")),
@@ -310,13 +307,13 @@ def losses_per_step(data, mesh_shape, rules, log):
 def test_data_tensor_and_2d_parallel_give_the_same_loss_curve(small_train, tmp_path):
     styles = {
         "2d": ({"data": 2, "model": 4}, MEGATRON_RULES),
-        "data": ({"data": 8, "model": 1}, {**MEGATRON_RULES, "mlp": None}),
-        "tensor": ({"data": 1, "model": 8}, {**MEGATRON_RULES, "batch": None}),
+        "dp": ({"data": 8, "model": 1}, {**MEGATRON_RULES, "mlp": None}),
+        "tp": ({"data": 1, "model": 8}, {**MEGATRON_RULES, "batch": None}),
     }
     curves = {name: losses_per_step(small_train, *style, tmp_path / name) for name, style in styles.items()}
     assert len(curves["2d"]) == small_train.steps_per_epoch == 8
-    np.testing.assert_allclose(curves["data"], curves["2d"], rtol=2e-5)
-    np.testing.assert_allclose(curves["tensor"], curves["2d"], rtol=2e-5)
+    np.testing.assert_allclose(curves["dp"], curves["2d"], rtol=2e-5)
+    np.testing.assert_allclose(curves["tp"], curves["2d"], rtol=2e-5)
 
 
 @needs_mnist
@@ -362,7 +359,11 @@ def test_microbatches_cut_the_temporary_memory_of_a_vit_step():
 @needs_mnist
 def test_non_finite_loss_stops_training_and_names_the_step(small_train):
     exploding = ms.SGD(1e6, momentum=0.9)
-    with pytest.raises(NonFiniteLossError, match=r"loss is (nan|inf) at step \d+ \(epoch 1, batch \d+\)"):
+    # stopped as it diverges (3.1e8 at step 2), before the loss reaches inf or NaN
+    stopped = (
+        r"loss is (nan|inf|[\d.e+]+, over 10,000 times the run's first \([\d.]+\): diverged,) at step \d+ "
+    )
+    with pytest.raises(NonFiniteLossError, match=stopped + r"\(epoch 1, batch \d+\)"):
         fit(
             model_of([784, 64, 10]),
             exploding,
@@ -445,7 +446,8 @@ def test_resume_falls_back_past_a_corrupted_checkpoint_and_says_so(small_train, 
 CACHED_RUN = """
 import sys, jax, numpy as np, minishard as ms
 from minishard.run.data import Dataset
-from minishard.run.train import enable_compilation_cache, fit
+from minishard.run.compiling import enable_compilation_cache
+from minishard.run.train import fit
 enable_compilation_cache(sys.argv[1])
 rng = np.random.default_rng(0)
 images = rng.integers(0, 256, (64, 2, 2, 1), dtype=np.uint8)
@@ -530,7 +532,7 @@ def test_the_vit_resumes_to_bit_identical_parameters(tmp_path):
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (64, 28, 28, 1), dtype=np.uint8)
     data = Dataset(images, np.arange(64) % 10, batch_size=16, flatten=False)
-    run = {"mesh": ms.make_mesh({"data": 8}), "rules": vit_rules("data"), "progress": False, "log": print}
+    run = {"mesh": ms.make_mesh({"data": 8}), "rules": vit_rules("dp"), "progress": False, "log": print}
 
     def train(epochs, **options):
         model = ViT(width=16, depth=1, heads=2, key=jax.random.key(0))
@@ -540,3 +542,128 @@ def test_the_vit_resumes_to_bit_identical_parameters(tmp_path):
     train(1, checkpoint_dir=tmp_path)
     resumed = train(2, checkpoint_dir=tmp_path, resume=True)
     assert_trees_equal(jax.device_get(resumed), jax.device_get(straight))
+
+
+# -- by steps: batches drawn per step (a language model's random windows), records every eval_every steps ----
+class DrawnBatches:
+    """Each step's batch drawn from ``(seed, step)``, as a language model's random windows are: no epochs."""
+
+    steps_per_epoch = None
+
+    def __init__(self, seed: int = 0, batch_size: int = 16):
+        self.seed, self.batch_size = seed, batch_size
+        self.images = np.random.default_rng(0).integers(0, 256, (64, 4)).astype(np.float32) / 255
+
+    def batches(self, start, stop):
+        for step in range(start, stop):
+            rows = np.random.default_rng([self.seed, step]).integers(0, 64, self.batch_size)
+            yield {"image": self.images[rows], "label": self.images[rows].argmax(axis=1).astype(np.int32)}
+
+    @property
+    def data_order(self):
+        return {"seed": self.seed, "batch_size": self.batch_size}
+
+
+def by_steps(directory, steps, lines=None, **options):
+    held_out = Dataset(np.zeros((24, 2, 2, 1), np.uint8), np.zeros(24, np.int32), 8, shuffle=False)
+    return fit(
+        tiny_model(), ms.SGD(0.1, momentum=0.9), DrawnBatches(), steps=steps, eval_every=4,
+        eval_data={"val": held_out}, test_data=held_out, checkpoint_dir=directory,
+        log=(lines if lines is not None else []).append, **options, **MESH_RULES,
+    )  # fmt: skip
+
+
+def test_fit_by_steps_records_every_eval_every_steps_and_tests_after_the_last(tmp_path):
+    lines = []
+    _, _, history = by_steps(tmp_path, 10, lines)
+    assert [(r["step"], r["steps"]) for r in history] == [(4, 4), (8, 4), (10, 2)]  # the last one shorter
+    assert ["val_acc" in r for r in history] == [True] * 3 and ["test_acc" in r for r in history] == [0, 0, 1]
+    records = [line for line in lines if line.startswith("Step ")]
+    assert re.fullmatch(r"Step 4 in [\d.]+ s · loss [\d.]+ · train acc [\d.]+ · val acc [\d.]+", records[0])
+    assert re.search(r"· val acc [\d.]+ · test acc [\d.]+$", records[-1]) and "epoch" not in lines[-1]
+    assert saved_steps(tmp_path) == [4, 8, 10]
+
+
+@pytest.mark.slow  # four short runs, each compiling its steps
+def test_a_run_by_steps_resumes_to_the_parameters_of_a_straight_run(tmp_path):
+    straight, _, _ = by_steps(None, 10)  # no checkpoints: saving costs more than its steps
+    by_steps(tmp_path / "resumed", 6, checkpoint_every=5)  # checkpoints at 4, 5 and 6 (its end)
+    lines = []
+    resumed, _, history = by_steps(tmp_path / "resumed", 10, lines, resume_from=5)
+    assert lines[:2] == [
+        "Resumed from step 5",
+        "The checkpoints of steps 6 come after it: this run replaces them as it saves",
+    ]
+    assert [r["step"] for r in history] == [4, 8, 10] and history[1]["steps"] == 4  # steps 5-8, 5 resumed
+    assert any(line.startswith("discarding checkpoints [6] in") for line in lines)
+    assert saved_steps(tmp_path / "resumed") == [5, 8, 10]
+    assert_trees_equal(resumed, straight)  # every batch a pure function of the step: bit-identical
+    _, _, history = by_steps(tmp_path / "resumed", 14, lines, resume=True)  # on from the end of a run
+    assert [(r["step"], r["steps"]) for r in history] == [(4, 4), (8, 4), (10, 2), (12, 2), (14, 2)]
+    _, _, done = by_steps(tmp_path / "resumed", 14, lines, resume=True)
+    assert lines[-1] == "Nothing to do: the checkpoint of step 14 has trained 14 steps, and steps=14. " \
+        "Ask for more steps to train on." and len(done) == 5  # fmt: skip
+
+
+def test_fit_takes_epochs_or_steps_and_eval_every_only_by_steps():
+    data = tiny_data()
+    cases = [
+        (dict(epochs=1, steps=4), "give epochs or steps, one of them; got epochs=1, steps=4"),
+        ({}, "give epochs or steps"),
+        (dict(epochs=1, eval_every=2), "eval_every is for training by steps"),
+        (dict(steps=0), "steps must be an int >= 1, got 0"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            fit(tiny_model(), ms.SGD(0.1), data, **options, **MESH_RULES)
+    with pytest.raises(ValueError, match=r"has no epochs \(each step draws its own batch\); give steps"):
+        fit(tiny_model(), ms.SGD(0.1), DrawnBatches(), epochs=1, **MESH_RULES)
+
+
+def test_a_finite_divergence_stops_training_as_a_nan_does():
+    """A loss DIVERGED (10,000) times the run's first stops the run, named (measured: 5.5e4, step 4)."""
+    leaps = ms.SGD(lambda step: jnp.where(step >= 2, 1e5, 0.1))  # the 3rd update is far too large
+    with pytest.raises(NonFiniteLossError) as stopped:
+        fit(tiny_model(), leaps, tiny_data(), epochs=3, log=lambda line: None, **MESH_RULES)
+    message = str(stopped.value)
+    assert re.fullmatch(
+        r"loss is [\d.e+]+, over 10,000 times the run's first \(1\.\d+\): diverged, at step \d \(epoch 1, "
+        r"batch \d\)\. Try a smaller --lr\.",
+        message,
+    ), message
+
+
+def test_a_resumed_run_measures_divergence_against_its_historys_first_loss():
+    history = [{"epoch": 1, "loss_curve": []}, {"epoch": 2, "loss_curve": [[40, 2.3], [41, 2.2]]}]
+    assert first_loss(history, 2.9e18) == 2.3 and first_loss([], 1.5) == 1.5
+
+
+def test_a_pipelined_run_resumes_with_other_microbatches(tmp_path):
+    """The microbatches are a schedule, not parameters: changing them on resume keeps the model."""
+    mesh = ms.make_mesh({"data": 4, "stage": 2})
+    rules = preset_rules("dp+pp")
+
+    def piped(m):
+        model = stacked_mlp([4, 8, 8, 8, 4], key=jax.random.key(0))
+        return model.replace(pipeline=Pipeline(mesh, m, data_axis="data"))
+
+    quiet = dict(mesh=mesh, rules=rules, checkpoint_dir=tmp_path, log=lambda line: None, progress=False)
+    fit(piped(2), ms.SGD(0.1), tiny_data(), epochs=1, **quiet)
+    _, _, history = fit(piped(4), ms.SGD(0.1), tiny_data(), epochs=2, resume=True, **quiet)
+    assert [record["epoch"] for record in history] == [1, 2]
+
+
+def test_a_pipelined_checkpoint_saved_with_its_schedule_in_the_signature_resumes(tmp_path):
+    """Before issue 27 the signature held the pipeline: such a checkpoint resumes at its --microbatches."""
+    mesh = ms.make_mesh({"data": 4, "stage": 2})
+    model = stacked_mlp([4, 8, 8, 8, 4], key=jax.random.key(0))
+    model = model.replace(pipeline=Pipeline(mesh, 2, data_axis="data"))
+    quiet = dict(mesh=mesh, rules=preset_rules("dp+pp"), checkpoint_dir=tmp_path, log=lambda line: None)
+    fit(model, ms.SGD(0.1), tiny_data(), epochs=1, progress=False, **quiet)
+    files = [path for path in tmp_path.rglob("*") if path.is_file()]
+    [meta_file] = [path for path in files if '"model"' in path.read_text(errors="ignore")]
+    meta = json.loads(meta_file.read_text())
+    meta["model"] = str(jax.tree_util.tree_structure(model))  # the older form, schedule and all
+    meta_file.write_text(json.dumps(meta))
+    _, _, history = fit(model, ms.SGD(0.1), tiny_data(), epochs=2, resume=True, progress=False, **quiet)
+    assert [record["epoch"] for record in history] == [1, 2]

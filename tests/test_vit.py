@@ -22,7 +22,7 @@ from minishard import pipeline as pp
 from minishard.census import bytes_by_mesh_axes
 from minishard.models.vit import Attention, LayerNorm, PatchEmbedding, ViT, stacked_vit, vit_rules
 from minishard.presets import LOGICAL_AXES, PRESETS, preset, preset_rules
-from minishard.run.train import make_train_step
+from minishard.run.steps import make_train_step
 from minishard.testing import assert_sharded_equivalent, meshes
 
 # Fixed small sizes, so that every hypothesis example reuses the same compiled reference:
@@ -132,8 +132,9 @@ def test_vit_rules_are_the_presets_rules_with_overrides_first():
     assert vit_rules("tp").spec(("batch", "embed", "heads")) == P(None, None, "model")
     assert vit_rules("2d").spec(("batch", "mlp")) == P("data", "model")
     assert vit_rules("2d", embed="model").spec(("embed",)) == P("model")
-    for old, name in (("data", "dp"), ("tensor", "tp")):  # the names vit_rules had before the presets
-        assert vit_rules(old).pairs == preset_rules(name).pairs
+    for old in ("data", "tensor"):  # the names vit_rules had before the presets: one name per style now
+        with pytest.raises(ValueError, match=f"unknown parallel style '{old}'"):
+            vit_rules(old)
     with pytest.raises(ValueError, match="unknown parallel style 'pipeline'; choose from dp, tp, 2d"):
         vit_rules("pipeline")
 
@@ -176,12 +177,14 @@ sgd_step = make_train_step(ms.SGD(0.1))
 @given(st.data())
 def test_sharded_vit_forward_and_sgd_step_equal_the_unsharded_ones(data):
     mesh = data.draw(meshes(), label="mesh")  # 1x8, 2x4, 4x2 or 8x1 over ("data", "model")
-    rules = preset_rules(data.draw(st.sampled_from(PRESETS), label="style"))
+    style = data.draw(st.sampled_from(PRESETS), label="style")
+    rules, split = preset_rules(style), "batch" if style == "dp" else True  # dp splits no parameter
     seed = data.draw(st.integers(0, 3), label="seed")
     model, batch = small_vit(seed), small_batch(seed)
-    assert_sharded_equivalent(forward, model, batch["image"], mesh=mesh, rules=rules, rtol=1e-4, atol=1e-5)
+    options = {"rtol": 1e-4, "atol": 1e-5, "require_split": split}
+    assert_sharded_equivalent(forward, model, batch["image"], mesh=mesh, rules=rules, **options)
     state = ms.SGD(0.1).init(model)
-    assert_sharded_equivalent(sgd_step, model, state, batch, mesh=mesh, rules=rules, rtol=1e-4, atol=1e-5)
+    assert_sharded_equivalent(sgd_step, model, state, batch, mesh=mesh, rules=rules, **options)
 
 
 def renamed_batch_axis(rules, name):
@@ -261,15 +264,16 @@ def test_a_2d_step_has_exactly_the_collectives_the_docstring_predicts(remat):
 @pytest.mark.slow  # two pipelined programs compile
 def test_the_stacked_vit_trains_alike_pipelined_over_data_and_stage_or_data_parallel():
     small = {**SMALL, "depth": 4, "heads": 4}
-    model = stacked_vit(**small, key=jax.random.key(0))
-    assert model.blocks.block.attention.param_logical_axes()["query"] == ("stage", "embed", "heads", "kv")
+    model = numpy_filled(jax.eval_shape(lambda: stacked_vit(**small, key=jax.random.key(0))), seed=0)
+    axes = {leaf.path: leaf.logical_axes for leaf in ms.plan(model, None, preset_rules("dp+pp")).leaves}
+    assert axes["blocks.block.attention.query"] == ("stage", "embed", "heads", "kv")
     batch = {**small_batch(), "image": np.tile(small_batch()["image"], (2, 1, 1, 1))}
     batch["label"] = np.tile(batch["label"], 2)  # 16 examples: 4 microbatches of 4, 2 per data device
     losses = {}
     for style in ("dp", "dp+pp"):
         shape, rules = preset(style, 8)
         mesh = ms.make_mesh(shape)
-        piped = model if style == "dp" else model.replace(schedule=pp.Schedule(mesh, 4, data_axis="data"))
+        piped = model if style == "dp" else model.replace(pipeline=pp.Pipeline(mesh, 4, data_axis="data"))
         step, state = ms.Sharded(mesh, rules)(sgd_step), ms.SGD(0.1).init(piped)
         for _ in range(3):
             piped, state, loss, _ = jax.block_until_ready(step(piped, state, batch))

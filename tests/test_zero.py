@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import minishard as ms
 from minishard.census import collectives
-from minishard.run.train import make_train_step
+from minishard.run.steps import make_train_step
 from minishard.zero import flat_padded, unpadded, zero_train_step
 
 MESH_SHAPE = {"data": 8}
@@ -22,11 +22,11 @@ def random_batch(seed, examples, features, classes):
     return {"image": images, "label": rng.integers(0, classes, examples).astype(np.int32)}
 
 
-def run_both(model, optimizer, batches, stage):
+def run_both(model, optimizer, batches, level):
     """Train the same model with Sharded data parallelism and with ZeRO; return both."""
     mesh = ms.make_mesh(MESH_SHAPE)
     dp = ms.Sharded(mesh, ms.AxisRules(batch="data"))(make_train_step(optimizer))
-    zero = zero_train_step(optimizer, mesh, stage=stage)
+    zero = zero_train_step(optimizer, mesh, level=level)
     expected, expected_state = model, optimizer.init(model)
     got = zero.shard(model)
     state = zero.init(got)
@@ -43,25 +43,25 @@ def run_both(model, optimizer, batches, stage):
 @settings(max_examples=3)
 @given(
     hidden=st.sampled_from([3, 8, 13]),
-    stage=st.sampled_from([2, 3]),
+    level=st.sampled_from([2, 3]),
     momentum=st.sampled_from([0.0, 0.9]),
     seed=st.integers(0, 2**16),
 )
-def test_zero_equals_sharded_data_parallelism_after_several_steps(hidden, stage, momentum, seed):
+def test_zero_equals_sharded_data_parallelism_after_several_steps(hidden, level, momentum, seed):
     model = ms.mlp([5, hidden, 4], key=jax.random.key(seed))
     batches = [random_batch(seed + i, 16, 5, 4) for i in range(3)]
-    expected, got, _ = run_both(model, ms.SGD(0.1, momentum=momentum), batches, stage)
+    expected, got, _ = run_both(model, ms.SGD(0.1, momentum=momentum), batches, level)
     assert jax.tree.structure(got) == jax.tree.structure(expected)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow  # two trainings of two steps, each compiled: ~7 s each here
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_with_a_schedule_matches_and_keeps_the_velocity_split(stage):
+@pytest.mark.parametrize("level", [2, 3])
+def test_zero_with_a_decaying_rate_matches_and_keeps_the_velocity_split(level):
     optimizer = ms.SGD(ms.exponential_decay(0.2, 0.5, 1), momentum=0.9)
     model = ms.mlp([6, 11, 3], key=jax.random.key(1))
-    expected, got, state = run_both(model, optimizer, [random_batch(i, 8, 6, 3) for i in range(2)], stage)
+    expected, got, state = run_both(model, optimizer, [random_batch(i, 8, 6, 3) for i in range(2)], level)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert int(state.step) == 2
@@ -69,15 +69,15 @@ def test_zero_with_a_schedule_matches_and_keeps_the_velocity_split(stage):
     assert velocity.shape == (72,) and velocity.addressable_shards[0].data.shape == (9,)
 
 
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # stage 2: ~9 s here
-def test_zero_sends_the_analytic_minimum(stage):
+@pytest.mark.parametrize("level", [pytest.param(2, marks=pytest.mark.slow), 3])  # level 2: ~9 s here
+def test_zero_sends_the_analytic_minimum(level):
     # The default MNIST MLP: 407,050 float32 parameters. Padded so each splits in 8:
     # (784, 512) 401,408 and (512,) and (512, 10) divide already; (10,) becomes 16.
     model = ms.mlp([784, 512, 10], key=jax.random.key(0))
     padded_bytes = (401_408 + 512 + 5_120 + 16) * 4
     assert padded_bytes == ms.tree.tree_bytes(model) + 6 * 4 == 1_628_224
     optimizer = ms.SGD(0.1, momentum=0.9)
-    step = zero_train_step(optimizer, ms.make_mesh(MESH_SHAPE), stage=stage)
+    step = zero_train_step(optimizer, ms.make_mesh(MESH_SHAPE), level=level)
     placed = step.shard(model)
     found = collectives(step.lower(placed, step.init(placed), random_batch(0, 128, 784, 10)))
     # All-gather: every device ends with every parameter (its result: the whole).
@@ -90,8 +90,8 @@ def test_zero_sends_the_analytic_minimum(stage):
 
 
 def test_zero3_trains_a_model_that_is_not_a_sequential():
-    # Stage 3 gathers a Sequential layer by layer, any other model at once. (The default
-    # ViT was checked the same way by hand: equal after a step at both stages, to 7e-9;
+    # Level 3 gathers a Sequential layer by layer, any other model at once. (The default
+    # ViT was checked the same way by hand: equal after a step at both levels, to 7e-9;
     # as a test it compiles for ~50 s here.)
     model = ms.Linear(6, 3, key=jax.random.key(2))
     expected, got, _ = run_both(model, ms.SGD(0.1, momentum=0.9), [random_batch(0, 8, 6, 3)] * 2, 3)
@@ -103,8 +103,8 @@ def test_flat_padded_round_trips_and_bad_arguments_are_refused():
     x = jnp.arange(10.0).reshape(2, 5)
     assert flat_padded(x, 4).shape == (12,) and jnp.array_equal(unpadded(flat_padded(x, 4), x), x)
     mesh = ms.make_mesh(MESH_SHAPE)
-    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
-        zero_train_step(ms.SGD(0.1), mesh, stage=4)
+    with pytest.raises(ValueError, match="level must be 1, 2 or 3"):
+        zero_train_step(ms.SGD(0.1), mesh, level=4)
     with pytest.raises(ValueError, match="no axis 'model'"):
         zero_train_step(ms.SGD(0.1), mesh, axis="model")
 
@@ -120,10 +120,20 @@ def test_fit_trains_with_a_zero_step_and_resumes_it(tmp_path):
     mesh, model = ms.make_mesh(MESH_SHAPE), ms.mlp([4, 6, 2], key=jax.random.key(0))
     common = dict(mesh=mesh, rules=ms.AxisRules(batch="data"), eval_data=data, log=lambda line: None)
     expected, _, history = fit(model, ms.SGD(0.1, momentum=0.9), data, epochs=2, **common)
-    zero = dict(make_step=lambda opt: zero_train_step(opt, mesh, stage=3), checkpoint_dir=tmp_path)
+    zero = dict(make_step=lambda opt: zero_train_step(opt, mesh, level=3), checkpoint_dir=tmp_path)
     fit(model, ms.SGD(0.1, momentum=0.9), data, epochs=1, **common, **zero)
     got, state, resumed = fit(model, ms.SGD(0.1, momentum=0.9), data, epochs=2, resume=True, **common, **zero)
     assert [r["test_acc"] for r in resumed] == [r["test_acc"] for r in history]
-    assert state.velocity[0].weight.shape == (24,)  # ZeRO's flat blocks: 4 x 6, 3 per device
+    assert state.velocity[0].weight.shape == (24,)  # ZeRO's flat shards: 4 x 6, 3 per device
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):  # whole again, as fit returns it
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_that_does_not_split_over_the_devices_is_named():
+    step = zero_train_step(ms.SGD(0.1), ms.make_mesh(MESH_SHAPE), level=2)
+    model = step.shard(ms.mlp([4, 8, 2], key=jax.random.key(0)))
+    with pytest.raises(
+        ValueError,
+        match=r"^ZeroStep: a batch of 12 examples does not split over the 8 devices of axis 'data'",
+    ):
+        step(model, step.init(model), random_batch(0, 12, 4, 2))

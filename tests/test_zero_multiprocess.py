@@ -21,7 +21,7 @@ import pytest
 from launched import ROOT, fresh_compile_cache, run_launch, synthetic_mnist
 from test_distributed import epoch_lines, logged_losses
 
-from minishard.run import cli
+from minishard.run import cli, data
 
 pytestmark = pytest.mark.usefixtures(fresh_compile_cache.__name__)
 
@@ -82,7 +82,7 @@ def test_psum_scatter_is_exact_across_two_processes_at_every_chunk_size():
 
 @pytest.mark.slow
 def test_two_processes_train_zero_like_one(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(cli.DATASETS, "mnist", synthetic_mnist)
+    monkeypatch.setitem(data.DATASETS, "mnist", synthetic_mnist)
     argv = [*TRAIN_ZERO, "--batch-size", "64", "--epochs", "2"]
     run = run_launch([*argv, "--log", str(tmp_path / "two.jsonl")], timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -1,6 +1,6 @@
 """The residual MLP of docs/testing.md, and the mutations that each assertion must catch.
 
-A user container, ``Residual(inner)``, around a tensor-parallel (Megatron) MLP:
+``minishard.Residual(inner)`` around a tensor-parallel (Megatron) MLP:
 ``x + inner(x)``. ``MUTATIONS`` breaks it in the ways a real model gets broken
 (a swapped or dropped annotation, a rule sending a name to the wrong mesh
 axis, an extra collective, a hand-written ``shard_map`` that reduces with the
@@ -37,37 +37,25 @@ EMBED, HIDDEN, BATCH = 16, 32, 8
 MESH = ms.make_mesh({"data": 2, "model": 4})
 
 
-class Residual(ms.Layer):
-    """``x + inner(x)``: a user's own container. Its one child is a sub-tree, so minishard recurses."""
-
-    param_fields = ("inner",)
-
-    def __init__(self, inner: ms.Layer) -> None:
-        self.inner = inner
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return x + self.inner(x)
-
-
-def residual(widths: Mapping[str, int], axes: list[LogicalAxes]) -> Residual:
+def residual(widths: Mapping[str, int], axes: list[LogicalAxes]) -> ms.Residual:
     inner = ms.mlp([widths["embed"], widths["mlp"], widths["embed"]], key=jax.random.key(0), axes=axes)
-    return Residual(inner)
+    return ms.Residual(inner)
 
 
-def residual_mlp(widths: Mapping[str, int]) -> Residual:
+def residual_mlp(widths: Mapping[str, int]) -> ms.Residual:
     """The builder ``minishard.testing.models`` calls: widths keyed by logical axis."""
     return residual(widths, MEGATRON)
 
 
-def swapped_residual_mlp(widths: Mapping[str, int]) -> Residual:
+def swapped_residual_mlp(widths: Mapping[str, int]) -> ms.Residual:
     return residual(widths, SWAPPED)
 
 
-def forward(model: Residual, x: jax.Array) -> jax.Array:
+def forward(model: ms.Residual, x: jax.Array) -> jax.Array:
     return model(x)
 
 
-def forward_gathering(model: Residual, x: jax.Array) -> jax.Array:
+def forward_gathering(model: ms.Residual, x: jax.Array) -> jax.Array:
     """The same numbers, plus an all-gather: the hidden activations pinned to be replicated."""
     first, activation, second = model.inner
     hidden = jax.lax.with_sharding_constraint(activation(first(x)), NamedSharding(MESH, P()))
@@ -83,7 +71,7 @@ def _megatron_by_hand(reduce: Callable[[jax.Array, str], jax.Array]) -> Callable
 
     specs = (P("data"), P(None, "model"), P("model"), P("model", None), P())
 
-    def by_hand(model: Residual, x: jax.Array) -> jax.Array:
+    def by_hand(model: ms.Residual, x: jax.Array) -> jax.Array:
         first, _, second = model.inner
         run = jax.shard_map(local, mesh=MESH, in_specs=specs, out_specs=P("data"))
         return run(x, first.weight, first.bias, second.weight, second.bias)
@@ -114,7 +102,7 @@ MUTATIONS = {
 }
 
 
-def model_and_batch(axes: list[LogicalAxes], seed: int = 0) -> tuple[Residual, np.ndarray]:
+def model_and_batch(axes: list[LogicalAxes], seed: int = 0) -> tuple[ms.Residual, np.ndarray]:
     """A residual MLP (numpy parameters: nothing compiles) and a batch for it."""
     shapes = jax.eval_shape(lambda: residual({"embed": EMBED, "mlp": HIDDEN}, axes))
     rng = np.random.default_rng(seed)
@@ -155,10 +143,10 @@ def draw_one(strategy: st.SearchStrategy[Any]) -> Any:
 
 
 def assert_blocks_as_planned(tree: Any, placed: Any, mesh: jax.sharding.Mesh, rules: ms.AxisRules) -> None:
-    """Every device holds exactly the block ``plan`` computes for each leaf of ``placed``."""
+    """Every device holds exactly the shard ``plan`` computes for each leaf of ``placed``."""
     leaves = jax.tree_util.tree_leaves_with_path(placed)
     plans = plan(tree, mesh, rules).leaves
     assert [leaf.path for leaf in plans] == [path_str(path) for path, _ in leaves]
     for leaf, (_, array) in zip(plans, leaves, strict=True):
         blocks = [shard.data.shape for shard in array.addressable_shards]
-        assert blocks == [leaf.block_shape] * mesh.size, f"{leaf.path} (spec {leaf.spec})"
+        assert blocks == [leaf.shard_shape] * mesh.size, f"{leaf.path} (spec {leaf.spec})"

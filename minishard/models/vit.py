@@ -10,6 +10,9 @@ The pieces, in the order an image meets them:
 * ``ViT``: a last ``LayerNorm``, ``MeanPool`` (the mean over tokens), a
   ``Linear`` head to the classes.
 
+``LayerNorm``, ``Attention`` and ``Block`` are ``minishard.models.transformer``'s,
+the same the GPT is built from (a ViT's attention is not ``causal``).
+
 Every parameter names its logical axes. Heads are a dimension of their own
 (``query`` is ``[width, heads, head_dim]``, not ``[width, width]``), so a rule
 can split them without any reshaping in the model:
@@ -18,7 +21,7 @@ can split them without any reshaping in the model:
 parameter              logical axes                  the ``2d`` preset
 =====================  ============================  ==========================
 patch projection       ``("patch", "embed")``        replicated
-positions              ``("tokens", "embed")``       replicated
+positions              ``("seq", "embed")``          replicated
 LayerNorm scale, bias  ``("embed",)``                replicated
 query, key, value      ``("embed", "heads", "kv")``  heads over "model"
 attention out          ``("heads", "kv", "embed")``  heads over "model"
@@ -62,7 +65,7 @@ parameters: 1/4 of the attention and MLP weights, all of the rest.
 
 Measured with ``minishard.explain`` (and checked by ``tests/test_vit.py``)
 for the default ``ViT`` (28x28x1 images, patch 7: 16 tokens; width 64, depth 4,
-4 heads of 16, MLP 128) and ``minishard.run.train.make_train_step`` (momentum SGD)
+4 heads of 16, MLP 128) and ``minishard.run.steps.make_train_step`` (momentum SGD)
 at batch 128 with ``preset("2d", 8)`` (data=2 x model=4)::
 
     all-reduce  x17  4.4 MB  over ('data',), ('model',)
@@ -105,14 +108,14 @@ P(None, 'model', None)
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from minishard.constraints import activation_axes, as_activation, output_sharding
-from minishard.layers import Layer, Linear, Sequential, check_input, check_key, mlp
+from minishard.layers import Layer, Linear, Sequential, check_input, check_key
+from minishard.models.transformer import Attention, Block, LayerNorm, apply_blocks
 from minishard.pipeline import Stacked, StackedModel
 from minishard.presets import preset_rules
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes
@@ -121,101 +124,12 @@ from minishard.rules import AxisRules, LogicalAxes, MeshAxes
 def vit_rules(style: str = "2d", **overrides: MeshAxes) -> AxisRules:
     """The rules of the preset ``style`` (``minishard.presets``), ``overrides`` first: they win.
 
-    ``"data"`` and ``"tensor"`` are the older names of ``dp`` and ``tp``.
-
     >>> vit_rules("tp").spec(("embed", "heads", "kv"))   # Megatron: heads over "model"
     P(None, 'model', None)
-    >>> vit_rules("data", heads="data").spec(("embed", "heads", "kv"))   # an override wins
+    >>> vit_rules("dp", heads="data").spec(("embed", "heads", "kv"))   # an override wins
     P(None, 'data', None)
     """
-    return preset_rules({"data": "dp", "tensor": "tp"}.get(style, style), overrides)
-
-
-class LayerNorm(Layer):
-    """Normalise each token's features to mean 0 and variance 1, then scale and shift them.
-
-    The statistics are over the last axis only, so each token (and each
-    example) is normalised on its own: nothing is shared across the batch,
-    which is why a data-parallel LayerNorm needs no communication.
-
-    >>> import jax.numpy as jnp
-    >>> [round(v, 2) for v in LayerNorm(4)(jnp.array([1.0, 2.0, 3.0, 4.0])).tolist()]
-    [-1.34, -0.45, 0.45, 1.34]
-    """
-
-    param_fields = ("scale", "bias")
-    static_fields = ("features", "eps")
-
-    def __init__(self, features: int, *, eps: float = 1e-6) -> None:
-        self.features, self.eps = int(features), float(eps)
-        self.scale, self.bias = jnp.ones(features), jnp.zeros(features)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)
-        axes = activation_axes(jnp.ndim(x), "embed")  # how scale and bias meet x (Explicit mode)
-        scale, bias = as_activation(self.scale, axes), as_activation(self.bias, axes)
-        return (x - mean) * jax.lax.rsqrt(var + self.eps) * scale + bias
-
-    def param_logical_axes(self) -> dict[str, LogicalAxes]:
-        return {"scale": ("embed",), "bias": ("embed",)}
-
-
-class Attention(Layer):
-    """Multi-head self-attention, heads as a dimension of their own.
-
-    ``query``, ``key`` and ``value`` are ``[width, heads, head_dim]``; ``out``
-    is ``[heads, head_dim, width]``. Every einsum keeps ``h`` (heads) as an
-    index until the last one sums over it, so with ``heads -> "model"`` each
-    device computes whole heads alone and only that last sum crosses devices.
-
-    No biases: the LayerNorm before attention shifts its output by a learned
-    ``bias``, and ``bias @ query`` already is a bias of the queries (the same
-    for keys and values); an out bias would only add a constant to the
-    residual stream, as the MLP's biases do.
-
-    >>> import jax, jax.numpy as jnp
-    >>> attention = jax.eval_shape(lambda: Attention(8, 2, key=jax.random.key(0)))  # shapes only
-    >>> x = jax.ShapeDtypeStruct((3, 5, 8), jnp.float32)   # [batch, tokens, width]
-    >>> attention.query.shape, jax.eval_shape(lambda a, x: a(x), attention, x).shape
-    ((8, 2, 4), (3, 5, 8))
-    """
-
-    param_fields = ("query", "key", "value", "out")
-    static_fields = ("width", "heads")
-
-    def __init__(self, width: int, heads: int, *, key: jax.Array) -> None:
-        if width % heads:
-            raise ValueError(f"Attention: width {width} must be a multiple of heads {heads}")
-        check_key("Attention", key)
-        self.width, self.heads = int(width), int(heads)
-        head_dim = width // heads
-        q_key, k_key, v_key, out_key = jax.random.split(key, 4)  # one key per weight
-        normal = jax.random.normal
-        self.query = normal(q_key, (width, heads, head_dim)) / math.sqrt(width)  # fan-in scaling
-        self.key = normal(k_key, (width, heads, head_dim)) / math.sqrt(width)
-        self.value = normal(v_key, (width, heads, head_dim)) / math.sqrt(width)
-        self.out = normal(out_key, (heads, head_dim, width)) / math.sqrt(width)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        # b: batch, t/s: query/key tokens, e: width ("embed"), h: heads, k: head_dim ("kv")
-        # One einsum for q, k and v (c: which of the three), so that in the backward pass the
-        # gradient into x is one sum over (c, h, k): one all-reduce over "model", not three.
-        # On an Explicit mesh, the contractions name their outputs' layouts (output_sharding);
-        # elsewhere output_sharding is None and XLA decides.
-        qkv = jnp.stack([self.query, self.key, self.value])
-        stacked = (None, *activation_axes(4, "heads", "kv"))  # [which of q/k/v, b, t, h, k]
-        q, k, v = jnp.einsum("bte,cehk->cbthk", x, qkv, out_sharding=output_sharding(stacked))
-        logits = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(q.shape[-1])
-        weights = jax.nn.softmax(logits, axis=-1)  # each query's weights over the keys sum to 1
-        mixed = jnp.einsum("bhts,bshk->bthk", weights, v)
-        # The one sum over heads: with heads split, a partial sum per device -> all-reduce.
-        out = output_sharding(activation_axes(3, "embed"))
-        return jnp.einsum("bthk,hke->bte", mixed, self.out, out_sharding=out)
-
-    def param_logical_axes(self) -> dict[str, LogicalAxes]:
-        qkv: LogicalAxes = ("embed", "heads", "kv")
-        return {"query": qkv, "key": qkv, "value": qkv, "out": ("heads", "kv", "embed")}
+    return preset_rules(style, overrides)
 
 
 class PatchEmbedding(Layer):
@@ -271,43 +185,10 @@ class PatchEmbedding(Layer):
             (-1, g * g, p * p * c),
             out_sharding=output_sharding(activation_axes(3)),
         )
-        return self.projection(patches) + as_activation(self.positions, activation_axes(3, "tokens", "embed"))
+        return self.projection(patches) + as_activation(self.positions, activation_axes(3, "seq", "embed"))
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
-        return {"positions": ("tokens", "embed")}  # the projection (a Linear) answers for itself
-
-
-class Block(Layer):
-    """A pre-norm transformer block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``.
-
-    The MLP is ``minishard.mlp`` with Megatron axes ``("embed", "mlp")``,
-    ``("mlp", "embed")``: the hidden units split over "model" like the heads.
-    Pre-norm (normalise the input of each branch, not the sum) keeps the
-    residual path an identity from input to output, which lets deep stacks
-    train with less learning-rate warmup (Xiong et al., 2020).
-    """
-
-    param_fields = ("norm1", "attention", "norm2", "mlp")
-
-    def __init__(self, width: int, heads: int, hidden: int, *, key: jax.Array) -> None:
-        k_attention, k_mlp = jax.random.split(key)
-        self.norm1, self.norm2 = LayerNorm(width), LayerNorm(width)
-        self.attention = Attention(width, heads, key=k_attention)
-        megatron = [("embed", "mlp"), ("mlp", "embed")]
-        self.mlp: Sequential = mlp([width, hidden, width], key=k_mlp, scale=width**-0.5, axes=megatron)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attention(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-def _call_block(block: Block, x: jax.Array) -> jax.Array:
-    """A block as a function of (parameters, input): the form ``jax.checkpoint`` wraps."""
-    return block(x)
-
-
-# Remat: keep nothing from inside a block for the backward pass; recompute it from the block's input.
-_remat_block = jax.checkpoint(_call_block, policy=jax.checkpoint_policies.nothing_saveable)
+        return {"positions": ("seq", "embed")}  # the projection (a Linear) answers for itself
 
 
 class MeanPool(Layer):
@@ -363,10 +244,7 @@ class ViT(Layer):
         self.remat = bool(remat)
 
     def __call__(self, images: jax.Array) -> jax.Array:
-        x = self.embedding(images)
-        call = _remat_block if self.remat else _call_block
-        for block in self.blocks:  # a loop over layers (unrolled by jit), never over examples
-            x = call(block, x)
+        x = apply_blocks(self.blocks, self.embedding(images), remat=self.remat)
         return self.head(self.pool(self.norm(x)))
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:

@@ -16,6 +16,9 @@ A batch is a dict of numpy arrays, ``image`` float32 [B, features] (or
 [B, H, W, C] with ``flatten=False``), ``label`` int32 [B], ``mask`` float32 [B]
 (1.0 real, 0.0 padding). ``to_global`` turns it into sharded ``jax.Array`` s.
 
+Text (``tiny_shakespeare``) is dealt out as windows of characters by a module
+of its own, ``text_data``; both read through ``tfds_reading``.
+
 >>> ds = Dataset(np.zeros((10, 2, 2, 1), np.uint8), np.arange(10), batch_size=4, shuffle=False)
 >>> [batch["mask"].tolist() for batch in ds.epoch(0)]
 [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]]
@@ -23,25 +26,46 @@ A batch is a dict of numpy arrays, ``image`` float32 [B, features] (or
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import glob
+import itertools
 import math
-import os
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
+
+from minishard.run import distributed, tfds_reading
+from minishard.run.tfds_reading import DataError
 
 Batch = dict[str, np.ndarray]
 """``{"image": float32 [B, ...], "label": int32 [B], "mask": float32 [B]}``."""
 
 
-class DataError(RuntimeError):
-    """The data is not where we looked, could not be downloaded, or is damaged; the message says which."""
+class TrainingData(Protocol):
+    """What ``fit`` trains on: the batch of every step a pure function of the data's settings and the step.
+
+    So a run resumed at step ``s`` sees exactly the batches a straight run would.
+    ``Dataset`` deals a split out epoch by epoch (``steps_per_epoch``); a source
+    that draws each step's batch from ``(seed, step)`` has no epochs (None).
+    """
+
+    @property
+    def batch_size(self) -> int: ...  # the global batch
+
+    @property
+    def steps_per_epoch(self) -> int | None: ...  # None: no epochs
+
+    def batches(self, start: int, stop: int) -> Iterator[Batch]: ...  # the batches of steps start .. stop - 1
+
+    @property
+    def data_order(self) -> dict[str, Any]: ...  # what fixes the batches (seed, batch size, ...)
+
+
+class EvalData(Protocol):
+    """What an evaluation reads: epoch 0, every example once, in fixed-shape batches (padding masked)."""
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]: ...
 
 
 class Dataset:
@@ -79,8 +103,7 @@ class Dataset:
         self.drop_remainder = shuffle if drop_remainder is None else drop_remainder
         self.process_index = jax.process_index() if process_index is None else process_index
         self.process_count = jax.process_count() if process_count is None else process_count
-        if batch_size < 1 or batch_size % self.process_count:
-            raise ValueError(f"batch_size {batch_size} must be a multiple of {self.process_count} processes")
+        self.rows = process_rows(batch_size, self.process_index, self.process_count)
         rounding = math.floor if self.drop_remainder else math.ceil
         self.steps_per_epoch = rounding(self.num_examples / batch_size)
         if self.steps_per_epoch == 0:
@@ -111,9 +134,26 @@ class Dataset:
         order = self.order(epoch)[: flat.size]
         flat[: len(order)] = order
         table = flat.reshape(self.steps_per_epoch, self.batch_size)
-        local = self.batch_size // self.process_count
-        columns = slice(self.process_index * local, (self.process_index + 1) * local)
-        return (self._gather(rows) for rows in table[start_batch:, columns])
+        return (self._gather(rows) for rows in table[start_batch:, self.rows])
+
+    def batches(self, start: int, stop: int) -> Iterator[Batch]:
+        """The training batches of steps ``start .. stop - 1``, across epochs: ``TrainingData``.
+
+        Step ``s`` is batch ``s % steps_per_epoch`` of epoch ``s // steps_per_epoch``;
+        a training batch holds ``image`` and ``label`` (training never pads: no mask).
+        """
+        while start < stop:
+            epoch, first = divmod(start, self.steps_per_epoch)
+            count = min(stop - start, self.steps_per_epoch - first)
+            for batch in itertools.islice(self.epoch(epoch, first), count):
+                yield {"image": batch["image"], "label": batch["label"]}
+            start += count
+
+    @property
+    def data_order(self) -> dict[str, int]:
+        """What fixes the examples of batch ``b`` of epoch ``e``: a checkpoint resumes only with the same."""
+        order = {"shuffle_seed": self.shuffle_seed, "batch_size": self.batch_size}
+        return {**order, "examples": self.num_examples}
 
     def _gather(self, rows: np.ndarray) -> Batch:
         mask = rows >= 0
@@ -122,6 +162,18 @@ class Dataset:
         if self.flatten:
             image = image.reshape(len(rows), -1)
         return {"image": image, "label": self.labels[rows], "mask": mask.astype(np.float32)}
+
+
+def process_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+    """This process's rows of every global batch: its contiguous ``batch_size // process_count``.
+
+    >>> process_rows(8, process_index=1, process_count=2)
+    slice(4, 8, None)
+    """
+    if batch_size < 1 or batch_size % process_count:
+        raise ValueError(f"batch_size {batch_size} must be a multiple of {process_count} processes")
+    local = batch_size // process_count
+    return slice(process_index * local, (process_index + 1) * local)
 
 
 def to_global(
@@ -139,57 +191,45 @@ def to_global(
     return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in chosen.items()}
 
 
-# -- reading through TFDS ------------------------------------------------------
-@functools.cache
-def _tensorflow() -> tuple[Any, Any]:
-    """Import TF and TFDS on first use: ``import minishard`` stays fast without them."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # C++ log noise; read at import
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # its banner ignores the line above
-    try:
-        import tensorflow as tf
-        import tensorflow_datasets as tfds
-        from absl import logging as absl_logging
-    except ImportError as err:
-        raise ImportError(f"{err.name} is missing: pip install 'minishard[data]'") from None
-    # TF only reads files: accelerators stay JAX's. (If the caller already
-    # started TF, this raises RuntimeError and the caller's choice stands.)
-    with contextlib.suppress(RuntimeError):
-        tf.config.set_visible_devices([], "GPU")
-    absl_logging.set_verbosity(absl_logging.ERROR)
-    tf.get_logger().setLevel("ERROR")
-    tfds.disable_progress_bar()
-    return tf, tfds
+def check_batch_split(sharding: jax.sharding.Sharding, batch_size: int) -> None:
+    """Fail unless process ``p`` holds rows ``[p * B/N, (p+1) * B/N)`` of a global batch.
+
+    That is what ``Dataset`` gives each process, and what ``to_global``
+    (``jax.make_array_from_process_local_data``) assumes. It holds when the
+    mesh's batch axis comes first and is a multiple of the process count,
+    e.g. ``data=2,model=4`` on 2 processes of 4 devices; ``model=4,data=2`` or
+    ``data=1,model=8`` would give each process the *whole* batch to supply.
+
+    >>> mesh = jax.make_mesh((8,), ("data",), devices=jax.devices())
+    >>> check_batch_split(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")), 64)
+    """
+    count = jax.process_count()
+    if count == 1:
+        return
+    local = batch_size // count
+    rows: dict[int, set[int]] = {}
+    for device, index in sharding.devices_indices_map((batch_size,)).items():
+        process = device.process_index  # type: ignore[attr-defined]  # jaxlib's Device has it, its stub not
+        rows.setdefault(process, set()).update(range(batch_size)[index[0]])
+    for process, held in sorted(rows.items()):
+        if held != set(range(process * local, (process + 1) * local)):
+            first, last = min(held), max(held)
+            raise distributed.DistributedError(
+                f"process {process}'s devices hold rows {first}..{last} ({len(held)} rows) of each "
+                f"batch of {batch_size}, but each of the {count} processes reads its own {local} rows: "
+                "put the batch (data) axis first in --mesh and make it a multiple of the process count"
+            )
 
 
+# -- images through TFDS (``tfds_reading``) -------------------------------------
 def _read(
     name: str, split: str, prepare: Callable[[Any], Any], data_dir: str | None, download: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """``tfds.load`` one split and pull it into numpy: (uint8 images, labels)."""
-    tf, tfds = _tensorflow()
-    # TFDS's own rule, resolved here so an error can say where it looked.
-    if data_dir is None:
-        data_dir = os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
-    try:
-        ds = tfds.load(name, split=split, as_supervised=True, data_dir=data_dir, download=download)
-    except Exception as err:  # TF's own error is a page of traceback: say it in two lines
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        how = "and downloading it failed" if download else "and download=False"
-        raise DataError(
-            f"{name!r} split {split!r} is not prepared in {data_dir} {how}: {reason}\n"
-            "Point at a prepared directory with --data-dir DIR or TFDS_DATA_DIR=DIR."
-        ) from None
+    tf, _ = tfds_reading.tensorflow()
+    ds, data_dir = tfds_reading.load(name, split, data_dir, download, as_supervised=True)
     ds = ds.map(lambda image, label: (prepare(image), label), num_parallel_calls=tf.data.AUTOTUNE)
-    try:
-        chunks = list(tfds.as_numpy(ds.batch(8192).prefetch(tf.data.AUTOTUNE)))
-    except tf.errors.OpError as err:  # a truncated or damaged record file
-        reason = re.sub(r"\{\{.*?\}\}|\[Op:.*", "", err.message).strip(" '\n")  # drop TF's op names
-        files = sorted(glob.glob(os.path.join(data_dir, name, "*", f"{name}-{split.split('[')[0]}.*")))
-        raise DataError(
-            f"{name!r} split {split!r} in {data_dir} cannot be read ({type(err).__name__}: {reason}) "
-            f"from {', '.join(files) or 'its record files'}\n"
-            f"Re-prepare it: delete {os.path.join(data_dir, name)} and run again with downloads allowed "
-            "(or copy a good prepared directory there)."
-        ) from None
+    chunks = tfds_reading.pull(ds.batch(8192).prefetch(tf.data.AUTOTUNE), name, split, data_dir)
     return np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks])
 
 
@@ -255,7 +295,7 @@ def cats_vs_dogs(split: str, batch_size: int, **options: Any) -> Dataset:
     Resizing gives float pixels; they are rounded back to uint8 so 23,262
     images take 2.8 GB in memory instead of 11 GB (an error under 0.002).
     """
-    tf, _ = _tensorflow()
+    tf, _ = tfds_reading.tensorflow()
 
     def resize(image: Any) -> Any:
         return tf.saturate_cast(tf.round(tf.image.resize(image, (200, 200))), tf.uint8)
@@ -289,10 +329,13 @@ __all__ = [
     "DATASETS",
     "DATASET_INFO",
     "Batch",
-    "DataError",
     "Dataset",
     "DatasetInfo",
+    "EvalData",
+    "TrainingData",
     "cats_vs_dogs",
+    "check_batch_split",
     "mnist",
+    "process_rows",
     "to_global",
 ]

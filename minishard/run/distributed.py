@@ -36,15 +36,20 @@ coordinator that never answers makes JAX *abort* the process (a C++
 ``LOG(FATAL)`` after ``initialization_timeout``), with a stack trace instead of
 an error naming the address; (3) on CPU the processes need a collectives
 library (gloo) to talk, which is a config flag set before the backend starts.
+And after it: (4) JAX's coordination client takes SIGTERM for a preemption
+notice (it logs "SIGTERM caught" and runs on, until SIGKILL), so ``initialize``
+gives SIGTERM back its default: the process ends at once, even while it waits
+in a collective for a peer that died. A checkpoint it was writing is never
+half there: saves are renamed into place only when complete.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -88,22 +93,10 @@ def detect(
     Reads the environment only: JAX's backend does not start, so the CLI can
     check flags (is the batch divisible by the process count?) before any work.
     """
-    env = os.environ if environ is None else environ
-    slurm = _slurm(env)
-    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
-    jax_env = {
-        "coordinator": env.get("JAX_COORDINATOR_ADDRESS") or None,
-        "num_processes": _int_var(env, "JAX_NUM_PROCESSES"),
-        "process_id": _int_var(env, "JAX_PROCESS_ID"),
-    }
-    values: dict[str, Any] = {}
-    sources = []
-    for name in given:
-        for source, candidates in (("flags", given), ("JAX_* variables", jax_env), ("SLURM", slurm)):
-            if candidates.get(name) is not None:
-                values[name] = candidates[name]
-                sources.append(source)
-                break
+    values, sources = _first_match(
+        {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id},
+        os.environ if environ is None else environ,
+    )
     count = values.get("num_processes")
     if count is None and values:  # half a description is a mistake, not a single process
         raise DistributedError(
@@ -116,12 +109,39 @@ def detect(
         if values.get("process_id", 0) != 0:
             raise DistributedError(f"process id {values['process_id']} is outside 0..0 for 1 process")
         return Cluster(None, 1, 0, "single process")
+    address, rank = _place(values, count)
+    return Cluster(
+        address, count, rank, "+".join(s for s in ("flags", "JAX_* variables", "SLURM") if s in sources)
+    )
+
+
+def _first_match(given: dict[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """Each of the three numbers from the flags, else JAX's variables, else SLURM's; and where from."""
+    jax_env = {
+        "coordinator": env.get("JAX_COORDINATOR_ADDRESS") or None,
+        "num_processes": _int_var(env, "JAX_NUM_PROCESSES"),
+        "process_id": _int_var(env, "JAX_PROCESS_ID"),
+    }
+    slurm = _slurm(env)
+    values: dict[str, Any] = {}
+    sources = []
+    for name in given:
+        for source, candidates in (("flags", given), ("JAX_* variables", jax_env), ("SLURM", slurm)):
+            if candidates.get(name) is not None:
+                values[name] = candidates[name]
+                sources.append(source)
+                break
+    return values, sources
+
+
+def _place(values: dict[str, Any], count: int) -> tuple[str, int]:
+    """The coordinator's address and this process's id in a run of ``count`` processes, both checked."""
     if (address := values.get("coordinator")) is None:
         raise DistributedError(
             f"{count} processes, but no coordinator: give --coordinator HOST:PORT "
             "(or JAX_COORDINATOR_ADDRESS), the address of process 0"
         )
-    _split_address(address)
+    split_address(address)
     if (rank := values.get("process_id")) is None:
         raise DistributedError(
             f"{count} processes, but no process id: give each process its own --process-id "
@@ -129,9 +149,7 @@ def detect(
         )
     if not 0 <= rank < count:
         raise DistributedError(f"process id {rank} is outside 0..{count - 1} for {count} processes")
-    return Cluster(
-        address, count, rank, "+".join(s for s in ("flags", "JAX_* variables", "SLURM") if s in sources)
-    )
+    return address, rank
 
 
 def initialize(
@@ -168,6 +186,14 @@ def initialize(
         _check_port_free(cluster.coordinator)  # process 0 *hosts* the service on this port
     else:
         _wait_for_coordinator(cluster, deadline, timeout)
+    _connect(cluster, deadline)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not JAX's preemption notice: see (4) above
+    _leave_on_uncaught_exception()
+    return cluster
+
+
+def _connect(cluster: Cluster, deadline: float) -> None:
+    """``jax.distributed.initialize`` with the three numbers found, watched until ``deadline``."""
     with _watchdog(cluster, deadline):
         jax.distributed.initialize(
             coordinator_address=cluster.coordinator,
@@ -178,8 +204,6 @@ def initialize(
             # We found all three numbers: no auto-detection (on SLURM it would pin one GPU per process).
             cluster_detection_method="deactivate",
         )
-    _leave_on_uncaught_exception()
-    return cluster
 
 
 def leave(status: int) -> int:
@@ -230,62 +254,6 @@ def print_on_main_only() -> Iterator[None]:
         yield
 
 
-def check_batch_split(sharding: jax.sharding.Sharding, batch_size: int) -> None:
-    """Fail unless process ``p`` holds rows ``[p * B/N, (p+1) * B/N)`` of a global batch.
-
-    That is what ``Dataset`` gives each process, and what ``to_global``
-    (``jax.make_array_from_process_local_data``) assumes. It holds when the
-    mesh's batch axis comes first and is a multiple of the process count,
-    e.g. ``data=2,model=4`` on 2 processes of 4 devices; ``model=4,data=2`` or
-    ``data=1,model=8`` would give each process the *whole* batch to supply.
-
-    >>> mesh = jax.make_mesh((8,), ("data",), devices=jax.devices())
-    >>> check_batch_split(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")), 64)
-    """
-    count = jax.process_count()
-    if count == 1:
-        return
-    local = batch_size // count
-    rows: dict[int, set[int]] = {}
-    for device, index in sharding.devices_indices_map((batch_size,)).items():
-        process = device.process_index  # type: ignore[attr-defined]  # jaxlib's Device has it, its stub not
-        rows.setdefault(process, set()).update(range(batch_size)[index[0]])
-    for process, held in sorted(rows.items()):
-        if held != set(range(process * local, (process + 1) * local)):
-            first, last = min(held), max(held)
-            raise DistributedError(
-                f"process {process}'s devices hold rows {first}..{last} ({len(held)} rows) of each "
-                f"batch of {batch_size}, but each of the {count} processes reads its own {local} rows: "
-                "put the batch (data) axis first in --mesh and make it a multiple of the process count"
-            )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of a multi-process run; each defaults to the environment (see ``detect``)."""
-    group = parser.add_argument_group(
-        "multi-process run", "one process per host; see docs/multihost.md (default: the environment)"
-    )
-    group.add_argument(
-        "--coordinator",
-        metavar="HOST:PORT",
-        type=_address_arg,
-        help="process 0's address (default: $JAX_COORDINATOR_ADDRESS, or SLURM's first node)",
-    )
-    group.add_argument(
-        "--num-processes", metavar="N", type=_int_arg(1), help="processes in the run ($JAX_NUM_PROCESSES)"
-    )
-    group.add_argument(
-        "--process-id", metavar="I", type=_int_arg(0), help="this process, 0..N-1 ($JAX_PROCESS_ID)"
-    )
-    group.add_argument(
-        "--init-timeout",
-        metavar="SECONDS",
-        type=_seconds_arg,
-        default=DEFAULT_TIMEOUT,
-        help="wait this long for the coordinator and every process (default %(default)s)",
-    )
-
-
 # --- the details -----------------------------------------------------------------------
 
 
@@ -325,43 +293,21 @@ def first_host(nodelist: str) -> str:
     return prefix + (first_index or "")
 
 
-def _split_address(address: str) -> tuple[str, int]:
+def split_address(address: str) -> tuple[str, int]:
+    """``"10.0.0.1:1234"`` -> ``("10.0.0.1", 1234)``; what is not HOST:PORT is a ``DistributedError``.
+
+    >>> split_address("[::1]:1234")
+    ('::1', 1234)
+    """
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise DistributedError(f"coordinator {address!r} is not HOST:PORT (like 10.0.0.1:1234)")
     return host.strip("[]"), int(port)  # "[::1]:1234" -> ("::1", 1234)
 
 
-def _address_arg(text: str) -> str:
-    try:
-        _split_address(text)
-    except DistributedError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _int_arg(least: int) -> Any:
-    def parse(text: str) -> int:
-        if not text.lstrip("-").isdigit() or int(text) < least:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}")
-        return int(text)
-
-    return parse
-
-
-def _seconds_arg(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return seconds
-
-
 def _reachable(address: str) -> bool:
     try:
-        with socket.create_connection(_split_address(address), timeout=1.0):
+        with socket.create_connection(split_address(address), timeout=1.0):
             return True
     except OSError:
         return False
@@ -381,7 +327,7 @@ def _wait_for_coordinator(cluster: Cluster, deadline: float, timeout: float) -> 
 
 
 def _check_port_free(address: str) -> None:
-    _, port = _split_address(address)
+    _, port = split_address(address)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover is fine
         try:
@@ -426,12 +372,11 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "Cluster",
     "DistributedError",
-    "add_arguments",
-    "check_batch_split",
     "detect",
     "first_host",
     "initialize",
     "is_main_process",
     "leave",
     "print_on_main_only",
+    "split_address",
 ]

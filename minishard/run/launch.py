@@ -53,6 +53,12 @@ POLL_SECONDS = 0.05
 GLOO_CONNECTED = re.compile(r"(\[Gloo\] Rank )*(\d+ )?is connected to \d+ peer ranks\. Expected .* is : \d+")
 """gloo's "peers connected" notice: printed (by C++, to stdout) per process and per device group,
 sometimes two threads' copies interleaved. It says that all is well; the launcher drops it."""
+RUNTIME_LOG = re.compile(
+    r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] .*|\[Gloo\].*|\*\*\* .*|\s+@\s+0x.*"
+)
+"""A line of the C++ runtime's own log (glog's ``F1202 12:00:00.123  99 file.cc:42] ...``: the
+coordination service, gRPC, Gloo; its stack dumps): what a peer prints as it is torn down after
+another rank failed, and what the launcher then keeps out of the user's view (counted, once)."""
 
 
 EXAMPLE = "example: minishard launch -n 2 --devices-per-process 4 -- train --mesh data=2,model=4"
@@ -177,6 +183,7 @@ class Launch:
         self.processes: list[subprocess.Popen[bytes]] = []
         self.relays: list[threading.Thread] = []
         self.lock = threading.Lock()  # one line at a time on our stdout/stderr
+        self.dropped: dict[int, int] = {}  # rank -> runtime lines of its teardown kept out of view
         self.signalled: int | None = None
 
     def run(self) -> int:
@@ -234,6 +241,7 @@ class Launch:
         if running := sum(process.poll() is None for process in self.processes):
             self._say(f"launch: rank {rank} {_describe(code)}; stopping the other {running} process(es)")
         self._stop(signal.SIGTERM, wait=self.grace)
+        self._say_dropped()
         self._say(f"launch: the run failed: rank {rank} {_describe(code)}")
         return code if code > 0 else 128 - code  # killed by signal S: the shell's 128 + S
 
@@ -246,6 +254,7 @@ class Launch:
         )
         self._say(f"launch: {name}: stopping {which}")
         self._stop(signum, wait=self.grace)
+        self._say_dropped()
         return 128 + signum
 
     def _stop(self, signum: int, wait: float) -> None:
@@ -278,8 +287,24 @@ class Launch:
             text = line.decode(errors="replace").rstrip("\n")
             if GLOO_CONNECTED.fullmatch(text):
                 continue
+            if RUNTIME_LOG.fullmatch(text) and self._torn_down(rank):
+                with self.lock:
+                    self.dropped[rank] = self.dropped.get(rank, 0) + 1
+                continue
             with self.lock:
                 print(f"[rank {rank}] {text}", file=out, flush=True)
+
+    def _say_dropped(self) -> None:
+        """One line for what each rank's teardown printed that the launcher kept out of view."""
+        for relay in self.relays:
+            relay.join(timeout=1.0)  # the streams end with their processes: read to the end
+        for rank, lines in sorted(self.dropped.items()):
+            self._say(f"launch: rank {rank}'s teardown: {lines} line(s) of the runtime's log not shown")
+
+    def _torn_down(self, rank: int) -> bool:
+        """Is ``rank`` being stopped because of another: a signal to the launcher, or a peer that failed?"""
+        others = [process for r, process in enumerate(self.processes) if r != rank]
+        return self.signalled is not None or any(process.poll() not in (None, 0) for process in others)
 
     def _say(self, line: str) -> None:
         with self.lock:

@@ -1,5 +1,6 @@
 """Drawing an ``explain`` report: a rich table, HTML for notebooks, a picture of the blocks;
-and the picture of ``minishard.costs.compare``: compute against communication per layout.
+the picture of ``minishard.costs.compare``: compute against communication per layout; and
+a training run's history (``plot_history``): its loss, its metrics and its learning rate.
 
 ``minishard.explain`` builds the report and prints it as text; how it looks
 anywhere else is the workshop's business, kept here so the textbook stays about
@@ -126,19 +127,19 @@ def _flat_spec(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:
 
 
 def plot_comparison(comparison: Comparison, path: str) -> None:
-    """Save a horizontal bar chart: per layout, the compute the communication can hide behind
+    """Save a horizontal bar chart: per candidate, the compute the communication can hide behind
     (2/3 of the step's FLOPs) and the communication, on a log scale; the fastest on top."""
     import matplotlib  # an optional extra: imported only to draw
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    layouts = [layout for layout in comparison.layouts if layout.cost is not None][::-1]
-    names = [f"{layout.style} {'x'.join(map(str, layout.mesh.values()))}" for layout in layouts]
-    hidden = [layout.cost.overlap * layout.cost.compute_s * 1e6 for layout in layouts if layout.cost]
-    comms = [layout.cost.comm_s * 1e6 for layout in layouts if layout.cost]
-    fig, ax = plt.subplots(figsize=(6.4, 0.32 * len(layouts) + 1.6))
-    rows = range(len(layouts))
+    candidates = [c for c in comparison.candidates if c.cost is not None][::-1]
+    names = [f"{c.style} {'x'.join(map(str, c.mesh.values()))}" for c in candidates]
+    hidden = [c.cost.overlap * c.cost.compute_s * 1e6 for c in candidates if c.cost]
+    comms = [c.cost.comm_s * 1e6 for c in candidates if c.cost]
+    fig, ax = plt.subplots(figsize=(6.4, 0.32 * len(candidates) + 1.6))
+    rows = range(len(candidates))
     ax.barh([r + 0.2 for r in rows], hidden, height=0.4, label="backward-pass compute (µs)", color="tab:blue")
     ax.barh([r - 0.2 for r in rows], comms, height=0.4, label="communication (µs)", color="tab:orange")
     ax.set(yticks=list(rows), yticklabels=names, xscale="log", xlabel="µs per step, predicted")
@@ -149,4 +150,57 @@ def plot_comparison(comparison: Comparison, path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["device_blocks", "plot_comparison", "plot_report", "report_html", "rich_table", "show"]
+BOOKKEEPING = ("epoch", "step", "seconds", "steps", "loss_curve")
+"""The fields of a ``fit`` record that are not metrics."""
+TITLES = {"loss": "loss", "acc": "accuracy"}
+
+
+def plot_history(history: list[dict[str, Any]], path: str, learning_rate: Any = None) -> None:
+    """One panel per measure (the loss first: every logged step and each record's values; then each
+    metric, in training and in evaluation), and the learning rate, against epochs or steps (matplotlib)."""
+    import matplotlib  # an optional extra: imported only to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    unit = "epoch" if "epoch" in history[-1] else "step"
+    per_epoch = history[-1]["steps"] if unit == "epoch" else 1  # the curve and the rate are per step
+    names = list(dict.fromkeys(name for record in history for name in record if name not in BOOKKEEPING))
+    measures = sorted({_measure(name) for name in names}, key="loss".__ne__)
+    fig, axes = plt.subplots(1, len(measures) + 1, figsize=(4.3 * (len(measures) + 1), 3.5))
+    curve = [point for record in history for point in record.get("loss_curve", [])]
+    axes[0].plot([step / per_epoch for step, _ in curve], [value for _, value in curve], lw=1)
+    for ax, measure in zip(axes, measures):
+        for name in (name for name in names if _measure(name) == measure):
+            records = [record for record in history if name in record]
+            label = f"train, per {unit}" if name == "loss" else name.split("_")[0]
+            ax.plot([r[unit] for r in records], [r[name] for r in records], marker="o", label=label)
+        ax.set(title=TITLES.get(measure, measure), xlabel=unit)
+        ax.legend()
+    axes[0].set(yscale="log")
+    if callable(learning_rate):
+        end = history[-1][unit] * per_epoch
+        steps = list(range(0, end + 1, max(1, end // 100)))
+        axes[-1].plot(
+            [step / per_epoch for step in steps], [float(learning_rate(np.asarray(step))) for step in steps]
+        )
+    axes[-1].set(title="learning rate", xlabel=unit)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _measure(name: str) -> str:
+    """``"val_loss"`` -> ``"loss"``, ``"train_acc"`` -> ``"acc"``, ``"loss"`` -> ``"loss"``."""
+    return name.split("_", 1)[-1]
+
+
+__all__ = [
+    "device_blocks",
+    "plot_comparison",
+    "plot_history",
+    "plot_report",
+    "report_html",
+    "rich_table",
+    "show",
+]

@@ -14,7 +14,8 @@ a model with its two Megatron halves swapped computes exactly the same thing,
 only slower. The second and third can, because they compare with what you
 intended rather than with what the library derived from the same annotations.
 And none of them tests anything where nothing is split: ``assert_split`` says
-that something is, and ``assert_sharded_equivalent`` asks it first.
+that something is, and ``assert_sharded_equivalent`` asks first that the model's
+parameters are (or the logical axes you name: ``require_split="batch"``).
 
 These are properties, so they are tested best on many random cases, drawn by
 hypothesis strategies that keep the number of compiled programs small.
@@ -25,8 +26,12 @@ hypothesis strategies that keep the number of compiled programs small.
 * ``assertions.py``: ``assert_sharded_equivalent``, ``assert_split``, ``assert_layout``;
 * ``budgets.py``: ``Limit``, ``assert_collectives``, ``data_parallel_limits``, ``megatron_limits``;
 * ``profiles.py``: the ``"minishard"`` hypothesis profiles (``register_profiles``);
-* ``pipelines.py``: ``schedules`` that fit a stacked model, ``assert_pipeline_equivalent``
-  (pipelined == sequential, forward and gradients; a leaking bubble is named).
+* ``pipelines.py``: ``pipelines`` that fit a stacked model, ``assert_pipeline_equivalent``
+  (pipelined == sequential, forward and gradients; a leaking bubble is named);
+* ``attention.py``: ``sequence_layouts`` (meshes, layouts, shapes), ``assert_attention_equivalent``
+  (a context-parallel attention == attention on one device; the first wrong token is named);
+* ``experts.py``: ``moes``, ``expert_parallels``, ``moe_reference`` (a mixture of experts as a
+  loop over tokens) and ``assert_moe_equivalent`` (by hand over a mesh == one device).
 
 hypothesis is a development dependency (``pip install hypothesis``), so
 ``import minishard`` never imports this package; import it yourself.
@@ -42,9 +47,11 @@ except ImportError as error:  # only the tests need hypothesis, so minishard doe
     ) from error
 
 from minishard.testing.assertions import Layout, assert_layout, assert_sharded_equivalent, assert_split
+from minishard.testing.attention import SequenceLayout, assert_attention_equivalent, sequence_layouts
 from minishard.testing.budgets import Limit, assert_collectives, data_parallel_limits, megatron_limits
 from minishard.testing.builders import LINEAR_AXES, mlps, models
-from minishard.testing.pipelines import assert_pipeline_equivalent, schedules
+from minishard.testing.experts import assert_moe_equivalent, expert_parallels, moe_reference, moes
+from minishard.testing.pipelines import assert_pipeline_equivalent, pipelines
 from minishard.testing.profiles import register_profiles
 from minishard.testing.strategies import (
     DEFAULT_CHOICES,
@@ -67,8 +74,11 @@ __all__ = [
     "MULTIPLES",
     "Layout",
     "Limit",
+    "SequenceLayout",
+    "assert_attention_equivalent",
     "assert_collectives",
     "assert_layout",
+    "assert_moe_equivalent",
     "assert_pipeline_equivalent",
     "assert_sharded_equivalent",
     "assert_split",
@@ -76,13 +86,17 @@ __all__ = [
     "batch_sizes",
     "batches",
     "data_parallel_limits",
+    "expert_parallels",
     "megatron_limits",
     "meshes",
     "mlps",
     "models",
+    "moe_reference",
+    "moes",
     "register_profiles",
-    "schedules",
+    "pipelines",
     "seeds",
+    "sequence_layouts",
     "split_counts",
     "splittable_widths",
     "width_units",

@@ -28,7 +28,7 @@ from minishard.rules import (
     as_mesh_axes,
     split_count,
 )
-from minishard.sharding import Sharded, plan
+from minishard.sharding import LeafPlan, Sharded, plan
 from minishard.testing._cache import cached
 from minishard.tree import path_str
 
@@ -44,7 +44,7 @@ def assert_sharded_equivalent(
     reference: Callable[..., Any] | None = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
-    require_split: bool = True,
+    require_split: bool | str | Sequence[str] = True,
 ) -> Any:
     """Run ``fn`` unsharded and sharded; outputs must agree and be laid out as declared.
 
@@ -64,10 +64,22 @@ def assert_sharded_equivalent(
     that is ``assert_layout``'s job.
 
     With nothing split, both runs are the same program and the test passes
-    vacuously; so first (``require_split``) at least one input must be split
-    over a mesh axis wider than 1, as ``assert_split`` says. Inside a
-    hypothesis test such an example is rejected instead (``hypothesis.reject``):
-    hypothesis draws another, and says so if it finds none.
+    vacuously. So first the split the test is about must happen, as
+    ``require_split`` says:
+
+    * ``True`` (the default): the model's. At least one *parameter* (an array
+      inside a Layer) is split over a mesh axis wider than 1; a split batch
+      does not count, so a tensor-parallel test of a model that the rules
+      leave whole fails, even on a mesh whose "data" axis splits the batch;
+    * logical axes, ``"mlp"`` or ``("batch", "mlp")``: each is split, in some
+      input array that carries it, into more than one piece. The batch's
+      leading dimension carries the batch axis (``"batch"``, or
+      ``batch_axis``), so ``require_split="batch"`` is a data-parallel test;
+    * ``False``: nothing is asked.
+
+    Inside a hypothesis test an example that fails this is rejected instead
+    (``hypothesis.reject``): hypothesis draws another, and says so if it finds
+    none. A logical axis that no input carries is a typo: ``ValueError``.
 
     >>> import jax, jax.numpy as jnp
     >>> from minishard import AxisRules, make_mesh, mlp
@@ -78,12 +90,14 @@ def assert_sharded_equivalent(
     ...     return model(x)
     >>> assert_sharded_equivalent(forward, model, jnp.ones((4, 8)), mesh=mesh, rules=rules).shape
     (4, 4)
+    >>> y = assert_sharded_equivalent(
+    ...     forward, model, jnp.ones((4, 8)), mesh=mesh, rules=rules, require_split="mlp")
     """
     sharded = _sharded(fn, mesh, rules, batch_axis)
     specs = sharded.specs(*args)
-    if require_split and (vacuous := _split_failure(_by_argument(fn, specs.inputs), mesh, (), 1)):
+    if require_split is not False and (vacuous := _not_split(fn, args, sharded.config, require_split)):
         if hypothesis.currently_in_test_context():
-            hypothesis.event("assert_sharded_equivalent: nothing split, example rejected")
+            hypothesis.event("assert_sharded_equivalent: not split as require_split asks, example rejected")
             hypothesis.reject()
         raise AssertionError(f"assert_sharded_equivalent: {vacuous}\n(require_split=False to run it anyway)")
     # jax.block_until_ready after each run: dispatching sharded programs back to
@@ -113,17 +127,72 @@ def _sharded(fn: Callable[..., Any], mesh: Mesh, rules: AxisRules | None, batch_
     return Sharded(mesh, rules, batch_axis)(fn)
 
 
-def _by_argument(fn: Callable[..., Any], inputs: Sequence[Any]) -> dict[str, PartitionSpec]:
-    """``{"model.layers[0].weight": spec, "x": spec}``: the input specs, named by ``fn``'s parameters."""
+def _not_split(
+    fn: Callable[..., Any], args: tuple[Any, ...], config: Sharded, required: bool | str | Sequence[str]
+) -> str | None:
+    """Why the inputs are not split as ``required`` says (``require_split``), or None if they are."""
+    named = dict(zip(_argument_names(fn, len(args)), args))  # paths read "model.layers[0].weight", "x"
+
+    def batch_layout(leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:  # Sharded's, the batch axis named
+        axes, spec = config.batch_layout(leaf)
+        return ((config.batch_axis, *axes[1:]) if axes else axes), spec
+
+    inputs = plan(named, config.mesh, config.rules, batch_layout).leaves
+    if not isinstance(required, bool):  # logical axes (False never gets here)
+        return _axes_not_split(
+            inputs, (required,) if isinstance(required, str) else tuple(required), config.mesh
+        )
+    parameters = {leaf.path for leaf in plan(named, config.mesh, config.rules, lambda leaf: None).leaves}
+    if not parameters:
+        raise ValueError(
+            "assert_sharded_equivalent: require_split=True asks that a parameter be split, but no "
+            "argument holds a Layer; name the logical axes that must be split, e.g. "
+            f"require_split={config.batch_axis!r}"
+        )
+    specs = {leaf.path: leaf.spec for leaf in inputs if leaf.path in parameters}
+    if (failure := _split_failure(specs, config.mesh, (), 1, "parameters")) is None:
+        return None
+    others = {leaf.path: leaf.spec for leaf in inputs if leaf.path not in parameters}
+    if _split_failure(others, config.mesh, (), 1) is None:  # only the batch is split
+        failure += (
+            "\n  only inputs outside Layers (the batch) are split: for a data-parallel test, "
+            f"require_split={config.batch_axis!r}"
+        )
+    return failure
+
+
+def _axes_not_split(leaves: Sequence[LeafPlan], names: tuple[str, ...], mesh: AnyMesh) -> str | None:
+    """Why some of these logical axes split no dimension that carries them; one none carries is refused."""
+    carried = sorted({axis for leaf in leaves for axis in leaf.logical_axes if axis is not None})
+    if unknown := [name for name in names if name not in carried]:
+        raise ValueError(
+            f"assert_sharded_equivalent: require_split names logical axis {unknown[0]!r}, which no input "
+            f"carries; the inputs' logical axes are {carried}"
+        )
+    failures = []
+    for name in names:
+        carriers = [leaf for leaf in leaves if name in leaf.logical_axes]
+        ways = [
+            split_count(mesh, _padded(leaf.spec, len(leaf.shape))[leaf.logical_axes.index(name)])
+            for leaf in carriers
+        ]
+        if max(ways) == 1:
+            listed = _listed([f"{leaf.path} {leaf.logical_axes} -> {leaf.spec}" for leaf in carriers])
+            failures.append(
+                f"logical axis {name!r} is split in none of the {len(carriers)} arrays that carry it, "
+                f"on mesh {dict(mesh.shape)}: {listed}"
+            )
+    return "\n".join(failures) or None
+
+
+def _argument_names(fn: Callable[..., Any], count: int) -> list[str]:
+    """``fn``'s positional parameter names for ``count`` arguments; ``args[i]`` past what it names."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         params = []
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][: len(inputs)]
-    names += [f"args[{i}]" for i in range(len(names), len(inputs))]
-    return {
-        path_str(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(dict(zip(names, inputs)))
-    }
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:count]
+    return names + [f"args[{i}]" for i in range(len(names), count)]
 
 
 # --- at least something split ----------------------------------------------------
@@ -180,7 +249,11 @@ def _specs(tree: Any, mesh: Mesh, rules: AxisRules | None) -> dict[str, Partitio
 
 
 def _split_failure(
-    specs: Mapping[str, PartitionSpec], mesh: AnyMesh, over: tuple[str, ...], at_least: int
+    specs: Mapping[str, PartitionSpec],
+    mesh: AnyMesh,
+    over: tuple[str, ...],
+    at_least: int,
+    what: str = "arrays",
 ) -> str | None:
     """Why fewer than ``at_least`` of these specs split over ``over`` (``()``: any axis), or None."""
     wide = {axis for axis, size in mesh.shape.items() if size > 1}
@@ -197,7 +270,7 @@ def _split_failure(
     narrow = [axis for axis in over if axis not in wide]
     why = f" (mesh axis {narrow[0]!r} is 1 wide: nothing can be split over it)" if narrow else ""
     return (
-        f"{len(split)} of {len(specs)} arrays are split {where} on mesh {dict(mesh.shape)}{why}; "
+        f"{len(split)} of {len(specs)} {what} are split {where} on mesh {dict(mesh.shape)}{why}; "
         f"at least {at_least} must be\n  split: {_listed(split)}\n  not split: {_listed(whole)}"
     )
 
@@ -276,9 +349,8 @@ def assert_layout(tree: Any, mesh: Mesh, expected: Any, *, rules: AxisRules | No
 
 def _expected_by_path(tree: Any, expected: Any) -> dict[str, Any]:
     """``{path: layout}`` from either form of ``expected``."""
-    if isinstance(expected, Mapping) and all(
-        isinstance(key, str) and (value is None or isinstance(value, PartitionSpec | tuple))
-        for key, value in expected.items()
+    if isinstance(expected, Mapping) and all(  # paths to layouts; a bad layout is named by its path
+        isinstance(key, str) and not isinstance(value, Mapping | list) for key, value in expected.items()
     ):
         return dict(expected)
     treedef: Any = jax.tree_util.tree_structure(tree)

@@ -1,4 +1,8 @@
-"""The accelerators ``minishard.costs`` prices a step on, each number with its source.
+"""The accelerators ``minishard.costs`` prices a step on: what a chip offers, each number with its source.
+
+A table of data, and the one rule of its links: over how many devices a
+collective runs at which bandwidth W (``Hardware.bandwidth``), which every
+formula of ``minishard.costs`` divides by.
 
 Sources. TPUs: the scaling book's TPU chapter (jax-ml/scaling-book, ``tpus.md``):
 its chip table (HBM capacity and bandwidth, bf16 FLOP/s) and its ICI table
@@ -38,10 +42,15 @@ class Hardware:
     node: int | None = None
     scale_out: float | None = None
 
-    def bandwidth(self, devices: int, axes: int = 1) -> float:
-        """W over ``devices`` spanning ``axes`` mesh axes (a torus gets one link per axis)."""
+    def bandwidth(self, devices: int, n_axes: int = 1) -> float:
+        """W over ``devices`` spanning ``n_axes`` mesh axes: a torus gets one link per axis; a switch
+        gives each GPU its NVLink egress, and beyond a node of ``node`` GPUs the scale-out network's.
+
+        >>> HARDWARE["v5p"].bandwidth(16, n_axes=2), HARDWARE["h100"].bandwidth(16)
+        (360000000000.0, 400000000000.0)
+        """
         if self.topology == "torus":
-            return self.link_bandwidth * axes
+            return self.link_bandwidth * n_axes
         beyond_node = self.node is not None and devices > self.node and self.scale_out is not None
         return self.scale_out if beyond_node else self.link_bandwidth  # type: ignore[return-value]
 

@@ -1,7 +1,11 @@
 """1F1B, one forward and one backward per tick, written by hand: an appendix to ``minishard.pipeline``.
 
-Nothing in the package imports this file (tests and docs/pipeline.md do); it
-builds on the chapter's ``slot``, ``run_blocks`` and ``split_microbatches``.
+GPipe (``jax.grad`` of ``run_pipeline``) keeps every microbatch's activations until
+its backward loop starts; 1F1B starts a microbatch's backward pass as soon as it
+leaves the last stage, so a stage holds at most ``2p`` of them, however many
+microbatches there are. Read it after the chapter: it builds on its ``slot``,
+``run_blocks`` and ``split_microbatches``, and nothing in the package imports it
+(tests/test_pipeline.py checks its memory; docs/pipeline.md measures it).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from minishard.pipeline import Schedule, Stacked, run_blocks, slot, split_microbatches
+from minishard import _checks
+from minishard.pipeline import Pipeline, Stacked, run_blocks, slot, split_microbatches
 
 
-def one_f_one_b(blocks: Stacked, x: jax.Array, targets: jax.Array, loss_fn: Any, plan: Schedule) -> Any:
+def one_f_one_b(blocks: Stacked, x: jax.Array, targets: jax.Array, loss_fn: Any, pipeline: Pipeline) -> Any:
     """``(loss, grads of blocks, grad of x)`` of ``mean(loss_fn(blocks(x), targets))``, scheduled 1F1B.
 
     ``jax.grad`` of ``run_pipeline`` is GPipe: the backward loop is the transpose of the
@@ -26,11 +31,13 @@ def one_f_one_b(blocks: Stacked, x: jax.Array, targets: jax.Array, loss_fn: Any,
     saves the inputs of at most ``2p`` microbatches, however large ``m``. No "data"
     axis, no repeats: the smallest version that shows the memory.
     """
-    p, m, axis = plan.stages, plan.microbatches, plan.stage_axis
-    if plan.data_axis or plan.repeats != 1 or blocks.n % p:
+    _checks.instance("one_f_one_b: blocks", blocks, Stacked, "stack them: Stacked(make_block, n, key=key)")
+    p, m, axis = pipeline.stages, pipeline.microbatches, pipeline.stage_axis
+    _checks.pipeline_batch("one_f_one_b", x, pipeline)
+    if pipeline.data_axis or pipeline.repeats != 1 or blocks.n % p:
         raise ValueError("one_f_one_b: one data replica, no repeats, blocks divisible by stages")
     loop = functools.partial(_one_f_one_b_loop, loss_fn=loss_fn, p=p, m=m, axis=axis)
-    run = jax.shard_map(loop, mesh=plan.mesh, in_specs=(P(axis), P(), P()), out_specs=(P(), P(axis), P()))
+    run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=(P(axis), P(), P()), out_specs=(P(), P(axis), P()))
     loss, grads, x_grads = run(blocks.block, split_microbatches(x, m), split_microbatches(targets, m))
     return loss, blocks.replace(block=grads), x_grads.swapaxes(0, 1).reshape(x.shape)
 

@@ -1,0 +1,318 @@
+"""Context parallelism by hand: ring attention, its backward ring, and the zig-zag balance.
+
+A long context splits the *sequence*: each device holds a chunk of every activation's
+tokens. What a transformer does token by token (Linears, LayerNorms, the MLP) runs on each
+device alone; attention cannot, since every query needs every key. In a ring, queries stay
+and keys and values travel, one ``ppermute`` per step, inside ``jax.shard_map``. In three
+steps, each checked against ``attention`` on one device (``minishard.sequence`` has the
+other ways: all-gather, all-to-all, and Megatron's sequence parallelism):
+
+1. **Attention in pieces.** ``attend`` queries over some keys; ``merge`` two such
+   partial softmaxes through their log-sum-exp: the online softmax, across devices.
+2. **Where the chunks live.** In order, or zig-zag (device i holds chunks i and 2p-1-i
+   of 2p); ``slot`` says which chunk pairs a device meets at each step, ``kind``
+   whether a pair is computed, masked (the diagonal) or skipped (all in the future).
+3. **The ring.** ``ring_attention``, p steps; its ``jax.custom_vjp`` sends K, V and their
+   gradients round again, so the backward pass keeps one chunk per device, whatever p.
+
+>>> balance(p=4, layout="in-order"), balance(p=4, layout="zigzag")   # slowest device / mean
+(1.6, 1.0)
+>>> positions(seq_len=8, p=2, layout="zigzag").tolist()   # device 0 holds chunks 0 and 3 of 4
+[0, 1, 6, 7, 2, 3, 4, 5]
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from minishard import _checks
+
+CHUNKS = {"in-order": 1, "zigzag": 2}
+"""The layouts of a sequence over the devices, and how many chunks each device holds."""
+MASK_VALUE = float(jnp.finfo(jnp.float32).min)  # a masked score: weight exp(MASK_VALUE - lse) is 0, no NaN
+Partial = tuple[jax.Array, jax.Array]  # (out, lse): attention over some of the keys
+
+# --- 1. attention in pieces: the online softmax ------------------------------------
+
+
+def visible(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """The causal mask, ``[queries, keys]``: a query sees the keys at its position or before."""
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def scores(q: jax.Array, k: jax.Array, q_pos: Any, k_pos: Any, causal: bool) -> jax.Array:
+    """``q·k / sqrt(head_dim)`` per ``[batch, query, head, key]`` in float32; causal: the future masked."""
+    s = jnp.einsum("bqhd,bkhd->bqhk", q.astype(jnp.float32), k.astype(jnp.float32)) * q.shape[-1] ** -0.5
+    return jnp.where(visible(q_pos, k_pos)[None, :, None, :], s, MASK_VALUE) if causal else s
+
+
+def attend(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, *, causal: bool = False) -> Partial:
+    """Attention of the queries over *these* keys only: ``(out [b, q, h, d], lse [b, q, h])``, float32.
+
+    ``lse``, the log of the softmax's denominator, is all a later ``merge`` needs of the scores.
+    """
+    s = scores(q, k, q_pos, k_pos, causal)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    return jnp.einsum("bqhk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32)), lse
+
+
+def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) -> Partial:
+    """Two attentions of the same queries over disjoint keys, as one over all of them.
+
+    Part i is normalised by its own denominator ``e^lse_i``; the whole one's is their
+    sum, ``e^lse = e^lse1 + e^lse2``, so part i weighs ``e^(lse_i - lse)``.
+
+    >>> q = k = v = jnp.eye(4)[None, :, None, :]    # 4 tokens, 1 head of 4 features
+    >>> at = jnp.arange(4)
+    >>> left, right = attend(q, k[:, :2], v[:, :2], at, at[:2]), attend(q, k[:, 2:], v[:, 2:], at, at[2:])
+    >>> bool(jnp.allclose(merge(*left, *right)[0], attend(q, k, v, at, at)[0]))
+    True
+    """
+    lse = jnp.logaddexp(lse1, lse2)
+    return jnp.exp(lse1 - lse)[..., None] * out1 + jnp.exp(lse2 - lse)[..., None] * out2, lse
+
+
+def attention(q: Any, k: Any, v: Any, *, causal: bool = False, positions: Any = None) -> jax.Array:
+    """Softmax attention on one device, ``[batch, seq, heads, head_dim]``, the tokens at ``positions``
+    (by default ``0, 1, ...``): the oracle for the rest."""
+    at = jnp.arange(q.shape[1]) if positions is None else positions
+    return attend(q, k, v, at, at, causal=causal)[0].astype(q.dtype)
+
+
+# --- 2. where the chunks live, and what each step computes --------------------------
+
+
+def chunks(device: Any, p: int, layout: str = "in-order") -> tuple[Any, ...]:
+    """The sequence chunks ``device`` holds (ints or traced): in order, chunk ``device`` of
+    ``p``; zig-zag, chunks ``device`` and ``2p-1-device`` of ``2p``, one from each end."""
+    return (device,) if layout == "in-order" else (device, 2 * p - 1 - device)
+
+
+def slot(device: Any, step: Any, p: int, layout: str = "in-order") -> tuple[Any, Any]:
+    """At ``step`` of the ring: the chunks of ``device``'s queries, and of the K and V passing by,
+    which move one device on per step: at step s, device d holds device (d - s)'s.
+
+    >>> slot(device=1, step=1, p=4, layout="zigzag")   # its own chunks 1 and 6; device 0's 0 and 7
+    ((1, 6), (0, 7))
+    """
+    return chunks(device, p, layout), chunks((device - step) % p, p, layout)
+
+
+def needed(q_chunk: Any, k_chunk: Any, causal: bool) -> Any:
+    """A chunk pair is computed unless the mask is causal and all its keys are in the future."""
+    return k_chunk <= q_chunk if causal else True
+
+
+def kind(q_chunk: int, k_chunk: int, causal: bool = True) -> str:
+    """``"computed"``, ``"masked"`` (the diagonal: half of it is in the future) or ``"skipped"``."""
+    if not needed(q_chunk, k_chunk, causal):
+        return "skipped"
+    return "masked" if causal and q_chunk == k_chunk else "computed"
+
+
+def schedule(p: int, layout: str = "in-order", causal: bool = True) -> list[list[tuple[str, ...]]]:
+    """Per device, per step: the ``kind`` of each pair of ``slot``, query chunks major.
+
+    >>> schedule(p=2, layout="zigzag")[1]   # device 1 (chunks 1, 2): step 0 its own, step 1 device 0's
+    [('masked', 'skipped', 'computed', 'masked'), ('computed', 'skipped', 'computed', 'skipped')]
+    """
+
+    def cell(device: int, step: int) -> tuple[str, ...]:
+        mine, theirs = slot(device, step, p, layout)
+        return tuple(kind(q, k, causal) for q in mine for k in theirs)
+
+    return [[cell(d, s) for s in range(p)] for d in range(p)]
+
+
+def balance(p: int, layout: str = "in-order", causal: bool = True) -> float:
+    """The slowest device's work over the mean, counting the pairs it computes or masks (a masked
+    pair costs a computed one: the mask comes after the matmul). In order, device i works at
+    i + 1 steps: 2p/(p+1); zig-zag, every device at 2p + 1 pairs: 1."""
+    work = [sum(k != "skipped" for cell in row for k in cell) for row in schedule(p, layout, causal)]
+    return max(work) / (sum(work) / p)
+
+
+def span(chunk: Any, size: int) -> jax.Array:
+    """The positions of the ``size`` tokens of chunk number ``chunk``."""
+    return chunk * size + jnp.arange(size)
+
+
+def positions(seq_len: int, p: int, layout: str = "in-order", device: Any = None) -> jax.Array:
+    """The positions of the tokens ``device`` holds (by default all devices', in turn), as held.
+
+    Position embeddings and the causal mask must read these: under zig-zag, tokens are out of order.
+    """
+    _checks.sequence_layout(seq_len, p, layout, CHUNKS)
+    size, devices = seq_len // (p * CHUNKS[layout]), range(p) if device is None else [device]
+    return jnp.concatenate([span(c, size) for d in devices for c in chunks(d, p, layout)])
+
+
+def permute(x: jax.Array, p: int, layout: str, *, axis: int = 1, inverse: bool = False) -> jax.Array:
+    """``x``'s sequence (dimension ``axis``) reordered as the devices hold it; ``inverse``: back again."""
+    order = positions(x.shape[axis], p, layout)
+    return jnp.take(x, jnp.argsort(order) if inverse else order, axis=axis)
+
+
+# --- 3. the ring -------------------------------------------------------------------
+
+
+def ring(p: int) -> list[tuple[int, int]]:
+    """The ``ppermute`` pairs (source, target) of a ring: each device sends to the next."""
+    return [(d, (d + 1) % p) for d in range(p)]
+
+
+def _when(run: Any, fn: Callable[..., Any], kept: Any, *operands: Any) -> Any:
+    """``fn(kept, *operands)`` if ``run``, else ``kept``: a ``lax.cond``, so a skipped pair costs nothing."""
+    if run is True:
+        return fn(kept, *operands)
+    return jax.lax.cond(run, fn, lambda kept, *_: kept, kept, *operands)
+
+
+def _pairs(mine: Any, theirs: Any, size: int, causal: bool) -> Any:
+    """A step's pairs: (query chunk index, key chunk index, needed?, the two chunks' positions)."""
+    for a, b in itertools.product(range(len(mine)), range(len(theirs))):
+        yield a, b, needed(mine[a], theirs[b], causal), span(mine[a], size), span(theirs[b], size)
+
+
+def _visit(acc: Any, qs: Any, kv: Any, mine: Any, theirs: Any, causal: bool) -> Any:
+    """One step: each needed pair attended and merged into its query chunk's running result."""
+
+    def merged(running: Partial, *pair: Any) -> Partial:
+        return merge(*running, *attend(*pair, causal=causal))
+
+    acc = list(acc)
+    ks, vs = (jnp.split(x, len(theirs), axis=1) for x in kv)
+    for a, b, run, *at in _pairs(mine, theirs, qs[0].shape[1], causal):
+        acc[a] = _when(run, merged, acc[a], qs[a], ks[b], vs[b], *at)
+    return tuple(acc)
+
+
+def ring_forward(q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, layout: str = "in-order") -> Any:
+    """The ring's forward pass, inside ``shard_map``: ``(out, lse)`` of this device's queries, float32.
+
+    p steps, each attending and merging the needed pairs of ``slot``. The next step's K and V
+    leave *before* this step's work, so a GPU or TPU can hide the transfer behind it; the last
+    step sends nothing: 2(p-1) collective-permutes. ``jax.grad`` can differentiate this as it
+    is, and then keeps every step's K, V and scores.
+    """
+    _checks.context_inputs("ring_attention", q, k, v, axis, layout, CHUNKS)
+    p, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    qs = jnp.split(q, CHUNKS[layout], axis=1)
+    acc = tuple((jnp.zeros_like(x, jnp.float32), jnp.full_like(x[..., 0], -jnp.inf, jnp.float32)) for x in qs)
+
+    def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
+        acc, kv = carry
+        passed = jax.lax.ppermute(kv, axis, ring(p))  # sent now, used at the next step
+        return (_visit(acc, qs, kv, *slot(me, s, p, layout), causal), passed), None
+
+    (acc, kv), _ = jax.lax.scan(step, (acc, (k, v)), jnp.arange(p - 1))
+    acc = _visit(acc, qs, kv, *slot(me, p - 1, p, layout), causal)
+    return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*acc))
+
+
+def attend_grads(q: Any, k: Any, v: Any, g: Any, lse: Any, delta: Any, *at: Any) -> Any:
+    """One pair's share of ``(dq, dk, dv)``, from the *final* ``lse``: its softmax recomputed, not kept.
+
+    ``w = exp(s - lse)`` are the whole softmax's weights for these keys (``at``: positions, causal);
+    with ``delta = sum(g * out)``, ``ds = w (g·v - delta)`` is the gradient of the scores.
+    """
+    w = jnp.exp(scores(q, k, *at) - lse[..., None])
+    ds = w * (jnp.einsum("bqhd,bkhd->bqhk", g, v.astype(jnp.float32)) - delta[..., None])
+    ds = ds * q.shape[-1] ** -0.5
+    dq = jnp.einsum("bqhk,bkhd->bqhd", ds, k.astype(jnp.float32))
+    return dq, jnp.einsum("bqhk,bqhd->bkhd", ds, q.astype(jnp.float32)), jnp.einsum("bqhk,bqhd->bkhd", w, g)
+
+
+def _visit_grads(dqs: Any, dkv: Any, rows: Any, kv: Any, mine: Any, theirs: Any, causal: bool) -> Any:
+    """A backward step: each needed pair adds to its dq (kept) and dk, dv (travelling with k, v)."""
+
+    def added(grads: Any, *pair: Any) -> Any:
+        return tuple(a + b for a, b in zip(grads, attend_grads(*pair, causal)))
+
+    dqs = list(dqs)
+    ks, vs, dks, dvs = (jnp.split(x, len(theirs), axis=1) for x in (*kv, *dkv))
+    for a, b, run, *at in _pairs(mine, theirs, rows[0][0].shape[1], causal):
+        q, *rest = rows[a]  # the queries, and their g, lse and delta
+        dqs[a], dks[b], dvs[b] = _when(run, added, (dqs[a], dks[b], dvs[b]), q, ks[b], vs[b], *rest, *at)
+    return tuple(dqs), (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
+
+
+def _ring_bwd(axis: str, causal: bool, layout: str, residuals: Any, g: jax.Array) -> Any:
+    """The backward ring: K, V and their gradients travel together; dK and dV are home after p sends."""
+    q, k, v, out, lse = residuals
+    p, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    g = g.astype(jnp.float32)
+    rows = list(zip(*(jnp.split(x, CHUNKS[layout], axis=1) for x in (q, g, lse, jnp.sum(g * out, -1)))))
+    dqs = tuple(jnp.zeros_like(row[0], jnp.float32) for row in rows)
+    dkv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
+
+    def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
+        dqs, kv, dkv = carry
+        passed = jax.lax.ppermute(kv, axis, ring(p))  # K and V, sent before this step's work
+        dqs, dkv = _visit_grads(dqs, dkv, rows, kv, *slot(me, s, p, layout), causal)
+        return (dqs, passed, jax.lax.ppermute(dkv, axis, ring(p))), None
+
+    (dqs, kv, dkv), _ = jax.lax.scan(step, (dqs, (k, v), dkv), jnp.arange(p - 1))
+    dqs, dkv = _visit_grads(dqs, dkv, rows, kv, *slot(me, p - 1, p, layout), causal)
+    dk, dv = jax.lax.ppermute(dkv, axis, ring(p))  # the last step's gradients, home
+    return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _ring_fwd(q: Any, k: Any, v: Any, axis: str, causal: bool, layout: str) -> Any:
+    out, lse = ring_forward(q, k, v, axis=axis, causal=causal, layout=layout)
+    return out.astype(q.dtype), (q, k, v, out, lse)  # one chunk of each: flat in p
+
+
+_ring = jax.custom_vjp(lambda *args: _ring_fwd(*args)[0], nondiff_argnums=(3, 4, 5))
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(
+    q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, layout: str = "in-order"
+) -> Any:
+    """Attention of this device's queries over the whole sequence, inside ``shard_map`` over ``axis``.
+
+    ``q, k, v``: this device's ``[batch, seq / p, heads, head_dim]``, its chunks of
+    ``layout``. The forward pass is ``ring_forward``; the backward pass keeps only
+    ``q, k, v, out, lse`` and sends K, V, dK, dV round the ring again.
+
+    >>> import functools, minishard as ms
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = ms.make_mesh({"seq": 4}, devices=jax.devices()[:4])
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 16, 2, 8))   # 16 tokens, 4 per device
+    >>> ring = jax.shard_map(functools.partial(ring_attention, axis="seq", causal=True), mesh=mesh,
+    ...                      in_specs=P(None, "seq"), out_specs=P(None, "seq"))
+    >>> float(jnp.abs(ring(q, k, v) - attention(q, k, v, causal=True)).max()) < 1e-5
+    True
+    """
+    return _ring(q, k, v, axis, causal, layout)
+
+
+__all__ = [
+    "CHUNKS",
+    "MASK_VALUE",
+    "Partial",
+    "attend",
+    "attend_grads",
+    "attention",
+    "balance",
+    "chunks",
+    "kind",
+    "merge",
+    "needed",
+    "permute",
+    "positions",
+    "ring",
+    "ring_attention",
+    "ring_forward",
+    "schedule",
+    "scores",
+    "slot",
+    "span",
+    "visible",
+]

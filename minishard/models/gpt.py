@@ -1,0 +1,373 @@
+"""A GPT written as minishard Layers: characters in, the next character's logits out.
+
+A decoder-only transformer, nanoGPT's shape (``karpathy/nanoGPT``, ``model.py``):
+
+* ``Embedding``: each character id looks up a learned vector (``tokens``,
+  ``[vocab, width]``) and each position another (``positions``,
+  ``[context, width]``); their sum is the token's first state ``[B, T, width]``;
+* ``Block`` (``depth`` of them, ``minishard.models.transformer``, the ViT's own):
+  ``x + Attention(LayerNorm(x))``, causal, then ``x + MLP(LayerNorm(x))``;
+* ``GPT``: a last ``LayerNorm``, then a ``Linear`` head to ``vocab`` logits.
+
+The head is **not tied** to the token table (nanoGPT ties them). Tying saves
+``vocab x width`` numbers (65 x 128 here, 1% of the model) but makes one
+parameter live at both ends of the model: a pipeline holds the embedding on
+its first stage and the head on its last, and the two would have to meet
+every step. Untied, ``stacked_gpt`` is the same function of the same
+parameters, and each table names its own axes: ``("vocab", "embed")`` for the
+lookup, ``("embed", "vocab")`` for the head. No preset splits ``"vocab"`` (65
+characters do not divide), so under ``tp`` the head stays whole and the
+Megatron splits are the heads and the MLP's hidden units, as in the ViT.
+
+=====================  ============================  =========================
+parameter              logical axes                  the ``tp`` preset
+=====================  ============================  =========================
+token table            ``("vocab", "embed")``        replicated
+position table         ``("seq", "embed")``          replicated
+LayerNorm scale, bias  ``("embed",)``                replicated
+query, key, value      ``("embed", "heads", "kv")``  heads over "model"
+attention out          ``("heads", "kv", "embed")``  heads over "model"
+MLP in, out            ``("embed", "mlp")``, back    hidden units over "model"
+head                   ``("embed", "vocab")``        replicated
+MoE experts            ``("expert", "embed", ...)``  over "expert" (``ep``)
+=====================  ============================  =========================
+
+Under context parallelism (``cp``, ``dp+cp``: ``core="ring"``) the loss deals each batch out
+zig-zag over the devices of "context" (``in_sequence_layout``) and the blocks attend by ring
+attention; ``docs/context.md`` measures it against ``dp``.
+
+``GPT(mlp=moe_mlp(8, k=2))`` makes every MLP a mixture of experts
+(``minishard.experts``): ``routed`` returns the logits and the blocks'
+``MoEStats`` added up, and ``next_token_loss`` adds their auxiliary losses.
+
+Decoding keeps a ``KVCache`` per block (``init_cache``): ``decode`` runs only
+the new tokens through the blocks, each attending to the cached keys and
+values of every earlier one, and ``generate`` / ``sample`` draw a
+continuation one character at a time with a jitted step that donates the
+cache, so XLA updates it in place.
+
+>>> import jax
+>>> model = jax.eval_shape(lambda: GPT(key=jax.random.key(0)))   # nanoGPT's CPU shape, no numbers drawn
+>>> len(model.blocks), model.embedding.tokens.shape, model.head.weight.shape
+(4, (65, 128), (128, 65))
+>>> ids = jax.ShapeDtypeStruct((2, 64), jax.numpy.int32)
+>>> jax.eval_shape(lambda m, ids: m(ids), model, ids).shape   # a distribution per position
+(2, 64, 65)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minishard.constraints import activation_axes, as_activation, output_sharding
+from minishard.context import positions as held_positions
+from minishard.experts import MoE, MoEStats
+from minishard.layers import Layer, Linear, Sequential, check_input, check_key
+from minishard.losses import accuracy, cross_entropy, one_hot
+from minishard.models.transformer import (
+    SEQUENCE_LAYOUT,
+    Block,
+    KVCache,
+    LayerNorm,
+    MLPBuilder,
+    dense_mlp,
+    routed_blocks,
+    sequence_axis,
+)
+from minishard.pipeline import Stacked, StackedModel, microbatched
+from minishard.rules import LogicalAxes
+
+if TYPE_CHECKING:
+    from minishard.optim import SGD, AdamW
+    from minishard.run.text_data import Vocabulary
+
+Batch = dict[str, jax.Array]
+"""``{"inputs": int32 [B, T], "targets": int32 [B, T]}`` (``minishard.run.text_data.TextDataset``)."""
+
+
+class Embedding(Layer):
+    """``[B, T]`` character ids -> ``[B, T, width]``: a learned vector per character plus one per position.
+
+    Attention itself ignores order; the ``positions`` table is how a token
+    knows where it stands. It is read at the tokens' *positions* (``0 .. T - 1``
+    unless given), so a cache or a reordered sequence finds the right rows.
+
+    >>> import jax, jax.numpy as jnp
+    >>> embed = Embedding(vocab=5, context=8, width=3, key=jax.random.key(0))
+    >>> x = embed(jnp.array([[1, 4]]))
+    >>> bool(jnp.allclose(x[0, 1], embed.tokens[4] + embed.positions[1]))
+    True
+    """
+
+    param_fields = ("tokens", "positions")
+
+    def __init__(self, vocab: int, context: int, width: int, *, key: jax.Array) -> None:
+        check_key("Embedding", key)
+        k_tokens, k_positions = jax.random.split(key)
+        # Standard normal, as large as what the blocks add to the residual stream at first.
+        self.tokens = jax.random.normal(k_tokens, (vocab, width))
+        self.positions = jax.random.normal(k_positions, (context, width))
+
+    def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        check_input("Embedding", ids)
+        context = self.positions.shape[0]
+        if jnp.ndim(ids) != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] > context:
+            raise ValueError(
+                f"Embedding expects character ids [B, T] (integers, T <= context {context}), got "
+                f"{ids.dtype}{list(jnp.shape(ids))}"
+            )
+        positions = jnp.arange(ids.shape[1]) if positions is None else positions
+        axes = activation_axes(3, "seq", "embed")  # where the tables' rows land (Explicit mode)
+        tokens, table = as_activation(self.tokens, axes), as_activation(self.positions, axes)
+        # A gather; on an Explicit mesh it names its output's layout, elsewhere None: XLA decides.
+        return tokens.at[ids].get(out_sharding=output_sharding(axes)) + table[positions]
+
+    def param_logical_axes(self) -> dict[str, LogicalAxes]:
+        return {"tokens": ("vocab", "embed"), "positions": ("seq", "embed")}
+
+
+class GPT(Layer):
+    """A decoder-only transformer: ``[B, T]`` character ids -> ``[B, T, vocab]`` next-character logits.
+
+    The defaults are nanoGPT's CPU configuration (``README.md``: 4 layers,
+    4 heads, 128 features, a context of 64 characters), with the ViT's MLP
+    (``mlp_ratio`` 4, Swish). ``core`` names the attention core
+    (``minishard.models.transformer.ATTENTION_CORES``), ``mlp`` builds each
+    block's MLP, ``remat`` recomputes each block in the backward pass.
+
+    >>> import jax
+    >>> model = GPT(vocab=5, context=8, width=16, depth=2, heads=2, key=jax.random.key(0))
+    >>> model(jax.numpy.zeros((3, 8), jax.numpy.int32)).shape
+    (3, 8, 5)
+    """
+
+    param_fields = ("embedding", "blocks", "norm", "head")
+    static_fields = ("remat",)
+
+    def __init__(
+        self,
+        vocab: int = 65,
+        context: int = 64,
+        width: int = 128,
+        depth: int = 4,
+        heads: int = 4,
+        mlp_ratio: int = 4,
+        *,
+        key: jax.Array,
+        remat: bool = False,
+        core: str = "dense",
+        mlp: MLPBuilder = dense_mlp,
+    ) -> None:
+        check_key("GPT", key)
+        keys = jax.random.split(key, depth + 2)  # one key per layer
+        self.embedding = Embedding(vocab, context, width, key=keys[0])
+        block = functools.partial(Block, width, heads, mlp_ratio * width, causal=True, core=core, mlp=mlp)
+        self.blocks = tuple(block(key=k) for k in keys[2:])
+        self.norm = LayerNorm(width)
+        self.head = Linear(width, vocab, key=keys[1], scale=width**-0.5, axes=("embed", "vocab"))
+        self.remat = bool(remat)
+
+    def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        return self.routed(ids, positions)[0]
+
+    def routed(self, ids: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, MoEStats | None]:
+        """The logits, and the blocks' ``MoEStats`` added up (None with dense MLPs): what the loss adds."""
+        x, stats = routed_blocks(self.blocks, self.embedding(ids, positions), positions, remat=self.remat)
+        return self.head(self.norm(x)), stats
+
+    def decode(
+        self, ids: jax.Array, start: jax.Array, caches: tuple[KVCache, ...]
+    ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+        """Logits of ``ids`` ``[B, n]`` at positions ``start, start + 1, ...``; earlier ones in ``caches``."""
+        positions = start + jnp.arange(ids.shape[1])
+        x, written = self.embedding(ids, positions), []
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block.cached(x, positions, cache)
+            written.append(cache)
+        return self.head(self.norm(x)), tuple(written)
+
+    def init_cache(self, batch: int) -> tuple[KVCache, ...]:
+        """An empty ``KVCache`` per block, room for the whole context."""
+        attention, length = self.blocks[0].attention, self.embedding.positions.shape[0]
+        return tuple(
+            KVCache(batch, length, attention.heads, attention.width // attention.heads) for _ in self.blocks
+        )
+
+    def param_logical_axes(self) -> dict[str, LogicalAxes]:
+        return {}  # every parameter lives in a sub-layer, which answers for itself
+
+
+def as_stacked(model: GPT) -> StackedModel:
+    """The same GPT with its blocks stacked on a "stage" axis (``minishard.pipeline.Stacked``), for pp.
+
+    The embedding runs before the stack and the last norm and the head after
+    it, outside the pipeline. Same parameters, same function (no remat).
+    """
+    if isinstance(model.blocks[0].mlp, MoE):
+        raise ValueError("as_stacked: a pipeline carries no MoEStats out of its stages; stack a dense GPT")
+    n = len(model.blocks)
+    like = jax.eval_shape(lambda: Stacked(lambda _: model.blocks[0], n, key=jax.random.key(0)))
+    stacked = [jnp.stack(same) for same in zip(*map(jax.tree.leaves, model.blocks))]
+    blocks = jax.tree.unflatten(jax.tree.structure(like), stacked)
+    return StackedModel(model.embedding, blocks, Sequential([model.norm, model.head]))
+
+
+def as_unstacked(model: StackedModel, like: GPT) -> GPT:
+    """``as_stacked``'s inverse: a GPT shaped as ``like`` (``jax.eval_shape`` is enough) holding
+    ``model``'s parameters, block ``i`` the stack's slice ``i``. A pipeline's checkpoint decodes so."""
+    stack = jax.tree.leaves(model.blocks)
+    blocks = [leaf[i] for i in range(model.blocks.n) for leaf in stack]  # GPT's order: block by block
+    leaves = [*jax.tree.leaves(model.before), *blocks, *jax.tree.leaves(model.after)]
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)  # type: ignore[no-any-return]
+
+
+def stacked_gpt(*args: Any, key: jax.Array, **kwargs: Any) -> StackedModel:
+    """``as_stacked(GPT(*args, key=key, **kwargs))``: the GPT of the same seed, ready for a pipeline.
+
+    >>> model = jax.eval_shape(lambda: stacked_gpt(depth=2, key=jax.random.key(0)))
+    >>> model.blocks.n, model.blocks.block.attention.param_logical_axes()["query"]
+    (2, ('embed', 'heads', 'kv'))
+    """
+    return as_stacked(GPT(*args, key=key, **kwargs))
+
+
+# --- training: the next character ------------------------------------------------------------
+
+
+def in_sequence_layout(model: Any, batch: Batch) -> tuple[Callable[[jax.Array], Any], Batch]:
+    """``model`` and ``batch`` as the devices hold the sequence, where the rules split attention's "seq".
+
+    Over p devices, every ``[B, T]`` array of the batch is dealt out in ``SEQUENCE_LAYOUT``
+    (``minishard.context.permute``: zig-zag) and the model reads the tokens' positions, so its
+    position embeddings and causal mask follow them. A mean over tokens does not see their
+    order: the loss and its gradients are those of the sequence in order. Elsewhere: as given.
+    """
+    _, p = sequence_axis()
+    if p == 1:
+        return model, batch
+    order = held_positions(batch["inputs"].shape[1], p, SEQUENCE_LAYOUT)  # once, on the data
+    dealt = {name: jnp.take(x, order, axis=1) if jnp.ndim(x) == 2 else x for name, x in batch.items()}
+    return functools.partial(model, positions=order), dealt
+
+
+def next_token_loss(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Cross-entropy of every next character (nats per character), and the fraction guessed right.
+
+    A GPT of MoE MLPs (``transformer.moe_mlp``) adds their auxiliary losses, ``stats.aux_loss``.
+    """
+    # a StackedModel (pp, dp+pp) has dense blocks only: no stats
+    routed: Any = model.routed if isinstance(model, GPT) else lambda ids, **kw: (model(ids, **kw), None)
+    held, batch = in_sequence_layout(routed, batch)
+    logits, stats = held(batch["inputs"])
+    loss = cross_entropy(logits, one_hot(batch["targets"], logits.shape[-1]))
+    return loss if stats is None else loss + stats.aux_loss, accuracy(logits, batch["targets"])
+
+
+def make_train_step(optimizer: SGD | AdamW, microbatches: int = 1) -> Callable[..., Any]:
+    """``(model, opt_state, batch) -> (model, opt_state, loss, accuracy)``, as ``minishard.run.train``'s.
+
+    ``microbatches`` > 1 accumulates the gradients ``pipeline.microbatched``: the same step, less memory.
+    """
+    if microbatches > 1:
+        value_and_grad = microbatched(next_token_loss, microbatches)
+    else:
+        value_and_grad = jax.value_and_grad(next_token_loss, has_aux=True)
+
+    def gpt_train_step(model: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, jax.Array, jax.Array]:
+        (loss, acc), grads = value_and_grad(model, batch)
+        model, opt_state = optimizer.update(model, grads, opt_state)
+        return model, opt_state, loss, acc
+
+    return gpt_train_step
+
+
+def eval_step(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Summed loss of the real windows of a (possibly padded) batch, and how many are real."""
+    model, batch = in_sequence_layout(model, batch)
+    logits = model(batch["inputs"])
+    per_window = jax.vmap(lambda lg, t: cross_entropy(lg, one_hot(t, lg.shape[-1])))(logits, batch["targets"])
+    return (per_window * batch["mask"]).sum(), batch["mask"].sum()
+
+
+# --- decoding with a KV cache ------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, donate_argnums=2)
+def decode_step(model: GPT, ids: jax.Array, caches: tuple[KVCache, ...], start: jax.Array) -> Any:
+    """``model.decode`` jitted, the caches donated: XLA writes the new keys and values in place."""
+    return model.decode(ids, start, caches)
+
+
+def generate(
+    model: GPT,
+    prompt: np.ndarray,
+    tokens: int,
+    *,
+    temperature: float = 1.0,
+    seed: int = 0,
+    step: Callable[..., Any] = decode_step,
+) -> np.ndarray:
+    """``prompt`` (ids ``[P]``) and ``tokens`` more ids, each drawn from ``softmax(logits / temperature)``.
+
+    Token ``i`` is drawn with ``jax.random.fold_in(key(seed), i)``: the same seed, the same text.
+    The prompt fills the cache in one call; then one call per token. When the
+    cache is full (the learned positions end at the context), it restarts from
+    the last half-context of text, so every token still sees at least that much.
+    ``step`` is ``decode_step`` or the same function under ``Sharded``.
+    """
+    context = model.embedding.positions.shape[0]
+    if not temperature > 0:
+        raise ValueError(f"generate: temperature must be > 0, got {temperature}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"generate: tokens must be an int >= 0, got {tokens!r}")
+    out = [int(i) for i in np.asarray(prompt)]
+    if not out:
+        raise ValueError("generate: the prompt is empty; give it at least one character")
+    key = jax.random.key(seed)
+    logits, caches, filled = _prefill(model, out[-context:], step)  # a longer prompt: its last context
+    for i in range(tokens):
+        scaled = logits[0, -1] / temperature  # below 1: sharper than the model's own distribution
+        out.append(int(jax.random.categorical(jax.random.fold_in(key, i), scaled)))
+        if filled == context:  # no position left: start again from the last half-context
+            logits, caches, filled = _prefill(model, out[-(context // 2) :], step)
+        else:
+            logits, caches = step(model, jnp.asarray([out[-1:]]), caches, jnp.asarray(filled))
+            filled += 1
+    return np.asarray(out, np.int32)
+
+
+def _prefill(model: GPT, ids: list[int], step: Callable[..., Any]) -> tuple[jax.Array, Any, int]:
+    """Fresh caches holding ``ids``; the logits of the last one."""
+    logits, caches = step(model, jnp.asarray([ids], jnp.int32), model.init_cache(1), jnp.asarray(0))
+    return logits, caches, len(ids)
+
+
+def sample(
+    model: GPT, vocab: Vocabulary, prompt: str, tokens: int = 300, temperature: float = 0.8, seed: int = 0
+) -> str:
+    """``prompt`` and its continuation of ``tokens`` characters, as text (``minishard sample``)."""
+    ids = generate(model, vocab.encode(prompt), tokens, temperature=temperature, seed=seed)
+    return vocab.decode(ids)
+
+
+__all__ = [
+    "GPT",
+    "Batch",
+    "Embedding",
+    "as_stacked",
+    "as_unstacked",
+    "decode_step",
+    "eval_step",
+    "generate",
+    "in_sequence_layout",
+    "next_token_loss",
+    "sample",
+    "make_train_step",
+    "stacked_gpt",
+]

@@ -1,0 +1,256 @@
+"""``minishard explain``: where a default model's arrays live under a named style, and what its step costs.
+
+Nothing is trained. Without ``--hardware`` nothing is even allocated: the
+model is built by ``jax.eval_shape`` and planned on an ``AbstractMesh``, so any
+device count works on any machine. ``--hardware`` (or a style whose own step
+is the point, such as ``zero``) compiles the step on simulated devices and
+prices it (``minishard.costs``); ``--compare`` ranks every preset and mesh shape
+(for the GPT, the sequence styles too, its attention a ring where "context" splits it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn
+
+import jax
+import jax.numpy as jnp
+
+from minishard.census import human_bytes
+from minishard.costs import HARDWARE, Candidate, StepCost, compare, cost_report, mesh_shapes
+from minishard.presets import EXPERT, PRESETS, SEQUENCE
+from minishard.report import explain
+from minishard.rules import AxisRules, ShardingError
+from minishard.run.cli import styles
+from minishard.run.cli.flags import (
+    PLOT_FORMATS,
+    Error,
+    at_least,
+    check_output,
+    fill_defaults,
+    simulate_devices,
+)
+from minishard.run.cli.models import MODELS
+from minishard.run.cli.models.gpt import GPT_ENTRY, MOE_FLAGS, check_moe, refuse_experts
+from minishard.run.cli.styles import STYLES, warn_unused
+from minishard.run.cli.styles.context import ContextStyle
+from minishard.run.cli.styles.pipeline import PipelineStyle
+from minishard.run.cli.styles.style import Style
+from minishard.run.cli.styles.zero import ZeroStyle
+from minishard.run.render import plot_comparison, plot_report, show
+from minishard.run.steps import make_train_step
+from minishard.sharding import make_mesh
+
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "check", "price", "print_report", "print_state", "run"]
+
+HELP = "print (and --plot) the plan of a default model under a named style"
+DEFAULT_STYLE = "2d"
+"""The style without --parallel, for a model whose entry names none."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minishard explain``'s flags: a default model, a named style, a device count; a step to price."""
+    add = parser.add_argument
+    add("--model", choices=list(MODELS), default="mlp", help="(default %(default)s)")
+    styles.add_arguments(parser, help=f"(default: the model's, else {DEFAULT_STYLE})")
+    add("--devices", type=at_least(1), default=8, help="(default %(default)s)")
+    add("--plot", help=f"draw which devices hold each block of each parameter ({', '.join(PLOT_FORMATS)})")
+    add("--hardware", choices=list(HARDWARE), help="price the train step on this accelerator")
+    add(
+        "--batch-size",
+        dest="batch_size",
+        type=at_least(1),
+        help="global batch of that step (default: the model's)",
+    )
+    add("--compare", action="store_true", help="rank every preset and mesh shape on --hardware")
+    add("--context", type=at_least(1), help="the GPT's characters per window (default: its own)")
+    for name, flag in MOE_FLAGS.items():  # the GPT's MLPs as a mixture of experts: ep, dp+ep
+        flag.add_to(parser, name, [GPT_ENTRY])
+
+
+def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
+    """--compare needs --hardware; --batch-size needs a step to compile, and must split over "data"."""
+    check_output("--plot", args.plot, PLOT_FORMATS, error)
+    model = MODELS[args.model]
+    refuse_experts(args, model, error)
+    if args.compare and not args.hardware:
+        error("argument --compare: needs --hardware, the accelerator to rank the layouts on (e.g. v5p)")
+    if args.compare and (args.parallel or args.microbatches):
+        flag = "--parallel" if args.parallel else "--microbatches"
+        error(f"argument {flag}: --compare ranks every style, each as it trains by default; drop {flag}")
+    args.parallel = args.parallel or model.style or DEFAULT_STYLE
+    style = STYLES[args.parallel]
+    compiles = args.hardware or args.compare or style.compiles
+    if args.batch_size is not None and not compiles:
+        others = " or ".join(f"--parallel {name}" for name, other in STYLES.items() if other.compiles)
+        error(f"argument --batch-size: only a compiled step takes it; add --hardware (or {others})")
+    if args.microbatches is not None and not isinstance(style, PipelineStyle | ZeroStyle):
+        error(
+            f"argument --microbatches: explain prices a step of whole batches under --parallel "
+            f"{args.parallel}; only a pipeline's (pp, dp+pp) takes microbatches"
+        )
+    if args.context is not None and "context" not in model.flags:
+        error(f"argument --context: only the GPT takes it, and --model is {model.name}; add --model gpt")
+    args.mesh = {"data": args.devices} if args.compare else style.mesh(args.devices)  # "data" may span all
+    style.check_explain(args, model, error)  # what was given, before the defaults fill the rest
+    fill_defaults(args, model, style)  # the model's --batch-size among them (the GPT's: from "data")
+    if "experts" in model.flags:
+        check_moe(args, error)
+    ways = style.ways(args.mesh)
+    if compiles and args.batch_size % ways:
+        error(f"argument --batch-size: {args.batch_size} cannot be split evenly over data={ways} devices")
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    """``minishard explain --parallel fsdp [--model vit] [--plot FILE]``: the plan of a default model.
+
+    Nothing is trained or allocated: the model is built by ``jax.eval_shape`` and
+    planned on an ``AbstractMesh`` with the style's rules, so any device count
+    works on any machine. Pricing a step (``--hardware``, ``--compare``) or a
+    style's own step (``--parallel zero``) compiles it: see ``price``.
+    """
+    model, style = MODELS[args.model], STYLES[args.parallel]
+    if refused := style.before_explain(args):
+        return refused  # before any work: a pipeline's step is compiled below, on devices
+    if args.hardware or args.compare or style.compiles:
+        return price(args)
+    shape, rules = style.mesh(args.devices), style.rules({})
+    mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
+    built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
+    try:
+        report = explain(built, mesh, rules)
+    except ShardingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print_report(args, report, shape, rules, f"{args.model} under {args.parallel} on {args.devices} devices")
+    print_state(args, built, mesh, rules)
+    return style.after_plan(args, model, rules)
+
+
+def price(args: argparse.Namespace) -> int:
+    """``explain --hardware H [--parallel NAME | --compare] [--batch-size B]``, and a style's own step.
+
+    The default model's train step is compiled on ``--devices`` (simulated)
+    devices: its plan and collectives, priced on ``--hardware`` (``minishard.costs``).
+    A failure is one ``error:`` line (XLA:CPU compiled for 2,048 simulated devices here, not 4,096).
+    """
+    simulate_devices(args.devices)
+    if (found := len(jax.devices())) != args.devices:
+        print(f"error: argument --devices: {args.devices} asked, there are {found}", file=sys.stderr)
+        return 2
+    try:
+        return _compile_and_price(args)
+    except ShardingError as error:
+        print(f"error: {error}", file=sys.stderr)
+    except jax.errors.JaxRuntimeError as error:  # e.g. too many simulated devices for XLA:CPU
+        first = str(error).splitlines()[0]
+        print(
+            f"error: XLA cannot compile the step on {found} devices ({first}); try fewer --devices",
+            file=sys.stderr,
+        )
+    return 1
+
+
+def _compile_and_price(args: argparse.Namespace) -> int:
+    model, style = MODELS[args.model], STYLES[args.parallel]
+    sequence = args.compare and model.name in ContextStyle.models  # the ring ranked with the others
+    style = STYLES["cp"] if sequence else style  # whose build gives its attention the "ring" core
+    shape, rules = style.mesh(args.devices), style.rules({})
+    mesh = make_mesh(shape)
+    optimizer = model.compiled_optimizer(args)
+    built = style.prepare(style.build(model, args, jax.random.key(0)), args, mesh)  # a pipeline: its schedule
+    batch = {
+        name: jnp.zeros(like.shape, like.dtype) for name, like in model.example(args, args.batch_size).items()
+    }
+    step, step_args = make_train_step(optimizer, model.task.loss), (built, optimizer.init(built), batch)
+    if args.compare:
+        experts = EXPERT if getattr(args, "experts", 0) else ()  # a dense model: ep is dp
+        ranked_styles = PRESETS + (SEQUENCE if sequence else ()) + experts
+        ranked = compare(step, step_args, args.hardware, args.devices, ranked_styles, _own_steps(args, model))
+        print(f"{args.model}, batch {args.batch_size}, on {args.devices} devices: every style and mesh shape")
+        print(ranked)
+        if model.stack is not None:
+            print("(pp and dp+pp price the stacked model each trains: one equal block per stage)")
+        if args.plot:
+            plot_comparison(ranked, args.plot)
+            print(f"Wrote {args.plot}")
+        return 0
+    if (status := style.explain_step(args, optimizer, built, batch)) is not None:
+        return status
+    report = explain(built, mesh, rules, step, step_args, args.hardware)
+    title = f"{args.model} under {args.parallel} on {args.devices} devices, batch {args.batch_size}"
+    print_report(args, report, shape, rules, title)
+    print_state(args, built, mesh, rules)
+    return style.after_plan(args, model, rules)  # a pipeline: the ticks, permutes and bubble priced above
+
+
+def _own_steps(args: argparse.Namespace, model: Any) -> list[Candidate]:
+    """The styles with a step of their own (pp, dp+pp, zero) on each of their mesh shapes, priced."""
+    candidates = []
+    for name, style in STYLES.items():
+        if not isinstance(style, PipelineStyle | ZeroStyle):
+            continue
+        for shape in mesh_shapes(style.preset, args.devices):
+            try:
+                candidates.append(Candidate(name, shape, _own_step_cost(args, model, style, shape)))
+            except ValueError as error:  # its flags' checks, or a ShardingError: the row says why
+                candidates.append(Candidate(name, shape, None, str(error).removeprefix("argument ")))
+    return candidates
+
+
+def _own_step_cost(args: argparse.Namespace, model: Any, style: Style, shape: dict[str, int]) -> StepCost:
+    """The style's own step on ``shape``, built with the style's defaults, as ``train`` would run it."""
+    unset = {"layers": None, "microbatches": None}  # the style's defaults: a pipeline's blocks, microbatches
+    own = argparse.Namespace(**{**vars(args), **unset, "parallel": style.name, "mesh": shape})
+
+    def refuse(message: str) -> NoReturn:
+        raise ValueError(message)
+
+    style.check_explain(own, model, refuse)
+    fill_defaults(own, model, style)
+    mesh, rules = make_mesh(shape), style.rules({})
+    optimizer, built = model.compiled_optimizer(own), style.build(model, own, jax.random.key(0))
+    batch = {
+        name: jnp.zeros(like.shape, like.dtype) for name, like in model.example(own, own.batch_size).items()
+    }
+    if isinstance(style, ZeroStyle):
+        step = style.step(optimizer, mesh)
+        placed = step.shard(built)
+        return cost_report(step, (placed, step.init(placed), batch), mesh, rules, args.hardware)
+    assert isinstance(style, PipelineStyle) and model.stack is not None
+    model.stack.check(own, shape["stage"], refuse)
+    built = style.pipelined(built, own, mesh)
+    step_args = (built, optimizer.init(built), batch)
+    return cost_report(make_train_step(optimizer, model.task.loss), step_args, mesh, rules, args.hardware)
+
+
+def print_report(
+    args: argparse.Namespace, report: Any, shape: dict[str, int], rules: AxisRules, title: str
+) -> None:
+    """What ``explain`` prints: a warning for an unused mesh axis, the title, the report, the picture."""
+    warn_unused(shape, rules)
+    print(title)
+    show(report)
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"Wrote {args.plot}")
+
+
+def print_state(args: argparse.Namespace, built: Any, mesh: Any, rules: AxisRules) -> None:
+    """What a step keeps, per device: the parameters, their gradients (laid out as they are) and each
+    field of the optimizer's state (AdamW's two moments, SGD's velocity), as ``Sharded`` places them."""
+    optimizer = MODELS[args.model].compiled_optimizer(args)
+    state = jax.eval_shape(optimizer.init, built)
+    parameters = explain(built, mesh, rules).device_bytes
+    kept = {"parameters": parameters, "gradients": parameters}
+    fields = state._asdict() if hasattr(state, "_asdict") else {"state": state}
+    for name, tree in fields.items():
+        if any(leaf.ndim for leaf in jax.tree.leaves(tree)):  # not a step counter alone
+            kept[f"{type(optimizer).__name__} {name}"] = explain(tree, mesh, rules).device_bytes
+    parts = ", ".join(f"{name} {human_bytes(size)}" for name, size in kept.items())
+    print(f"per device: {parts}; {human_bytes(sum(kept.values()))} in all")
+
+
+DESCRIPTION = run.__doc__

@@ -1,0 +1,94 @@
+"""``ModelEntry``: what the command line knows of one model, and the parts it is made of.
+
+``Splits`` is the data an entry loads, ``Stacking`` how its blocks stack on
+"stage" for a pipeline. Every model's module builds its entry from these, and
+``MODELS`` (the package) lists the entries.
+
+>>> [field.name for field in dataclasses.fields(Stacking)]
+['build', 'fill', 'check']
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from minishard import pipeline
+from minishard.run.cli.flags import Error, Flag
+from minishard.run.data import EvalData, TrainingData
+from minishard.run.steps import Optimizer, Task
+
+__all__ = ["Args", "NOMINAL_STEPS", "ModelEntry", "Splits", "Stacking"]
+
+
+Args = argparse.Namespace
+NOMINAL_STEPS = 1000
+"""The length of the learning-rate schedule of a step that is compiled, never run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """A model's data, loaded: what it trains on, what is evaluated every period and at the end."""
+
+    train: TrainingData
+    eval: EvalData | Mapping[str, EvalData] | None  # a bare set is named "test" (MNIST: its test split)
+    test: EvalData | Mapping[str, EvalData] | None = None  # evaluated once, after the last step
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # saved with every checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacking:
+    """How a model runs under a pipeline (pp, dp+pp): its blocks stacked on a "stage" axis."""
+
+    build: Callable[[Args, jax.Array], pipeline.StackedModel]
+    fill: Callable[[Args, int], None]  # the defaults for this many stages: one block per stage
+    check: Callable[[Args, int, Error], None]  # its blocks split over this many stages
+
+
+def _nothing(*args: Any) -> None:
+    """An entry's hook with nothing to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    """One model of the command line (``--model NAME``): see the module's docstring.
+
+    ``flags`` are the model's own (another model's run refuses them); ``defaults``
+    holds a default for each of them, and the training defaults the model sets
+    (``epochs`` or ``steps``, ``batch_size``, ``lr``, ...). ``data(args)`` loads its
+    ``Splits``; ``optimizer(args, total_steps)`` builds its optimizer;
+    ``example(args, batch_size)`` is the shapes of one batch (``explain`` compiles
+    a step on them); ``fill`` derives defaults from others, ``check`` checks its
+    flags together (``argparse``'s one ``error`` line); ``stack`` is how its blocks
+    stack for a pipeline. Every checkpoint keeps ``saved(args)`` and the ``Splits``'
+    ``info``: what ``sample`` needs to rebuild the model without its data.
+    """
+
+    name: str
+    label: str  # how messages name it: "only the ViT takes it"
+    help: str
+    flags: Mapping[str, Flag]
+    defaults: Mapping[str, Any]
+    datasets: tuple[str, ...]  # --dataset's choices for it; the first is the default
+    style: str | None  # the default --parallel (None: the mesh data=2,model=4 with its rules)
+    task: Task
+    build: Callable[[Args, jax.Array], Any]
+    data: Callable[[Args], Splits]
+    optimizer: Callable[[Args, int], Optimizer]
+    example: Callable[[Args, int], dict[str, jax.ShapeDtypeStruct]]
+    fill: Callable[[Args], None] = _nothing
+    check: Callable[[Args, Error], None] = _nothing
+    stack: Stacking | None = None  # None: it has no blocks to stack, so no pipeline style
+
+    def compiled_optimizer(self, args: Args) -> Optimizer:
+        """The optimizer of a step ``explain`` only compiles (a schedule's length does not change it)."""
+        return self.optimizer(args, NOMINAL_STEPS)
+
+    def saved(self, args: Args) -> dict[str, Any]:
+        """What a checkpoint keeps of this run's model: its name, data set, flags and style (JSON)."""
+        flags = {name: getattr(args, name) for name in self.flags}
+        return {"model": self.name, "dataset": args.dataset, "flags": flags, "parallel": args.parallel}

@@ -1,0 +1,231 @@
+"""The GPT's entry (``--model gpt``): characters of tiny_shakespeare, by steps, AdamW (docs/gpt.md).
+
+nanoGPT's CPU configuration, its loss and evaluation (``NEXT_CHARACTER``), its
+data (``minishard.run.text_data``), and its mixture-of-experts flags
+(``--experts``, ``--top-k``, ``--capacity-factor``, docs/experts.md), which
+``explain`` takes too.
+
+>>> GPT_ENTRY.defaults["steps"], GPT_ENTRY.style
+(2000, 'dp')
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from minishard.models.gpt import GPT, eval_step, next_token_loss, stacked_gpt
+from minishard.models.transformer import moe_mlp
+from minishard.optim import AdamW, warmup_cosine_decay
+from minishard.run import text_data
+from minishard.run.cli.flags import Error, Flag, at_least, positive, unit_interval
+from minishard.run.cli.models.entry import Args, ModelEntry, Splits, Stacking
+from minishard.run.cli.models.transformer import (
+    TRANSFORMER_FLAGS,
+    check_depth_stages,
+    check_heads,
+    depth_over_stages,
+)
+from minishard.run.steps import Task
+
+__all__ = [
+    "EVAL_WINDOWS",
+    "GPT_ENTRY",
+    "MOE_DEFAULTS",
+    "MOE_FLAGS",
+    "NANOGPT_BATCH",
+    "NEXT_CHARACTER",
+    "adamw",
+    "check_moe",
+    "gpt_splits",
+    "nanogpt_batch",
+    "refuse_experts",
+]
+
+
+def _next_character_loss(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    loss, acc = next_token_loss(model, batch)
+    return loss, (acc,)
+
+
+def _next_character_sums(model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    loss, count = eval_step(model, batch)  # summed over the real windows of a padded batch
+    stats = model.routed(batch["inputs"])[1] if isinstance(model, GPT) else None  # XLA computes it once
+    if stats is None:  # dense MLPs (or stacked for a pipeline): nothing routed
+        return {"loss": loss, "count": count}
+    return {"loss": loss, "count": count, "dropped": stats.dropped / stats.routed * count}  # a share
+
+
+NEXT_CHARACTER = Task(_next_character_loss, ("acc",), _next_character_sums)
+"""The GPT's task: the cross-entropy of every next character (nats per character), and its accuracy;
+an evaluation reports the mean loss over the split's fixed windows (``val loss``, ``test loss``),
+and with ``--experts`` the share of routings the experts' capacity dropped (``val dropped``)."""
+MOE_DEFAULTS = {"top_k": 2, "capacity_factor": 1.25}
+"""With ``--experts``: GShard's two experts per token, Switch's 25% slack."""
+NANOGPT_BATCH = 12
+"""nanoGPT's batch for its CPU configuration: the default is the multiple of the data axis nearest it."""
+EVAL_WINDOWS = 64
+"""Windows per evaluation batch (rounded to a multiple of the training batch, which splits over "data")."""
+
+
+def nanogpt_batch(args: Args) -> None:
+    """--batch-size, if not given: the multiple of "data" x microbatches nearest 12 (16 on data=8).
+
+    Under ``ep`` and ``dp+ep`` the batch splits over "expert" too: "data" x "expert" x microbatches.
+    """
+    if args.batch_size is None:
+        unit = args.mesh.get("data", 1) * args.mesh.get("expert", 1) * args.microbatches
+        args.batch_size = unit * max(1, math.floor(NANOGPT_BATCH / unit + 0.5))
+
+
+def adamw(args: Args, total_steps: int) -> AdamW:
+    """nanoGPT's optimizer: AdamW, a linear warmup of --warmup-steps, then a cosine to lr / 10."""
+    warmup = min(args.warmup_steps, total_steps - 1)
+    rate = warmup_cosine_decay(args.lr, warmup, total_steps, end_value=args.lr / 10)
+    return AdamW(rate, weight_decay=args.weight_decay)
+
+
+def gpt_splits(args: Args) -> Splits:
+    """Random windows of the train split; the validation split's fixed windows every period, the test's last.
+
+    The vocabulary (the train split's characters) is saved with every checkpoint: ``sample`` needs no data.
+    """
+    load = functools.partial(
+        text_data.text_dataset, args.dataset, context=args.context,
+        data_dir=args.data_dir, download=args.download, seed=args.seed,
+    )  # fmt: skip
+    train = load("train", batch_size=args.batch_size)
+    windows = args.batch_size * max(1, EVAL_WINDOWS // args.batch_size)
+    val, test = (load(split, batch_size=windows) for split in ("validation", "test"))
+    assert train.vocabulary is not None  # text_dataset's: the train split's
+    return Splits(train, {"val": val}, {"test": test}, info={"vocabulary": train.vocabulary.characters})
+
+
+def _gpt(args: Args, key: jax.Array, stacked: bool = False) -> Any:
+    """``GPT`` (or, for a pipeline, ``stacked_gpt``) over --dataset's characters."""
+    vocab = text_data.TEXT_DATASET_INFO[args.dataset].vocabulary_size
+    shape = (vocab, args.context, args.width, args.depth, args.heads, args.mlp_ratio)
+    if stacked:  # a pipeline refuses --experts (PipelineStyle.check_explain)
+        return stacked_gpt(*shape, key=key)
+    if args.experts:  # each expert mlp_ratio x width / k hidden units: the dense GPT's active parameters
+        mlp = moe_mlp(args.experts, args.top_k, args.capacity_factor)
+        return GPT(*shape, key=key, remat=args.remat, mlp=mlp)
+    return GPT(*shape, key=key, remat=args.remat)
+
+
+def _fill_gpt(args: Args) -> None:
+    """The batch near nanoGPT's 12, and with --experts the MoE's defaults (``MOE_DEFAULTS``)."""
+    nanogpt_batch(args)
+    for name, value in MOE_DEFAULTS.items():
+        if args.experts and getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
+def refuse_experts(args: Args, model: ModelEntry, error: Error) -> None:
+    """--experts on a model whose MLPs no mixture of experts replaces: one line, the value and the fix."""
+    if (experts := getattr(args, "experts", None)) is not None and "experts" not in model.flags:
+        error(
+            f"argument --experts: {experts} experts would replace the MLP of each GPT block; only the GPT "
+            f"takes --experts, not the {model.label} (add --model gpt)"
+        )
+
+
+def check_moe(args: Args, error: Error) -> None:
+    """--top-k and --capacity-factor only with --experts, k at most the experts, an Auto mesh."""
+    for name in MOE_DEFAULTS:
+        if not args.experts and getattr(args, name, None) is not None:
+            error(
+                f"argument --{name.replace('_', '-')}: only with --experts N (the MLPs are dense without it)"
+            )
+    if args.experts and getattr(args, "explicit", False):
+        error("argument --explicit: not with --experts (the MoE's einsums name no output layouts: Auto only)")
+    if args.experts and args.top_k > args.experts:
+        error(
+            f"argument --top-k: {args.top_k} with --experts {args.experts}; each token picks k distinct "
+            f"experts, so k must be from 1 to {args.experts} (1: Switch, 2: GShard)"
+        )
+
+
+def _check_gpt(args: Args, error: Error) -> None:
+    check_heads(args, error)
+    if args.heads % (ways := args.mesh.get("model", 1)):  # every preset with a "model" axis splits heads
+        error(
+            f"argument --heads: {args.heads} heads cannot split over model={ways} devices; "
+            f"give a multiple of {ways}, or fewer --devices"
+        )
+    check_moe(args, error)
+    if args.context >= (held_out := text_data.TEXT_DATASET_INFO[args.dataset].held_out_characters):
+        error(
+            f"argument --context: {args.context} characters and the next one do not fit {args.dataset}'s "
+            f"validation split of {held_out:,}; give at most {held_out - 1:,}"
+        )
+    if args.schedule != "cosine":
+        error(
+            f"argument --schedule: the GPT's AdamW warms up, then follows a cosine to lr/10; "
+            f"{args.schedule} is the SGD models' schedule"
+        )
+
+
+def _windows(args: Args, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+    window = jax.ShapeDtypeStruct((batch_size, args.context), jnp.int32)
+    return {"inputs": window, "targets": window}
+
+
+MOE_FLAGS = {
+    "experts": Flag(
+        "replace every MLP by a mixture of this many experts, each a k-th of the MLP's hidden units "
+        "(minishard.experts; 0: dense)",
+        type=at_least(0),
+    ),
+    "top_k": Flag("with --experts: experts per token, 1 to --experts (default 2)", type=at_least(1)),
+    "capacity_factor": Flag(
+        "with --experts: each expert's slots over an even share of the routings, > 0 (default 1.25)",
+        type=positive,
+    ),
+}
+"""The GPT's mixture-of-experts flags; ``explain`` takes them too."""
+
+
+GPT_ENTRY = ModelEntry(
+    name="gpt",
+    label="GPT",
+    help="a character-level GPT (nanoGPT's shape), its attention heads and MLPs split Megatron-style",
+    flags={
+        **TRANSFORMER_FLAGS,
+        "context": Flag("characters each prediction sees (its learned positions)", type=at_least(1)),
+        "weight_decay": Flag("AdamW's decoupled weight decay of the matrices, in [0, 1)", type=unit_interval),
+        **MOE_FLAGS,
+    },
+    # nanoGPT's CPU configuration (its README): val loss 1.88 after 2,000 steps. This entry's run, on 8
+    # simulated devices: val 1.786, test 1.853 (842 s at load 34; the library's, 525 s at 2-12): docs/gpt.md.
+    defaults={
+        "width": 128,
+        "depth": 4,
+        "heads": 4,
+        "mlp_ratio": 4,
+        "remat": False,
+        "context": 64,
+        "weight_decay": 0.1,
+        "experts": 0,  # dense MLPs
+        "steps": 2000,
+        "eval_every": 250,
+        "batch_size": None,  # nanogpt_batch: a multiple of the data axis near 12
+        "lr": 1e-3,
+        "schedule": "cosine",
+        "warmup_steps": 100,
+    },
+    datasets=("tiny_shakespeare",),
+    style="dp",
+    task=NEXT_CHARACTER,
+    build=_gpt,
+    data=gpt_splits,
+    optimizer=adamw,
+    example=_windows,
+    fill=_fill_gpt,
+    check=_check_gpt,
+    stack=Stacking(lambda args, key: _gpt(args, key, stacked=True), depth_over_stages(4), check_depth_stages),
+)

@@ -1,0 +1,50 @@
+"""What every transformer here (the ViT, the GPT) shares: its shape flags and their checks.
+
+Heads must divide the width, and under a pipeline the depth rounds up to, and
+splits over, the stages.
+
+>>> sorted(TRANSFORMER_FLAGS)
+['depth', 'heads', 'mlp_ratio', 'remat', 'width']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from minishard.run.cli.flags import Error, Flag, at_least
+from minishard.run.cli.models.entry import Args
+
+__all__ = ["TRANSFORMER_FLAGS", "check_depth_stages", "check_heads", "depth_over_stages"]
+
+
+def check_heads(args: Args, error: Error) -> None:
+    if args.width % args.heads:
+        error(f"argument --heads: {args.heads} heads must divide --width {args.width}")
+
+
+def depth_over_stages(default: int) -> Callable[[Args, int], None]:
+    """A transformer's ``Stacking.fill``: --depth (``default`` if not given) rounded up to the stages."""
+
+    def fill(args: Args, stages: int) -> None:
+        if args.depth is None:
+            args.depth = stages * -(-default // stages)
+
+    return fill
+
+
+def check_depth_stages(args: Args, stages: int, error: Error) -> None:
+    if args.depth % stages:
+        error(
+            f"argument --depth: {args.depth} blocks cannot split over {stages} stages; "
+            f"give a multiple of {stages}"
+        )
+
+
+TRANSFORMER_FLAGS = {
+    "width": Flag("features per token", type=at_least(1)),
+    "depth": Flag("transformer blocks", type=at_least(1)),
+    "heads": Flag("attention heads; must divide --width", type=at_least(1)),
+    "mlp_ratio": Flag("MLP hidden units per feature", type=at_least(1)),
+    "remat": Flag("recompute each block in the backward pass (jax.checkpoint)", action="store_true"),
+}
+"""The flags of every transformer here (the ViT, the GPT): its shape, and rematerialisation."""

@@ -1,0 +1,118 @@
+"""``minishard sample``: continue a prompt from a GPT's checkpoint, one character at a time, with a KV cache.
+
+    minishard sample --checkpoint-dir runs/gpt --prompt "ROMEO:" --tokens 300 --temperature 0.8 --seed 0
+
+It needs no data: every checkpoint of ``minishard train --model gpt`` keeps the
+model's flags, its style and the vocabulary (``ModelEntry.saved`` and the
+``Splits``' ``info``), enough to rebuild the state's shapes and restore into
+them, on one device whatever mesh it was trained on. Decoding is
+``minishard.models.gpt.sample``: the prompt fills a ``KVCache`` per block in
+one call, then each new character is one jitted step that reads the cache and
+appends its own keys and values. The same seed gives the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import jax
+
+from minishard.models.gpt import GPT, as_unstacked, sample
+from minishard.pipeline import StackedModel
+from minishard.run.checkpoint import Checkpointer
+from minishard.run.cli.flags import Error, at_least, positive
+from minishard.run.cli.models import MODELS
+from minishard.run.cli.styles import style_of
+from minishard.run.errors import CheckpointError
+from minishard.run.text_data import Vocabulary
+
+__all__ = ["HELP", "add_arguments", "check", "restore_gpt", "run"]
+
+HELP = "continue a prompt from a GPT's checkpoint (decoding with a KV cache); needs no data"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minishard sample``'s flags: where the checkpoint is, the prompt, how much and how boldly."""
+    add = parser.add_argument
+    add("--checkpoint-dir", required=True, help="checkpoints of minishard train --model gpt")
+    add("--step", type=at_least(0), help="this checkpoint (default: the latest)")
+    add("--prompt", default="\n", help="the text to continue (default: a new line)")
+    add("--tokens", type=at_least(0), default=300, help="characters to add (default %(default)s)")
+    add(
+        "--temperature",
+        type=positive,
+        default=0.8,
+        help="below 1: bolder choices of likely characters (default %(default)s)",
+    )
+    add("--seed", type=at_least(0), default=0, help="the same seed, the same text (default %(default)s)")
+    add("--debug", action="store_true", help="show the full traceback of an unexpected error")
+
+
+def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
+    """The checkpoint's metadata and the prompt, before any array is read; each refusal is one line."""
+    if not os.path.isdir(args.checkpoint_dir):
+        error(f"argument --checkpoint-dir: {args.checkpoint_dir} is not a directory")
+    try:
+        with Checkpointer(args.checkpoint_dir, read_only=True) as checkpointer:
+            args.step, meta = checkpointer.read_meta(args.step)
+    except CheckpointError as e:
+        error(f"argument --checkpoint-dir: {e}")
+    info: dict[str, Any] = meta.get("info") or {}
+    where = f"step {args.step} in {args.checkpoint_dir}"
+    if info.get("model") != "gpt" or "vocabulary" not in info:
+        error(f"argument --checkpoint-dir: {where} is not a GPT's (it is {info.get('model') or 'unnamed'})")
+    if info.get("parallel") == "zero":
+        error(
+            f"argument --checkpoint-dir: {where} was trained under zero, whose optimizer state is flat "
+            "shards of the devices it ran on; sample reads the other styles' checkpoints"
+        )
+    if not args.prompt:
+        error("argument --prompt: it is empty; give at least one character")
+    try:
+        Vocabulary(info["vocabulary"]).encode(args.prompt)
+    except ValueError as e:
+        error(f"argument --prompt: {e}")
+    args.info = info
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the prompt and its continuation; a failure is one ``error:`` line."""
+    try:
+        model = restore_gpt(args.checkpoint_dir, args.step, args.info)
+        vocabulary = Vocabulary(args.info["vocabulary"])
+        print(sample(model, vocabulary, args.prompt, args.tokens, args.temperature, args.seed))
+    except CheckpointError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def restore_gpt(directory: str, step: int, info: dict[str, Any]) -> GPT:
+    """The GPT saved at ``step``: the state rebuilt from ``info`` (its shapes), restored into, on one device.
+
+    A pipeline's checkpoint holds the blocks stacked on "stage": they come back
+    as the GPT's blocks (``as_unstacked``), the same function of the same numbers.
+    """
+    entry, style = MODELS[info["model"]], style_of(info["parallel"])
+    settings = argparse.Namespace(**{**entry.defaults, **info["flags"]}, dataset=info["dataset"])
+    optimizer = entry.compiled_optimizer(settings)
+
+    def state() -> dict[str, Any]:
+        built = style.build(entry, settings, jax.random.key(0))
+        return {"model": built, "opt_state": optimizer.init(built)}
+
+    here = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # shapes only (no numbers drawn), one device
+    shapes = jax.eval_shape(state)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), shapes)
+    with Checkpointer(directory, read_only=True) as checkpointer:
+        _, restored, _ = checkpointer.restore(target, step)
+    model = restored["model"]
+    if isinstance(model, StackedModel):
+        model = as_unstacked(model, jax.eval_shape(lambda: entry.build(settings, jax.random.key(0))))
+    return model  # type: ignore[no-any-return]

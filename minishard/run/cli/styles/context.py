@@ -1,0 +1,93 @@
+"""``ContextStyle``: ``--parallel cp`` and ``dp+cp``, the GPT with ring attention (docs/context.md).
+
+The sequence over "context": the GPT's attention cores become rings
+(``minishard.context``), and ``explain`` compiles the step to count the ring's
+collective-permutes against the formula and show its balance.
+
+>>> ContextStyle("dp+cp").mesh(8)
+{'data': 2, 'context': 4}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from minishard import context
+from minishard.census import human_bytes, instructions
+from minishard.costs import HARDWARE, ring_bound
+from minishard.run.cli.flags import Error
+from minishard.run.cli.models import MODELS
+from minishard.run.cli.models.entry import ModelEntry
+from minishard.run.cli.styles.style import Args, Style
+from minishard.run.steps import Optimizer, make_train_step
+from minishard.sharding import Sharded, make_mesh
+
+__all__ = ["ContextStyle"]
+
+
+class ContextStyle(Style):
+    """``cp``, ``dp+cp``: the sequence over "context", the GPT's attention a ring (``minishard.context``).
+
+    Its step is the preset's: the GPT's loss deals each batch out zig-zag
+    (``gpt.in_sequence_layout``) and its ``"ring"`` attention core sends K and V
+    round the devices of "context". ``explain`` compiles the step and shows the ring.
+    """
+
+    models = ("gpt",)
+    """The models whose loss deals a batch out in the ring's layout."""
+    compiles = True
+
+    def finish(self, args: Args, error: Error) -> None:
+        if args.explicit:
+            error(
+                f"argument --explicit: --parallel {self.name} runs ring attention's shard_map on an Auto mesh"
+            )
+
+    def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
+        if model.name not in self.models:
+            error(f"argument --parallel: {self.name} splits a sequence, and the {model.label} has none")
+        p, context = int(self.mesh(args.devices).get("context", 1)), args.context or model.defaults["context"]
+        if model.name in self.models and context % (2 * p):
+            error(f"argument --context: {context} characters do not cut into 2 x {p} zig-zag chunks")
+
+    def check(self, args: Args, model: ModelEntry, error: Error) -> None:
+        self.check_explain(args, model, error)
+
+    def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
+        built = model.build(args, key)
+        blocks = tuple(b.replace(attention=b.attention.replace(core="ring")) for b in built.blocks)
+        return built.replace(blocks=blocks)
+
+    def explain_step(self, args: Args, optimizer: Optimizer, model: Any, batch: Any) -> int | None:
+        """The ring's collective-permutes, read from the compiled step against the formula, and its
+        balance; then (None) the preset's report."""
+        shape = self.mesh(args.devices)
+        p, blocks, attention = shape["context"], len(model.blocks), model.blocks[0].attention
+        step = Sharded(make_mesh(shape), self.rules({}))(
+            make_train_step(optimizer, MODELS[args.model].task.loss)
+        )
+        found = instructions(step.lower(model, optimizer.init(model), batch))
+        sent = [n for kind, n, axes in found if kind == "collective-permute" and axes == (("context",),)]
+        b, t, heads = args.batch_size // shape.get("data", 1), args.context // p, attention.heads
+        head_dim, per_block = attention.width // heads, 2 * (p - 1) + 2 * (p - 1) + 2 * p
+        formula = blocks * per_block * b * t * heads * head_dim * 4
+        print(
+            f"Ring attention over 'context', p = {p}, zig-zag. Per block, forward: K and V x {p - 1} trips;"
+        )
+        print(
+            f"  backward: K and V x {p - 1} trips, dK and dV x {p} (the last one home): {per_block} permutes"
+        )
+        print(f"  census: collective-permute over context x{len(sent)}, {human_bytes(sum(sent))}")
+        chunk = f"[{b}, {t}, {heads}, {head_dim}]"
+        print(f"  formula: {blocks} blocks x {per_block} chunks {chunk} f32 = {human_bytes(formula)}")
+        zigzag, in_order = context.balance(p, "zigzag"), context.balance(p, "in-order")
+        print(f"  balance (slowest device / mean): zig-zag {zigzag}, in order {in_order:.3g}")
+        if args.hardware:
+            k = ring_bound(args.context, heads, heads, head_dim, p, HARDWARE[args.hardware], batch=b)
+            verdict = "hidden behind the blocks" if k <= 1 else "the ring waits; a longer context hides it"
+            print(
+                f"  on {args.hardware}: a step's sends / the attention they hide behind = {k:.3g}: {verdict}"
+            )
+        return None

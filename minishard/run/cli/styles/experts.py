@@ -1,0 +1,118 @@
+"""``ExpertStyle``: ``--parallel ep`` and ``dp+ep``, a GPT's experts over "expert" (docs/experts.md).
+
+Only a preset as steps go; its own are the checks (experts and windows that
+split over the devices) and what ``explain`` shows: where each expert lives,
+one forward pass's all-to-alls against the formula, the routings it drops.
+
+>>> ExpertStyle("dp+ep").ways({"data": 2, "expert": 4})
+8
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from minishard.census import collectives, summary
+from minishard.experts import capacity
+from minishard.rules import AxisRules
+from minishard.run.cli.flags import Error, simulate_devices
+from minishard.run.cli.models.entry import ModelEntry
+from minishard.run.cli.styles.style import Args, Style
+from minishard.sharding import Sharded, make_mesh, shard
+
+__all__ = ["ExpertStyle"]
+
+
+class ExpertStyle(Style):
+    """``ep`` and ``dp+ep``: a GPT's experts (``--experts``) over "expert", the batch over it too.
+
+    Only a preset: the MoE's own constraints make XLA send every expert its slots and the results
+    home, two all-to-alls per block forward. ``explain`` shows where each expert lives, those
+    all-to-alls against the formula, and the routings one batch drops.
+    """
+
+    def ways(self, mesh: Mapping[str, int]) -> int:
+        return int(mesh.get("data", 1) * mesh.get("expert", 1))  # the batch over "data" x "expert"
+
+    def check(self, args: Args, model: ModelEntry, error: Error) -> None:
+        if "expert" not in args.mesh:
+            error(
+                f"argument --mesh: --parallel {self.name} puts the experts on an 'expert' axis; it has none"
+            )
+        self.check_explain(args, model, error)
+
+    def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
+        """A GPT with experts; the experts over "expert", the batch's windows over "data" x "expert"."""
+        if not getattr(args, "experts", None):
+            error(
+                f"argument --parallel: {self.name} splits a mixture of experts over 'expert', and the "
+                f"{model.label} has none; add --experts N (a multiple of the 'expert' devices) to the GPT"
+            )
+        if getattr(args, "compare", False):  # every mesh shape is tried: one that cannot split says so
+            return
+        mesh = args.mesh
+        if args.experts % (devices := mesh["expert"]):
+            error(
+                f"argument --experts: {args.experts} experts do not split over expert={devices} devices; "
+                f"give a multiple of {devices}"
+            )
+        if args.batch_size is not None and args.batch_size % (ways := self.ways(mesh)):
+            error(
+                f"argument --batch-size: {args.batch_size} windows do not split over the {ways} devices of "
+                f"{' x '.join(f'{a}={n}' for a, n in mesh.items())}; give a multiple of {ways}"
+            )
+
+    def before_explain(self, args: Args) -> int:
+        """Simulate the devices ``after_plan`` compiles on; 2 (one ``error:`` line) if they cannot."""
+        simulate_devices(args.devices)
+        if args.devices > (found := len(jax.devices())):
+            print(
+                f"error: argument --devices: {args.devices} devices asked, there are {found}", file=sys.stderr
+            )
+            return 2
+        return 0
+
+    def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
+        """Where each expert lives; one batch's forward compiled: its all-to-alls, its dropped routings."""
+        mesh = make_mesh(self.mesh(args.devices), devices=jax.devices()[: args.devices])
+        built = shard(self.build(model, args, jax.random.key(0)), mesh, rules)
+        w_in = built.blocks[0].mlp.experts.w_in  # [E, M, H]: the stack "expert" splits
+        print(f"\nWhere each expert lives ({args.experts} per block, every block alike):")
+        for (first, end), devices in _holders(w_in).items():
+            print(f"  experts {first}-{end - 1}: devices {', '.join(map(str, devices))}")
+        vocab = built.embedding.tokens.shape[0]
+        ids = jax.random.randint(jax.random.key(0), (args.batch_size, args.context), 0, vocab)
+        forward = Sharded(mesh, rules)(_routed)
+        found = collectives(forward.lower(built, ids))
+        _, stats = jax.block_until_ready(forward(built, ids))
+        slots = capacity(args.context, args.experts, args.top_k, args.capacity_factor)
+        shape = (args.experts, args.batch_size // self.ways(mesh.shape), slots, w_in.shape[1])  # one device's
+        each, n = math.prod(shape) * w_in.dtype.itemsize, 2 * len(built.blocks)
+        print(f"\nOne forward pass (batch {args.batch_size} of random characters), compiled:")
+        print("\n".join("  " + line for line in summary(found).splitlines()))
+        print(
+            f"  2 all-to-alls per block, each E x G/D x C x M = {' x '.join(map(str, shape))} x "
+            f"{w_in.dtype.itemsize} B = {each:,} B: {n} in all, {n * each:,} B"
+        )
+        share = f"{int(stats.dropped) / int(stats.routed):.1%}"
+        print(f"  dropped {int(stats.dropped):,} of {int(stats.routed):,} routings ({share}) at init")
+        return 0
+
+
+def _routed(model: Any, ids: jax.Array) -> Any:
+    """A GPT's forward pass, logits and ``MoEStats``: what ``explain`` compiles for an expert style."""
+    return model.routed(ids)  # the logits too: without them XLA drops the last block's all-to-alls
+
+
+def _holders(weight: jax.Array) -> dict[tuple[int, int], list[int]]:
+    """The devices holding each block of a weight's leading axis: ``{(0, 2): [0, 4], ...}``."""
+    holders: dict[tuple[int, int], list[int]] = {}
+    for device, index in weight.sharding.devices_indices_map(weight.shape).items():
+        first, end, _ = index[0].indices(weight.shape[0])
+        holders.setdefault((first, end), []).append(int(device.id))  # type: ignore[attr-defined]
+    return {rows: sorted(ids) for rows, ids in sorted(holders.items())}

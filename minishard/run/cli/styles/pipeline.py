@@ -1,0 +1,118 @@
+"""``PipelineStyle``: ``--parallel pp`` and ``dp+pp``, and ``--microbatches`` (docs/pipeline.md).
+
+The model's blocks stacked on a "stage" axis (its entry's ``Stacking`` says
+how), the batch in microbatches; ``explain`` compiles one step and prints the
+pipeline's ticks, bubble and sends, read from the compiled loop.
+
+>>> PipelineStyle("dp+pp").mesh(8)
+{'data': 2, 'stage': 4}
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+
+from minishard import pipeline
+from minishard.rules import AxisRules
+from minishard.run.cli.flags import Error, simulate_devices
+from minishard.run.cli.models.entry import ModelEntry
+from minishard.run.cli.styles.style import Args, Style
+from minishard.run.steps import make_train_step
+from minishard.sharding import Sharded, make_mesh
+
+__all__ = ["PipelineStyle"]
+
+
+class PipelineStyle(Style):
+    """``pp`` and ``dp+pp``: the model's blocks stacked on a "stage" axis, the batch in microbatches.
+
+    By default one stacked block per stage and 2 microbatches per stage. Its
+    step is the model's ``Sharded`` step: the pipeline is the model's own
+    schedule (``minishard.pipeline``), so microbatches are not accumulated.
+    """
+
+    refuses = ("remat", "explicit")
+
+    def fill(self, args: Args, model: ModelEntry) -> None:
+        stages = int((getattr(args, "mesh", None) or self.mesh(args.devices)).get("stage", 1))
+        args.microbatches = args.microbatches or 2 * stages
+        if model.stack is not None:
+            model.stack.fill(args, stages)
+
+    def check(self, args: Args, model: ModelEntry, error: Error) -> None:
+        """Its blocks split over the stages (the model's entry says how)."""
+        self.check_explain(args, model, error)
+        if "stage" not in args.mesh:
+            error(
+                f"argument --mesh: --parallel {self.name} puts stacked blocks on a 'stage' axis; it has none"
+            )
+        for flag in self.refuses:
+            if getattr(args, flag, None):
+                error(f"argument --{flag}: not with a pipeline (--parallel {self.name})")
+        assert model.stack is not None  # checked above
+        model.stack.check(args, args.mesh["stage"], error)
+
+    def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
+        if model.stack is None:
+            error(f"argument --parallel: the {model.label} has no blocks to stack on 'stage' for a pipeline")
+        if getattr(args, "experts", 0):  # its stages would carry no MoEStats out
+            error(f"argument --experts: not with a pipeline (--parallel {self.name})")
+
+    def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
+        assert model.stack is not None  # checked with the flags
+        return model.stack.build(args, key)
+
+    def pipelined(self, model: Any, args: Args, mesh: jax.sharding.Mesh) -> Any:
+        """``model`` with its pipeline on ``mesh``: ``args.microbatches``, the batch over "data" if any."""
+        data_axis = "data" if "data" in mesh.axis_names else None
+        return model.replace(pipeline=pipeline.Pipeline(mesh, args.microbatches, data_axis=data_axis))
+
+    def prepare(self, model: Any, args: Args, mesh: jax.sharding.Mesh) -> Any:
+        """``model`` with its pipeline on ``mesh``, said in one line."""
+        model = self.pipelined(model, args, mesh)
+        pipe = model.pipeline
+        p, m = pipe.stages, pipe.microbatches
+        print(
+            f"Pipeline: {model.blocks.n} blocks over {p} stages, {m} microbatches of "
+            f"{args.batch_size // m} examples, {pipe.ticks} ticks; "
+            f"bubble {pipeline.bubble_fraction(p, m):.3f}"
+        )
+        return model
+
+    def microbatches(self, args: Args) -> int:
+        return 1  # a pipeline's microbatches are its own
+
+    def before_explain(self, args: Args) -> int:
+        """Simulate the devices ``after_plan`` compiles on; 2 (one ``error:`` line) if they cannot."""
+        simulate_devices(args.devices)
+        split = args.microbatches * self.mesh(args.devices).get("data", 1)
+        if args.devices > len(jax.devices()):
+            problem = f"--devices: {args.devices} devices asked, there are {len(jax.devices())}"
+        elif args.batch_size % split:  # a microbatch's rows split over "data"
+            problem = f"--microbatches: a batch of {args.batch_size} is not a multiple of {split}"
+        else:
+            return 0
+        print(f"error: argument {problem}", file=sys.stderr)
+        return 2
+
+    def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
+        """Compile one training step of the pipelined model and print what it costs (``pipeline_report``)."""
+        mesh = make_mesh(self.mesh(args.devices), devices=jax.devices()[: args.devices])
+        stacked = self.pipelined(
+            jax.eval_shape(lambda: self.build(model, args, jax.random.key(0))), args, mesh
+        )
+        optimizer = model.compiled_optimizer(args)
+        step = Sharded(mesh, rules)(make_train_step(optimizer, model.task.loss))
+        example = (stacked, jax.eval_shape(optimizer.init, stacked), model.example(args, args.batch_size))
+        r = pipeline.pipeline_report(step, example)
+        p, m = r.stages, r.microbatches
+        print(f"\nOne training step (batch {args.batch_size}), compiled:")
+        print(f"  stages {p}, microbatches {m}, ticks {r.ticks} (read from the compiled loop)")
+        print(f"  bubble {r.bubble:.3f} from the program, {r.bubble_formula:.3f} = (p-1)/(m+p-1)")
+        print(f"  collective-permute over 'stage': {r.permute_bytes} bytes per step")
+        print(f"  temporary memory: {r.temp_bytes / 1e6:.2f} MB per device")
+        print(pipeline.draw(pipeline.schedule(p, m)))
+        return 0

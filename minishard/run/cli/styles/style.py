@@ -1,0 +1,96 @@
+"""``Style``: the hooks the command line calls for whichever ``--parallel`` style was chosen.
+
+A style that is only its preset (``minishard.presets``) is a ``Style`` as it
+is: the preset's mesh and rules, and the model's own ``Sharded`` step. A style
+with a step of its own subclasses it in a module of its own beside this one
+(``pipeline``, ``zero``, ``context``, ``experts``) and overrides what it
+changes; ``STYLES`` (the package) lists them all.
+
+>>> Style("dp").mesh(8), Style("dp").ways({"data": 8})
+({'data': 8}, 8)
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import jax
+
+from minishard.presets import preset, preset_rules
+from minishard.rules import AxisRules
+from minishard.run.cli.flags import Error
+from minishard.run.cli.models.entry import ModelEntry
+from minishard.run.steps import Optimizer
+
+__all__ = ["Args", "Style"]
+
+
+Args = argparse.Namespace
+
+
+class Style:
+    """A ``--parallel`` style that is its preset's mesh and rules, and nothing more.
+
+    Every method is a hook the command line calls for whichever style was
+    chosen; a style with a step of its own subclasses this and overrides some.
+    """
+
+    compiles = False
+    """Whether ``explain`` compiles its step even without ``--hardware`` (to show what it sends)."""
+    parsed: ClassVar[Mapping[str, Any]] = {}
+    """What every parse holds, whichever style is chosen: ``args.zero`` is None but under ZeRO."""
+
+    def __init__(self, name: str, preset: str | None = None) -> None:
+        self.name, self.preset = name, preset or name  # the preset whose mesh and rules it uses
+
+    def mesh(self, devices: int) -> dict[str, int]:
+        return preset(self.preset, devices)[0]
+
+    def ways(self, mesh: Mapping[str, int]) -> int:
+        """The devices a batch splits over."""
+        return int(mesh.get("data", 1))
+
+    def rules(self, overrides: Mapping[str, Any]) -> AxisRules:
+        return preset_rules(self.preset, overrides)
+
+    def finish(self, args: Args, error: Error) -> None:
+        """``train``: refuse what the style cannot honour, before the mesh is decided."""
+
+    def fill(self, args: Args, model: ModelEntry) -> None:
+        """Defaults the style decides (train and explain): no microbatches but whole batches."""
+        args.microbatches = args.microbatches or 1
+
+    def check(self, args: Args, model: ModelEntry, error: Error) -> None:
+        """``train``'s flags as the style needs them, with everything filled in."""
+
+    def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
+        """``explain``'s flags as the style needs them."""
+
+    def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
+        return model.build(args, key)
+
+    def prepare(self, model: Any, args: Args, mesh: jax.sharding.Mesh) -> Any:
+        """The built model, made ready for its mesh (a pipeline's schedule)."""
+        return model
+
+    def make_step(self, args: Args, mesh: jax.sharding.Mesh) -> Callable[[Optimizer], Any] | None:
+        """``fit``'s ``make_step``: None for ``fit``'s own ``Sharded`` step."""
+        return None
+
+    def microbatches(self, args: Args) -> int:
+        """``fit``'s gradient accumulation."""
+        return int(args.microbatches)
+
+    def before_explain(self, args: Args) -> int:
+        """``explain``: 0, or the exit status of a refusal already printed (before any work)."""
+        return 0
+
+    def explain_step(self, args: Args, optimizer: Optimizer, model: Any, batch: Any) -> int | None:
+        """``explain`` pricing its step: an exit status, or None for the preset's report."""
+        return None
+
+    def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
+        """``explain``, after the plan is printed: what more the style shows; an exit status."""
+        return 0

@@ -1,0 +1,138 @@
+"""``ZeroStyle``: ``--parallel zero``, data parallelism written by hand (``minishard.zero``).
+
+dp's mesh and rules, ``minishard.zero``'s step at ZeRO-3 instead of the
+model's ``Sharded`` one; ``explain`` shows what that step sends against the
+analytic minimum, and what each device holds.
+
+>>> ZeroStyle("zero", preset="dp").mesh(8)
+{'data': 8}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import jax
+
+from minishard.census import collectives, human_bytes, summary
+from minishard.costs import cost_report
+from minishard.run.cli.flags import Error
+from minishard.run.cli.models import MODELS
+from minishard.run.cli.models.entry import ModelEntry
+from minishard.run.cli.styles.style import Args, Style
+from minishard.run.steps import CLASSIFICATION, Loss, Optimizer, Task
+from minishard.sharding import make_mesh
+from minishard.zero import zero_train_step
+
+__all__ = ["ZeroStyle"]
+
+
+class ZeroStyle(Style):
+    """``zero``: data parallelism written by hand (``minishard.zero``) at ``LEVEL``: parameters,
+    gradients and optimizer state split over "data". dp's mesh ("data" over every device) and rules."""
+
+    LEVEL = 3
+    parsed: ClassVar[Mapping[str, Any]] = {"zero": None}  # ZeRO's level, under --parallel zero
+    METRIC_BYTES = 2 * 4
+    """What its step all-reduces besides gradients: the loss and accuracy, two float32 scalars."""
+    compiles = True
+
+    def finish(self, args: Args, error: Error) -> None:
+        if args.rules or args.explicit:
+            flag = "--rules" if args.rules else "--explicit"
+            error(f"argument {flag}: --parallel zero places every array itself (minishard.zero); drop {flag}")
+        if args.mesh is not None and list(args.mesh) != ["data"]:
+            error(f"argument --mesh: --parallel zero runs on one axis, data=N; got {args.mesh}")
+        self.whole_batches(args, error)
+        args.zero = self.LEVEL
+
+    def whole_batches(self, args: Args, error: Error) -> None:
+        """Its step takes each batch whole: --microbatches would be ignored."""
+        if args.microbatches is not None:
+            error(
+                "argument --microbatches: --parallel zero's step (minishard.zero) takes each batch whole; "
+                "drop --microbatches"
+            )
+
+    def check(self, args: Args, model: ModelEntry, error: Error) -> None:
+        if len(model.task.metrics) != 1:  # minishard.zero's step reports the loss and one metric
+            error(
+                f"argument --parallel: zero's step (minishard.zero) reports a loss and one metric; "
+                f"the {model.label} reports {len(model.task.metrics)}"
+            )
+        if getattr(args, "experts", 0):  # measured: a small MoE GPT's first loss differs by 0.015
+            error(
+                "argument --experts: not with --parallel zero (its step does not equal one device's for MoE)"
+            )
+
+    def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
+        self.check(args, model, error)
+        self.whole_batches(args, error)
+        if args.plot and not args.compare:
+            error(
+                "argument --plot: --parallel zero has no plan to draw (it splits flat shards); use --compare"
+            )
+
+    def make_step(self, args: Args, mesh: jax.sharding.Mesh) -> Callable[[Optimizer], Any]:
+        print(f"ZeRO-{self.LEVEL} by hand (minishard.zero): every array split 1/{mesh.size} per device")
+        return lambda optimizer: self.step(optimizer, mesh, MODELS[args.model].task)
+
+    def step(self, optimizer: Optimizer, mesh: jax.sharding.Mesh, task: Task = CLASSIFICATION) -> Any:
+        """``minishard.zero``'s step at ``LEVEL`` on ``task``'s loss (typed for SGD and AdamW; any
+        optax-like optimizer's state splits)."""
+        loss = _with_one_metric(task.loss)
+        return zero_train_step(optimizer, mesh, level=self.LEVEL, loss=loss)  # type: ignore[arg-type]
+
+    def explain_step(self, args: Args, optimizer: Optimizer, model: Any, batch: Any) -> int:
+        """What ZeRO's step sends, against the analytic minimum: an all-gather of the parameters
+        (each padded to split evenly) plus a reduce-scatter of their gradients; no gradient all-reduce."""
+        n, mesh = args.devices, make_mesh({"data": args.devices})
+        step = self.step(optimizer, mesh, MODELS[args.model].task)
+        placed = step.shard(model)
+        step_args = (placed, step.init(placed), batch)
+        found = collectives(step.lower(*step_args))
+        sent = {
+            kind: found[kind].bytes if kind in found else 0
+            for kind in ("all-gather", "reduce-scatter", "all-reduce")
+        }
+        whole = sum((leaf.size + -leaf.size % n) * leaf.dtype.itemsize for leaf in jax.tree.leaves(model))
+        print(f"{args.model} under zero (ZeRO-{self.LEVEL} by hand) on {n} devices, batch {args.batch_size}")
+        print(
+            "collectives of the zero step:\n" + "\n".join("  " + line for line in summary(found).splitlines())
+        )
+        gradient = max(sent["all-reduce"] - self.METRIC_BYTES, 0)
+        reduced = f"{sent['all-reduce']:,} B all-reduced, {self.METRIC_BYTES} B of it the loss and accuracy"
+        print(f"full-gradient all-reduce: {gradient:,} B ({reduced})")
+        gathered, scattered = sent["all-gather"], sent["reduce-scatter"]
+        print(
+            f"sent: all-gather {gathered:,} B + reduce-scatter {scattered:,} B = {gathered + scattered:,} B"
+        )
+        minimum = whole + whole // n  # every parameter gathered, 1/n of every gradient scattered to each
+        print(f"the minimum: the parameters (padded to split {n} ways) {whole:,} B + 1/{n}: {minimum:,} B")
+        state = step_args[1]._asdict() if hasattr(step_args[1], "_asdict") else {"state": step_args[1]}
+        kept = {"parameters": placed} | {
+            f"{type(optimizer).__name__} {name}": tree for name, tree in state.items()
+        }
+        held = [
+            f"{name} {human_bytes(_one_device(tree))}" for name, tree in kept.items() if _one_device(tree) > 4
+        ]
+        print("per device: " + ", ".join(held))  # (a step counter's 4 B left out)
+        if args.hardware:
+            print(cost_report(step, step_args, mesh, self.rules({}), args.hardware))
+        return 0
+
+
+def _one_device(tree: Any) -> int:
+    """The bytes of ``tree`` that its first device holds."""
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+def _with_one_metric(loss: Loss) -> Callable[[Any, Any], tuple[jax.Array, jax.Array]]:
+    """A ``Task``'s loss, ``(loss, (metric,))``, as ``minishard.zero`` takes it: ``(loss, metric)``."""
+
+    def zero_loss(model: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+        value, (metric,) = loss(model, batch)
+        return value, metric
+
+    return zero_loss

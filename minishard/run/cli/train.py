@@ -1,0 +1,320 @@
+"""``minishard train``: ``fit`` a model of ``MODELS`` on a device mesh, as the flags say.
+
+    minishard train --model vit --parallel fsdp --epochs 1 --checkpoint-dir runs/vit
+
+Everything here is flags and printing: the model's entry (``models``) says
+what is trained and on what, the style's entry (``styles``) how it is spread,
+and ``minishard.run.train.fit`` trains. One subtlety: simulated CPU devices
+must be requested through ``XLA_FLAGS`` before JAX starts its backend (at the
+first ``jax.devices()``, not at ``import jax``), so ``run`` sets the flag
+before anything asks for devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
+
+from minishard.report import explain
+from minishard.rules import ShardingError
+from minishard.run import distributed
+from minishard.run.cli import flags, styles
+from minishard.run.cli.flags import Error, at_least, default_text, finish_train, simulate_devices
+from minishard.run.cli.models import MODELS
+from minishard.run.cli.models.entry import ModelEntry, Splits
+from minishard.run.cli.models.gpt import refuse_experts
+from minishard.run.cli.styles import cli_rules, style_of, warn_unused
+from minishard.run.cli.styles.style import Style
+from minishard.run.compiling import enable_compilation_cache
+from minishard.run.data import check_batch_split
+from minishard.run.errors import CheckpointError, TrainingError
+from minishard.run.horizon import Horizon
+from minishard.run.render import plot_history, show
+from minishard.run.resume import check_checkpoint_dir
+from minishard.run.steps import Optimizer
+from minishard.run.tfds_reading import DataError
+from minishard.run.train import fit
+from minishard.sharding import Sharded, make_mesh
+
+__all__ = ["EXPECTED_ERRORS", "HELP", "add_arguments", "check", "run", "train_on_mesh"]
+
+HELP = f"train a model ({', '.join(MODELS)}) on a device mesh, on its data set"
+EXPECTED_ERRORS: tuple[type[Exception], ...] = (
+    DataError,
+    ShardingError,
+    TrainingError,
+    CheckpointError,
+    distributed.DistributedError,
+)
+"""Failures whose message already says what and where: printed as one ``error:`` line."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minishard train``'s flags. A flag whose default is ``None`` was not given (see ``check``)."""
+    parser.set_defaults(model="mlp", devices=8, seed=0)
+    models = ", ".join(f"{entry.name} ({entry.help})" for entry in MODELS.values())
+    parser.add_argument("--model", choices=list(MODELS), help=f"{models} (default %(default)s)")
+    datasets = sorted({name for entry in MODELS.values() for name in entry.datasets})
+    firsts: dict[str, list[str]] = {}  # each model's first data set, and the models it is first of
+    for entry in MODELS.values():
+        firsts.setdefault(entry.datasets[0], []).append(entry.name)
+    default = "; ".join(f"{name} for {', '.join(takers)}" for name, takers in firsts.items())
+    parser.add_argument("--dataset", choices=datasets, help=f"the model's data set (default: {default})")
+    _add_model_flags(parser)
+    _add_training_flags(parser)
+    _add_mesh_flags(parser)
+    _add_run_flags(parser)
+    _add_process_flags(parser)
+    styles.add_arguments(parser, help="a named style's mesh and rules (--mesh and --rules still override)")
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """Each model's own flags (``ModelEntry.flags``), once each, naming the models that take them."""
+    owners: dict[str, list[ModelEntry]] = {}
+    for entry in MODELS.values():
+        for name in entry.flags:
+            owners.setdefault(name, []).append(entry)
+    for name, takers in owners.items():
+        takers[0].flags[name].add_to(parser, name, takers)
+
+
+def _add_training_flags(parser: argparse.ArgumentParser) -> None:
+    """How long, how large and how fast: every model takes these; each gives its own defaults."""
+
+    def add(flag: str, help: str, **options: Any) -> None:
+        name = flag.removeprefix("--").replace("-", "_")
+        parser.add_argument(flag, help=help + default_text(name, MODELS.values()), **options)
+
+    add("--epochs", "total epochs, also when resuming", type=at_least(1))
+    add("--steps", "train by steps instead: total steps, also when resuming", type=at_least(1))
+    add(
+        "--eval-every",
+        "with --steps: steps between evaluations (default: only after the last)",
+        type=at_least(1),
+    )
+    add(
+        "--batch-size",
+        "global batch size; the GPT's: the multiple of data x microbatches nearest 12",
+        type=at_least(1),
+    )
+    add("--lr", "initial (or peak) learning rate", type=flags.positive)
+    add("--schedule", "learning rate schedule", choices=("exponential", "cosine"))
+    add("--warmup-steps", "cosine: steps of linear warmup", type=at_least(0))
+
+
+def _add_mesh_flags(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--mesh",
+        type=flags.mesh,
+        help=f"mesh axes, e.g. data=2,model=4 (default: --parallel's, else {flags.DEFAULT_MESH})",
+    )
+    add("--explicit", action="store_true", help="Explicit mesh axes: shardings are part of array types")
+    add(
+        "--rules",
+        type=flags.rules,
+        help="logical=mesh rules, e.g. mlp=model (default: the 2d style's, on the axes of --mesh)",
+    )
+    add("--devices", type=at_least(1), help="CPU devices to simulate when there is no accelerator")
+    add("--seed", type=at_least(0))
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """Checkpoints, what is written at the end, where the data is, and how a failure is shown."""
+    add = parser.add_argument
+    add("--checkpoint-dir", help="save checkpoints here (every --checkpoint-every steps, and per record)")
+    add("--checkpoint-every", type=at_least(1), default=None, help="steps between checkpoints")
+    add("--keep", type=at_least(1), default=3, help="checkpoints to keep (default %(default)s)")
+    add("--resume", action="store_true", help="continue from the latest good checkpoint")
+    add(
+        "--resume-from",
+        metavar="STEP",
+        type=at_least(0),
+        help="continue from this checkpoint (implies --resume)",
+    )
+    add(
+        "--overwrite",
+        action="store_true",
+        help="a fresh run may delete the checkpoints another run left in --checkpoint-dir",
+    )
+    add(
+        "--plot",
+        help=f"draw the loss, the metrics and the learning rate ({', '.join(flags.PLOT_FORMATS)})",
+    )
+    add("--log", help="append JSON lines of metrics (per epoch or evaluation, and every 20 steps)")
+    add("--data-dir", help="TFDS data directory (default: $TFDS_DATA_DIR, then ~/tensorflow_datasets)")
+    add("--no-download", dest="download", action="store_false", help="never touch the network")
+    add(
+        "--compile-cache",
+        help="keep compiled programs in this directory (JAX's persistent compilation cache)",
+    )
+    add("--debug", action="store_true", help="show the full traceback of an unexpected error")
+
+
+def _add_process_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a multi-process run; each defaults to the environment (``distributed.detect``)."""
+    group = parser.add_argument_group(
+        "multi-process run", "one process per host; see docs/multihost.md (default: the environment)"
+    )
+    add = group.add_argument
+    add(
+        "--coordinator",
+        metavar="HOST:PORT",
+        type=flags.address,
+        help="process 0's address (default: $JAX_COORDINATOR_ADDRESS, or SLURM's first node)",
+    )
+    add(
+        "--num-processes",
+        metavar="N",
+        type=flags.integer(1),
+        help="processes in the run ($JAX_NUM_PROCESSES)",
+    )
+    add("--process-id", metavar="I", type=flags.integer(0), help="this process, 0..N-1 ($JAX_PROCESS_ID)")
+    add(
+        "--init-timeout",
+        metavar="SECONDS",
+        type=flags.seconds,
+        default=distributed.DEFAULT_TIMEOUT,
+        help="wait this long for the coordinator and every process (default %(default)s)",
+    )
+
+
+def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
+    """Every flag together, before any work (``flags.finish_train``); the errors are argparse's."""
+    model = MODELS[args.model]
+    refuse_experts(args, model, error)  # before finish_train's "only the GPT takes it": what it would do
+    args.parallel = args.parallel or model.style
+    return finish_train(args, error, model, style_of(args.parallel), MODELS.values())
+
+
+def run(args: argparse.Namespace) -> int:
+    """Set up simulated devices, join the run, ``train_on_mesh``; every way out is one line and a status."""
+    simulate_devices(args.devices)  # per process: with 2 processes, --devices 4 makes 8 in all
+    try:
+        # Join the run that the flags or the environment describe (nothing to do for one process).
+        place = args.coordinator, args.num_processes, args.process_id
+        distributed.initialize(*place, timeout=args.init_timeout)
+        with distributed.print_on_main_only():  # process 0 speaks for the run
+            return train_on_mesh(args)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted{_latest_checkpoint(args.checkpoint_dir)}", file=sys.stderr)
+        return distributed.leave(130)  # with several processes: exit now, the others cannot go on
+    except Exception as error:
+        if args.debug:
+            raise
+        if isinstance(error, EXPECTED_ERRORS):
+            print(f"error: {error}", file=sys.stderr)
+        else:
+            print(
+                f"error: {type(error).__name__}: {error} (run with --debug for the traceback)",
+                file=sys.stderr,
+            )
+        return distributed.leave(1)
+
+
+def train_on_mesh(args: argparse.Namespace) -> int:
+    """Run ``fit`` as the arguments say; 0 on success, 2 on a mesh that does not fit the devices."""
+    model, style = MODELS[args.model], style_of(args.parallel)
+    resume = dict(resume=args.resume, resume_from=args.resume_from, overwrite=args.overwrite)
+    if args.checkpoint_dir:  # another run's checkpoints, a read-only disk, a missing step: before any work
+        check_checkpoint_dir(args.checkpoint_dir, **resume)
+    if refused := _check_devices(args):
+        return refused
+    if args.compile_cache:
+        enable_compilation_cache(args.compile_cache)
+    mesh = make_mesh(args.mesh, explicit=args.explicit)
+    rules = cli_rules(args, mesh.axis_names)
+    check_batch_split(Sharded(mesh, rules).batch_sharding, args.batch_size)
+    built = style.prepare(style.build(model, args, jax.random.key(args.seed)), args, mesh)
+    if distributed.is_main_process():
+        warn_unused(args.mesh, rules)
+    print(f"Rules: {rules}")
+    show(explain(built, mesh, rules))  # plans every parameter: a rule that cannot work fails here
+    splits = model.data(args)
+    optimizer = model.optimizer(
+        args, Horizon.of(args.epochs, args.steps, args.eval_every, splits.train).total
+    )
+    history = _fit(args, model, style, built, optimizer, splits, mesh, rules)
+    if args.plot and history and distributed.is_main_process():
+        plot_history(history, args.plot, optimizer.learning_rate)
+        print(f"Wrote {args.plot}")
+    return 0
+
+
+def _check_devices(args: argparse.Namespace) -> int:
+    """Say which devices the run has; 2 (one ``error:`` line) if the mesh does not fit them."""
+    devices = jax.devices()  # with several processes: the devices of all of them
+    if jax.process_count() > 1:
+        print(f"{jax.process_count()} processes x {jax.local_device_count()} devices: {len(devices)} in all")
+    elif devices[0].platform == "cpu":
+        print(f"No accelerator: simulating {len(devices)} CPU devices (XLA_FLAGS={os.environ['XLA_FLAGS']})")
+        if len(devices) != args.devices:
+            print(f"(XLA_FLAGS already set the device count, so --devices {args.devices} is not used)")
+    if (needed := math.prod(args.mesh.values())) != len(devices):
+        axes = ",".join(f"{name}={size}" for name, size in args.mesh.items())
+        print(
+            f"error: argument --mesh: {axes} needs {needed} devices, there are {len(devices)}",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+def _fit(
+    args: argparse.Namespace,
+    model: ModelEntry,
+    style: Style,
+    built: Any,
+    optimizer: Optimizer,
+    splits: Splits,
+    mesh: jax.sharding.Mesh,
+    rules: Any,
+) -> list[dict[str, Any]]:
+    """``fit``'s run of ``built``, as the flags, the model's entry and the style's entry say."""
+    _, _, history = fit(
+        built,
+        optimizer,
+        splits.train,
+        mesh=mesh,
+        rules=rules,
+        epochs=args.epochs,
+        steps=args.steps,
+        eval_every=args.eval_every,
+        eval_data=splits.eval,
+        test_data=splits.test,
+        task=model.task,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep=args.keep,
+        resume=args.resume,
+        resume_from=args.resume_from,
+        overwrite=args.overwrite,
+        info={**model.saved(args), **splits.info},  # what `sample` needs to rebuild the model, without data
+        make_step=style.make_step(args, mesh),  # None: fit's own Sharded step
+        metrics_log=args.log if distributed.is_main_process() else None,  # one writer per file
+        log_every=20,
+        microbatches=style.microbatches(args),
+    )
+    return history
+
+
+def _latest_checkpoint(directory: str | None) -> str:
+    """``"; the latest checkpoint is step 300 in runs/x: ..."``, read from the directory listing.
+
+    Ctrl-C may come before the directory exists (during the data load or the compile).
+    """
+    if not directory:
+        return ""
+    try:
+        steps = sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit())
+    except OSError:  # not created yet (or unreadable): nothing was written there
+        steps = []
+    if not steps:
+        return f": no checkpoint was written in {directory}"
+    return f"; the latest checkpoint is step {steps[-1]} in {directory}: continue with --resume"

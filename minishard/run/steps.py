@@ -1,0 +1,144 @@
+"""One training step and one evaluation, as pure functions a loop compiles; a ``Task`` says what they compute.
+
+A train step is ``(model, opt_state, batch) -> (model, opt_state, loss, *metrics)``:
+pure, so ``Sharded`` (or ``jax.jit``) compiles it once and the loop calls it
+every step. What it computes comes from a ``Task``: the loss of a batch and the
+metrics reported beside it (the MNIST models' accuracy; a language model has
+none), and the sums an evaluation adds up over a split. Any optimizer with
+optax's two functions works (``Optimizer``): ``minishard.SGD`` today, AdamW
+beside it.
+
+>>> import jax, numpy as np, minishard as ms
+>>> model = ms.mlp([4, 2], key=jax.random.key(0))
+>>> batch = {"image": np.ones((8, 4), np.float32), "label": np.zeros(8, np.int32)}
+>>> step = jax.jit(make_train_step(ms.SGD(0.1)))
+>>> model, opt_state, loss, accuracy = step(model, ms.SGD(0.1).init(model), batch)
+>>> CLASSIFICATION.metrics
+('acc',)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from minishard.losses import accuracy, cross_entropy, one_hot
+from minishard.pipeline import microbatched
+from minishard.run.data import Batch, to_global
+
+__all__ = [
+    "CLASSIFICATION",
+    "Optimizer",
+    "Task",
+    "classification_loss",
+    "classification_sums",
+    "evaluate",
+    "make_train_step",
+    "microbatched_train_step",
+    "step_for",
+]
+
+GlobalBatch = dict[str, jax.Array]  # a Batch placed on the mesh by `to_global`
+Loss = Callable[[Any, GlobalBatch], tuple[jax.Array, tuple[jax.Array, ...]]]
+"""``(model, batch) -> (loss, metrics)``: both means over the batch, ``metrics`` a tuple of scalars."""
+
+
+class Optimizer(Protocol):
+    """What a loop needs of an optimizer, as in optax: two pure functions and the learning rate.
+
+    ``minishard.SGD`` is one; so is any object with the same three names (AdamW).
+    """
+
+    @property
+    def learning_rate(self) -> Any: ...  # a float, or a function of the step (drawn by --plot)
+
+    def init(self, params: Any) -> Any: ...
+
+    def update(self, params: Any, grads: Any, state: Any) -> tuple[Any, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What a model is trained to do: ``loss`` (with the ``metrics`` it reports) and the sums of ``evaluate``.
+
+    ``evaluate(model, batch) -> {name: sum, ..., "count": n}`` adds up over the
+    real rows of a (possibly padded) evaluation batch; an evaluation reports
+    every ``sum / count``. Both are pure: the loop compiles them with ``Sharded``.
+    """
+
+    loss: Loss
+    metrics: tuple[str, ...]
+    evaluate: Callable[[Any, GlobalBatch], dict[str, jax.Array]]
+
+
+def classification_loss(model: Any, batch: GlobalBatch) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Cross-entropy of ``model(batch["image"])`` against ``batch["label"]``, and the accuracy."""
+    logits = model(batch["image"])
+    labels = batch["label"]
+    return cross_entropy(logits, one_hot(labels, logits.shape[-1])), (accuracy(logits, labels),)
+
+
+def classification_sums(model: Any, batch: GlobalBatch) -> dict[str, jax.Array]:
+    """Correct predictions (``acc``) and real examples (``count``) in a padded batch (its ``mask``)."""
+    logits = model(batch["image"])
+    correct = (jnp.argmax(logits, axis=-1) == batch["label"]) * batch["mask"]
+    return {"acc": correct.sum(), "count": batch["mask"].sum()}
+
+
+CLASSIFICATION = Task(classification_loss, ("acc",), classification_sums)
+"""The MNIST models' task: cross-entropy, reporting accuracy in training and in evaluation."""
+
+
+def make_train_step(optimizer: Optimizer, loss: Loss = classification_loss) -> Callable[..., Any]:
+    """One optimizer step on one batch; pure, so ``Sharded``/``jax.jit`` can compile it."""
+
+    def train_step(model: Any, opt_state: Any, batch: GlobalBatch) -> tuple[Any, ...]:
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(model, batch)
+        model, opt_state = optimizer.update(model, grads, opt_state)
+        return model, opt_state, value, *metrics
+
+    return train_step
+
+
+def microbatched_train_step(
+    optimizer: Optimizer, m: int, loss: Loss = classification_loss
+) -> Callable[..., Any]:
+    """``make_train_step``, its gradients accumulated over ``m`` microbatches (``pipeline.microbatched``).
+
+    The same step (loss and gradients averaged over the batch), one microbatch's
+    activations alive at a time: ``minishard train --microbatches M``.
+    """
+
+    def train_step(model: Any, opt_state: Any, batch: GlobalBatch) -> tuple[Any, ...]:
+        (value, metrics), grads = microbatched(loss, m)(model, batch)
+        model, opt_state = optimizer.update(model, grads, opt_state)
+        return model, opt_state, value, *metrics
+
+    return train_step
+
+
+def step_for(task: Task, optimizer: Optimizer, microbatches: int = 1) -> Callable[..., Any]:
+    """The step of ``task``: on whole batches, or accumulated over ``microbatches``."""
+    if microbatches == 1:
+        return make_train_step(optimizer, task.loss)
+    return microbatched_train_step(optimizer, microbatches, task.loss)
+
+
+def evaluate(
+    step: Callable[..., Mapping[str, jax.Array]],
+    model: Any,
+    batches: Iterable[Batch],
+    sharding: NamedSharding,
+) -> dict[str, float]:
+    """Every ``sum / count`` of ``step`` (a compiled ``Task.evaluate``) over ``batches``, each row once."""
+    totals: dict[str, float] = {}
+    for batch in batches:
+        for name, value in step(model, to_global(batch, sharding)).items():
+            totals[name] = totals.get(name, 0.0) + float(value)  # float() waits for the step
+    count = max(totals.pop("count", 0.0), 1.0)
+    return {name: total / count for name, total in totals.items()}

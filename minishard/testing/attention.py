@@ -1,0 +1,183 @@
+"""Property-test your own context-parallel attention: ``sequence_layouts``, ``assert_attention_equivalent``.
+
+Context parallelism is written by hand (``minishard.context``, ``minishard.sequence``):
+a ``shard_map`` where a wrong mask on the diagonal chunk, a chunk skipped that should
+have run, or a position read in the wrong order computes something else without any
+error. The oracle is attention on one device, on the sequence in its natural order:
+the distributed output and its gradients, put back in order, must equal it, for every
+mesh, layout and shape. A failure names the first token that differs, the device and
+the chunk that hold it.
+
+Your attention takes the signature of ``minishard.context.ring_attention``:
+``attend_fn(q, k, v, *, axis, causal, layout)``, run inside ``shard_map`` on this
+device's ``[batch, seq / p, heads, head_dim]``, its chunks of ``layout``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+from jax.sharding import Mesh
+
+from minishard.context import CHUNKS, attention, permute, positions
+from minishard.sequence import Attend, over_sequence
+from minishard.sharding import make_mesh
+from minishard.testing._cache import cached
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLayout:
+    """Where a sequence's chunks live: ``mesh[axis]``'s devices, in ``layout``'s order,
+    for arrays of ``shape`` ``[batch, seq, heads, head_dim]``."""
+
+    mesh: Mesh
+    axis: str
+    layout: str
+    shape: tuple[int, int, int, int]
+
+    @property
+    def devices(self) -> int:
+        return int(self.mesh.shape[self.axis])
+
+    def holder(self, position: int) -> tuple[int, int]:
+        """``(device, chunk)`` holding the token at ``position``."""
+        order = np.asarray(positions(self.shape[1], self.devices, self.layout))
+        chunk_len = self.shape[1] // (self.devices * CHUNKS[self.layout])
+        return int(np.flatnonzero(order == position)[0]) // (
+            self.shape[1] // self.devices
+        ), position // chunk_len
+
+
+def sequence_layouts(
+    *,
+    devices: Sequence[int] = (2, 4, 8),
+    layouts: Sequence[str] = tuple(CHUNKS),
+    chunk_lengths: Sequence[int] = (1, 2),
+    heads: Sequence[int] = (1, 2),
+    head_dims: Sequence[int] = (4, 8),
+    batch: Sequence[int] = (1,),
+    heads_per_device: bool = False,
+    axis: str = "seq",
+) -> st.SearchStrategy[SequenceLayout]:
+    """Meshes, layouts and shapes to run a context-parallel attention on.
+
+    The sequence is ``devices * chunks per device * chunk length`` tokens, so every
+    layout splits it; ``heads_per_device``: ``heads`` counts heads per device (Ulysses
+    needs heads divisible by the devices). Sizes come from small fixed sets: each new
+    shape compiles. Device counts above ``jax.device_count()`` are left out.
+
+    >>> sequence_layouts(devices=(16,))
+    Traceback (most recent call last):
+    ValueError: sequence_layouts: no device count in (16,) fits the 8 devices of this process
+    """
+    fits = [p for p in devices if p <= jax.device_count()]
+    if not fits:
+        raise ValueError(
+            f"sequence_layouts: no device count in {tuple(devices)} fits the {jax.device_count()} devices "
+            "of this process"
+        )
+
+    def build(p: int, layout: str, chunk: int, h: int, d: int, b: int) -> SequenceLayout:
+        shape = (b, p * CHUNKS[layout] * chunk, h * p if heads_per_device else h, d)
+        return SequenceLayout(_mesh(p, axis), axis, layout, shape)
+
+    pick = st.sampled_from
+    return st.builds(
+        build, pick(fits), pick(layouts), pick(chunk_lengths), pick(heads), pick(head_dims), pick(batch)
+    )
+
+
+@functools.cache
+def _mesh(p: int, axis: str) -> Mesh:
+    """One mesh per device count: a mesh is part of what jit compiles for."""
+    return make_mesh({axis: p}, devices=jax.devices()[:p])
+
+
+def assert_attention_equivalent(
+    attend_fn: Attend,
+    case: SequenceLayout,
+    *,
+    causal: bool,
+    seed: int = 0,
+    reference: Callable[..., jax.Array] | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+) -> jax.Array:
+    """``attend_fn`` over ``case``'s devices equals ``reference`` (attention on one device), forward
+    and gradients; returns the distributed output, in sequence order.
+
+    Random ``q, k, v`` in sequence order are permuted into ``case.layout``, attended in
+    ``over_sequence``, and put back; the gradients are those of ``sum(sin(out))``.
+    ``reference(q, k, v)`` sees the sequence in order (default: ``attention``).
+
+    >>> from minishard.context import ring_attention
+    >>> case = SequenceLayout(_mesh(2, "seq"), "seq", "zigzag", (1, 8, 2, 4))
+    >>> assert_attention_equivalent(ring_attention, case, causal=True).shape
+    (1, 8, 2, 4)
+    """
+    q, k, v = np.random.default_rng(seed).normal(size=(3, *case.shape)).astype(np.float32)
+    got = jax.block_until_ready(_distributed(attend_fn, case.mesh, case.axis, case.layout, causal)(q, k, v))
+    want = jax.block_until_ready(_oracle(reference, causal)(q, k, v))
+    for name, a, b in zip(("output", "grad q", "grad k", "grad v"), got, want):
+        _compare(name, np.asarray(a), np.asarray(b), case, causal, rtol, atol)
+    return got[0]
+
+
+def _value_and_grads(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+    """``(fn(q, k, v), *grads of sum(sin(fn(q, k, v))))``, jitted."""
+
+    def loss(q: Any, k: Any, v: Any) -> Any:
+        out = fn(q, k, v)
+        return jnp.sum(jnp.sin(out)), out
+
+    def value_and_grads(q: Any, k: Any, v: Any) -> Any:
+        grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return (out, *grads)
+
+    return jax.jit(value_and_grads)
+
+
+@cached
+def _oracle(reference: Callable[..., jax.Array] | None, causal: bool) -> Any:
+    """The reference run, compiled once per reference (attention on one device by default)."""
+    return _value_and_grads(reference or functools.partial(attention, causal=causal))
+
+
+@cached
+def _distributed(attend_fn: Attend, mesh: Mesh, axis: str, layout: str, causal: bool) -> Any:
+    """The distributed run, in sequence order, compiled once per function, mesh and layout."""
+    p, run = int(mesh.shape[axis]), over_sequence(attend_fn, mesh, axis=axis, causal=causal, layout=layout)
+    return _value_and_grads(
+        lambda *qkv: permute(run(*(permute(x, p, layout) for x in qkv)), p, layout, inverse=True)
+    )
+
+
+def _compare(
+    name: str, got: np.ndarray, want: np.ndarray, case: SequenceLayout, causal: bool, rtol: float, atol: float
+) -> None:
+    """Equal within tolerance, or an error naming the first token that differs and who holds it."""
+    wrong = ~np.isclose(got, want, rtol=rtol, atol=atol).all(axis=(0, 2, 3))  # per position in the sequence
+    if not wrong.any():
+        return
+    first = int(np.flatnonzero(wrong)[0])
+    device, chunk = case.holder(first)
+    hint = (
+        " (the tokens before it agree: does a query see a future key, or miss a past chunk?)"
+        if causal and first
+        else ""
+    )
+    raise AssertionError(
+        f"{name}: {int(wrong.sum())} of {wrong.size} tokens differ, the first at position {first} (device "
+        f"{device}, chunk {chunk}, layout {case.layout!r}, {case.devices} devices, causal={causal}){hint}; "
+        f"largest error {float(np.abs(got - want).max()):.2e}"
+    )
+
+
+__all__ = ["SequenceLayout", "assert_attention_equivalent", "sequence_layouts"]

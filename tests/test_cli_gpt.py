@@ -1,0 +1,220 @@
+"""``minishard train --model gpt``, ``minishard sample`` and ``minishard explain --model gpt``.
+
+The runs here are tiny GPTs (16 features, one or two blocks, a context of 16) for a few steps on the real
+tiny_shakespeare; the default run (nanoGPT's CPU configuration, val loss <= 1.88) is measured in docs/gpt.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import string
+
+import jax
+import numpy as np
+import pytest
+from strategies import assert_trees_equal
+
+import minishard as ms
+from minishard.models.gpt import GPT, as_stacked, as_unstacked, sample
+from minishard.run.checkpoint import Checkpointer
+from minishard.run.cli import main, parse_args
+from minishard.run.cli.models.gpt import GPT_ENTRY
+from minishard.run.cli.sample import restore_gpt
+from minishard.run.text_data import Vocabulary
+
+needs_shakespeare = pytest.mark.skipif(
+    not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "tiny_shakespeare")),
+    reason="needs tiny_shakespeare prepared by tfds: set TFDS_DATA_DIR (make test does)",
+)
+TINY = ["--model", "gpt", "--width", "16", "--depth", "1", "--heads", "2", "--context", "16", "--no-download"]
+FLOAT = r"(\d+\.\d+)"
+SHAKESPEARE = "\n !$&',-.3:;?" + string.ascii_uppercase + string.ascii_lowercase
+"""tiny_shakespeare's 65 characters, sorted: its vocabulary."""
+
+
+def records(output: str) -> list[str]:
+    """The lines of each evaluation, without their (machine-dependent) durations."""
+    return [re.sub(r" in [\d.]+ s", "", line) for line in output.splitlines() if line.startswith("Step ")]
+
+
+@needs_shakespeare
+@pytest.mark.slow  # reading the text imports TensorFlow; a step, two evaluations and decoding compile
+def test_the_gpt_trains_by_steps_and_its_checkpoint_samples_without_data(tmp_path, capsys, monkeypatch):
+    directory, log, plot = str(tmp_path / "run"), tmp_path / "metrics.jsonl", tmp_path / "curves.png"
+    flags = ["--steps", "4", "--eval-every", "2", "--checkpoint-dir", directory]
+    assert main(["train", *TINY, *flags, "--log", str(log), "--plot", str(plot)]) == 0
+    lines = records(capsys.readouterr().out)
+    assert [re.search(rf"· val loss {FLOAT}", line) is not None for line in lines] == [True, True]
+    assert re.search(rf"· test loss {FLOAT}$", lines[-1]) and "test loss" not in lines[0]
+    val = [float(re.search(rf"val loss {FLOAT}", line)[1]) for line in lines]
+    assert val[1] < val[0] < 2 * math.log(65)  # learning, from about chance
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines() if "seconds" in line] == [2, 4]
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    with Checkpointer(directory, read_only=True) as checkpointer:
+        step, meta = checkpointer.read_meta()
+    info = meta["info"]
+    assert step == 4 and info["model"] == "gpt" and info["parallel"] == "dp" and len(info["vocabulary"]) == 65
+    assert info["flags"]["context"] == 16 and meta["batch_size"] == 16
+
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "no-data-here"))  # sampling reads only the checkpoint
+    sample = ["sample", "--checkpoint-dir", directory, "--prompt", "ROMEO:", "--tokens", "40"]
+    texts = []
+    for seed in ("0", "0", "1"):
+        assert main([*sample, "--temperature", "0.8", "--seed", seed]) == 0
+        texts.append(capsys.readouterr().out.rstrip("\n"))
+    assert texts[0].startswith("ROMEO:") and len(texts[0]) == len("ROMEO:") + 40
+    assert texts[0] == texts[1] and texts[0] != texts[2]  # the same seed, the same text
+
+
+@needs_shakespeare
+@pytest.mark.slow  # two short runs, each compiling its steps
+def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys):
+    directory = str(tmp_path / "run")
+
+    def trained(*flags):
+        common = ["--steps", "6", "--eval-every", "3", "--checkpoint-dir", directory]
+        assert main(["train", *TINY, *common, *flags]) == 0
+        with Checkpointer(directory, read_only=True) as checkpointer:
+            step, meta = checkpointer.read_meta()
+        return jax.device_get(restore_gpt(directory, step, meta["info"])), records(capsys.readouterr().out)
+
+    # The same 6 steps (a cosine's length is the run's): straight, then again from the checkpoint of step 4.
+    straight, straight_lines = trained("--checkpoint-every", "2")
+    resumed, resumed_lines = trained("--resume-from", "4")
+    assert_trees_equal(resumed, straight)  # every step's windows a pure function of (seed, step)
+    assert resumed_lines == straight_lines[-1:]  # steps 5-6 of the period 4-6: the same losses, val and test
+
+
+BAD_FLAGS = [
+    (["--context", "60000"], "argument --context: 60000 characters and the next one do not fit"),
+    (["--heads", "3"], "argument --heads: 3 heads must divide --width 128"),
+    (["--parallel", "tp"], "argument --heads: 4 heads cannot split over model=8 devices"),
+    (["--epochs", "2"], "argument --epochs: the GPT trains by steps; give --steps"),
+    (["--schedule", "exponential"], "argument --schedule: the GPT's AdamW warms up, then follows a cosine"),
+    (["--dataset", "mnist"], "argument --dataset: the GPT trains on tiny_shakespeare, not mnist"),
+    (["--momentum", "0.9"], "argument --momentum: only the MLP and the ViT take it, and --model is gpt"),
+    (["--batch-size", "12"], "argument --batch-size: 12 cannot be split evenly over data=8 devices"),
+    (["--parallel", "dp+pp", "--depth", "3"], "argument --depth: 3 blocks cannot split over 4 stages"),
+    (["--weight-decay", "1.5"], "argument --weight-decay: must be a finite number in [0, 1), got 1.5"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_gpt_flags_are_one_line_before_any_work(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--model", "gpt", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, err
+    assert err.strip().splitlines()[-1].startswith("minishard train: error:")
+
+
+def test_the_gpt_defaults_are_nanogpts_cpu_configuration_with_a_batch_near_12():
+    args = parse_args(["train", "--model", "gpt"])
+    shape = (args.depth, args.heads, args.width, args.context, args.mlp_ratio, args.weight_decay)
+    assert shape == (4, 4, 128, 64, 4, 0.1) and (args.lr, args.warmup_steps, args.schedule) == (
+        1e-3,
+        100,
+        "cosine",
+    )
+    assert (args.steps, args.eval_every, args.epochs, args.dataset) == (2000, 250, None, "tiny_shakespeare")
+    assert (args.parallel, args.mesh, args.batch_size) == ("dp", {"data": 8}, 16)  # 8 and 16 tie: 16
+    assert parse_args(["train", "--model", "gpt", "--parallel", "2d"]).batch_size == 12  # data=2
+    assert parse_args(["train", "--model", "gpt", "--devices", "4"]).batch_size == 12  # data=4
+    piped = parse_args(["train", "--model", "gpt", "--parallel", "dp+pp"])  # 8 microbatches of 2 rows
+    assert (piped.depth, piped.microbatches, piped.batch_size) == (4, 8, 16)
+    rate = ms.warmup_cosine_decay(1e-3, 100, 2000, end_value=1e-4)  # a warmup, then a cosine to lr / 10
+    optimizer = GPT_ENTRY.optimizer(args, 2000)
+    steps = np.array([0, 50, 100, 1000, 2000])
+    assert np.allclose([optimizer.learning_rate(s) for s in steps], [rate(s) for s in steps])
+    assert float(optimizer.learning_rate(2000)) == pytest.approx(1e-4)
+
+
+def test_sample_continues_a_prompt_from_a_checkpoint_the_same_for_the_same_seed(tmp_path, capsys):
+    settings = {"width": 16, "depth": 2, "heads": 2, "mlp_ratio": 2, "context": 8, "remat": False}
+    vocabulary, directory = SHAKESPEARE, str(tmp_path / "run")
+    model = jax.jit(lambda key: GPT(65, 8, 16, 2, 2, 2, key=key))(jax.random.key(3))  # one compile, not many
+    info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": vocabulary}
+    with Checkpointer(directory) as checkpointer:  # what train saves (a GPT, AdamW's state, its settings)
+        state = {
+            "model": model,
+            "opt_state": GPT_ENTRY.compiled_optimizer(parse_args(["train", "--model", "gpt"])).init(model),
+        }
+        checkpointer.save(5, state, {"info": info | {"flags": settings | {"weight_decay": 0.1}}})
+    texts = []
+    for seed in ("0", "0", "1"):
+        assert (
+            main(
+                [
+                    "sample",
+                    "--checkpoint-dir",
+                    directory,
+                    "--prompt",
+                    "ROMEO:",
+                    "--tokens",
+                    "20",
+                    "--seed",
+                    seed,
+                ]
+            )
+            == 0
+        )
+        texts.append(capsys.readouterr().out.rstrip("\n"))
+    assert (
+        texts[0].startswith("ROMEO:")
+        and len(texts[0]) == len("ROMEO:") + 20
+        and set(texts[0]) <= set(vocabulary)
+    )
+    assert texts[0] == texts[1] and texts[0] != texts[2]  # the same seed, the same text
+    oracle = sample(model, Vocabulary(vocabulary), "ROMEO:", 20, temperature=0.8, seed=0)
+    assert texts[0] == oracle  # the saved numbers, restored
+
+
+def test_sample_refuses_a_prompt_outside_the_vocabulary_in_one_line(tmp_path, capsys):
+    directory = tmp_path / "run"
+    with Checkpointer(directory) as checkpointer:  # what train saves, without the training
+        info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": "\n !ABab"}
+        checkpointer.save(1, {"w": jax.numpy.ones(2)}, {"info": info})
+    cases = [
+        (["--prompt", "AbZ"], "argument --prompt: the character 'Z' (at 2) is not in the vocabulary"),
+        (["--prompt", ""], "argument --prompt: it is empty"),
+        (["--step", "7"], "has no checkpoint for step 7; it has [1]"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(["sample", "--checkpoint-dir", str(directory), *flags])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err, err
+        assert err.strip().splitlines()[-1].startswith("minishard sample: error:")
+    with pytest.raises(SystemExit):
+        main(["sample", "--checkpoint-dir", str(tmp_path / "nothing")])
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_a_pipelines_stacked_gpt_unstacks_to_the_same_gpt():
+    def build(key):
+        return GPT(vocab=7, context=8, width=8, depth=3, heads=2, key=key)
+
+    model = jax.jit(build)(jax.random.key(0))
+    unstacked = jax.jit(lambda m: as_unstacked(as_stacked(m), jax.eval_shape(build, jax.random.key(1))))(
+        model
+    )
+    assert_trees_equal(unstacked, model)
+
+
+@pytest.mark.slow  # compiles the default GPT's step on 8 devices
+def test_explain_prices_the_gpt_step_at_six_n_tokens_plus_attention(capsys):
+    """The scaling book's transformer chapter: a training step costs 6 N FLOPs per token for the
+    matmuls of its N parameters (2 forward, 4 backward) plus 12 L T D for attention (QK^T and AV)."""
+    assert main(["explain", "--model", "gpt", "--parallel", "dp", "--hardware", "h100"]) == 0
+    out = capsys.readouterr().out
+    flops = float(re.search(r"compute .* ([\d.e+]+) FLOP at", out)[1])  # per device
+    model = jax.eval_shape(lambda: GPT(key=jax.random.key(0)))
+    n, (layers, context, width) = ms.tree.count_params(model), (4, 64, 128)
+    tokens = 16 // 8 * context  # a batch of 16 windows over 8 devices
+    formula = 6 * n * tokens + 12 * layers * context * width * tokens
+    assert flops == pytest.approx(formula, rel=0.05), (flops, formula)
+    moments = re.search(r"per device: parameters (.+?), gradients \1, AdamW mu \1, AdamW nu \1;", out)
+    assert moments and moments[1] == "3.3 MB"  # dp: every device holds all of each

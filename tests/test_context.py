@@ -1,0 +1,390 @@
+"""minishard.context (ring attention, zig-zag) and minishard.sequence (all-gather, Ulysses, Megatron's).
+
+The oracle is always attention on one device, on the sequence in its natural order
+(``assert_attention_equivalent``): forward and gradients, float32, tight tolerance.
+Sizes come from small fixed sets and every distributed function is compiled once per
+(function, mesh, layout) and shape, so hypothesis's examples reuse programs. Every
+sharded call is waited for before the next (simulated CPU devices deadlock otherwise).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from named import assert_named
+
+import minishard as ms
+from minishard import context as cx
+from minishard import sequence as sq
+from minishard.models.vit import LayerNorm
+from minishard.presets import preset_rules
+from minishard.testing import SequenceLayout, assert_attention_equivalent, sequence_layouts
+
+
+@functools.cache
+def seq_mesh(p, axis="seq"):
+    return ms.make_mesh({axis: p}, devices=jax.devices()[:p])
+
+
+def case(p, layout, shape):
+    return SequenceLayout(seq_mesh(p), "seq", layout, shape)
+
+
+@functools.cache
+def whole(attend_fn, p, layout, causal):
+    """``attend_fn`` on whole arrays in sequence order: a reference for another flavour."""
+    run = sq.over_sequence(attend_fn, seq_mesh(p), causal=causal, layout=layout)
+    return jax.jit(
+        lambda *qkv: cx.permute(run(*(cx.permute(x, p, layout) for x in qkv)), p, layout, inverse=True)
+    )
+
+
+@functools.cache
+def compiled(attend_fn, p, layout, causal, shape, grad=False):
+    """The compiled forward (or gradient) of ``attend_fn`` on ``shape``, already in layout order."""
+    run = sq.over_sequence(attend_fn, seq_mesh(p), causal=causal, layout=layout)
+    fn = jax.grad(lambda *qkv: jnp.sum(run(*qkv)), argnums=(0, 1, 2)) if grad else run
+    return jax.jit(fn).lower(*[jax.ShapeDtypeStruct(shape, jnp.float32)] * 3).compile()
+
+
+# -- 1. attention in pieces -------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def merged_halves(cut, causal, q, k, v):
+    at = jnp.arange(q.shape[1])
+    halves = [
+        cx.attend(q, k[:, s], v[:, s], at, at[s], causal=causal) for s in (slice(0, cut), slice(cut, None))
+    ]
+    return cx.merge(*halves[0], *halves[1]), cx.attend(q, k, v, at, at, causal=causal)
+
+
+@settings(max_examples=6)
+@given(cut=st.sampled_from([3, 6]), causal=st.booleans(), seed=st.integers(0, 3))  # each cut compiles
+def test_merging_two_partial_softmaxes_is_attention_over_all_keys(cut, causal, seed):
+    q, k, v = np.random.default_rng(seed).normal(size=(3, 1, 8, 2, 4)).astype(np.float32)
+    (out, lse), (want, want_lse) = merged_halves(cut, causal, q, k, v)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-6)
+
+
+# -- 2. where the chunks live -----------------------------------------------------------
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8, 16])
+def test_balance_in_order_is_2p_over_p_plus_1_and_zigzag_is_1(p):
+    assert cx.balance(p, "in-order") == pytest.approx(2 * p / (p + 1))
+    assert cx.balance(p, "zigzag") == 1.0
+    assert cx.balance(p, "in-order", causal=False) == cx.balance(p, "zigzag", causal=False) == 1.0
+
+
+@pytest.mark.parametrize("layout", ["in-order", "zigzag"])
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+def test_every_query_chunk_meets_every_key_chunk_once(p, layout):
+    met = {}
+    for device in range(p):
+        for step in range(p):
+            mine, theirs = cx.slot(device, step, p, layout)
+            for q in mine:
+                for k in theirs:
+                    met[q, k] = met.get((q, k), 0) + 1
+    n = p * cx.CHUNKS[layout]
+    assert met == {(q, k): 1 for q in range(n) for k in range(n)}
+
+
+def test_the_schedule_skips_the_future_and_masks_the_diagonal():
+    grid = cx.schedule(4, "in-order")
+    assert grid[0] == [("masked",), ("skipped",), ("skipped",), ("skipped",)]
+    assert grid[3] == [("masked",), ("computed",), ("computed",), ("computed",)]
+    zigzag = cx.schedule(4, "zigzag")  # every device: 2 diagonals at step 0, then 2 pairs a step
+    assert all(row[0].count("masked") == 2 and row[0].count("computed") == 1 for row in zigzag)
+    assert all(cell.count("skipped") == 2 for row in zigzag for cell in row[1:])
+
+
+@pytest.mark.parametrize("layout", ["in-order", "zigzag"])
+def test_positions_list_each_token_once_in_the_devices_order(layout):
+    order = np.asarray(cx.positions(16, 4, layout))
+    assert sorted(order) == list(range(16))
+    per_device = [np.asarray(cx.positions(16, 4, layout, device=d)) for d in range(4)]
+    np.testing.assert_array_equal(np.concatenate(per_device), order)
+    x = jnp.arange(2 * 16).reshape(2, 16)
+    np.testing.assert_array_equal(cx.permute(cx.permute(x, 4, layout), 4, layout, inverse=True), x)
+
+
+# -- 3. the ring: equal to attention on one device ----------------------------------------
+def test_the_ring_equals_attention_forward_and_gradients():  # the quick loop's case; the property is slow
+    assert_attention_equivalent(cx.ring_attention, case(4, "zigzag", (1, 16, 2, 4)), causal=True)
+
+
+@pytest.mark.slow
+@given(layout=sequence_layouts(), causal=st.booleans(), seed=st.integers(0, 3))
+def test_the_ring_equals_attention_for_drawn_layouts(layout, causal, seed):
+    assert_attention_equivalent(cx.ring_attention, layout, causal=causal, seed=seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=6)
+@given(layout=sequence_layouts(layouts=("zigzag",)), seed=st.integers(0, 3))
+def test_zigzag_equals_the_ring_in_order(layout, seed):
+    in_order = whole(cx.ring_attention, layout.devices, "in-order", True)
+    assert_attention_equivalent(cx.ring_attention, layout, causal=True, seed=seed, reference=in_order)
+
+
+@pytest.mark.slow
+@settings(max_examples=6)
+@given(layout=sequence_layouts(), causal=st.booleans(), seed=st.integers(0, 3))
+def test_all_gather_equals_the_ring(layout, causal, seed):
+    ring = whole(cx.ring_attention, layout.devices, layout.layout, causal)
+    assert_attention_equivalent(sq.all_gather_attention, layout, causal=causal, seed=seed, reference=ring)
+
+
+@pytest.mark.slow
+@settings(max_examples=6)
+@given(layout=sequence_layouts(heads=(1, 2), heads_per_device=True), causal=st.booleans())
+def test_ulysses_equals_attention(layout, causal):
+    assert_attention_equivalent(sq.ulysses_attention, layout, causal=causal)
+
+
+def test_all_gather_and_ulysses_equal_attention():  # the quick loop's case
+    for attend_fn in (sq.all_gather_attention, sq.ulysses_attention):
+        assert_attention_equivalent(attend_fn, case(2, "zigzag", (1, 8, 2, 4)), causal=True)
+
+
+def leaking_future_token(q_pos, k_pos):
+    return k_pos[None, :] <= q_pos[:, None] + 1  # each query also sees the next token
+
+
+def skipping_the_diagonal(q_chunk, k_chunk, causal):
+    return k_chunk < q_chunk if causal else True
+
+
+@pytest.mark.parametrize(
+    "name, bug, words",
+    [
+        ("visible", leaking_future_token, ["output:", "position 0 (device 0, chunk 0"]),
+        ("needed", skipping_the_diagonal, ["output:", "position 0 (device 0, chunk 0"]),
+    ],
+)
+def test_a_leaked_future_token_or_a_skipped_chunk_fails_the_property(monkeypatch, name, bug, words):
+    monkeypatch.setattr(cx, name, bug)
+    fresh = lambda *args, **kwargs: cx.ring_attention(*args, **kwargs)  # noqa: E731  (a new trace)
+    assert_named(
+        lambda: assert_attention_equivalent(fresh, case(2, "zigzag", (1, 8, 2, 4)), causal=True),
+        AssertionError,
+        words,
+    )
+
+
+def leak_inside_a_chunk(q_pos, k_pos):
+    return (k_pos[None, :] <= q_pos[:, None]) | ((q_pos[:, None] == 8) & (k_pos[None, :] == 9))
+
+
+def test_a_wrong_position_in_the_middle_is_named_with_its_device_and_chunk(monkeypatch):
+    monkeypatch.setattr(cx, "visible", leak_inside_a_chunk)  # token 8 sees token 9: both in chunk 4
+    fresh = lambda *args, **kwargs: cx.ring_attention(*args, **kwargs)  # noqa: E731
+    words = [
+        "output: 1 of 16 tokens differ, the first at position 8 (device 3, chunk 4",
+        "tokens before it agree",
+    ]
+    assert_named(
+        lambda: assert_attention_equivalent(fresh, case(4, "zigzag", (1, 16, 2, 4)), causal=True),
+        AssertionError,
+        words,
+    )
+
+
+# -- the ring's census and memory ----------------------------------------------------------
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_a_ring_forward_sends_k_and_v_2_p_minus_1_times(p):
+    shape = (1, 4 * p, 2, 4)
+    found = ms.collectives(compiled(cx.ring_attention, p, "zigzag", True, shape))
+    chunk_bytes = 4 * 2 * 4 * 4  # [1, 4, 2, 4] float32: one device's K (or V)
+    assert set(found) == {"collective-permute"}
+    permutes = found["collective-permute"]
+    assert (permutes.count, permutes.bytes, permutes.mesh_axes) == (
+        2 * (p - 1),
+        2 * (p - 1) * chunk_bytes,
+        (("seq",),),
+    )
+
+
+@pytest.mark.parametrize(
+    "p", [3, 4]
+)  # at p=2 XLA unrolls the 1-trip loops and merges the two first K, V sends
+def test_its_gradient_sends_k_v_and_dk_dv_round_again(p):
+    shape = (1, 4 * p, 2, 4)
+    permutes = ms.collectives(compiled(cx.ring_attention, p, "in-order", True, shape, grad=True))[
+        "collective-permute"
+    ]
+    # forward 2(p-1); backward K and V 2(p-1), dK and dV 2p (the last step's sent home)
+    assert permutes.count == 2 * (p - 1) + 2 * (p - 1) + 2 * p
+
+
+def test_the_other_flavours_census():
+    p, shape = 4, (1, 16, 4, 8)
+    whole_bytes = 16 * 4 * 8 * 4  # one whole [1, 16, 4, 8] float32 array
+    gathered = ms.collectives(compiled(sq.all_gather_attention, p, "in-order", True, shape))
+    assert set(gathered) == {"all-gather"}
+    assert (gathered["all-gather"].count, gathered["all-gather"].bytes) == (2, 2 * whole_bytes)
+    swapped = ms.collectives(compiled(sq.ulysses_attention, p, "in-order", True, shape))
+    assert set(swapped) == {"all-to-all"}
+    assert (swapped["all-to-all"].count, swapped["all-to-all"].bytes) == (4, 4 * whole_bytes // p)
+
+
+@pytest.mark.slow
+def test_the_custom_vjp_backward_keeps_less_than_jax_grad_through_the_scan():
+    p, shape = 8, (1, 512, 4, 16)
+    flat = (
+        compiled(cx.ring_attention, p, "zigzag", True, shape, grad=True).memory_analysis().temp_size_in_bytes
+    )
+    naive_fn = lambda q, k, v, **kw: cx.ring_forward(q, k, v, **kw)[0]  # noqa: E731  differentiated by JAX
+    naive = compiled(naive_fn, p, "zigzag", True, shape, grad=True).memory_analysis().temp_size_in_bytes
+    scores_per_step = 1 * 64 * 4 * 64 * 4  # one [1, 64 queries, 4 heads, 64 keys] float32 block
+    assert naive - flat > (p - 1) * scores_per_step, (naive, flat)
+
+
+# -- positions: a permuted sequence computes the same loss -----------------------------------
+def tiny_lm_loss(params, tokens, targets, positions, attend):
+    """Token and position embeddings, one causal attention, a head: the mean cross-entropy."""
+    x = params["embed"][tokens] + params["position"][positions]
+    q, k, v = (jnp.einsum("bse,ehd->bshd", x, params[name]) for name in ("q", "k", "v"))
+    logits = jnp.einsum("bshd,hdv->bsv", attend(q, k, v), params["out"])
+    return ms.cross_entropy(logits, ms.one_hot(targets, logits.shape[-1]))
+
+
+@pytest.mark.parametrize("layout", [pytest.param("in-order", marks=pytest.mark.slow), "zigzag"])
+def test_a_model_on_a_permuted_sequence_has_the_loss_and_gradients_of_the_plain_one(layout):
+    p, seq_len, vocab, width = 4, 16, 11, 8
+    keys = jax.random.split(jax.random.key(0), 7)
+    params = {
+        "embed": jax.random.normal(keys[0], (vocab, width)),
+        "position": jax.random.normal(keys[1], (seq_len, width)),
+    }
+    params |= {name: jax.random.normal(key, (width, 2, 4)) / 3 for name, key in zip("qkv", keys[2:5])}
+    params["out"] = jax.random.normal(keys[5], (2, 4, vocab))
+    tokens, targets = jax.random.randint(keys[6], (2, 2, seq_len), 0, vocab)
+    plain = functools.partial(cx.attention, causal=True)
+    want = jax.jit(jax.value_and_grad(tiny_lm_loss), static_argnums=4)(
+        params, tokens, targets, jnp.arange(seq_len), plain
+    )
+    ring = sq.over_sequence(cx.ring_attention, seq_mesh(p), causal=True, layout=layout)
+    held = [cx.permute(x, p, layout) for x in (tokens, targets)]
+    got = jax.jit(jax.value_and_grad(tiny_lm_loss), static_argnums=4)(
+        params, *held, cx.positions(seq_len, p, layout), ring
+    )
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# -- bad input: one line, before any work --------------------------------------------------
+def ring_on(p, shape, layout="in-order", attend_fn=cx.ring_attention):
+    x = jnp.ones(shape)
+    return lambda: sq.over_sequence(attend_fn, seq_mesh(p), layout=layout)(x, x, x)
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (
+            lambda: cx.positions(8, 2, "striped"),
+            ["unknown sequence layout 'striped'", "'in-order', 'zigzag'"],
+        ),
+        (
+            lambda: cx.positions(10, 4, "zigzag"),
+            ["10 tokens does not split into 8 equal chunks", "multiple of 8"],
+        ),
+        (ring_on(4, (1, 12, 2, 4), "zigzag"), ["12 tokens does not split into 8 equal chunks"]),
+        (
+            lambda: cx.ring_attention(*[jnp.ones((1, 4, 2, 4))] * 3, axis="seq"),
+            ["'seq' is no axis of a surrounding"],
+        ),
+        (
+            ring_on(4, (1, 8, 2, 4), attend_fn=sq.ulysses_attention),
+            ["2 heads do not split over the 4 devices", "'seq'"],
+        ),
+        (
+            lambda: sq.over_sequence(cx.ring_attention, seq_mesh(2, "data")),
+            ["over_sequence: axis='seq' is no axis of the mesh", "('data',)"],
+        ),
+        (ring_on(2, (4, 2, 4)), ["[batch, seq, heads, head_dim]", "(4, 1, 4)", "on this device"]),
+    ],
+)
+def test_bad_input_is_named(call, words):
+    assert_named(call, ValueError, words)
+
+
+# -- 4. Megatron's sequence parallelism ----------------------------------------------------
+# The GPT's transformer pieces are not in main yet: the ViT's LayerNorm stands in for them.
+WIDTH, HIDDEN, DEPTH, BATCH, SEQ = 16, 32, 2, 2, 16
+
+
+@functools.cache
+def residual_blocks():
+    keys = jax.random.split(jax.random.key(0), DEPTH)
+    return ms.Sequential([sq.ResidualMLP(LayerNorm(WIDTH), WIDTH, HIDDEN, key=key) for key in keys])
+
+
+def mean_square(blocks, x):
+    return jnp.mean(jnp.square(blocks(x)))
+
+
+plain_step = jax.jit(jax.value_and_grad(mean_square))
+
+
+@functools.cache
+def annotated_step(sequence_parallel):
+    rules = preset_rules("tp", {"seq": "model" if sequence_parallel else None})
+    return ms.Sharded(seq_mesh(4, "model"), rules)(jax.value_and_grad(mean_square))
+
+
+@functools.cache
+def by_hand_step(sequence_parallel):
+    run = sq.by_hand(residual_blocks(), seq_mesh(4, "model"), sequence_parallel=sequence_parallel)
+    return jax.jit(jax.value_and_grad(lambda blocks, x: jnp.mean(jnp.square(run(blocks, x)))))
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        pytest.param(lambda: by_hand_step(True), id="by hand, sequence parallel"),
+        pytest.param(lambda: annotated_step(True), id="annotated, sequence parallel", marks=pytest.mark.slow),
+        pytest.param(lambda: by_hand_step(False), id="by hand, tensor parallel", marks=pytest.mark.slow),
+        pytest.param(lambda: annotated_step(False), id="annotated, tensor parallel", marks=pytest.mark.slow),
+    ],
+)
+def test_sequence_parallel_blocks_compute_the_plain_loss_and_gradients(step):
+    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, WIDTH))
+    want = plain_step(residual_blocks(), x)
+    got = jax.block_until_ready(step()(residual_blocks(), x))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_of_the_same_bytes():
+    x = jax.ShapeDtypeStruct((BATCH, SEQ, WIDTH), jnp.float32)
+    tp, sp = (ms.collectives(by_hand_step(s).lower(residual_blocks(), x).compile()) for s in (False, True))
+    activation = BATCH * SEQ * WIDTH * 4
+    assert (tp["all-reduce"].count, tp["all-reduce"].bytes) == (2 * DEPTH, 2 * DEPTH * activation)
+    assert (sp["all-gather"].count, sp["all-gather"].bytes) == (2 * DEPTH, 2 * DEPTH * activation)
+    assert (sp["reduce-scatter"].count, sp["reduce-scatter"].bytes) == (
+        2 * DEPTH,
+        2 * DEPTH * activation // 4,
+    )
+    before = sq.sent_bytes("all-reduce", tp["all-reduce"].bytes, 4)
+    after = sq.sent_bytes("all-gather", sp["all-gather"].bytes, 4) + sq.sent_bytes(
+        "reduce-scatter", sp["reduce-scatter"].bytes, 4
+    )
+    assert before == after
+    # and one all-reduce more: the gradients of the replicated LayerNorm and bias, each device's tokens' share
+    assert sp["all-reduce"].bytes == DEPTH * 3 * WIDTH * 4 + 4  # (+ the loss's partial sums)
+
+
+def test_the_residual_stream_is_split_over_the_sequence_and_takes_less_memory():
+    x = jnp.ones((BATCH, SEQ, WIDTH))
+    forward = ms.Sharded(seq_mesh(4, "model"), preset_rules("tp", {"seq": "model"}))(lambda b, x: b(x))
+    assert forward(residual_blocks(), x).sharding.shard_shape((BATCH, SEQ, WIDTH)) == (BATCH, SEQ // 4, WIDTH)
+    temp = [
+        by_hand_step(s).lower(residual_blocks(), x).compile().memory_analysis().temp_size_in_bytes
+        for s in (False, True)
+    ]
+    assert temp[1] < temp[0], temp
