@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from minishard import _checks
 from minishard._hlo import collective_instructions
 from minishard.census import bytes_by_mesh_axes, collectives
-from minishard.layers import Layer, Linear, Sequential, Swish
+from minishard.layers import ACTIVATIONS, Layer, Linear, Sequential
 from minishard.rules import LogicalAxes
 
 # --- 1. microbatches: gradient accumulation ------------------------------------
@@ -148,8 +148,8 @@ class StackedModel(Layer):
         return self.after(h)
 
 
-def stacked_mlp(sizes: list[int], *, key: jax.Array) -> StackedModel:
-    """``mlp(sizes)`` with its equal hidden Linears stacked: ``[784, 256, 256, 256, 10]`` stacks 2.
+def stacked_mlp(sizes: list[int], *, key: jax.Array, activation: str = "swish") -> StackedModel:
+    """``mlp(sizes, activation=...)`` with its equal hidden Linears stacked: ``[784, 256, 256, 256, 10]`` stacks 2.
 
     Weights have standard deviation ``1/sqrt(inputs)``: ``mlp``'s 0.01 fades to nothing in a deep stack.
 
@@ -159,9 +159,12 @@ def stacked_mlp(sizes: list[int], *, key: jax.Array) -> StackedModel:
     width, k_in, k_blocks, k_out = sizes[1], *jax.random.split(key, 3)
     if len(sizes) < 4 or set(sizes[1:-1]) != {width}:
         raise ValueError(f"stacked_mlp: sizes need >= 2 equal hidden widths, got {sizes}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"stacked_mlp: activation={activation!r}; choose one of {sorted(ACTIVATIONS)}")
     linear = lambda n_in, n_out, k: Linear(n_in, n_out, key=k, scale=n_in**-0.5)  # noqa: E731
-    before = Sequential([linear(sizes[0], width, k_in), Swish()])
-    blocks = Stacked(lambda k: Sequential([linear(width, width, k), Swish()]), len(sizes) - 3, key=k_blocks)
+    act = ACTIVATIONS[activation]
+    before = Sequential([linear(sizes[0], width, k_in), act()])
+    blocks = Stacked(lambda k: Sequential([linear(width, width, k), act()]), len(sizes) - 3, key=k_blocks)
     return StackedModel(before, blocks, linear(width, sizes[-1], k_out))
 
 

@@ -4,6 +4,7 @@ import json
 import os
 import re
 
+import jax
 import pytest
 
 from minishard.census import human_bytes
@@ -147,6 +148,16 @@ def test_a_pipeline_stacks_one_block_per_stage_by_default_with_two_microbatches_
     assert (vit.depth, vit.microbatches) == (4, 8)
     assert parse_args(["train", "--model", "vit", "--parallel", "pp"]).depth == 8  # 4 rounded up to 8 stages
     assert parse_args(["train", "--microbatches", "4"]).layers == [784, 512, 10]  # no pipeline: accumulation
+
+
+def test_a_pipeline_builds_its_blocks_with_the_activation_asked_for():
+    from minishard.layers import ReLU, Swish
+    from minishard.run.cli.models import MODELS
+
+    for activation, kind in [("relu", ReLU), ("swish", Swish)]:
+        args = parse_args(["train", "--parallel", "pp", "--activation", activation])
+        model = jax.eval_shape(lambda a=args: MODELS["mlp"].stack.build(a, jax.random.key(0)))
+        assert isinstance(model.before.layers[1], kind) and isinstance(model.blocks.block.layers[1], kind)
 
 
 def test_each_model_gets_its_own_defaults():

@@ -89,6 +89,11 @@ def test_stacked_blocks_are_the_blocks_built_one_by_one():
     close(blocks(x), sequential(oracle, x))
 
 
+def test_stacked_mlp_names_an_unknown_activation():
+    with pytest.raises(ValueError, match=r"stacked_mlp: activation='gelu'; choose one of \['relu', 'swish'\]"):
+        pp.stacked_mlp([4, 8, 8, 8, 4], key=jax.random.key(0), activation="gelu")
+
+
 def test_plan_rows_lead_with_the_stage_axis():
     sizes = [12, WIDTH, WIDTH, WIDTH, WIDTH, WIDTH, 3]  # 4 square hidden Linears: 4 stacked blocks
     model = jax.eval_shape(lambda: pp.stacked_mlp(sizes, key=jax.random.key(0)))

@@ -101,6 +101,8 @@ MLP = ModelEntry(
     fill=_classic_layers,
     check=_check_mlp,
     stack=Stacking(
-        lambda args, key: pipeline.stacked_mlp(args.layers, key=key), _mlp_stages, _check_mlp_stages
+        lambda args, key: pipeline.stacked_mlp(args.layers, key=key, activation=args.activation),
+        _mlp_stages,
+        _check_mlp_stages,
     ),
 )
