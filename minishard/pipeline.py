@@ -149,7 +149,7 @@ class StackedModel(Layer):
 
 
 def stacked_mlp(sizes: list[int], *, key: jax.Array, activation: str = "swish") -> StackedModel:
-    """``mlp(sizes, activation=...)`` with its equal hidden Linears stacked: ``[784, 256, 256, 256, 10]`` stacks 2.
+    """``mlp(sizes, activation=...)`` with its equal hidden Linears stacked: ``[784, 256, 256, 10]`` stacks 1.
 
     Weights have standard deviation ``1/sqrt(inputs)``: ``mlp``'s 0.01 fades to nothing in a deep stack.
 

@@ -20,7 +20,7 @@ from named import assert_named
 import minishard as ms
 from minishard import context as cx
 from minishard import sequence as sq
-from minishard.models.vit import LayerNorm
+from minishard.models.transformer import LayerNorm
 from minishard.presets import preset_rules
 from minishard.testing import SequenceLayout, assert_attention_equivalent, sequence_layouts
 
@@ -314,7 +314,7 @@ def test_bad_input_is_named(call, words):
 
 
 # -- 4. Megatron's sequence parallelism ----------------------------------------------------
-# The GPT's transformer pieces are not in main yet: the ViT's LayerNorm stands in for them.
+# Residual MLP blocks with the transformer's LayerNorm (the GPT's and the ViT's).
 WIDTH, HIDDEN, DEPTH, BATCH, SEQ = 16, 32, 2, 2, 16
 
 

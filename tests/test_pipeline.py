@@ -90,7 +90,8 @@ def test_stacked_blocks_are_the_blocks_built_one_by_one():
 
 
 def test_stacked_mlp_names_an_unknown_activation():
-    with pytest.raises(ValueError, match=r"stacked_mlp: activation='gelu'; choose one of \['relu', 'swish'\]"):
+    message = r"stacked_mlp: activation='gelu'; choose one of \['relu', 'swish'\]"
+    with pytest.raises(ValueError, match=message):
         pp.stacked_mlp([4, 8, 8, 8, 4], key=jax.random.key(0), activation="gelu")
 
 

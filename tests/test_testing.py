@@ -3,7 +3,7 @@
 The first properties use the strategies to check minishard itself: on meshes
 (1x8, 2x4, 4x2 or 8x1 on the 8 simulated devices), rules and MLPs drawn at
 random, sharded forward passes and training steps equal the unsharded ones,
-every device holds the block ``plan`` predicts, spec trees have the model's
+every device holds the shard ``plan`` predicts, spec trees have the model's
 structure, and an impossible request fails with a ``ShardingError`` naming the
 leaf before anything is compiled.
 
@@ -36,9 +36,9 @@ from testing_fixtures import (
     MESH,
     MUTATIONS,
     RULES,
-    assert_blocks_as_planned,
+    assert_shards_as_planned,
     compilations,
-    intended_blocks,
+    intended_shards,
     model_and_batch,
     residual_mlp,
     swapped_residual_mlp,
@@ -97,7 +97,7 @@ def test_forward_pass_is_sharding_invariant(setup):
 
 @pytest.mark.slow  # a training step compiles per example: 5 to 20 s
 @given(setups(), seeds)
-def test_sgd_step_is_sharding_invariant_and_keeps_the_planned_blocks(setup, seed):
+def test_sgd_step_is_sharding_invariant_and_keeps_the_planned_shards(setup, seed):
     mesh, rules, model, x = setup
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, model[-1].out_features, len(x))
@@ -106,15 +106,15 @@ def test_sgd_step_is_sharding_invariant_and_keeps_the_planned_blocks(setup, seed
     new_model, new_state, _ = assert_sharded_equivalent(
         train_step, model, opt_state, x, labels, mesh=mesh, rules=rules, rtol=1e-4, atol=1e-5
     )
-    assert_blocks_as_planned(model, new_model, mesh, rules)
-    assert_blocks_as_planned(model, new_state.velocity, mesh, rules)  # velocities are laid out like params
+    assert_shards_as_planned(model, new_model, mesh, rules)
+    assert_shards_as_planned(model, new_state.velocity, mesh, rules)  # velocities are laid out like params
 
 
 # -- layouts -----------------------------------------------------------------------
 @given(setups())
-def test_shard_places_the_blocks_plan_computes(setup):
+def test_shard_places_the_shards_plan_computes(setup):
     mesh, rules, model, _ = setup
-    assert_blocks_as_planned(model, jax.block_until_ready(ms.shard(model, mesh, rules)), mesh, rules)
+    assert_shards_as_planned(model, jax.block_until_ready(ms.shard(model, mesh, rules)), mesh, rules)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -165,7 +165,7 @@ def first_indivisible(model: ms.Sequential, model_axis_size: int) -> str | None:
 def test_indivisible_widths_raise_naming_the_leaf_before_compiling(mesh, rules, model):
     bad = first_indivisible(model, mesh.shape["model"])
     if bad is None:
-        assert_blocks_as_planned(model, ms.shard(model, mesh, rules), mesh, rules)
+        assert_shards_as_planned(model, ms.shard(model, mesh, rules), mesh, rules)
         return
     message = rf"{re.escape(bad)}: shape .* cannot split evenly"
     with pytest.raises(ShardingError, match=message):
@@ -205,7 +205,7 @@ def test_each_assertion_catches_its_mutations_and_passes_the_correct_model(name)
             fn, model, x, mesh=MESH, rules=rules, reference=residual_forward
         ),
         "layout": lambda: assert_layout(
-            ms.shard(model, MESH, rules), MESH, intended_blocks(HIDDEN, MESH.shape["model"]), rules=rules
+            ms.shard(model, MESH, rules), MESH, intended_shards(HIDDEN, MESH.shape["model"]), rules=rules
         ),
         "communication": lambda: assert_collectives(
             ms.Sharded(MESH, rules)(fn),
@@ -242,7 +242,7 @@ def test_a_failing_property_is_shrunk_reusing_compiled_programs(build, rules, wh
         model = data.draw(models(build, mesh, rules, fixed={"embed": EMBED}))
         x = data.draw(batches(mesh, rules, EMBED))
         assert_sharded_equivalent(residual_forward, model, x, mesh=mesh, rules=rules)
-        blocks = intended_blocks(model.inner[0].out_features, mesh.shape["model"])
+        blocks = intended_shards(model.inner[0].out_features, mesh.shape["model"])
         assert_layout(ms.shard(model, mesh, rules), mesh, blocks, rules=rules)
 
     with compilations() as compiled, pytest.raises(AssertionError, match="assert_layout") as failure:

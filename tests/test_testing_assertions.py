@@ -18,7 +18,7 @@ from testing_fixtures import (
     SWAPPED,
     WRONG_RULES,
     compilations,
-    intended_blocks,
+    intended_shards,
     model_and_batch,
 )
 
@@ -49,10 +49,10 @@ def test_a_difference_is_reported_with_the_output_path():
 def test_a_layout_failure_names_the_path_both_layouts_and_the_rules_at_work():
     model, _ = model_and_batch(SWAPPED)
     with pytest.raises(AssertionError) as failure:
-        assert_layout(ms.shard(model, MESH, RULES), MESH, intended_blocks(HIDDEN, 4), rules=RULES)
+        assert_layout(ms.shard(model, MESH, RULES), MESH, intended_shards(HIDDEN, 4), rules=RULES)
     message = str(failure.value)
     assert message.startswith("assert_layout: 4 of 4 arrays are not laid out as expected")
-    assert "inner.layers[0].weight: expected blocks (16, 8), got P('model', None), blocks (4, 32)" in message
+    assert "inner.layers[0].weight: expected shards (16, 8), got P('model', None), shards (4, 32)" in message
     assert "the model names its axes ('mlp', 'embed'); under AxisRules(" in message
     assert "dim 0 ('mlp'): rule mlp->'model' matched" in message
 
@@ -63,17 +63,17 @@ def test_assert_layout_takes_specs_blocks_logical_axes_or_a_tree():
     expected = {
         "inner.layers[0].weight": P(None, "model"),
         "inner.layers[0].bias": ("mlp",),  # logical axes, through the rules
-        "inner.layers[2].weight": (8, 16),  # a block shape
+        "inner.layers[2].weight": (8, 16),  # a shard shape
         "inner.layers[2].bias": None,  # not checked
     }
     assert_layout(placed, MESH, expected, rules=RULES)
     assert_layout(placed, MESH, partition_specs(model, RULES, MESH))  # a tree of specs
     assert_layout(placed, MESH, jax.tree.map(lambda a: a.addressable_shards[0].data.shape, placed))
     # Logical axes check the model's annotations under the given rules, so a wrong rule passes them;
-    # a block shape (or a spec) checks the rules too.
+    # a shard shape (or a spec) checks the rules too.
     wrong = ms.shard(model, MESH, WRONG_RULES)
     assert_layout(wrong, MESH, {"inner.layers[0].weight": ("embed", "mlp")}, rules=WRONG_RULES)
-    with pytest.raises(AssertionError, match=r"expected blocks \(16, 8\), got P\(None, 'data'\)"):
+    with pytest.raises(AssertionError, match=r"expected shards \(16, 8\), got P\(None, 'data'\)"):
         assert_layout(wrong, MESH, {"inner.layers[0].weight": (16, 8)}, rules=WRONG_RULES)
 
 
@@ -84,7 +84,7 @@ def test_assert_layout_refuses_typos_and_arrays_that_are_not_on_the_mesh():
     with pytest.raises(AssertionError, match=r"is not on the mesh: a numpy\.ndarray, not a jax\.Array"):
         assert_layout(model, MESH, {"inner.layers[0].bias": (8,)})
     with pytest.raises(
-        TypeError, match=r"^assert_layout: inner.layers\[0\].bias: expected a PartitionSpec, a block"
+        TypeError, match=r"^assert_layout: inner.layers\[0\].bias: expected a PartitionSpec, a shard"
     ):
         assert_layout(ms.shard(model, MESH, RULES), MESH, {"inner.layers[0].bias": 3})
     on_one_device = jax.device_put(model, jax.devices()[0])

@@ -9,7 +9,7 @@ from testing_fixtures import (
     MEGATRON,
     RULES,
     SWAPPED,
-    assert_blocks_as_planned,
+    assert_shards_as_planned,
     draw_one,
     residual,
     residual_mlp,
@@ -39,7 +39,7 @@ def test_models_come_from_the_users_builder_with_splittable_widths(data):
     hidden, unit = model.inner[0].out_features, width_units(arrays, mesh, rules)["mlp"]
     assert unit > 1 and hidden // unit in MULTIPLES and hidden % unit == 0
     assert isinstance(model.inner[0].weight, np.ndarray)  # numpy: drawing a model compiles nothing
-    assert_blocks_as_planned(model, ms.shard(model, mesh, rules), mesh, rules)
+    assert_shards_as_planned(model, ms.shard(model, mesh, rules), mesh, rules)
 
 
 def mixed_up_residual(widths):  # gives the mlp width to the embed dimensions, and the other way round

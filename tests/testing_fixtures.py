@@ -110,13 +110,13 @@ def model_and_batch(axes: list[LogicalAxes], seed: int = 0) -> tuple[ms.Residual
     return model, rng.standard_normal((BATCH, EMBED)).astype(np.float32)
 
 
-def intended_blocks(hidden: int, model_ways: int) -> dict[str, tuple[int, ...]]:
+def intended_shards(hidden: int, model_ways: int) -> dict[str, tuple[int, ...]]:
     """What the user means: the hidden units split over "model", everything else whole."""
-    block = hidden // model_ways
+    shard = hidden // model_ways
     return {
-        "inner.layers[0].weight": (EMBED, block),
-        "inner.layers[0].bias": (block,),
-        "inner.layers[2].weight": (block, EMBED),
+        "inner.layers[0].weight": (EMBED, shard),
+        "inner.layers[0].bias": (shard,),
+        "inner.layers[2].weight": (shard, EMBED),
         "inner.layers[2].bias": (EMBED,),
     }
 
@@ -142,11 +142,11 @@ def draw_one(strategy: st.SearchStrategy[Any]) -> Any:
     return find(strategy, lambda _: True, settings=settings(database=None, max_examples=1))
 
 
-def assert_blocks_as_planned(tree: Any, placed: Any, mesh: jax.sharding.Mesh, rules: ms.AxisRules) -> None:
+def assert_shards_as_planned(tree: Any, placed: Any, mesh: jax.sharding.Mesh, rules: ms.AxisRules) -> None:
     """Every device holds exactly the shard ``plan`` computes for each leaf of ``placed``."""
     leaves = jax.tree_util.tree_leaves_with_path(placed)
     plans = plan(tree, mesh, rules).leaves
     assert [leaf.path for leaf in plans] == [path_str(path) for path, _ in leaves]
     for leaf, (_, array) in zip(plans, leaves, strict=True):
-        blocks = [shard.data.shape for shard in array.addressable_shards]
-        assert blocks == [leaf.shard_shape] * mesh.size, f"{leaf.path} (spec {leaf.spec})"
+        shapes = [shard.data.shape for shard in array.addressable_shards]
+        assert shapes == [leaf.shard_shape] * mesh.size, f"{leaf.path} (spec {leaf.spec})"

@@ -60,7 +60,7 @@ sub-layer is local. The two ends are where the "model" devices meet (the
 That is 4 all-reduces over "model" per block and training step, each of one
 activation ``[B / data, tokens, width]`` float32 on each device. With
 "data" = 2, the gradients of all parameters are then summed over "data" (the
-data-parallel all-reduce), each device sending its own block of the
+data-parallel all-reduce), each device sending its own shard of the
 parameters: 1/4 of the attention and MLP weights, all of the rest.
 
 Measured with ``minishard.explain`` (and checked by ``tests/test_vit.py``)
@@ -75,7 +75,7 @@ at batch 128 with ``preset("2d", 8)`` (data=2 x model=4)::
   bytes: **4,194,304 bytes**;
 * over "data": XLA's all-reduce combiner fuses the gradients of all
   parameters, the loss and the accuracy into **one** all-reduce of each
-  device's block of them: per block 2 LayerNorms 2x2x64 + q, k, v 3x(64x1x16)
+  device's shard of them: per block 2 LayerNorms 2x2x64 + q, k, v 3x(64x1x16)
   + out 1x16x64 + MLP in 64x32+32 + MLP out 32x64+64 = 8,544 numbers; the
   rest, patch projection 49x64+64, positions 16x64, last LayerNorm 2x64 and
   head 64x10+10, = 5,002; (4 x 8,544 + 5,002 + 2 scalars) x 4 bytes =

@@ -1,4 +1,4 @@
-"""Drawing an ``explain`` report: a rich table, HTML for notebooks, a picture of the blocks;
+"""Drawing an ``explain`` report: a rich table, HTML for notebooks, a picture of the shards;
 the picture of ``minishard.costs.compare``: compute against communication per layout; and
 a training run's history (``plot_history``): its loss, its metrics and its learning rate.
 
@@ -8,7 +8,7 @@ the plan. Each renderer imports its optional dependency (rich, matplotlib) only
 when called.
 
 >>> import jax
->>> device_blocks({"data": 2, "model": 2}, jax.sharding.PartitionSpec(None, "model"), 2)
+>>> device_shards({"data": 2, "model": 2}, jax.sharding.PartitionSpec(None, "model"), 2)
 {(0, 0): [0, 2], (0, 1): [1, 3]}
 """
 
@@ -64,32 +64,32 @@ def show(report: Report) -> None:
     print(report)
 
 
-def device_blocks(
+def device_shards(
     mesh: dict[str, int], spec: jax.sharding.PartitionSpec, ndim: int
 ) -> dict[tuple[int, ...], list[int]]:
-    """Which devices hold which block of an array: ``{block index: [device ids]}``.
+    """Which devices hold which shard of an array: ``{shard index: [device ids]}``.
 
     Device ids are positions in the mesh (row-major over its axes). A dimension
-    split over mesh axes ``(a, b)`` is cut into ``|a| x |b|`` blocks, ``a``
-    major; a device holds the block its coordinates on those axes select.
+    split over mesh axes ``(a, b)`` is cut into ``|a| x |b|`` shards, ``a``
+    major; a device holds the shard its coordinates on those axes select.
     """
     names, sizes = list(mesh), list(mesh.values())
     entries = (*spec, *[None] * (ndim - len(spec)))
-    blocks: dict[tuple[int, ...], list[int]] = {}
+    shards: dict[tuple[int, ...], list[int]] = {}
     for device, coords in enumerate(np.ndindex(*sizes)):  # device ids: row-major positions
         index = []
         for entry in entries:
             axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            block = 0
+            shard = 0
             for axis in axes:  # mixed radix over the dimension's mesh axes, the first one major
-                block = block * mesh[axis] + coords[names.index(axis)]
-            index.append(block)
-        blocks.setdefault(tuple(index), []).append(device)
-    return dict(sorted(blocks.items()))
+                shard = shard * mesh[axis] + coords[names.index(axis)]
+            index.append(shard)
+        shards.setdefault(tuple(index), []).append(device)
+    return dict(sorted(shards.items()))
 
 
 def plot_report(report: Report, path: str, max_panels: int = 8) -> None:
-    """Draw, per parameter, the array cut into the blocks devices hold, each block labelled with them.
+    """Draw, per parameter, the array cut into the shards devices hold, each shard labelled with them.
 
     In the spirit of ``jax.debug.visualize_array_sharding``, for a whole model
     at once (the first ``max_panels`` arrays). 1-D arrays are drawn as one row.
@@ -104,9 +104,9 @@ def plot_report(report: Report, path: str, max_panels: int = 8) -> None:
     colors = plt.get_cmap("tab20")
     for ax, row in zip(axes[0], rows):
         shape = row.shape if len(row.shape) == 2 else (1, math.prod(row.shape))
-        blocks = device_blocks(report.mesh, row.spec if len(row.shape) == 2 else _flat_spec(row.spec), 2)
-        counts = [max(index[d] for index in blocks) + 1 for d in range(2)]
-        for (i, j), devices in blocks.items():
+        shards = device_shards(report.mesh, row.spec if len(row.shape) == 2 else _flat_spec(row.spec), 2)
+        counts = [max(index[d] for index in shards) + 1 for d in range(2)]
+        for (i, j), devices in shards.items():
             ax.add_patch(plt.Rectangle((j / counts[1], 1 - (i + 1) / counts[0]), 1 / counts[1], 1 / counts[0],
                                        facecolor=colors(devices[0] % 20), edgecolor="white"))  # fmt: skip
             label = ",".join(map(str, devices)) if len(devices) <= 4 else f"{devices[0]}..{devices[-1]}"
@@ -115,7 +115,7 @@ def plot_report(report: Report, path: str, max_panels: int = 8) -> None:
             )
         ax.set(xticks=[], yticks=[], title=f"{row.path}\n{shape} {row.spec}")
         ax.title.set_fontsize(7)
-    fig.suptitle(f"mesh {report.mesh}: which devices hold each block", fontsize=9)
+    fig.suptitle(f"mesh {report.mesh}: which devices hold each shard", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -196,7 +196,7 @@ def _measure(name: str) -> str:
 
 
 __all__ = [
-    "device_blocks",
+    "device_shards",
     "plot_comparison",
     "plot_history",
     "plot_report",

@@ -288,7 +288,7 @@ def _check_mesh_axes(where: str, mesh_axes: Iterable[str], mesh: AnyMesh) -> Non
 # --- layout ------------------------------------------------------------------------
 
 Layout = PartitionSpec | tuple[int, ...] | LogicalAxes
-"""What an array's layout must be: a spec, each device's block shape, or logical axes (through the rules)."""
+"""What an array's layout must be: a spec, each device's shard shape, or logical axes (through the rules)."""
 
 
 def assert_layout(tree: Any, mesh: Mesh, expected: Any, *, rules: AxisRules | None = None) -> None:
@@ -301,10 +301,10 @@ def assert_layout(tree: Any, mesh: Mesh, expected: Any, *, rules: AxisRules | No
     (``"inner.layers[0].weight"``), to one of
 
     * a ``PartitionSpec``: the array's sharding must be equivalent to it;
-    * a block shape, a tuple of ints: the block every device of the mesh holds;
+    * a shard shape, a tuple of ints: the shard every device of the mesh holds;
     * logical axes, a tuple of names or None: the spec ``rules`` give them.
       This checks the model's annotations against your intention under these
-      rules; state a spec or a block to check the rules too.
+      rules; state a spec or a shard shape to check the rules too.
 
     ``expected`` may instead be a pytree shaped like ``tree`` holding those (a
     ``None`` there is not checked). Arrays not listed are not checked; a path
@@ -366,7 +366,7 @@ def _expected_by_path(tree: Any, expected: Any) -> dict[str, Any]:
 def _wanted_spec(
     path: str, want: Layout, shape: tuple[int, ...], mesh: Mesh, rules: AxisRules
 ) -> PartitionSpec | None:
-    """The spec ``want`` stands for (None for a block shape), checked against the mesh and the array."""
+    """The spec ``want`` stands for (None for a shard shape), checked against the mesh and the array."""
     if isinstance(want, tuple) and all(isinstance(d, int) and not isinstance(d, bool) for d in want):
         return None
     if isinstance(want, PartitionSpec):
@@ -375,7 +375,7 @@ def _wanted_spec(
         spec = rules.spec(want, mesh)  # type: ignore[arg-type]  # tuple[str | None, ...] by the test above
     else:
         raise TypeError(
-            f"assert_layout: {path}: expected a PartitionSpec, a block shape (ints) or logical axes (names), "
+            f"assert_layout: {path}: expected a PartitionSpec, a shard shape (ints) or logical axes (names), "
             f"got {want!r}"
         )
     _check_mesh_axes(f"assert_layout: {path}: {spec}", [a for e in spec for a in as_mesh_axes(e)], mesh)
@@ -392,21 +392,21 @@ def _layout_problem(array: Any, mesh: Mesh, want: Layout, spec: PartitionSpec | 
     if not isinstance(array, jax.Array):
         kind = f"{type(array).__module__}.{type(array).__name__}"
         return f"is not on the mesh: a {kind}, not a jax.Array (place it with minishard.shard)"
-    # addressable_shards: one per device of this process, each holding that device's block
-    blocks = sorted({shard.data.shape for shard in array.addressable_shards})
+    # addressable_shards: one per device of this process, each holding that device's shard
+    shards = sorted({shard.data.shape for shard in array.addressable_shards})
     got = array.sharding.spec if isinstance(array.sharding, NamedSharding) else array.sharding
-    actual = f"got {got}, blocks {', '.join(map(str, blocks))}"
+    actual = f"got {got}, shards {', '.join(map(str, shards))}"
     if array.sharding.device_set != set(mesh.devices.flat):
         return f"is on {len(array.sharding.device_set)} device(s), not on the mesh's {mesh.size}; {actual}"
     if spec is None:
-        return None if blocks == [want] else f"expected blocks {want}, {actual}"
+        return None if shards == [want] else f"expected shards {want}, {actual}"
     if NamedSharding(mesh, spec).is_equivalent_to(array.sharding, array.ndim):
         return None
     stated = f"{spec}" if isinstance(want, PartitionSpec) else f"{want} -> {spec}"
-    block = tuple(
+    shard = tuple(
         size // split_count(mesh, entry) for size, entry in zip(array.shape, _padded(spec, array.ndim))
     )
-    return f"expected {stated}, blocks {block}; {actual}"
+    return f"expected {stated}, shards {shard}; {actual}"
 
 
 def _padded(spec: PartitionSpec, ndim: int) -> tuple[MeshAxes, ...]:

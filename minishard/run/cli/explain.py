@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", choices=list(MODELS), default="mlp", help="(default %(default)s)")
     styles.add_arguments(parser, help=f"(default: the model's, else {DEFAULT_STYLE})")
     add("--devices", type=at_least(1), default=8, help="(default %(default)s)")
-    add("--plot", help=f"draw which devices hold each block of each parameter ({', '.join(PLOT_FORMATS)})")
+    add("--plot", help=f"draw which devices hold each shard of each parameter ({', '.join(PLOT_FORMATS)})")
     add("--hardware", choices=list(HARDWARE), help="price the train step on this accelerator")
     add(
         "--batch-size",

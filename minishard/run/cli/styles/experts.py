@@ -110,7 +110,7 @@ def _routed(model: Any, ids: jax.Array) -> Any:
 
 
 def _holders(weight: jax.Array) -> dict[tuple[int, int], list[int]]:
-    """The devices holding each block of a weight's leading axis: ``{(0, 2): [0, 4], ...}``."""
+    """The devices holding each shard of a weight's leading axis: ``{(0, 2): [0, 4], ...}``."""
     holders: dict[tuple[int, int], list[int]] = {}
     for device, index in weight.sharding.devices_indices_map(weight.shape).items():
         first, end, _ = index[0].indices(weight.shape[0])
