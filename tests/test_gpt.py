@@ -19,7 +19,8 @@ from minishard import context as cx
 from minishard import pipeline as pp
 from minishard.constraints import LogicalSharding
 from minishard.models import gpt
-from minishard.models.transformer import Attention, KVCache, dot_product_attention, moe_mlp
+from minishard.models.attention import Attention, KVCache, dot_product_attention
+from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, weight_decay_mask
 from minishard.presets import LOGICAL_AXES, preset
 from minishard.run.text_data import Vocabulary

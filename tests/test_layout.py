@@ -12,8 +12,9 @@
 * The textbook fits in one sitting: line budgets from what each idea needs (guards
   against growth, not targets), no function over 30 lines, no ``# fmt: skip`` packing.
 * No layer and no model spells the batch axis: it is ``Sharded(batch_axis=...)``'s.
-* No workshop module (``minishard/run/``) over ``WORKSHOP_MODULE_LINES``: one that grows
-  past it splits along its seams, each piece named for what it holds.
+* No module of the workshop (``minishard/run/``), the models or the testing tools over
+  ``WORKSHOP_MODULE_LINES``: one that grows past it splits along its seams, each piece named
+  for what it holds.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ PUBLIC = tuple(name for name in ORDER if not name.startswith("_"))
 """The reading path: what the README, the package docstring and docs/index.md name, in this order."""
 CHAPTERS = {
     "hardware": 85,
-    "costs": 360,
+    "costs": 375,
     "pipeline": 384,
     "pipeline_1f1b": 80,
     "zero": 230,
@@ -65,11 +66,12 @@ CHAPTERS = {
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)
-CORE_BUDGET = 2355
-"""Lines of the core modules: 2,120 when the inner wall was drawn (issue 23), then ``Residual`` (22),
-AdamW beside SGD in optim (148, issue 24), the sequence styles and ``constraints.environment``
-(27, issue 25: three STYLES rows and their docstring, SEQUENCE, the wider __all__, environment())
-and the expert presets ep, dp+ep (18, issue 26: two rows, their docstring, EXPERT)."""
+CORE_BUDGET = 2370
+"""Lines of the core modules, 2,340 measured (issues 23-26) plus a little room: about 2,120 when the
+inner wall was drawn (issue 23), then ``Residual`` (22), AdamW beside SGD in optim (148, issue 24),
+the sequence styles and ``constraints.environment`` (27, issue 25: three STYLES rows and their
+docstring, SEQUENCE, the wider __all__, environment()), the expert presets ep, dp+ep (18, issue 26:
+two rows, their docstring, EXPERT), and 5 lines of guards and docstrings since."""
 PARSING = ("_hlo",)
 """Private modules whose functions return what they read: parsing machinery, not guards."""
 OUTSIDE = ("run", "models", "testing")
@@ -205,13 +207,14 @@ def test_readme_package_docstring_and_index_give_the_import_order():
 
 
 WORKSHOP_MODULE_LINES = 400
-"""The most lines of any module of the workshop (issue 23's rule)."""
+"""The most lines of any module outside the textbook (issue 23's rule)."""
 
 
 def test_no_workshop_module_is_over_400_lines():
     long = {
         str(path.relative_to(PACKAGE)): lines
-        for path in sorted((PACKAGE / "run").rglob("*.py"))
+        for part in OUTSIDE
+        for path in sorted((PACKAGE / part).rglob("*.py"))
         if (lines := len(path.read_text().splitlines())) > WORKSHOP_MODULE_LINES
     }
     assert not long, f"workshop modules over {WORKSHOP_MODULE_LINES} lines (split them): {long}"

@@ -8,8 +8,10 @@ name: a preset's rules (``minishard.presets``) and ``Sharded`` decide where it
 runs. It imports no ``_``-prefixed name of the textbook; what it needs and the
 public API lacks, the API grows. The textbook never imports it.
 
-* ``transformer``: what every transformer here is built from: LayerNorm, the
-  attention core (a pure function of positions), Attention, the MLP, Block, KVCache;
+* ``attention``: the attention core (a pure function of positions), ring attention's core,
+  KVCache and Attention;
+* ``transformer``: what every transformer here is built from around attention: LayerNorm,
+  the MLP, Block;
 * ``vit``: a Vision Transformer whose heads and MLP hidden units split like the
   MLP's hidden units;
 * ``gpt``: a decoder-only GPT over characters (nanoGPT's CPU shape), its

@@ -70,16 +70,8 @@ from minishard.context import positions as held_positions
 from minishard.experts import MoE, MoEStats
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key
 from minishard.losses import accuracy, cross_entropy, one_hot
-from minishard.models.transformer import (
-    SEQUENCE_LAYOUT,
-    Block,
-    KVCache,
-    LayerNorm,
-    MLPBuilder,
-    dense_mlp,
-    routed_blocks,
-    sequence_axis,
-)
+from minishard.models.attention import SEQUENCE_LAYOUT, KVCache, sequence_axis
+from minishard.models.transformer import Block, LayerNorm, MLPBuilder, dense_mlp, routed_blocks
 from minishard.pipeline import Stacked, StackedModel, microbatched
 from minishard.rules import LogicalAxes
 
@@ -138,7 +130,7 @@ class GPT(Layer):
     The defaults are nanoGPT's CPU configuration (``README.md``: 4 layers,
     4 heads, 128 features, a context of 64 characters), with the ViT's MLP
     (``mlp_ratio`` 4, Swish). ``core`` names the attention core
-    (``minishard.models.transformer.ATTENTION_CORES``), ``mlp`` builds each
+    (``minishard.models.attention.ATTENTION_CORES``), ``mlp`` builds each
     block's MLP, ``remat`` recomputes each block in the backward pass.
 
     >>> import jax

@@ -1,21 +1,12 @@
-"""The pieces every transformer here shares: LayerNorm, attention, the MLP and the pre-norm Block.
+"""The pieces every transformer here shares: LayerNorm, the MLP and the pre-norm Block around attention.
 
 The ViT (``minishard.models.vit``) and the GPT (``minishard.models.gpt``) are
 the same stack of blocks around different ends: patches in and a class out,
 or characters in and the next character out. What they share lives here, once:
 
 * ``LayerNorm``: each token's features to mean 0 and variance 1, scaled and shifted;
-* ``dot_product_attention``: the attention *core*, a pure function of
-  ``[batch, seq, heads, head_dim]`` queries, keys and values and of each
-  token's position; ``causal=True`` lets a query see only keys at positions
-  at or before its own. The mask reads the positions, never a lower-triangle
-  of the array index: a chapter that reorders the tokens (context parallelism
-  deals them out zig-zag) or keeps them in a cache passes their positions, and
-  the same mask stays right;
-* ``Attention``: the projections around the core, heads as a dimension of
-  their own. Its static field ``core`` names the core in ``ATTENTION_CORES``,
-  so another one is one dict entry and one argument: ``"ring"``, ring attention
-  (``minishard.context``) over the devices the rules give "seq" (``ring_core``);
+* ``Attention`` (``minishard.models.attention``, with its cores and the ``KVCache``):
+  multi-head self-attention, heads as a dimension of their own;
 * ``dense_mlp``: the Megatron MLP, ``Linear(embed -> mlp)``, Swish, ``Linear(mlp -> embed)``;
   ``Block(..., mlp=...)`` takes any other builder of the same arguments: ``moe_mlp``'s mixture
   of experts (``minishard.experts``), whose ``(y, MoEStats)`` the blocks add up (``routed``);
@@ -36,19 +27,17 @@ True
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from minishard.constraints import activation_axes, as_activation, constrain, environment, output_sharding
-from minishard.context import ring_attention
+from minishard.constraints import activation_axes, as_activation, constrain, environment
 from minishard.experts import MoE, MoEStats
-from minishard.layers import Layer, Sequential, check_key, mlp
-from minishard.rules import LogicalAxes, MeshAxes
-from minishard.sequence import over_sequence
+from minishard.layers import Layer, Sequential, mlp
+from minishard.models.attention import Attention, KVCache
+from minishard.rules import LogicalAxes
 
 
 class LayerNorm(Layer):
@@ -79,195 +68,6 @@ class LayerNorm(Layer):
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
         return {"scale": ("embed",), "bias": ("embed",)}
-
-
-# --- the attention core: a pure function -------------------------------------------------
-
-
-def dot_product_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_positions: jax.Array,
-    k_positions: jax.Array,
-    *,
-    causal: bool,
-) -> jax.Array:
-    """``softmax(q kᵀ / sqrt(head_dim)) v`` per head: ``[B, T, H, D]`` queries, ``[B, S, H, D]`` keys.
-
-    ``q_positions`` ``[T]`` and ``k_positions`` ``[S]`` say where each token
-    stands in the sequence. With ``causal``, query ``t`` sees key ``s`` only if
-    ``k_positions[s] <= q_positions[t]``: a key cache's empty slots (positions
-    not reached yet) and tokens dealt out of order are masked by the same rule.
-
-    >>> import jax.numpy as jnp
-    >>> q = k = v = jnp.ones((1, 3, 1, 2))
-    >>> v = v * jnp.arange(3.0)[None, :, None, None]   # token s carries the value s
-    >>> out = dot_product_attention(q, k, v, jnp.arange(3), jnp.arange(3), causal=True)
-    >>> out[0, :, 0, 0].tolist()   # equal scores: each query averages the values it sees
-    [0.0, 0.5, 1.0]
-    """
-    # b: batch, t/s: query/key positions, h: heads, k: head_dim. Heads stay an index
-    # until the caller's out projection sums over them: split heads need no communication here.
-    logits = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(q.shape[-1])
-    if causal:
-        visible = k_positions[None, :] <= q_positions[:, None]  # [T, S]
-        logits = jnp.where(visible, logits, jnp.finfo(logits.dtype).min)
-    weights = jax.nn.softmax(logits, axis=-1)  # each query's weights over the keys sum to 1
-    return jnp.einsum("bhts,bshk->bthk", weights, v)
-
-
-AttentionCore = Callable[..., jax.Array]
-"""``core(q, k, v, q_positions, k_positions, *, causal) -> [B, T, H, D]``, as ``dot_product_attention``."""
-
-SEQUENCE_LAYOUT = "zigzag"
-"""How a split sequence is dealt out (``minishard.context.chunks``): device i holds chunks i and 2p-1-i."""
-
-
-def sequence_axis() -> tuple[str | None, int]:
-    """The mesh axis the rules give attention's "seq" (``[batch, seq, heads, head_dim]``), and its size:
-    ``(None, 1)`` where the sequence is whole (no rule splits it there, or outside ``Sharded``)."""
-    env = environment()
-    axis: MeshAxes = (*env.spec(activation_axes(4, "seq", "heads", "kv")), None, None)[1] if env else None
-    if env is None or axis is None:
-        return None, 1
-    if not isinstance(axis, str):
-        raise ValueError(f"ring attention: 'seq' goes over one mesh axis, not {axis}")
-    return axis, int(env.mesh.shape[axis])
-
-
-def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, causal: bool) -> jax.Array:
-    """``minishard.context.ring_attention`` over the mesh axis of "seq", the batch split as the rules say.
-
-    The tokens must be held dealt out in ``SEQUENCE_LAYOUT`` (``minishard.models.gpt.in_sequence_layout``
-    does it to a batch): the ring reads their positions from the layout, not from its arguments.
-    Where the sequence is whole the ring has one device, and is ``dot_product_attention`` itself.
-    """
-    axis, p = sequence_axis()
-    env = environment()
-    if env is None or axis is None or p == 1:
-        return dot_product_attention(q, k, v, q_positions, k_positions, causal=causal)
-    batch_axes = env.spec(activation_axes(4, "seq", "heads", "kv"))[0]
-    ring = over_sequence(
-        ring_attention, env.mesh, axis=axis, batch_axes=batch_axes, causal=causal, layout=SEQUENCE_LAYOUT
-    )
-    return ring(q, k, v)
-
-
-ATTENTION_CORES: dict[str, AttentionCore] = {"dense": dot_product_attention, "ring": ring_core}
-"""The cores ``Attention(core=...)`` can name."""
-
-
-class KVCache(Layer):
-    """One block's keys and values for every position of a sequence: ``[B, S, heads, head_dim]`` each.
-
-    Decoding one token at a time, a block needs the keys and values of every
-    earlier token; keeping them turns each step's work from the whole context
-    to one token. It is a pytree like a model and names its axes, so
-    ``Sharded`` lays it out by the rules: under ``tp`` each device keeps the
-    cache of its own heads, next to those heads' weights. Empty slots hold
-    zeros; the causal mask hides them (their positions lie ahead).
-
-    >>> cache = KVCache(2, 16, heads=4, head_dim=8)
-    >>> cache.keys.shape, cache.param_logical_axes()["keys"][1:]
-    ((2, 16, 4, 8), ('seq', 'heads', 'kv'))
-    """
-
-    param_fields = ("keys", "values")
-
-    def __init__(self, batch: int, length: int, heads: int, head_dim: int) -> None:
-        self.keys = jnp.zeros((batch, length, heads, head_dim))
-        self.values = jnp.zeros((batch, length, heads, head_dim))
-
-    def write(self, k: jax.Array, v: jax.Array, start: jax.Array) -> KVCache:
-        """The cache with ``k`` and ``v`` (``[B, n, H, D]``) at positions ``start .. start + n - 1``."""
-        at = (0, start, 0, 0)
-        keys = jax.lax.dynamic_update_slice(self.keys, k.astype(self.keys.dtype), at)
-        values = jax.lax.dynamic_update_slice(self.values, v.astype(self.values.dtype), at)
-        return self.replace(keys=keys, values=values)  # type: ignore[return-value]
-
-    def param_logical_axes(self) -> dict[str, LogicalAxes]:
-        axes = activation_axes(4, "seq", "heads", "kv")  # the batch first: Sharded's name for it
-        return {"keys": axes, "values": axes}
-
-
-class Attention(Layer):
-    """Multi-head self-attention, heads as a dimension of their own.
-
-    ``query``, ``key`` and ``value`` are ``[width, heads, head_dim]``; ``out``
-    is ``[heads, head_dim, width]``. Every einsum keeps ``h`` (heads) as an
-    index until the last one sums over it, so with ``heads -> "model"`` each
-    device computes whole heads alone and only that last sum crosses devices.
-
-    No biases: the LayerNorm before attention shifts its output by a learned
-    ``bias``, and ``bias @ query`` already is a bias of the queries (the same
-    for keys and values); an out bias would only add a constant to the
-    residual stream, as the MLP's biases do.
-
-    ``causal`` (static) masks the future: a language model's attention.
-    ``core`` (static) names the attention core in ``ATTENTION_CORES``.
-
-    >>> import jax, jax.numpy as jnp
-    >>> attention = jax.eval_shape(lambda: Attention(8, 2, key=jax.random.key(0)))  # shapes only
-    >>> x = jax.ShapeDtypeStruct((3, 5, 8), jnp.float32)   # [batch, tokens, width]
-    >>> attention.query.shape, jax.eval_shape(lambda a, x: a(x), attention, x).shape
-    ((8, 2, 4), (3, 5, 8))
-    """
-
-    param_fields = ("query", "key", "value", "out")
-    static_fields = ("width", "heads", "causal", "core")
-
-    def __init__(
-        self, width: int, heads: int, *, key: jax.Array, causal: bool = False, core: str = "dense"
-    ) -> None:
-        if width % heads:
-            raise ValueError(f"Attention: width {width} must be a multiple of heads {heads}")
-        if core not in ATTENTION_CORES:
-            raise ValueError(f"Attention: unknown core {core!r}; choose from {', '.join(ATTENTION_CORES)}")
-        check_key("Attention", key)
-        self.width, self.heads, self.causal, self.core = int(width), int(heads), bool(causal), core
-        head_dim = width // heads
-        q_key, k_key, v_key, out_key = jax.random.split(key, 4)  # one key per weight
-        normal = jax.random.normal
-        self.query = normal(q_key, (width, heads, head_dim)) / math.sqrt(width)  # fan-in scaling
-        self.key = normal(k_key, (width, heads, head_dim)) / math.sqrt(width)
-        self.value = normal(v_key, (width, heads, head_dim)) / math.sqrt(width)
-        self.out = normal(out_key, (heads, head_dim, width)) / math.sqrt(width)
-
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """``[B, T, width]`` -> ``[B, T, width]``; ``positions`` ``[T]`` default to ``0 .. T - 1``."""
-        positions = jnp.arange(x.shape[1]) if positions is None else positions
-        q, k, v = self.project(x)
-        mixed = ATTENTION_CORES[self.core](q, k, v, positions, positions, causal=self.causal)
-        return self.combine(mixed)
-
-    def cached(self, x: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Attention of new tokens (at ``positions``, consecutive) to every cached one and each other."""
-        q, k, v = self.project(x)
-        cache = cache.write(k, v, positions[0])
-        everywhere = jnp.arange(cache.keys.shape[1])  # slot s holds position s
-        mixed = dot_product_attention(q, cache.keys, cache.values, positions, everywhere, causal=True)
-        return self.combine(mixed), cache
-
-    def project(self, x: jax.Array) -> jax.Array:
-        """``x`` ``[B, T, width]`` -> queries, keys and values stacked: ``[3, B, T, heads, head_dim]``."""
-        # One einsum for q, k and v (c: which of the three), so that in the backward pass the
-        # gradient into x is one sum over (c, h, k): one all-reduce over "model", not three.
-        # On an Explicit mesh, the contractions name their outputs' layouts (output_sharding);
-        # elsewhere output_sharding is None and XLA decides.
-        qkv = jnp.stack([self.query, self.key, self.value])
-        stacked = (None, *activation_axes(4, "seq", "heads", "kv"))  # [which of q/k/v, b, t, h, k]
-        return jnp.einsum("bte,cehk->cbthk", x, qkv, out_sharding=output_sharding(stacked))
-
-    def combine(self, mixed: jax.Array) -> jax.Array:
-        """``[B, T, heads, head_dim]`` -> ``[B, T, width]``: the one sum over heads."""
-        # With heads split, a partial sum per device -> all-reduce.
-        out = output_sharding(activation_axes(3, "seq", "embed"))
-        return jnp.einsum("bthk,hke->bte", mixed, self.out, out_sharding=out)
-
-    def param_logical_axes(self) -> dict[str, LogicalAxes]:
-        qkv: LogicalAxes = ("embed", "heads", "kv")
-        return {"query": qkv, "key": qkv, "value": qkv, "out": ("heads", "kv", "embed")}
 
 
 # --- the MLP and the block -------------------------------------------------------------------
@@ -394,20 +194,12 @@ def routed_blocks(
 
 
 __all__ = [
-    "ATTENTION_CORES",
-    "SEQUENCE_LAYOUT",
-    "Attention",
-    "AttentionCore",
     "Block",
-    "KVCache",
     "LayerNorm",
     "MLPBuilder",
     "apply_blocks",
     "dense_mlp",
-    "dot_product_attention",
     "moe_mlp",
     "residual_stream",
-    "ring_core",
     "routed_blocks",
-    "sequence_axis",
 ]

@@ -10,7 +10,8 @@ The pieces, in the order an image meets them:
 * ``ViT``: a last ``LayerNorm``, ``MeanPool`` (the mean over tokens), a
   ``Linear`` head to the classes.
 
-``LayerNorm``, ``Attention`` and ``Block`` are ``minishard.models.transformer``'s,
+``LayerNorm`` and ``Block`` are ``minishard.models.transformer``'s, ``Attention``
+``minishard.models.attention``'s,
 the same the GPT is built from (a ViT's attention is not ``causal``).
 
 Every parameter names its logical axes. Heads are a dimension of their own
@@ -115,7 +116,8 @@ import jax.numpy as jnp
 
 from minishard.constraints import activation_axes, as_activation, output_sharding
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key
-from minishard.models.transformer import Attention, Block, LayerNorm, apply_blocks
+from minishard.models.attention import Attention
+from minishard.models.transformer import Block, LayerNorm, apply_blocks
 from minishard.pipeline import Stacked, StackedModel
 from minishard.presets import preset_rules
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes

@@ -23,7 +23,8 @@ hypothesis strategies that keep the number of compiled programs small.
 * ``strategies.py``: ``meshes``, ``axis_rules``, the widths they can split
   (``split_counts``, ``width_units``, ``splittable_widths``), ``batches``, ``seeds``;
 * ``builders.py``: ``models`` from your own builder, and ``mlps``;
-* ``assertions.py``: ``assert_sharded_equivalent``, ``assert_split``, ``assert_layout``;
+* ``assertions.py``: ``assert_sharded_equivalent``, ``assert_split``;
+* ``layouts.py``: ``assert_layout`` and the ``Layout`` it states;
 * ``budgets.py``: ``Limit``, ``assert_collectives``, ``data_parallel_limits``, ``megatron_limits``;
 * ``profiles.py``: the ``"minishard"`` hypothesis profiles (``register_profiles``);
 * ``pipelines.py``: ``pipelines`` that fit a stacked model, ``assert_pipeline_equivalent``
@@ -46,11 +47,12 @@ except ImportError as error:  # only the tests need hypothesis, so minishard doe
         "(or pip install 'minishard[dev]')"
     ) from error
 
-from minishard.testing.assertions import Layout, assert_layout, assert_sharded_equivalent, assert_split
+from minishard.testing.assertions import assert_sharded_equivalent, assert_split
 from minishard.testing.attention import SequenceLayout, assert_attention_equivalent, sequence_layouts
 from minishard.testing.budgets import Limit, assert_collectives, data_parallel_limits, megatron_limits
 from minishard.testing.builders import LINEAR_AXES, mlps, models
 from minishard.testing.experts import assert_moe_equivalent, expert_parallels, moe_reference, moes
+from minishard.testing.layouts import Layout, assert_layout
 from minishard.testing.pipelines import assert_pipeline_equivalent, pipelines
 from minishard.testing.profiles import register_profiles
 from minishard.testing.strategies import (
