@@ -14,8 +14,8 @@ needs_shakespeare = pytest.mark.skipif(
 )
 GPT = ["--model", "gpt"]
 BAD = [
-    (["--model", "vit", "--experts", "4"], "argument --experts: 4 experts would replace the MLP of each GPT block; only the GPT takes --experts, not the ViT"),  # noqa: E501
-    (["--experts", "8"], "argument --experts: 8 experts would replace the MLP of each GPT block; only the GPT takes --experts, not the MLP (add --model gpt)"),  # noqa: E501
+    (["--model", "vit", "--experts", "4"], "argument --experts: only the GPT takes it, and --model is vit; add --model gpt"),  # noqa: E501
+    (["--experts", "8"], "argument --experts: only the GPT takes it, and --model is mlp; add --model gpt"),
     ([*GPT, "--experts", "2", "--top-k", "3"], "argument --top-k: 3 with --experts 2; each token picks k distinct experts, so k must be from 1 to 2"),  # noqa: E501
     ([*GPT, "--experts", "8", "--capacity-factor", "0"], "argument --capacity-factor: must be a finite number > 0, got 0"),  # noqa: E501
     ([*GPT, "--experts", "8", "--capacity-factor", "-1.5"], "argument --capacity-factor: must be a finite number > 0"),  # noqa: E501

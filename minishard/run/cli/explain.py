@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from minishard.census import human_bytes
-from minishard.costs import HARDWARE, Candidate, StepCost, compare, cost_report, mesh_shapes
+from minishard.costs import HARDWARE, Candidate, StepCost, compare, mesh_shapes
 from minishard.presets import EXPERT, PRESETS, SEQUENCE
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
@@ -29,15 +29,14 @@ from minishard.run.cli.flags import (
     at_least,
     check_output,
     fill_defaults,
+    refuse_other_models_flags,
     simulate_devices,
 )
 from minishard.run.cli.models import MODELS
-from minishard.run.cli.models.gpt import GPT_ENTRY, MOE_FLAGS, check_moe, refuse_experts
+from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles import STYLES, warn_unused
 from minishard.run.cli.styles.context import ContextStyle
-from minishard.run.cli.styles.pipeline import PipelineStyle
 from minishard.run.cli.styles.style import Style
-from minishard.run.cli.styles.zero import ZeroStyle
 from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
 from minishard.sharding import make_mesh
@@ -64,16 +63,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="global batch of that step (default: the model's)",
     )
     add("--compare", action="store_true", help="rank every preset and mesh shape on --hardware")
-    add("--context", type=at_least(1), help="the GPT's characters per window (default: its own)")
-    for name, flag in MOE_FLAGS.items():  # the GPT's MLPs as a mixture of experts: ep, dp+ep
-        flag.add_to(parser, name, [GPT_ENTRY])
+    owners: dict[str, list[ModelEntry]] = {}
+    for entry in MODELS.values():  # each model's flags that change the step priced (the GPT's --context)
+        for name in entry.explain_flags:
+            owners.setdefault(name, []).append(entry)
+    for name, takers in owners.items():
+        takers[0].flags[name].add_to(parser, name, takers)
 
 
 def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     """--compare needs --hardware; --batch-size needs a step to compile, and must split over "data"."""
     check_output("--plot", args.plot, PLOT_FORMATS, error)
     model = MODELS[args.model]
-    refuse_experts(args, model, error)
+    refuse_other_models_flags(args, model, MODELS.values(), error)  # as train does
     if args.compare and not args.hardware:
         error("argument --compare: needs --hardware, the accelerator to rank the layouts on (e.g. v5p)")
     if args.compare and (args.parallel or args.microbatches):
@@ -85,18 +87,15 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     if args.batch_size is not None and not compiles:
         others = " or ".join(f"--parallel {name}" for name, other in STYLES.items() if other.compiles)
         error(f"argument --batch-size: only a compiled step takes it; add --hardware (or {others})")
-    if args.microbatches is not None and not isinstance(style, PipelineStyle | ZeroStyle):
+    if args.microbatches is not None and not style.checks_microbatches:
         error(
             f"argument --microbatches: explain prices a step of whole batches under --parallel "
             f"{args.parallel}; only a pipeline's (pp, dp+pp) takes microbatches"
         )
-    if args.context is not None and "context" not in model.flags:
-        error(f"argument --context: only the GPT takes it, and --model is {model.name}; add --model gpt")
     args.mesh = {"data": args.devices} if args.compare else style.mesh(args.devices)  # "data" may span all
     style.check_explain(args, model, error)  # what was given, before the defaults fill the rest
     fill_defaults(args, model, style)  # the model's --batch-size among them (the GPT's: from "data")
-    if "experts" in model.flags:
-        check_moe(args, error)
+    model.check_explain(args, error)
     ways = style.ways(args.mesh)
     if compiles and args.batch_size % ways:
         error(f"argument --batch-size: {args.batch_size} cannot be split evenly over data={ways} devices")
@@ -190,7 +189,7 @@ def _own_steps(args: argparse.Namespace, model: Any) -> list[Candidate]:
     """The styles with a step of their own (pp, dp+pp, zero) on each of their mesh shapes, priced."""
     candidates = []
     for name, style in STYLES.items():
-        if not isinstance(style, PipelineStyle | ZeroStyle):
+        if not style.own_step:
             continue
         for shape in mesh_shapes(style.preset, args.devices):
             try:
@@ -210,20 +209,12 @@ def _own_step_cost(args: argparse.Namespace, model: Any, style: Style, shape: di
 
     style.check_explain(own, model, refuse)
     fill_defaults(own, model, style)
-    mesh, rules = make_mesh(shape), style.rules({})
-    optimizer, built = model.compiled_optimizer(own), style.build(model, own, jax.random.key(0))
+    style.check(own, model, refuse)  # with the defaults filled: a pipeline's blocks over its stages
+    built = style.build(model, own, jax.random.key(0))
     batch = {
         name: jnp.zeros(like.shape, like.dtype) for name, like in model.example(own, own.batch_size).items()
     }
-    if isinstance(style, ZeroStyle):
-        step = style.step(optimizer, mesh)
-        placed = step.shard(built)
-        return cost_report(step, (placed, step.init(placed), batch), mesh, rules, args.hardware)
-    assert isinstance(style, PipelineStyle) and model.stack is not None
-    model.stack.check(own, shape["stage"], refuse)
-    built = style.pipelined(built, own, mesh)
-    step_args = (built, optimizer.init(built), batch)
-    return cost_report(make_train_step(optimizer, model.task.loss), step_args, mesh, rules, args.hardware)
+    return style.own_step_cost(model, own, built, batch, make_mesh(shape))
 
 
 def print_report(

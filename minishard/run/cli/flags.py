@@ -42,6 +42,7 @@ __all__ = [
     "number",
     "pairs",
     "positive",
+    "refuse_other_models_flags",
     "rules",
     "seconds",
     "simulate_devices",
@@ -233,7 +234,7 @@ def finish_train(
     Each check ends with one ``error:`` line. The order: flags of another
     model, the style's own refusals, the defaults, then every check in turn.
     """
-    _refuse_other_models_flags(args, model, models, error)
+    refuse_other_models_flags(args, model, models, error)
     style.finish(args, error)
     if args.mesh is None:  # decided from the parsed values: --mesh given (in any spelling) always wins
         args.mesh = style.mesh(args.devices) if args.parallel else mesh(DEFAULT_MESH)
@@ -272,7 +273,7 @@ def fill_defaults(args: argparse.Namespace, model: ModelEntry, style: Style) -> 
     return args
 
 
-def _refuse_other_models_flags(
+def refuse_other_models_flags(
     args: argparse.Namespace, model: ModelEntry, models: Iterable[ModelEntry], error: Error
 ) -> None:
     """A flag of another model would be silently ignored: it is an error that names who takes it."""

@@ -28,7 +28,6 @@ from minishard.run.cli import flags, styles
 from minishard.run.cli.flags import Error, at_least, default_text, finish_train, simulate_devices
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry, Splits
-from minishard.run.cli.models.gpt import refuse_experts
 from minishard.run.cli.styles import cli_rules, style_of, warn_unused
 from minishard.run.cli.styles.style import Style
 from minishard.run.compiling import enable_compilation_cache
@@ -100,7 +99,7 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--batch-size",
-        "global batch size; the GPT's: the multiple of data x microbatches nearest 12",
+        "global batch size (default: the model's)",
         type=at_least(1),
     )
     add("--lr", "initial (or peak) learning rate", type=flags.positive)
@@ -188,7 +187,6 @@ def _add_process_flags(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     """Every flag together, before any work (``flags.finish_train``); the errors are argparse's."""
     model = MODELS[args.model]
-    refuse_experts(args, model, error)  # before finish_train's "only the GPT takes it": what it would do
     args.parallel = args.parallel or model.style
     return finish_train(args, error, model, style_of(args.parallel), MODELS.values())
 

@@ -63,7 +63,9 @@ class ModelEntry:
     ``Splits``; ``optimizer(args, total_steps)`` builds its optimizer;
     ``example(args, batch_size)`` is the shapes of one batch (``explain`` compiles
     a step on them); ``fill`` derives defaults from others, ``check`` checks its
-    flags together (``argparse``'s one ``error`` line); ``stack`` is how its blocks
+    flags together (``argparse``'s one ``error`` line); ``explain_flags`` are those
+    of its flags that change the step ``explain`` prices, ``check_explain`` checks
+    them (explain takes no training flags); ``stack`` is how its blocks
     stack for a pipeline. Every checkpoint keeps ``saved(args)`` and the ``Splits``'
     ``info``: what ``sample`` needs to rebuild the model without its data.
     """
@@ -82,6 +84,8 @@ class ModelEntry:
     example: Callable[[Args, int], dict[str, jax.ShapeDtypeStruct]]
     fill: Callable[[Args], None] = _nothing
     check: Callable[[Args, Error], None] = _nothing
+    explain_flags: tuple[str, ...] = ()
+    check_explain: Callable[[Args, Error], None] = _nothing
     stack: Stacking | None = None  # None: it has no blocks to stack, so no pipeline style
 
     def compiled_optimizer(self, args: Args) -> Optimizer:

@@ -43,7 +43,6 @@ __all__ = [
     "check_moe",
     "gpt_splits",
     "nanogpt_batch",
-    "refuse_experts",
 ]
 
 
@@ -123,15 +122,6 @@ def _fill_gpt(args: Args) -> None:
     for name, value in MOE_DEFAULTS.items():
         if args.experts and getattr(args, name, None) is None:
             setattr(args, name, value)
-
-
-def refuse_experts(args: Args, model: ModelEntry, error: Error) -> None:
-    """--experts on a model whose MLPs no mixture of experts replaces: one line, the value and the fix."""
-    if (experts := getattr(args, "experts", None)) is not None and "experts" not in model.flags:
-        error(
-            f"argument --experts: {experts} experts would replace the MLP of each GPT block; only the GPT "
-            f"takes --experts, not the {model.label} (add --model gpt)"
-        )
 
 
 def check_moe(args: Args, error: Error) -> None:
@@ -227,5 +217,7 @@ GPT_ENTRY = ModelEntry(
     example=_windows,
     fill=_fill_gpt,
     check=_check_gpt,
+    explain_flags=("context", *MOE_FLAGS),  # a longer window, experts: another step to price
+    check_explain=check_moe,
     stack=Stacking(lambda args, key: _gpt(args, key, stacked=True), depth_over_stages(4), check_depth_stages),
 )

@@ -14,8 +14,10 @@ import sys
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from minishard import pipeline
+from minishard.costs import StepCost, cost_report
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import Error, simulate_devices
 from minishard.run.cli.models.entry import ModelEntry
@@ -35,6 +37,7 @@ class PipelineStyle(Style):
     """
 
     refuses = ("remat", "explicit")
+    own_step = checks_microbatches = True
 
     def fill(self, args: Args, model: ModelEntry) -> None:
         stages = int((getattr(args, "mesh", None) or self.mesh(args.devices)).get("stage", 1))
@@ -84,6 +87,13 @@ class PipelineStyle(Style):
 
     def microbatches(self, args: Args) -> int:
         return 1  # a pipeline's microbatches are its own
+
+    def own_step_cost(self, entry: ModelEntry, args: Args, built: Any, batch: Any, mesh: Mesh) -> StepCost:
+        optimizer, built = entry.compiled_optimizer(args), self.pipelined(built, args, mesh)
+        step_args = (built, optimizer.init(built), batch)
+        return cost_report(
+            make_train_step(optimizer, entry.task.loss), step_args, mesh, self.rules({}), args.hardware
+        )
 
     def before_explain(self, args: Args) -> int:
         """Simulate the devices ``after_plan`` compiles on; 2 (one ``error:`` line) if they cannot."""

@@ -17,7 +17,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
+from jax.sharding import Mesh
 
+from minishard.costs import StepCost
 from minishard.presets import preset, preset_rules
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import Error
@@ -39,6 +41,11 @@ class Style:
 
     compiles = False
     """Whether ``explain`` compiles its step even without ``--hardware`` (to show what it sends)."""
+    own_step = False
+    """Whether it trains a step of its own (``own_step_cost`` prices it), not ``fit``'s ``Sharded`` one."""
+    checks_microbatches = False
+    """Whether it checks ``--microbatches`` itself (a pipeline takes them, ZeRO refuses them by name);
+    ``explain`` refuses them for every other style, whose step it prices on whole batches."""
     parsed: ClassVar[Mapping[str, Any]] = {}
     """What every parse holds, whichever style is chosen: ``args.zero`` is None but under ZeRO."""
 
@@ -94,3 +101,7 @@ class Style:
     def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
         """``explain``, after the plan is printed: what more the style shows; an exit status."""
         return 0
+
+    def own_step_cost(self, entry: ModelEntry, args: Args, built: Any, batch: Any, mesh: Mesh) -> StepCost:
+        """``explain --compare``: an ``own_step`` style's step on ``built``, priced on ``args.hardware``."""
+        raise NotImplementedError(f"--parallel {self.name} trains fit's Sharded step: compare prices it")

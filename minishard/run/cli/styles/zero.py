@@ -14,9 +14,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
+from jax.sharding import Mesh
 
 from minishard.census import collectives, human_bytes, summary
-from minishard.costs import cost_report
+from minishard.costs import StepCost, cost_report
 from minishard.run.cli.flags import Error
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry
@@ -37,6 +38,7 @@ class ZeroStyle(Style):
     METRIC_BYTES = 2 * 4
     """What its step all-reduces besides gradients: the loss and accuracy, two float32 scalars."""
     compiles = True
+    own_step = checks_microbatches = True
 
     def finish(self, args: Args, error: Error) -> None:
         if args.rules or args.explicit:
@@ -83,6 +85,11 @@ class ZeroStyle(Style):
         optax-like optimizer's state splits)."""
         loss = _with_one_metric(task.loss)
         return zero_train_step(optimizer, mesh, level=self.LEVEL, loss=loss)  # type: ignore[arg-type]
+
+    def own_step_cost(self, entry: ModelEntry, args: Args, built: Any, batch: Any, mesh: Mesh) -> StepCost:
+        step = self.step(entry.compiled_optimizer(args), mesh, entry.task)
+        placed = step.shard(built)
+        return cost_report(step, (placed, step.init(placed), batch), mesh, self.rules({}), args.hardware)
 
     def explain_step(self, args: Args, optimizer: Optimizer, model: Any, batch: Any) -> int:
         """What ZeRO's step sends, against the analytic minimum: an all-gather of the parameters
