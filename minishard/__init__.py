@@ -65,10 +65,11 @@ from minishard.sharding import Sharded, make_mesh, partition_specs, plan, shard
 
 
 def _started_as_the_command() -> bool:
-    """``minishard ...`` or ``python -m minishard ...``: this process is the CLI (a launcher's ranks too)."""
+    """``minishard ...``, ``python -m minishard ...`` or ``-m minishard.run.cli``: this process is the CLI
+    (a launcher's ranks too)."""
     command = list(getattr(_sys, "orig_argv", []))
     module = command[command.index("-m") + 1] if "-m" in command[:-1] else None
-    return _os.path.basename(_sys.argv[0]) == "minishard" or module == "minishard"
+    return _os.path.basename(_sys.argv[0]) == "minishard" or module in ("minishard", "minishard.run.cli")
 
 
 # A signal that came while the imports ran arrives now: the command stops as it does elsewhere,

@@ -298,7 +298,11 @@ def test_a_peers_teardown_noise_is_kept_out_of_view_and_counted():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", [["-m", "minishard"], ["-c", "import minishard"]], ids=["cli", "library"])
+@pytest.mark.parametrize(
+    "command",
+    [["-m", "minishard"], ["-m", "minishard.run.cli"], ["-c", "import minishard"]],
+    ids=["cli", "cli module", "library"],
+)
 def test_a_ctrl_c_while_minishard_imports_stops_the_command_in_one_line_and_a_library_import_raises(command):
     """The command exits 130 with one line; a script's ``import minishard`` gets a KeyboardInterrupt."""
     process = subprocess.Popen(
