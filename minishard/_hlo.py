@@ -266,24 +266,3 @@ def narrowed(text: str, asked: str) -> str:
         if match := _INSTRUCTION.match(stripped := _COMMENT.sub("", line)):  # narrow the result only
             lines[i] = stripped.replace(match["shape"], match["shape"].replace("f32[", f"{asked}["), 1)
     return "\n".join(lines)
-
-
-def as_asked(lowered: jax.stages.Lowered) -> str:
-    """The compiled HLO text, with each f32 collective written in the float type the program asked for.
-
-    Feed it to ``collectives`` or ``instructions`` (with ``mesh=``) to count the
-    bytes a GPU or TPU would move. A program that asked for f32 comes back unchanged.
-
-    >>> from minishard.census import collectives
-    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    >>> psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
-    ...                              in_specs=jax.P("data"), out_specs=jax.P()))
-    >>> lowered = psum.lower(jax.numpy.ones(8 * 1024, jax.numpy.bfloat16))
-    >>> collectives(lowered)["all-reduce"].bytes, collectives(as_asked(lowered), mesh)["all-reduce"].bytes
-    (4096, 2048)
-    """
-    text = lowered.compile().as_text() or ""
-    asked = asked_float(lowered)
-    if asked is None or FLOAT_BITS.get(asked, 32) >= 32:
-        return text
-    return narrowed(text, asked)

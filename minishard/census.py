@@ -53,7 +53,7 @@ from collections.abc import Iterator, Mapping
 import jax
 
 from minishard import _hlo
-from minishard._hlo import KINDS, as_asked
+from minishard._hlo import FLOAT_BITS, KINDS, asked_float, narrowed
 from minishard.rules import AnyMesh
 
 # --- 1. what a program sends ---------------------------------------------------
@@ -191,6 +191,26 @@ def mesh_of(compiled: jax.stages.Compiled) -> AnyMesh | None:
 # between two converts), so the compiled CPU program moves twice the bytes a GPU or
 # TPU would. ``as_asked(lowered)`` rewrites them in the float type the lowered
 # StableHLO asked for; ``collectives(as_asked(lowered), mesh)`` counts those bytes.
+
+
+def as_asked(lowered: jax.stages.Lowered) -> str:
+    """The compiled HLO text, with each f32 collective written in the float type the program asked for.
+
+    Feed it to ``collectives`` or ``instructions`` (with ``mesh=``) to count the
+    bytes a GPU or TPU would move. A program that asked for f32 comes back unchanged.
+
+    >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
+    ...                              in_specs=jax.P("data"), out_specs=jax.P()))
+    >>> lowered = psum.lower(jax.numpy.ones(8 * 1024, jax.numpy.bfloat16))
+    >>> collectives(lowered)["all-reduce"].bytes, collectives(as_asked(lowered), mesh)["all-reduce"].bytes
+    (4096, 2048)
+    """
+    text = lowered.compile().as_text() or ""
+    asked = asked_float(lowered)
+    if asked is None or FLOAT_BITS.get(asked, 32) >= 32:
+        return text
+    return narrowed(text, asked)
 
 
 __all__ = [
