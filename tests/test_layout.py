@@ -67,11 +67,12 @@ CHAPTERS = {
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)
 CORE_BUDGET = 2370
-"""Lines of the core modules, 2,340 measured (issues 23-26) plus a little room: about 2,120 when the
+"""Lines of the core modules, 2,360 measured (issues 23-26) plus a little room: about 2,120 when the
 inner wall was drawn (issue 23), then ``Residual`` (22), AdamW beside SGD in optim (148, issue 24),
 the sequence styles and ``constraints.environment`` (27, issue 25: three STYLES rows and their
 docstring, SEQUENCE, the wider __all__, environment()), the expert presets ep, dp+ep (18, issue 26:
-two rows, their docstring, EXPERT), and 5 lines of guards and docstrings since."""
+two rows, their docstring, EXPERT), 5 lines of guards and docstrings, and ``census.as_asked`` (20)
+back from ``_hlo``, where it had gone to fit the old budget."""
 PARSING = ("_hlo",)
 """Private modules whose functions return what they read: parsing machinery, not guards."""
 OUTSIDE = ("run", "models", "testing")
