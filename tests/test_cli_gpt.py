@@ -132,6 +132,7 @@ def test_the_gpt_defaults_are_nanogpts_cpu_configuration_with_a_batch_near_12():
     assert float(optimizer.learning_rate(2000)) == pytest.approx(1e-4)
 
 
+@pytest.mark.slow  # over 5 s
 def test_sample_continues_a_prompt_from_a_checkpoint_the_same_for_the_same_seed(tmp_path, capsys):
     settings = {"width": 16, "depth": 2, "heads": 2, "mlp_ratio": 2, "context": 8, "remat": False}
     vocabulary, directory = SHAKESPEARE, str(tmp_path / "run")

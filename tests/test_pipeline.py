@@ -151,6 +151,7 @@ def value_and_grads(blocks, x, pipeline):
     return jax.value_and_grad(loss, argnums=(0, 1))(blocks, x)
 
 
+@pytest.mark.slow  # over 5 s
 def test_one_circular_pipeline_on_data_x_stage_equals_sequential_and_runs_its_ticks():
     # The quick loop's case; the property below sweeps p, m, layers per stage and r (slow).
     blocks, oracle = blocks_and_oracle(8, 0)

@@ -339,6 +339,7 @@ def test_gradient_accumulation_gives_the_loss_curve_of_the_full_batch(small_trai
         )
 
 
+@pytest.mark.slow  # over 5 s
 def test_microbatches_cut_the_temporary_memory_of_a_vit_step():
     # What `minishard train --microbatches M` reports at compile: the activations of one microbatch.
     model = jax.eval_shape(lambda: ViT(depth=2, key=jax.random.key(0)))
@@ -638,6 +639,7 @@ def test_a_resumed_run_measures_divergence_against_its_historys_first_loss():
     assert first_loss(history, 2.9e18) == 2.3 and first_loss([], 1.5) == 1.5
 
 
+@pytest.mark.slow  # over 5 s
 def test_a_pipelined_run_resumes_with_other_microbatches(tmp_path):
     """The microbatches are a schedule, not parameters: changing them on resume keeps the model."""
     mesh = ms.make_mesh({"data": 4, "stage": 2})
