@@ -19,10 +19,3 @@ ALIASES = {"": "minishard", "ci": "minishard-ci", "dev": "minishard-dev"}
 register_profiles()
 _name = os.environ.get("HYPOTHESIS_PROFILE", "")
 settings.load_profile(ALIASES.get(_name, _name))
-
-
-def pytest_collection_modifyitems(items: list) -> None:
-    """The tests marked slow first: on two workers the short ones then fill the end of the run,
-    instead of one worker finishing a long test alone while the other idles (a stable sort:
-    each worker collects the same order, as pytest-xdist requires)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
