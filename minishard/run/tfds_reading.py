@@ -8,8 +8,8 @@ rule for where prepared data sets live, resolved here so an error can say where
 it looked. Each kind of data set (images, text) says what to read; this module
 says how, and what went wrong.
 
->>> data_directory("/tmp/prepared")
-'/tmp/prepared'
+>>> data_directory("prepared")
+'prepared'
 """
 
 from __future__ import annotations

@@ -254,8 +254,10 @@ class Checkpointer:
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         if unchecked := verify(restored["state"], read_records(self.directory / str(step))):
-            self.log(f"checkpoint {step}: no process holds a whole saved block of {', '.join(unchecked)}, "
-                     "so their checksums were not checked")  # fmt: skip
+            self.log(
+                f"checkpoint {step}: no process holds a whole saved shard of {', '.join(unchecked)}, "
+                "so their checksums were not checked"
+            )
         arrays = [restored["state"][stored_as[name]] for name, _ in named]
         # The structure comes from the target, not from the disk.
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), arrays), restored["meta"]

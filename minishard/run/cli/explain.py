@@ -26,14 +26,15 @@ from minishard.run.cli import styles
 from minishard.run.cli.flags import (
     PLOT_FORMATS,
     Error,
+    add_model_flags,
     at_least,
     check_output,
     fill_defaults,
+    flag_owners,
     refuse_other_models_flags,
     simulate_devices,
 )
 from minishard.run.cli.models import MODELS
-from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles import STYLES, warn_unused
 from minishard.run.cli.styles.context import ContextStyle
 from minishard.run.cli.styles.style import Style
@@ -63,12 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="global batch of that step (default: the model's)",
     )
     add("--compare", action="store_true", help="rank every preset and mesh shape on --hardware")
-    owners: dict[str, list[ModelEntry]] = {}
-    for entry in MODELS.values():  # each model's flags that change the step priced (the GPT's --context)
-        for name in entry.explain_flags:
-            owners.setdefault(name, []).append(entry)
-    for name, takers in owners.items():
-        takers[0].flags[name].add_to(parser, name, takers)
+    # each model's flags that change the step priced (the GPT's --context)
+    add_model_flags(parser, flag_owners(MODELS.values(), lambda entry: entry.explain_flags))
 
 
 def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:

@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from minishard.run import distributed
@@ -31,12 +31,14 @@ __all__ = [
     "PLOT_FORMATS",
     "Error",
     "Flag",
+    "add_model_flags",
     "address",
     "at_least",
     "check_output",
     "default_text",
     "fill_defaults",
     "finish_train",
+    "flag_owners",
     "integer",
     "mesh",
     "number",
@@ -273,15 +275,32 @@ def fill_defaults(args: argparse.Namespace, model: ModelEntry, style: Style) -> 
     return args
 
 
+def flag_owners(
+    models: Iterable[ModelEntry], names: Callable[[ModelEntry], Iterable[str]] | None = None
+) -> dict[str, list[ModelEntry]]:
+    """``{flag: the models that take it}``, each flag once: ``--width`` is the ViT's and the GPT's.
+
+    ``names(entry)`` picks which of an entry's flags count: all of them (``train``), or
+    only those that change the step ``explain`` prices (``ModelEntry.explain_flags``).
+    """
+    owners: dict[str, list[ModelEntry]] = {}
+    for entry in models:
+        for name in entry.flags if names is None else names(entry):
+            owners.setdefault(name, []).append(entry)
+    return owners
+
+
+def add_model_flags(parser: argparse.ArgumentParser, owners: Mapping[str, Sequence[ModelEntry]]) -> None:
+    """Each flag of ``owners`` once, its help naming the models that take it (``Flag.add_to``)."""
+    for name, takers in owners.items():
+        takers[0].flags[name].add_to(parser, name, takers)
+
+
 def refuse_other_models_flags(
     args: argparse.Namespace, model: ModelEntry, models: Iterable[ModelEntry], error: Error
 ) -> None:
     """A flag of another model would be silently ignored: it is an error that names who takes it."""
-    owners: dict[str, list[ModelEntry]] = {}
-    for entry in models:
-        for name in entry.flags:
-            owners.setdefault(name, []).append(entry)
-    for name, takers in owners.items():
+    for name, takers in flag_owners(models).items():
         if model not in takers and getattr(args, name, None) is not None:
             labels = " and the ".join(entry.label for entry in takers)
             takes = "takes" if len(takers) == 1 else "take"

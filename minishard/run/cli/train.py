@@ -75,12 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     """Each model's own flags (``ModelEntry.flags``), once each, naming the models that take them."""
-    owners: dict[str, list[ModelEntry]] = {}
-    for entry in MODELS.values():
-        for name in entry.flags:
-            owners.setdefault(name, []).append(entry)
-    for name, takers in owners.items():
-        takers[0].flags[name].add_to(parser, name, takers)
+    flags.add_model_flags(parser, flags.flag_owners(MODELS.values()))
 
 
 def _add_training_flags(parser: argparse.ArgumentParser) -> None:

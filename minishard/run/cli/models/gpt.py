@@ -94,9 +94,13 @@ def gpt_splits(args: Args) -> Splits:
     The vocabulary (the train split's characters) is saved with every checkpoint: ``sample`` needs no data.
     """
     load = functools.partial(
-        text_data.text_dataset, args.dataset, context=args.context,
-        data_dir=args.data_dir, download=args.download, seed=args.seed,
-    )  # fmt: skip
+        text_data.text_dataset,
+        args.dataset,
+        context=args.context,
+        data_dir=args.data_dir,
+        download=args.download,
+        seed=args.seed,
+    )
     train = load("train", batch_size=args.batch_size)
     windows = args.batch_size * max(1, EVAL_WINDOWS // args.batch_size)
     val, test = (load(split, batch_size=windows) for split in ("validation", "test"))
