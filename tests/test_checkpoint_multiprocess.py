@@ -95,6 +95,51 @@ def test_a_flipped_shard_of_a_2_process_checkpoint_is_caught_in_2_processes_and_
     assert "Resumed from step 8: epoch 1, batch 8" in out
 
 
-if __name__ == "__main__":  # one process of a launched run: the real CLI on the synthetic data
+def resave_behind_a_slow_process(directory: str) -> None:
+    """One process of a launched run: save steps 8 and 16, then 12, which discards 16 first.
+
+    Process 1 lists the steps a second after process 0 does, as a loaded machine may make it:
+    process 0 must not delete step 16 while process 1 has yet to read the listing.
+    """
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from minishard.run import distributed
+    from minishard.run.checkpoint import Checkpointer
+
+    distributed.initialize(timeout=60)
+    sharding = NamedSharding(jax.make_mesh((jax.device_count(),), ("data",)), P("data"))
+    state = {"w": jax.device_put(jnp.arange(16.0), sharding)}  # each process writes its half
+    with Checkpointer(directory) as checkpointer:
+        checkpointer.save(8, state, {})
+        checkpointer.save(16, state, {})
+        if jax.process_index() == 1:
+            listed = checkpointer.steps
+
+            def steps_a_second_late() -> list[int]:
+                time.sleep(1.0)
+                return listed()
+
+            checkpointer.steps = steps_a_second_late  # type: ignore[method-assign]
+        checkpointer.save(12, state, {})
+        print(f"process {jax.process_index()} keeps steps {checkpointer.steps()}")
+
+
+def test_a_step_is_deleted_only_once_every_process_has_listed_the_steps(tmp_path):
+    command = [sys.executable, "-m", "minishard", "launch", "-n", "2", "--devices-per-process", "4", "--"]
+    command += [sys.executable, __file__, "resave", str(tmp_path / "saved")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] process {rank} keeps steps [8, 12]" in run.stdout, run.stdout
+
+
+if __name__ == "__main__" and sys.argv[1] == "resave":
+    resave_behind_a_slow_process(sys.argv[2])
+elif __name__ == "__main__":  # one process of a launched run: the real CLI on the synthetic data
     data.DATASETS["mnist"] = synthetic_mnist
     sys.exit(cli.main(sys.argv[1:]))

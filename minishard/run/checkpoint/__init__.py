@@ -170,6 +170,9 @@ class Checkpointer:
         if self.read_only:
             raise CheckpointError(f"{self.directory} is open read-only: steps {steps} cannot be deleted")
         self.log(f"discarding checkpoints {steps} in {self.directory}: {why}")
+        # Every process lists the steps before process 0 (orbax's primary host) removes one: a
+        # process still listing would read a half-deleted step. One process: no barrier.
+        ocp.multihost.sync_global_processes(f"minishard: delete {steps} in {self.directory}")
         for step in steps:
             self._manager.delete(step)
 
