@@ -5,10 +5,16 @@ must be set here, before any test module imports jax.
 """
 
 import os
+import signal
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+# A shell's background job starts with Ctrl-C ignored, and its children inherit that; the tests
+# of Ctrl-C need what a terminal gives: Python's KeyboardInterrupt here, the default in children.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from hypothesis import settings  # noqa: E402
 
