@@ -459,7 +459,7 @@ fit(ms.mlp([4, 8, 4], key=jax.random.key(0)), ms.SGD(0.1), data, epochs=1, mesh=
 
 
 def run_cached(directory) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}  # XLA_FLAGS as conftest set them
     return subprocess.run([sys.executable, "-c", CACHED_RUN, str(directory)], env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
 
