@@ -261,22 +261,25 @@ def test_a_signal_to_the_launcher_at_any_moment_stops_every_process(signum, mome
         assert f"launch: {signal.Signals(signum).name}: stopping" in output
 
 
-NOISY_PEER = [  # rank 1 fails at once; rank 0, stopped, prints what JAX's runtime prints in teardown
+NOISY_PEER = [  # rank 1 fails once rank 0 is ready; rank 0, stopped, prints what JAX prints in teardown
     sys.executable,
     "-c",
-    "import os, signal, sys, time\n"
+    "import os, pathlib, signal, sys, time\n"
+    "ready = pathlib.Path(sys.argv[1])\n"
     "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+    "    while not ready.exists(): time.sleep(0.05)\n"
     "    print('error: --resume-from 5: no checkpoint', file=sys.stderr); sys.exit(1)\n"
     "def torn_down(*_):\n"
     "    print('F1202 05:00:00.000000  42 coordination.cc:4] Terminating process', file=sys.stderr)\n"
     "    print('E1202 05:00:00.000001  42 grpc_server.cc:7] GRPC: the peer went away', file=sys.stderr)\n"
     "    print('[Gloo] connection closed by peer', file=sys.stderr, flush=True); sys.exit(1)\n"
     "signal.signal(signal.SIGTERM, torn_down)\n"
+    "ready.touch()  # a loaded machine may start rank 1 long before rank 0 gets here\n"
     "time.sleep(60)\n",
 ]
 
 
-def test_a_peers_teardown_noise_is_kept_out_of_view_and_counted():
+def test_a_peers_teardown_noise_is_kept_out_of_view_and_counted(tmp_path):
     command = [
         sys.executable,
         "-m",
@@ -288,6 +291,7 @@ def test_a_peers_teardown_noise_is_kept_out_of_view_and_counted():
         str(GRACE),
         "--",
         *NOISY_PEER,
+        str(tmp_path / "rank 0 is ready"),
     ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 1 and "[rank 1] error: --resume-from 5: no checkpoint" in done.stderr
