@@ -7,6 +7,8 @@ The run is the real ``minishard train`` in two processes through the launcher,
 on a small synthetic MNIST (this file doubles as the program, see ``__main__``), on a
 ``data=2,model=4`` mesh whose "data" axis also splits the first weight's rows (process 0 holds
 devices ``data=0``, process 1 ``data=1``), so that each process writes its own blocks of it.
+``python tests/test_checkpoint_multiprocess.py resave DIR`` is the second program: a ``Checkpointer``
+in each process that discards a step while one process lists the steps late.
 """
 
 from __future__ import annotations
