@@ -28,6 +28,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 from hypothesis import settings  # noqa: E402
 
+from minishard.run import data, tfds_reading  # noqa: E402
 from minishard.testing import register_profiles  # noqa: E402
 
 # Unset, the quick loop (`pytest -m "not slow"`) gets the 10-example profile; `make test` sets "ci".
@@ -35,3 +36,26 @@ ALIASES = {"": "minishard", "ci": "minishard-ci", "dev": "minishard-dev"}
 register_profiles()
 _name = os.environ.get("HYPOTHESIS_PROFILE", "")
 settings.load_profile(ALIASES.get(_name, _name))
+
+
+# The real MNIST, read through TensorFlow once per test process rather than once per training run:
+# a read is 4-5 s of tf.data pulling 70,000 images, and a dozen tests train on it. The arrays are
+# read-only, so no test can change another's data. Every other data set, and MNIST from any other
+# directory (the tests of missing or damaged data), is read as a user's run reads it.
+_read_through_tensorflow = data._read
+_MNIST: dict[tuple[str, str], tuple] = {}
+
+
+def _read_mnist_once(name, split, prepare, data_dir, download):
+    if name != "mnist":
+        return _read_through_tensorflow(name, split, prepare, data_dir, download)
+    key = (split, tfds_reading.data_directory(data_dir))
+    if key not in _MNIST:
+        arrays = _read_through_tensorflow(name, split, prepare, data_dir, download)
+        for array in arrays:
+            array.flags.writeable = False
+        _MNIST[key] = arrays
+    return _MNIST[key]
+
+
+data._read = _read_mnist_once

@@ -450,15 +450,15 @@ def test_explain_with_hardware_says_in_one_line_what_cannot_compile(capsys):
 
 
 @needs_mnist
-@pytest.mark.slow  # about 20 s: one epoch of the stacked MLP on data 2 x stage 4
+@pytest.mark.slow  # about 15 s: 120 steps of the stacked MLP on data 2 x stage 4
 def test_the_cli_trains_a_pipeline_on_data_and_stage_axes(capsys):
-    assert main(["train", "--parallel", "dp+pp", "--epochs", "1", "--microbatches", "4"]) == 0
+    assert main(["train", "--parallel", "dp+pp", "--steps", "120", "--microbatches", "4"]) == 0
     out = capsys.readouterr().out
     assert "Pipeline: 4 blocks over 4 stages, 4 microbatches of 32 examples, 7 ticks; bubble 0.429" in out
     assert (
         "blocks.block.layers[0].weight  (4, 256, 256)  ('stage', None, None)  P('stage', None, None)" in out
     )
-    assert float(re.search(r"test acc ([\d.]+)", final_line(out)).group(1)) > 0.9
+    assert float(re.findall(r"Step 120 .* test acc ([\d.]+)", out)[-1]) > 0.85  # measured 0.889
 
 
 @pytest.mark.slow  # compiles one training step
