@@ -9,8 +9,8 @@ import signal
 
 # 8 simulated devices, and a compiler that compiles fast: XLA:CPU's backend (LLVM and its fusion
 # emitters) took 85% of the suite's time; at optimisation level 0 with the loop emitters the suite
-# ran in 728 s against 1,648 s on 2 cores, and a program runs slower (the dp+pp MNIST test
-# 130 s against 80 s).
+# ran in 728 s against 1,648 s on 2 cores. A program runs slower (a dp+pp MNIST epoch 39 s against
+# 14 s), so the one test that trains for long, test_pipeline's two epochs, runs at XLA's defaults.
 # Subprocesses inherit these through os.environ.
 _FLAGS = (
     "--xla_force_host_platform_device_count=8",
