@@ -23,7 +23,8 @@ lint: $(STAMP)
 
 # Two workers (pytest-xdist), one per core: each test's tmp_path, free port and compilation cache
 # are its own. `--dist worksteal`: a worker that runs out of tests takes some queued for the other
-# (measured: the two workers busy 644 s and 612 s, then 673.2 s and 673.0 s).
+# (measured, each worker's summed test time: 644 s and 612 s without it, 673.2 s and 673.0 s with
+# it, on a run 7% slower throughout; docs/benchmarks.md).
 # The quick loop skips the tests marked slow: $(VENV)/bin/pytest -n 2 -m "not slow"
 test: lint
 	$(VENV)/bin/pytest -n 2 --dist worksteal --durations=30
