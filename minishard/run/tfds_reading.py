@@ -77,11 +77,15 @@ def pull(ds: Any, name: str, split: str, data_dir: str) -> list[Any]:
     try:
         return list(tfds.as_numpy(ds))
     except tf.errors.OpError as err:  # a truncated or damaged record file
-        reason = re.sub(r"\{\{.*?\}\}|\[Op:.*", "", err.message).strip(" '\n")  # drop TF's op names
-        files = sorted(glob.glob(os.path.join(data_dir, name, "*", f"{name}-{split.split('[')[0]}.*")))
-        raise DataError(
-            f"{name!r} split {split!r} in {data_dir} cannot be read ({type(err).__name__}: {reason}) "
-            f"from {', '.join(files) or 'its record files'}\n"
-            f"Re-prepare it: delete {os.path.join(data_dir, name)} and run again with downloads allowed "
-            "(or copy a good prepared directory there)."
-        ) from None
+        message = re.sub(r"\{\{.*?\}\}|\[Op:.*", "", err.message).strip(" '\n")  # drop TF's op names
+        reason = f"{type(err).__name__}: {message}"
+    # Raised outside the except clause, so the DataError does not hold TF's error (as __context__),
+    # whose traceback holds the failed tf.data pipeline: it is freed here. Held, it was freed by some
+    # later garbage collection, which then took 40-46 s in the middle of another test (measured).
+    files = sorted(glob.glob(os.path.join(data_dir, name, "*", f"{name}-{split.split('[')[0]}.*")))
+    raise DataError(
+        f"{name!r} split {split!r} in {data_dir} cannot be read ({reason}) "
+        f"from {', '.join(files) or 'its record files'}\n"
+        f"Re-prepare it: delete {os.path.join(data_dir, name)} and run again with downloads allowed "
+        "(or copy a good prepared directory there)."
+    )
