@@ -40,7 +40,7 @@ from minishard.run.cli.styles.context import ContextStyle
 from minishard.run.cli.styles.style import Style
 from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
-from minishard.sharding import make_mesh
+from minishard.sharding import Sharded, make_mesh
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "check", "price", "print_report", "print_state", "run"]
 
@@ -173,9 +173,10 @@ def _compile_and_price(args: argparse.Namespace) -> int:
             plot_comparison(ranked, args.plot)
             print(f"Wrote {args.plot}")
         return 0
-    if (status := style.explain_step(args, optimizer, built, batch)) is not None:
+    sharded = Sharded(mesh, rules)(step)  # one jit: the style's census, explain's and the price share it
+    if (status := style.explain_step(args, sharded, optimizer, built, batch)) is not None:
         return status
-    report = explain(built, mesh, rules, step, step_args, args.hardware)
+    report = explain(built, mesh, rules, sharded, step_args, args.hardware)
     title = f"{args.model} under {args.parallel} on {args.devices} devices, batch {args.batch_size}"
     print_report(args, report, shape, rules, title)
     print_state(args, built, mesh, rules)

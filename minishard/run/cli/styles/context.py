@@ -18,11 +18,10 @@ from minishard import context
 from minishard.census import human_bytes, instructions
 from minishard.costs import HARDWARE, ring_bound
 from minishard.run.cli.flags import Error
-from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.style import Args, Style
-from minishard.run.steps import Optimizer, make_train_step
-from minishard.sharding import Sharded, make_mesh
+from minishard.run.steps import Optimizer
+from minishard.sharding import ShardedFunction
 
 __all__ = ["ContextStyle"]
 
@@ -60,14 +59,13 @@ class ContextStyle(Style):
         blocks = tuple(b.replace(attention=b.attention.replace(core="ring")) for b in built.blocks)
         return built.replace(blocks=blocks)
 
-    def explain_step(self, args: Args, optimizer: Optimizer, model: Any, batch: Any) -> int | None:
-        """The ring's collective-permutes, read from the compiled step against the formula, and its
+    def explain_step(
+        self, args: Args, step: ShardedFunction, optimizer: Optimizer, model: Any, batch: Any
+    ) -> int | None:
+        """The ring's collective-permutes, read from the compiled ``step`` against the formula, and its
         balance; then (None) the preset's report."""
         shape = self.mesh(args.devices)
         p, blocks, attention = shape["context"], len(model.blocks), model.blocks[0].attention
-        step = Sharded(make_mesh(shape), self.rules({}))(
-            make_train_step(optimizer, MODELS[args.model].task.loss)
-        )
         found = instructions(step.lower(model, optimizer.init(model), batch))
         sent = [n for kind, n, axes in found if kind == "collective-permute" and axes == (("context",),)]
         b, t, heads = args.batch_size // shape.get("data", 1), args.context // p, attention.heads

@@ -25,6 +25,7 @@ from minishard.rules import AxisRules
 from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.steps import Optimizer
+from minishard.sharding import ShardedFunction
 
 __all__ = ["Args", "Style"]
 
@@ -94,8 +95,10 @@ class Style:
         """``explain``: 0, or the exit status of a refusal already printed (before any work)."""
         return 0
 
-    def explain_step(self, args: Args, optimizer: Optimizer, model: Any, batch: Any) -> int | None:
-        """``explain`` pricing its step: an exit status, or None for the preset's report."""
+    def explain_step(
+        self, args: Args, step: ShardedFunction, optimizer: Optimizer, model: Any, batch: Any
+    ) -> int | None:
+        """``explain`` pricing the train ``step``: an exit status, or None for the preset's report."""
         return None
 
     def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:

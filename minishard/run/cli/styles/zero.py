@@ -23,7 +23,7 @@ from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.style import Args, Style
 from minishard.run.steps import CLASSIFICATION, Loss, Optimizer, Task
-from minishard.sharding import make_mesh
+from minishard.sharding import ShardedFunction, make_mesh
 from minishard.zero import zero_train_step
 
 __all__ = ["ZeroStyle"]
@@ -91,9 +91,12 @@ class ZeroStyle(Style):
         placed = step.shard(built)
         return cost_report(step, (placed, step.init(placed), batch), mesh, self.rules({}), args.hardware)
 
-    def explain_step(self, args: Args, optimizer: Optimizer, model: Any, batch: Any) -> int:
-        """What ZeRO's step sends, against the analytic minimum: an all-gather of the parameters
-        (each padded to split evenly) plus a reduce-scatter of their gradients; no gradient all-reduce."""
+    def explain_step(
+        self, args: Args, train_step: ShardedFunction, optimizer: Optimizer, model: Any, batch: Any
+    ) -> int:
+        """What ZeRO's step (built here, in place of the plain ``train_step``) sends, against the analytic
+        minimum: an all-gather of the parameters (each padded to split evenly) plus a reduce-scatter of
+        their gradients; no gradient all-reduce."""
         n, mesh = args.devices, make_mesh({"data": args.devices})
         step = self.step(optimizer, mesh, MODELS[args.model].task)
         placed = step.shard(model)
