@@ -96,7 +96,9 @@ def test_two_processes_train_zero_like_one(tmp_path, monkeypatch, capsys):
     assert len(one) == 3  # the epochs' means and the loss at step 20
     gap = max(abs(a - b) for a, b in zip(two, one))
     print(f"2 vs 1 process: {epoch_lines(single)[-1]}; max |loss difference| {gap:.2g}", file=sys.__stderr__)
-    assert two == pytest.approx(one, rel=1e-6)  # gloo sums in another order than XLA's in-process sum
+    # gloo sums in another order than XLA's in-process sum. The loss at step 20 is 3e-4: 20 steps of
+    # differently rounded updates move it by 1.4e-6 of itself (16 float32 ulps) on a Zen 5 CPU, 2026-12-04.
+    assert two == pytest.approx(one, rel=1e-5)
 
 
 if __name__ == "__main__":
