@@ -333,7 +333,7 @@ def test_dp_pp_after_50_mnist_steps_has_the_loss_of_dp(tmp_path):
 
 
 @needs_mnist
-@pytest.mark.slow  # 65-109 s in the suite: two epochs of MNIST through the command line
+@pytest.mark.slow  # 36-109 s in the suite (by machine and load): two epochs of MNIST through the command line
 def test_minishard_train_parallel_dp_pp_reaches_97_percent_in_two_epochs(tmp_path):
     """Run as a user runs it, in its own process under XLA's default optimisation: the suite's
     fast-compiling flags (conftest) make this loop run 2.8x slower (an epoch 39 s against 14)."""
