@@ -45,6 +45,7 @@ from minishard.models import gpt
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, warmup_cosine_decay
 from minishard.presets import preset
+from minishard.run.cli.sample import sample
 from minishard.run.text_data import TEXT_SPLITS, TextDataset, tiny_shakespeare
 
 
@@ -100,7 +101,7 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
     log(f"step time {step_ms:.1f} ms median ({tokens / step_ms * 1e3:,.0f} tokens/s), first step (compile) "
         f"{times[0]:.1f} s; wall {wall:.0f} s; load average {load_start} -> {os.getloadavg()}")  # fmt: skip
     whole = jax.device_get(model)
-    text = gpt.sample(whole, vocab, opts.prompt, opts.sample_tokens, temperature=0.8, seed=0)
+    text = sample(whole, vocab, opts.prompt, opts.sample_tokens, temperature=0.8, seed=0)
     log(f"sample (temperature 0.8, seed 0):\n{text}")
     table = dropped_table(whole, splits["validation"], opts.eval_batch_size) if opts.experts else {}
     return {

@@ -29,7 +29,7 @@ parameter beside the 4 of the weights, which is why sharding them pays.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -291,7 +291,17 @@ class AdamW:
         return params, AdamWState(step + 1, mu, nu)
 
 
-Optimizer = SGD | AdamW
-"""What a training step takes: ``init(params) -> state``; ``update(params, grads, state) -> (params, state)``.
+class Optimizer(Protocol):
+    """What a training step takes, as in optax: two pure functions and the learning rate.
 
-(``minishard.run.train`` and ``minishard.zero`` take either.)"""
+    ``SGD`` and ``AdamW`` are two; so is any object with the same three names.
+    ``minishard.zero`` passes ``axis_name``: the mesh axis the gradients are split over.
+    """
+
+    learning_rate: Any  # a float, or a LearningRate of the step (drawn by --plot)
+
+    def init(self, params: Any) -> Any: ...
+
+    def update(
+        self, params: Any, grads: Any, state: Any, *, axis_name: str | None = None
+    ) -> tuple[Any, Any]: ...

@@ -18,11 +18,11 @@ import pytest
 from strategies import assert_trees_equal
 
 import minishard as ms
-from minishard.models.gpt import GPT, as_stacked, as_unstacked, sample
+from minishard.models.gpt import GPT, as_stacked, as_unstacked
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli import main, parse_args
 from minishard.run.cli.models.gpt import GPT_ENTRY
-from minishard.run.cli.sample import restore_gpt
+from minishard.run.cli.sample import restore_gpt, sample
 from minishard.run.text_data import Vocabulary
 
 needs_shakespeare = pytest.mark.skipif(

@@ -23,6 +23,7 @@ from minishard.models.attention import Attention, KVCache, dot_product_attention
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, weight_decay_mask
 from minishard.presets import LOGICAL_AXES, preset
+from minishard.run.cli.sample import sample
 from minishard.run.text_data import Vocabulary
 from minishard.zero import flat_padded, zero_train_step
 
@@ -367,11 +368,11 @@ def test_under_tp_the_cache_splits_its_heads_over_model_next_to_their_weights():
 def test_sample_continues_a_prompt_as_text_and_names_a_character_it_cannot_read():
     vocab = Vocabulary(" :EMORabcdeh")
     model = small_gpt(vocab=len(vocab))
-    text = gpt.sample(model, vocab, "ROMEO:", tokens=8, temperature=0.8, seed=0)
+    text = sample(model, vocab, "ROMEO:", tokens=8, temperature=0.8, seed=0)
     assert text.startswith("ROMEO:") and len(text) == 14 and set(text) <= set(vocab.characters)
-    assert text == gpt.sample(model, vocab, "ROMEO:", tokens=8, temperature=0.8, seed=0)
+    assert text == sample(model, vocab, "ROMEO:", tokens=8, temperature=0.8, seed=0)
     with pytest.raises(ValueError, match="the character 'J' \\(at 0\\) is not in the vocabulary"):
-        gpt.sample(model, vocab, "JULIET:", tokens=3)
+        sample(model, vocab, "JULIET:", tokens=3)
 
 
 # --- an Explicit mesh, and a batch axis of another name ------------------------------------------

@@ -42,7 +42,7 @@ attention; ``docs/context.md`` measures it against ``dp``.
 
 Decoding keeps a ``KVCache`` per block (``init_cache``): ``decode`` runs only
 the new tokens through the blocks, each attending to the cached keys and
-values of every earlier one, and ``generate`` / ``sample`` draw a
+values of every earlier one, and ``generate`` draws a
 continuation one character at a time with a jitted step that donates the
 cache, so XLA updates it in place.
 
@@ -77,7 +77,6 @@ from minishard.rules import LogicalAxes
 
 if TYPE_CHECKING:
     from minishard.optim import SGD, AdamW
-    from minishard.run.text_data import Vocabulary
 
 Batch = dict[str, jax.Array]
 """``{"inputs": int32 [B, T], "targets": int32 [B, T]}`` (``minishard.run.text_data.TextDataset``)."""
@@ -340,14 +339,6 @@ def _prefill(model: GPT, ids: list[int], step: Callable[..., Any]) -> tuple[jax.
     return logits, caches, len(ids)
 
 
-def sample(
-    model: GPT, vocab: Vocabulary, prompt: str, tokens: int = 300, temperature: float = 0.8, seed: int = 0
-) -> str:
-    """``prompt`` and its continuation of ``tokens`` characters, as text (``minishard sample``)."""
-    ids = generate(model, vocab.encode(prompt), tokens, temperature=temperature, seed=seed)
-    return vocab.decode(ids)
-
-
 __all__ = [
     "GPT",
     "Batch",
@@ -359,7 +350,6 @@ __all__ = [
     "generate",
     "in_sequence_layout",
     "next_token_loss",
-    "sample",
     "make_train_step",
     "stacked_gpt",
 ]

@@ -280,9 +280,17 @@ def mnist(
     ``process_index``, ``process_count``.
     """
     return _dataset(
-        "mnist", split, split, lambda image: image, batch_size,
-        data_dir=data_dir, download=download, shuffle_seed=shuffle_seed, flatten=flatten, **options,
-    )  # fmt: skip
+        "mnist",
+        split,
+        split,
+        lambda image: image,
+        batch_size,
+        data_dir=data_dir,
+        download=download,
+        shuffle_seed=shuffle_seed,
+        flatten=flatten,
+        **options,
+    )
 
 
 CATS_VS_DOGS_SPLITS = {"train": "train[:80%]", "test": "train[80%:]"}

@@ -107,8 +107,8 @@ def plot_report(report: Report, path: str, max_panels: int = 8) -> None:
         shards = device_shards(report.mesh, row.spec if len(row.shape) == 2 else _flat_spec(row.spec), 2)
         counts = [max(index[d] for index in shards) + 1 for d in range(2)]
         for (i, j), devices in shards.items():
-            ax.add_patch(plt.Rectangle((j / counts[1], 1 - (i + 1) / counts[0]), 1 / counts[1], 1 / counts[0],
-                                       facecolor=colors(devices[0] % 20), edgecolor="white"))  # fmt: skip
+            corner, size = (j / counts[1], 1 - (i + 1) / counts[0]), (1 / counts[1], 1 / counts[0])
+            ax.add_patch(plt.Rectangle(corner, *size, facecolor=colors(devices[0] % 20), edgecolor="white"))
             label = ",".join(map(str, devices)) if len(devices) <= 4 else f"{devices[0]}..{devices[-1]}"
             ax.text(
                 (j + 0.5) / counts[1], 1 - (i + 0.5) / counts[0], label, ha="center", va="center", fontsize=7

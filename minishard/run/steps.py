@@ -5,8 +5,7 @@ pure, so ``Sharded`` (or ``jax.jit``) compiles it once and the loop calls it
 every step. What it computes comes from a ``Task``: the loss of a batch and the
 metrics reported beside it (the MNIST models' accuracy; a language model has
 none), and the sums an evaluation adds up over a split. Any optimizer with
-optax's two functions works (``Optimizer``): ``minishard.SGD`` today, AdamW
-beside it.
+optax's two functions works (``minishard.optim.Optimizer``): SGD, AdamW.
 
 >>> import jax, numpy as np, minishard as ms
 >>> model = ms.mlp([4, 2], key=jax.random.key(0))
@@ -21,19 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from minishard.losses import accuracy, cross_entropy, one_hot
+from minishard.optim import Optimizer
 from minishard.pipeline import microbatched
 from minishard.run.data import Batch, to_global
 
 __all__ = [
     "CLASSIFICATION",
-    "Optimizer",
     "Task",
     "classification_loss",
     "classification_sums",
@@ -46,20 +45,6 @@ __all__ = [
 GlobalBatch = dict[str, jax.Array]  # a Batch placed on the mesh by `to_global`
 Loss = Callable[[Any, GlobalBatch], tuple[jax.Array, tuple[jax.Array, ...]]]
 """``(model, batch) -> (loss, metrics)``: both means over the batch, ``metrics`` a tuple of scalars."""
-
-
-class Optimizer(Protocol):
-    """What a loop needs of an optimizer, as in optax: two pure functions and the learning rate.
-
-    ``minishard.SGD`` is one; so is any object with the same three names (AdamW).
-    """
-
-    @property
-    def learning_rate(self) -> Any: ...  # a float, or a function of the step (drawn by --plot)
-
-    def init(self, params: Any) -> Any: ...
-
-    def update(self, params: Any, grads: Any, state: Any) -> tuple[Any, Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ It needs no data: every checkpoint of ``minishard train --model gpt`` keeps the
 model's flags, its style and the vocabulary (``ModelEntry.saved`` and the
 ``Splits``' ``info``), enough to rebuild the state's shapes and restore into
 them, on one device whatever mesh it was trained on. Decoding is
-``minishard.models.gpt.sample``: the prompt fills a ``KVCache`` per block in
+``minishard.models.gpt.generate``: the prompt fills a ``KVCache`` per block in
 one call, then each new character is one jitted step that reads the cache and
 appends its own keys and values. The same seed gives the same text.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from minishard.models.gpt import GPT, as_unstacked, sample
+from minishard.models.gpt import GPT, as_unstacked, generate
 from minishard.pipeline import StackedModel
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli.flags import Error, at_least, positive
@@ -29,7 +29,7 @@ from minishard.run.cli.styles import style_of
 from minishard.run.errors import CheckpointError
 from minishard.run.text_data import Vocabulary
 
-__all__ = ["HELP", "add_arguments", "check", "restore_gpt", "run"]
+__all__ = ["HELP", "add_arguments", "check", "restore_gpt", "run", "sample"]
 
 HELP = "continue a prompt from a GPT's checkpoint (decoding with a KV cache); needs no data"
 
@@ -116,3 +116,11 @@ def restore_gpt(directory: str, step: int, info: dict[str, Any]) -> GPT:
     if isinstance(model, StackedModel):
         model = as_unstacked(model, jax.eval_shape(lambda: entry.build(settings, jax.random.key(0))))
     return model  # type: ignore[no-any-return]
+
+
+def sample(
+    model: GPT, vocab: Vocabulary, prompt: str, tokens: int = 300, temperature: float = 0.8, seed: int = 0
+) -> str:
+    """``prompt`` and its continuation of ``tokens`` characters, as text (``gpt.generate`` on the ids)."""
+    ids = generate(model, vocab.encode(prompt), tokens, temperature=temperature, seed=seed)
+    return vocab.decode(ids)
