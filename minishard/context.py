@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from minishard import _checks
+from minishard.pipeline import ring_pairs
 
 CHUNKS = {"in-order": 1, "zigzag": 2}
 """The layouts of a sequence over the devices, and how many chunks each device holds."""
@@ -161,11 +162,6 @@ def permute(x: jax.Array, p: int, layout: str, *, axis: int = 1, inverse: bool =
 # --- 3. the ring -------------------------------------------------------------------
 
 
-def ring(p: int) -> list[tuple[int, int]]:
-    """The ``ppermute`` pairs (source, target) of a ring: each device sends to the next."""
-    return [(d, (d + 1) % p) for d in range(p)]
-
-
 def _when(run: Any, fn: Callable[..., Any], kept: Any, *operands: Any) -> Any:
     """``fn(kept, *operands)`` if ``run``, else ``kept``: a ``lax.cond``, so a skipped pair costs nothing."""
     if run is True:
@@ -207,7 +203,7 @@ def ring_forward(q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, lay
 
     def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
         acc, kv = carry
-        passed = jax.lax.ppermute(kv, axis, ring(p))  # sent now, used at the next step
+        passed = jax.lax.ppermute(kv, axis, ring_pairs(p))  # sent now, used at the next step
         return (_visit(acc, qs, kv, *slot(me, s, p, layout), causal), passed), None
 
     (acc, kv), _ = jax.lax.scan(step, (acc, (k, v)), jnp.arange(p - 1))
@@ -215,17 +211,28 @@ def ring_forward(q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, lay
     return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*acc))
 
 
-def attend_grads(q: Any, k: Any, v: Any, g: Any, lse: Any, delta: Any, *at: Any) -> Any:
-    """One pair's share of ``(dq, dk, dv)``, from the *final* ``lse``: its softmax recomputed, not kept.
+def attend_grads(q: Any, k: Any, v: Any, out: Any, g: Any, lse: Any, *at: Any) -> Any:
+    """One pair's share of ``(dq, dk, dv)``, from the *final* ``out`` and ``lse``, in picotron's steps.
 
-    ``w = exp(s - lse)`` are the whole softmax's weights for these keys (``at``: positions, causal);
-    with ``delta = sum(g * out)``, ``ds = w (g·v - delta)`` is the gradient of the scores.
+    The softmax's weights ``w = exp(s - lse)`` for these keys are recomputed, not kept (``at``:
+    positions, causal); ``g`` is the gradient of ``out``. Each step is one line:
+
+    >>> q, k, v, g = jax.random.normal(jax.random.key(0), (4, 1, 3, 2, 8))   # 3 tokens, 2 heads of 8
+    >>> at = jnp.arange(3)
+    >>> out, lse = attend(q, k, v, at, at, causal=True)
+    >>> _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, at, at, causal=True)[0], q, k, v)
+    >>> grads = attend_grads(q, k, v, out, g, lse, at, at, True)   # positions, causal
+    >>> [bool(jnp.allclose(mine, jax_s, atol=1e-5)) for mine, jax_s in zip(grads, vjp(g))]
+    [True, True, True]
     """
-    w = jnp.exp(scores(q, k, *at) - lse[..., None])
-    ds = w * (jnp.einsum("bqhd,bkhd->bqhk", g, v.astype(jnp.float32)) - delta[..., None])
-    ds = ds * q.shape[-1] ** -0.5
-    dq = jnp.einsum("bqhk,bkhd->bqhd", ds, k.astype(jnp.float32))
-    return dq, jnp.einsum("bqhk,bqhd->bkhd", ds, q.astype(jnp.float32)), jnp.einsum("bqhk,bqhd->bkhd", w, g)
+    w = jnp.exp(scores(q, k, *at) - lse[..., None])  # the weights, [b, q, h, k]
+    dv = jnp.einsum("bqhk,bqhd->bkhd", w, g)  # 1. dv = wᵀ·g
+    dp = jnp.einsum("bqhd,bkhd->bqhk", g, v.astype(jnp.float32))  # 2. dp = g·vᵀ, the weights' gradient
+    delta = jnp.sum(g * out, axis=-1)  # 3. delta = Σ g·out per query: what the softmax takes back
+    ds = w * (dp - delta[..., None]) * q.shape[-1] ** -0.5  # 4. ds: the scores' gradient, scaled
+    dq = jnp.einsum("bqhk,bkhd->bqhd", ds, k.astype(jnp.float32))  # 5. dq = ds·k
+    dk = jnp.einsum("bqhk,bqhd->bkhd", ds, q.astype(jnp.float32))  # 6. dk = dsᵀ·q
+    return dq, dk, dv
 
 
 def _visit_grads(dqs: Any, dkv: Any, rows: Any, kv: Any, mine: Any, theirs: Any, causal: bool) -> Any:
@@ -237,7 +244,7 @@ def _visit_grads(dqs: Any, dkv: Any, rows: Any, kv: Any, mine: Any, theirs: Any,
     dqs = list(dqs)
     ks, vs, dks, dvs = (jnp.split(x, len(theirs), axis=1) for x in (*kv, *dkv))
     for a, b, run, *at in _pairs(mine, theirs, rows[0][0].shape[1], causal):
-        q, *rest = rows[a]  # the queries, and their g, lse and delta
+        q, *rest = rows[a]  # the queries, and their out, g and lse
         dqs[a], dks[b], dvs[b] = _when(run, added, (dqs[a], dks[b], dvs[b]), q, ks[b], vs[b], *rest, *at)
     return tuple(dqs), (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
 
@@ -247,19 +254,19 @@ def _ring_bwd(axis: str, causal: bool, layout: str, residuals: Any, g: jax.Array
     q, k, v, out, lse = residuals
     p, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     g = g.astype(jnp.float32)
-    rows = list(zip(*(jnp.split(x, CHUNKS[layout], axis=1) for x in (q, g, lse, jnp.sum(g * out, -1)))))
+    rows = list(zip(*(jnp.split(x, CHUNKS[layout], axis=1) for x in (q, out, g, lse))))
     dqs = tuple(jnp.zeros_like(row[0], jnp.float32) for row in rows)
     dkv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
 
     def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
         dqs, kv, dkv = carry
-        passed = jax.lax.ppermute(kv, axis, ring(p))  # K and V, sent before this step's work
+        passed = jax.lax.ppermute(kv, axis, ring_pairs(p))  # K and V, sent before this step's work
         dqs, dkv = _visit_grads(dqs, dkv, rows, kv, *slot(me, s, p, layout), causal)
-        return (dqs, passed, jax.lax.ppermute(dkv, axis, ring(p))), None
+        return (dqs, passed, jax.lax.ppermute(dkv, axis, ring_pairs(p))), None
 
     (dqs, kv, dkv), _ = jax.lax.scan(step, (dqs, (k, v), dkv), jnp.arange(p - 1))
     dqs, dkv = _visit_grads(dqs, dkv, rows, kv, *slot(me, p - 1, p, layout), causal)
-    dk, dv = jax.lax.ppermute(dkv, axis, ring(p))  # the last step's gradients, home
+    dk, dv = jax.lax.ppermute(dkv, axis, ring_pairs(p))  # the last step's gradients, home
     return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -307,7 +314,6 @@ __all__ = [
     "needed",
     "permute",
     "positions",
-    "ring",
     "ring_attention",
     "ring_forward",
     "schedule",

@@ -71,12 +71,31 @@ def collective_time(
     hardware = hardware_named(hardware)
     if devices <= 1:
         return 0.0
-    whole = nbytes * devices if kind in ("reduce-scatter", "all-to-all") else nbytes  # the book's V
     torus, switch = _SHARE[kind](devices)
     share = torus if hardware.topology == "torus" else switch
     hops = 1 if kind == "collective-permute" else devices / 2 if hardware.topology == "torus" else devices - 1
     floor = hops * hardware.latency * (2 if kind == "all-reduce" else 1)
-    return max(floor, whole * share / hardware.bandwidth(devices, n_axes))
+    return max(floor, _whole(kind, nbytes, devices) * share / hardware.bandwidth(devices, n_axes))
+
+
+def sent_bytes(kind: str, result_bytes: float, p: int) -> float:
+    """The bytes each of ``p`` devices sends on a ring, for a collective whose result on it has
+    ``result_bytes`` (what ``minishard.collectives`` counts): the book's V times the ring factor.
+
+    An all-gather of V sends ``(p-1)/p·V``; a reduce-scatter, whose result is V/p, the
+    same; an all-reduce is the two in turn, ``2(p-1)/p·V``.
+
+    >>> sent_bytes("all-gather", 4096, 4), sent_bytes("reduce-scatter", 1024, 4)   # p = 4
+    (3072.0, 3072.0)
+    >>> sent_bytes("all-reduce", 4096, 4)
+    6144.0
+    """
+    return _whole(kind, result_bytes, p) * _SHARE[kind](p)[1]
+
+
+def _whole(kind: str, result_bytes: float, devices: int) -> float:
+    """The book's V, the whole array, from one device's result (1/n of it for these two kinds)."""
+    return result_bytes * devices if kind in ("reduce-scatter", "all-to-all") else result_bytes
 
 
 def critical_batch(hardware: Hardware | str, devices: int | None = None, n_axes: int = 1) -> float:
@@ -356,5 +375,6 @@ __all__ = [
     "critical_batch",
     "mesh_shapes",
     "ring_bound",
+    "sent_bytes",
     "step_cost",
 ]

@@ -216,9 +216,12 @@ class MoE(Layer):
         groups = x.reshape(-1, *x.shape[-2:])  # [G, S, M]
         dispatch, combine, stats = self.route(groups)
         slot_axes = ("expert", *activation_axes(3, None, "embed"))  # [E, G, C, M]; see section 3
-        slots = constrain(jnp.einsum("gsm,gsec->egcm", groups, dispatch), slot_axes)  # every expert its slots
-        out = constrain(self.experts(slots), slot_axes)
-        y = jnp.einsum("egcm,gsec->gsm", out, combine)  # each token: its experts' outputs, weighted
+        with jax.named_scope("dispatch"):  # XLA's all-to-alls keep the scope's name (section 4)
+            slots = constrain(jnp.einsum("gsm,gsec->egcm", groups, dispatch), slot_axes)  # to every expert
+        with jax.named_scope("experts"):
+            out = constrain(self.experts(slots), slot_axes)
+        with jax.named_scope("combine"):
+            y = jnp.einsum("egcm,gsec->gsm", out, combine)  # each token: its experts' outputs, weighted
         return y.reshape(x.shape), stats
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, MoEStats]:
@@ -283,11 +286,14 @@ def _local(moe: MoE, x: jax.Array, parallel: ExpertParallel) -> tuple[jax.Array,
     """One device: its own groups ``[G/D, S, M]``, the whole router, its ``E/D`` experts."""
     axis = parallel.expert_axis
     dispatch, combine, stats = moe.route(x)  # my tokens, routed here
-    slots = jnp.einsum("gsm,gsec->egcm", x, dispatch)  # [E, G/D, C, M]: my tokens' slots, every expert
-    slots = jax.lax.all_to_all(slots, axis, split_axis=0, concat_axis=1, tiled=True)  # [E/D, G, C, M]
-    out = moe.experts(slots)  # my experts, on every device's slots
-    out = jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=0, tiled=True)  # [E, G/D, C, M]: home
-    y = jnp.einsum("egcm,gsec->gsm", out, combine)
+    with jax.named_scope("dispatch"):  # the compiled program names its all-to-alls by these scopes
+        slots = jnp.einsum("gsm,gsec->egcm", x, dispatch)  # [E, G/D, C, M]: my tokens' slots, every expert
+        slots = jax.lax.all_to_all(slots, axis, split_axis=0, concat_axis=1, tiled=True)  # [E/D, G, C, M]
+    with jax.named_scope("experts"):
+        out = moe.experts(slots)  # my experts, on every device's slots
+    with jax.named_scope("combine"):
+        out = jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=0, tiled=True)  # [E, G/D, C, M]: home
+        y = jnp.einsum("egcm,gsec->gsm", out, combine)
     axes = parallel.batch_axes  # counts add up; losses, each a mean over as many groups, average
     aux, balance, z = (jax.lax.pmean(s, axes) for s in (stats.aux_loss, stats.balance_loss, stats.z_loss))
     return y, MoEStats(aux, balance, z, jax.lax.psum(stats.dropped, axes), jax.lax.psum(stats.routed, axes))

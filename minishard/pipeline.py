@@ -242,6 +242,15 @@ def _cell(work: Any) -> str:
     return f"{work[0]}" + "'" * work[1] if isinstance(work, tuple) else str(work)
 
 
+def ring_pairs(p: int, shift: int = 1) -> list[tuple[int, int]]:
+    """The ``ppermute`` pairs (source, target) of a ring of ``p`` devices: each sends ``shift`` on.
+
+    >>> ring_pairs(3), ring_pairs(3, shift=-1)   # forward round the ring; and back (1F1B's gradients)
+    ([(0, 1), (1, 2), (2, 0)], [(0, 2), (1, 0), (2, 1)])
+    """
+    return [(d, (d + shift) % p) for d in range(p)]
+
+
 def run_pipeline(blocks: Stacked, x: jax.Array, pipeline: Pipeline) -> jax.Array:
     """``blocks(x)``, as a pipeline: ``p`` stages, each holding ``r`` chunks of ``n / (p·r)`` layers.
 
@@ -284,7 +293,7 @@ def _gpipe(chunks: Any, xs: jax.Array, *, pipeline: Pipeline) -> jax.Array:
         x = jnp.where(busy, x, 0.0)  # a bubble computes on zeros: NaN * 0 would be NaN in the gradient
         y = run_blocks(jax.tree.map(lambda a: a[jnp.clip(j, 0, r - 1)], chunks), x)
         outputs = outputs.at[i].set(jnp.where(busy & (stage == p - 1) & (j == r - 1), y, outputs[i]))
-        state = jax.lax.ppermute(y, axis, [(d, (d + 1) % p) for d in range(p)])  # the shift
+        state = jax.lax.ppermute(y, axis, ring_pairs(p))  # the shift
         sent, i_back, j_back = slot(t, p - 1, m, r)  # what the last stage sent round to stage 0
         back = (stage == 0) & sent & (j_back < r - 1)
         inputs = inputs.at[i_back].set(jnp.where(back, state, inputs[i_back]))
@@ -370,6 +379,7 @@ __all__ = [
     "microbatched",
     "pipeline_report",
     "run_blocks",
+    "ring_pairs",
     "run_pipeline",
     "schedule",
     "slot",

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from minishard import _checks
-from minishard.pipeline import Pipeline, Stacked, run_blocks, slot, split_microbatches
+from minishard.pipeline import Pipeline, Stacked, ring_pairs, run_blocks, slot, split_microbatches
 
 
 def one_f_one_b(blocks: Stacked, x: jax.Array, targets: jax.Array, loss_fn: Any, pipeline: Pipeline) -> Any:
@@ -65,8 +65,8 @@ def _one_f_one_b_loop(
         grads = jax.tree.map(jnp.add, grads, chunk_grad)
         x_grads = x_grads.at[i_b].set(jnp.where(b_busy & (stage == 0), x_grad, x_grads[i_b]))
         loss = loss + jnp.where(f_busy & (stage == p - 1), value / m, 0.0)
-        fwd = jax.lax.ppermute(y, axis, [(d, (d + 1) % p) for d in range(p)])
-        bwd = jax.lax.ppermute(x_grad, axis, [(d, (d - 1) % p) for d in range(p)])
+        fwd = jax.lax.ppermute(y, axis, ring_pairs(p))
+        bwd = jax.lax.ppermute(x_grad, axis, ring_pairs(p, shift=-1))
         return (fwd, bwd, saved, grads, x_grads, loss), None
 
     (_, _, _, grads, x_grads, loss), _ = jax.lax.scan(tick, carry, jnp.arange(m + 2 * p - 2))

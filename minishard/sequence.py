@@ -12,11 +12,12 @@ each is again a ``shard_map`` with the sequence split over a mesh axis:
 3. **Megatron's sequence parallelism** (``ResidualMLP``): not attention. Under tensor
    parallelism the LayerNorm and the residual add run replicated on every "model" device;
    split them over the sequence instead, and each all-reduce becomes a reduce-scatter and
-   an all-gather of the same bytes on the wire (``sent_bytes``), while those activations
+   an all-gather of the same bytes on the wire (``costs.sent_bytes``), while those activations
    take 1/p of the memory. Once by annotation (the rule ``seq -> "model"``), once by hand.
 
 ``over_sequence`` runs any of the attentions on whole ``[batch, seq, heads, head_dim]`` arrays.
 
+>>> from minishard.costs import sent_bytes
 >>> both = sent_bytes("reduce-scatter", 1024, 4) + sent_bytes("all-gather", 4096, 4)
 >>> sent_bytes("all-reduce", 4096, 4), both   # p = 4 devices, 4096 bytes of activations
 (6144.0, 6144.0)
@@ -113,17 +114,6 @@ def ulysses_attention(
 # --- 4. Megatron's sequence parallelism ----------------------------------------------
 
 
-def sent_bytes(kind: str, result_bytes: float, p: int) -> float:
-    """The bytes each of ``p`` devices sends on a ring, for a collective whose result on it has
-    ``result_bytes`` (what ``minishard.collectives`` counts).
-
-    An all-gather of V sends ``(p-1)/p·V``; a reduce-scatter, whose result is V/p, the
-    same; an all-reduce is the two in turn, ``2(p-1)/p·V``.
-    """
-    share = {"all-gather": (p - 1) / p, "reduce-scatter": p - 1.0, "all-reduce": 2 * (p - 1) / p}
-    return result_bytes * share[kind]
-
-
 class ResidualMLP(Layer):
     """``x + down(swish(up(norm(x))))``: a transformer's MLP region, its hidden units split by the rules.
 
@@ -188,6 +178,5 @@ __all__ = [
     "by_hand",
     "over_sequence",
     "residual_mlp_by_hand",
-    "sent_bytes",
     "ulysses_attention",
 ]

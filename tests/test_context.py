@@ -371,8 +371,8 @@ def test_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_of_the_same_
         2 * DEPTH,
         2 * DEPTH * activation // 4,
     )
-    before = sq.sent_bytes("all-reduce", tp["all-reduce"].bytes, 4)
-    after = sq.sent_bytes("all-gather", sp["all-gather"].bytes, 4) + sq.sent_bytes(
+    before = ms.costs.sent_bytes("all-reduce", tp["all-reduce"].bytes, 4)
+    after = ms.costs.sent_bytes("all-gather", sp["all-gather"].bytes, 4) + ms.costs.sent_bytes(
         "reduce-scatter", sp["reduce-scatter"].bytes, 4
     )
     assert before == after
