@@ -631,3 +631,32 @@ def test_the_metadata_of_a_checkpoint_reads_without_its_arrays(tmp_path):
             ckpt.read_meta(3)
     with pytest.raises(CheckpointError, match="holds no checkpoint"), Checkpointer(tmp_path / "new") as ckpt:
         ckpt.read_meta()
+
+
+def test_the_metadata_is_inside_the_checksum_and_a_changed_character_is_refused(tmp_path):
+    lines = []
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": jnp.ones(3)}, {"info": {"vocabulary": "\n !ab"}, "step": step})
+    meta_file = tmp_path / "2" / "meta" / "metadata"
+    meta_file.write_text(meta_file.read_text().replace("!ab", "!ba"))  # two characters swapped
+    corrupt = f"checkpoint {tmp_path / '2'} is corrupt (its metadata (meta/) does not match the checksum "
+    with Checkpointer(tmp_path, log=lines.append, read_only=True) as ckpt:
+        assert ckpt.read_meta() == (1, {"info": {"vocabulary": "\n !ab"}, "step": 1})  # what sample reads
+        assert ckpt.restore({"w": jnp.zeros(3)})[0] == 1  # what a resume reads
+        with pytest.raises(CheckpointError, match=re.escape(corrupt)):
+            ckpt.read_meta(2)
+    assert lines == [corrupt + "written with it); falling back to step 1"] * 2
+
+
+def test_read_meta_of_a_broken_latest_step_falls_back_in_one_line(tmp_path):
+    lines = []
+    with Checkpointer(tmp_path, log=lines.append) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": jnp.ones(3)}, {"step": step})
+    delete_meta(tmp_path / "2")
+    with Checkpointer(tmp_path, log=lines.append, read_only=True) as ckpt:
+        assert ckpt.read_meta() == (1, {"step": 1})
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith(f"checkpoint {tmp_path / '2'} is ")
+    assert lines[0].endswith("falling back to step 1")

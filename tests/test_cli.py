@@ -227,6 +227,17 @@ def test_a_mesh_axis_no_rule_uses_is_warned_about_in_one_line(capsys, no_data):
     assert "warning:" not in capsys.readouterr().err
 
 
+def test_a_rule_for_a_logical_axis_no_array_carries_is_refused_naming_the_nearest(capsys, no_data):
+    mlp = ["train", "--layers", "784,16,10", "--mesh", "data=2,model=4"]
+    assert main([*mlp, "--rules", "mpl=model"]) == 2  # before the data, and not a use of "model"
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "error: argument --rules: no array of the mlp carries the logical axis 'mpl' (did you mean "
+        "'mlp'?); its logical axes are batch, classes, embed, mlp"
+    ]
+    assert main([*mlp, "--rules", "mlp=model,embed=none"]) == 1  # names it carries: on to the data
+
+
 def test_a_mesh_that_does_not_fit_the_devices_stops_before_data(capsys, monkeypatch):
     monkeypatch.setattr("minishard.run.data.DATASETS", {})  # loading any data would raise KeyError
     assert main(["train", "--mesh", "data=2,model=2", "--batch-size", "128"]) == 2

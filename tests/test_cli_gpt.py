@@ -86,6 +86,16 @@ def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys
     resumed, resumed_lines = trained("--resume-from", "4")
     assert_trees_equal(resumed, straight)  # every step's windows a pure function of (seed, step)
     assert resumed_lines == straight_lines[-1:]  # steps 5-6 of the period 4-6: the same losses, val and test
+    others = (("--steps", "8", "6"), ("--lr", "0.002", "0.001"), ("--warmup-steps", "2", "5"))
+    for flag, value, saved in others:
+        other = ["--steps", "6", "--checkpoint-dir", directory, "--resume-from", "4", flag, value]
+        assert main(["train", *TINY, *other]) == 1  # a cosine that spans 8 steps is another curve
+        err = capsys.readouterr().err.splitlines()
+        assert err[-1] == (
+            f"error: the checkpoint in {directory} follows the learning-rate schedule of {flag} {saved}, "
+            f"this run {flag} {value}: the resumed run would follow neither; resume with {flag} {saved}, "
+            "or start afresh"
+        ), err
 
 
 BAD_FLAGS = [
@@ -99,6 +109,11 @@ BAD_FLAGS = [
     (["--batch-size", "12"], "argument --batch-size: 12 cannot be split evenly over data=8 devices"),
     (["--parallel", "dp+pp", "--depth", "3"], "argument --depth: 3 blocks cannot split over 4 stages"),
     (["--weight-decay", "1.5"], "argument --weight-decay: must be a finite number in [0, 1), got 1.5"),
+    (
+        ["--steps", "50", "--warmup-steps", "50"],
+        "argument --warmup-steps: 50 warmup steps do not end within --steps 50 (the learning rate would only "
+        "rise); give fewer than 50",
+    ),
 ]
 
 
@@ -109,6 +124,18 @@ def test_bad_gpt_flags_are_one_line_before_any_work(flags, message, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err, err
     assert err.strip().splitlines()[-1].startswith("minishard train: error:")
+
+
+def test_a_cut_warmup_is_said_first_and_a_rule_no_array_carries_is_refused(capsys):
+    sequence = ["--mesh", "data=2,context=4", "--rules", "batch=data,sequence=context"]
+    assert main(["train", *TINY, "--steps", "4", *sequence]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "note: the default --warmup-steps 100 does not fit in --steps 4: warming up for 3 (every step but "
+        "the last); give --warmup-steps below 4 for a cosine after the warmup",
+        "error: argument --rules: no array of the gpt carries the logical axis 'sequence' (did you mean "
+        "'seq'?); its logical axes are batch, embed, heads, kv, mlp, seq, vocab",
+    ]
 
 
 def test_the_gpt_defaults_are_nanogpts_cpu_configuration_with_a_batch_near_12():

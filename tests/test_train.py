@@ -29,7 +29,7 @@ from minishard.run.checkpoint import Checkpointer, saved_steps
 from minishard.run.compiling import enable_compilation_cache
 from minishard.run.data import Dataset, mnist
 from minishard.run.errors import CheckpointDirError, CheckpointError, NonFiniteLossError, ResumeError
-from minishard.run.resume import check_checkpoint_dir
+from minishard.run.resume import check_checkpoint_dir, check_meta
 from minishard.run.steps import make_train_step, microbatched_train_step
 from minishard.run.train import first_loss, fit
 
@@ -669,3 +669,16 @@ def test_a_pipelined_checkpoint_saved_with_its_schedule_in_the_signature_resumes
     meta_file.write_text(json.dumps(meta))
     _, _, history = fit(model, ms.SGD(0.1), tiny_data(), epochs=2, resume=True, progress=False, **quiet)
     assert [record["epoch"] for record in history] == [1, 2]
+
+
+def test_a_resume_under_another_learning_rate_schedule_is_refused_naming_the_flag():
+    schedule = {"--lr": 0.001, "--schedule": "cosine", "--warmup-steps": 5, "--steps": 20}
+    meta = {"sums": [], "history": [], "info": {"schedule": schedule}}
+    check_meta(meta, {}, ("model",), "runs/gpt", schedule)  # the same schedule: resumed
+    check_meta({**meta, "info": {}}, {}, ("model",), "runs/gpt", schedule)  # an older checkpoint kept none
+    with pytest.raises(ResumeError) as refused:
+        check_meta(meta, {}, ("model",), "runs/gpt", {**schedule, "--steps": 40})
+    assert str(refused.value) == (
+        "the checkpoint in runs/gpt follows the learning-rate schedule of --steps 20, this run --steps 40: "
+        "the resumed run would follow neither; resume with --steps 20, or start afresh"
+    )

@@ -122,16 +122,21 @@ def name_later(checkpointer: Any, step: int | None, log: Callable[[str], None]) 
 
 
 def check_meta(
-    meta: dict[str, Any], data_order: Mapping[str, Any], signatures: tuple[str, ...], directory: Any
+    meta: dict[str, Any],
+    data_order: Mapping[str, Any],
+    signatures: tuple[str, ...],
+    directory: Any,
+    schedule: Mapping[str, Any] | None = None,
 ) -> None:
     """Is this checkpoint's metadata possible, and is it a checkpoint *of this run*?
 
     Impossible metadata (a missing field) raises ValueError: the checkpoint is
     corrupt and ``restore`` falls back. Possible metadata of another run
-    (another model, seed or batch size) raises ResumeError: falling back would
-    not help, the user must choose. ``signatures``: this run's model, then the
-    forms older versions saved of it.
+    (another model, seed or batch size, or learning-rate ``schedule``) raises
+    ResumeError: falling back would not help, the user must choose. ``signatures``:
+    this run's model, then the forms older versions saved of it.
     """
+    _check_schedule(meta, schedule, directory)
     for name, kind in (("sums", list), ("history", list)):
         if not isinstance(meta.get(name), kind):
             raise ValueError(f"field {name!r} is {meta.get(name)!r}, not a {kind.__name__}")
@@ -149,6 +154,20 @@ def check_meta(
             f"the checkpoint in {directory} was saved with data order {saved}, but this run has "
             f"{dict(data_order)}; resume with the same --seed and --batch-size, or start afresh"
         )
+
+
+def _check_schedule(meta: dict[str, Any], schedule: Mapping[str, Any] | None, directory: Any) -> None:
+    """The learning-rate flags (``info["schedule"]``) are the saved ones; older checkpoints kept none."""
+    saved = (meta.get("info") or {}).get("schedule") if isinstance(meta.get("info"), dict) else None
+    if not schedule or not isinstance(saved, dict) or saved == dict(schedule):
+        return
+    flags = sorted(saved.keys() | schedule.keys())
+    flag = next(flag for flag in flags if saved.get(flag) != schedule.get(flag))
+    raise ResumeError(
+        f"the checkpoint in {directory} follows the learning-rate schedule of {flag} {saved.get(flag)}, "
+        f"this run {flag} {schedule.get(flag)}: the resumed run would follow neither; resume with "
+        f"{flag} {saved.get(flag)}, or start afresh"
+    )
 
 
 def _around_difference(text: str, other: str, context: int = 50) -> str:

@@ -353,7 +353,8 @@ class _Loop:
 
         def check(saved: int, meta: dict[str, Any]) -> None:
             horizon.since(meta, saved)
-            check_meta(meta, self.data.data_order, (run.signature, run.signature_before), directory)
+            signatures, schedule = (run.signature, run.signature_before), (self.info or {}).get("schedule")
+            check_meta(meta, self.data.data_order, signatures, directory, schedule)
 
         if (found := restore(self.checkpointer, run.state(), step, check, self.say.log)) is None:
             return

@@ -18,10 +18,11 @@ and optimizer state (velocities; a step counter, with a schedule) under its
 readable path such as ``model.layers[0].weight``; ``meta``, a JSON dict with
 the position in the data (epoch, batch, shuffle seed) and the history; and
 ``integrity``, one file per process with a CRC32 of every block of every array
-that process wrote (its shards, keyed by where they sit in the array), so that
-a flipped bit on disk is caught at restore, on any mesh and any number of
-processes. The pytree structure (Layer classes, a ``None`` velocity or step)
-is not stored: it comes from the target.
+that process wrote (its shards, keyed by where they sit in the array), and in
+process 0's a CRC32 of ``meta``, so that a flipped bit on disk (in an array or in
+the metadata) is caught at restore, on any mesh and any number of processes.
+The pytree structure (Layer classes, a ``None`` velocity or step) is not
+stored: it comes from the target.
 
 Three more promises, each checked by a test:
 
@@ -61,7 +62,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from minishard.run.checkpoint.directory import LOCK_FILE, check_writable, hold_lock, saved_steps
-from minishard.run.checkpoint.integrity import INTEGRITY, checksums, read_records, verify
+from minishard.run.checkpoint.integrity import (
+    INTEGRITY,
+    checksums,
+    meta_checksum,
+    read_records,
+    verify,
+    verify_meta,
+)
 from minishard.run.checkpoint.migrations import older_name, steps_not_kept
 from minishard.run.checkpoint.noise import quiet_storage_noise, reason
 from minishard.run.errors import CheckpointError, CorruptCheckpointError
@@ -137,7 +145,7 @@ class Checkpointer:
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"checkpoint meta must be JSON-serializable: {e}") from None
         named = _named(state)
-        integrity = checksums(named, step)  # refuses non-finite state before anything is written
+        integrity = checksums(named, step) | meta_checksum(meta)  # non-finite state: refused, nothing written
         # Checkpoints at or after `step` are from a future the run abandoned when it resumed from
         # an earlier step (orbax would not save behind them). A fresh run never gets here with
         # another run's checkpoints: train.check_checkpoint_dir refuses those first.
@@ -226,12 +234,28 @@ class Checkpointer:
         """``(step, meta)`` of the latest checkpoint (or of ``step``), without reading its arrays.
 
         What a run saved about itself (``fit(info=...)``: the model's flags, a
-        vocabulary) is enough to build the target that ``restore`` reads into.
+        vocabulary) is enough to build the target that ``restore`` reads into. Its
+        checksum is checked; a broken latest step falls back to the one before, as ``restore`` does.
         """
-        step = self._candidates(step)[0]
-        with quiet_storage_noise(self._once):
-            restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return step, restored["meta"]
+        candidates, failures = self._candidates(step), []
+        for i, candidate in enumerate(candidates):
+            path = self.directory / str(candidate)
+            try:
+                with quiet_storage_noise(self._once):
+                    read = ocp.args.Composite(meta=ocp.args.JsonRestore())
+                    meta = self._manager.restore(candidate, args=read)["meta"]
+                    verify_meta(meta, read_records(path))
+                if isinstance(meta, dict):
+                    return candidate, meta
+                failures.append(f"checkpoint {path} is corrupt (its metadata is {meta!r}, not a dict)")
+            except CorruptCheckpointError as e:
+                failures.append(f"checkpoint {path} is corrupt ({e})")
+            except Exception as e:
+                failures.append(f"checkpoint {path} is unreadable ({reason(e, path)})")
+            if i + 1 < len(candidates):
+                self.log(f"{failures[-1]}; falling back to step {candidates[i + 1]}")
+        header = [f"no checkpoint in {self.directory} could be read:"] if len(failures) > 1 else []
+        raise CheckpointError("\n  ".join(header + failures)) from None
 
     def _candidates(self, step: int | None) -> list[int]:
         """The steps to try, latest first: ``step`` alone if given (it must be kept), else every kept one."""
@@ -256,7 +280,9 @@ class Checkpointer:
         abstract |= {name: jax.ShapeDtypeStruct((), np.int32, sharding=_replicated(named)) for name in unread}
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        if unchecked := verify(restored["state"], read_records(self.directory / str(step))):
+        records = read_records(self.directory / str(step))
+        verify_meta(restored["meta"], records)
+        if unchecked := verify(restored["state"], records):
             self.log(
                 f"checkpoint {step}: no process holds a whole saved shard of {', '.join(unchecked)}, "
                 "so their checksums were not checked"

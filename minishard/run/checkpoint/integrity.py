@@ -24,10 +24,12 @@ from jax.experimental import multihost_utils
 
 from minishard.run.errors import CorruptCheckpointError, NonFiniteStateError
 
-__all__ = ["INTEGRITY", "checksums", "read_records", "verify"]
+__all__ = ["INTEGRITY", "META_RECORD", "checksums", "meta_checksum", "read_records", "verify", "verify_meta"]
 
 INTEGRITY = "integrity"
 """The item holding the checksums: one JSON file per process, ``process_<i>``."""
+META_RECORD = "<meta>"
+"""The record of the metadata's checksum (no array's path has a ``<``), in process 0's file."""
 
 
 def checksums(named: list[tuple[str, Any]], step: int) -> dict[str, dict[str, int]]:
@@ -50,6 +52,23 @@ def checksums(named: list[tuple[str, Any]], step: int) -> dict[str, dict[str, in
                 "the training diverged. Try a smaller learning rate"
             )
     return crcs
+
+
+def meta_checksum(meta: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """The metadata's CRC32, as process 0 records it: what a run saved about itself (a vocabulary,
+    its flags) is checked at restore like its arrays, so a changed character is not read as saved."""
+    return {META_RECORD: {"json": _json_crc(meta)}} if jax.process_index() == 0 else {}
+
+
+def verify_meta(meta: dict[str, Any], records: dict[str, Any]) -> None:
+    """Raise if ``meta`` is not what was saved (older checkpoints recorded no checksum of it)."""
+    if (saved := records.get(META_RECORD)) is not None and saved.get("json") != _json_crc(meta):
+        raise CorruptCheckpointError("its metadata (meta/) does not match the checksum written with it")
+
+
+def _json_crc(meta: dict[str, Any]) -> int:
+    """The CRC32 of ``meta`` as JSON reads it back (tuples as lists), keys sorted."""
+    return zlib.crc32(json.dumps(json.loads(json.dumps(meta)), sort_keys=True).encode())
 
 
 def _blocks_written_here(leaf: Any) -> list[tuple[str, np.ndarray]]:

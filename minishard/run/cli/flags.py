@@ -242,6 +242,7 @@ def finish_train(
         args.mesh = style.mesh(args.devices) if args.parallel else mesh(DEFAULT_MESH)
     args.rules = args.rules or {}
     args.resume = args.resume or args.resume_from is not None
+    warmup_given = args.warmup_steps is not None
     fill_defaults(args, model, style)
     if args.dataset not in model.datasets:
         error(
@@ -249,6 +250,7 @@ def finish_train(
         )
     model.check(args, error)
     _check_duration(args, model, error)
+    _check_warmup(args, warmup_given, error)
     _check_checkpointing(args, error)
     _check_batch(args, error)
     check_output("--plot", args.plot, PLOT_FORMATS, error)
@@ -318,6 +320,19 @@ def _check_duration(args: argparse.Namespace, model: ModelEntry, error: Error) -
         error(f"argument --epochs: the {model.label} trains by steps; give --steps")
     if args.eval_every is not None and args.steps is None:
         error("argument --eval-every: only with --steps (by epochs, every epoch is evaluated)")
+
+
+def _check_warmup(args: argparse.Namespace, given: bool, error: Error) -> None:
+    """A cosine's warmup ends before the run does, or the learning rate only rises: a given one is
+    refused; the model's default is cut to --steps - 1, and ``train`` says so on its first line."""
+    if args.schedule != "cosine" or None in (args.steps, args.warmup_steps) or args.warmup_steps < args.steps:
+        return
+    if given:
+        error(
+            f"argument --warmup-steps: {args.warmup_steps} warmup steps do not end within --steps "
+            f"{args.steps} (the learning rate would only rise); give fewer than {args.steps}"
+        )
+    args.warmup_default, args.warmup_steps = args.warmup_steps, args.steps - 1
 
 
 def _check_checkpointing(args: argparse.Namespace, error: Error) -> None:

@@ -13,6 +13,7 @@ before anything asks for devices.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 
+from minishard.constraints import DEFAULT_BATCH_AXIS
 from minishard.report import explain
 from minishard.rules import ShardingError
 from minishard.run import distributed
@@ -39,7 +41,7 @@ from minishard.run.resume import check_checkpoint_dir
 from minishard.run.steps import Optimizer
 from minishard.run.tfds_reading import DataError
 from minishard.run.train import fit
-from minishard.sharding import Sharded, make_mesh
+from minishard.sharding import Sharded, make_mesh, plan
 
 __all__ = ["EXPECTED_ERRORS", "HELP", "add_arguments", "check", "run", "train_on_mesh"]
 
@@ -189,6 +191,13 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     """Set up simulated devices, join the run, ``train_on_mesh``; every way out is one line and a status."""
     simulate_devices(args.devices)  # per process: with 2 processes, --devices 4 makes 8 in all
+    if default := getattr(args, "warmup_default", None):  # flags._check_warmup cut it
+        print(
+            f"note: the default --warmup-steps {default} does not fit in --steps {args.steps}: warming "
+            f"up for {args.warmup_steps} (every step but the last); give --warmup-steps below "
+            f"{args.steps} for a cosine after the warmup",
+            file=sys.stderr,
+        )
     try:
         # Join the run that the flags or the environment describe (nothing to do for one process).
         place = args.coordinator, args.num_processes, args.process_id
@@ -225,6 +234,8 @@ def train_on_mesh(args: argparse.Namespace) -> int:
     rules = cli_rules(args, mesh.axis_names)
     check_batch_split(Sharded(mesh, rules).batch_sharding, args.batch_size)
     built = style.prepare(style.build(model, args, jax.random.key(args.seed)), args, mesh)
+    if refused := _check_rule_names(args, built, mesh, rules):
+        return refused
     if distributed.is_main_process():
         warn_unused(args.mesh, rules)
     print(f"Rules: {rules}")
@@ -259,6 +270,24 @@ def _check_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_rule_names(args: argparse.Namespace, built: Any, mesh: jax.sharding.Mesh, rules: Any) -> int:
+    """2 (one ``error:`` line) for a ``--rules`` name no array carries: it would split nothing, silently."""
+    carried = {DEFAULT_BATCH_AXIS} | {
+        name for leaf in plan(built, mesh, rules).leaves for name in leaf.logical_axes if name is not None
+    }
+    for name in args.rules:
+        if name not in carried:
+            near = difflib.get_close_matches(name, carried, n=1, cutoff=0.4)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            print(
+                f"error: argument --rules: no array of the {args.model} carries the logical axis {name!r}"
+                f"{hint}; its logical axes are {', '.join(sorted(carried))}",
+                file=sys.stderr,
+            )
+            return 2
+    return 0
+
+
 def _fit(
     args: argparse.Namespace,
     model: ModelEntry,
@@ -288,13 +317,28 @@ def _fit(
         resume=args.resume,
         resume_from=args.resume_from,
         overwrite=args.overwrite,
-        info={**model.saved(args), **splits.info},  # what `sample` needs to rebuild the model, without data
+        # what `sample` needs to rebuild the model, without data; the schedule a resume must follow
+        info={**model.saved(args), **splits.info, "schedule": _schedule(args)},
         make_step=style.make_step(args, mesh),  # None: fit's own Sharded step
         metrics_log=args.log if distributed.is_main_process() else None,  # one writer per file
         log_every=20,
         microbatches=style.microbatches(args),
     )
     return history
+
+
+def _schedule(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags the learning rate follows, by flag: a resume under other values is refused, naming one.
+
+    A cosine spans the run, so its length (``--steps`` or ``--epochs``) is part of it; an
+    exponential decay is the same curve however long the run (a run may be continued longer).
+    """
+    flags = {"--lr": args.lr, "--schedule": args.schedule}
+    if args.schedule == "cosine":
+        length = ("--steps", args.steps) if args.steps is not None else ("--epochs", args.epochs)
+        return {**flags, "--warmup-steps": args.warmup_steps, length[0]: length[1]}
+    decay = ("decay_rate", "decay_steps", "staircase")
+    return {**flags, **{f"--{name.replace('_', '-')}": getattr(args, name, None) for name in decay}}
 
 
 def _latest_checkpoint(directory: str | None) -> str:
