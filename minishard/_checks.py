@@ -516,12 +516,17 @@ def positive(where: str, value: Any) -> None:
         raise ValueError(f"{where} must be a finite number > 0, got {value!r}")
 
 
-def warmup_cosine(warmup_steps: Any, decay_steps: Any) -> None:
+def warmup_cosine(warmup_steps: Any, decay_steps: Any, peak_value: float, end_value: Any) -> None:
     count("warmup_cosine_decay: warmup_steps", warmup_steps, minimum=0)
     count("warmup_cosine_decay: decay_steps", decay_steps, minimum=0)
     if decay_steps <= warmup_steps:
         raise ValueError(
             f"warmup_cosine_decay: decay_steps {decay_steps} must exceed warmup_steps {warmup_steps}"
+        )
+    if not _finite(end_value) or not 0 <= end_value <= peak_value:
+        raise ValueError(
+            f"warmup_cosine_decay: end_value must be a number from 0 to peak_value {peak_value}, got "
+            f"{end_value!r}; a negative learning rate climbs the loss"
         )
 
 
@@ -541,6 +546,12 @@ def learning_rate(value: Any, where: str = "SGD") -> None:
             f"{where}: learning_rate is a callable of {signature}, but a learning rate is called with one "
             "argument, the step; write lambda step: ..., or use exponential_decay"
         ) from None
+    first = np.asarray(value(jnp.zeros((), jnp.int32)))
+    if first.shape != () or not np.isfinite(first) or first < 0:
+        raise ValueError(
+            f"{where}: learning_rate(0) is {np.array2string(first)}; a schedule must give a finite "
+            "number >= 0 at every step (a negative learning rate climbs the loss)"
+        )
 
 
 def momentum(value: Any) -> None:
@@ -574,15 +585,11 @@ def adamw_update(params: Any, grads: Any, state: Any, namer: Namer) -> None:
 def sgd_update(sgd: Any, params: Any, grads: Any, state: Any, namer: Namer) -> None:
     """The state was made by this SGD's ``init``, and the gradients mirror the parameters."""
     fix = "make the state with the same SGD's init"
-    if callable(sgd.learning_rate) and state.step is None:
-        raise ValueError(
-            f"SGD.update: this SGD's learning rate changes with the step, but the state has no step; {fix}"
-        )
-    if not callable(sgd.learning_rate) and state.step is not None:
-        raise ValueError(
-            "SGD.update: this SGD's learning rate is a constant, but the state has a step (it was made "
-            f"for a learning rate that changes); {fix}"
-        )
+    if not hasattr(state, "velocity") or not hasattr(state, "step"):
+        kind = type(state).__name__
+        raise ValueError(f"SGD.update: the state is a {kind}, not SGD's (step, velocity); {fix}")
+    if state.step is None:
+        raise ValueError(f"SGD.update: the state has no step (every SGD counts its updates); {fix}")
     if sgd.momentum and state.velocity is None:
         raise ValueError(
             f"SGD.update: this SGD has momentum {sgd.momentum}, but the state has no velocity; {fix}"

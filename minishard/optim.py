@@ -29,7 +29,7 @@ parameter beside the 4 of the weights, which is why sharding them pays.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +94,7 @@ def warmup_cosine_decay(
     [0.0, 0.5, 1.0, 0.5, 0.0]
     """
     _checks.positive("warmup_cosine_decay: peak_value", peak_value)
-    _checks.warmup_cosine(warmup_steps, decay_steps)
+    _checks.warmup_cosine(warmup_steps, decay_steps, peak_value, end_value)
     peak_value = float(peak_value)
 
     def rate(step: jax.Array) -> jax.Array:
@@ -110,13 +110,12 @@ def warmup_cosine_decay(
 class SGDState(NamedTuple):
     """Only what ``update`` reads, as in optax: nothing is carried for nothing.
 
-    ``step``: updates taken so far, kept when the learning rate changes with it
-    (None for a constant rate: a counter nobody reads would still be one more
-    array in and out of every jitted step). ``velocity``: shaped like params
-    (None without momentum).
+    ``step``: updates taken so far, an int32 scalar, for a constant rate too (then
+    only a counter: "the state starts at step 0" holds for every SGD, and a resumed
+    run knows where it stands). ``velocity``: shaped like params (None without momentum).
     """
 
-    step: jax.Array | None
+    step: jax.Array
     velocity: Any
 
 
@@ -136,10 +135,9 @@ class SGD:
         self.momentum: float = float(momentum)
 
     def init(self, params: Any) -> SGDState:
-        """Step 0 if the rate changes; with momentum, zero velocities shaped (and sharded) like ``params``."""
-        step = jnp.zeros((), jnp.int32) if callable(self.learning_rate) else None
+        """Step 0; with momentum, zero velocities shaped (and sharded) like ``params``."""
         velocity = jax.tree_util.tree_map(jnp.zeros_like, params) if self.momentum else None
-        return SGDState(step=step, velocity=velocity)
+        return SGDState(step=jnp.zeros((), jnp.int32), velocity=velocity)
 
     def update(
         self, params: Any, grads: Any, state: SGDState, *, axis_name: str | None = None
@@ -151,18 +149,12 @@ class SGD:
         ``axis_name`` is AdamW's (its clipping reads every piece); each SGD element steps on its own.
         """
         _checks.sgd_update(self, params, grads, state, path_str)  # a state from this SGD's init, grads alike
-        lr: float | jax.Array
-        step: jax.Array | None = None
-        if callable(self.learning_rate):
-            step = cast(jax.Array, state.step)  # a changing rate's state has a step: checked above
-            lr, step = self.learning_rate(step), step + 1
-        else:
-            lr = self.learning_rate
+        lr = self.learning_rate(state.step) if callable(self.learning_rate) else self.learning_rate
         velocity = grads
         if self.momentum:
             velocity = jax.tree_util.tree_map(lambda g, v: g + self.momentum * v, grads, state.velocity)
         params = jax.tree_util.tree_map(lambda p, v: p - lr * v, params, velocity)
-        return params, SGDState(step, velocity if self.momentum else None)
+        return params, SGDState(state.step + 1, velocity if self.momentum else None)
 
 
 # --- AdamW --------------------------------------------------------------------

@@ -266,6 +266,32 @@ def test_a_character_outside_the_vocabulary_is_named_with_what_is_allowed():
     assert str(caught.value) == "the character '!' (at 3) is not in the vocabulary; allowed: 'abc'"
 
 
+@pytest.mark.parametrize(("characters", "shown"), [("ba", "'ba'"), ("aab", "'aab'"), (["a"], "['a']")])
+def test_a_vocabulary_of_unsorted_or_repeated_characters_is_refused(characters, shown):
+    with pytest.raises(ValueError) as caught:
+        text_data.Vocabulary(characters)
+    assert str(caught.value) == (
+        f"Vocabulary: characters must be a str of distinct characters in sorted order, got {shown}; "
+        "build one with Vocabulary.of(text)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("ids", "what"), [([0, 3], "id 3 at 1"), ([-1], "id -1 at 0"), ([0.5], "shape (1,), dtype float64")]
+)
+def test_decode_refuses_an_id_outside_the_vocabulary(ids, what):
+    with pytest.raises(ValueError) as caught:
+        text_data.Vocabulary("abc").decode(ids)
+    assert str(caught.value) == f"Vocabulary.decode: ids must be a list of ints from 0 to 2, got {what}"
+    assert text_data.Vocabulary("abc").decode([]) == ""
+
+
+def test_a_text_of_batch_size_0_is_refused_by_name():
+    with pytest.raises(ValueError) as caught:
+        text_data.TextDataset(np.arange(10, dtype=np.int32), context=3, batch_size=0)
+    assert str(caught.value) == "TextDataset: batch_size must be a positive int, got 0"
+
+
 def numbered_text(n=100, context=4, batch_size=4, **options):
     """A text whose character ids are their positions, so a window shows where it was cut."""
     return text_data.TextDataset(np.arange(n, dtype=np.int32), context, batch_size, **options)

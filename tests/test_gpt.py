@@ -135,12 +135,40 @@ def test_the_gpt_refuses_bad_input_before_any_work():
         small_gpt()(jnp.zeros((2, 16)))  # floats, not ids
     with pytest.raises(ValueError, match="unknown core 'flash'; choose from dense, ring"):
         Attention(8, 2, key=jax.random.key(0), core="flash")
-    with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0"):
         gpt.generate(small_gpt(), np.array([1]), 3, temperature=0)
     with pytest.raises(ValueError, match=r"tokens must be an int >= 0, got 2\.5"):
         gpt.generate(small_gpt(), np.array([1]), 2.5)
     with pytest.raises(ValueError, match="the prompt is empty"):
         gpt.generate(small_gpt(), np.array([], np.int32), 3)
+
+
+def test_a_gpt_of_no_size_is_refused_naming_the_argument():
+    for name in ("context", "vocab", "heads"):
+        with pytest.raises(ValueError) as error:
+            gpt.GPT(**(SMALL | {name: 0}), key=jax.random.key(0))
+        assert str(error.value) == f"GPT: {name} must be a positive int, got 0"
+
+
+GENERATE_REFUSES = [
+    ({"temperature": float("inf")}, "generate: temperature must be a finite number > 0, got inf"),
+    ({"prompt": [1, 40]}, "generate: prompt id 40 (at 1) is outside the vocabulary of 11: ids run from 0 to"),
+    ({"prompt": [-1]}, "generate: prompt id -1 (at 0) is outside the vocabulary of 11"),
+    ({"prompt": [[1, 2]]}, r"generate: the prompt must be a list of ids [P], got int64[1, 2]"),
+    ({"prompt": [1.5]}, r"generate: the prompt must be a list of ids [P], got float64[1]"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), GENERATE_REFUSES)
+def test_generate_refuses_what_would_sample_silently_wrong(change, message):
+    arguments = {"prompt": [1], "tokens": 2} | change
+    with pytest.raises(ValueError) as error:
+        gpt.generate(small_gpt(), np.asarray(arguments.pop("prompt")), **arguments)
+    assert str(error.value).startswith(message)
+
+
+def test_generate_takes_a_numpy_count_of_tokens():
+    assert gpt.generate(small_gpt(), np.array([1, 2]), np.int64(3)).shape == (5,)
 
 
 def test_only_matrices_decay_whether_blocks_are_a_tuple_a_stack_or_zero_shards():

@@ -76,10 +76,7 @@ def assert_sgd_matches_optax(lr, momentum, params, grad_fn, steps, update=None):
         updates, optax_state = theirs.update(grad_fn(optax_params, step), optax_state, optax_params)
         optax_params = optax.apply_updates(optax_params, updates)
         assert_trees_close(ours_params, optax_params, rtol=1e-6, atol=1e-6)  # a few float32 ulps at O(1)
-    if callable(ours_lr):
-        assert int(ours_state.step) == steps
-    else:  # a constant rate reads no step, so none is carried (optax's sgd carries none either)
-        assert ours_state.step is None
+    assert int(ours_state.step) == steps  # a constant rate counts its steps too
 
 
 # -- the schedule -------------------------------------------------------------
@@ -127,27 +124,32 @@ def test_sgd_state_is_a_pytree_shaped_like_the_params():
     with_momentum = SGD(exponential_decay(0.1, 0.5, 10), momentum=0.9).init(params)
     assert isinstance(with_momentum, minishard.SGDState) and int(with_momentum.step) == 0
     assert jax.tree_util.tree_structure(with_momentum.velocity) == jax.tree_util.tree_structure(params)
-    assert SGD(0.1).init(params) == minishard.SGDState(step=None, velocity=None)  # no array to carry
+    plain = SGD(0.1).init(params)  # the step starts at 0 for a constant rate too
+    assert plain.velocity is None and plain.step.dtype == jnp.int32 and int(plain.step) == 0
 
 
-def test_a_changing_rate_refuses_a_state_without_its_step():
+def test_every_sgd_counts_its_steps_so_a_constant_and_a_changing_rate_share_one_state():
     params = {"w": jnp.ones(2)}
-    constant_state = SGD(0.1).init(params)
-    with pytest.raises(ValueError, match="changes with the step, but the state has no step"):
-        SGD(exponential_decay(0.1, 0.5, 10)).update(params, params, constant_state)
+    decaying, constant = SGD(exponential_decay(0.1, 0.5, 10)), SGD(0.1)
+    _, state = constant.update(params, params, decaying.init(params))
+    _, state = decaying.update(params, params, state)
+    assert state.step.dtype == jnp.int32 and int(state.step) == 2
 
 
-def test_a_constant_rate_refuses_a_state_with_a_step():
-    # Symmetric to the changing rate's case: a constant rate's state never has a step (an older
-    # checkpoint that kept one is migrated when the workshop restores it).
+def test_sgd_refuses_adamws_state_naming_it():
     params = {"w": jnp.ones(2)}
-    decaying_state = SGD(exponential_decay(0.1, 0.5, 10)).init(params)
     with pytest.raises(ValueError) as error:
-        SGD(0.1).update(params, params, decaying_state)
+        SGD(0.1).update(params, params, AdamW(0.1).init(params))
     assert str(error.value) == (
-        "SGD.update: this SGD's learning rate is a constant, but the state has a step (it was made for a "
-        "learning rate that changes); make the state with the same SGD's init"
+        "SGD.update: the state is a AdamWState, not SGD's (step, velocity); make the state with the same "
+        "SGD's init"
     )
+
+
+def test_sgd_refuses_a_state_without_a_step():
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError, match=r"^SGD.update: the state has no step \(every SGD counts"):
+        SGD(0.1).update(params, params, minishard.SGDState(step=None, velocity=None))
 
 
 def test_momentum_refuses_a_state_without_velocity_and_plain_sgd_one_with():
@@ -320,6 +322,17 @@ BAD_INPUTS = [
     (lambda: SGD(0.1, momentum=1.5), ValueError, ["momentum must be a number in [0, 1)", "1.5"]),
     (lambda: exponential_decay(0.1, -0.5, 100), ValueError, ["decay_rate", "-0.5"]),
     (lambda: exponential_decay(0.1, 0.5, 0), ValueError, ["decay_steps must be a positive int", "0"]),
+    (
+        lambda: warmup_cosine_decay(1.0, 1, 10, end_value=-1),
+        ValueError,
+        ["warmup_cosine_decay: end_value must be a number from 0 to peak_value 1.0, got -1"],
+    ),
+    (
+        lambda: SGD(lambda step: -0.1 * (step + 1)),
+        ValueError,
+        ["SGD: learning_rate(0) is -0.1; a schedule must give a finite number >= 0"],
+    ),
+    (lambda: AdamW(lambda step: jnp.inf), ValueError, ["AdamW: learning_rate(0) is inf"]),
     (lambda: AdamW(-1e-3), ValueError, ["AdamW: learning_rate", "-0.001"]),
     (lambda: AdamW(1e-3, b2=1.0), ValueError, ["AdamW: b2 must be a number in [0, 1)", "1.0"]),
     (lambda: AdamW(1e-3, weight_decay=-0.1), ValueError, ["AdamW: weight_decay must be a number >= 0"]),

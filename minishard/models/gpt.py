@@ -156,6 +156,10 @@ class GPT(Layer):
         mlp: MLPBuilder = dense_mlp,
     ) -> None:
         check_key("GPT", key)
+        sizes = {"vocab": vocab, "context": context, "width": width, "depth": depth, "heads": heads}
+        for name, size in (sizes | {"mlp_ratio": mlp_ratio}).items():
+            if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+                raise ValueError(f"GPT: {name} must be a positive int, got {size!r}")
         keys = jax.random.split(key, depth + 2)  # one key per layer
         self.embedding = Embedding(vocab, context, width, key=keys[0])
         block = functools.partial(Block, width, heads, mlp_ratio * width, causal=True, core=core, mlp=mlp)
@@ -313,13 +317,8 @@ def generate(
     ``step`` is ``decode_step`` or the same function under ``Sharded``.
     """
     context = model.embedding.positions.shape[0]
-    if not temperature > 0:
-        raise ValueError(f"generate: temperature must be > 0, got {temperature}")
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"generate: tokens must be an int >= 0, got {tokens!r}")
+    _check_generate(model, prompt, tokens, temperature)
     out = [int(i) for i in np.asarray(prompt)]
-    if not out:
-        raise ValueError("generate: the prompt is empty; give it at least one character")
     key = jax.random.key(seed)
     logits, caches, filled = _prefill(model, out[-context:], step)  # a longer prompt: its last context
     for i in range(tokens):
@@ -331,6 +330,24 @@ def generate(
             logits, caches = step(model, jnp.asarray([out[-1:]]), caches, jnp.asarray(filled))
             filled += 1
     return np.asarray(out, np.int32)
+
+
+def _check_generate(model: GPT, prompt: Any, tokens: Any, temperature: Any) -> None:
+    """Refuse, by name, what would sample silently wrong: a uniform draw (temperature inf), a clamped id."""
+    if not np.isfinite(temperature) or not temperature > 0:
+        raise ValueError(f"generate: temperature must be a finite number > 0, got {temperature}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int | np.integer) or tokens < 0:
+        raise ValueError(f"generate: tokens must be an int >= 0, got {tokens!r}")
+    ids, vocab = np.asarray(prompt), model.embedding.tokens.shape[0]
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"generate: the prompt must be a list of ids [P], got {ids.dtype}{list(ids.shape)}")
+    if not ids.size:
+        raise ValueError("generate: the prompt is empty; give it at least one character")
+    if (wrong := np.flatnonzero((ids < 0) | (ids >= vocab))).size:
+        raise ValueError(
+            f"generate: prompt id {ids[wrong[0]]} (at {wrong[0]}) is outside the vocabulary of {vocab}: "
+            f"ids run from 0 to {vocab - 1}"
+        )
 
 
 def _prefill(model: GPT, ids: list[int], step: Callable[..., Any]) -> tuple[jax.Array, Any, int]:

@@ -54,6 +54,15 @@ class Vocabulary:
 
     characters: str
 
+    def __post_init__(self) -> None:
+        """``searchsorted`` finds a character only in sorted, distinct ones: refuse others, by name."""
+        chars = self.characters
+        if not isinstance(chars, str) or list(chars) != sorted(set(chars)):
+            raise ValueError(
+                "Vocabulary: characters must be a str of distinct characters in sorted order, got "
+                f"{chars!r:.80}; build one with Vocabulary.of(text)"
+            )
+
     @classmethod
     def of(cls, text: str) -> Vocabulary:
         return cls("".join(sorted(set(text))))
@@ -74,7 +83,14 @@ class Vocabulary:
         return ids.astype(np.int32)
 
     def decode(self, ids: Any) -> str:
-        return "".join(self.characters[i] for i in np.asarray(ids).tolist())
+        """The text of ``ids``, a list of ids from 0 to ``len(self) - 1``; any other is refused, by place."""
+        ids = np.asarray(ids)
+        bad = ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer))
+        if bad or (wrong := np.flatnonzero((ids < 0) | (ids >= len(self)))).size:
+            at = f"shape {ids.shape}, dtype {ids.dtype}" if bad else f"id {ids[wrong[0]]} at {wrong[0]}"
+            last = len(self) - 1
+            raise ValueError(f"Vocabulary.decode: ids must be a list of ints from 0 to {last}, got {at}")
+        return "".join(self.characters[i] for i in ids.tolist())
 
 
 def _code_points(text: str) -> np.ndarray:
@@ -122,6 +138,8 @@ class TextDataset:
                 f"context {context!r}: the {name} has {len(ids):,} characters, so a window of context + 1 "
                 f"fits for a context from 1 to {len(ids) - 1:,}"
             )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
+            raise ValueError(f"TextDataset: batch_size must be a positive int, got {batch_size!r}")
         self.ids, self.context, self.batch_size, self.seed = ids, context, batch_size, seed
         self.vocabulary, self.name = vocabulary, name
         self.process_index = jax.process_index() if process_index is None else process_index
