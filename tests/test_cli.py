@@ -456,8 +456,18 @@ def test_explain_with_hardware_says_in_one_line_what_cannot_compile(capsys):
     assert main(["explain", "--model", "vit", "--parallel", "tp", "--hardware", "h100"]) == 1  # 4 heads
     err = capsys.readouterr().err
     assert err.startswith("error: blocks[0].attention.query:") and len(err.strip().splitlines()) == 1
-    assert main(["explain", "--parallel", "dp", "--hardware", "h100", "--devices", "4"]) == 2  # 8 here
-    assert capsys.readouterr().err.strip() == "error: argument --devices: 4 asked, there are 8"
+    assert main(["explain", "--parallel", "dp", "--hardware", "h100", "--devices", "16"]) == 2  # 8 here
+    assert capsys.readouterr().err.strip() == "error: argument --devices: 16 asked, there are 8"
+
+
+def test_devices_below_those_simulated_are_the_first_n_said_in_one_line(capsys, no_data):
+    assert main(["explain", "--parallel", "dp", "--hardware", "h100", "--devices", "4"]) == 0  # 8 here
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "Using the first 4 of the 8 devices (--devices 4)" and "Using" not in "".join(out[1:])
+    assert "mlp under dp on 4 devices, batch 128" in out
+    assert main(["train", "--parallel", "dp", "--devices", "4", "--layers", "784,16,10"]) == 1  # at the data
+    out = capsys.readouterr().out
+    assert "Using the first 4 of the 8 devices (--devices 4)\n" in out and "mesh {'data': 4} (4 devices)" in out
 
 
 @needs_mnist
@@ -503,7 +513,7 @@ def test_explain_checks_a_pipelines_microbatches_and_devices_before_any_work(cap
     assert (out, err.strip()) == ("", "error: argument --microbatches: a batch of 128 is not a multiple of 6")
     assert main(["explain", "--parallel", "pp", "--devices", "16"]) == 2
     out, err = capsys.readouterr()
-    assert (out, err.strip()) == ("", "error: argument --devices: 16 devices asked, there are 8")
+    assert (out, err.strip()) == ("", "error: argument --devices: 16 asked, there are 8")
 
 
 # -- context parallelism: --parallel cp, dp+cp (docs/context.md) -----------------------------

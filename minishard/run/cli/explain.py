@@ -30,9 +30,9 @@ from minishard.run.cli.flags import (
     at_least,
     check_output,
     fill_defaults,
+    first_devices,
     flag_owners,
     refuse_other_models_flags,
-    simulate_devices,
 )
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import STYLES, warn_unused
@@ -132,9 +132,7 @@ def price(args: argparse.Namespace) -> int:
     devices: its plan and collectives, priced on ``--hardware`` (``minishard.costs``).
     A failure is one ``error:`` line (XLA:CPU compiled for 2,048 simulated devices here, not 4,096).
     """
-    simulate_devices(args.devices)
-    if (found := len(jax.devices())) != args.devices:
-        print(f"error: argument --devices: {args.devices} asked, there are {found}", file=sys.stderr)
+    if first_devices(args) is None:
         return 2
     try:
         return _compile_and_price(args)
@@ -143,7 +141,7 @@ def price(args: argparse.Namespace) -> int:
     except jax.errors.JaxRuntimeError as error:  # e.g. too many simulated devices for XLA:CPU
         first = str(error).splitlines()[0]
         print(
-            f"error: XLA cannot compile the step on {found} devices ({first}); try fewer --devices",
+            f"error: XLA cannot compile the step on {args.devices} devices ({first}); try fewer --devices",
             file=sys.stderr,
         )
     return 1
@@ -154,7 +152,7 @@ def _compile_and_price(args: argparse.Namespace) -> int:
     sequence = args.compare and model.name in ContextStyle.models  # the ring ranked with the others
     style = STYLES["cp"] if sequence else style  # whose build gives its attention the "ring" core
     shape, rules = style.mesh(args.devices), style.rules({})
-    mesh = make_mesh(shape)
+    mesh = make_mesh(shape, devices=first_devices(args))
     optimizer = model.compiled_optimizer(args)
     built = style.prepare(style.build(model, args, jax.random.key(0)), args, mesh)  # a pipeline: its schedule
     batch = {
@@ -212,7 +210,7 @@ def _own_step_cost(args: argparse.Namespace, model: Any, style: Style, shape: di
     batch = {
         name: jnp.zeros(like.shape, like.dtype) for name, like in model.example(own, own.batch_size).items()
     }
-    return style.own_step_cost(model, own, built, batch, make_mesh(shape))
+    return style.own_step_cost(model, own, built, batch, make_mesh(shape, devices=first_devices(args)))
 
 
 def print_report(

@@ -16,8 +16,11 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
+
+import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 
 from minishard.run import distributed
 
@@ -38,6 +41,7 @@ __all__ = [
     "default_text",
     "fill_defaults",
     "finish_train",
+    "first_devices",
     "flag_owners",
     "integer",
     "mesh",
@@ -215,6 +219,26 @@ def simulate_devices(count: int) -> None:
     current = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in current:
         os.environ["XLA_FLAGS"] = f"{current} --xla_force_host_platform_device_count={count}".strip()
+
+
+def first_devices(args: argparse.Namespace) -> list[jax.Device] | None:
+    """``--devices N``: the first N devices (N simulated CPU devices asked for first, ``simulate_devices``).
+
+    One rule for every command: fewer than there are is fine, and said in one line, once per
+    command; more is one ``error:`` line and None. ``XLA_FLAGS`` may already have set the count
+    (docs/testing.md sets 8): then ``--devices 4`` takes 4 of those 8.
+    """
+    if (chosen := getattr(args, "chosen_devices", None)) is not None:
+        return list(chosen)
+    simulate_devices(args.devices)
+    found, count = jax.devices(), args.devices  # the backend starts here, after XLA_FLAGS is set
+    if count > len(found):
+        print(f"error: argument --devices: {count} asked, there are {len(found)}", file=sys.stderr)
+        return None
+    if count < len(found):
+        print(f"Using the first {count} of the {len(found)} devices (--devices {count})")
+    args.chosen_devices = found[:count]
+    return list(args.chosen_devices)
 
 
 def check_output(flag: str, path: str | None, formats: Sequence[str], error: Error) -> None:

@@ -27,7 +27,14 @@ from minishard.report import explain
 from minishard.rules import ShardingError
 from minishard.run import distributed
 from minishard.run.cli import flags, styles
-from minishard.run.cli.flags import Error, at_least, default_text, finish_train, simulate_devices
+from minishard.run.cli.flags import (
+    Error,
+    at_least,
+    default_text,
+    finish_train,
+    first_devices,
+    simulate_devices,
+)
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry, Splits
 from minishard.run.cli.styles import cli_rules, style_of, warn_unused
@@ -226,11 +233,11 @@ def train_on_mesh(args: argparse.Namespace) -> int:
     resume = dict(resume=args.resume, resume_from=args.resume_from, overwrite=args.overwrite)
     if args.checkpoint_dir:  # another run's checkpoints, a read-only disk, a missing step: before any work
         check_checkpoint_dir(args.checkpoint_dir, **resume)
-    if refused := _check_devices(args):
-        return refused
+    if (devices := _devices(args)) is None:
+        return 2
     if args.compile_cache:
         enable_compilation_cache(args.compile_cache)
-    mesh = make_mesh(args.mesh, explicit=args.explicit)
+    mesh = make_mesh(args.mesh, devices=devices, explicit=args.explicit)
     rules = cli_rules(args, mesh.axis_names)
     check_batch_split(Sharded(mesh, rules).batch_sharding, args.batch_size)
     built = style.prepare(style.build(model, args, jax.random.key(args.seed)), args, mesh)
@@ -251,23 +258,28 @@ def train_on_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_devices(args: argparse.Namespace) -> int:
-    """Say which devices the run has; 2 (one ``error:`` line) if the mesh does not fit them."""
+def _devices(args: argparse.Namespace) -> list[jax.Device] | None:
+    """The devices the run uses, said; None (one ``error:`` line) if the mesh does not fit them.
+
+    One process takes the first ``--devices`` of those there are (``first_devices``), as ``explain`` does.
+    """
     devices = jax.devices()  # with several processes: the devices of all of them
     if jax.process_count() > 1:
         print(f"{jax.process_count()} processes x {jax.local_device_count()} devices: {len(devices)} in all")
     elif devices[0].platform == "cpu":
         print(f"No accelerator: simulating {len(devices)} CPU devices (XLA_FLAGS={os.environ['XLA_FLAGS']})")
-        if len(devices) != args.devices:
+        if len(devices) < args.devices:
             print(f"(XLA_FLAGS already set the device count, so --devices {args.devices} is not used)")
+    if jax.process_count() == 1 and args.devices < len(devices):
+        devices = first_devices(args) or devices
     if (needed := math.prod(args.mesh.values())) != len(devices):
         axes = ",".join(f"{name}={size}" for name, size in args.mesh.items())
         print(
             f"error: argument --mesh: {axes} needs {needed} devices, there are {len(devices)}",
             file=sys.stderr,
         )
-        return 2
-    return 0
+        return None
+    return devices
 
 
 def _check_rule_names(args: argparse.Namespace, built: Any, mesh: jax.sharding.Mesh, rules: Any) -> int:

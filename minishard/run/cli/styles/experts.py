@@ -11,7 +11,6 @@ one forward pass's all-to-alls against the formula, the routings it drops.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +19,7 @@ import jax
 from minishard.census import collectives, summary
 from minishard.experts import capacity
 from minishard.rules import AxisRules
-from minishard.run.cli.flags import Error, simulate_devices
+from minishard.run.cli.flags import Error, first_devices
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.style import Args, Style
 from minishard.sharding import Sharded, make_mesh, shard
@@ -69,17 +68,11 @@ class ExpertStyle(Style):
 
     def before_explain(self, args: Args) -> int:
         """Simulate the devices ``after_plan`` compiles on; 2 (one ``error:`` line) if they cannot."""
-        simulate_devices(args.devices)
-        if args.devices > (found := len(jax.devices())):
-            print(
-                f"error: argument --devices: {args.devices} devices asked, there are {found}", file=sys.stderr
-            )
-            return 2
-        return 0
+        return 0 if first_devices(args) is not None else 2
 
     def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
         """Where each expert lives; one batch's forward compiled: its all-to-alls, its dropped routings."""
-        mesh = make_mesh(self.mesh(args.devices), devices=jax.devices()[: args.devices])
+        mesh = make_mesh(self.mesh(args.devices), devices=first_devices(args))
         built = shard(self.build(model, args, jax.random.key(0)), mesh, rules)
         w_in = built.blocks[0].mlp.experts.w_in  # [E, M, H]: the stack "expert" splits
         print(f"\nWhere each expert lives ({args.experts} per block, every block alike):")

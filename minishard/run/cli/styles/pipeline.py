@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from minishard import pipeline
 from minishard.costs import StepCost, cost_report
 from minishard.rules import AxisRules
-from minishard.run.cli.flags import Error, simulate_devices
+from minishard.run.cli.flags import Error, first_devices
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.style import Args, Style
 from minishard.run.steps import make_train_step
@@ -97,20 +97,18 @@ class PipelineStyle(Style):
 
     def before_explain(self, args: Args) -> int:
         """Simulate the devices ``after_plan`` compiles on; 2 (one ``error:`` line) if they cannot."""
-        simulate_devices(args.devices)
         split = args.microbatches * self.mesh(args.devices).get("data", 1)
-        if args.devices > len(jax.devices()):
-            problem = f"--devices: {args.devices} devices asked, there are {len(jax.devices())}"
-        elif args.batch_size % split:  # a microbatch's rows split over "data"
-            problem = f"--microbatches: a batch of {args.batch_size} is not a multiple of {split}"
-        else:
-            return 0
-        print(f"error: argument {problem}", file=sys.stderr)
-        return 2
+        if args.batch_size % split:  # a microbatch's rows split over "data"
+            print(
+                f"error: argument --microbatches: a batch of {args.batch_size} is not a multiple of {split}",
+                file=sys.stderr,
+            )
+            return 2
+        return 0 if first_devices(args) is not None else 2
 
     def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
         """Compile one training step of the pipelined model and print what it costs (``pipeline_report``)."""
-        mesh = make_mesh(self.mesh(args.devices), devices=jax.devices()[: args.devices])
+        mesh = make_mesh(self.mesh(args.devices), devices=first_devices(args))
         stacked = self.pipelined(
             jax.eval_shape(lambda: self.build(model, args, jax.random.key(0))), args, mesh
         )

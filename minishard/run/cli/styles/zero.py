@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from minishard.census import collectives, human_bytes, summary
 from minishard.costs import StepCost, cost_report
-from minishard.run.cli.flags import Error
+from minishard.run.cli.flags import Error, first_devices
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.style import Args, Style
@@ -97,7 +97,7 @@ class ZeroStyle(Style):
         """What ZeRO's step (built here, in place of the plain ``train_step``) sends, against the analytic
         minimum: an all-gather of the parameters (each padded to split evenly) plus a reduce-scatter of
         their gradients; no gradient all-reduce."""
-        n, mesh = args.devices, make_mesh({"data": args.devices})
+        n, mesh = args.devices, make_mesh({"data": args.devices}, devices=first_devices(args))
         step = self.step(optimizer, mesh, MODELS[args.model].task)
         placed = step.shard(model)
         step_args = (placed, step.init(placed), batch)
