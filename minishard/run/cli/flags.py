@@ -222,11 +222,8 @@ def simulate_devices(count: int) -> None:
 
 
 def first_devices(args: argparse.Namespace) -> list[jax.Device] | None:
-    """``--devices N``: the first N devices (N simulated CPU devices asked for first, ``simulate_devices``).
-
-    One rule for every command: fewer than there are is fine, and said in one line, once per
-    command; more is one ``error:`` line and None. ``XLA_FLAGS`` may already have set the count
-    (docs/testing.md sets 8): then ``--devices 4`` takes 4 of those 8.
+    """``--devices N``: the first N devices (simulated, if none are yet), said in one line once per command
+    if there are more (docs/testing.md's ``XLA_FLAGS`` set 8); more than there are: an ``error:`` line, None.
     """
     if (chosen := getattr(args, "chosen_devices", None)) is not None:
         return list(chosen)
