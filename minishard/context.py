@@ -14,6 +14,8 @@ other ways: all-gather, all-to-all, and Megatron's sequence parallelism):
    whether a pair is computed, masked (the diagonal) or skipped (all in the future).
 3. **The ring.** ``ring_attention``, p steps; its ``jax.custom_vjp`` sends K, V and their
    gradients round again, so the backward pass keeps one chunk per device, whatever p.
+4. **What it sends.** ``ring_report`` counts a compiled step's collective-permutes beside
+   the formula (``ring_permutes``), and shows the balance of both layouts.
 
 >>> balance(p=4, layout="in-order"), balance(p=4, layout="zigzag")   # slowest device / mean
 (1.6, 1.0)
@@ -23,7 +25,9 @@ other ways: all-gather, all-to-all, and Megatron's sequence parallelism):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from minishard import _checks
+from minishard.census import human_bytes, instructions, mesh_of
+from minishard.costs import ring_bound
+from minishard.hardware import hardware_named
 from minishard.pipeline import ring_pairs
 
 CHUNKS = {"in-order": 1, "zigzag": 2}
@@ -300,10 +307,95 @@ def ring_attention(
     return _ring(q, k, v, axis, causal, layout)
 
 
+# --- 4. what the ring sends, read from a compiled step -----------------------------
+
+
+def ring_permutes(p: int) -> tuple[int, int]:
+    """The collective-permutes of one ring attention, ``(forward, backward)``: forward, K and V at
+    each step but the last; backward, K and V again, and dK and dV at every step (the last: home).
+
+    >>> ring_permutes(4)   # 2 x 3 forward; 2 x 3 + 2 x 4 backward
+    (6, 14)
+    """
+    return 2 * (p - 1), 2 * (p - 1) + 2 * p
+
+
+@dataclasses.dataclass(frozen=True)
+class RingReport:
+    """``ring_report``: a step's collective-permutes over ``axis`` (the census's ``(count, bytes)``),
+    beside ``ring_permutes``'s formula for ``blocks`` rings of float32 ``chunk``\\ s, one device's K
+    (or V) ``[batch, seq / p, heads, head_dim]``; ``print`` shows both and the two layouts' balance.
+
+    >>> import functools, minishard as ms
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = ms.make_mesh({"seq": 4}, devices=jax.devices()[:4])
+    >>> ring = jax.shard_map(functools.partial(ring_attention, axis="seq", causal=True, layout="zigzag"),
+    ...                      mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
+    >>> grads = jax.jit(jax.grad(lambda q, k, v: ring(q, k, v).sum(), argnums=(0, 1, 2)))
+    >>> x = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)   # 16 tokens, 4 per device
+    >>> report = ring_report(grads.lower(x, x, x), axis="seq", blocks=1, chunk=(1, 4, 2, 8))
+    >>> report.sent == report.formula   # 20 permutes of 256 bytes, as the formula says
+    True
+    >>> print(report)
+    Ring attention over 'seq', p = 4, zig-zag. Per block, forward: K and V x 3 trips;
+      backward: K and V x 3 trips, dK and dV x 4 (the last one home): 20 permutes
+      census: collective-permute over seq x20, 5.1 kB
+      formula: 1 blocks x 20 chunks [1, 4, 2, 8] f32 = 5.1 kB
+      balance (slowest device / mean): zig-zag 1.0, in order 1.6
+    """
+
+    axis: str
+    p: int
+    layout: str
+    blocks: int  # ring attentions in the step
+    chunk: tuple[int, ...]
+    sent: tuple[int, int]
+    hardware: str | None = None  # a key of HARDWARE: then say whether the sends hide behind the work
+
+    @property
+    def formula(self) -> tuple[int, int]:
+        count = self.blocks * sum(ring_permutes(self.p))
+        return count, count * math.prod(self.chunk) * 4
+
+    def __str__(self) -> str:
+        p, per_block, (count, nbytes) = self.p, sum(ring_permutes(self.p)), self.sent
+        layout = "zig-zag" if self.layout == "zigzag" else "in order"
+        lines = [
+            f"Ring attention over {self.axis!r}, p = {p}, {layout}. "
+            f"Per block, forward: K and V x {p - 1} trips;",
+            f"  backward: K and V x {p - 1} trips, dK and dV x {p} (the last one home): {per_block} permutes",
+            f"  census: collective-permute over {self.axis} x{count}, {human_bytes(nbytes)}",
+            f"  formula: {self.blocks} blocks x {per_block} chunks {list(self.chunk)} f32 = "
+            f"{human_bytes(self.formula[1])}",
+            f"  balance (slowest device / mean): zig-zag {balance(p, 'zigzag')}, in order {balance(p):.3g}",
+        ]
+        return "\n".join(lines + ([self._hidden()] if self.hardware else []))
+
+    def _hidden(self) -> str:
+        """``costs.ring_bound``'s verdict on ``hardware``: do the sends hide behind the attention?"""
+        (b, t, heads, head_dim), hardware = self.chunk, hardware_named(str(self.hardware))
+        k = ring_bound(t * self.p, heads, heads, head_dim, self.p, hardware, batch=b)
+        verdict = "hidden behind the blocks" if k <= 1 else "the ring waits; a longer context hides it"
+        return f"  on {self.hardware}: a step's sends / the attention they hide behind = {k:.3g}: {verdict}"
+
+
+def ring_report(
+    program: Any, *, axis: str, blocks: int, chunk: Any, layout: str = "zigzag", **options: Any
+) -> RingReport:
+    """A ``RingReport`` of a lowered (or compiled) training step; ``options``: its ``hardware``."""
+    compiled = program.compile() if isinstance(program, jax.stages.Lowered) else program
+    mesh = mesh_of(compiled)
+    p = int(dict(mesh.shape)[axis]) if mesh is not None else 1  # no mesh: nothing sent
+    found = instructions(compiled, mesh)
+    sent = [n for kind, n, groups in found if kind == "collective-permute" and groups == ((axis,),)]
+    return RingReport(axis, p, layout, blocks, tuple(chunk), (len(sent), sum(sent)), **options)
+
+
 __all__ = [
     "CHUNKS",
     "MASK_VALUE",
     "Partial",
+    "RingReport",
     "attend",
     "attend_grads",
     "attention",
@@ -316,6 +408,8 @@ __all__ = [
     "positions",
     "ring_attention",
     "ring_forward",
+    "ring_permutes",
+    "ring_report",
     "schedule",
     "scores",
     "slot",

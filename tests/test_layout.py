@@ -63,7 +63,7 @@ CHAPTERS = {
     "pipeline": 392,
     "pipeline_1f1b": 80,
     "zero": 230,
-    "context": 325,
+    "context": 420,
     "sequence": 200,
     "experts": 315,
 }

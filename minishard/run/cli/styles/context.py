@@ -15,8 +15,6 @@ from typing import Any
 import jax
 
 from minishard import context
-from minishard.census import human_bytes, instructions
-from minishard.costs import HARDWARE, ring_bound
 from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.style import Args, Style
@@ -66,26 +64,8 @@ class ContextStyle(Style):
         balance; then (None) the preset's report."""
         shape = self.mesh(args.devices)
         p, blocks, attention = shape["context"], len(model.blocks), model.blocks[0].attention
-        found = instructions(step.lower(model, optimizer.init(model), batch))
-        sent = [n for kind, n, axes in found if kind == "collective-permute" and axes == (("context",),)]
         b, t, heads = args.batch_size // shape.get("data", 1), args.context // p, attention.heads
-        head_dim, per_block = attention.width // heads, 2 * (p - 1) + 2 * (p - 1) + 2 * p
-        formula = blocks * per_block * b * t * heads * head_dim * 4
-        print(
-            f"Ring attention over 'context', p = {p}, zig-zag. Per block, forward: K and V x {p - 1} trips;"
-        )
-        print(
-            f"  backward: K and V x {p - 1} trips, dK and dV x {p} (the last one home): {per_block} permutes"
-        )
-        print(f"  census: collective-permute over context x{len(sent)}, {human_bytes(sum(sent))}")
-        chunk = f"[{b}, {t}, {heads}, {head_dim}]"
-        print(f"  formula: {blocks} blocks x {per_block} chunks {chunk} f32 = {human_bytes(formula)}")
-        zigzag, in_order = context.balance(p, "zigzag"), context.balance(p, "in-order")
-        print(f"  balance (slowest device / mean): zig-zag {zigzag}, in order {in_order:.3g}")
-        if args.hardware:
-            k = ring_bound(args.context, heads, heads, head_dim, p, HARDWARE[args.hardware], batch=b)
-            verdict = "hidden behind the blocks" if k <= 1 else "the ring waits; a longer context hides it"
-            print(
-                f"  on {args.hardware}: a step's sends / the attention they hide behind = {k:.3g}: {verdict}"
-            )
+        chunk = (b, t, heads, attention.width // heads)  # one device's K (or V)
+        program, hardware = step.lower(model, optimizer.init(model), batch), args.hardware
+        print(context.ring_report(program, axis="context", blocks=blocks, chunk=chunk, hardware=hardware))
         return None
