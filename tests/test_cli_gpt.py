@@ -221,6 +221,29 @@ def test_sample_refuses_a_prompt_outside_the_vocabulary_in_one_line(tmp_path, ca
     assert "is not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("broken", ["meta missing", "meta half-written", "meta changed", "an empty step"])
+def test_sample_on_a_broken_latest_step_falls_back_in_one_line(tmp_path, capsys, broken):
+    info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": "\n !ABab"}
+    with Checkpointer(tmp_path) as checkpointer:  # what train saves, without the training
+        for step in (1, 2):
+            checkpointer.save(step, {"w": jax.numpy.ones(2)}, {"info": info})
+    meta = tmp_path / "2" / "meta" / "metadata"
+    if broken == "meta missing":
+        meta.unlink()
+    elif broken == "meta half-written":
+        meta.write_text(meta.read_text()[:20])
+    elif broken == "meta changed":
+        meta.write_text(meta.read_text().replace("ABab", "BAab"))
+    else:
+        (tmp_path / "2").rename(tmp_path / "old")
+        (tmp_path / "2").mkdir()  # orbax still lists it
+    args = parse_args(["sample", "--checkpoint-dir", str(tmp_path), "--prompt", "Ab"])
+    out, err = capsys.readouterr()
+    assert args.step == 1 and args.info == info and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith(f"checkpoint {tmp_path / '2'} is "), err
+    assert err.rstrip().endswith("falling back to step 1")
+
+
 def test_a_pipelines_stacked_gpt_unstacks_to_the_same_gpt():
     def build(key):
         return GPT(vocab=7, context=8, width=8, depth=3, heads=2, key=key)

@@ -56,8 +56,8 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     if not os.path.isdir(args.checkpoint_dir):
         error(f"argument --checkpoint-dir: {args.checkpoint_dir} is not a directory")
     try:
-        with Checkpointer(args.checkpoint_dir, read_only=True) as checkpointer:
-            args.step, meta = checkpointer.read_meta(args.step)
+        with Checkpointer(args.checkpoint_dir, read_only=True, log=_say) as checkpointer:
+            args.step, meta = checkpointer.read_meta(args.step)  # a broken latest: the one before, said
     except CheckpointError as e:
         error(f"argument --checkpoint-dir: {e}")
     info: dict[str, Any] = meta.get("info") or {}
@@ -77,6 +77,11 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         error(f"argument --prompt: {e}")
     args.info = info
     return args
+
+
+def _say(line: str) -> None:
+    """What the checkpointer says (a fallback) goes to stderr: stdout is the text."""
+    print(line, file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,7 +115,7 @@ def restore_gpt(directory: str, step: int, info: dict[str, Any]) -> GPT:
     here = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # shapes only (no numbers drawn), one device
     shapes = jax.eval_shape(state)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), shapes)
-    with Checkpointer(directory, read_only=True) as checkpointer:
+    with Checkpointer(directory, read_only=True, log=_say) as checkpointer:
         _, restored, _ = checkpointer.restore(target, step)
     model = restored["model"]
     if isinstance(model, StackedModel):
