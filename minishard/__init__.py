@@ -20,7 +20,9 @@ idea, and imports only the ones before it.
 * ``zero``: ZeRO by hand with ``shard_map``: the minimum bytes for data parallelism;
 * ``context``: ring attention by hand (online softmax across devices, a backward ring, zig-zag);
 * ``sequence``: the sequence split by one collective each (all-gather, all-to-all, Megatron's);
-* ``experts``: a mixture of experts, and expert parallelism by hand: two ``all_to_all`` collectives per layer.
+* ``experts``: a mixture of experts, and expert parallelism by hand: two ``all_to_all`` collectives per layer;
+* ``memory``: will it fit? A step's bytes per device, term by term (parameters, gradients, optimizer
+  state, master copy, activations), against the compiler's ``memory_analysis()`` and the published tables.
 
 Three private modules hold what a reader may skip, each at its place in that order:
 ``_checks``, the guards (first: it imports nothing); ``_diagnose``, what went wrong

@@ -51,6 +51,7 @@ ORDER = (
     "context",
     "sequence",
     "experts",
+    "memory",
 )
 """The import order of every module of the textbook, the private ones at their place.
 
@@ -66,6 +67,7 @@ CHAPTERS = {
     "context": 420,
     "sequence": 200,
     "experts": 315,
+    "memory": 360,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)

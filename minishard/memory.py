@@ -1,0 +1,336 @@
+"""Will it fit? Every byte of one training step, per device, term by term.
+
+Before "how fast" comes "will it fit". A training step holds, on each device:
+
+* **parameters**, in the dtype the step computes with;
+* **gradients**, one per parameter, in the dtype they are reduced in;
+* **optimizer state**: SGD's momentum (one tensor per parameter), AdamW's two moments;
+* a **master copy** in float32, under mixed precision, which the optimizer updates;
+* **activations** the forward pass keeps for the backward pass (section 3);
+* what a style adds: weights FSDP gathers whole, a pipeline's microbatches in flight,
+  the ring's K/V chunks, an MoE's slots (section 4).
+
+Section 1 counts bytes per parameter, and reproduces the published tables (the
+Ultra-Scale Playbook's, Megatron-LM's distributed optimizer's, ZeRO's). Section 2
+says which terms ZeRO's stages split. Section 3 is the activation formula of a
+transformer block, in the form of Korthikanti et al. 2022. Section 4 adds a
+step's terms from its plan (``minishard.sharding.plan``: each array's shard on one
+device) and sets them against the compiler's ``memory_analysis()`` and an
+accelerator's HBM. Nothing here compiles: an ``AbstractMesh`` and ``jax.eval_shape``
+are enough to ask about a model far bigger than this machine.
+
+>>> terms = bytes_per_parameter(MIXED, "adamw")
+>>> terms, sum(terms.values())   # the Playbook's 16 bytes per parameter
+({'parameters': 2, 'gradients': 2, 'master': 4, 'accumulated': 0, 'moments': 8}, 16)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, cast
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from minishard import _checks
+from minishard.census import human_bytes
+from minishard.costs import Memory
+from minishard.hardware import Hardware
+from minishard.rules import AnyMesh, AxisRules
+from minishard.sharding import Plan, Sharded
+
+# --- 1. bytes per parameter --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The dtypes of a step's per-parameter arrays (``jmp``'s policy, seen from memory).
+
+    ``params``: the weights the step computes with; ``grads``: the gradients as
+    reduced; ``master``: a copy the optimizer updates, when ``params`` is lower
+    (bfloat16 weights lose small updates); ``accumulated``: a copy of the gradients
+    summed over microbatches (Megatron's "main grads"), when ``grads`` is lower.
+    """
+
+    params: str = "float32"
+    grads: str = "float32"
+    master: str | None = None
+    accumulated: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, dtype in dataclasses.asdict(self).items():
+            _checks.one_of(f"Precision: {name}", dtype, (*DTYPES, None) if name in OPTIONAL else DTYPES)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a precision takes."""
+OPTIONAL = ("master", "accumulated")
+FP32 = Precision()
+"""minishard's default: everything in float32, no copies."""
+MIXED = Precision("bfloat16", "bfloat16", master="float32")
+"""Mixed precision: bfloat16 weights and gradients, a float32 master copy (and float32 moments)."""
+MOMENTS = {"sgd": 0, "momentum": 1, "adamw": 2}
+"""float32 tensors per parameter each optimizer keeps: plain SGD none, its momentum one, AdamW two."""
+
+
+def itemsize(dtype: str | None) -> int:
+    """Bytes of one number of ``dtype``; 0 for None (no such copy)."""
+    return 0 if dtype is None else int(np.dtype(jax.numpy.dtype(dtype)).itemsize)
+
+
+def bytes_per_parameter(precision: Precision = FP32, optimizer: str = "adamw") -> dict[str, int]:
+    """Each term's bytes for one parameter: the Playbook's anatomy of a step's memory.
+
+    >>> sum(bytes_per_parameter(FP32, "adamw").values()), sum(bytes_per_parameter(FP32, "momentum").values())
+    (16, 12)
+    """
+    _checks.one_of("bytes_per_parameter: optimizer", optimizer, tuple(MOMENTS))
+    return {
+        "parameters": itemsize(precision.params),
+        "gradients": itemsize(precision.grads),
+        "master": itemsize(precision.master),
+        "accumulated": itemsize(precision.accumulated),
+        "moments": MOMENTS[optimizer] * 4,
+    }
+
+
+# --- 2. what ZeRO splits ----------------------------------------------------------------------
+
+OPTIMIZER_STATE = ("master", "accumulated", "moments")
+"""What only the optimizer reads: ZeRO-1 (and Megatron's distributed optimizer) splits these."""
+ZERO_SPLITS = {
+    0: (),
+    1: OPTIMIZER_STATE,
+    2: (*OPTIMIZER_STATE, "gradients"),
+    3: (*OPTIMIZER_STATE, "gradients", "parameters"),
+}
+"""The terms ZeRO's stage splits over the N data-parallel devices (Rajbhandari et al. 2020)."""
+ZERO_STATE = ("parameters", "gradients", "optimizer state", "master")
+"""A step's terms (section 4) that ZeRO-3 splits: everything per parameter."""
+
+
+def zero_bytes(terms: dict[str, float], stage: int, devices: int) -> float:
+    """Bytes per device when ZeRO's ``stage`` splits its terms over ``devices``.
+
+    ZeRO's paper, mixed precision with K = 12 (master and two moments), Ψ parameters:
+    stage 1 is 2Ψ + 2Ψ + KΨ/N, stage 2 2Ψ + (2Ψ + KΨ)/N, stage 3 (2Ψ + 2Ψ + KΨ)/N.
+
+    >>> [zero_bytes(bytes_per_parameter(MIXED), stage, 8) for stage in (0, 1, 2, 3)]
+    [16.0, 5.5, 3.75, 2.0]
+    """
+    _checks.one_of("zero_bytes: stage", stage, tuple(ZERO_SPLITS))
+    _checks.count("zero_bytes: devices", devices)
+    return float(sum(size / devices if name in ZERO_SPLITS[stage] else size for name, size in terms.items()))
+
+
+# --- 3. activations: what a transformer block keeps for its backward pass -------------------
+
+RECOMPUTE = ("none", "selective", "full")
+"""Keep everything; recompute attention's core (the softmax) from q, k, v; or the block from its input."""
+
+
+def korthikanti(
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
+    """Bytes per layer of Korthikanti et al. 2022, Table 2 (16-bit activations, with dropout).
+
+    ``sbh(34 + 5as/h)``; tensor parallel over t: ``sbh(10 + 24/t + 5as/(ht))``;
+    with sequence parallelism ``sbh(34 + 5as/h)/t``; selective recomputation drops the
+    ``5as/h`` term (the softmax, its dropout mask and output); full keeps the input, ``2sbh``.
+
+    >>> korthikanti(2048, 1, 12288, 96) / 2**20   # GPT-3's 175B layer, one sequence: MiB
+    2736.0
+    """
+    _checks.one_of("korthikanti: recompute", recompute, RECOMPUTE)
+    attention = 0 if recompute == "selective" else 5 * a * s / h
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    if sp or t == 1:
+        return s * b * h * (34 + attention) / t
+    return s * b * h * (10 + 24 / t + attention / t)
+
+
+def block_activations(
+    b: int, s: int, width: int, heads: int, head_dim: int, hidden: int, sp: int = 1, recompute: str = "none"
+) -> int:
+    """Numbers one of minishard's blocks keeps for its backward pass, per device (not bytes).
+
+    All sizes are one device's: ``b`` examples of ``s`` tokens, ``heads`` of its heads,
+    ``hidden`` of its MLP's units; ``sp`` splits the residual stream's tokens (``tp+sp``).
+
+    * the two LayerNorms' inputs and outputs (the projections' inputs): ``4 b s width / sp``;
+    * q, k and v, and attention's output (the out projection's input): ``4 b s heads head_dim``;
+    * the softmax's output: ``b heads s²``;
+    * the MLP's Swish, its input and output: ``2 b s hidden``.
+
+    With ``heads head_dim = h``, r = hidden / h: ``sbh(8 + 2r + as/h)``, for r = 4
+    ``sbh(16 + as/h)`` numbers, in 16-bit bytes ``sbh(32 + 2as/h)`` against the paper's
+    ``sbh(34 + 5as/h)``: minishard has no dropout, so no mask after attention and after the
+    MLP (``2sbh``), and none on the softmax's output, nor its output (``3as²b``). Split over t:
+    the norms stay whole without ``sp`` (the paper's 10 is 4 + 4 + its 2 masks).
+
+    >>> s, b, h, a = 64, 2, 128, 4
+    >>> block_activations(b, s, h, a, h // a, 4 * h) == s * b * h * (16 + a * s / h)
+    True
+    """
+    _checks.one_of("block_activations: recompute", recompute, RECOMPUTE)
+    stream = b * s * width // sp
+    if recompute == "full":
+        return stream  # the block's input alone; the backward pass runs the block again
+    softmax = 0 if recompute == "selective" else b * heads * s * s
+    return 4 * stream + 4 * b * s * heads * head_dim + softmax + 2 * b * s * hidden
+
+
+def head_activations(b: int, s: int, width: int, vocab: int, sp: int = 1) -> int:
+    """What the last LayerNorm and the head keep: its input and output, and the logits' softmax."""
+    return 2 * b * s * width // sp + b * s * vocab
+
+
+# --- 4. one step, from its plan ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """One step's bytes per device, term by term: ``terms`` maps a name to its bytes.
+
+    ``arguments`` are what the step is called with (parameters, optimizer state and
+    master copy, the batch): ``memory_analysis().argument_size_in_bytes`` exactly.
+    ``temporaries`` (gradients, activations, gathered weights) are what it makes and
+    frees: compare them with ``temp_size_in_bytes`` of a step that donates its arguments.
+    """
+
+    terms: dict[str, float]
+    split: float = 1.0  # the parameters in all over those on one device: how many ways they are split
+
+    ARGUMENTS = ("parameters", "optimizer state", "master", "batch")
+
+    @property
+    def arguments(self) -> float:
+        return sum(size for name, size in self.terms.items() if name in self.ARGUMENTS)
+
+    @property
+    def temporaries(self) -> float:
+        return sum(size for name, size in self.terms.items() if name not in self.ARGUMENTS)
+
+    @property
+    def total(self) -> float:
+        return self.arguments + self.temporaries
+
+    def table(self, compiled: Memory | None = None) -> str:
+        """A row per term, then arguments, temporaries and the total; beside them the compiler's."""
+        rows = [(name, human_bytes(int(size)), "") for name, size in self.terms.items()]
+        sums = {"arguments": self.arguments, "temporaries": self.temporaries, "total": self.total}
+        seen = None if compiled is None else _seen(compiled)
+        for name, size in sums.items():
+            rows.append((name, human_bytes(int(size)), "" if seen is None else _versus(size, seen[name])))
+        width = max(len(row[0]) for row in rows)
+        lines = [f"{'term'.ljust(width)}  predicted  {'' if compiled is None else 'compiled'}".rstrip()]
+        return "\n".join(lines + [f"{n.ljust(width)}  {p.rjust(9)}  {c}".rstrip() for n, p, c in rows])
+
+    def verdict(self, hardware: Hardware, devices: int) -> str:
+        """Does it fit on one ``hardware``'s HBM; if not, what ZeRO-3 over all ``devices`` would need."""
+        gb, hbm = self.total / 1e9, hardware.hbm_bytes / 1e9
+        if self.total <= hardware.hbm_bytes:
+            return f"fits on one {hardware.name}: {gb:.1f} of {hbm:.0f} GB"
+        state = (
+            self.terms.get("parameters", 0)
+            + self.terms.get("optimizer state", 0)
+            + self.terms.get("master", 0)
+        )
+        sharded = self.total - state - self.terms.get("gradients", 0) * (1 - 1 / devices)
+        zero3 = (sharded + state / devices) / 1e9
+        return f"does not fit: {gb:.1f} GB > {hbm:.0f} GB; ZeRO-3 over {devices} would need {zero3:.1f} GB"
+
+
+def _seen(compiled: Memory) -> dict[str, float]:
+    return {
+        "arguments": compiled.arguments,
+        "temporaries": compiled.temporaries,
+        "total": compiled.arguments + compiled.temporaries,
+    }
+
+
+def _versus(predicted: float, seen: float) -> str:
+    return f"{human_bytes(int(seen))} ({predicted / seen:.2f}x)" if seen else human_bytes(int(seen))
+
+
+def step_budget(
+    args: tuple[Any, Any, Any],
+    mesh: AnyMesh,
+    rules: AxisRules | None = None,
+    precision: Precision = FP32,
+    activations: float = 0.0,
+) -> Budget:
+    """Per device: each term of a step on ``args``, ``(model, opt_state, batch)``, from ``Sharded``'s plan.
+
+    Gradients are laid out as the parameters; ``activations`` (bytes) come from section 3.
+
+    >>> from minishard import AdamW, mlp
+    >>> model, mesh = mlp([8, 16, 4], key=jax.random.key(0)), jax.sharding.AbstractMesh((8,), ("data",))
+    >>> args = (model, AdamW(1e-3).init(model), np.zeros((64, 8), np.float32))
+    >>> step_budget(args, mesh, AxisRules(batch="data")).terms
+    {'parameters': 848, 'optimizer state': 1700, 'batch': 256, 'gradients': 848}
+    """
+    planned = Sharded(cast(Mesh, mesh), rules).plan_inputs(args)  # an AbstractMesh plans as well
+    shards = _shard_bytes(planned, args)
+    numbers, whole = shards["model"][0], shards["model"][2]  # parameters per device, in all
+    terms = {
+        "parameters": numbers * itemsize(precision.params),
+        "optimizer state": shards["state"][1],
+        "master": numbers * itemsize(precision.master),
+        "batch": shards["batch"][1],
+        "gradients": numbers * (itemsize(precision.grads) + itemsize(precision.accumulated)),
+        "activations": activations,
+        "gathered": (whole - numbers) * itemsize(precision.params) if _gathers(planned) else 0,
+    }
+    return Budget({name: size for name, size in terms.items() if size}, whole / numbers)
+
+
+def _shard_bytes(plan: Plan, args: tuple[Any, ...]) -> dict[str, tuple[int, int, int]]:
+    """Per argument of ``(model, opt_state, batch)``: numbers per device, their bytes, numbers in all.
+
+    A plan's path starts with the argument's position ("[1].mu.layers[0].weight"); its
+    leaves come in the order of the arguments' leaves, whose dtypes give the bytes.
+    """
+    found = {kind: [0, 0, 0] for kind in ("model", "state", "batch")}
+    for leaf, array in zip(plan.leaves, jax.tree.leaves(args), strict=True):
+        kind, numbers = ("model", "state", "batch")[int(leaf.path[1])], math.prod(leaf.shard_shape)
+        found[kind][0] += numbers
+        found[kind][1] += numbers * np.dtype(array.dtype).itemsize
+        found[kind][2] += math.prod(leaf.shape)
+    return {kind: (n, size, whole) for kind, (n, size, whole) in found.items()}
+
+
+def _gathers(plan: Plan) -> bool:
+    """FSDP: some parameter is split over a mesh axis the batch is split over too."""
+    axes: dict[str, set[str]] = {"model": set(), "batch": set()}
+    for leaf in plan.leaves:
+        if leaf.path[1] in "02":  # the model's, the batch's
+            axes["model" if leaf.path[1] == "0" else "batch"].update(_mesh_axes(leaf.spec))
+    return bool(axes["model"] & axes["batch"])
+
+
+def _mesh_axes(spec: Any) -> set[str]:
+    return {axis for entry in spec if entry for axis in ((entry,) if isinstance(entry, str) else entry)}
+
+
+__all__ = [
+    "DTYPES",
+    "FP32",
+    "MIXED",
+    "MOMENTS",
+    "OPTIMIZER_STATE",
+    "RECOMPUTE",
+    "ZERO_SPLITS",
+    "Budget",
+    "Precision",
+    "block_activations",
+    "bytes_per_parameter",
+    "head_activations",
+    "itemsize",
+    "korthikanti",
+    "step_budget",
+    "zero_bytes",
+]
