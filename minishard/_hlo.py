@@ -133,6 +133,21 @@ def located(text: str) -> Iterator[tuple[str, re.Match[str]]]:
             yield computation, match
 
 
+# XLA:TPU fuses an all-reduce and the slice each device keeps into one reduce-scatter, a custom
+# fusion: `%fusion = f32[128,512]{...} fusion(%g), kind=kCustom, calls=%all-reduce-scatter`, whose
+# computation holds the all-reduce (of the whole array) and the dynamic-slice. Its header gives the slice.
+_FUSED = re.compile(r"^%?(?P<name>all-reduce-scatter[\w.\-]*)\s*\(.*\)\s*->\s*(?P<shape>.+?)\s*\{\s*$")
+
+
+def fused_reduce_scatters(text: str) -> dict[str, str]:
+    """XLA:TPU's ``all-reduce-scatter`` fusions: each computation's name, and the slice it returns.
+
+    >>> fused_reduce_scatters("%all-reduce-scatter.2 (input: f32[1024,512]) -> f32[128,512] {")
+    {'all-reduce-scatter.2': 'f32[128,512]'}
+    """
+    return {found["name"]: found["shape"] for line in text.splitlines() if (found := _FUSED.match(line))}
+
+
 def shape_bytes(shape: str) -> int:
     """``"(f32[512]{0}, bf16[2,3]{1,0})"`` -> 512*4 + 6*2 bytes."""
     total = 0

@@ -130,13 +130,16 @@ def instructions(
     An instruction inside a loop body is yielded once per trip (XLA's ``known_trip_count``).
     Async pairs (``all-gather-start`` then ``all-gather-done``) count once: the
     start carries the groups, the done the result; each done is paired with the
-    oldest open start of its kind.
+    oldest open start of its kind. XLA:TPU's ``all-reduce-scatter`` fusion (an
+    all-reduce and the slice each device keeps, run as one) is one reduce-scatter.
     """
     text, mesh = _text_and_mesh(program, mesh)
     started: dict[str, list[tuple[tuple[str, ...], ...]]] = {kind: [] for kind in KINDS}
-    runs = _hlo.runs_per_call(text)
+    runs, fused = _hlo.runs_per_call(text), _hlo.fused_reduce_scatters(text)
     for computation, match in _hlo.located(text):
         kind, phase, nbytes = match["kind"], match["phase"], _hlo.shape_bytes(match["shape"])
+        if computation in fused:  # XLA:TPU's all-reduce + slice, fused: one reduce-scatter of the slice
+            kind, nbytes = "reduce-scatter", _hlo.shape_bytes(fused[computation])
         if phase == "-done":  # the result of a start seen before
             groups = started[kind].pop(0) if started[kind] else (("?",),)
         elif mesh is None:

@@ -207,7 +207,7 @@ class StepCost:
             f"predicted step on {hw.name}" + (f", {self.batch:g} examples per device" if self.batch else ""),
             f"  compute        {_time(self.compute_s):>9}  {self.flops:.3g} FLOP at {hw.flops:.3g} FLOP/s",
             f"  communication  {_time(self.comm_s):>9}  {sent}",
-            f"  HBM traffic    {_time(self.hbm_s):>9}  {size(int(self.bytes_accessed))} (XLA:CPU's count)",
+            f"  HBM traffic    {_time(self.hbm_s):>9}  {size(int(self.bytes_accessed))} (XLA's count)",
             f"  step           {_time(self.step_s):>9}  {self.verdict}{flip}",
             f"  memory/device  {size(mem.total)} of {size(int(hw.hbm_bytes))}: arguments "
             f"{size(mem.arguments)}, outputs {size(mem.outputs)}, temporaries {size(mem.temporaries)}",

@@ -6,6 +6,8 @@ device count works on any machine. ``--hardware`` (or a style whose own step
 is the point, such as ``zero``) compiles the step on simulated devices and
 prices it (``minishard.costs``); ``--compare`` ranks every preset and mesh shape
 (for the GPT, the sequence styles too, its attention a ring where "context" splits it).
+``--topology v5e:2x4`` compiles the step for a TPU slice with XLA:TPU, ahead of
+time (``minishard.run.topology``), and sets it beside XLA:CPU's program.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from minishard.run.cli.styles.context import ContextStyle
 from minishard.run.cli.styles.style import Style
 from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
+from minishard.run.topology import hardware_of, on_cpu_and_tpu, side_by_side, tpu_devices
 from minishard.sharding import Sharded, make_mesh
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "check", "price", "print_report", "print_state", "run"]
@@ -64,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="global batch of that step (default: the model's)",
     )
     add("--compare", action="store_true", help="rank every preset and mesh shape on --hardware")
+    add("--topology", help="compile the step for this TPU slice with XLA:TPU, ahead of time (e.g. v5e:2x4)")
     # each model's flags that change the step priced (the GPT's --context)
     add_model_flags(parser, flag_owners(MODELS.values(), lambda entry: entry.explain_flags))
 
@@ -80,7 +84,8 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         error(f"argument {flag}: --compare ranks every style, each as it trains by default; drop {flag}")
     args.parallel = args.parallel or model.style or DEFAULT_STYLE
     style = STYLES[args.parallel]
-    compiles = args.hardware or args.compare or style.compiles
+    args.topology_devices = _topology(args, style, error) if args.topology else None
+    compiles = args.hardware or args.compare or style.compiles or args.topology
     if args.batch_size is not None and not compiles:
         others = " or ".join(f"--parallel {name}" for name, other in STYLES.items() if other.compiles)
         error(f"argument --batch-size: only a compiled step takes it; add --hardware (or {others})")
@@ -152,7 +157,7 @@ def _compile_and_price(args: argparse.Namespace) -> int:
     sequence = args.compare and model.name in ContextStyle.models  # the ring ranked with the others
     style = STYLES["cp"] if sequence else style  # whose build gives its attention the "ring" core
     shape, rules = style.mesh(args.devices), style.rules({})
-    mesh = make_mesh(shape, devices=first_devices(args))
+    mesh = make_mesh(shape, devices=args.topology_devices or first_devices(args))  # a TPU's, or CPU's
     optimizer = model.compiled_optimizer(args)
     built = style.prepare(style.build(model, args, jax.random.key(0)), args, mesh)  # a pipeline: its schedule
     batch = {
@@ -172,13 +177,30 @@ def _compile_and_price(args: argparse.Namespace) -> int:
             print(f"Wrote {args.plot}")
         return 0
     sharded = Sharded(mesh, rules)(step)  # one jit: the style's census, explain's and the price share it
+    programs = on_cpu_and_tpu(sharded, step_args) if args.topology else []  # first: each compile timed
     if (status := style.explain_step(args, sharded, optimizer, built, batch)) is not None:
         return status
     report = explain(built, mesh, rules, sharded, step_args, args.hardware)
     title = f"{args.model} under {args.parallel} on {args.devices} devices, batch {args.batch_size}"
     print_report(args, report, shape, rules, title)
     print_state(args, built, mesh, rules)
+    if programs:
+        print(f"One step, per device, compiled by XLA:CPU ({args.devices} simulated devices) and XLA:TPU:")
+        print(side_by_side(programs))
     return style.after_plan(args, model, rules)  # a pipeline: the ticks, permutes and bubble priced above
+
+
+def _topology(args: argparse.Namespace, style: Style, error: Error) -> list[jax.Device]:
+    """--topology: its devices, whose count is --devices and whose chips price the step (--hardware)."""
+    if args.compare or style.own_step:
+        refused = "--compare" if args.compare else f"--parallel {args.parallel} (a step of its own)"
+        error(f"argument --topology: compiles the Sharded step of one style, not {refused}")
+    try:
+        devices = tpu_devices(args.topology)
+    except ValueError as refused_topology:
+        error(f"argument --topology: {refused_topology}")
+    args.devices, args.hardware = len(devices), args.hardware or hardware_of(args.topology)
+    return devices
 
 
 def _own_steps(args: argparse.Namespace, model: Any) -> list[Candidate]:

@@ -1,0 +1,114 @@
+"""Compiling for a TPU slice that is not here (``minishard.run.topology``): XLA:TPU's real program.
+
+libtpu is installed by the dev extra, so these run on every machine; nothing runs on a TPU.
+"""
+
+import jax
+import numpy as np
+import pytest
+from models import OPT, train_step
+
+import minishard as ms
+from minishard.census import bytes_by_mesh_axes, human_bytes
+from minishard.constraints import constrain
+from minishard.models import gpt
+from minishard.presets import preset
+from minishard.run.cli import main
+from minishard.run.steps import make_train_step
+from minishard.run.topology import compile_for, hardware_of, on_cpu_and_tpu, side_by_side, tpu_devices
+from minishard.tree import tree_bytes
+
+TOPOLOGY = "v5e:2x4"  # 8 chips, as many as the suite's simulated CPU devices
+UNKNOWN = "topology 'v7:2x4': unknown TPU generation 'v7' (v4, v5e, v5p, v6e)"
+
+
+@pytest.mark.parametrize(
+    ("topology", "message"),
+    [
+        ("v7:2x4", UNKNOWN),
+        ("2x4", "topology '2x4': write GENERATION:SHAPE, e.g. v5e:2x4 or v5p:2x2x2"),
+        ("v5e:3x5", "XLA:TPU refuses the topology 'v5e:3x5': Topology layout \"v5e:3x5\" is not divisible"),
+    ],
+)
+def test_a_topology_xla_tpu_cannot_build_is_refused_by_name(topology, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        tpu_devices(topology)
+
+
+def test_a_topology_is_its_chips_and_their_generation_prices_them():
+    devices = tpu_devices(TOPOLOGY)
+    assert len(devices) == 8 and {d.device_kind for d in devices} == {"TPU v5 lite"}
+    assert hardware_of(TOPOLOGY) == "v5e" and hardware_of("v4:2x2x2") == "v4p"
+    assert len(tpu_devices("v5p:2x2x2")) == 8 and len(tpu_devices("v5e:1x1")) == 1
+
+
+def test_explain_refuses_a_bad_topology_in_one_line_before_any_work(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "--topology", "v7:2x4"])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "minishard explain: error: argument --topology: " + UNKNOWN
+
+
+class PinnedLinear(ms.Linear):
+    """A Linear whose output lives as (batch, its output axis), as in test_presets."""
+
+    def __call__(self, x):
+        return constrain(super().__call__(x), ("batch", self.logical_axes[1]))
+
+
+@pytest.mark.slow  # 7 s: the step compiled twice
+def test_xla_tpu_reduce_scatters_the_fsdp_gradient_that_xla_cpu_all_reduces_whole():
+    shape, rules = preset("fsdp", 8)
+    # 1024 inputs: each device's 128 rows fill XLA:TPU's tiles of 8 (784 would pad to 104 each)
+    layers = ms.mlp([1024, 512, 10], key=jax.random.key(0), axes=ms.megatron_axes(2))
+    model = ms.Sequential([PinnedLinear.tree_unflatten(*reversed(layer.tree_flatten())) if isinstance(
+        layer, ms.Linear) else layer for layer in layers])  # fmt: skip
+    images, labels = np.ones((64, 1024), np.float32), np.zeros(64, np.int32)
+    step = ms.Sharded(ms.make_mesh(shape, devices=tpu_devices(TOPOLOGY)), rules)(train_step)
+    cpu, tpu = on_cpu_and_tpu(step, (model, OPT.init(model), images, labels))
+    w1, b1, w2 = model[0].weight, model[0].bias, model[2].weight
+    assert bytes_by_mesh_axes(cpu.text, cpu_mesh := ms.make_mesh(shape)) == {
+        ("all-gather", ("data",)): tree_bytes([w1, b1, w2]),  # each split weight, whole
+        ("all-reduce", ("data",)): tree_bytes(model) + 4,  # every gradient, whole, and the loss
+    }
+    assert cpu_mesh.shape == step.config.mesh.shape
+    assert bytes_by_mesh_axes(tpu.text, step.config.mesh) == {
+        ("reduce-scatter", ("data",)): w1.nbytes // 8,  # the first weight's gradient: each device its 1/8
+        ("all-gather", ("data",)): (w1.size + w2.size) * 2,  # gathered in bf16, the precision its matmuls use
+        ("all-reduce", ("data",)): b1.nbytes + tree_bytes(model) - w1.nbytes + 4,  # b1 gathered as a sum
+    }
+    assert tpu.compiler == "XLA:TPU" and cpu.compiler == "XLA:CPU"
+    row = next(line for line in side_by_side([cpu, tpu]).splitlines() if "reduce-scatter" in line)
+    assert row.split() == ["reduce-scatter", "-", "x1", *human_bytes(w1.nbytes // 8).split(), "over", "data"]
+
+
+def test_the_compiled_arguments_are_the_plans_bytes_where_the_shards_fill_tpu_tiles():
+    """(rows a multiple of 8, columns of 128: XLA:TPU pads an array to its (8, 128) tiles)."""
+    shape, rules = preset("fsdp", 8)
+    model = ms.Linear(1024, 1024, key=jax.random.key(0), axes=("embed", "mlp"), use_bias=False)
+    step = ms.Sharded(ms.make_mesh(shape, devices=tpu_devices(TOPOLOGY)), rules)(lambda m, x: m(x).sum())
+    program = compile_for(step.lower(model, np.ones((64, 1024), np.float32)))
+    planned = step.config.plan_inputs((model, np.ones((64, 1024), np.float32)))
+    assert program.memory.arguments == sum(4 * np.prod(leaf.shard_shape) for leaf in planned.leaves)
+
+
+@pytest.mark.slow  # 10-20 s: a GPT step compiled by both compilers
+def test_a_tp_gpt_step_sends_megatrons_four_all_reduces_per_block_on_both_compilers():
+    """Megatron's prediction: per block, the attention's and the MLP's outputs all-reduced over "model"
+    in the forward pass, the gradients of their inputs in the backward: 4 of (batch, context, width)."""
+    sizes = dict(vocab=11, context=16, width=32, depth=2, heads=8, mlp_ratio=4)  # 8 heads, 128 hidden: 8 ways
+    model = gpt.GPT(**sizes, key=jax.random.key(0))
+    ids = np.zeros((8, sizes["context"] + 1), np.int32)
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+    shape, rules = preset("tp", 8)
+    step = ms.Sharded(ms.make_mesh(shape, devices=tpu_devices(TOPOLOGY)), rules)(
+        make_train_step(OPT, lambda m, b: (gpt.next_token_loss(m, b)[0], ()))
+    )
+    activation = 8 * sizes["context"] * sizes["width"] * 4  # the whole batch on every device, f32
+    for program in on_cpu_and_tpu(step, (model, OPT.init(model), batch)):
+        found = program.collectives
+        assert list(found) == ["all-reduce"], program.compiler
+        assert found["all-reduce"].count == 4 * sizes["depth"], program.compiler
+        assert found["all-reduce"].bytes == 4 * sizes["depth"] * activation, program.compiler
+        assert found["all-reduce"].mesh_axes == (("model",),), program.compiler
