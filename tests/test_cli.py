@@ -576,6 +576,10 @@ def test_explain_dp_cp_shows_the_rings_permutes_against_the_formula_and_its_bala
         ),
         (["explain", "--context", "64"], "argument --context: only the GPT takes it, and --model is mlp"),
         (["train", "--model", "gpt", "--parallel", "dp+cp", "--explicit"], "runs ring attention's shard_map"),
+        (
+            ["train", "--model", "gpt", "--parallel", "dp+cp", "--mesh", "data=1,context=8", "--context=24"],
+            "argument --context: 24 characters do not cut into 2 x 8 zig-zag chunks (context=8 devices)",
+        ),
     ],
 )
 def test_context_parallel_flags_are_one_error_line_before_any_work(argv, message, capsys):

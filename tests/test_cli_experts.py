@@ -20,6 +20,7 @@ BAD = [
     ([*GPT, "--experts", "8", "--capacity-factor", "0"], "argument --capacity-factor: must be a finite number > 0, got 0"),  # noqa: E501
     ([*GPT, "--experts", "8", "--capacity-factor", "-1.5"], "argument --capacity-factor: must be a finite number > 0"),  # noqa: E501
     ([*GPT, "--top-k", "1"], "argument --top-k: only with --experts N (the MLPs are dense without it)"),
+    ([*GPT, "--experts", "4", "--top-k", "1", "--capacity-factor", "1e9"], "argument --capacity-factor: 1e+09 is more than 4 (--experts / --top-k), where each expert already has a slot for every token and none is dropped; give at most that"),  # noqa: E501
     ([*GPT, "--experts", "6", "--parallel", "dp+ep"], "argument --experts: 6 experts do not split over expert=4 devices; give a multiple of 4"),  # noqa: E501
     ([*GPT, "--parallel", "ep"], "argument --parallel: ep splits a mixture of experts over 'expert', and the GPT has none; add --experts N"),  # noqa: E501
     ([*GPT, "--experts", "8", "--parallel", "ep", "--batch-size", "12"], "argument --batch-size: 12 windows do not split over the 8 devices of expert=8; give a multiple of 8"),  # noqa: E501

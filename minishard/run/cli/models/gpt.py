@@ -142,6 +142,12 @@ def check_moe(args: Args, error: Error) -> None:
             f"argument --top-k: {args.top_k} with --experts {args.experts}; each token picks k distinct "
             f"experts, so k must be from 1 to {args.experts} (1: Switch, 2: GShard)"
         )
+    if args.experts and args.capacity_factor > (most := args.experts / args.top_k):
+        error(
+            f"argument --capacity-factor: {args.capacity_factor:g} is more than {most:g} (--experts / "
+            "--top-k), where each expert already has a slot for every token and none is dropped; "
+            "give at most that"
+        )
 
 
 def _check_gpt(args: Args, error: Error) -> None:

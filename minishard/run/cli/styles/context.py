@@ -43,14 +43,20 @@ class ContextStyle(Style):
             )
 
     def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
-        if model.name not in self.models:
-            error(f"argument --parallel: {self.name} splits a sequence, and the {model.label} has none")
-        p, context = int(self.mesh(args.devices).get("context", 1)), args.context or model.defaults["context"]
-        if model.name in self.models and context % (2 * p):
-            error(f"argument --context: {context} characters do not cut into 2 x {p} zig-zag chunks")
+        self._check_context(args, model, self.mesh(args.devices), error)
 
     def check(self, args: Args, model: ModelEntry, error: Error) -> None:
-        self.check_explain(args, model, error)
+        self._check_context(args, model, args.mesh, error)  # --mesh's "context" devices, as it runs
+
+    def _check_context(self, args: Args, model: ModelEntry, mesh: dict[str, int], error: Error) -> None:
+        if model.name not in self.models:
+            error(f"argument --parallel: {self.name} splits a sequence, and the {model.label} has none")
+        p, context = int(mesh.get("context", 1)), args.context or model.defaults["context"]
+        if model.name in self.models and context % (2 * p):
+            error(
+                f"argument --context: {context} characters do not cut into 2 x {p} zig-zag chunks "
+                f"(context={p} devices)"
+            )
 
     def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
         built = model.build(args, key)
