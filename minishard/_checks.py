@@ -628,16 +628,62 @@ def _same_structure(
 
 # -- context parallelism (context.py, sequence.py) ------------------------------------------------
 # Plain values in, nothing from minishard imported: these guards need no other module.
-def sequence_layout(seq_len: Any, p: Any, layout: Any, chunks: dict[str, int]) -> None:
+def sequence_layout(
+    seq_len: Any, p: Any, layout: Any, chunks: dict[str, int], where: str = "context"
+) -> None:
     """A known layout, whose chunks split the sequence evenly over ``p`` devices."""
-    if layout not in chunks:
-        known = ", ".join(map(repr, chunks))
-        raise ValueError(f"context: unknown sequence layout {layout!r}; choose from {known}")
+    ring(where, p, layout, chunks)
+    count(f"{where}: seq_len", seq_len)
     if seq_len % (p * chunks[layout]):
         n = p * chunks[layout]
         raise ValueError(
-            f"context: a sequence of {seq_len} tokens does not split into {n} equal chunks ({chunks[layout]} "
+            f"{where}: a sequence of {seq_len} tokens does not split into {n} equal chunks ({chunks[layout]} "
             f"on each of {p} devices, layout {layout!r}); use a multiple of {n} tokens"
+        )
+
+
+def ring(where: str, p: Any, layout: Any, chunks: dict[str, int]) -> None:
+    """A ring of ``p`` devices (a positive int), its sequence dealt out in a known layout."""
+    count(f"{where}: p (the devices of the ring)", p)
+    if layout not in chunks:
+        known = ", ".join(map(repr, chunks))
+        raise ValueError(f"{where}: unknown sequence layout {layout!r}; choose from {known}")
+
+
+def chunk_holder(device: Any, p: Any, layout: Any, chunks: dict[str, int]) -> None:
+    """A device of the ring: from 0 to p - 1 (checked when it is an int; traced, it cannot be wrong)."""
+    ring("chunks", p, layout, chunks)
+    if isinstance(device, int | np.integer) and not 0 <= device < p:
+        raise ValueError(f"chunks: device={device!r} is no device of a ring of p={p}; devices run 0 to {p-1}")
+
+
+def qkv(where: str, q: Any, k: Any, v: Any, *, here: str = "") -> None:
+    """q, k and v: float ``[batch, seq, heads, head_dim]`` arrays of one shape (an int would be truncated)."""
+    shapes = [jnp.shape(x) for x in (q, k, v)]
+    if len(shapes[0]) != 4 or len(set(shapes)) > 1:
+        raise ValueError(
+            f"{where}: q, k and v must be [batch, seq, heads, head_dim] arrays of one shape, "
+            f"got {shapes}{here}"
+        )
+    if ints := [f"{n} {jnp.result_type(x)}" for n, x in zip("qkv", (q, k, v)) if not _floating(x)]:
+        raise TypeError(
+            f"{where}: q, k and v must be float arrays, got {', '.join(ints)}; attention's softmax weights "
+            "would be truncated to integers (cast with .astype(jnp.float32))"
+        )
+
+
+def _floating(x: Any) -> bool:
+    return bool(jnp.issubdtype(jnp.result_type(x), jnp.floating))
+
+
+def partials(out1: Any, lse1: Any, out2: Any, lse2: Any) -> None:
+    """Two attentions of the same queries: outputs ``[b, q, h, d]`` of one shape, each lse ``[b, q, h]``."""
+    shapes = [jnp.shape(x) for x in (out1, lse1, out2, lse2)]
+    if shapes[0] != shapes[2] or not shapes[1] == shapes[3] == shapes[0][:-1]:
+        raise ValueError(
+            f"merge: out1 {shapes[0]}, lse1 {shapes[1]}, out2 {shapes[2]}, lse2 {shapes[3]}; the two parts "
+            "attend the same queries: out1 and out2 of one shape [batch, queries, heads, head_dim], each lse "
+            "that shape without head_dim"
         )
 
 
@@ -645,12 +691,7 @@ def context_inputs(
     where: str, q: Any, k: Any, v: Any, axis: Any, layout: Any, chunks: dict[str, int]
 ) -> None:
     """Inside ``shard_map`` over ``axis``: q, k, v of one ``[batch, seq, heads, head_dim]`` shape."""
-    shapes = [jnp.shape(x) for x in (q, k, v)]
-    if len(shapes[0]) != 4 or len(set(shapes)) > 1:
-        raise ValueError(
-            f"{where}: q, k and v must be [batch, seq, heads, head_dim] arrays of one shape, got {shapes} "
-            "on this device"
-        )
+    qkv(where, q, k, v, here=" on this device")
     try:
         p = jax.lax.axis_size(axis)
     except NameError:
@@ -658,7 +699,13 @@ def context_inputs(
             f"{where}: {axis!r} is no axis of a surrounding jax.shard_map; call it inside one whose mesh "
             "has it (minishard.sequence.over_sequence builds one)"
         ) from None
-    sequence_layout(shapes[0][1] * p, p, layout, chunks)
+    sequence_layout(jnp.shape(q)[1] * p, p, layout, chunks)
+
+
+def whole_sequence(q: Any, k: Any, v: Any, p: int, layout: Any, chunks: dict[str, int]) -> None:
+    """``over_sequence``'s whole arrays: q, k, v alike, their sequence dealt out evenly over ``p`` devices."""
+    qkv("over_sequence", q, k, v)
+    sequence_layout(jnp.shape(q)[1], p, layout, chunks, where="over_sequence")
 
 
 def heads_split(where: str, heads: int, p: int, axis: str) -> None:
@@ -708,6 +755,13 @@ def experts(n: Any, features: Any, hidden: Any, activation: Any, activations: Se
 
 def _finite(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+def capacity(tokens: Any, n_experts: Any, k: Any, capacity_factor: Any) -> None:
+    """``capacity``'s counts and factor: each a positive number, as ``MoE`` takes them."""
+    for name, value in (("tokens", tokens), ("n_experts", n_experts), ("k", k)):
+        count(f"capacity: {name}", value)
+    positive("capacity: capacity_factor", capacity_factor)
 
 
 def moe_input(x: Any, features: int) -> None:

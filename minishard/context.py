@@ -81,6 +81,7 @@ def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) ->
     >>> bool(jnp.allclose(merge(*left, *right)[0], attend(q, k, v, at, at)[0]))
     True
     """
+    _checks.partials(out1, lse1, out2, lse2)  # the same queries: outputs of one shape, an lse per row
     lse = jnp.logaddexp(lse1, lse2)
     return jnp.exp(lse1 - lse)[..., None] * out1 + jnp.exp(lse2 - lse)[..., None] * out2, lse
 
@@ -88,6 +89,7 @@ def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) ->
 def attention(q: Any, k: Any, v: Any, *, causal: bool = False, positions: Any = None) -> jax.Array:
     """Softmax attention on one device, ``[batch, seq, heads, head_dim]``, the tokens at ``positions``
     (by default ``0, 1, ...``): the oracle for the rest."""
+    _checks.qkv("attention", q, k, v)  # float arrays of one [batch, seq, heads, head_dim] shape
     at = jnp.arange(q.shape[1]) if positions is None else positions
     return attend(q, k, v, at, at, causal=causal)[0].astype(q.dtype)
 
@@ -98,6 +100,7 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, positions: Any = 
 def chunks(device: Any, p: int, layout: str = "in-order") -> tuple[Any, ...]:
     """The sequence chunks ``device`` holds (ints or traced): in order, chunk ``device`` of
     ``p``; zig-zag, chunks ``device`` and ``2p-1-device`` of ``2p``, one from each end."""
+    _checks.chunk_holder(device, p, layout, CHUNKS)  # a device of the ring (when an int), a known layout
     return (device,) if layout == "in-order" else (device, 2 * p - 1 - device)
 
 
@@ -129,6 +132,7 @@ def schedule(p: int, layout: str = "in-order", causal: bool = True) -> list[list
     >>> schedule(p=2, layout="zigzag")[1]   # device 1 (chunks 1, 2): step 0 its own, step 1 device 0's
     [('masked', 'skipped', 'computed', 'masked'), ('computed', 'skipped', 'computed', 'skipped')]
     """
+    _checks.ring("schedule", p, layout, CHUNKS)  # p >= 1 devices, a known layout
 
     def cell(device: int, step: int) -> tuple[str, ...]:
         mine, theirs = slot(device, step, p, layout)
@@ -141,6 +145,7 @@ def balance(p: int, layout: str = "in-order", causal: bool = True) -> float:
     """The slowest device's work over the mean, counting the pairs it computes or masks (a masked
     pair costs a computed one: the mask comes after the matmul). In order, device i works at
     i + 1 steps: 2p/(p+1); zig-zag, every device at 2p + 1 pairs: 1."""
+    _checks.ring("balance", p, layout, CHUNKS)
     work = [sum(k != "skipped" for cell in row for k in cell) for row in schedule(p, layout, causal)]
     return max(work) / (sum(work) / p)
 
@@ -155,7 +160,7 @@ def positions(seq_len: int, p: int, layout: str = "in-order", device: Any = None
 
     Position embeddings and the causal mask must read these: under zig-zag, tokens are out of order.
     """
-    _checks.sequence_layout(seq_len, p, layout, CHUNKS)
+    _checks.sequence_layout(seq_len, p, layout, CHUNKS, where="positions")
     size, devices = seq_len // (p * CHUNKS[layout]), range(p) if device is None else [device]
     return jnp.concatenate([span(c, size) for d in devices for c in chunks(d, p, layout)])
 

@@ -51,6 +51,7 @@ def capacity(tokens: int, n_experts: int, k: int, capacity_factor: float) -> int
     >>> capacity(64, 8, 2, 1.25), capacity(64, 8, 2, 8 / 2)
     (20, 64)
     """
+    _checks.capacity(tokens, n_experts, k, capacity_factor)  # positive counts, a factor > 0
     return math.ceil(round(k * tokens / n_experts * capacity_factor, 9))  # 1.1·10 = 11.000000000000002
 
 

@@ -66,7 +66,13 @@ def over_sequence(
     _checks.mesh_has("over_sequence", axis, tuple(mesh.axis_names))
     spec = P(batch_axes, axis)
     attend_here = functools.partial(attend_fn, axis=axis, **options)
-    return jax.shard_map(attend_here, mesh=mesh, in_specs=spec, out_specs=spec)
+    mapped = jax.shard_map(attend_here, mesh=mesh, in_specs=spec, out_specs=spec)
+
+    def on_whole_arrays(q: Any, k: Any, v: Any) -> jax.Array:
+        _checks.whole_sequence(q, k, v, mesh.shape[axis], options.get("layout", "in-order"), CHUNKS)
+        return mapped(q, k, v)
+
+    return on_whole_arrays
 
 
 # --- 2. all of K and V, gathered ----------------------------------------------------

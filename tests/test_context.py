@@ -307,11 +307,36 @@ def ring_on(p, shape, layout="in-order", attend_fn=cx.ring_attention):
             lambda: sq.over_sequence(cx.ring_attention, seq_mesh(2, "data")),
             ["over_sequence: axis='seq' is no axis of the mesh", "('data',)"],
         ),
-        (ring_on(2, (4, 2, 4)), ["[batch, seq, heads, head_dim]", "(4, 1, 4)", "on this device"]),
+        (ring_on(2, (4, 2, 4)), ["over_sequence: q, k and v must be [batch, seq, heads, head_dim]", "(4, 2"]),
+        (
+            lambda: cx.ring_attention(*[jnp.ones((4, 2, 4))] * 3, axis="seq"),
+            ["ring_attention: q, k and v must be [batch, seq, heads, head_dim]", "on this device"],
+        ),
+        (ring_on(4, (1, 10, 2, 4)), ["over_sequence: a sequence of 10 tokens does not split into 4 equal"]),
+        (lambda: cx.positions(16, 0), ["positions: p (the devices of the ring) must be a positive int"]),
+        (lambda: cx.positions(0, 2), ["positions: seq_len must be a positive int, got 0"]),
+        (lambda: cx.schedule(0), ["schedule: p (the devices of the ring) must be a positive int, got 0"]),
+        (lambda: cx.schedule(2, "striped"), ["schedule: unknown sequence layout 'striped'"]),
+        (lambda: cx.balance(0), ["balance: p (the devices of the ring) must be a positive int, got 0"]),
+        (
+            lambda: cx.chunks(device=5, p=4),
+            ["chunks: device=5 is no device of a ring of p=4; devices run 0 to 3"],
+        ),
+        (
+            lambda: cx.merge(*[jnp.ones(s) for s in ((1, 4, 1, 2), (1, 4, 1), (1, 3, 1, 2), (1, 3, 1))]),
+            ["merge: out1 (1, 4, 1, 2), lse1 (1, 4, 1), out2 (1, 3, 1, 2), lse2 (1, 3, 1); the two parts"],
+        ),
     ],
 )
 def test_bad_input_is_named(call, words):
     assert_named(call, ValueError, words)
+
+
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_integer_q_k_v_are_refused_not_truncated(on_mesh):
+    x = jnp.ones((1, 4, 2, 4), jnp.int32)
+    run = sq.over_sequence(cx.ring_attention, seq_mesh(2)) if on_mesh else cx.attention
+    assert_named(lambda: run(x, x, x), TypeError, ["q, k and v must be float arrays, got q int32, k int32"])
 
 
 # -- 4. Megatron's sequence parallelism ----------------------------------------------------

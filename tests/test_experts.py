@@ -286,6 +286,8 @@ BAD_INPUTS = [
     (lambda: MoE(4, 2, float("nan"), features=8, hidden=8, key=KEY), ValueError, ["capacity_factor=nan"]),
     (lambda: MoE(4, features=8, hidden=8, key=KEY, z_weight=-1), ValueError, ["z_weight=-1", ">= 0"]),
     (lambda: Experts(4, 8, 0, key=KEY), ValueError, ["Experts: hidden must be a positive int", "0"]),
+    (lambda: capacity(16, 0, 1, 1.25), ValueError, ["capacity: n_experts must be a positive int, got 0"]),
+    (lambda: capacity(16, 4, 1, 0.0), ValueError, ["capacity: capacity_factor must be a finite number > 0"]),
     (
         lambda: Experts(4, 8, 8, key=KEY, activation="gelu"),
         ValueError,
