@@ -64,7 +64,7 @@ CHAPTERS = {
     "pipeline": 392,
     "pipeline_1f1b": 80,
     "zero": 230,
-    "context": 420,
+    "context": 428,
     "sequence": 200,
     "experts": 315,
     "memory": 360,
