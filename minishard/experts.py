@@ -11,7 +11,8 @@ A dense transformer runs every token through one MLP. A mixture-of-experts (MoE)
 3. **Expert parallelism by annotation**: a rule ``expert -> "expert"``; one ``constrain`` makes
    XLA move the tokens (all-to-all) instead of the experts (all-gather).
 4. **By hand** (``all_to_all_moe``): in ``jax.shard_map``, one ``all_to_all`` sends every
-   expert its slots, a second brings the results home.
+   expert its slots, a second brings the results home. ``expert_report`` reads a compiled
+   forward pass: where each expert lives, the all-to-alls against the formula, the drops.
 
 The letters: ``G`` groups (the rows of a batch; each routes its own tokens), ``S`` tokens per
 group, ``M`` features, ``E`` experts, ``C`` slots per expert and group, ``H`` hidden units.
@@ -27,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from minishard import _checks
+from minishard.census import Collective, collectives, summary
 from minishard.constraints import activation_axes, constrain
 from minishard.layers import ACTIVATIONS, Layer, Linear
 from minishard.rules import AxisRules, LogicalAxes
@@ -300,8 +304,81 @@ def _local(moe: MoE, x: jax.Array, parallel: ExpertParallel) -> tuple[jax.Array,
     return y, MoEStats(aux, balance, z, jax.lax.psum(stats.dropped, axes), jax.lax.psum(stats.routed, axes))
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertReport:
+    """``expert_report``: where each expert lives, a forward pass's collectives (the census) beside the
+    formula, 2 all-to-alls per MoE layer of one device's slots ``[E, G/D, C, M]``, and the drops.
+
+    >>> import minishard as ms
+    >>> mesh = ms.make_mesh({"expert": 4}, devices=jax.devices()[:4])
+    >>> moe = MoE(8, k=2, features=8, hidden=16, key=jax.random.key(0), parallel=ExpertParallel(mesh))
+    >>> moe = ms.shard(moe, mesh, AxisRules(expert="expert", embed=None, mlp=None))
+    >>> x = jax.random.normal(jax.random.key(1), (8, 6, 8))   # 8 groups of 6 tokens: 2 per device
+    >>> forward = jax.jit(lambda moe, x: moe(x)).lower(moe, x)
+    >>> report = expert_report(forward, moe.experts.w_in, moe(x)[1], groups=2, slots=capacity(6, 8, 2, 1.25))
+    >>> report.found["all-to-all"].bytes == report.formula[1]
+    True
+    >>> hlo = forward.compile().as_text().splitlines()   # each all-to-all named by its scope
+    >>> [scope for scope in ("dispatch", "combine") if any(f"/{scope}/all_to_all" in line for line in hlo)]
+    ['dispatch', 'combine']
+    >>> print(report)
+    Where each expert lives (8 per block, every block alike):
+      experts 0-1: devices 0
+      experts 2-3: devices 1
+      experts 4-5: devices 2
+      experts 6-7: devices 3
+    <BLANKLINE>
+    One forward pass, compiled:
+      all-reduce  x2  20 B  over ('expert',)
+      all-to-all  x2  2.0 kB  over ('expert',)
+      2 all-to-alls per block, each E x G/D x C x M = 8 x 2 x 2 x 8 x 4 B = 1,024 B: 2 in all, 2,048 B
+      dropped 14 of 96 routings (14.6%) at init
+    """
+
+    homes: tuple[tuple[tuple[int, int], tuple[int, ...]], ...]  # ((first, end), devices) per shard
+    slots: tuple[int, int, int, int]  # one device's [E, G/D, C, M]
+    itemsize: int
+    layers: int  # MoE layers in the program
+    found: Mapping[str, Collective]
+    dropped: int
+    routed: int
+
+    @property
+    def formula(self) -> tuple[int, int]:
+        """``(count, bytes)`` of the all-to-alls: each one device's slots, 2 per layer."""
+        return 2 * self.layers, 2 * self.layers * math.prod(self.slots) * self.itemsize
+
+    def __str__(self) -> str:
+        (count, total), share = self.formula, self.dropped / self.routed
+        shape = " x ".join(map(str, self.slots))
+        homes = [f"  experts {a}-{end - 1}: devices {', '.join(map(str, d))}" for (a, end), d in self.homes]
+        sent = ["  " + line for line in summary(self.found).splitlines()]
+        formula = (
+            f"  2 all-to-alls per block, each E x G/D x C x M = {shape} x {self.itemsize} B = "
+            f"{total // count:,} B: {count} in all, {total:,} B"
+        )
+        dropped = f"  dropped {self.dropped:,} of {self.routed:,} routings ({share:.1%}) at init"
+        where = f"Where each expert lives ({self.slots[0]} per block, every block alike):"
+        return "\n".join([where, *homes, "", "One forward pass, compiled:", *sent, formula, dropped])
+
+
+def expert_report(
+    program: Any, weight: jax.Array, stats: MoEStats, *, groups: int, slots: int, layers: int = 1
+) -> ExpertReport:
+    """An ``ExpertReport`` of a lowered (or compiled) forward pass, whose ``stats`` are given: ``weight``
+    is an expert stack ``[E, M, ...]`` as placed; ``groups`` per device, ``slots`` per expert and group."""
+    homes: dict[tuple[int, int], list[int]] = {}
+    for device, index in weight.sharding.devices_indices_map(weight.shape).items():
+        first, end, _ = index[0].indices(weight.shape[0])
+        homes.setdefault((first, end), []).append(int(device.id))  # type: ignore[attr-defined]
+    where = tuple((rows, tuple(sorted(ids))) for rows, ids in sorted(homes.items()))
+    shape, dropped, routed = (weight.shape[0], groups, slots, weight.shape[1]), stats.dropped, stats.routed
+    found = collectives(program)
+    return ExpertReport(where, shape, weight.dtype.itemsize, layers, found, int(dropped), int(routed))
+
 __all__ = [
     "ExpertParallel",
+    "ExpertReport",
     "Experts",
     "MoE",
     "MoEStats",
@@ -309,6 +386,7 @@ __all__ = [
     "balance_loss",
     "capacity",
     "dispatch_and_combine",
+    "expert_report",
     "top_k",
     "z_loss",
 ]

@@ -10,14 +10,12 @@ one forward pass's all-to-alls against the formula, the routings it drops.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
-from minishard.census import collectives, summary
-from minishard.experts import capacity
+from minishard.experts import capacity, expert_report
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import Error, first_devices
 from minishard.run.cli.models.entry import ModelEntry
@@ -75,37 +73,18 @@ class ExpertStyle(Style):
         mesh = make_mesh(self.mesh(args.devices), devices=first_devices(args))
         built = shard(self.build(model, args, jax.random.key(0)), mesh, rules)
         w_in = built.blocks[0].mlp.experts.w_in  # [E, M, H]: the stack "expert" splits
-        print(f"\nWhere each expert lives ({args.experts} per block, every block alike):")
-        for (first, end), devices in _holders(w_in).items():
-            print(f"  experts {first}-{end - 1}: devices {', '.join(map(str, devices))}")
         vocab = built.embedding.tokens.shape[0]
         ids = jax.random.randint(jax.random.key(0), (args.batch_size, args.context), 0, vocab)
         forward = Sharded(mesh, rules)(_routed)
-        found = collectives(forward.lower(built, ids))
         _, stats = jax.block_until_ready(forward(built, ids))
         slots = capacity(args.context, args.experts, args.top_k, args.capacity_factor)
-        shape = (args.experts, args.batch_size // self.ways(mesh.shape), slots, w_in.shape[1])  # one device's
-        each, n = math.prod(shape) * w_in.dtype.itemsize, 2 * len(built.blocks)
-        print(f"\nOne forward pass (batch {args.batch_size} of random characters), compiled:")
-        print("\n".join("  " + line for line in summary(found).splitlines()))
-        print(
-            f"  2 all-to-alls per block, each E x G/D x C x M = {' x '.join(map(str, shape))} x "
-            f"{w_in.dtype.itemsize} B = {each:,} B: {n} in all, {n * each:,} B"
-        )
-        share = f"{int(stats.dropped) / int(stats.routed):.1%}"
-        print(f"  dropped {int(stats.dropped):,} of {int(stats.routed):,} routings ({share}) at init")
+        groups, layers = args.batch_size // self.ways(mesh.shape), len(built.blocks)  # groups: one device's
+        program = forward.lower(built, ids)
+        report = expert_report(program, w_in, stats, groups=groups, slots=slots, layers=layers)
+        print(f"\n{report}")
         return 0
 
 
 def _routed(model: Any, ids: jax.Array) -> Any:
     """A GPT's forward pass, logits and ``MoEStats``: what ``explain`` compiles for an expert style."""
     return model.routed(ids)  # the logits too: without them XLA drops the last block's all-to-alls
-
-
-def _holders(weight: jax.Array) -> dict[tuple[int, int], list[int]]:
-    """The devices holding each shard of a weight's leading axis: ``{(0, 2): [0, 4], ...}``."""
-    holders: dict[tuple[int, int], list[int]] = {}
-    for device, index in weight.sharding.devices_indices_map(weight.shape).items():
-        first, end, _ = index[0].indices(weight.shape[0])
-        holders.setdefault((first, end), []).append(int(device.id))  # type: ignore[attr-defined]
-    return {rows: sorted(ids) for rows, ids in sorted(holders.items())}
