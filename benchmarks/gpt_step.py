@@ -12,7 +12,7 @@ losses must agree before anything is timed. Contenders, interleaved and
 paired as ``harness.py`` does, blocking after every step (programs with
 collectives on simulated devices):
 
-* ``minishard``: ``ms.Sharded(mesh, preset_rules("dp"))(gpt.make_train_step(AdamW(...)))``;
+* ``minishard``: ``ms.Sharded(mesh, preset_rules("dp"))(make_train_step(AdamW(...), next_token_loss))``;
 * ``handwritten``: the plain-JAX step, the reference;
 * ``handwritten_copy``: the same jit again, the A/A control.
 
@@ -36,6 +36,8 @@ import minishard as ms
 from minishard.models import gpt
 from minishard.optim import AdamW
 from minishard.presets import preset
+from minishard.run.next_token import next_token_loss
+from minishard.run.steps import make_train_step
 
 LR, B1, B2, EPS, DECAY, CLIP = 1e-3, 0.9, 0.99, 1e-8, 0.1, 1.0
 
@@ -139,7 +141,7 @@ def bench_gpt(sizes: dict[str, int], batch: int, rounds: int, iters: int, warmup
     ids = rng.integers(0, sizes["vocab"], (batch, sizes["context"] + 1)).astype(np.int32)
     data = jax.device_put({"inputs": ids[:, :-1], "targets": ids[:, 1:]}, NamedSharding(mesh, P("data")))
     optimizer = AdamW(LR, B1, B2, EPS, DECAY, CLIP)
-    ours = ms.Sharded(mesh, rules, donate_argnums=(0, 1))(gpt.make_train_step(optimizer))
+    ours = ms.Sharded(mesh, rules, donate_argnums=(0, 1))(make_train_step(optimizer, next_token_loss))
     theirs = {name: handwritten(mesh) for name in ("handwritten", "handwritten_copy")}
 
     # Every contender its own copy, made by a jit: device_put may share buffers, and each step donates.

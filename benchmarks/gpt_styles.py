@@ -34,6 +34,8 @@ from minishard import pipeline as pp
 from minishard.models import gpt
 from minishard.optim import AdamW, warmup_cosine_decay
 from minishard.presets import preset
+from minishard.run.next_token import next_token_loss
+from minishard.run.steps import make_train_step
 from minishard.run.text_data import tiny_shakespeare
 from minishard.zero import zero_train_step
 
@@ -46,7 +48,7 @@ def losses_under(style: str, steps: int, batch_size: int, seed: int = 0) -> list
     optimizer = AdamW(warmup_cosine_decay(1e-3, min(100, steps // 2), steps, end_value=1e-4))
     model = gpt.GPT(len(text.vocabulary), key=jax.random.key(seed))
     if style == "zero":  # ZeRO-3: parameters, gradients and both moments split 8 ways
-        step = zero_train_step(optimizer, ms.make_mesh({"data": 8}), level=3, loss=gpt.next_token_loss)
+        step = zero_train_step(optimizer, ms.make_mesh({"data": 8}), level=3, loss=next_token_loss)
         model = step.shard(model)
         state = step.init(model)
     else:  # tp: 4 heads split at most 4 ways, so 4 devices; every other style on all 8
@@ -54,7 +56,7 @@ def losses_under(style: str, steps: int, batch_size: int, seed: int = 0) -> list
         mesh = ms.make_mesh(shape, devices=jax.devices()[: 4 if style == "tp" else 8])
         if style == "dp+pp":  # data 2 x stage 4: a block per stage, 4 microbatches
             model = gpt.as_stacked(model).replace(pipeline=pp.Pipeline(mesh, 4, data_axis="data"))
-        step = ms.Sharded(mesh, rules, donate_argnums=(0, 1))(gpt.make_train_step(optimizer))
+        step = ms.Sharded(mesh, rules, donate_argnums=(0, 1))(make_train_step(optimizer, next_token_loss))
         model, state = ms.shard(model, mesh, rules), ms.shard(optimizer.init(model), mesh, rules)
     losses = []
     for i in range(steps):  # wait for every step: simulated devices share the host's cores

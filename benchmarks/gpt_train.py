@@ -46,6 +46,8 @@ from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, warmup_cosine_decay
 from minishard.presets import preset
 from minishard.run.cli.sample import sample
+from minishard.run.next_token import next_token_loss, next_token_sums
+from minishard.run.steps import make_train_step
 from minishard.run.text_data import TEXT_SPLITS, TextDataset, tiny_shakespeare
 
 
@@ -53,8 +55,8 @@ def evaluate(step: Any, model: Any, text: TextDataset, batch_size: int) -> float
     """Mean loss per character over the split's fixed windows (every window weighs the same)."""
     total = count = 0.0
     for batch in text.evaluation(batch_size):
-        loss_sum, n = jax.block_until_ready(step(model, batch))
-        total, count = total + float(loss_sum), count + float(n)
+        sums = jax.block_until_ready(step(model, batch))
+        total, count = total + float(sums["loss"]), count + float(sums["count"])
     return total / count
 
 
@@ -73,8 +75,8 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
     model = gpt.GPT(len(vocab), key=jax.random.key(opts.seed), **experts)
     routing = ms.Sharded(mesh, rules)(lambda m, ids: m.routed(ids)[1])
     model, opt_state = ms.shard(model, mesh, rules), ms.shard(optimizer.init(model), mesh, rules)
-    step = ms.Sharded(mesh, rules, donate_argnums=(0, 1))(gpt.make_train_step(optimizer))
-    evaluation = ms.Sharded(mesh, rules)(gpt.eval_step)
+    step = ms.Sharded(mesh, rules, donate_argnums=(0, 1))(make_train_step(optimizer, next_token_loss))
+    evaluation = ms.Sharded(mesh, rules)(next_token_sums)
     log(f"{ms.tree.count_params(model):,} parameters; {opts.parallel} on {shape}; batch {opts.batch_size}")
     times, losses, curve = [], [], []
     for i in range(opts.steps + 1):

@@ -1,4 +1,4 @@
-"""Losses and metrics for classification, written out in plain jax.numpy.
+"""Losses and metrics for classification, written out in plain jax.numpy, and the shape of a ``Loss``.
 
 Shapes, ranks and dtypes are known while tracing, so they are checked here at
 no cost per step: a label array of the wrong shape would otherwise broadcast
@@ -16,9 +16,18 @@ one_hot: labels must lie in [0, 2), got values from 0 to 5 (`check` failed)
 >>> logits = jnp.array([[2.0, 0.0], [0.0, 3.0]])
 >>> float(accuracy(logits, jnp.array([0, 0])))
 0.5
+
+A training step differentiates a ``Loss``: ``loss(model, batch) -> (value, metrics)``.
+
+>>> loss, (acc,) = classification_loss(lambda image: image, {"image": logits, "label": jnp.array([0, 0])})
+>>> float(acc)
+0.5
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +35,14 @@ from jax.experimental import checkify
 
 from minishard import _checks
 
-__all__ = ["accuracy", "cross_entropy", "one_hot"]
+__all__ = ["Batch", "Loss", "accuracy", "classification_loss", "cross_entropy", "one_hot"]
+
+Batch = dict[str, Any]
+"""Named arrays of one batch: ``{"image", "label"}`` for a classifier, ``{"inputs", "targets"}`` for a
+language model; numpy on the host (``minishard.run.data``), jax arrays once placed on the mesh."""
+Loss = Callable[[Any, Batch], tuple[jax.Array, tuple[jax.Array, ...]]]
+"""``loss(model, batch) -> (value, metrics)``: the mean over the batch, and the scalar metrics
+reported beside it (a tuple, maybe empty): what ``jax.value_and_grad(loss, has_aux=True)`` takes."""
 
 
 def one_hot(labels: jax.Array, num_classes: int, *, checked: bool = False) -> jax.Array:
@@ -67,3 +83,10 @@ def accuracy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
     if mask is None:
         return jnp.mean(correct)
     return jnp.sum(correct * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def classification_loss(model: Any, batch: Batch) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Cross-entropy of ``model(batch["image"])`` against ``batch["label"]``, and the accuracy."""
+    logits = model(batch["image"])
+    labels = batch["label"]
+    return cross_entropy(logits, one_hot(labels, logits.shape[-1])), (accuracy(logits, labels),)

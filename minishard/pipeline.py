@@ -12,6 +12,7 @@ module writes that loop in four steps:
    same gradients, ``m`` times less activation memory; the first half of a pipeline.
 2. **Stacked blocks.** ``n`` identical blocks, their parameters on a leading ``"stage"``
    axis: the rule ``stage -> "stage"`` (the ``pp`` preset) gives each device its layers.
+   ``stack`` turns a built model's blocks into them: the same function of the same numbers.
 3. **The schedule.** ``slot(tick, stage)`` says what a stage does at a tick; ``run_pipeline`` runs
    it, as a ``Pipeline`` (the mesh, the microbatches, the repeats) says.
 4. **Costs.** ``bubble_fraction``; ``pipeline_report`` reads ticks, bytes and memory from the program.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -148,8 +149,21 @@ class StackedModel(Layer):
         return self.after(h)
 
 
+def stack(before: Any, blocks: Sequence[Layer], after: Any) -> StackedModel:
+    """A built model, ``after(blocks[-1](... blocks[0](before(x))))``, with its equal ``blocks`` stacked:
+    the same function of the same numbers, for a pipeline (each model says where its blocks are).
+
+    >>> stacked = stack(None, [Linear(4, 4, key=jax.random.key(k)) for k in range(3)], None)
+    >>> stacked.blocks.n, stacked.blocks.block.weight.shape
+    (3, (3, 4, 4))
+    """
+    like = jax.eval_shape(lambda: Stacked(lambda _: blocks[0], len(blocks), key=jax.random.key(0)))
+    leaves = [jnp.stack(same) for same in zip(*map(jax.tree.leaves, blocks), strict=True)]
+    return StackedModel(before, jax.tree.unflatten(jax.tree.structure(like), leaves), after)
+
+
 def stacked_mlp(sizes: list[int], *, key: jax.Array, activation: str = "swish") -> StackedModel:
-    """``mlp(sizes, activation=...)`` with its equal hidden Linears stacked: ``[784, 256, 256, 10]`` stacks 1.
+    """An MLP of ``sizes`` with its equal hidden Linears stacked: ``[784, 256, 256, 10]`` stacks 1.
 
     Weights have standard deviation ``1/sqrt(inputs)``: ``mlp``'s 0.01 fades to nothing in a deep stack.
 
@@ -163,9 +177,10 @@ def stacked_mlp(sizes: list[int], *, key: jax.Array, activation: str = "swish") 
         raise ValueError(f"stacked_mlp: activation={activation!r}; choose one of {sorted(ACTIVATIONS)}")
     linear = lambda n_in, n_out, k: Linear(n_in, n_out, key=k, scale=n_in**-0.5)  # noqa: E731
     act = ACTIVATIONS[activation]
-    before = Sequential([linear(sizes[0], width, k_in), act()])
-    blocks = Stacked(lambda k: Sequential([linear(width, width, k), act()]), len(sizes) - 3, key=k_blocks)
-    return StackedModel(before, blocks, linear(width, sizes[-1], k_out))
+    hidden = [
+        Sequential([linear(width, width, k), act()]) for k in jax.random.split(k_blocks, len(sizes) - 3)
+    ]
+    return stack(Sequential([linear(sizes[0], width, k_in), act()]), hidden, linear(width, sizes[-1], k_out))
 
 
 # --- 3. the schedule, and the loop that runs it ---------------------------------
@@ -384,5 +399,6 @@ __all__ = [
     "schedule",
     "slot",
     "split_microbatches",
+    "stack",
     "stacked_mlp",
 ]

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -50,10 +49,8 @@ from jax.sharding import PartitionSpec as P
 
 from minishard import _checks
 from minishard.layers import Sequential
-from minishard.losses import accuracy, cross_entropy, one_hot
+from minishard.losses import Batch, Loss, classification_loss
 from minishard.optim import Optimizer
-
-Batch = dict[str, jax.Array]
 
 
 def flat_padded(leaf: jax.Array, n: int) -> jax.Array:
@@ -71,19 +68,9 @@ def unpadded(flat: jax.Array, like: Any) -> jax.Array:
     return flat[: math.prod(like.shape)].reshape(like.shape)
 
 
-Loss = Callable[[Any, Batch], tuple[jax.Array, jax.Array]]
-"""``loss(model, batch) -> (loss, metric)``, both means over the batch; ``model`` is called on the inputs."""
-
-
-def classification_loss(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Cross-entropy of this device's examples, and their accuracy: the default ``Loss``."""
-    logits = model(batch["image"])
-    return cross_entropy(logits, one_hot(batch["label"], logits.shape[-1])), accuracy(logits, batch["label"])
-
-
 class ZeroStep:
-    """A training step ``(model, opt_state, batch) -> (model, opt_state, loss, accuracy)``, as
-    ``Sharded(mesh, rules)(make_train_step(optimizer))`` is, with ZeRO's communication.
+    """A training step ``(model, opt_state, batch) -> (model, opt_state, loss, *metrics)``, as
+    ``Sharded(mesh, rules)(make_train_step(optimizer, loss))`` is, with ZeRO's communication.
 
     ``init(model)`` makes the optimizer state, split 1/N per device. At level 3
     the model is split too: ``shard(model)`` splits it, ``gather(model)`` puts it
@@ -140,8 +127,9 @@ class ZeroStep:
         return jax.tree.map(lambda leaf: P() if leaf.ndim == 0 else P(self.axis), state)
 
     # -- the step -----------------------------------------------------------------
-    def __call__(self, model: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, jax.Array, jax.Array]:
-        return self._step(model, opt_state, batch)
+    def __call__(self, model: Any, opt_state: Any, batch: Batch) -> tuple[Any, ...]:
+        model, opt_state, loss, metrics = self._step(model, opt_state, batch)
+        return model, opt_state, loss, *metrics
 
     def lower(self, model: Any, opt_state: Any, batch: Batch) -> jax.stages.Lowered:
         """For ``minishard.collectives``: what the step sends."""
@@ -164,7 +152,7 @@ class ZeroStep:
     def _zero2(self, model: Any, opt_state: Any, batch: Batch) -> Any:
         """Runs on one device: its own examples, the whole model, 1/N of the velocity."""
         own = jax.lax.pcast(model, self.axis, to="varying")  # my copy: its gradient stays mine, no psum
-        (loss, metric), grads = jax.value_and_grad(self.loss, has_aux=True)(own, batch)
+        (loss, metrics), grads = jax.value_and_grad(self.loss, has_aux=True)(own, batch)
         me = jax.lax.axis_index(self.axis)
 
         def reduce_scatter(grad: jax.Array) -> jax.Array:  # the sum of my 1/N, from every device
@@ -179,7 +167,7 @@ class ZeroStep:
         grads = jax.tree.map(reduce_scatter, grads)
         params = jax.tree.map(my_part, model, grads)
         params, opt_state = self.optimizer.update(params, grads, opt_state, axis_name=self.axis)
-        return jax.tree.map(all_gather, params, model), opt_state, *self._mean(loss, metric)
+        return jax.tree.map(all_gather, params, model), opt_state, *self._mean(loss, metrics)
 
     def _zero3(self, shards: Any, opt_state: Any, batch: Batch) -> Any:
         """Runs on one device: its own examples, 1/N of every parameter and of the velocity."""
@@ -200,14 +188,16 @@ class ZeroStep:
         def loss(shards: Any) -> Any:  # the model as a function: the shards, gathered as it runs
             return self.loss(functools.partial(forward, shards), batch)
 
-        (loss_value, metric), grads = jax.value_and_grad(loss, has_aux=True)(shards)
+        (loss_value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(shards)
         grads = jax.tree.map(lambda g: g / self.n, grads)  # the sum of N means -> the mean
         shards, opt_state = self.optimizer.update(shards, grads, opt_state, axis_name=self.axis)
-        return shards, opt_state, *self._mean(loss_value, metric)
+        return shards, opt_state, *self._mean(loss_value, metrics)
 
-    def _mean(self, loss: jax.Array, metric: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """This device's loss and metric (accuracy), averaged over the devices (equal examples each)."""
-        return jax.lax.pmean(loss, self.axis), jax.lax.pmean(metric, self.axis)
+    def _mean(
+        self, loss: jax.Array, metrics: tuple[jax.Array, ...]
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """This device's loss and metrics (accuracy), averaged over the devices (equal examples each)."""
+        return jax.lax.pmean(loss, self.axis), jax.lax.pmean(metrics, self.axis)
 
 
 def zero_train_step(
@@ -215,9 +205,9 @@ def zero_train_step(
 ) -> ZeroStep:
     """A ZeRO training step over ``mesh``'s ``axis``; see ``ZeroStep`` and the module docstring.
 
-    ``loss``: ``classification_loss`` unless given (a GPT's is ``minishard.models.gpt.next_token_loss``).
+    ``loss``: ``minishard.losses.classification_loss`` unless given (a GPT's: ``run.next_token``'s).
     """
     return ZeroStep(optimizer, mesh, level, axis, loss)
 
 
-__all__ = ["Loss", "ZeroStep", "classification_loss", "flat_padded", "unpadded", "zero_train_step"]
+__all__ = ["ZeroStep", "flat_padded", "unpadded", "zero_train_step"]

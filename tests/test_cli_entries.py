@@ -27,7 +27,7 @@ from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry, Splits
 from minishard.run.cli.styles import STYLES
 from minishard.run.cli.styles.style import Style
-from minishard.run.steps import Task, microbatched_train_step
+from minishard.run.steps import Task, make_train_step
 
 TEXT = "the quick brown fox jumps over the lazy dog; " * 40
 VOCABULARY = "".join(sorted(set(TEXT)))
@@ -212,10 +212,6 @@ BAD_FLAGS = [
     ([*TOY_FLAGS, "--dataset", "mnist"], "argument --dataset: the Toy trains on toy_text, not mnist"),
     ([*TOY_FLAGS, "--epochs", "2"], "argument --epochs: the Toy trains by steps; give --steps"),
     ([*TOY_FLAGS, "--parallel", "pp"], "argument --parallel: the Toy has no blocks to stack on 'stage'"),
-    (
-        [*TOY_FLAGS, "--parallel", "zero"],
-        "zero's step (minishard.zero) reports a loss and one metric; the Toy reports 0",
-    ),
     ([*TOY_FLAGS, "--batch-size", "12"], "argument --batch-size: 12 cannot be split evenly over data=8"),
     (["--steps", "10", "--epochs", "2"], "argument --steps: give --epochs or --steps, not both"),
     (["--eval-every", "5"], "argument --eval-every: only with --steps (by epochs, every epoch is evaluated)"),
@@ -269,7 +265,7 @@ class Halves(Style):
     def make_step(self, args, mesh):
         print("Halves: every batch in two")
         sharded = ms.Sharded(mesh, self.rules({}), donate_argnums=(0, 1))  # dp's rules: its preset's
-        return lambda optimizer: sharded(microbatched_train_step(optimizer, 2, TOY.task.loss))
+        return lambda optimizer: sharded(make_train_step(optimizer, TOY.task.loss, microbatches=2))
 
 
 @pytest.mark.slow  # one short training and one compile: ~6 s here

@@ -233,12 +233,13 @@ def test_the_ring_hides_behind_its_blocks_by_maxtexts_intensity():
 def test_compare_ranks_the_context_parallel_layouts_with_the_others():
     from minishard.models import gpt
     from minishard.presets import SEQUENCE
+    from minishard.run.next_token import next_token_loss  # imports the GPT: only this slow test needs it
 
     model = jax.eval_shape(lambda: gpt.GPT(11, 16, 32, 1, 8, core="ring", key=jax.random.key(0)))
     model = jax.tree.map(lambda leaf: jnp.full(leaf.shape, 0.01, leaf.dtype), model)
     ids = np.zeros((8, 16), np.int32)
     opt = ms.SGD(0.1)
-    step = gpt.make_train_step(opt)
+    step = make_train_step(opt, next_token_loss)
     ranked = compare(
         step, (model, opt.init(model), {"inputs": ids, "targets": ids}), "v5p", styles=("dp", "cp", "dp+cp")
     )

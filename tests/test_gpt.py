@@ -24,6 +24,8 @@ from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, weight_decay_mask
 from minishard.presets import LOGICAL_AXES, preset
 from minishard.run.cli.sample import sample
+from minishard.run.next_token import in_sequence_layout, next_token_loss
+from minishard.run.steps import make_train_step
 from minishard.run.text_data import Vocabulary
 from minishard.zero import flat_padded, zero_train_step
 
@@ -193,8 +195,8 @@ def test_only_matrices_decay_whether_blocks_are_a_tuple_a_stack_or_zero_shards()
 # eps 1e-6, not nanoGPT's 1e-8: a first step is lr * g / (|g| + eps), which magnifies the float
 # rounding of a gradient near eps (one weight moved by 0.8% of a step on another CPU's vector width).
 OPTIMIZER = AdamW(1e-2, eps=1e-6)
-STEP = gpt.make_train_step(OPTIMIZER)
-SGD_STEP = gpt.make_train_step(ms.SGD(0.1))
+STEP = make_train_step(OPTIMIZER, next_token_loss)
+SGD_STEP = make_train_step(ms.SGD(0.1), next_token_loss)
 STEPS = 3
 LAYOUTS = {  # style -> (a parameter, its spec): what the style is for
     "dp": ("blocks[0].attention.query", P()),
@@ -220,7 +222,7 @@ def trained(style, depth=SMALL["depth"]):
     model = gpt.GPT(**{**SMALL, "depth": depth}, core=CORE.get(style, "dense"), key=jax.random.key(0))
     if style.startswith("zero"):  # "zero-2" (parameters whole between steps) or "zero" (ZeRO-3)
         level = 2 if style == "zero-2" else 3
-        step = zero_train_step(OPTIMIZER, ms.make_mesh({"data": 8}), level=level, loss=gpt.next_token_loss)
+        step = zero_train_step(OPTIMIZER, ms.make_mesh({"data": 8}), level=level, loss=next_token_loss)
         model = step.shard(model)
         state = step.init(model)
     else:
@@ -276,7 +278,7 @@ def test_one_megatron_step_equals_one_data_parallel_step_leaf_by_leaf():
 
 
 def value_and_grads(model, batch):  # module level: Sharded caches compiled code per function
-    return jax.value_and_grad(gpt.next_token_loss, has_aux=True)(model, batch)
+    return jax.value_and_grad(next_token_loss, has_aux=True)(model, batch)
 
 
 @pytest.mark.slow  # two programs compile on 8 devices
@@ -288,9 +290,9 @@ def test_under_dp_cp_the_ring_gpt_has_the_loss_and_gradients_of_dp():
         step = ms.Sharded(ms.make_mesh(shape), rules)(value_and_grads)
         results[style] = jax.block_until_ready(step(small_gpt(core=core), batch))
         program = step.lower(small_gpt(core=core), batch)
-    (loss, acc), grads = results["dp+cp"]
+    (loss, (acc,)), grads = results["dp+cp"]
     assert float(loss) == pytest.approx(float(results["dp"][0][0]), rel=1e-6)
-    assert float(acc) == float(results["dp"][0][1])
+    assert float(acc) == float(results["dp"][0][1][0])
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(results["dp"][1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # Per block: 2(p-1) permutes of a K or V chunk forward, as many backward and 2p of dK, dV:
@@ -302,11 +304,11 @@ def test_under_dp_cp_the_ring_gpt_has_the_loss_and_gradients_of_dp():
 
 def test_the_batch_is_dealt_out_only_where_attention_splits_the_sequence():
     model, batch = small_gpt(), small_batch()
-    assert gpt.in_sequence_layout(model, batch) == (model, batch)  # outside Sharded: as given
+    assert in_sequence_layout(model, batch) == (model, batch)  # outside Sharded: as given
     for style, dealt in (("dp+cp", True), ("tp+sp", False)):  # tp+sp: heads take "model" first
         shape, rules = preset(style, 8)
         env = LogicalSharding(ms.make_mesh(shape), rules)
-        held, inputs = env.wrap(lambda: gpt.in_sequence_layout(model, batch))()
+        held, inputs = env.wrap(lambda: in_sequence_layout(model, batch))()
         order = np.asarray(cx.positions(SMALL["context"], 4, "zigzag")) if dealt else np.arange(16)
         np.testing.assert_array_equal(inputs["targets"], batch["targets"][:, order])
         assert (held is not model) == dealt
@@ -321,7 +323,7 @@ def test_remat_and_microbatches_change_the_memory_not_the_numbers():
         jax.jit(STEP)(model.replace(remat=True), state, batch)  # a static field is part of the tree
     rematted = model.replace(remat=True)
     remat = jax.jit(STEP)(rematted, OPTIMIZER.init(rematted), batch)
-    micro = jax.jit(gpt.make_train_step(OPTIMIZER, microbatches=4))(model, state, batch)
+    micro = jax.jit(make_train_step(OPTIMIZER, next_token_loss, microbatches=4))(model, state, batch)
     assert "remat" in str(jax.make_jaxpr(STEP)(rematted, OPTIMIZER.init(rematted), batch))
     for other in (remat, micro):
         assert float(other[2]) == pytest.approx(float(plain[2]), rel=1e-5)
@@ -442,7 +444,7 @@ def moe_gpt(capacity_factor):
 
 
 def loss_and_grads(model, batch):
-    (loss, _), grads = jax.value_and_grad(gpt.next_token_loss, has_aux=True)(model, batch)
+    (loss, _), grads = jax.value_and_grad(next_token_loss, has_aux=True)(model, batch)
     return loss, grads, model.routed(batch["inputs"])[1]
 
 
@@ -453,7 +455,7 @@ def test_an_moe_gpt_adds_its_routers_losses_and_keeps_the_dense_gpts_active_para
     assert mlp.experts.w_in.shape == (8, SMALL["width"], 4 * SMALL["width"] // 2)  # k of them: 4 x width
     assert int(stats.routed) == SMALL["depth"] * BATCH * SMALL["context"] * 2  # every block, every token, k
     dense_loss = ms.cross_entropy(logits, ms.one_hot(batch["targets"], SMALL["vocab"]))
-    loss, _ = jax.jit(gpt.next_token_loss)(model, batch)
+    loss, _ = jax.jit(next_token_loss)(model, batch)
     assert float(loss) == pytest.approx(float(dense_loss + stats.aux_loss), rel=1e-6)
     assert float(stats.aux_loss) > 0 and int(stats.dropped) > 0  # capacity 1.25 on random routers
     with pytest.raises(ValueError, match="a pipeline carries no MoEStats"):

@@ -61,7 +61,7 @@ PUBLIC = tuple(name for name in ORDER if not name.startswith("_"))
 CHAPTERS = {
     "hardware": 85,
     "costs": 385,
-    "pipeline": 392,
+    "pipeline": 408,  # issue 43: stack (12 lines), the one way to stack a built model for pp
     "pipeline_1f1b": 80,
     "zero": 230,
     "context": 428,
@@ -71,13 +71,15 @@ CHAPTERS = {
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)
-CORE_BUDGET = 2370
-"""Lines of the core modules, 2,360 measured (issues 23-26) plus a little room: about 2,120 when the
+CORE_BUDGET = 2400
+"""Lines of the core modules, 2,393 measured (issue 43) plus a little room: about 2,120 when the
 inner wall was drawn (issue 23), then ``Residual`` (22), AdamW beside SGD in optim (148, issue 24),
 the sequence styles and ``constraints.environment`` (27, issue 25: three STYLES rows and their
 docstring, SEQUENCE, the wider __all__, environment()), the expert presets ep, dp+ep (18, issue 26:
 two rows, their docstring, EXPERT), 5 lines of guards and docstrings, and ``census.as_asked`` (20)
-back from ``_hlo``, where it had gone to fit the old budget."""
+back from ``_hlo``, where it had gone to fit the old budget; then (issue 43, one home per concept)
+the ``Optimizer`` protocol in optim (11) and ``Batch``, ``Loss`` and ``classification_loss`` in
+losses (23), each once, where zero.py and the workshop had their own."""
 PARSING = ("_hlo",)
 """Private modules whose functions return what they read: parsing machinery, not guards."""
 OUTSIDE = ("run", "models", "testing")
@@ -314,7 +316,7 @@ def test_the_wall_rule_reads_calls_as_meant():
 
 
 # -- one home per concept ------------------------------------------------------------------------
-ONE_HOME = ("Optimizer",)
+ONE_HOME = ("Optimizer", "Loss", "Batch", "classification_loss", "make_train_step")
 """Names the package defines once (a class, a function or an assignment): a second definition of one
 of these concepts under the same name is a second meaning of it (issue 43)."""
 

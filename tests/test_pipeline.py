@@ -29,7 +29,7 @@ from minishard.models.vit import Attention, stacked_vit
 from minishard.pipeline_1f1b import one_f_one_b
 from minishard.presets import preset, preset_rules
 from minishard.run.data import mnist
-from minishard.run.steps import make_train_step, microbatched_train_step
+from minishard.run.steps import make_train_step
 from minishard.run.train import fit
 
 WIDTH = 8
@@ -88,6 +88,16 @@ def test_stacked_blocks_are_the_blocks_built_one_by_one():
     close(jax.tree.map(lambda a: a[1], blocks.block), oracle[1])
     x = jnp.ones((2, WIDTH))
     close(blocks(x), sequential(oracle, x))
+
+
+def test_stack_makes_a_built_model_the_same_function_of_the_same_numbers():
+    layers = ms.mlp([4, 8, 8, 8, 3], key=jax.random.key(0), scale=0.5)  # Linear, act, ..., Linear
+    hidden = [ms.Sequential(list(layers.layers[i : i + 2])) for i in (2, 4)]  # (Linear, act) x 2
+    model = pp.stack(ms.Sequential(list(layers.layers[:2])), hidden, layers.layers[-1])
+    assert model.blocks.n == 2 and model.blocks.block.layers[0].weight.shape == (2, 8, 8)
+    np.testing.assert_array_equal(model.blocks.block.layers[0].weight[1], layers.layers[4].weight)
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    close(model(x), layers(x))
 
 
 def test_stacked_mlp_names_an_unknown_activation():
@@ -196,7 +206,7 @@ def test_a_pipelined_model_trains_like_the_sequential_one():
     rng = np.random.default_rng(0)
     batch = {"image": rng.normal(size=(16, 12)).astype(np.float32), "label": rng.integers(0, 3, 16)}
     step = ms.Sharded(mesh, preset_rules("dp+pp"))(make_train_step(ms.SGD(0.1)))
-    model_step = ms.Sharded(mesh, preset_rules("dp+pp"))(microbatched_train_step(ms.SGD(0.1), 2))
+    model_step = ms.Sharded(mesh, preset_rules("dp+pp"))(make_train_step(ms.SGD(0.1), microbatches=2))
     opt_state = ms.SGD(0.1).init(model)
     report = pp.pipeline_report(step, (piped, opt_state, batch))  # what `explain` shows
     assert (report.stages, report.ticks, report.bubble) == (4, 7, 3 / 7)

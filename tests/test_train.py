@@ -30,7 +30,7 @@ from minishard.run.compiling import enable_compilation_cache
 from minishard.run.data import Dataset, mnist
 from minishard.run.errors import CheckpointDirError, CheckpointError, NonFiniteLossError, ResumeError
 from minishard.run.resume import check_checkpoint_dir, check_meta
-from minishard.run.steps import make_train_step, microbatched_train_step
+from minishard.run.steps import make_train_step
 from minishard.run.train import first_loss, fit
 
 needs_mnist = pytest.mark.skipif(
@@ -349,7 +349,7 @@ def test_microbatches_cut_the_temporary_memory_of_a_vit_step():
     }
     mesh, optimizer = ms.make_mesh({"data": 8}), ms.SGD(0.1)
     temp = {}
-    for m, step in ((1, make_train_step(optimizer)), (8, microbatched_train_step(optimizer, m=8))):
+    for m, step in ((1, make_train_step(optimizer)), (8, make_train_step(optimizer, microbatches=8))):
         lowered = ms.Sharded(mesh, vit_rules("dp"))(step).lower(
             model, jax.eval_shape(optimizer.init, model), batch
         )

@@ -20,7 +20,7 @@ import minishard as ms
 import minishard.models.vit as transformer
 from minishard import pipeline as pp
 from minishard.census import bytes_by_mesh_axes
-from minishard.models.vit import Attention, LayerNorm, PatchEmbedding, ViT, stacked_vit, vit_rules
+from minishard.models.vit import Attention, LayerNorm, PatchEmbedding, ViT, as_stacked, stacked_vit, vit_rules
 from minishard.presets import LOGICAL_AXES, PRESETS, preset, preset_rules
 from minishard.run.steps import make_train_step
 from minishard.testing import assert_sharded_equivalent, meshes
@@ -262,6 +262,14 @@ def test_a_2d_step_has_exactly_the_collectives_the_docstring_predicts(remat):
 
 # -- the stacked ViT: its blocks on a "stage" axis, for a pipeline ----------------------------
 @pytest.mark.slow  # two pipelined programs compile
+def test_the_stacked_vit_is_the_same_function_of_the_same_parameters():
+    model, images = small_vit(), small_batch()["image"]
+    stacked = as_stacked(model)
+    shapes = jax.eval_shape(lambda: stacked_vit(**SMALL, key=jax.random.key(0)))
+    assert jax.tree.structure(stacked) == jax.tree.structure(shapes) and stacked.blocks.n == SMALL["depth"]
+    np.testing.assert_allclose(jax.jit(stacked)(images), jax.jit(model)(images), rtol=1e-5, atol=1e-6)
+
+
 def test_the_stacked_vit_trains_alike_pipelined_over_data_and_stage_or_data_parallel():
     small = {**SMALL, "depth": 4, "heads": 4}
     model = numpy_filled(jax.eval_shape(lambda: stacked_vit(**small, key=jax.random.key(0))), seed=0)

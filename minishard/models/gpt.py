@@ -32,13 +32,13 @@ head                   ``("embed", "vocab")``        replicated
 MoE experts            ``("expert", "embed", ...)``  over "expert" (``ep``)
 =====================  ============================  =========================
 
-Under context parallelism (``cp``, ``dp+cp``: ``core="ring"``) the loss deals each batch out
-zig-zag over the devices of "context" (``in_sequence_layout``) and the blocks attend by ring
-attention; ``docs/context.md`` measures it against ``dp``.
+Under context parallelism (``cp``, ``dp+cp``: ``core="ring"``) the blocks attend by ring
+attention over the tokens at ``positions``: the run side deals each batch out zig-zag over the
+devices of "context" (``minishard.run.next_token``); ``docs/context.md`` measures it against ``dp``.
 
 ``GPT(mlp=moe_mlp(8, k=2))`` makes every MLP a mixture of experts
 (``minishard.experts``): ``routed`` returns the logits and the blocks'
-``MoEStats`` added up, and ``next_token_loss`` adds their auxiliary losses.
+``MoEStats`` added up, which the training loss adds (``minishard.run.next_token``).
 
 Decoding keeps a ``KVCache`` per block (``init_cache``): ``decode`` runs only
 the new tokens through the blocks, each attending to the cached keys and
@@ -59,27 +59,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from minishard.constraints import activation_axes, as_activation, output_sharding
-from minishard.context import positions as held_positions
 from minishard.experts import MoE, MoEStats
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key
-from minishard.losses import accuracy, cross_entropy, one_hot
-from minishard.models.attention import SEQUENCE_LAYOUT, KVCache, sequence_axis
+from minishard.models.attention import KVCache
 from minishard.models.transformer import Block, LayerNorm, MLPBuilder, dense_mlp, routed_blocks
-from minishard.pipeline import Stacked, StackedModel, microbatched
+from minishard.pipeline import StackedModel, stack
 from minishard.rules import LogicalAxes
-
-if TYPE_CHECKING:
-    from minishard.optim import SGD, AdamW
-
-Batch = dict[str, jax.Array]
-"""``{"inputs": int32 [B, T], "targets": int32 [B, T]}`` (``minishard.run.text_data.TextDataset``)."""
 
 
 class Embedding(Layer):
@@ -206,11 +198,7 @@ def as_stacked(model: GPT) -> StackedModel:
     """
     if isinstance(model.blocks[0].mlp, MoE):
         raise ValueError("as_stacked: a pipeline carries no MoEStats out of its stages; stack a dense GPT")
-    n = len(model.blocks)
-    like = jax.eval_shape(lambda: Stacked(lambda _: model.blocks[0], n, key=jax.random.key(0)))
-    stacked = [jnp.stack(same) for same in zip(*map(jax.tree.leaves, model.blocks))]
-    blocks = jax.tree.unflatten(jax.tree.structure(like), stacked)
-    return StackedModel(model.embedding, blocks, Sequential([model.norm, model.head]))
+    return stack(model.embedding, model.blocks, Sequential([model.norm, model.head]))
 
 
 def as_unstacked(model: StackedModel, like: GPT) -> GPT:
@@ -230,64 +218,6 @@ def stacked_gpt(*args: Any, key: jax.Array, **kwargs: Any) -> StackedModel:
     (2, ('embed', 'heads', 'kv'))
     """
     return as_stacked(GPT(*args, key=key, **kwargs))
-
-
-# --- training: the next character ------------------------------------------------------------
-
-
-def in_sequence_layout(model: Any, batch: Batch) -> tuple[Callable[[jax.Array], Any], Batch]:
-    """``model`` and ``batch`` as the devices hold the sequence, where the rules split attention's "seq".
-
-    Over p devices, every ``[B, T]`` array of the batch is dealt out in ``SEQUENCE_LAYOUT``
-    (``minishard.context.permute``: zig-zag) and the model reads the tokens' positions, so its
-    position embeddings and causal mask follow them. A mean over tokens does not see their
-    order: the loss and its gradients are those of the sequence in order. Elsewhere: as given.
-    """
-    _, p = sequence_axis()
-    if p == 1:
-        return model, batch
-    order = held_positions(batch["inputs"].shape[1], p, SEQUENCE_LAYOUT)  # once, on the data
-    dealt = {name: jnp.take(x, order, axis=1) if jnp.ndim(x) == 2 else x for name, x in batch.items()}
-    return functools.partial(model, positions=order), dealt
-
-
-def next_token_loss(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Cross-entropy of every next character (nats per character), and the fraction guessed right.
-
-    A GPT of MoE MLPs (``transformer.moe_mlp``) adds their auxiliary losses, ``stats.aux_loss``.
-    """
-    # a StackedModel (pp, dp+pp) has dense blocks only: no stats
-    routed: Any = model.routed if isinstance(model, GPT) else lambda ids, **kw: (model(ids, **kw), None)
-    held, batch = in_sequence_layout(routed, batch)
-    logits, stats = held(batch["inputs"])
-    loss = cross_entropy(logits, one_hot(batch["targets"], logits.shape[-1]))
-    return loss if stats is None else loss + stats.aux_loss, accuracy(logits, batch["targets"])
-
-
-def make_train_step(optimizer: SGD | AdamW, microbatches: int = 1) -> Callable[..., Any]:
-    """``(model, opt_state, batch) -> (model, opt_state, loss, accuracy)``, as ``minishard.run.train``'s.
-
-    ``microbatches`` > 1 accumulates the gradients ``pipeline.microbatched``: the same step, less memory.
-    """
-    if microbatches > 1:
-        value_and_grad = microbatched(next_token_loss, microbatches)
-    else:
-        value_and_grad = jax.value_and_grad(next_token_loss, has_aux=True)
-
-    def gpt_train_step(model: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, jax.Array, jax.Array]:
-        (loss, acc), grads = value_and_grad(model, batch)
-        model, opt_state = optimizer.update(model, grads, opt_state)
-        return model, opt_state, loss, acc
-
-    return gpt_train_step
-
-
-def eval_step(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Summed loss of the real windows of a (possibly padded) batch, and how many are real."""
-    model, batch = in_sequence_layout(model, batch)
-    logits = model(batch["inputs"])
-    per_window = jax.vmap(lambda lg, t: cross_entropy(lg, one_hot(t, lg.shape[-1])))(logits, batch["targets"])
-    return (per_window * batch["mask"]).sum(), batch["mask"].sum()
 
 
 # --- decoding with a KV cache ------------------------------------------------------------------
@@ -358,15 +288,10 @@ def _prefill(model: GPT, ids: list[int], step: Callable[..., Any]) -> tuple[jax.
 
 __all__ = [
     "GPT",
-    "Batch",
     "Embedding",
     "as_stacked",
     "as_unstacked",
     "decode_step",
-    "eval_step",
     "generate",
-    "in_sequence_layout",
-    "next_token_loss",
-    "make_train_step",
     "stacked_gpt",
 ]

@@ -118,7 +118,7 @@ from minishard.constraints import activation_axes, as_activation, output_shardin
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key
 from minishard.models.attention import Attention
 from minishard.models.transformer import Block, LayerNorm, apply_blocks
-from minishard.pipeline import Stacked, StackedModel
+from minishard.pipeline import StackedModel, stack
 from minishard.presets import preset_rules
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes
 
@@ -253,34 +253,24 @@ class ViT(Layer):
         return {}  # every parameter lives in a sub-layer, which answers for itself
 
 
-def stacked_vit(
-    image_size: int = 28,
-    patch_size: int = 7,
-    channels: int = 1,
-    width: int = 64,
-    depth: int = 4,
-    heads: int = 4,
-    mlp_ratio: int = 2,
-    classes: int = 10,
-    *,
-    key: jax.Array,
-) -> StackedModel:
-    """``ViT(...)``'s layers with its ``depth`` blocks stacked, for a pipeline (same arguments, no remat).
+def as_stacked(model: ViT) -> StackedModel:
+    """The same ViT with its blocks stacked on a "stage" axis (``minishard.pipeline.stack``), for pp.
 
-    ``minishard.pipeline.Stacked`` holds the blocks, their parameters on a
-    leading "stage" axis; the embedding runs before them and the norm, pool and
-    head after, outside the pipeline (``minishard train --model vit --parallel pp``).
+    The embedding runs before the stack and the norm, pool and head after it,
+    outside the pipeline. Same parameters, same function (no remat).
+    """
+    return stack(model.embedding, model.blocks, Sequential([model.norm, model.pool, model.head]))
+
+
+def stacked_vit(*args: Any, key: jax.Array, **kwargs: Any) -> StackedModel:
+    """``as_stacked(ViT(*args, key=key, **kwargs))``: the ViT of the same seed, ready for a pipeline
+    (``minishard train --model vit --parallel pp``).
 
     >>> model = jax.eval_shape(lambda: stacked_vit(key=jax.random.key(0)))
     >>> model.blocks.n, model.blocks.block.attention.query.shape
     (4, (4, 64, 4, 16))
     """
-    check_key("stacked_vit", key)
-    k_embed, k_blocks, k_head = jax.random.split(key, 3)
-    before = PatchEmbedding(image_size, patch_size, channels, width, key=k_embed)
-    blocks = Stacked(lambda k: Block(width, heads, mlp_ratio * width, key=k), depth, key=k_blocks)
-    head = Linear(width, classes, key=k_head, scale=width**-0.5, axes=("embed", "classes"))
-    return StackedModel(before, blocks, Sequential([LayerNorm(width), MeanPool(), head]))
+    return as_stacked(ViT(*args, key=key, **kwargs))
 
 
 __all__ = [
@@ -290,6 +280,7 @@ __all__ = [
     "MeanPool",
     "PatchEmbedding",
     "ViT",
+    "as_stacked",
     "stacked_vit",
     "vit_rules",
 ]

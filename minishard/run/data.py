@@ -35,11 +35,11 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from minishard.losses import (
+    Batch,  # here: {"image": float32 [B, ...], "label": int32 [B], "mask": float32 [B]}
+)
 from minishard.run import distributed, tfds_reading
 from minishard.run.tfds_reading import DataError
-
-Batch = dict[str, np.ndarray]
-"""``{"image": float32 [B, ...], "label": int32 [B], "mask": float32 [B]}``."""
 
 
 class TrainingData(Protocol):
@@ -336,7 +336,6 @@ __all__ = [
     "CATS_VS_DOGS_SPLITS",
     "DATASETS",
     "DATASET_INFO",
-    "Batch",
     "Dataset",
     "DatasetInfo",
     "EvalData",

@@ -26,25 +26,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from minishard.losses import accuracy, cross_entropy, one_hot
+from minishard.losses import Batch, Loss, classification_loss
 from minishard.optim import Optimizer
 from minishard.pipeline import microbatched
-from minishard.run.data import Batch, to_global
+from minishard.run.data import to_global
 
 __all__ = [
     "CLASSIFICATION",
     "Task",
-    "classification_loss",
     "classification_sums",
     "evaluate",
     "make_train_step",
-    "microbatched_train_step",
-    "step_for",
 ]
-
-GlobalBatch = dict[str, jax.Array]  # a Batch placed on the mesh by `to_global`
-Loss = Callable[[Any, GlobalBatch], tuple[jax.Array, tuple[jax.Array, ...]]]
-"""``(model, batch) -> (loss, metrics)``: both means over the batch, ``metrics`` a tuple of scalars."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,17 +51,10 @@ class Task:
 
     loss: Loss
     metrics: tuple[str, ...]
-    evaluate: Callable[[Any, GlobalBatch], dict[str, jax.Array]]
+    evaluate: Callable[[Any, Batch], dict[str, jax.Array]]
 
 
-def classification_loss(model: Any, batch: GlobalBatch) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Cross-entropy of ``model(batch["image"])`` against ``batch["label"]``, and the accuracy."""
-    logits = model(batch["image"])
-    labels = batch["label"]
-    return cross_entropy(logits, one_hot(labels, logits.shape[-1])), (accuracy(logits, labels),)
-
-
-def classification_sums(model: Any, batch: GlobalBatch) -> dict[str, jax.Array]:
+def classification_sums(model: Any, batch: Batch) -> dict[str, jax.Array]:
     """Correct predictions (``acc``) and real examples (``count``) in a padded batch (its ``mask``)."""
     logits = model(batch["image"])
     correct = (jnp.argmax(logits, axis=-1) == batch["label"]) * batch["mask"]
@@ -79,39 +65,25 @@ CLASSIFICATION = Task(classification_loss, ("acc",), classification_sums)
 """The MNIST models' task: cross-entropy, reporting accuracy in training and in evaluation."""
 
 
-def make_train_step(optimizer: Optimizer, loss: Loss = classification_loss) -> Callable[..., Any]:
-    """One optimizer step on one batch; pure, so ``Sharded``/``jax.jit`` can compile it."""
-
-    def train_step(model: Any, opt_state: Any, batch: GlobalBatch) -> tuple[Any, ...]:
-        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(model, batch)
-        model, opt_state = optimizer.update(model, grads, opt_state)
-        return model, opt_state, value, *metrics
-
-    return train_step
-
-
-def microbatched_train_step(
-    optimizer: Optimizer, m: int, loss: Loss = classification_loss
+def make_train_step(
+    optimizer: Optimizer, loss: Loss = classification_loss, microbatches: int = 1
 ) -> Callable[..., Any]:
-    """``make_train_step``, its gradients accumulated over ``m`` microbatches (``pipeline.microbatched``).
+    """One optimizer step on one batch; pure, so ``Sharded``/``jax.jit`` can compile it.
 
-    The same step (loss and gradients averaged over the batch), one microbatch's
-    activations alive at a time: ``minishard train --microbatches M``.
+    ``microbatches`` > 1 accumulates the gradients over that many slices of the batch
+    (``pipeline.microbatched``): the same step, one microbatch's activations alive at a
+    time (``minishard train --microbatches M``).
     """
+    value_and_grad = (
+        microbatched(loss, microbatches) if microbatches > 1 else jax.value_and_grad(loss, has_aux=True)
+    )
 
-    def train_step(model: Any, opt_state: Any, batch: GlobalBatch) -> tuple[Any, ...]:
-        (value, metrics), grads = microbatched(loss, m)(model, batch)
+    def train_step(model: Any, opt_state: Any, batch: Batch) -> tuple[Any, ...]:
+        (value, metrics), grads = value_and_grad(model, batch)
         model, opt_state = optimizer.update(model, grads, opt_state)
         return model, opt_state, value, *metrics
 
     return train_step
-
-
-def step_for(task: Task, optimizer: Optimizer, microbatches: int = 1) -> Callable[..., Any]:
-    """The step of ``task``: on whole batches, or accumulated over ``microbatches``."""
-    if microbatches == 1:
-        return make_train_step(optimizer, task.loss)
-    return microbatched_train_step(optimizer, microbatches, task.loss)
 
 
 def evaluate(

@@ -25,8 +25,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from minishard.losses import Batch
 from minishard.run import tfds_reading
-from minishard.run.data import Batch, process_rows
+from minishard.run.data import process_rows
 
 __all__ = [
     "TEXT_DATASET_INFO",

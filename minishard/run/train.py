@@ -45,10 +45,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from minishard.losses import Batch
+from minishard.optim import Optimizer
 from minishard.pipeline import StackedModel
 from minishard.rules import AxisRules
 from minishard.run.compiling import compile_events, compile_summary
-from minishard.run.data import Batch, EvalData, TrainingData, to_global
+from minishard.run.data import EvalData, TrainingData, to_global
 from minishard.run.errors import NonFiniteLossError, NonFiniteStateError
 from minishard.run.horizon import Horizon, check_counts
 from minishard.run.resume import (
@@ -59,7 +61,7 @@ from minishard.run.resume import (
     open_checkpointer,
     restore,
 )
-from minishard.run.steps import CLASSIFICATION, Optimizer, Task, evaluate, step_for
+from minishard.run.steps import CLASSIFICATION, Task, evaluate, make_train_step
 from minishard.sharding import Sharded, shard
 
 __all__ = ["fit", "format_epoch"]
@@ -112,7 +114,9 @@ def fit(
     check_counts(keep=keep, log_every=log_every, checkpoint_every=checkpoint_every, microbatches=microbatches)
     horizon = Horizon.of(epochs, steps, eval_every, train_data)
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
-    train_step = make_step(optimizer) if make_step else sharded(step_for(task, optimizer, microbatches))
+    train_step = (
+        make_step(optimizer) if make_step else sharded(make_train_step(optimizer, task.loss, microbatches))
+    )
     run = _Run.start(model, optimizer, mesh, rules, train_step, task.metrics)
     sharding = sharded.batch_sharding
     measure = _evaluator(Sharded(mesh, rules)(task.evaluate), eval_data, test_data, sharding)

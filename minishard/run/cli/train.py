@@ -23,6 +23,7 @@ from typing import Any
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 
 from minishard.constraints import DEFAULT_BATCH_AXIS
+from minishard.optim import Optimizer
 from minishard.report import explain
 from minishard.rules import ShardingError
 from minishard.run import distributed
@@ -45,7 +46,6 @@ from minishard.run.errors import CheckpointError, TrainingError
 from minishard.run.horizon import Horizon
 from minishard.run.render import plot_history, show
 from minishard.run.resume import check_checkpoint_dir
-from minishard.run.steps import Optimizer
 from minishard.run.tfds_reading import DataError
 from minishard.run.train import fit
 from minishard.sharding import Sharded, make_mesh, plan

@@ -18,9 +18,10 @@ from typing import Any
 import jax
 
 from minishard import pipeline
+from minishard.optim import Optimizer
 from minishard.run.cli.flags import Error, Flag
 from minishard.run.data import EvalData, TrainingData
-from minishard.run.steps import Optimizer, Task
+from minishard.run.steps import Task
 
 __all__ = ["Args", "NOMINAL_STEPS", "ModelEntry", "Splits", "Stacking"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from minishard.models.gpt import GPT, eval_step, next_token_loss, stacked_gpt
+from minishard.models.gpt import GPT, stacked_gpt
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, warmup_cosine_decay
 from minishard.run import text_data
@@ -30,6 +30,7 @@ from minishard.run.cli.models.transformer import (
     check_heads,
     depth_over_stages,
 )
+from minishard.run.next_token import next_token_loss, next_token_sums
 from minishard.run.steps import Task
 
 __all__ = [
@@ -46,20 +47,7 @@ __all__ = [
 ]
 
 
-def _next_character_loss(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    loss, acc = next_token_loss(model, batch)
-    return loss, (acc,)
-
-
-def _next_character_sums(model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    loss, count = eval_step(model, batch)  # summed over the real windows of a padded batch
-    stats = model.routed(batch["inputs"])[1] if isinstance(model, GPT) else None  # XLA computes it once
-    if stats is None:  # dense MLPs (or stacked for a pipeline): nothing routed
-        return {"loss": loss, "count": count}
-    return {"loss": loss, "count": count, "dropped": stats.dropped / stats.routed * count}  # a share
-
-
-NEXT_CHARACTER = Task(_next_character_loss, ("acc",), _next_character_sums)
+NEXT_CHARACTER = Task(next_token_loss, ("acc",), next_token_sums)
 """The GPT's task: the cross-entropy of every next character (nats per character), and its accuracy;
 an evaluation reports the mean loss over the split's fixed windows (``val loss``, ``test loss``),
 and with ``--experts`` the share of routings the experts' capacity dropped (``val dropped``)."""

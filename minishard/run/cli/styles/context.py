@@ -15,10 +15,10 @@ from typing import Any
 import jax
 
 from minishard import context
+from minishard.optim import Optimizer
 from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.style import Args, Style
-from minishard.run.steps import Optimizer
 from minishard.sharding import ShardedFunction
 
 __all__ = ["ContextStyle"]

@@ -20,11 +20,11 @@ import jax
 from jax.sharding import Mesh
 
 from minishard.costs import StepCost
+from minishard.optim import Optimizer
 from minishard.presets import preset, preset_rules
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import ModelEntry
-from minishard.run.steps import Optimizer
 from minishard.sharding import ShardedFunction
 
 __all__ = ["Args", "Style"]

@@ -18,11 +18,12 @@ from jax.sharding import Mesh
 
 from minishard.census import collectives, human_bytes, summary
 from minishard.costs import StepCost, cost_report
+from minishard.optim import Optimizer
 from minishard.run.cli.flags import Error, first_devices
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.style import Args, Style
-from minishard.run.steps import CLASSIFICATION, Loss, Optimizer, Task
+from minishard.run.steps import CLASSIFICATION, Task
 from minishard.sharding import ShardedFunction, make_mesh
 from minishard.zero import zero_train_step
 
@@ -58,11 +59,6 @@ class ZeroStyle(Style):
             )
 
     def check(self, args: Args, model: ModelEntry, error: Error) -> None:
-        if len(model.task.metrics) != 1:  # minishard.zero's step reports the loss and one metric
-            error(
-                f"argument --parallel: zero's step (minishard.zero) reports a loss and one metric; "
-                f"the {model.label} reports {len(model.task.metrics)}"
-            )
         if getattr(args, "experts", 0):  # measured: a small MoE GPT's first loss differs by 0.015
             error(
                 "argument --experts: not with --parallel zero (its step does not equal one device's for MoE)"
@@ -81,10 +77,8 @@ class ZeroStyle(Style):
         return lambda optimizer: self.step(optimizer, mesh, MODELS[args.model].task)
 
     def step(self, optimizer: Optimizer, mesh: jax.sharding.Mesh, task: Task = CLASSIFICATION) -> Any:
-        """``minishard.zero``'s step at ``LEVEL`` on ``task``'s loss (typed for SGD and AdamW; any
-        optax-like optimizer's state splits)."""
-        loss = _with_one_metric(task.loss)
-        return zero_train_step(optimizer, mesh, level=self.LEVEL, loss=loss)  # type: ignore[arg-type]
+        """``minishard.zero``'s step at ``LEVEL`` on ``task``'s loss (any optax-like optimizer splits)."""
+        return zero_train_step(optimizer, mesh, level=self.LEVEL, loss=task.loss)
 
     def own_step_cost(self, entry: ModelEntry, args: Args, built: Any, batch: Any, mesh: Mesh) -> StepCost:
         step = self.step(entry.compiled_optimizer(args), mesh, entry.task)
@@ -136,13 +130,3 @@ class ZeroStyle(Style):
 def _one_device(tree: Any) -> int:
     """The bytes of ``tree`` that its first device holds."""
     return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
-
-
-def _with_one_metric(loss: Loss) -> Callable[[Any, Any], tuple[jax.Array, jax.Array]]:
-    """A ``Task``'s loss, ``(loss, (metric,))``, as ``minishard.zero`` takes it: ``(loss, metric)``."""
-
-    def zero_loss(model: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
-        value, (metric,) = loss(model, batch)
-        return value, metric
-
-    return zero_loss
