@@ -14,6 +14,7 @@ from minishard.constraints import constrain
 from minishard.models import gpt
 from minishard.presets import preset
 from minishard.run.cli import main
+from minishard.run.next_token import next_token_loss
 from minishard.run.steps import make_train_step
 from minishard.run.topology import compile_for, hardware_of, on_cpu_and_tpu, side_by_side, tpu_devices
 from minishard.tree import tree_bytes
@@ -103,7 +104,7 @@ def test_a_tp_gpt_step_sends_megatrons_four_all_reduces_per_block_on_both_compil
     batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
     shape, rules = preset("tp", 8)
     step = ms.Sharded(ms.make_mesh(shape, devices=tpu_devices(TOPOLOGY)), rules)(
-        make_train_step(OPT, lambda m, b: (gpt.next_token_loss(m, b)[0], ()))
+        make_train_step(OPT, lambda m, b: (next_token_loss(m, b)[0], ()))
     )
     activation = 8 * sizes["context"] * sizes["width"] * 4  # the whole batch on every device, f32
     for program in on_cpu_and_tpu(step, (model, OPT.init(model), batch)):

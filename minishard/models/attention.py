@@ -95,7 +95,7 @@ def sequence_axis() -> tuple[str | None, int]:
 def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, causal: bool) -> jax.Array:
     """``minishard.context.ring_attention`` over the mesh axis of "seq", the batch split as the rules say.
 
-    The tokens must be held dealt out in ``SEQUENCE_LAYOUT`` (``minishard.models.gpt.in_sequence_layout``
+    The tokens must be held dealt out in ``SEQUENCE_LAYOUT`` (``minishard.run.next_token.in_sequence_layout``
     does it to a batch): the ring reads their positions from the layout, not from its arguments.
     Where the sequence is whole the ring has one device, and is ``dot_product_attention`` itself.
     """

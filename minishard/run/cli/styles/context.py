@@ -28,7 +28,7 @@ class ContextStyle(Style):
     """``cp``, ``dp+cp``: the sequence over "context", the GPT's attention a ring (``minishard.context``).
 
     Its step is the preset's: the GPT's loss deals each batch out zig-zag
-    (``gpt.in_sequence_layout``) and its ``"ring"`` attention core sends K and V
+    (``run.next_token.in_sequence_layout``) and its ``"ring"`` attention core sends K and V
     round the devices of "context". ``explain`` compiles the step and shows the ring.
     """
 
