@@ -10,7 +10,11 @@ import json
 import math
 import os
 import re
+import signal
 import string
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -96,6 +100,30 @@ def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys
             f"this run {flag} {value}: the resumed run would follow neither; resume with {flag} {saved}, "
             "or start afresh"
         ), err
+
+
+@needs_shakespeare
+@pytest.mark.slow  # a process of its own: imports JAX and TensorFlow
+def test_ctrl_c_while_the_gpt_s_data_loads_exits_130_not_a_segfault():
+    argv = [sys.executable, "-m", "minishard", "train", *TINY, "--steps", "2", "--warmup-steps", "1"]
+    trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert trainer.stdout is not None
+    for line in trainer.stdout:  # the plan's last line: the data load (TensorFlow's import, its read) is next
+        if line.startswith("total:"):
+            break
+    time.sleep(1.0)
+    for _ in range(30):  # Python drops a Ctrl-C that lands in a garbage-collector callback: press again
+        trainer.send_signal(signal.SIGINT)
+        try:
+            out, err = trainer.communicate(timeout=2)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    else:
+        trainer.kill()
+        pytest.fail("30 Ctrl-Cs, 2 s apart, did not stop the run")
+    assert trainer.returncode == 130, (trainer.returncode, err[-2000:])
+    assert err.strip().splitlines()[-1] == "interrupted", err
 
 
 BAD_FLAGS = [

@@ -16,6 +16,8 @@ and the checks of several flags at once), ``models`` (one entry per model) and
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -77,7 +79,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``minishard`` console script: ``train``, ``explain``, ``sample`` or ``launch``, as parsed.
 
     Every failure reaches the user as one ``error:`` line (``--debug`` shows the
-    traceback); Ctrl-C stops with one line that says where to resume from.
+    traceback); Ctrl-C stops with one line that says where to resume from, and
+    the program (``argv`` None: the command line's) exits 130 there and then:
+    Ctrl-C inside TensorFlow's data load leaves threads that crash the
+    interpreter's teardown (a segfault, exit -11, 4-8 s into a GPT run).
     """
     args = parse_args(argv)
-    return COMMANDS[args.subcommand].run(args)  # launch: N processes of this same main (train ...)
+    status = COMMANDS[args.subcommand].run(args)  # launch: N processes of this same main (train ...)
+    if status == 130 and argv is None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
