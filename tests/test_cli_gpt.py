@@ -115,7 +115,7 @@ def test_ctrl_c_while_the_gpt_s_data_loads_exits_130_not_a_segfault():
     for _ in range(30):  # Python drops a Ctrl-C that lands in a garbage-collector callback: press again
         trainer.send_signal(signal.SIGINT)
         try:
-            out, err = trainer.communicate(timeout=2)
+            _, err = trainer.communicate(timeout=2)
             break
         except subprocess.TimeoutExpired:
             continue
