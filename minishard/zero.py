@@ -38,9 +38,11 @@ padded to a multiple of N, one contiguous 1/N per device. The SGD and AdamW of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from minishard import _checks
+from minishard.census import Collective, collectives, human_bytes, summary
 from minishard.layers import Sequential
 from minishard.losses import Batch, Loss, classification_loss
 from minishard.optim import Optimizer
@@ -210,4 +213,85 @@ def zero_train_step(
     return ZeroStep(optimizer, mesh, level, axis, loss)
 
 
-__all__ = ["ZeroStep", "flat_padded", "unpadded", "zero_train_step"]
+# -- what it sends, against the minimum ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroReport:
+    """``zero_report``: what a ZeRO step sends (the census) against the minimum, and what a device holds.
+
+    The minimum: every parameter gathered once, each padded by ``flat_padded`` to split ``n`` ways,
+    and 1/n of every gradient reduce-scattered to each device. No gradient is all-reduced: the one
+    all-reduce is the loss and metric's mean, two float32 scalars.
+
+    >>> import numpy as np, minishard as ms
+    >>> step = zero_train_step(ms.SGD(0.1, momentum=0.9), ms.make_mesh({"data": 8}), level=3)
+    >>> model = step.shard(ms.mlp([4, 8, 2], key=jax.random.key(0)))   # 58 numbers, padded 64
+    >>> batch = {"image": np.ones((16, 4), np.float32), "label": np.zeros(16, np.int32)}
+    >>> report = zero_report(step, (model, step.init(model), batch))
+    >>> report.sent == report.minimum
+    True
+    >>> print(report)
+    collectives of the zero step:
+      all-reduce      x1  8 B  over ('data',)
+      all-gather      x4  256 B  over ('data',)
+      reduce-scatter  x4  32 B  over ('data',)
+    full-gradient all-reduce: 0 B (8 B all-reduced, 8 B of it the loss and accuracy)
+    sent: all-gather 256 B + reduce-scatter 32 B = 288 B
+    the minimum: the parameters (padded to split 8 ways) 256 B + 1/8: 288 B
+    per device: parameters 32 B, SGD velocity 32 B
+    """
+
+    METRIC_BYTES: ClassVar[int] = 2 * 4  # the loss and metric, two float32 scalars, all-reduced
+    n: int
+    found: Mapping[str, Collective]
+    whole: int  # the parameters' bytes, each padded to split n ways
+    held: tuple[tuple[str, int], ...]  # (what, its bytes on one device)
+
+    def bytes(self, kind: str) -> int:
+        return self.found[kind].bytes if kind in self.found else 0
+
+    @property
+    def sent(self) -> int:
+        return self.bytes("all-gather") + self.bytes("reduce-scatter")
+
+    @property
+    def minimum(self) -> int:
+        return self.whole + self.whole // self.n
+
+    def __str__(self) -> str:
+        reduced, gathered, scattered = map(self.bytes, ("all-reduce", "all-gather", "reduce-scatter"))
+        n = self.n
+        return "\n".join(
+            [
+                "collectives of the zero step:",
+                *("  " + line for line in summary(self.found).splitlines()),
+                f"full-gradient all-reduce: {max(reduced - self.METRIC_BYTES, 0):,} B ({reduced:,} B "
+                f"all-reduced, {self.METRIC_BYTES} B of it the loss and accuracy)",
+                f"sent: all-gather {gathered:,} B + reduce-scatter {scattered:,} B = {self.sent:,} B",
+                f"the minimum: the parameters (padded to split {n} ways) {self.whole:,} B + 1/{n}: "
+                f"{self.minimum:,} B",
+                "per device: " + ", ".join(f"{name} {human_bytes(held)}" for name, held in self.held),
+            ]
+        )
+
+
+def zero_report(step: ZeroStep, args: tuple[Any, ...]) -> ZeroReport:
+    """A ``ZeroReport`` of ``step`` on ``(model, opt_state, batch)``, placed by ``step.shard``, ``init``."""
+    model, opt_state, _ = args
+    padded = jax.eval_shape(step._shards, step.shapes)
+    whole = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(padded))
+    state = opt_state._asdict() if hasattr(opt_state, "_asdict") else {"state": opt_state}
+    kept = {"parameters": model} | {f"{type(step.optimizer).__name__} {k}": tree for k, tree in state.items()}
+    held = tuple(
+        (name, b) for name, tree in kept.items() if (b := _one_device(tree)) > 4
+    )  # not a step counter
+    return ZeroReport(step.n, collectives(step.lower(*args)), whole, held)
+
+
+def _one_device(tree: Any) -> int:
+    """The bytes of ``tree`` that its first device holds."""
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+__all__ = ["ZeroReport", "ZeroStep", "flat_padded", "unpadded", "zero_report", "zero_train_step"]

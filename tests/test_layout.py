@@ -63,7 +63,7 @@ CHAPTERS = {
     "costs": 385,
     "pipeline": 408,  # issue 43: stack (12 lines), the one way to stack a built model for pp
     "pipeline_1f1b": 80,
-    "zero": 230,
+    "zero": 300,
     "context": 428,
     "sequence": 200,
     "experts": 395,

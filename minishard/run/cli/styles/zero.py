@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 import jax
 from jax.sharding import Mesh
 
-from minishard.census import collectives, human_bytes, summary
 from minishard.costs import StepCost, cost_report
 from minishard.optim import Optimizer
 from minishard.run.cli.flags import Error, first_devices
@@ -25,7 +24,7 @@ from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.style import Args, Style
 from minishard.run.steps import CLASSIFICATION, Task
 from minishard.sharding import ShardedFunction, make_mesh
-from minishard.zero import zero_train_step
+from minishard.zero import zero_report, zero_train_step
 
 __all__ = ["ZeroStyle"]
 
@@ -36,8 +35,6 @@ class ZeroStyle(Style):
 
     LEVEL = 3
     parsed: ClassVar[Mapping[str, Any]] = {"zero": None}  # ZeRO's level, under --parallel zero
-    METRIC_BYTES = 2 * 4
-    """What its step all-reduces besides gradients: the loss and accuracy, two float32 scalars."""
     compiles = True
     own_step = checks_microbatches = True
 
@@ -95,38 +92,8 @@ class ZeroStyle(Style):
         step = self.step(optimizer, mesh, MODELS[args.model].task)
         placed = step.shard(model)
         step_args = (placed, step.init(placed), batch)
-        found = collectives(step.lower(*step_args))
-        sent = {
-            kind: found[kind].bytes if kind in found else 0
-            for kind in ("all-gather", "reduce-scatter", "all-reduce")
-        }
-        whole = sum((leaf.size + -leaf.size % n) * leaf.dtype.itemsize for leaf in jax.tree.leaves(model))
         print(f"{args.model} under zero (ZeRO-{self.LEVEL} by hand) on {n} devices, batch {args.batch_size}")
-        print(
-            "collectives of the zero step:\n" + "\n".join("  " + line for line in summary(found).splitlines())
-        )
-        gradient = max(sent["all-reduce"] - self.METRIC_BYTES, 0)
-        reduced = f"{sent['all-reduce']:,} B all-reduced, {self.METRIC_BYTES} B of it the loss and accuracy"
-        print(f"full-gradient all-reduce: {gradient:,} B ({reduced})")
-        gathered, scattered = sent["all-gather"], sent["reduce-scatter"]
-        print(
-            f"sent: all-gather {gathered:,} B + reduce-scatter {scattered:,} B = {gathered + scattered:,} B"
-        )
-        minimum = whole + whole // n  # every parameter gathered, 1/n of every gradient scattered to each
-        print(f"the minimum: the parameters (padded to split {n} ways) {whole:,} B + 1/{n}: {minimum:,} B")
-        state = step_args[1]._asdict() if hasattr(step_args[1], "_asdict") else {"state": step_args[1]}
-        kept = {"parameters": placed} | {
-            f"{type(optimizer).__name__} {name}": tree for name, tree in state.items()
-        }
-        held = [
-            f"{name} {human_bytes(_one_device(tree))}" for name, tree in kept.items() if _one_device(tree) > 4
-        ]
-        print("per device: " + ", ".join(held))  # (a step counter's 4 B left out)
+        print(zero_report(step, step_args))
         if args.hardware:
             print(cost_report(step, step_args, mesh, self.rules({}), args.hardware))
         return 0
-
-
-def _one_device(tree: Any) -> int:
-    """The bytes of ``tree`` that its first device holds."""
-    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
