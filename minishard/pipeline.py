@@ -335,7 +335,16 @@ def megatron_bubble(p: int, m: int, r: int = 1) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineReport:
-    """What ``pipeline_report`` read from a compiled pipelined step; ``print`` shows it, schedule drawn."""
+    """What ``pipeline_report`` read from a compiled pipelined step; ``print`` shows it, schedule drawn.
+
+    >>> print(PipelineReport(2, 2, 1, 3, 1 / 3, 1 / 3, 96, 4_000_000))
+    stages 2, microbatches 2, ticks 3 (read from the compiled loop)
+    bubble 0.333 from the program, 0.333 = (p-1)/(m+p-1)
+    collective-permute over 'stage': 96 bytes per step
+    temporary memory: 4.00 MB per device
+    stage 0 | 0 1 .
+    stage 1 | . 0 1
+    """
 
     stages: int
     microbatches: int
@@ -345,13 +354,15 @@ class PipelineReport:
     bubble_formula: float  # bubble_fraction(p, m, r)
     permute_bytes: int  # sent over the stage axis in one step
     temp_bytes: int  # temporary memory per device
+    stage_axis: str = "stage"
 
     def __str__(self) -> str:
         p, m, r = self.stages, self.microbatches, self.repeats
+        repeats, rm = (f", repeats {r}", "r·m") if r > 1 else ("", "m")
         lines = [
-            f"stages {p}, microbatches {m}, repeats {r}, ticks {self.ticks} (read from the compiled loop)",
-            f"bubble {self.bubble:.3f} from the program, {self.bubble_formula:.3f} = (p-1)/(r·m+p-1)",
-            f"collective-permute over the stage axis: {self.permute_bytes} bytes per step",
+            f"stages {p}, microbatches {m}{repeats}, ticks {self.ticks} (read from the compiled loop)",
+            f"bubble {self.bubble:.3f} from the program, {self.bubble_formula:.3f} = (p-1)/({rm}+p-1)",
+            f"collective-permute over {self.stage_axis!r}: {self.permute_bytes} bytes per step",
             f"temporary memory: {self.temp_bytes / 1e6:.2f} MB per device",
         ]
         return "\n".join([*lines, draw(schedule(p, m, r))])
@@ -368,7 +379,8 @@ def pipeline_report(step: Any, args: tuple[Any, ...], pipeline: Pipeline | None 
     ticks = compiled_ticks(compiled)
     sent = bytes_by_mesh_axes(compiled).get(("collective-permute", (pipeline.stage_axis,)), 0)
     temp = compiled.memory_analysis().temp_size_in_bytes
-    return PipelineReport(p, m, r, ticks, (ticks - r * m) / ticks, bubble_fraction(p, m, r), sent, temp)
+    bubble = (ticks - r * m) / ticks
+    return PipelineReport(p, m, r, ticks, bubble, bubble_fraction(p, m, r), sent, temp, pipeline.stage_axis)
 
 
 def compiled_ticks(compiled: jax.stages.Compiled) -> int:

@@ -115,12 +115,7 @@ class PipelineStyle(Style):
         optimizer = model.compiled_optimizer(args)
         step = Sharded(mesh, rules)(make_train_step(optimizer, model.task.loss))
         example = (stacked, jax.eval_shape(optimizer.init, stacked), model.example(args, args.batch_size))
-        r = pipeline.pipeline_report(step, example)
-        p, m = r.stages, r.microbatches
+        report = str(pipeline.pipeline_report(step, example))
         print(f"\nOne training step (batch {args.batch_size}), compiled:")
-        print(f"  stages {p}, microbatches {m}, ticks {r.ticks} (read from the compiled loop)")
-        print(f"  bubble {r.bubble:.3f} from the program, {r.bubble_formula:.3f} = (p-1)/(m+p-1)")
-        print(f"  collective-permute over 'stage': {r.permute_bytes} bytes per step")
-        print(f"  temporary memory: {r.temp_bytes / 1e6:.2f} MB per device")
-        print(pipeline.draw(pipeline.schedule(p, m)))
+        print("\n".join("  " + line for line in report.splitlines()))
         return 0
