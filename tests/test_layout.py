@@ -61,7 +61,7 @@ PUBLIC = tuple(name for name in ORDER if not name.startswith("_"))
 CHAPTERS = {
     "hardware": 85,
     "costs": 385,
-    "pipeline": 420,  # issue 43: stack (12 lines), the one way to stack a built model for pp; the report's doctest (12)
+    "pipeline": 420,  # issue 43: stack (12 lines), the one way to stack for pp; the report's doctest (12)
     "pipeline_1f1b": 80,
     "zero": 300,
     "context": 428,
