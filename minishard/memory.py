@@ -183,9 +183,21 @@ def block_activations(
     return 4 * stream + 4 * b * s * heads * head_dim + softmax + 2 * b * s * hidden
 
 
-def head_activations(b: int, s: int, width: int, vocab: int, sp: int = 1) -> int:
-    """What the last LayerNorm and the head keep: its input and output, and the logits' softmax."""
-    return 2 * b * s * width // sp + b * s * vocab
+def head_activations(b: int, s: int, width: int, logits: int, sp: int = 1) -> int:
+    """What the last LayerNorm and the head keep: the norm's input and output, and the logits' softmax
+    (``logits`` per example: the GPT's s·vocab, the ViT's classes)."""
+    return 2 * b * s * width // sp + b * logits
+
+
+def mlp_activations(b: int, widths: tuple[int, ...]) -> int:
+    """Numbers an MLP of layer sizes ``widths`` (one device's) keeps for ``b`` examples: each Linear's
+    input, each activation's input, and the logits' softmax.
+
+    >>> mlp_activations(8, (784, 512, 10))   # 8 x (784 + 512, the Linears; 512, the Swish; 10)
+    14544
+    """
+    hidden = sum(widths[1:-1])
+    return b * (widths[0] + 2 * hidden + widths[-1])
 
 
 # --- 4. one step, from its plan ----------------------------------------------------------------
@@ -230,18 +242,25 @@ class Budget:
         return "\n".join(lines + [f"{n.ljust(width)}  {p.rjust(9)}  {c}".rstrip() for n, p, c in rows])
 
     def verdict(self, hardware: Hardware, devices: int) -> str:
-        """Does it fit on one ``hardware``'s HBM; if not, what ZeRO-3 over all ``devices`` would need."""
-        gb, hbm = self.total / 1e9, hardware.hbm_bytes / 1e9
+        """Does it fit on one ``hardware``'s HBM? If not, its largest term, and what ZeRO-3 over all
+        ``devices`` would need (parameters, gradients and optimizer state split as far as they go).
+
+        >>> from minishard.hardware import HARDWARE
+        >>> Budget({"parameters": 2e9, "activations": 1e9}).verdict(HARDWARE["h100"], 8)
+        'fits on one H100: 3.0 GB of 80.0 GB'
+        >>> Budget({"parameters": 112e9}).verdict(HARDWARE["h100"], 8)
+        'does not fit: 112.0 GB > 80.0 GB (parameters 112.0 GB); ZeRO-3 over 8 would need 14.0 GB'
+        """
+        total, hbm = human_bytes(int(self.total)), human_bytes(int(hardware.hbm_bytes))
         if self.total <= hardware.hbm_bytes:
-            return f"fits on one {hardware.name}: {gb:.1f} of {hbm:.0f} GB"
-        state = (
-            self.terms.get("parameters", 0)
-            + self.terms.get("optimizer state", 0)
-            + self.terms.get("master", 0)
-        )
-        sharded = self.total - state - self.terms.get("gradients", 0) * (1 - 1 / devices)
-        zero3 = (sharded + state / devices) / 1e9
-        return f"does not fit: {gb:.1f} GB > {hbm:.0f} GB; ZeRO-3 over {devices} would need {zero3:.1f} GB"
+            return f"fits on one {hardware.name}: {total} of {hbm}"
+        largest = max(self.terms, key=self.terms.__getitem__)
+        line = f"does not fit: {total} > {hbm} ({largest} {human_bytes(int(self.terms[largest]))})"
+        state = sum(self.terms.get(name, 0) for name in ZERO_STATE)  # as this style splits it
+        zero3 = self.total - state + state * self.split / devices
+        if zero3 > 0.99 * self.total:
+            return f"{line}; its state is already split over the {devices} devices"
+        return f"{line}; ZeRO-3 over {devices} would need {human_bytes(int(zero3))}"
 
 
 def _seen(compiled: Memory) -> dict[str, float]:
@@ -265,16 +284,15 @@ def step_budget(
 ) -> Budget:
     """Per device: each term of a step on ``args``, ``(model, opt_state, batch)``, from ``Sharded``'s plan.
 
-    Gradients are laid out as the parameters; ``activations`` (bytes) come from section 3.
+    Gradients lie as the parameters, twice where replicas all-reduce them; FSDP gathers a weight whole.
 
     >>> from minishard import AdamW, mlp
     >>> model, mesh = mlp([8, 16, 4], key=jax.random.key(0)), jax.sharding.AbstractMesh((8,), ("data",))
     >>> args = (model, AdamW(1e-3).init(model), np.zeros((64, 8), np.float32))
     >>> step_budget(args, mesh, AxisRules(batch="data")).terms
-    {'parameters': 848, 'optimizer state': 1700, 'batch': 256, 'gradients': 848}
+    {'parameters': 848, 'optimizer state': 1700, 'batch': 256, 'gradients': 848, 'reduced gradients': 848}
     """
-    planned = Sharded(cast(Mesh, mesh), rules).plan_inputs(args)  # an AbstractMesh plans as well
-    shards = _shard_bytes(planned, args)
+    shards = _shard_bytes(planned := Sharded(cast(Mesh, mesh), rules).plan_inputs(args), args)
     numbers, whole = shards["model"][0], shards["model"][2]  # parameters per device, in all
     terms = {
         "parameters": numbers * itemsize(precision.params),
@@ -283,33 +301,49 @@ def step_budget(
         "batch": shards["batch"][1],
         "gradients": numbers * (itemsize(precision.grads) + itemsize(precision.accumulated)),
         "activations": activations,
-        "gathered": (whole - numbers) * itemsize(precision.params) if _gathers(planned) else 0,
+        "reduced gradients": numbers * itemsize(precision.grads) if _replicas(planned) else 0,
+        "gathered": shards["model"][3] * itemsize(precision.params) if _gathers(planned) else 0,
     }
     return Budget({name: size for name, size in terms.items() if size}, whole / numbers)
 
 
-def _shard_bytes(plan: Plan, args: tuple[Any, ...]) -> dict[str, tuple[int, int, int]]:
-    """Per argument of ``(model, opt_state, batch)``: numbers per device, their bytes, numbers in all.
+def _shard_bytes(plan: Plan, args: tuple[Any, ...]) -> dict[str, tuple[int, int, int, int]]:
+    """Per argument of ``(model, opt_state, batch)``: numbers per device, their bytes, numbers in all,
+    and the most numbers one array gains when gathered whole.
 
     A plan's path starts with the argument's position ("[1].mu.layers[0].weight"); its
     leaves come in the order of the arguments' leaves, whose dtypes give the bytes.
     """
-    found = {kind: [0, 0, 0] for kind in ("model", "state", "batch")}
+    found = {kind: [0, 0, 0, 0] for kind in ("model", "state", "batch")}
     for leaf, array in zip(plan.leaves, jax.tree.leaves(args), strict=True):
         kind, numbers = ("model", "state", "batch")[int(leaf.path[1])], math.prod(leaf.shard_shape)
         found[kind][0] += numbers
         found[kind][1] += numbers * np.dtype(array.dtype).itemsize
         found[kind][2] += math.prod(leaf.shape)
-    return {kind: (n, size, whole) for kind, (n, size, whole) in found.items()}
+        found[kind][3] = max(found[kind][3], math.prod(leaf.shape) - numbers)  # the most one gather adds
+    return {kind: (n, size, whole, gather) for kind, (n, size, whole, gather) in found.items()}
+
+
+def _replicas(plan: Plan) -> bool:
+    """Data parallel replicas: the batch is split over a mesh axis that leaves the parameters whole, so
+    the gradients are all-reduced over it, the sum written beside the summands."""
+    model_axes, batch_axes = _split_axes(plan)
+    return bool(batch_axes - model_axes)
 
 
 def _gathers(plan: Plan) -> bool:
-    """FSDP: some parameter is split over a mesh axis the batch is split over too."""
-    axes: dict[str, set[str]] = {"model": set(), "batch": set()}
+    """FSDP: the parameters are split over a mesh axis the batch is split over too."""
+    model_axes, batch_axes = _split_axes(plan)
+    return bool(batch_axes & model_axes)
+
+
+def _split_axes(plan: Plan) -> tuple[set[str], set[str]]:
+    """The mesh axes that split the parameters, and those that split the batch."""
+    axes: dict[str, set[str]] = {"0": set(), "2": set()}  # the model's, the batch's (argument 0, 2)
     for leaf in plan.leaves:
-        if leaf.path[1] in "02":  # the model's, the batch's
-            axes["model" if leaf.path[1] == "0" else "batch"].update(_mesh_axes(leaf.spec))
-    return bool(axes["model"] & axes["batch"])
+        if leaf.path[1] in axes:
+            axes[leaf.path[1]].update(_mesh_axes(leaf.spec))
+    return axes["0"], axes["2"]
 
 
 def _mesh_axes(spec: Any) -> set[str]:
@@ -331,6 +365,7 @@ __all__ = [
     "head_activations",
     "itemsize",
     "korthikanti",
+    "mlp_activations",
     "step_budget",
     "zero_bytes",
 ]

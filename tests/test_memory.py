@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
-import pytest
+import functools
+from typing import Any
 
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+
+from minishard import SGD, AdamW, Sharded, make_mesh, megatron_axes, mlp
 from minishard import memory as mm
+from minishard.costs import Memory
 from minishard.memory import FP32, MIXED, Precision, bytes_per_parameter, zero_bytes
+from minishard.models.gpt import GPT, next_token_loss
+from minishard.models.vit import ViT
+from minishard.presets import preset
+from minishard.run.cli import main
+from minishard.run.cli.memory import budget
+from minishard.run.cli.models.gpt import NEXT_CHARACTER
+from minishard.run.steps import classification_loss, make_train_step
 
 GB = 1e9
 
@@ -98,3 +113,158 @@ def test_bad_input_is_one_line_naming_the_argument(call, says):
     with pytest.raises(ValueError, match=says) as caught:
         call()
     assert "\n" not in str(caught.value)
+
+
+# --- predicted against compiled ----------------------------------------------------------------
+
+DEVICES = 4  # every style's split divides the default models' 4 heads
+
+
+def _case(name: str) -> tuple[Any, Any, dict[str, Any], Any]:
+    """A default model of the CLI, its optimizer, a batch and its loss."""
+    key = jax.random.key(0)
+    images = {"label": jnp.zeros(32, jnp.int32)}
+    if name == "mlp":
+        model = mlp([784, 512, 10], key=key, axes=megatron_axes(2))
+        return model, SGD(0.1, momentum=0.9), {"image": jnp.zeros((32, 784)), **images}, classification_loss
+    if name == "vit":
+        return (
+            ViT(key=key),
+            SGD(0.1, momentum=0.9),
+            {"image": jnp.zeros((32, 28, 28, 1)), **images},
+            classification_loss,
+        )
+    windows = jnp.zeros((16, 64), jnp.int32)
+    return GPT(key=key), AdamW(1e-3), {"inputs": windows, "targets": windows}, NEXT_CHARACTER.loss
+
+
+@functools.cache
+def predicted_and_compiled(name: str, style: str) -> tuple[mm.Budget, Memory]:
+    """The budget of a train step that donates its model and state, as ``train`` compiles it, and the
+    compiler's ``memory_analysis()``: one compile per model and style, shared by the tests."""
+    shape, rules = preset(style, DEVICES)
+    mesh = make_mesh(shape, devices=jax.devices()[:DEVICES])
+    model, optimizer, batch, loss = _case(name)
+    args = (model, optimizer.init(model), batch)
+    step = Sharded(mesh, rules, donate_argnums=(0, 1))(make_train_step(optimizer, loss))
+    return budget(args, mesh, rules), Memory.of(step.lower(*args).compile())
+
+
+MORE_KEPT = (
+    "XLA:CPU keeps more of a transformer than the formula's minimum: each LayerNorm's centred input and "
+    "normalised output besides its input and output (whole on every device where heads split), and the "
+    "softmax's exponentials beside its output"
+)
+CASES = [
+    ("mlp", "dp", None),
+    ("vit", "dp", None),
+    ("gpt", "dp", None),
+    ("mlp", "2d", None),
+    ("mlp", "fsdp", None),
+    ("mlp", "fsdp+tp", None),
+    ("mlp", "tp", "no gradient is all-reduced, so XLA fuses each into its update: they are never all alive"),
+    *[(name, style, MORE_KEPT) for name in ("vit", "gpt") for style in ("tp", "2d", "fsdp+tp")],
+    ("vit", "fsdp", MORE_KEPT),
+    (
+        "gpt",
+        "fsdp",
+        "XLA's propagation computes the GPT's activations on the whole batch on every device under fsdp "
+        "(the embedding's gather takes the table's layout, embed over data): 8x the activations",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "style"),
+    [
+        pytest.param(name, style, marks=() if (name, style) == ("mlp", "dp") else pytest.mark.slow)
+        for name, style, _ in CASES
+    ],
+)
+def test_predicted_arguments_are_the_compilers_to_the_byte(name, style):
+    predicted, compiled = predicted_and_compiled(name, style)
+    assert predicted.arguments == compiled.arguments
+
+
+@pytest.mark.parametrize(
+    ("name", "style"),
+    [
+        pytest.param(
+            name,
+            style,
+            marks=[
+                *(() if (name, style) == ("mlp", "dp") else (pytest.mark.slow,)),
+                *(() if why is None else (pytest.mark.xfail(strict=True, reason=why),)),
+            ],
+        )
+        for name, style, why in CASES
+    ],
+)
+def test_predicted_temporaries_are_the_compilers_within_15_percent(name, style):
+    predicted, compiled = predicted_and_compiled(name, style)
+    ratio = predicted.temporaries / compiled.temporaries
+    print(f"{name} {style}: predicted / compiled temporaries {ratio:.2f}")
+    assert 0.85 <= ratio <= 1.15, predicted.table(compiled)
+
+
+# --- recomputation ----------------------------------------------------------------------------
+
+
+def _saved(remat: bool, capsys: Any) -> list[str]:
+    """What autodiff saves for the backward pass of a small GPT's loss (``print_saved_residuals``),
+    less the parameters it reads back."""
+    model = GPT(vocab=65, context=16, width=32, depth=2, heads=2, key=jax.random.key(0), remat=remat)
+    windows = jnp.zeros((3, 16), jnp.int32)
+    print_saved_residuals(lambda m: next_token_loss(m, {"inputs": windows, "targets": windows})[0], model)
+    return [line for line in capsys.readouterr().out.splitlines() if "from the argument" not in line]
+
+
+def test_full_recomputation_keeps_only_each_blocks_input(capsys):
+    kept = _saved(True, capsys)
+    inside = [line for line in kept if "attention.py" in line or "layers.py" in line]
+    inputs = [line for line in kept if line.startswith("f32[3,16,32]") and "LayerNorm" not in line]
+    assert not inside, inside  # nothing of attention, the MLP or the Swish: recomputed
+    assert [line.split(" (")[-1] for line in inputs] == ["Embedding.__call__)", "Block.residual_mlp)"]
+    assert any("attention.py" in line for line in _saved(False, capsys))  # without: the softmax and more
+
+
+# --- minishard explain --memory --------------------------------------------------------------
+
+
+def test_explain_memory_sets_each_term_beside_the_compiled_step(capsys):
+    assert main(["explain", "--model", "mlp", "--parallel", "dp", "--memory", "--hardware", "h100"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0].strip(): line for line in out.splitlines()}
+    for term in ("parameters", "optimizer state", "gradients", "reduced gradients", "activations"):
+        assert term in rows, out
+    assert "(1.00x)" in rows["arguments"], out  # the arguments to the byte
+    assert out.strip().splitlines()[-1].startswith("fits on one H100: "), out
+
+
+def test_explain_memory_gives_a_7b_gpt_a_verdict_without_compiling(capsys):
+    shape = ["--width", "4096", "--depth", "32", "--heads", "32", "--context", "4096"]
+    flags = ["--parallel", "fsdp", "--devices", "64", "--hardware", "h100", "--memory"]
+    assert main(["explain", "--model", "gpt", *shape, *flags]) == 0
+    out = capsys.readouterr().out
+    assert "gpt (6,460,948,545 parameters) under fsdp on 64 devices" in out
+    assert "not compiled here" in out and "compiled" not in out.splitlines()[1]
+    assert out.strip().splitlines()[-1].startswith("does not fit: "), out  # 103 GB of activations
+    assert main(["explain", "--model", "gpt", *shape, *flags, "--remat"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits on one H100: ")
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--parallel", "pp"], "argument --memory: it predicts dp, tp, 2d, fsdp, fsdp+tp's step"),
+        (["--compare", "--hardware", "h100"], "argument --memory: one style at a time"),
+        (["--model", "gpt", "--heads", "3"], "argument --heads: 3 heads must divide --width 128"),
+        (["--model", "gpt", "--parallel", "tp", "--heads", "2"], "argument --heads: 2 heads cannot split"),
+    ],
+)
+def test_explain_memory_refuses_bad_flags_in_one_line(flags, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "--memory", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err, err
+    assert err.strip().splitlines()[-1].startswith("minishard explain: error:")

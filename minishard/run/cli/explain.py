@@ -36,6 +36,7 @@ from minishard.run.cli.flags import (
     flag_owners,
     refuse_other_models_flags,
 )
+from minishard.run.cli.memory import print_memory
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import STYLES, warn_unused
 from minishard.run.cli.styles.context import ContextStyle
@@ -68,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--compare", action="store_true", help="rank every preset and mesh shape on --hardware")
     add("--topology", help="compile the step for this TPU slice with XLA:TPU, ahead of time (e.g. v5e:2x4)")
+    add("--memory", action="store_true", help="a train step's bytes per device by term; fits?")
     # each model's flags that change the step priced (the GPT's --context)
     add_model_flags(parser, flag_owners(MODELS.values(), lambda entry: entry.explain_flags))
 
@@ -85,7 +87,11 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     args.parallel = args.parallel or model.style or DEFAULT_STYLE
     style = STYLES[args.parallel]
     args.topology_devices = _topology(args, style, error) if args.topology else None
-    compiles = args.hardware or args.compare or style.compiles or args.topology
+    if args.memory and args.compare:
+        error("argument --memory: one style at a time; drop --compare")
+    if args.memory and args.parallel not in PRESETS:
+        error(f"argument --memory: it predicts {', '.join(PRESETS)}'s step, not --parallel {args.parallel}'s")
+    compiles = args.hardware or args.compare or style.compiles or args.topology or args.memory
     if args.batch_size is not None and not compiles:
         others = " or ".join(f"--parallel {name}" for name, other in STYLES.items() if other.compiles)
         error(f"argument --batch-size: only a compiled step takes it; add --hardware (or {others})")
@@ -115,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     model, style = MODELS[args.model], STYLES[args.parallel]
     if refused := style.before_explain(args):
         return refused  # before any work: a pipeline's step is compiled below, on devices
+    if args.memory:
+        return print_memory(args)
     if args.hardware or args.compare or style.compiles:
         return price(args)
     shape, rules = style.mesh(args.devices), style.rules({})

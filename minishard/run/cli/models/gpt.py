@@ -138,7 +138,8 @@ def check_moe(args: Args, error: Error) -> None:
         )
 
 
-def _check_gpt(args: Args, error: Error) -> None:
+def _check_gpt_shape(args: Args, error: Error) -> None:
+    """--heads divide --width and split over "model"; the MoE flags (``check_moe``)."""
     check_heads(args, error)
     if args.heads % (ways := args.mesh.get("model", 1)):  # every preset with a "model" axis splits heads
         error(
@@ -146,6 +147,10 @@ def _check_gpt(args: Args, error: Error) -> None:
             f"give a multiple of {ways}, or fewer --devices"
         )
     check_moe(args, error)
+
+
+def _check_gpt(args: Args, error: Error) -> None:
+    _check_gpt_shape(args, error)
     if args.context >= (held_out := text_data.TEXT_DATASET_INFO[args.dataset].held_out_characters):
         error(
             f"argument --context: {args.context} characters and the next one do not fit {args.dataset}'s "
@@ -215,7 +220,8 @@ GPT_ENTRY = ModelEntry(
     example=_windows,
     fill=_fill_gpt,
     check=_check_gpt,
-    explain_flags=("context", *MOE_FLAGS),  # a longer window, experts: another step to price
-    check_explain=check_moe,
+    # a longer window, experts, another shape (a 7B on paper: explain --memory): another step to price
+    explain_flags=("context", "width", "depth", "heads", "mlp_ratio", "remat", *MOE_FLAGS),
+    check_explain=_check_gpt_shape,
     stack=Stacking(lambda args, key: _gpt(args, key, stacked=True), depth_over_stages(4), check_depth_stages),
 )
