@@ -13,14 +13,16 @@ from jax.ad_checkpoint import print_saved_residuals
 from minishard import SGD, AdamW, Sharded, make_mesh, megatron_axes, mlp
 from minishard import memory as mm
 from minishard.costs import Memory
+from minishard.losses import classification_loss
 from minishard.memory import FP32, MIXED, Precision, bytes_per_parameter, zero_bytes
-from minishard.models.gpt import GPT, next_token_loss
+from minishard.models.gpt import GPT
 from minishard.models.vit import ViT
 from minishard.presets import preset
 from minishard.run.cli import main
 from minishard.run.cli.memory import budget
 from minishard.run.cli.models.gpt import NEXT_CHARACTER
-from minishard.run.steps import classification_loss, make_train_step
+from minishard.run.next_token import next_token_loss
+from minishard.run.steps import make_train_step
 
 GB = 1e9
 
