@@ -3,6 +3,8 @@
 libtpu is installed by the dev extra, so these run on every machine; nothing runs on a TPU.
 """
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -113,3 +115,15 @@ def test_a_tp_gpt_step_sends_megatrons_four_all_reduces_per_block_on_both_compil
         assert found["all-reduce"].count == 4 * sizes["depth"], program.compiler
         assert found["all-reduce"].bytes == 4 * sizes["depth"] * activation, program.compiler
         assert found["all-reduce"].mesh_axes == (("model",),), program.compiler
+
+
+@pytest.mark.slow  # 8-15 s: the default MLP's step compiled by both compilers
+def test_explain_on_a_topology_prints_xla_tpus_report_and_both_programs(capsys):
+    assert main(["explain", "--parallel", "fsdp", "--topology", TOPOLOGY, "--batch-size", "4096"]) == 0
+    out = capsys.readouterr().out
+    report, programs = out.split("compiled by XLA:CPU (8 simulated devices) and XLA:TPU:\n")
+    assert "predicted step on TPU v5e, 512 examples per device" in report  # the slice's chips price it
+    assert re.search(r"\n  reduce-scatter +x1  213.0 kB  over \('data',\)\n", report)  # XLA:TPU's census
+    rows = {line.split()[0]: line for line in programs.splitlines()}
+    assert rows["reduce-scatter"].split()[1] == "-"  # XLA:CPU all-reduces the gradient whole
+    assert rows["reduce-scatter"].split()[2:] == ["x1", "213.0", "kB", "over", "data"]  # 98 rows padded: 104

@@ -152,11 +152,9 @@ def price(args: argparse.Namespace) -> int:
     except ShardingError as error:
         print(f"error: {error}", file=sys.stderr)
     except jax.errors.JaxRuntimeError as error:  # e.g. too many simulated devices for XLA:CPU
-        first = str(error).splitlines()[0]
-        print(
-            f"error: XLA cannot compile the step on {args.devices} devices ({first}); try fewer --devices",
-            file=sys.stderr,
-        )
+        first, on = str(error).splitlines()[0], args.topology or f"{args.devices} devices"
+        advice = "; try fewer --devices" if not args.topology else ""  # XLA:TPU: out of HBM, say
+        print(f"error: XLA cannot compile the step on {on} ({first}){advice}", file=sys.stderr)
     return 1
 
 
