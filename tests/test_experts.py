@@ -251,6 +251,12 @@ class PerLocalBatch(MoE):
         return dispatch, combine * (8 / x.shape[0]), stats
 
 
+def test_assert_moe_equivalent_refuses_a_negative_tolerance():
+    with pytest.raises(ValueError) as error:
+        assert_moe_equivalent(random_moe(), tokens(4, 8), DP_EP, atol=-1.0)
+    assert str(error.value) == "assert_moe_equivalent: atol must be a finite number >= 0, got -1.0"
+
+
 def test_assert_moe_equivalent_names_what_the_hand_written_run_gets_wrong():
     moe, x = random_moe(), tokens(8, 8)
     slip = PerLocalBatch.tree_unflatten(moe.tree_flatten()[1], moe.tree_flatten()[0])

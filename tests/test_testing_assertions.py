@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis.errors import Unsatisfiable
 from jax.sharding import PartitionSpec as P
 from testing_fixtures import (
+    DROPPED,
     HIDDEN,
     MEGATRON,
     MESH,
@@ -109,6 +110,15 @@ def test_assert_split_counts_the_arrays_split_over_a_mesh_axis():
         assert_split(model, MESH, over=("data", "model"), rules=RULES)
 
 
+@pytest.mark.parametrize("at_least", [0, -3, 1.5])
+def test_assert_split_refuses_a_count_that_asks_nothing(at_least):
+    model, _ = model_and_batch(MEGATRON)
+    with pytest.raises(ValueError) as error:
+        assert_split(model, MESH, over="model", rules=RULES, at_least=at_least)
+    words = f"assert_split: at_least must be an int >= 1 (a count of arrays), got {at_least}"
+    assert str(error.value) == words
+
+
 def test_assert_split_names_what_is_and_is_not_split():
     model, _ = model_and_batch(MEGATRON)
     wrong = ms.shard(model, MESH, WRONG_RULES)  # mlp went to "data": split, but not over "model"
@@ -180,14 +190,65 @@ def test_require_split_names_the_logical_axes_that_must_be_split():
     narrow = ms.make_mesh({"data": 8, "model": 1})  # "mlp" -> "model", 1 wide: the batch alone is split
     with pytest.raises(AssertionError) as failure:
         assert_sharded_equivalent(forward, model, x, mesh=narrow, rules=RULES, require_split=["batch", "mlp"])
-    assert str(failure.value).splitlines()[0] == (
-        "assert_sharded_equivalent: logical axis 'mlp' is split in none of the 3 arrays that carry it, "
-        "on mesh {'data': 8, 'model': 1}: model.inner.layers[0].weight ('embed', 'mlp') -> P(None, 'model'), "
+    assert str(failure.value).splitlines()[:2] == [
+        "assert_sharded_equivalent: logical axis 'mlp' is split in 0 of the 3 arrays that carry it, "
+        "on mesh {'data': 8, 'model': 1}; every one must be",
+        "  not split: model.inner.layers[0].weight ('embed', 'mlp') -> P(None, 'model'), "
         "model.inner.layers[0].bias ('mlp',) -> P('model',), "
-        "model.inner.layers[2].weight ('mlp', 'embed') -> P('model', None)"
-    )
-    with pytest.raises(AssertionError, match=r"logical axis 'batch' is split in none of the 1 arrays"):
+        "model.inner.layers[2].weight ('mlp', 'embed') -> P('model', None)",
+    ]
+    with pytest.raises(AssertionError, match=r"logical axis 'batch' is split in 0 of the 1 arrays"):
         assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=WHOLE_BATCH, require_split="batch")
+
+
+def test_require_split_checks_every_array_that_carries_the_name():
+    model, x = model_and_batch(MEGATRON)
+    # "embed" takes "model" first, so each weight falls back to a whole "mlp": only the bias splits it
+    embed_first = ms.AxisRules.from_pairs(
+        [("batch", "data"), ("embed", "model"), ("mlp", "model"), ("mlp", None)]
+    )
+    with pytest.raises(AssertionError) as failure:
+        assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=embed_first, require_split="mlp")
+    assert str(failure.value).splitlines()[:2] == [
+        "assert_sharded_equivalent: logical axis 'mlp' is split in 1 of the 3 arrays that carry it, "
+        "on mesh {'data': 2, 'model': 4}; every one must be",
+        "  not split: model.inner.layers[0].weight ('embed', 'mlp') -> P('model', None), "
+        "model.inner.layers[2].weight ('mlp', 'embed') -> P(None, 'model')",
+    ]
+    assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=embed_first, require_split={"mlp": 1})
+
+
+def test_a_megatron_pair_whose_second_half_lost_its_axes_fails_the_count_it_falls_short_of():
+    model, x = model_and_batch(DROPPED)  # layers[2].weight (None, None): replicated, the numbers unchanged
+    # every array that carries "mlp" splits it: the weight that lost its axes carries none
+    assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=RULES, require_split="mlp")
+    with pytest.raises(AssertionError) as failure:
+        assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=RULES, require_split={"mlp": 3})
+    assert str(failure.value).splitlines()[0] == (
+        "assert_sharded_equivalent: logical axis 'mlp' is split in 2 of the 2 arrays that carry it, "
+        "on mesh {'data': 2, 'model': 4}; require_split asks for 3"
+    )
+    whole, _ = model_and_batch(MEGATRON)
+    assert_sharded_equivalent(forward, whole, x, mesh=MESH, rules=RULES, require_split={"mlp": 3})
+
+
+@pytest.mark.parametrize(
+    ("require_split", "words"),
+    [({"mlp": 0}, "each entry must map a logical axis (str) to a count of arrays >= 1, got 'mlp': 0"),
+     ((), "require_split=(): name logical axes (str), give counts")],
+)  # fmt: skip
+def test_require_split_refuses_counts_below_1_and_no_names(require_split, words):
+    model, x = model_and_batch(MEGATRON)
+    with pytest.raises(ValueError) as error:
+        assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=RULES, require_split=require_split)
+    assert words in str(error.value)
+
+
+@pytest.mark.parametrize(("rtol", "atol", "bad"), [(-1e-5, 0.0, "rtol"), (1e-5, float("nan"), "atol")])
+def test_a_negative_or_nan_tolerance_is_refused(rtol, atol, bad):
+    model, x = model_and_batch(MEGATRON)
+    with pytest.raises(ValueError, match=rf"^assert_sharded_equivalent: {bad} must be a finite number >= 0"):
+        assert_sharded_equivalent(forward, model, x, mesh=MESH, rules=RULES, rtol=rtol, atol=atol)
 
 
 def test_a_function_of_plain_arrays_names_what_must_be_split():

@@ -65,6 +65,35 @@ def test_limits_refuse_unknown_kinds_and_missing_bounds():
         Limit("all-gather")
 
 
+@pytest.mark.parametrize(
+    ("bounds", "message"),
+    [
+        ({"count": -1}, "Limit(None): count must be an int >= 0 (or None), got -1"),
+        ({"count": 0.5}, "Limit(None): count must be an int >= 0 (or None), got 0.5"),
+        ({"bytes": -1}, "Limit(None): bytes must be an int >= 0 (or None), got -1"),
+    ],
+)
+def test_limits_refuse_bounds_that_cannot_be_met_or_compared(bounds, message):
+    with pytest.raises(ValueError) as error:
+        Limit(**bounds)
+    assert str(error.value) == message
+
+
+def test_assert_collectives_with_no_limits_is_refused_unless_exhaustive():
+    with pytest.raises(ValueError, match=r"^assert_collectives\(the program\): no limits, so nothing would"):
+        assert_collectives(HLO, mesh=MESH_2X4)
+    with pytest.raises(AssertionError, match=r"all-reduce over \('y',\) \(256 B\): no limit allows it"):
+        assert_collectives(HLO, mesh=MESH_2X4, exhaustive=True)  # no limits: the program may send nothing
+
+
+def test_a_broken_budget_prints_exact_bytes_then_rounded():
+    limit = Limit("all-reduce", over="y", bytes=1126)
+    assert str(limit) == "all-reduce over 'y': at most 1,126 B (1.1 kB) per device"
+    big = HLO.replace("f32[64]", "f32[320]")  # 1,280 B over y
+    with pytest.raises(AssertionError, match=re.escape(f"  {limit}; found 1, 1,280 B (1.3 kB)")):
+        assert_collectives(big, limit, mesh=MESH_2X4)
+
+
 AXES = ms.megatron_axes(2)
 
 
@@ -90,7 +119,8 @@ def test_data_parallel_gradients_are_sent_once_and_a_stray_rule_breaks_the_budge
 
 def test_the_hand_written_shard_map_reduces_once_per_pair():
     model, x = model_and_batch(MEGATRON)
-    found = assert_collectives(ms.Sharded(MESH, RULES)(forward_by_hand), args=(model, x))
+    once, by_hand = Limit("all-reduce", over="model", count=1), ms.Sharded(MESH, RULES)(forward_by_hand)
+    found = assert_collectives(by_hand, once, args=(model, x), exhaustive=True)
     assert list(found) == ["all-reduce"] and found["all-reduce"].mesh_axes == (("model",),)
 
 

@@ -59,6 +59,14 @@ def test_pipelines_refuse_a_model_that_no_pipeline_fits():
         pipelines(3, 8)
 
 
+def test_a_negative_tolerance_is_refused_before_anything_runs():
+    model, pipeline = stacked_model(), pp.Pipeline(MESH2, microbatches=2)
+    with compilations() as compiled, pytest.raises(ValueError) as error:
+        assert_pipeline_equivalent(model, X, pipeline, rtol=-1e-5)
+    assert str(error.value) == "assert_pipeline_equivalent: rtol must be a finite number >= 0, got -1e-05"
+    assert compiled == []
+
+
 def test_a_drawn_pipeline_prints_its_stages_microbatches_and_repeats():
     @settings(database=None, max_examples=20, phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink])
     @given(pipelines(8, 8, stages=(2,), repeats=(1,)))

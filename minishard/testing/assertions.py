@@ -42,7 +42,7 @@ def assert_sharded_equivalent(
     reference: Callable[..., Any] | None = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
-    require_split: bool | str | Sequence[str] = True,
+    require_split: bool | str | Sequence[str] | Mapping[str, int] = True,
 ) -> Any:
     """Run ``fn`` unsharded and sharded; outputs must agree and be laid out as declared.
 
@@ -69,10 +69,15 @@ def assert_sharded_equivalent(
       inside a Layer) is split over a mesh axis wider than 1; a split batch
       does not count, so a tensor-parallel test of a model that the rules
       leave whole fails, even on a mesh whose "data" axis splits the batch;
-    * logical axes, ``"mlp"`` or ``("batch", "mlp")``: each is split, in some
-      input array that carries it, into more than one piece. The batch's
+    * logical axes, ``"mlp"`` or ``("batch", "mlp")``: *every* input array
+      that carries each splits it into more than one piece. The batch's
       leading dimension carries the batch axis (``"batch"``, or
       ``batch_axis``), so ``require_split="batch"`` is a data-parallel test;
+    * counts, ``{"mlp": 3}``: at least that many input arrays split the
+      dimension the name labels. An array that lost its annotation carries no
+      name, so only a count sees it: a Megatron pair splits 3 (the first
+      weight and its bias, the second weight), a pair whose second half lost
+      its axes 2;
     * ``False``: nothing is asked.
 
     Inside a hypothesis test an example that fails this is rejected instead
@@ -91,6 +96,7 @@ def assert_sharded_equivalent(
     >>> y = assert_sharded_equivalent(
     ...     forward, model, jnp.ones((4, 8)), mesh=mesh, rules=rules, require_split="mlp")
     """
+    _check_tolerances("assert_sharded_equivalent", rtol, atol)
     sharded = _sharded(fn, mesh, rules, batch_axis)
     specs = sharded.specs(*args)
     if require_split is not False and (vacuous := _not_split(fn, args, sharded.config, require_split)):
@@ -126,7 +132,10 @@ def _sharded(fn: Callable[..., Any], mesh: Mesh, rules: AxisRules | None, batch_
 
 
 def _not_split(
-    fn: Callable[..., Any], args: tuple[Any, ...], config: Sharded, required: bool | str | Sequence[str]
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    config: Sharded,
+    required: bool | str | Sequence[str] | Mapping[str, int],
 ) -> str | None:
     """Why the inputs are not split as ``required`` says (``require_split``), or None if they are."""
     named = dict(zip(_argument_names(fn, len(args)), args))  # paths read "model.layers[0].weight", "x"
@@ -137,9 +146,7 @@ def _not_split(
 
     inputs = plan(named, config.mesh, config.rules, batch_layout).leaves
     if not isinstance(required, bool):  # logical axes (False never gets here)
-        return _axes_not_split(
-            inputs, (required,) if isinstance(required, str) else tuple(required), config.mesh
-        )
+        return _axes_not_split(inputs, _required_counts(required), config.mesh)
     parameters = {leaf.path for leaf in plan(named, config.mesh, config.rules, lambda leaf: None).leaves}
     if not parameters:
         raise ValueError(
@@ -159,26 +166,54 @@ def _not_split(
     return failure
 
 
-def _axes_not_split(leaves: Sequence[LeafPlan], names: tuple[str, ...], mesh: AnyMesh) -> str | None:
-    """Why some of these logical axes split no dimension that carries them; one none carries is refused."""
+def _required_counts(required: str | Sequence[str] | Mapping[str, int]) -> dict[str, int | None]:
+    """``require_split``'s names, each with the count of arrays that must split it (None: every one)."""
+    if isinstance(required, Mapping):
+        for name, count in required.items():
+            if (
+                not isinstance(name, str)
+                or isinstance(count, bool)
+                or not isinstance(count, int)
+                or count < 1
+            ):
+                raise ValueError(
+                    f"assert_sharded_equivalent: require_split={dict(required)!r}: each entry must map a "
+                    f"logical axis (str) to a count of arrays >= 1, got {name!r}: {count!r}"
+                )
+        return dict(required)
+    names = (required,) if isinstance(required, str) else tuple(required)
+    if not names or not all(isinstance(name, str) for name in names):
+        raise ValueError(
+            f"assert_sharded_equivalent: require_split={required!r}: name logical axes (str), give counts "
+            "({'mlp': 3}), or pass True (a parameter split) or False (nothing asked)"
+        )
+    return dict.fromkeys(names)
+
+
+def _axes_not_split(
+    leaves: Sequence[LeafPlan], required: Mapping[str, int | None], mesh: AnyMesh
+) -> str | None:
+    """Why fewer arrays than ``required`` split each logical axis; one no array carries is refused."""
     carried = sorted({axis for leaf in leaves for axis in leaf.logical_axes if axis is not None})
-    if unknown := [name for name in names if name not in carried]:
+    if unknown := [name for name in required if name not in carried]:
         raise ValueError(
             f"assert_sharded_equivalent: require_split names logical axis {unknown[0]!r}, which no input "
             f"carries; the inputs' logical axes are {carried}"
         )
     failures = []
-    for name in names:
+    for name, count in required.items():
         carriers = [leaf for leaf in leaves if name in leaf.logical_axes]
-        ways = [
-            split_count(mesh, _padded(leaf.spec, len(leaf.shape))[leaf.logical_axes.index(name)])
+        whole = [
+            f"{leaf.path} {leaf.logical_axes} -> {leaf.spec}"
             for leaf in carriers
+            if split_count(mesh, _padded(leaf.spec, len(leaf.shape))[leaf.logical_axes.index(name)]) == 1
         ]
-        if max(ways) == 1:
-            listed = _listed([f"{leaf.path} {leaf.logical_axes} -> {leaf.spec}" for leaf in carriers])
+        split = len(carriers) - len(whole)
+        if split < (len(carriers) if count is None else count):
+            asked = "every one must be" if count is None else f"require_split asks for {count}"
             failures.append(
-                f"logical axis {name!r} is split in none of the {len(carriers)} arrays that carry it, "
-                f"on mesh {dict(mesh.shape)}: {listed}"
+                f"logical axis {name!r} is split in {split} of the {len(carriers)} arrays that carry it, "
+                f"on mesh {dict(mesh.shape)}; {asked}\n  not split: {_listed(whole)}"
             )
     return "\n".join(failures) or None
 
@@ -227,6 +262,8 @@ def assert_split(
       split: none
       not split: layers[0].weight P(None, None), layers[0].bias P(None,), ...
     """
+    if isinstance(at_least, bool) or not isinstance(at_least, int) or at_least < 1:
+        raise ValueError(f"assert_split: at_least must be an int >= 1 (a count of arrays), got {at_least!r}")
     wanted = () if over is None else (over,) if isinstance(over, str) else tuple(over)
     _check_mesh_axes("assert_split: over", wanted, mesh)
     if failure := _split_failure(_specs(tree, mesh, rules), mesh, wanted, at_least):
@@ -281,6 +318,13 @@ def _check_mesh_axes(where: str, mesh_axes: Iterable[str], mesh: AnyMesh) -> Non
     """A mistyped mesh axis would select nothing and check nothing: refuse it, naming the valid ones."""
     if unknown := [axis for axis in mesh_axes if axis not in mesh.axis_names]:
         raise ValueError(f"{where} names mesh axis {unknown[0]!r}, but the mesh's axes are {mesh.axis_names}")
+
+
+def _check_tolerances(where: str, rtol: Any, atol: Any) -> None:
+    """Tolerances are numbers >= 0: a negative one makes every comparison fail, or some pass unseen."""
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+            raise ValueError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
 
 
 def _padded(spec: PartitionSpec, ndim: int) -> tuple[MeshAxes, ...]:

@@ -10,14 +10,16 @@ the chunk that hold it.
 
 Your attention takes the signature of ``minishard.context.ring_attention``:
 ``attend_fn(q, k, v, *, axis, causal, layout)``, run inside ``shard_map`` on this
-device's ``[batch, seq / p, heads, head_dim]``, its chunks of ``layout``.
+device's ``[batch, seq / p, heads, head_dim]``, its chunks of ``layout``. Whatever else
+shapes the mask (a window, say) is an argument too, ``options``, never a global: a traced
+function reads a global once, at its first trace, and keeps that value.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -30,6 +32,7 @@ from minishard.context import CHUNKS, attention, permute, positions
 from minishard.sequence import Attend, over_sequence
 from minishard.sharding import make_mesh
 from minishard.testing._cache import cached
+from minishard.testing.assertions import _check_tolerances
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,17 @@ class SequenceLayout:
     axis: str
     layout: str
     shape: tuple[int, int, int, int]
+
+    def __post_init__(self) -> None:
+        """A case that names an axis its mesh lacks, or an unknown layout, would fail deep in a trace."""
+        if self.axis not in self.mesh.axis_names:
+            raise ValueError(
+                f"SequenceLayout: axis={self.axis!r} is no axis of the mesh {dict(self.mesh.shape)}; "
+                "name one of its axes, or build the mesh with it"
+            )
+        if self.layout not in CHUNKS:
+            known = ", ".join(CHUNKS)
+            raise ValueError(f"SequenceLayout: unknown layout {self.layout!r}; choose from {known}")
 
     @property
     def devices(self) -> int:
@@ -65,33 +79,70 @@ def sequence_layouts(
     batch: Sequence[int] = (1,),
     heads_per_device: bool = False,
     axis: str = "seq",
+    min_seq_len: int = 1,
 ) -> st.SearchStrategy[SequenceLayout]:
     """Meshes, layouts and shapes to run a context-parallel attention on.
 
     The sequence is ``devices * chunks per device * chunk length`` tokens, so every
     layout splits it; ``heads_per_device``: ``heads`` counts heads per device (Ulysses
-    needs heads divisible by the devices). Sizes come from small fixed sets: each new
-    shape compiles. Device counts above ``jax.device_count()`` are left out.
+    needs heads divisible by the devices); ``min_seq_len``: only sequences at least this
+    long (a window of ``w`` tokens needs more than ``w``). Sizes come from small fixed
+    sets: each new shape compiles. Device counts above ``jax.device_count()`` are left
+    out. A failing example prints its case by name: ``sequence_layout(devices=2, layout='zigzag', ...)``.
 
     >>> sequence_layouts(devices=(16,))
     Traceback (most recent call last):
     ValueError: sequence_layouts: no device count in (16,) fits the 8 devices of this process
+    >>> sequence_layouts(layouts=("striped",))
+    Traceback (most recent call last):
+    ValueError: sequence_layouts: layouts=('striped',) names an unknown layout; choose from 'in-order', ...
     """
+    _check_sizes(devices=devices, chunk_lengths=chunk_lengths, heads=heads, head_dims=head_dims, batch=batch)
+    if not layouts or not set(layouts) <= set(CHUNKS):
+        raise ValueError(
+            f"sequence_layouts: layouts={tuple(layouts)!r} names an unknown layout; choose from "
+            + ", ".join(map(repr, CHUNKS))
+        )
     fits = [p for p in devices if p <= jax.device_count()]
     if not fits:
         raise ValueError(
             f"sequence_layouts: no device count in {tuple(devices)} fits the {jax.device_count()} devices "
             "of this process"
         )
+    longest = max(fits) * max(CHUNKS[layout] for layout in layouts) * max(chunk_lengths)
+    if longest < min_seq_len:
+        raise ValueError(
+            f"sequence_layouts: min_seq_len={min_seq_len!r}, but the longest sequence these sizes make is "
+            f"{longest} tokens; allow more devices or longer chunk_lengths"
+        )
 
-    def build(p: int, layout: str, chunk: int, h: int, d: int, b: int) -> SequenceLayout:
-        shape = (b, p * CHUNKS[layout] * chunk, h * p if heads_per_device else h, d)
-        return SequenceLayout(_mesh(p, axis), axis, layout, shape)
+    def sequence_layout(
+        *, devices: int, layout: str, chunk_length: int, heads: int, head_dim: int, batch: int
+    ) -> SequenceLayout:  # named arguments: a failing example prints them by name
+        seq_len = devices * CHUNKS[layout] * chunk_length
+        shape = (batch, seq_len, heads * devices if heads_per_device else heads, head_dim)
+        return SequenceLayout(_mesh(devices, axis), axis, layout, shape)
 
     pick = st.sampled_from
-    return st.builds(
-        build, pick(fits), pick(layouts), pick(chunk_lengths), pick(heads), pick(head_dims), pick(batch)
+    cases = st.builds(
+        sequence_layout,
+        devices=pick(fits),
+        layout=pick(layouts),
+        chunk_length=pick(chunk_lengths),
+        heads=pick(heads),
+        head_dim=pick(head_dims),
+        batch=pick(batch),
     )
+    return cases.filter(lambda case: case.shape[1] >= min_seq_len) if min_seq_len > 1 else cases
+
+
+def _check_sizes(**sizes: Sequence[int]) -> None:
+    """Each of ``sequence_layouts``' size choices: positive ints, at least one."""
+    for name, choices in sizes.items():
+        if not choices or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in choices):
+            raise ValueError(
+                f"sequence_layouts: {name}={tuple(choices)!r} must be positive ints (one at least)"
+            )
 
 
 @functools.cache
@@ -107,6 +158,7 @@ def assert_attention_equivalent(
     causal: bool,
     seed: int = 0,
     reference: Callable[..., jax.Array] | None = None,
+    options: Mapping[str, Any] | None = None,
     rtol: float = 1e-5,
     atol: float = 1e-5,
 ) -> jax.Array:
@@ -115,16 +167,23 @@ def assert_attention_equivalent(
 
     Random ``q, k, v`` in sequence order are permuted into ``case.layout``, attended in
     ``over_sequence``, and put back; the gradients are those of ``sum(sin(out))``.
-    ``reference(q, k, v)`` sees the sequence in order (default: ``attention``).
+    ``reference(q, k, v, causal=causal, **options)`` sees the sequence in order (default:
+    ``attention``); ``options``, the mask's other parameters (``{"window": 4}``), go to
+    ``attend_fn`` too. A case on one device splits nothing, and is refused: the test would
+    compare attention with itself.
 
     >>> from minishard.context import ring_attention
     >>> case = SequenceLayout(_mesh(2, "seq"), "seq", "zigzag", (1, 8, 2, 4))
     >>> assert_attention_equivalent(ring_attention, case, causal=True).shape
     (1, 8, 2, 4)
     """
+    _check_case(case, reference, options)
+    _check_tolerances("assert_attention_equivalent", rtol, atol)
+    mask = tuple(sorted((options or {}).items()))  # hashable: the compiled runs are cached by it
     q, k, v = np.random.default_rng(seed).normal(size=(3, *case.shape)).astype(np.float32)
-    got = jax.block_until_ready(_distributed(attend_fn, case.mesh, case.axis, case.layout, causal)(q, k, v))
-    want = jax.block_until_ready(_oracle(reference, causal)(q, k, v))
+    distributed = _distributed(attend_fn, case.mesh, case.axis, case.layout, causal, mask)
+    got = jax.block_until_ready(distributed(q, k, v))
+    want = jax.block_until_ready(_oracle(reference, causal, mask)(q, k, v))
     for name, a, b in zip(("output", "grad q", "grad k", "grad v"), got, want):
         _compare(name, np.asarray(a), np.asarray(b), case, causal, rtol, atol)
     return got[0]
@@ -144,16 +203,33 @@ def _value_and_grads(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
     return jax.jit(value_and_grads)
 
 
-@cached
-def _oracle(reference: Callable[..., jax.Array] | None, causal: bool) -> Any:
-    """The reference run, compiled once per reference (attention on one device by default)."""
-    return _value_and_grads(reference or functools.partial(attention, causal=causal))
+def _check_case(case: SequenceLayout, reference: Any, options: Mapping[str, Any] | None) -> None:
+    """Refuse what would pass vacuously (one device) or cannot run (options the default reference lacks)."""
+    if case.devices < 2:
+        raise ValueError(
+            f"assert_attention_equivalent: the case's axis {case.axis!r} has {case.devices} device, which "
+            "splits nothing: attention would be compared with itself; use a mesh axis of 2 or more devices"
+        )
+    if options and reference is None:
+        raise ValueError(
+            f"assert_attention_equivalent: options={dict(options)!r} need a reference= that takes them; "
+            "the default, attention on one device, takes causal only"
+        )
 
 
 @cached
-def _distributed(attend_fn: Attend, mesh: Mesh, axis: str, layout: str, causal: bool) -> Any:
-    """The distributed run, in sequence order, compiled once per function, mesh and layout."""
-    p, run = int(mesh.shape[axis]), over_sequence(attend_fn, mesh, axis=axis, causal=causal, layout=layout)
+def _oracle(reference: Callable[..., jax.Array] | None, causal: bool, mask: tuple[Any, ...]) -> Any:
+    """The reference run, compiled once per reference, ``causal`` and mask options."""
+    return _value_and_grads(functools.partial(reference or attention, causal=causal, **dict(mask)))
+
+
+@cached
+def _distributed(
+    attend_fn: Attend, mesh: Mesh, axis: str, layout: str, causal: bool, mask: tuple[Any, ...]
+) -> Any:
+    """The distributed run, in sequence order, compiled once per function, mesh, layout and mask."""
+    p = int(mesh.shape[axis])
+    run = over_sequence(attend_fn, mesh, axis=axis, causal=causal, layout=layout, **dict(mask))
     return _value_and_grads(
         lambda *qkv: permute(run(*(permute(x, p, layout) for x in qkv)), p, layout, inverse=True)
     )

@@ -34,7 +34,7 @@ class Limit:
     >>> print(Limit("all-gather", count=0), Limit("all-reduce", over="data", count=1), sep="; ")
     no all-gather; all-reduce over 'data': at most 1
     >>> print(Limit(over="model", bytes=4096))
-    any collective over 'model': at most 4.1 kB per device
+    any collective over 'model': at most 4,096 B (4.1 kB) per device
     """
 
     kind: str | None = None
@@ -47,6 +47,9 @@ class Limit:
             raise ValueError(f"Limit: kind {self.kind!r} is none of {KINDS}")
         if self.count is None and self.bytes is None:
             raise ValueError(f"Limit({self.kind!r}): give a count, bytes or both")
+        for name, bound in (("count", self.count), ("bytes", self.bytes)):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+                raise ValueError(f"Limit({self.kind!r}): {name} must be an int >= 0 (or None), got {bound!r}")
 
     def selects(self, kind: str, groups: tuple[tuple[str, ...], ...]) -> bool:
         """Does this limit count an instruction of ``kind`` over these device groups?"""
@@ -59,8 +62,19 @@ class Limit:
         if self.count == 0:
             return f"no {what}"
         bounds = [str(self.count)] if self.count is not None else []
-        bounds += [f"{human_bytes(self.bytes)} per device"] if self.bytes is not None else []
+        bounds += [f"{_exact_bytes(self.bytes)} per device"] if self.bytes is not None else []
         return f"{what}: at most {', '.join(bounds)}"
+
+
+def _exact_bytes(nbytes: int) -> str:
+    """``nbytes`` to the byte, then rounded where that reads easier: a budget derived to the byte
+    is checked from the message.
+
+    >>> _exact_bytes(1126), _exact_bytes(236)
+    ('1,126 B (1.1 kB)', '236 B')
+    """
+    exact = f"{nbytes:,} B"
+    return exact if human_bytes(nbytes) == exact else f"{exact} ({human_bytes(nbytes)})"
 
 
 Program = jax.stages.Lowered | jax.stages.Compiled | str
@@ -87,6 +101,11 @@ def assert_collectives(
     Budgets to start from: ``data_parallel_limits`` and ``megatron_limits``.
     """
     name = getattr(getattr(program, "fn", program), "__name__", "the program")
+    if not limits and not exhaustive:
+        raise ValueError(
+            f"assert_collectives({name}): no limits, so nothing would be checked; give Limits "
+            "(data_parallel_limits, megatron_limits), or exhaustive=True for a program that sends nothing"
+        )
     known = mesh or _mesh_of(program)  # checked before compiling where the mesh is known already
     if known is not None:
         _check_limits(limits, known)
@@ -100,12 +119,12 @@ def assert_collectives(
         if (limit.count is not None and len(selected) > limit.count) or (
             limit.bytes is not None and sum(selected) > limit.bytes
         ):
-            broken.append(f"  {limit}; found {len(selected)}, {human_bytes(sum(selected))}")
+            broken.append(f"  {limit}; found {len(selected)}, {_exact_bytes(sum(selected))}")
     if exhaustive:
         for kind, nbytes, groups in found:
             if not any(limit.selects(kind, groups) for limit in limits):
                 over = ", ".join(map(str, groups))
-                broken.append(f"  {kind} over {over} ({human_bytes(nbytes)}): no limit allows it")
+                broken.append(f"  {kind} over {over} ({_exact_bytes(nbytes)}): no limit allows it")
     table = collectives(compiled, mesh)
     if broken:
         raise AssertionError(

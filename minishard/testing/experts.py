@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from minishard.experts import ExpertParallel, MoE, capacity
 from minishard.sharding import make_mesh
+from minishard.testing.assertions import _check_tolerances
 from minishard.tree import path_str
 
 ACTIVATIONS = {"swish": lambda h: h / (1 + np.exp(-h)), "relu": lambda h: np.maximum(h, 0)}
@@ -169,6 +170,7 @@ def assert_moe_equivalent(
     single-device output and dropped routings must also equal ``moe_reference``'s loop. An expert
     axis of size 1 splits nothing, and is refused: the test would pass whatever the layer did.
     """
+    _check_tolerances("assert_moe_equivalent", rtol, atol)
     if parallel.mesh.shape[parallel.expert_axis] < 2:
         raise ValueError(
             f"assert_moe_equivalent: expert axis {parallel.expert_axis!r} of size 1 splits nothing"

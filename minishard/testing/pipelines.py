@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from minishard.pipeline import Pipeline, Stacked, StackedModel, run_pipeline
 from minishard.sharding import make_mesh
+from minishard.testing.assertions import _check_tolerances
 from minishard.tree import path_str
 
 
@@ -121,6 +122,7 @@ def assert_pipeline_equivalent(
             f"assert_pipeline_equivalent: model must be a StackedModel or Stacked blocks, got a "
             f"{type(model).__name__}; stack its blocks (minishard.pipeline.Stacked, stacked_mlp)"
         )
+    _check_tolerances("assert_pipeline_equivalent", rtol, atol)
     got = jax.block_until_ready(_value_and_grads(model, x, pipeline))
     want = jax.block_until_ready(_value_and_grads(model, x, None))
     for (path, a), b in zip(
