@@ -3,6 +3,7 @@
 libtpu is installed by the dev extra, so these run on every machine; nothing runs on a TPU.
 """
 
+import importlib.util
 import re
 
 import jax
@@ -18,7 +19,14 @@ from minishard.presets import preset
 from minishard.run.cli import main
 from minishard.run.next_token import next_token_loss
 from minishard.run.steps import make_train_step
-from minishard.run.topology import compile_for, hardware_of, on_cpu_and_tpu, side_by_side, tpu_devices
+from minishard.run.topology import (
+    INSTALL,
+    compile_for,
+    hardware_of,
+    on_cpu_and_tpu,
+    side_by_side,
+    tpu_devices,
+)
 from minishard.tree import tree_bytes
 
 TOPOLOGY = "v5e:2x4"  # 8 chips, as many as the suite's simulated CPU devices
@@ -127,3 +135,12 @@ def test_explain_on_a_topology_prints_xla_tpus_report_and_both_programs(capsys):
     rows = {line.split()[0]: line for line in programs.splitlines()}
     assert rows["reduce-scatter"].split()[1] == "-"  # XLA:CPU all-reduces the gradient whole
     assert rows["reduce-scatter"].split()[2:] == ["x1", "213.0", "kB", "over", "data"]  # 98 rows padded: 104
+
+
+def test_without_libtpu_the_refusal_says_how_to_install_it(monkeypatch):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "libtpu" else found(name))
+    with pytest.raises(ValueError, match=r"^compiling for v5e:2x4 needs XLA:TPU, which libtpu holds: "):
+        tpu_devices(TOPOLOGY)
+    with pytest.raises(ValueError, match=re.escape(INSTALL) + "$"):
+        tpu_devices(TOPOLOGY)
