@@ -162,6 +162,15 @@ def stack(before: Any, blocks: Sequence[Layer], after: Any) -> StackedModel:
     return StackedModel(before, jax.tree.unflatten(jax.tree.structure(like), leaves), after)
 
 
+def unstack(model: StackedModel, like: Any) -> Any:
+    """``stack``'s inverse: a model shaped as ``like`` (``jax.eval_shape`` is enough) holding ``model``'s
+    parameters, block ``i`` the stack's slice ``i``: its leaves are before's, the blocks', after's."""
+    stacked = jax.tree.leaves(model.blocks)
+    blocks = [leaf[i] for i in range(model.blocks.n) for leaf in stacked]  # block by block
+    leaves = [*jax.tree.leaves(model.before), *blocks, *jax.tree.leaves(model.after)]
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
 def stacked_mlp(sizes: list[int], *, key: jax.Array, activation: str = "swish") -> StackedModel:
     """An MLP of ``sizes`` with its equal hidden Linears stacked: ``[784, 256, 256, 10]`` stacks 1.
 
@@ -413,4 +422,5 @@ __all__ = [
     "split_microbatches",
     "stack",
     "stacked_mlp",
+    "unstack",
 ]

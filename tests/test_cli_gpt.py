@@ -22,7 +22,8 @@ import pytest
 from strategies import assert_trees_equal
 
 import minishard as ms
-from minishard.models.gpt import GPT, as_stacked, as_unstacked
+from minishard.models.gpt import GPT, as_stacked
+from minishard.pipeline import unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli import main, parse_args
 from minishard.run.cli.models.gpt import GPT_ENTRY
@@ -277,9 +278,7 @@ def test_a_pipelines_stacked_gpt_unstacks_to_the_same_gpt():
         return GPT(vocab=7, context=8, width=8, depth=3, heads=2, key=key)
 
     model = jax.jit(build)(jax.random.key(0))
-    unstacked = jax.jit(lambda m: as_unstacked(as_stacked(m), jax.eval_shape(build, jax.random.key(1))))(
-        model
-    )
+    unstacked = jax.jit(lambda m: unstack(as_stacked(m), jax.eval_shape(build, jax.random.key(1))))(model)
     assert_trees_equal(unstacked, model)
 
 

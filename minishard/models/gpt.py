@@ -191,23 +191,15 @@ class GPT(Layer):
 
 
 def as_stacked(model: GPT) -> StackedModel:
-    """The same GPT with its blocks stacked on a "stage" axis (``minishard.pipeline.Stacked``), for pp.
+    """The same GPT with its blocks stacked on a "stage" axis (``minishard.pipeline.stack``), for pp.
 
     The embedding runs before the stack and the last norm and the head after
-    it, outside the pipeline. Same parameters, same function (no remat).
+    it, outside the pipeline. Same parameters, same function (no remat);
+    ``minishard.pipeline.unstack`` gives the GPT back (a pipeline's checkpoint decodes so).
     """
     if isinstance(model.blocks[0].mlp, MoE):
         raise ValueError("as_stacked: a pipeline carries no MoEStats out of its stages; stack a dense GPT")
     return stack(model.embedding, model.blocks, Sequential([model.norm, model.head]))
-
-
-def as_unstacked(model: StackedModel, like: GPT) -> GPT:
-    """``as_stacked``'s inverse: a GPT shaped as ``like`` (``jax.eval_shape`` is enough) holding
-    ``model``'s parameters, block ``i`` the stack's slice ``i``. A pipeline's checkpoint decodes so."""
-    stack = jax.tree.leaves(model.blocks)
-    blocks = [leaf[i] for i in range(model.blocks.n) for leaf in stack]  # GPT's order: block by block
-    leaves = [*jax.tree.leaves(model.before), *blocks, *jax.tree.leaves(model.after)]
-    return jax.tree.unflatten(jax.tree.structure(like), leaves)  # type: ignore[no-any-return]
 
 
 def stacked_gpt(*args: Any, key: jax.Array, **kwargs: Any) -> StackedModel:
@@ -290,7 +282,6 @@ __all__ = [
     "GPT",
     "Embedding",
     "as_stacked",
-    "as_unstacked",
     "decode_step",
     "generate",
     "stacked_gpt",

@@ -20,8 +20,8 @@ from typing import Any
 
 import jax
 
-from minishard.models.gpt import GPT, as_unstacked, generate
-from minishard.pipeline import StackedModel
+from minishard.models.gpt import GPT, generate
+from minishard.pipeline import StackedModel, unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli.flags import Error, at_least, positive
 from minishard.run.cli.models import MODELS
@@ -102,7 +102,7 @@ def restore_gpt(directory: str, step: int, info: dict[str, Any]) -> GPT:
     """The GPT saved at ``step``: the state rebuilt from ``info`` (its shapes), restored into, on one device.
 
     A pipeline's checkpoint holds the blocks stacked on "stage": they come back
-    as the GPT's blocks (``as_unstacked``), the same function of the same numbers.
+    as the GPT's blocks (``minishard.pipeline.unstack``), the same function of the same numbers.
     """
     entry, style = MODELS[info["model"]], style_of(info["parallel"])
     settings = argparse.Namespace(**{**entry.defaults, **info["flags"]}, dataset=info["dataset"])
@@ -119,7 +119,7 @@ def restore_gpt(directory: str, step: int, info: dict[str, Any]) -> GPT:
         _, restored, _ = checkpointer.restore(target, step)
     model = restored["model"]
     if isinstance(model, StackedModel):
-        model = as_unstacked(model, jax.eval_shape(lambda: entry.build(settings, jax.random.key(0))))
+        model = unstack(model, jax.eval_shape(lambda: entry.build(settings, jax.random.key(0))))
     return model  # type: ignore[no-any-return]
 
 
