@@ -130,8 +130,8 @@ def test_a_killed_launcher_takes_its_processes_with_it():
 
 
 def test_launch_gives_each_process_its_place_and_its_devices():
-    args = launch.parse_args(["-n", "3", "--devices-per-process", "2", "--", "train", "-n", "--", "x"])
-    assert (args.processes, args.devices_per_process, args.command) == (3, 2, ["train", "-n", "--", "x"])
+    args = launch.parse_args(["-n", "3", "--devices-per-process", "2", "--", "train", "--batch-size", "96"])
+    assert (args.processes, args.devices_per_process, args.command) == (3, 2, ["train", "--batch-size", "96"])
     assert launch.command_line(["train", "--epochs", "1"])[1:] == [
         "-m",
         "minishard",
@@ -182,9 +182,21 @@ def test_launch_refuses_what_it_cannot_run(argv, message, capsys):
 
 
 def test_launch_is_a_subcommand_whose_command_keeps_every_word_after_the_first_separator():
-    args = cli.parse_args(["launch", "-n", "2", "--grace", "0", "--", "train", "--grace", "--", "-n"])
+    args = cli.parse_args(["launch", "-n", "2", "--grace", "0", "--", "python", "--grace", "--", "-n"])
     assert (args.subcommand, args.processes, args.grace) == ("launch", 2, 0.0)
-    assert args.command == ["train", "--grace", "--", "-n"]
+    assert args.command == ["python", "--grace", "--", "-n"]
+
+
+def test_a_bad_flag_of_the_minishard_command_is_said_once_before_any_process_starts(capsys, monkeypatch):
+    monkeypatch.setattr(subprocess, "Popen", None)  # no process may start
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_args(["launch", "-n", "3", "--", "train", "--batch-size", "16"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "[rank" not in err and err.count("usage:") == 1, err
+    assert err.strip().splitlines()[-1] == (
+        "minishard train: error: argument --batch-size: 16 cannot be split evenly over 3 processes"
+    )
+    assert "JAX_NUM_PROCESSES" not in os.environ  # the check's place, gone again
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # JAX's threads

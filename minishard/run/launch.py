@@ -15,6 +15,8 @@ What it does, and why each matters with N processes:
 * **Tells each process its place** through JAX's own variables,
   ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>``, ``JAX_NUM_PROCESSES``,
   ``JAX_PROCESS_ID``, which ``minishard.run.distributed.initialize`` reads.
+* **Checks a minishard command's flags once**, as rank 0 would, before any process
+  starts: a bad flag is one usage and one ``error:`` line, not one from every rank.
 * **Prefixes every line with its rank** (``[rank 1] ...``). Only process 0
   prints the run's progress, so the output reads like a single run.
 * **Fails fast.** The processes run in lockstep: when one dies, the others
@@ -106,7 +108,24 @@ def check(args: argparse.Namespace, error: Callable[[str], NoReturn]) -> argpars
         error("no command: put it after --, e.g. minishard launch -n 2 -- train --epochs 1")
     if args.command[0] == "launch":
         error("a launch cannot launch launches")
+    if args.command[0] in MINISHARD_COMMANDS:
+        _check_command(args)
     return args
+
+
+def _check_command(args: argparse.Namespace) -> None:
+    """The minishard command's flags, checked once here as rank 0 would check them, before any process
+    starts: a bad flag is one usage and one ``error:`` line (exit 2), not one from every rank."""
+    from minishard.run.cli import parse_args as parse_command  # (the command line imports this module)
+
+    place = environment(0, args.processes, "127.0.0.1:1", args.devices_per_process)
+    saved = dict(os.environ)
+    os.environ.update({name: value for name, value in place.items() if name.startswith("JAX_")})
+    try:
+        parse_command(args.command)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

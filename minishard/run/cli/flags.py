@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -244,8 +245,12 @@ def check_output(flag: str, path: str | None, formats: Sequence[str], error: Err
         return
     if os.path.splitext(path)[1].lower() not in formats:
         error(f"argument {flag}: {path} must end with one of {', '.join(formats)}")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+    if not os.path.isdir(directory := os.path.dirname(os.path.abspath(path))):
         error(f"argument {flag}: the directory of {path} does not exist; create it first")
+    try:  # tried, not guessed: root may write anywhere os.access says, but not in /proc
+        tempfile.NamedTemporaryFile(dir=directory).close()
+    except OSError as e:
+        error(f"argument {flag}: {path} cannot be written ({e.strerror or e})")
 
 
 # -- train's flags together -----------------------------------------------------------------------
