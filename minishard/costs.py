@@ -327,7 +327,8 @@ def compare(
         rules = preset(style, devices)[1]
         for shape in mesh_shapes(style, devices):
             try:
-                cost = cost_report(step, args, make_mesh(shape, devices=jax.devices()[:devices]), rules, hardware)
+                mesh = make_mesh(shape, devices=jax.devices()[:devices])
+                cost = cost_report(step, args, mesh, rules, hardware)
             except ShardingError as error:  # "... dimension 1 (logical axis 'heads') has size 4, which ..."
                 candidates.append(Candidate(style, shape, None, str(error).split(", ", 1)[-1].split(";")[0]))
                 continue
