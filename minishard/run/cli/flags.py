@@ -223,14 +223,12 @@ def simulate_devices(count: int) -> None:
 
 
 def first_devices(args: argparse.Namespace) -> list[jax.Device] | None:
-    """``--devices N``: the first N devices (simulated, if none are yet), said in one line once per command
-    if there are more (docs/testing.md's ``XLA_FLAGS`` set 8); more than there are: an ``error:`` line, None.
-    """
+    """``--devices N``: the first N devices (simulated if none are yet), said once per command if there are
+    more (docs/testing.md's ``XLA_FLAGS`` set 8); more than there are: an ``error:`` line, and None."""
     if (chosen := getattr(args, "chosen_devices", None)) is not None:
         return list(chosen)
     simulate_devices(args.devices)
-    found, count = jax.devices(), args.devices  # the backend starts here, after XLA_FLAGS is set
-    if count > len(found):
+    if (count := args.devices) > len(found := jax.devices()):  # the backend starts here, after XLA_FLAGS
         print(f"error: argument --devices: {count} asked, there are {len(found)}", file=sys.stderr)
         return None
     if count < len(found):
@@ -240,14 +238,14 @@ def first_devices(args: argparse.Namespace) -> list[jax.Device] | None:
 
 
 def check_output(flag: str, path: str | None, formats: Sequence[str], error: Error) -> None:
-    """A file to write at the end: its format and its directory are checked at the start."""
+    """A file to write at the end: its format, and that its directory takes a file, checked at the start."""
     if path is None:
         return
     if os.path.splitext(path)[1].lower() not in formats:
         error(f"argument {flag}: {path} must end with one of {', '.join(formats)}")
     if not os.path.isdir(directory := os.path.dirname(os.path.abspath(path))):
         error(f"argument {flag}: the directory of {path} does not exist; create it first")
-    try:  # tried, not guessed: root may write anywhere os.access says, but not in /proc
+    try:  # tried, not guessed: os.access lets root write anywhere, /proc included
         tempfile.NamedTemporaryFile(dir=directory).close()
     except OSError as e:
         error(f"argument {flag}: {path} cannot be written ({e.strerror or e})")
@@ -349,8 +347,7 @@ def _check_duration(args: argparse.Namespace, model: ModelEntry, error: Error) -
 
 
 def _check_warmup(args: argparse.Namespace, given: bool, error: Error) -> None:
-    """A cosine's warmup ends before the run does, or the learning rate only rises: a given one is
-    refused; the model's default is cut to --steps - 1, and ``train`` says so on its first line."""
+    """A cosine's warmup ends before the run does: a given one is refused, a default one cut (said first)."""
     if args.schedule != "cosine" or None in (args.steps, args.warmup_steps) or args.warmup_steps < args.steps:
         return
     if given:
@@ -358,7 +355,7 @@ def _check_warmup(args: argparse.Namespace, given: bool, error: Error) -> None:
             f"argument --warmup-steps: {args.warmup_steps} warmup steps do not end within --steps "
             f"{args.steps} (the learning rate would only rise); give fewer than {args.steps}"
         )
-    args.warmup_default, args.warmup_steps = args.warmup_steps, args.steps - 1
+    args.warmup_default, args.warmup_steps = args.warmup_steps, args.steps - 1  # train says so, first
 
 
 def _check_checkpointing(args: argparse.Namespace, error: Error) -> None:
