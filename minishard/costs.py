@@ -320,9 +320,7 @@ def compare(
     whose all-to-alls cost a quarter of an all-gather). Each candidate compiles once.
     ``others``, priced elsewhere (a pipeline's step, ZeRO's), are ranked with them.
     """
-    hardware = hardware_named(hardware)
-    devices = devices or jax.device_count()  # 0: all of them
-    candidates = []
+    hardware, devices, candidates = hardware_named(hardware), devices or jax.device_count(), []  # 0: all
     for style in styles:
         rules = preset(style, devices)[1]
         for shape in mesh_shapes(style, devices):
