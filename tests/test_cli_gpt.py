@@ -6,6 +6,7 @@ tiny_shakespeare; the default run (nanoGPT's CPU configuration, val loss <= 1.88
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from minishard.pipeline import unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli import main, parse_args
 from minishard.run.cli.models.gpt import GPT_ENTRY
-from minishard.run.cli.sample import restore_gpt, sample
+from minishard.run.cli.sample import continuation, restore_gpt, sample
 from minishard.run.text_data import Vocabulary
 
 needs_shakespeare = pytest.mark.skipif(
@@ -227,6 +228,9 @@ def test_sample_continues_a_prompt_from_a_checkpoint_the_same_for_the_same_seed(
     assert texts[0] == texts[1] and texts[0] != texts[2]  # the same seed, the same text
     oracle = sample(model, Vocabulary(vocabulary), "ROMEO:", 20, temperature=0.8, seed=0)
     assert texts[0] == oracle  # the saved numbers, restored
+    # a billion characters stream: the first ones come as they are drawn, the same as a short run's
+    endless = continuation(model, Vocabulary(vocabulary), "ROMEO:", 10**9, temperature=0.8, seed=0)
+    assert "".join(itertools.islice(endless, 20)) == oracle[len("ROMEO:") :]
 
 
 def test_sample_refuses_a_prompt_outside_the_vocabulary_in_one_line(tmp_path, capsys):

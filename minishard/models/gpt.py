@@ -57,8 +57,9 @@ cache, so XLA updates it in place.
 
 from __future__ import annotations
 
+import collections
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -236,22 +237,38 @@ def generate(
     The prompt fills the cache in one call; then one call per token. When the
     cache is full (the learned positions end at the context), it restarts from
     the last half-context of text, so every token still sees at least that much.
-    ``step`` is ``decode_step`` or the same function under ``Sharded``.
+    ``step`` is ``decode_step`` or the same function under ``Sharded``; ``stream`` gives
+    the new ids one at a time, as they are drawn.
     """
+    new = stream(model, prompt, tokens, temperature=temperature, seed=seed, step=step)
+    return np.asarray([*np.asarray(prompt).tolist(), *new], np.int32)
+
+
+def stream(
+    model: GPT,
+    prompt: np.ndarray,
+    tokens: int,
+    *,
+    temperature: float = 1.0,
+    seed: int = 0,
+    step: Callable[..., Any] = decode_step,
+) -> Iterator[int]:
+    """``generate``'s new ids, each as soon as it is drawn (a long continuation prints as it goes);
+    only the last context of text is kept. The arguments are checked before the first id."""
     context = model.embedding.positions.shape[0]
     _check_generate(model, prompt, tokens, temperature)
-    out = [int(i) for i in np.asarray(prompt)]
+    out = collections.deque((int(i) for i in np.asarray(prompt)), maxlen=context)  # a longer prompt: its end
     key = jax.random.key(seed)
-    logits, caches, filled = _prefill(model, out[-context:], step)  # a longer prompt: its last context
+    logits, caches, filled = _prefill(model, list(out), step)
     for i in range(tokens):
         scaled = logits[0, -1] / temperature  # below 1: sharper than the model's own distribution
         out.append(int(jax.random.categorical(jax.random.fold_in(key, i), scaled)))
+        yield out[-1]
         if filled == context:  # no position left: start again from the last half-context
-            logits, caches, filled = _prefill(model, out[-(context // 2) :], step)
+            logits, caches, filled = _prefill(model, list(out)[-(context // 2) :], step)
         else:
-            logits, caches = step(model, jnp.asarray([out[-1:]]), caches, jnp.asarray(filled))
+            logits, caches = step(model, jnp.asarray([[out[-1]]]), caches, jnp.asarray(filled))
             filled += 1
-    return np.asarray(out, np.int32)
 
 
 def _check_generate(model: GPT, prompt: Any, tokens: Any, temperature: Any) -> None:
@@ -285,4 +302,5 @@ __all__ = [
     "decode_step",
     "generate",
     "stacked_gpt",
+    "stream",
 ]

@@ -5,10 +5,11 @@
 It needs no data: every checkpoint of ``minishard train --model gpt`` keeps the
 model's flags, its style and the vocabulary (``ModelEntry.saved`` and the
 ``Splits``' ``info``), enough to rebuild the state's shapes and restore into
-them, on one device whatever mesh it was trained on. Decoding is
-``minishard.models.gpt.generate``: the prompt fills a ``KVCache`` per block in
+them, on one device whatever style but ``zero`` trained it. Decoding is
+``minishard.models.gpt.stream``: the prompt fills a ``KVCache`` per block in
 one call, then each new character is one jitted step that reads the cache and
-appends its own keys and values. The same seed gives the same text.
+appends its own keys and values, printed as soon as it is drawn (``--tokens
+1000000000`` streams). The same seed gives the same text.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 
-from minishard.models.gpt import GPT, generate
+from minishard.models.gpt import GPT, stream
 from minishard.pipeline import StackedModel, unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli.flags import Error, at_least, positive
@@ -29,7 +31,7 @@ from minishard.run.cli.styles import style_of
 from minishard.run.errors import CheckpointError
 from minishard.run.text_data import Vocabulary
 
-__all__ = ["HELP", "add_arguments", "check", "restore_gpt", "run", "sample"]
+__all__ = ["HELP", "add_arguments", "check", "continuation", "restore_gpt", "run", "sample"]
 
 HELP = "continue a prompt from a GPT's checkpoint (decoding with a KV cache); needs no data"
 
@@ -89,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = restore_gpt(args.checkpoint_dir, args.step, args.info)
         vocabulary = Vocabulary(args.info["vocabulary"])
-        print(sample(model, vocabulary, args.prompt, args.tokens, args.temperature, args.seed))
+        print(args.prompt, end="", flush=True)
+        for text in continuation(model, vocabulary, args.prompt, args.tokens, args.temperature, args.seed):
+            print(text, end="", flush=True)  # as each is drawn: a long continuation streams
+        print()
     except CheckpointError as e:
         if args.debug:
             raise
@@ -127,5 +132,12 @@ def sample(
     model: GPT, vocab: Vocabulary, prompt: str, tokens: int = 300, temperature: float = 0.8, seed: int = 0
 ) -> str:
     """``prompt`` and its continuation of ``tokens`` characters, as text (``gpt.generate`` on the ids)."""
-    ids = generate(model, vocab.encode(prompt), tokens, temperature=temperature, seed=seed)
-    return vocab.decode(ids)
+    return prompt + "".join(continuation(model, vocab, prompt, tokens, temperature, seed))
+
+
+def continuation(
+    model: GPT, vocab: Vocabulary, prompt: str, tokens: int, temperature: float, seed: int
+) -> Iterator[str]:
+    """The characters after ``prompt``, each as soon as it is drawn (``gpt.stream``)."""
+    for token in stream(model, vocab.encode(prompt), tokens, temperature=temperature, seed=seed):
+        yield vocab.decode([token])
