@@ -43,8 +43,8 @@ from minishard.run.cli.styles.context import ContextStyle
 from minishard.run.cli.styles.style import Style
 from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
-from minishard.run.topology import hardware_of, on_cpu_and_tpu, side_by_side, tpu_devices
-from minishard.sharding import Sharded, make_mesh
+from minishard.run.topology import LoweredOnce, hardware_of, on_cpu_and_tpu, side_by_side, tpu_devices
+from minishard.sharding import Sharded, ShardedFunction, make_mesh
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "check", "price", "print_report", "print_state", "run"]
 
@@ -182,7 +182,8 @@ def _compile_and_price(args: argparse.Namespace) -> int:
             plot_comparison(ranked, args.plot)
             print(f"Wrote {args.plot}")
         return 0
-    sharded = Sharded(mesh, rules)(step)  # one jit: the style's census, explain's and the price share it
+    # one jit: the style's census, explain's and the price share it (on a topology, one lowering too)
+    sharded = (LoweredOnce if args.topology else ShardedFunction)(step, Sharded(mesh, rules))
     programs = on_cpu_and_tpu(sharded, step_args) if args.topology else []  # first: each compile timed
     if (status := style.explain_step(args, sharded, optimizer, built, batch)) is not None:
         return status
