@@ -327,8 +327,8 @@ def compare(
             try:
                 mesh = make_mesh(shape, devices=jax.devices()[:devices])
                 cost = cost_report(step, args, mesh, rules, hardware)
-            except ShardingError as error:  # "... dimension 1 (logical axis 'heads') has size 4, which ..."
-                candidates.append(Candidate(style, shape, None, str(error).split(", ", 1)[-1].split(";")[0]))
+            except ShardingError as error:  # "<array>: shape (..), dimension 1 ... cannot split evenly; ..."
+                candidates.append(Candidate(style, shape, None, str(error).split(";")[0]))  # the reason, whole
                 continue
             candidates.append(Candidate(style, shape, cost))
     fastest = sorted([*candidates, *others], key=lambda c: math.inf if c.cost is None else c.cost.step_s)

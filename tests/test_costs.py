@@ -162,6 +162,25 @@ def test_compare_ranks_every_preset_and_mesh_shape():
     assert times == sorted(times) and str(ranked).splitlines()[1].startswith("* ")
 
 
+def test_compare_says_why_a_layout_cannot_run_and_takes_the_first_devices():
+    opt = ms.SGD(0.1)
+    model = ms.mlp([16, 4, 8], key=jax.random.key(0), axes=ms.megatron_axes(2))  # 4 hidden units
+    images, labels = np.zeros((8, 16), np.float32), np.zeros(8, np.int32)
+
+    def step(model, opt_state, batch):
+        grads = jax.grad(lambda m: ms.cross_entropy(m(batch[0]), ms.one_hot(batch[1], 8)))(model)
+        return opt.update(model, grads, opt_state)
+
+    args = (model, opt.init(model), (images, labels))
+    (row,) = compare(step, args, "v5p", 8, styles=("tp",)).candidates
+    assert row.cost is None and row.why == (  # the whole reason, not a tail cut inside the shape
+        "step: argument model.layers[0].weight: shape (16, 4), dimension 1 (logical axis 'mlp') has size 4, "
+        "which mesh axis 'model'=8 cannot split evenly"
+    )
+    (row,) = compare(step, args, "v5p", 4, styles=("dp",)).candidates  # 4 of the 8 devices
+    assert row.cost is not None and row.mesh == {"data": 4}
+
+
 # -- the chapter checks its own arguments (issue 27 §2) ---------------------------
 @pytest.mark.parametrize(
     "args, message",
