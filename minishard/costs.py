@@ -328,7 +328,7 @@ def compare(
                 mesh = make_mesh(shape, devices=jax.devices()[:devices])
                 cost = cost_report(step, args, mesh, rules, hardware)
             except ShardingError as error:  # "<array>: shape (..), dimension 1 ... cannot split evenly; ..."
-                candidates.append(Candidate(style, shape, None, str(error).split(";")[0]))  # the reason, whole
+                candidates.append(Candidate(style, shape, None, str(error).split(";")[0]))  # the whole reason
                 continue
             candidates.append(Candidate(style, shape, cost))
     fastest = sorted([*candidates, *others], key=lambda c: math.inf if c.cost is None else c.cost.step_s)
