@@ -282,16 +282,19 @@ def test_checkpoints_from_before_the_velocity_rename_still_load(tmp_path):
     assert_same_values(restored, state)
 
 
-def test_a_step_counter_the_optimizer_no_longer_keeps_is_skipped_and_said(tmp_path):
-    # A schedule's run (or an earlier minishard) saved opt_state.step; a constant-rate SGD keeps none.
+def test_a_checkpoint_without_sgds_step_counter_counts_from_its_step_and_says_so(tmp_path):
+    # Before issue 44 a constant-rate SGD kept no opt_state.step, so its checkpoints hold none.
     state, lines = train_state(), []
-    without_step = {**state, "opt_state": state["opt_state"]._replace(step=None)}
+    older = {**state, "opt_state": {"velocity": state["opt_state"].velocity}}  # saved without a step
     with Checkpointer(tmp_path, log=lines.append) as ckpt:
-        ckpt.save(3, state, {})
-        step, restored, _ = ckpt.restore(train_state(seed=1) | {"opt_state": without_step["opt_state"]})
-    assert step == 3 and restored["opt_state"].step is None
-    assert_same_values(restored, without_step)
-    assert lines == ["not restoring opt_state.step: this run's optimizer keeps no step counter"]
+        ckpt.save(3, older, {})
+        step, restored, _ = ckpt.restore(train_state(seed=1))
+    assert step == 3 and int(restored["opt_state"].step) == 3
+    assert_same_values(restored, {**state, "opt_state": state["opt_state"]._replace(step=jnp.int32(3))})
+    assert lines == [
+        "checkpoint 3 holds no opt_state.step (a constant-rate SGD kept no step counter before minishard's "
+        "issue 44): counting from 3"
+    ]
 
 
 def test_a_scalar_named_step_outside_an_optimizer_state_is_still_refused(tmp_path):

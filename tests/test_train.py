@@ -97,10 +97,7 @@ def test_a_diverging_run_never_saves_non_finite_state_and_resumes_from_the_last_
     model, _, history = fit(
         tiny_model(), sane, tiny_data(), epochs=2, resume=True, log=lines.append, **common
     )
-    assert lines[:2] == [  # the schedule's step counter is not needed at a constant rate
-        "not restoring opt_state.step: this run's optimizer keeps no step counter",
-        "Resumed from step 5: epoch 2, batch 1",
-    ]
+    assert lines[0] == "Resumed from step 5: epoch 2, batch 1"  # a constant rate counts its steps too
     assert len(history) == 2
     assert all(np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(model))
 

@@ -70,7 +70,7 @@ from minishard.run.checkpoint.integrity import (
     verify,
     verify_meta,
 )
-from minishard.run.checkpoint.migrations import older_name, steps_not_kept
+from minishard.run.checkpoint.migrations import older_name, sgd_steps
 from minishard.run.checkpoint.noise import quiet_storage_noise, reason
 from minishard.run.errors import CheckpointError, CorruptCheckpointError
 from minishard.tree import named_leaves
@@ -268,16 +268,15 @@ class Checkpointer:
 
     def _load(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         named = _named(target)
-        # target name -> the name it was saved under; stored step counters the target does not keep
-        stored_as, unread = self._check_fits(step, named, steps_not_kept(target))
+        # target name -> the name it was saved under; SGD step counters an older checkpoint lacks
+        stored_as, missing = self._check_fits(step, named, sgd_steps(target))
         abstract = {
             stored_as[name]: jax.ShapeDtypeStruct(
                 leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None)
             )
             for name, leaf in named
+            if name not in missing
         }
-        # orbax reads every stored array or none: read the unneeded counters too, replicated.
-        abstract |= {name: jax.ShapeDtypeStruct((), np.int32, sharding=_replicated(named)) for name in unread}
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         records = read_records(self.directory / str(step))
@@ -287,19 +286,24 @@ class Checkpointer:
                 f"checkpoint {step}: no process holds a whole saved shard of {', '.join(unchecked)}, "
                 "so their checksums were not checked"
             )
-        arrays = [restored["state"][stored_as[name]] for name, _ in named]
+        arrays = [
+            jax.device_put(np.int32(step), getattr(leaf, "sharding", None))  # a counter the checkpoint lacks
+            if name in missing
+            else restored["state"][stored_as[name]]
+            for name, leaf in named
+        ]
         # The structure comes from the target, not from the disk.
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), arrays), restored["meta"]
 
     def _check_fits(
-        self, step: int, named: list[tuple[str, Any]], droppable: set[str]
+        self, step: int, named: list[tuple[str, Any]], counters: set[str]
     ) -> tuple[dict[str, str], list[str]]:
         """Compare the target's arrays with the stored ones, by name and shape, before reading data.
 
         A different model (other ``--layers``, momentum on or off) is the user's mistake, not
         corruption: say which arrays differ instead of falling back through every checkpoint.
-        Returns, per target name, the name it is stored under (see *Migrations*), and the stored
-        step counters this run's optimizer does not keep (``droppable``).
+        Returns, per target name, the name it is stored under (see *Migrations*), and the SGD
+        step ``counters`` the checkpoint lacks (saved when a constant rate kept none).
         """
         try:
             stored = dict(self._manager.item_metadata(step)["state"])
@@ -310,15 +314,15 @@ class Checkpointer:
         stored_as = {name: older_name(name) if older_name(name) in stored else name for name, _ in named}
         wanted = {stored_as[name]: _shape_dtype(leaf) for name, leaf in named}
         have = {name: _shape_dtype(meta) for name, meta in stored.items()}
-        unread = sorted(name for name in droppable & have.keys() if have[name] == "() int32")
-        have = {name: meta for name, meta in have.items() if name not in unread}
+        missing = sorted(name for name in counters - have.keys() if wanted.get(name) == "() int32")
+        wanted = {name: meta for name, meta in wanted.items() if name not in missing}
         differences = [
             f"{name}: checkpoint {have.get(name, 'has none')}, target {wanted.get(name, 'has none')}"
             for name in sorted(wanted.keys() | have.keys())
             if have.get(name) != wanted.get(name)
         ]
         if differences:
-            why = "another model, or momentum or a learning-rate schedule switched on or off?"
+            why = "another model, momentum switched on or off, or another optimizer?"
             if _flat_against_whole(have, wanted):
                 why = (
                     "one side holds every array as ZeRO's flat shards: saved under --parallel zero, "
@@ -328,9 +332,12 @@ class Checkpointer:
                 f"checkpoint {self.directory / str(step)} holds other arrays than the state to restore "
                 f"into ({why}):\n  " + "\n  ".join(differences[:10])
             )
-        if unread:
-            self.log(f"not restoring {', '.join(unread)}: this run's optimizer keeps no step counter")
-        return stored_as, unread
+        if missing:
+            self.log(
+                f"checkpoint {step} holds no {', '.join(missing)} (a constant-rate SGD kept no step counter "
+                f"before minishard's issue 44): counting from {step}"
+            )
+        return stored_as, missing
 
     def _once(self, line: str) -> None:
         """Log ``line`` unless it was said before (orbax reads a damaged file at every listing)."""
@@ -378,14 +385,3 @@ def _named(tree: Any) -> list[tuple[str, Any]]:
     if len({name for name, _ in named}) < len(named):  # cannot happen with minishard's paths; checked anyway
         raise CheckpointError(f"two leaves of the state share a name: {sorted(n for n, _ in named)}")
     return named
-
-
-def _replicated(named: list[tuple[str, Any]]) -> jax.sharding.Sharding:
-    """A sharding that puts a whole scalar on the devices the target uses (a mesh, or one device)."""
-    for _, leaf in named:
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-        if sharding is not None:
-            return sharding
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -18,7 +18,7 @@ import jax
 from minishard.optim import SGDState
 from minishard.tree import path_str
 
-__all__ = ["older_name", "steps_not_kept"]
+__all__ = ["older_name", "sgd_steps"]
 
 
 def older_name(name: str) -> str:
@@ -26,16 +26,13 @@ def older_name(name: str) -> str:
     return re.sub(r"(^|\.)velocity(?=\.|\[|$)", r"\1momentum", name)
 
 
-def steps_not_kept(target: Any) -> set[str]:
-    """``X.step`` for every ``SGDState`` ``X`` in the target that keeps no step counter.
+def sgd_steps(target: Any) -> set[str]:
+    """``X.step`` for every ``SGDState`` ``X`` in the target: a counter an older checkpoint may lack.
 
-    A stored counter there is dropped (with a log line), not refused: earlier minishard versions
-    kept a counter even for a constant learning rate, and a schedule's run may resume at a
-    constant rate.
+    Before issue 44, an SGD at a constant learning rate kept no step counter, so its checkpoints
+    hold none; restored, the counter starts at the checkpoint's step (with a log line): the updates
+    a run that saves every step has taken, and a constant rate never reads it.
     """
     states, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda node: isinstance(node, SGDState))
-    return {
-        path_str((*path, jax.tree_util.GetAttrKey("step")))
-        for path, node in states
-        if isinstance(node, SGDState) and node.step is None
-    }
+    step = jax.tree_util.GetAttrKey("step")
+    return {path_str((*path, step)) for path, node in states if isinstance(node, SGDState)}
