@@ -654,16 +654,23 @@ def chunk_holder(device: Any, p: Any, layout: Any, chunks: dict[str, int]) -> No
     """A device of the ring: from 0 to p - 1 (checked when it is an int; traced, it cannot be wrong)."""
     ring("chunks", p, layout, chunks)
     if isinstance(device, int | np.integer) and not 0 <= device < p:
-        raise ValueError(f"chunks: device={device!r} is no device of a ring of p={p}; devices run 0 to {p-1}")
+        raise ValueError(
+            f"chunks: device={device!r} is no device of a ring of p={p}; devices run 0 to {p - 1}"
+        )
 
 
 def qkv(where: str, q: Any, k: Any, v: Any, *, here: str = "") -> None:
-    """q, k and v: float ``[batch, seq, heads, head_dim]`` arrays of one shape (an int would be truncated)."""
+    """q, k and v: float ``[batch, seq, heads, head_dim]`` arrays, k and v of one shape, q of theirs but
+    its length (a cache's keys outnumber its queries); an int would be truncated."""
     shapes = [jnp.shape(x) for x in (q, k, v)]
-    if len(shapes[0]) != 4 or len(set(shapes)) > 1:
+    if (
+        len(shapes[0]) != 4
+        or shapes[1] != shapes[2]
+        or shapes[0][::2] + shapes[0][3:] != shapes[1][::2] + shapes[1][3:]
+    ):
         raise ValueError(
-            f"{where}: q, k and v must be [batch, seq, heads, head_dim] arrays of one shape, "
-            f"got {shapes}{here}"
+            f"{where}: q, k and v must be [batch, seq, heads, head_dim] arrays of one shape (q may be "
+            f"shorter or longer), got {shapes}{here}"
         )
     if ints := [f"{n} {jnp.result_type(x)}" for n, x in zip("qkv", (q, k, v)) if not _floating(x)]:
         raise TypeError(

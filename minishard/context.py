@@ -86,12 +86,12 @@ def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) ->
     return jnp.exp(lse1 - lse)[..., None] * out1 + jnp.exp(lse2 - lse)[..., None] * out2, lse
 
 
-def attention(q: Any, k: Any, v: Any, *, causal: bool = False, positions: Any = None) -> jax.Array:
-    """Softmax attention on one device, ``[batch, seq, heads, head_dim]``, the tokens at ``positions``
-    (by default ``0, 1, ...``): the oracle for the rest."""
-    _checks.qkv("attention", q, k, v)  # float arrays of one [batch, seq, heads, head_dim] shape
-    at = jnp.arange(q.shape[1]) if positions is None else positions
-    return attend(q, k, v, at, at, causal=causal)[0].astype(q.dtype)
+def attention(q: Any, k: Any, v: Any, q_pos: Any = None, k_pos: Any = None, *, causal: bool = False) -> Any:
+    """Softmax attention on one device, ``[batch, seq, heads, head_dim]``, the queries at ``q_pos`` (``0, 1,
+    ...``), the keys at ``k_pos`` (the queries'): the oracle for the rest, and the models' dense core."""
+    _checks.qkv("attention", q, k, v)  # float [batch, seq, heads, head_dim] arrays, k and v of one shape
+    q_pos = jnp.arange(q.shape[1]) if q_pos is None else q_pos
+    return attend(q, k, v, q_pos, q_pos if k_pos is None else k_pos, causal=causal)[0].astype(q.dtype)
 
 
 # --- 2. where the chunks live, and what each step computes --------------------------

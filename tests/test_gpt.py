@@ -19,7 +19,7 @@ from minishard import context as cx
 from minishard import pipeline as pp
 from minishard.constraints import LogicalSharding
 from minishard.models import gpt
-from minishard.models.attention import Attention, KVCache, dot_product_attention
+from minishard.models.attention import ATTENTION_CORES, Attention, KVCache
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, weight_decay_mask
 from minishard.presets import LOGICAL_AXES, preset
@@ -83,12 +83,29 @@ def reference_causal_attention(q, k, v):
 def test_the_attention_core_matches_a_masked_reference_and_is_causal_by_positions():
     q, k, v = np.random.default_rng(0).standard_normal((3, 2, 6, 3, 4)).astype(np.float32)
     positions = jnp.arange(6)
-    got = dot_product_attention(q, k, v, positions, positions, causal=True)
+    dense = ATTENTION_CORES["dense"]
+    got = dense(q, k, v, positions, positions, causal=True)
     np.testing.assert_allclose(got, reference_causal_attention(q, k, v), rtol=1e-5, atol=1e-6)
     # Tokens dealt out of order (as zig-zag context parallelism does) carry their positions with them:
     order = np.array([0, 5, 1, 4, 2, 3])
-    shuffled = dot_product_attention(q[:, order], k[:, order], v[:, order], order, order, causal=True)
+    shuffled = dense(q[:, order], k[:, order], v[:, order], order, order, causal=True)
     np.testing.assert_allclose(shuffled, got[:, order], rtol=1e-5, atol=1e-6)
+
+
+def test_under_dp_and_dp_cp_every_chunk_of_attention_is_the_textbooks_attend(monkeypatch):
+    # One softmax attention: the dense core is context.attention, each ring step's pair context.attend.
+    calls = []
+    monkeypatch.setattr(cx, "attend", lambda *a, **kw: calls.append(a[0].shape) or ATTEND(*a, **kw))
+    for style, core, chunk in (("dp", "dense", (8, 16, 8, 4)), ("dp+cp", "ring", (4, 2, 8, 4))):
+        shape, rules = preset(style, 8)
+        calls.clear()
+        ms.Sharded(ms.make_mesh(shape), rules)(forward).lower(small_gpt(core=core), small_batch()["inputs"])
+        # dp: one call per block on the whole batch (as traced); dp+cp: per block, a device's pairs of 2 x 2
+        # zig-zag chunks at each of the 4 ring steps traced (a lax.scan traces its step once, and the last)
+        assert set(calls) == {chunk} and len(calls) % SMALL["depth"] == 0, (style, calls)
+
+
+ATTEND = cx.attend
 
 
 def test_the_gpt_never_looks_ahead_and_reads_positions_not_the_index():

@@ -360,10 +360,6 @@ def softmax_attentions() -> list[str]:
     return found
 
 
-# strict: once the model imports the textbook's attention this passes, and the marker must go (issue 43)
-@pytest.mark.xfail(
-    strict=True, reason="issue 43: context.attend and models/attention.py's core are two until unified"
-)
 def test_one_function_computes_softmax_attention():
     found = softmax_attentions()
     assert len(found) == 1, f"{len(found)} softmax attentions: {found}; the model imports the textbook's"

@@ -1,12 +1,12 @@
 """Attention, every transformer's: its core, a pure function, and the layer of projections around it.
 
-* ``dot_product_attention``: the attention *core*, a pure function of
-  ``[batch, seq, heads, head_dim]`` queries, keys and values and of each
-  token's position; ``causal=True`` lets a query see only keys at positions
-  at or before its own. The mask reads the positions, never a lower-triangle
-  of the array index: a chapter that reorders the tokens (context parallelism
-  deals them out zig-zag) or keeps them in a cache passes their positions, and
-  the same mask stays right;
+* ``"dense"``: the attention *core*, the textbook's one softmax attention,
+  ``minishard.context.attention``, a pure function of ``[batch, seq, heads, head_dim]``
+  queries, keys and values and of each token's position; ``causal=True`` lets a
+  query see only keys at positions at or before its own. The mask reads the
+  positions, never a lower-triangle of the array index: a chapter that reorders the
+  tokens (context parallelism deals them out zig-zag) or keeps them in a cache passes
+  their positions, and the same mask stays right;
 * ``ring_core``: ring attention (``minishard.context``) over the devices the rules give "seq";
 * ``KVCache``: one block's keys and values, a pytree ``Sharded`` lays out like the heads;
 * ``Attention``: the projections around the core, heads as a dimension of
@@ -20,6 +20,11 @@
 >>> x = jax.random.normal(jax.random.key(1), (1, 5, 8))   # [batch, seq, width]
 >>> attention(x).shape
 (1, 5, 8)
+>>> q = k = jnp.ones((1, 3, 1, 2))
+>>> v = q * jnp.arange(3.0)[None, :, None, None]   # token s carries the value s
+>>> out = ATTENTION_CORES["dense"](q, k, v, jnp.arange(3), jnp.arange(3), causal=True)
+>>> out[0, :, 0, 0].round(4).tolist()   # equal scores: each query averages the values it sees
+[0.0, 0.5, 1.0]
 """
 
 from __future__ import annotations
@@ -31,50 +36,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from minishard import context
 from minishard.constraints import activation_axes, environment, output_sharding
-from minishard.context import ring_attention
 from minishard.layers import Layer, check_key
 from minishard.rules import LogicalAxes, MeshAxes
 from minishard.sequence import over_sequence
 
-# --- the attention core: a pure function -------------------------------------------------
-
-
-def dot_product_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_positions: jax.Array,
-    k_positions: jax.Array,
-    *,
-    causal: bool,
-) -> jax.Array:
-    """``softmax(q kᵀ / sqrt(head_dim)) v`` per head: ``[B, T, H, D]`` queries, ``[B, S, H, D]`` keys.
-
-    ``q_positions`` ``[T]`` and ``k_positions`` ``[S]`` say where each token
-    stands in the sequence. With ``causal``, query ``t`` sees key ``s`` only if
-    ``k_positions[s] <= q_positions[t]``: a key cache's empty slots (positions
-    not reached yet) and tokens dealt out of order are masked by the same rule.
-
-    >>> import jax.numpy as jnp
-    >>> q = k = v = jnp.ones((1, 3, 1, 2))
-    >>> v = v * jnp.arange(3.0)[None, :, None, None]   # token s carries the value s
-    >>> out = dot_product_attention(q, k, v, jnp.arange(3), jnp.arange(3), causal=True)
-    >>> out[0, :, 0, 0].tolist()   # equal scores: each query averages the values it sees
-    [0.0, 0.5, 1.0]
-    """
-    # b: batch, t/s: query/key positions, h: heads, k: head_dim. Heads stay an index
-    # until the caller's out projection sums over them: split heads need no communication here.
-    logits = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(q.shape[-1])
-    if causal:
-        visible = k_positions[None, :] <= q_positions[:, None]  # [T, S]
-        logits = jnp.where(visible, logits, jnp.finfo(logits.dtype).min)
-    weights = jax.nn.softmax(logits, axis=-1)  # each query's weights over the keys sum to 1
-    return jnp.einsum("bhts,bshk->bthk", weights, v)
+# --- the attention cores: the textbook's softmax attention, dense or round a ring ------------
 
 
 AttentionCore = Callable[..., jax.Array]
-"""``core(q, k, v, q_positions, k_positions, *, causal) -> [B, T, H, D]``, as ``dot_product_attention``."""
+"""``core(q, k, v, q_positions, k_positions, *, causal) -> [B, T, H, D]``, as ``context.attention``."""
 
 SEQUENCE_LAYOUT = "zigzag"
 """How a split sequence is dealt out (``minishard.context.chunks``): device i holds chunks i and 2p-1-i."""
@@ -97,20 +69,25 @@ def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, cau
 
     The tokens must be held dealt out in ``SEQUENCE_LAYOUT`` (``minishard.run.next_token.in_sequence_layout``
     does it to a batch): the ring reads their positions from the layout, not from its arguments.
-    Where the sequence is whole the ring has one device, and is ``dot_product_attention`` itself.
+    Where the sequence is whole the ring has one device, and is ``context.attention`` itself.
     """
     axis, p = sequence_axis()
     env = environment()
     if env is None or axis is None or p == 1:
-        return dot_product_attention(q, k, v, q_positions, k_positions, causal=causal)
+        return context.attention(q, k, v, q_positions, k_positions, causal=causal)
     batch_axes = env.spec(activation_axes(4, "seq", "heads", "kv"))[0]
     ring = over_sequence(
-        ring_attention, env.mesh, axis=axis, batch_axes=batch_axes, causal=causal, layout=SEQUENCE_LAYOUT
+        context.ring_attention,
+        env.mesh,
+        axis=axis,
+        batch_axes=batch_axes,
+        causal=causal,
+        layout=SEQUENCE_LAYOUT,
     )
     return ring(q, k, v)
 
 
-ATTENTION_CORES: dict[str, AttentionCore] = {"dense": dot_product_attention, "ring": ring_core}
+ATTENTION_CORES: dict[str, AttentionCore] = {"dense": context.attention, "ring": ring_core}
 """The cores ``Attention(core=...)`` can name."""
 
 
@@ -202,7 +179,7 @@ class Attention(Layer):
         q, k, v = self.project(x)
         cache = cache.write(k, v, positions[0])
         everywhere = jnp.arange(cache.keys.shape[1])  # slot s holds position s
-        mixed = dot_product_attention(q, cache.keys, cache.values, positions, everywhere, causal=True)
+        mixed = context.attention(q, cache.keys, cache.values, positions, everywhere, causal=True)
         return self.combine(mixed), cache
 
     def project(self, x: jax.Array) -> jax.Array:
@@ -232,7 +209,6 @@ __all__ = [
     "Attention",
     "AttentionCore",
     "KVCache",
-    "dot_product_attention",
     "ring_core",
     "sequence_axis",
 ]
