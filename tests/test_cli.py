@@ -573,13 +573,13 @@ def test_explain_dp_cp_shows_the_rings_permutes_against_the_formula_and_its_bala
         (["explain", "--parallel", "cp"], "argument --parallel: cp splits a sequence, and the MLP has none"),
         (
             ["explain", "--model", "gpt", "--parallel", "cp", "--context", "40"],
-            "40 characters do not cut into 2 x 8",
+            "40 tokens do not cut into 2 x 8",
         ),
         (["explain", "--context", "64"], "argument --context: only the GPT takes it, and --model is mlp"),
         (["train", "--model", "gpt", "--parallel", "dp+cp", "--explicit"], "runs ring attention's shard_map"),
         (
             ["train", "--model", "gpt", "--parallel", "dp+cp", "--mesh", "data=1,context=8", "--context=24"],
-            "argument --context: 24 characters do not cut into 2 x 8 zig-zag chunks (context=8 devices)",
+            "argument --context: 24 tokens do not cut into 2 x 8 zig-zag chunks (context=8 devices)",
         ),
     ],
 )

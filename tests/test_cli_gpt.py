@@ -23,12 +23,12 @@ import pytest
 from strategies import assert_trees_equal
 
 import minishard as ms
-from minishard.models.gpt import GPT, as_stacked
+from minishard.models.gpt import GPT, as_stacked, stream
 from minishard.pipeline import unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli import main, parse_args
 from minishard.run.cli.models.gpt import GPT_ENTRY
-from minishard.run.cli.sample import continuation, restore_gpt, sample
+from minishard.run.cli.sample import continuation, restore, sample
 from minishard.run.text_data import Vocabulary
 
 needs_shakespeare = pytest.mark.skipif(
@@ -85,7 +85,7 @@ def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys
         assert main(["train", *TINY, *common, *flags]) == 0
         with Checkpointer(directory, read_only=True) as checkpointer:
             step, meta = checkpointer.read_meta()
-        return jax.device_get(restore_gpt(directory, step, meta["info"])), records(capsys.readouterr().out)
+        return jax.device_get(restore(directory, step, meta["info"])), records(capsys.readouterr().out)
 
     # The same 6 steps (a cosine's length is the run's): straight, then again from the checkpoint of step 4.
     straight, straight_lines = trained("--checkpoint-every", "2")
@@ -226,10 +226,12 @@ def test_sample_continues_a_prompt_from_a_checkpoint_the_same_for_the_same_seed(
         and set(texts[0]) <= set(vocabulary)
     )
     assert texts[0] == texts[1] and texts[0] != texts[2]  # the same seed, the same text
-    oracle = sample(model, Vocabulary(vocabulary), "ROMEO:", 20, temperature=0.8, seed=0)
+    oracle = sample(model, Vocabulary(vocabulary), "ROMEO:", 20, temperature=0.8, seed=0, stream=stream)
     assert texts[0] == oracle  # the saved numbers, restored
     # a billion characters stream: the first ones come as they are drawn, the same as a short run's
-    endless = continuation(model, Vocabulary(vocabulary), "ROMEO:", 10**9, temperature=0.8, seed=0)
+    endless = continuation(
+        model, Vocabulary(vocabulary), "ROMEO:", 10**9, temperature=0.8, seed=0, stream=stream
+    )
     assert "".join(itertools.islice(endless, 20)) == oracle[len("ROMEO:") :]
 
 

@@ -415,11 +415,11 @@ def test_under_tp_the_cache_splits_its_heads_over_model_next_to_their_weights():
 def test_sample_continues_a_prompt_as_text_and_names_a_character_it_cannot_read():
     vocab = Vocabulary(" :EMORabcdeh")
     model = small_gpt(vocab=len(vocab))
-    text = sample(model, vocab, "ROMEO:", tokens=8, temperature=0.8, seed=0)
+    text = sample(model, vocab, "ROMEO:", tokens=8, temperature=0.8, seed=0, stream=gpt.stream)
     assert text.startswith("ROMEO:") and len(text) == 14 and set(text) <= set(vocab.characters)
-    assert text == sample(model, vocab, "ROMEO:", tokens=8, temperature=0.8, seed=0)
+    assert text == sample(model, vocab, "ROMEO:", tokens=8, temperature=0.8, seed=0, stream=gpt.stream)
     with pytest.raises(ValueError, match="the character 'J' \\(at 0\\) is not in the vocabulary"):
-        sample(model, vocab, "JULIET:", tokens=3)
+        sample(model, vocab, "JULIET:", tokens=3, stream=gpt.stream)
 
 
 # --- an Explicit mesh, and a batch axis of another name ------------------------------------------

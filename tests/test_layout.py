@@ -381,3 +381,37 @@ def test_the_models_import_nothing_of_the_workshop():
         or (module, name) == ("minishard", "run")
     ]
     assert not wrong, f"the models import the workshop (even for types; pass plain values): {wrong}"
+
+
+# -- a model says what a style may change ------------------------------------------------------------
+ASKING = (
+    *sorted((PACKAGE / "run/cli/styles").glob("*.py")),
+    *(PACKAGE / "run/cli" / n for n in ("explain.py", "sample.py")),
+)
+"""What asks a model's entry (``ModelEntry``: its ``stack``, ``sequence``, ``experts``, ``stream``)
+and never reaches into a model: no model named, no path into its blocks (issue 43)."""
+
+
+def reaching_in(source: str) -> list[str]:
+    """``line: what`` for each ``"gpt"`` string and each ``.blocks[...]`` path in ``source``."""
+    found = [
+        f"{node.lineno}: {node.value!r}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lower() == "gpt"
+    ]
+    lines = source.splitlines()
+    return found + [f"{n}: .blocks[" for n, line in enumerate(lines, 1) if ".blocks[" in line]
+
+
+def test_no_style_explain_or_sample_names_a_model_or_reaches_into_its_blocks():
+    wrong = [
+        f"{path.relative_to(PACKAGE)}:{found}" for path in ASKING for found in reaching_in(path.read_text())
+    ]
+    assert len(ASKING) >= 8 and not wrong, f"ask the model's entry (ModelEntry), not the model: {wrong}"
+
+
+def test_the_reaching_in_scan_finds_a_model_name_and_a_path_into_blocks():
+    source = (
+        'models = ("gpt",)\nw = built.blocks[0].mlp.experts.w_in\nn = len(built.blocks)  # "GPT" in prose\n'
+    )
+    assert reaching_in(source) == ["1: 'gpt'", "2: .blocks["]

@@ -39,7 +39,6 @@ from minishard.run.cli.flags import (
 from minishard.run.cli.memory import print_memory
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import STYLES, warn_unused
-from minishard.run.cli.styles.context import ContextStyle
 from minishard.run.cli.styles.style import Style
 from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
@@ -160,7 +159,7 @@ def price(args: argparse.Namespace) -> int:
 
 def _compile_and_price(args: argparse.Namespace) -> int:
     model, style = MODELS[args.model], STYLES[args.parallel]
-    sequence = args.compare and model.name in ContextStyle.models  # the ring ranked with the others
+    sequence = args.compare and model.sequence is not None  # the ring ranked with the others
     style = STYLES["cp"] if sequence else style  # whose build gives its attention the "ring" core
     shape, rules = style.mesh(args.devices), style.rules({})
     mesh = make_mesh(shape, devices=args.topology_devices or first_devices(args))  # a TPU's, or CPU's
@@ -171,7 +170,7 @@ def _compile_and_price(args: argparse.Namespace) -> int:
     }
     step, step_args = make_train_step(optimizer, model.task.loss), (built, optimizer.init(built), batch)
     if args.compare:
-        experts = EXPERT if getattr(args, "experts", 0) else ()  # a dense model: ep is dp
+        experts = EXPERT if model.expert_count(args) else ()  # a dense model: ep is dp
         ranked_styles = PRESETS + (SEQUENCE if sequence else ()) + experts
         ranked = compare(step, step_args, args.hardware, args.devices, ranked_styles, _own_steps(args, model))
         print(f"{args.model}, batch {args.batch_size}, on {args.devices} devices: every style and mesh shape")
@@ -185,7 +184,7 @@ def _compile_and_price(args: argparse.Namespace) -> int:
     # one jit: the style's census, explain's and the price share it (on a topology, one lowering too)
     sharded = (LoweredOnce if args.topology else ShardedFunction)(step, Sharded(mesh, rules))
     programs = on_cpu_and_tpu(sharded, step_args) if args.topology else []  # first: each compile timed
-    if (status := style.explain_step(args, sharded, optimizer, built, batch)) is not None:
+    if (status := style.explain_step(args, model, sharded, optimizer, built, batch)) is not None:
         return status
     report = explain(built, mesh, rules, sharded, step_args, args.hardware)
     title = f"{args.model} under {args.parallel} on {args.devices} devices, batch {args.batch_size}"
@@ -226,7 +225,8 @@ def _own_steps(args: argparse.Namespace, model: Any) -> list[Candidate]:
 
 def _own_step_cost(args: argparse.Namespace, model: Any, style: Style, shape: dict[str, int]) -> StepCost:
     """The style's own step on ``shape``, built with the style's defaults, as ``train`` would run it."""
-    unset = {"layers": None, "microbatches": None}  # the style's defaults: a pipeline's blocks, microbatches
+    resets = model.stack.resets if model.stack else ()  # the style's defaults: a pipeline's blocks
+    unset = {**dict.fromkeys(resets), "microbatches": None}
     own = argparse.Namespace(**{**vars(args), **unset, "parallel": style.name, "mesh": shape})
 
     def refuse(message: str) -> NoReturn:

@@ -5,11 +5,11 @@
 It needs no data: every checkpoint of ``minishard train --model gpt`` keeps the
 model's flags, its style and the vocabulary (``ModelEntry.saved`` and the
 ``Splits``' ``info``), enough to rebuild the state's shapes and restore into
-them, on one device whatever style but ``zero`` trained it. Decoding is
-``minishard.models.gpt.stream``: the prompt fills a ``KVCache`` per block in
-one call, then each new character is one jitted step that reads the cache and
-appends its own keys and values, printed as soon as it is drawn (``--tokens
-1000000000`` streams). The same seed gives the same text.
+them, on one device whatever style but ``zero`` trained it. Decoding is the
+model entry's ``stream`` (the GPT's: ``minishard.models.gpt.stream``): the prompt
+fills a ``KVCache`` per block in one call, then each new character is one jitted
+step that reads the cache and appends its own keys and values, printed as soon as
+it is drawn (``--tokens 1000000000`` streams). The same seed gives the same text.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
-from minishard.models.gpt import GPT, stream
 from minishard.pipeline import StackedModel, unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli.flags import Error, at_least, positive
@@ -31,7 +30,7 @@ from minishard.run.cli.styles import style_of
 from minishard.run.errors import CheckpointError
 from minishard.run.text_data import Vocabulary
 
-__all__ = ["HELP", "add_arguments", "check", "continuation", "restore_gpt", "run", "sample"]
+__all__ = ["HELP", "Stream", "add_arguments", "check", "continuation", "restore", "run", "sample"]
 
 HELP = "continue a prompt from a GPT's checkpoint (decoding with a KV cache); needs no data"
 
@@ -64,8 +63,12 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         error(f"argument --checkpoint-dir: {e}")
     info: dict[str, Any] = meta.get("info") or {}
     where = f"step {args.step} in {args.checkpoint_dir}"
-    if info.get("model") != "gpt" or "vocabulary" not in info:
-        error(f"argument --checkpoint-dir: {where} is not a GPT's (it is {info.get('model') or 'unnamed'})")
+    entry = MODELS.get(info.get("model") or "")
+    if entry is None or entry.stream is None or "vocabulary" not in info:
+        error(
+            f"argument --checkpoint-dir: {where} is not a language model's "
+            f"(it is {info.get('model') or 'unnamed'})"
+        )
     if info.get("parallel") == "zero":
         error(
             f"argument --checkpoint-dir: {where} was trained under zero, whose optimizer state is flat "
@@ -89,10 +92,14 @@ def _say(line: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the prompt and its continuation; a failure is one ``error:`` line."""
     try:
-        model = restore_gpt(args.checkpoint_dir, args.step, args.info)
-        vocabulary = Vocabulary(args.info["vocabulary"])
+        entry, vocabulary = MODELS[args.info["model"]], Vocabulary(args.info["vocabulary"])
+        assert entry.stream is not None  # checked with the flags
+        model = restore(args.checkpoint_dir, args.step, args.info)
         print(args.prompt, end="", flush=True)
-        for text in continuation(model, vocabulary, args.prompt, args.tokens, args.temperature, args.seed):
+        drawn = continuation(
+            model, vocabulary, args.prompt, args.tokens, args.temperature, args.seed, stream=entry.stream
+        )
+        for text in drawn:
             print(text, end="", flush=True)  # as each is drawn: a long continuation streams
         print()
     except CheckpointError as e:
@@ -103,11 +110,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def restore_gpt(directory: str, step: int, info: dict[str, Any]) -> GPT:
-    """The GPT saved at ``step``: the state rebuilt from ``info`` (its shapes), restored into, on one device.
+def restore(directory: str, step: int, info: dict[str, Any]) -> Any:
+    """The model saved at ``step``: the state rebuilt from ``info`` (its shapes), restored into, one device.
 
-    A pipeline's checkpoint holds the blocks stacked on "stage": they come back
-    as the GPT's blocks (``minishard.pipeline.unstack``), the same function of the same numbers.
+    A pipeline's checkpoint holds the blocks stacked on "stage": they come back as the
+    model's blocks (``minishard.pipeline.unstack``), the same function of the same numbers.
     """
     entry, style = MODELS[info["model"]], style_of(info["parallel"])
     settings = argparse.Namespace(**{**entry.defaults, **info["flags"]}, dataset=info["dataset"])
@@ -125,19 +132,30 @@ def restore_gpt(directory: str, step: int, info: dict[str, Any]) -> GPT:
     model = restored["model"]
     if isinstance(model, StackedModel):
         model = unstack(model, jax.eval_shape(lambda: entry.build(settings, jax.random.key(0))))
-    return model  # type: ignore[no-any-return]
+    return model
+
+
+Stream = Callable[..., Iterator[int]]
+"""A model entry's decoding, as ``gpt.stream``: ``(model, ids, tokens, *, temperature, seed)``, new ids."""
 
 
 def sample(
-    model: GPT, vocab: Vocabulary, prompt: str, tokens: int = 300, temperature: float = 0.8, seed: int = 0
+    model: Any,
+    vocab: Vocabulary,
+    prompt: str,
+    tokens: int = 300,
+    temperature: float = 0.8,
+    seed: int = 0,
+    *,
+    stream: Stream,
 ) -> str:
-    """``prompt`` and its continuation of ``tokens`` characters, as text (``gpt.generate`` on the ids)."""
-    return prompt + "".join(continuation(model, vocab, prompt, tokens, temperature, seed))
+    """``prompt`` and its continuation of ``tokens`` characters, as text (``stream`` on the ids)."""
+    return prompt + "".join(continuation(model, vocab, prompt, tokens, temperature, seed, stream=stream))
 
 
 def continuation(
-    model: GPT, vocab: Vocabulary, prompt: str, tokens: int, temperature: float, seed: int
+    model: Any, vocab: Vocabulary, prompt: str, tokens: int, temperature: float, seed: int, *, stream: Stream
 ) -> Iterator[str]:
-    """The characters after ``prompt``, each as soon as it is drawn (``gpt.stream``)."""
+    """The characters after ``prompt``, each as soon as it is drawn (a model entry's ``stream``)."""
     for token in stream(model, vocab.encode(prompt), tokens, temperature=temperature, seed=seed):
         yield vocab.decode([token])

@@ -1,29 +1,33 @@
 """``ModelEntry``: what the command line knows of one model, and the parts it is made of.
 
-``Splits`` is the data an entry loads, ``Stacking`` how its blocks stack on
-"stage" for a pipeline. Every model's module builds its entry from these, and
-``MODELS`` (the package) lists the entries.
+``Splits`` is the data an entry loads. The rest is what a model lets a style change, so
+that no style reaches into a model: ``Stacking``, how its blocks stack on "stage" for a
+pipeline; ``SequenceSplit``, how its attention becomes a ring when its sequence splits
+over "context"; ``ExpertSplit``, where its mixtures of experts are, which split over
+"expert". An entry without one of them (None) has nothing the style could split. Every
+model's module builds its entry from these, and ``MODELS`` (the package) lists the entries.
 
 >>> [field.name for field in dataclasses.fields(Stacking)]
-['build', 'fill', 'check']
+['build', 'fill', 'check', 'resets']
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 
 from minishard import pipeline
+from minishard.experts import MoE, MoEStats
 from minishard.optim import Optimizer
 from minishard.run.cli.flags import Error, Flag
 from minishard.run.data import EvalData, TrainingData
 from minishard.run.steps import Task
 
-__all__ = ["Args", "NOMINAL_STEPS", "ModelEntry", "Splits", "Stacking"]
+__all__ = ["Args", "NOMINAL_STEPS", "ExpertSplit", "ModelEntry", "SequenceSplit", "Splits", "Stacking"]
 
 
 Args = argparse.Namespace
@@ -48,6 +52,29 @@ class Stacking:
     build: Callable[[Args, jax.Array], pipeline.StackedModel]
     fill: Callable[[Args, int], None]  # the defaults for this many stages: one block per stage
     check: Callable[[Args, int, Error], None]  # its blocks split over this many stages
+    resets: tuple[str, ...] = ()  # its flags whose default a pipeline decides (the MLP's --layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSplit:
+    """How a model runs with its sequence over "context" (cp, dp+cp): every attention core a ring.
+
+    Its loss deals each batch out in the ring's layout, wherever the rules split "seq".
+    """
+
+    flag: str  # the flag of the sequence's length in tokens (the GPT's "context")
+    ring: Callable[[Any], Any]  # the built model, every attention core "ring" (minishard.context)
+    attention: Callable[[Any], tuple[int, int, int]]  # the built model's (attention layers, heads, head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSplit:
+    """Where a model's mixtures of experts are (ep, dp+ep), and a forward pass that counts their routings."""
+
+    flag: str  # the flag of the experts per layer (0: dense MLPs)
+    layers: Callable[[Any], tuple[MoE, ...]]  # the built model's MoE layers, first to last
+    forward: Callable[[Any, Any], tuple[Any, MoEStats]]  # (model, inputs): outputs, the MoEStats added up
+    inputs: Callable[[Args, Any], jax.Array]  # (args, built): a batch of random inputs, args.batch_size
 
 
 def _nothing(*args: Any) -> None:
@@ -88,6 +115,13 @@ class ModelEntry:
     explain_flags: tuple[str, ...] = ()
     check_explain: Callable[[Args, Error], None] = _nothing
     stack: Stacking | None = None  # None: it has no blocks to stack, so no pipeline style
+    sequence: SequenceSplit | None = None  # None: it has no sequence to split, so no cp, dp+cp
+    experts: ExpertSplit | None = None  # None: it has no experts, so ep and dp+ep have none to split
+    stream: Callable[..., Iterator[int]] | None = None  # decoding (``minishard sample``), as ``gpt.stream``
+
+    def expert_count(self, args: Args) -> int:
+        """Experts per layer in this run: 0 for dense MLPs, or a model that takes no experts."""
+        return int(getattr(args, self.experts.flag, 0) or 0) if self.experts else 0
 
     def compiled_optimizer(self, args: Args) -> Optimizer:
         """The optimizer of a step ``explain`` only compiles (a schedule's length does not change it)."""

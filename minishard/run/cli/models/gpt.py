@@ -18,17 +18,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from minishard.models.gpt import GPT, stacked_gpt
+from minishard.models.gpt import GPT, stacked_gpt, stream
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, warmup_cosine_decay
 from minishard.run import text_data
 from minishard.run.cli.flags import Error, Flag, at_least, positive, unit_interval
-from minishard.run.cli.models.entry import Args, ModelEntry, Splits, Stacking
+from minishard.run.cli.models.entry import Args, ExpertSplit, ModelEntry, SequenceSplit, Splits, Stacking
 from minishard.run.cli.models.transformer import (
     TRANSFORMER_FLAGS,
+    attention_shape,
     check_depth_stages,
     check_heads,
     depth_over_stages,
+    moe_layers,
+    ring_cores,
 )
 from minishard.run.next_token import next_token_loss, next_token_sums
 from minishard.run.steps import Task
@@ -40,10 +43,14 @@ __all__ = [
     "MOE_FLAGS",
     "NANOGPT_BATCH",
     "NEXT_CHARACTER",
+    "TEXT_EXPERTS",
+    "TEXT_SEQUENCE",
     "adamw",
     "check_moe",
     "gpt_splits",
     "nanogpt_batch",
+    "random_windows",
+    "routed",
 ]
 
 
@@ -168,6 +175,23 @@ def _windows(args: Args, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
     return {"inputs": window, "targets": window}
 
 
+def random_windows(args: Args, model: Any) -> jax.Array:
+    """``--batch-size`` windows of ``--context`` random characters of ``model``'s vocabulary."""
+    vocab = model.embedding.tokens.shape[0]
+    return jax.random.randint(jax.random.key(0), (args.batch_size, args.context), 0, vocab)
+
+
+def routed(model: Any, ids: jax.Array) -> Any:
+    """A forward pass, the logits and the ``MoEStats``: what ``explain`` compiles under an expert style."""
+    return model.routed(ids)  # the logits too: without them XLA drops the last block's all-to-alls
+
+
+TEXT_SEQUENCE = SequenceSplit("context", ring=ring_cores, attention=attention_shape)
+"""A text model's windows of ``--context`` characters over "context" (cp, dp+cp): its attention a ring."""
+TEXT_EXPERTS = ExpertSplit("experts", layers=moe_layers, forward=routed, inputs=random_windows)
+"""A text model's ``--experts`` over "expert" (ep, dp+ep): its blocks' MoE MLPs."""
+
+
 MOE_FLAGS = {
     "experts": Flag(
         "replace every MLP by a mixture of this many experts, each a k-th of the MLP's hidden units "
@@ -224,4 +248,7 @@ GPT_ENTRY = ModelEntry(
     explain_flags=("context", "width", "depth", "heads", "mlp_ratio", "remat", *MOE_FLAGS),
     check_explain=_check_gpt_shape,
     stack=Stacking(lambda args, key: _gpt(args, key, stacked=True), depth_over_stages(4), check_depth_stages),
+    sequence=TEXT_SEQUENCE,
+    experts=TEXT_EXPERTS,
+    stream=stream,
 )

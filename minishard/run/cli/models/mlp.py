@@ -104,5 +104,6 @@ MLP = ModelEntry(
         lambda args, key: pipeline.stacked_mlp(args.layers, key=key, activation=args.activation),
         _mlp_stages,
         _check_mlp_stages,
+        resets=("layers",),  # a pipeline's: one 256 x 256 block per stage
     ),
 )

@@ -1,7 +1,9 @@
 """What every transformer here (the ViT, the GPT) shares: its shape flags and their checks.
 
 Heads must divide the width, and under a pipeline the depth rounds up to, and
-splits over, the stages.
+splits over, the stages. A model whose ``blocks`` are ``transformer.Block`` offers
+the styles the operations ``SequenceSplit`` and ``ExpertSplit`` ask for with
+``ring_cores``, ``attention_shape`` and ``moe_layers``.
 
 >>> sorted(TRANSFORMER_FLAGS)
 ['depth', 'heads', 'mlp_ratio', 'remat', 'width']
@@ -10,11 +12,21 @@ splits over, the stages.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+from minishard.experts import MoE
 from minishard.run.cli.flags import Error, Flag, at_least
 from minishard.run.cli.models.entry import Args
 
-__all__ = ["TRANSFORMER_FLAGS", "check_depth_stages", "check_heads", "depth_over_stages"]
+__all__ = [
+    "TRANSFORMER_FLAGS",
+    "attention_shape",
+    "check_depth_stages",
+    "check_heads",
+    "depth_over_stages",
+    "moe_layers",
+    "ring_cores",
+]
 
 
 def check_heads(args: Args, error: Error) -> None:
@@ -38,6 +50,23 @@ def check_depth_stages(args: Args, stages: int, error: Error) -> None:
             f"argument --depth: {args.depth} blocks cannot split over {stages} stages; "
             f"give a multiple of {stages}"
         )
+
+
+def ring_cores(model: Any) -> Any:
+    """``model`` with every block's attention core ``"ring"`` (``minishard.context``): cp's build."""
+    blocks = tuple(b.replace(attention=b.attention.replace(core="ring")) for b in model.blocks)
+    return model.replace(blocks=blocks)
+
+
+def attention_shape(model: Any) -> tuple[int, int, int]:
+    """``(attention layers, heads, head_dim)`` of ``model``'s blocks: what a ring sends per layer."""
+    attention = model.blocks[0].attention  # every block alike
+    return len(model.blocks), attention.heads, attention.width // attention.heads
+
+
+def moe_layers(model: Any) -> tuple[MoE, ...]:
+    """``model``'s mixtures of experts, block by block (none with dense MLPs)."""
+    return tuple(block.mlp for block in model.blocks if isinstance(block.mlp, MoE))
 
 
 TRANSFORMER_FLAGS = {

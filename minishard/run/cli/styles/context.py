@@ -1,8 +1,8 @@
-"""``ContextStyle``: ``--parallel cp`` and ``dp+cp``, the GPT with ring attention (docs/context.md).
+"""``ContextStyle``: ``--parallel cp`` and ``dp+cp``, a model's attention a ring (docs/context.md).
 
-The sequence over "context": the GPT's attention cores become rings
-(``minishard.context``), and ``explain`` compiles the step to count the ring's
-collective-permutes against the formula and show its balance.
+The sequence over "context": a model with a sequence (its entry's ``SequenceSplit``)
+has its attention cores made rings (``minishard.context``), and ``explain`` compiles the
+step to count the ring's collective-permutes against the formula and show its balance.
 
 >>> ContextStyle("dp+cp").mesh(8)
 {'data': 2, 'context': 4}
@@ -25,15 +25,13 @@ __all__ = ["ContextStyle"]
 
 
 class ContextStyle(Style):
-    """``cp``, ``dp+cp``: the sequence over "context", the GPT's attention a ring (``minishard.context``).
+    """``cp``, ``dp+cp``: the sequence over "context", the model's attention a ring (``minishard.context``).
 
-    Its step is the preset's: the GPT's loss deals each batch out zig-zag
-    (``run.next_token.in_sequence_layout``) and its ``"ring"`` attention core sends K and V
-    round the devices of "context". ``explain`` compiles the step and shows the ring.
+    Its step is the preset's: the model's loss deals each batch out zig-zag (the GPT's:
+    ``run.next_token.in_sequence_layout``) and its ``"ring"`` attention cores send K and V round
+    the devices of "context" (``ModelEntry.sequence``). ``explain`` compiles the step and shows the ring.
     """
 
-    models = ("gpt",)
-    """The models whose loss deals a batch out in the ring's layout."""
     compiles = True
 
     def finish(self, args: Args, error: Error) -> None:
@@ -49,29 +47,34 @@ class ContextStyle(Style):
         self._check_context(args, model, args.mesh, error)  # --mesh's "context" devices, as it runs
 
     def _check_context(self, args: Args, model: ModelEntry, mesh: dict[str, int], error: Error) -> None:
-        if model.name not in self.models:
+        if model.sequence is None:
             error(f"argument --parallel: {self.name} splits a sequence, and the {model.label} has none")
-        p, context = int(mesh.get("context", 1)), args.context or model.defaults["context"]
-        if model.name in self.models and context % (2 * p):
+        flag, p = model.sequence.flag, int(mesh.get("context", 1))
+        if (length := getattr(args, flag, None) or model.defaults[flag]) % (2 * p):
             error(
-                f"argument --context: {context} characters do not cut into 2 x {p} zig-zag chunks "
+                f"argument --{flag}: {length} tokens do not cut into 2 x {p} zig-zag chunks "
                 f"(context={p} devices)"
             )
 
     def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
-        built = model.build(args, key)
-        blocks = tuple(b.replace(attention=b.attention.replace(core="ring")) for b in built.blocks)
-        return built.replace(blocks=blocks)
+        assert model.sequence is not None  # checked with the flags
+        return model.sequence.ring(model.build(args, key))
 
     def explain_step(
-        self, args: Args, step: ShardedFunction, optimizer: Optimizer, model: Any, batch: Any
+        self,
+        args: Args,
+        model: ModelEntry,
+        step: ShardedFunction,
+        optimizer: Optimizer,
+        built: Any,
+        batch: Any,
     ) -> int | None:
         """The ring's collective-permutes, read from the compiled ``step`` against the formula, and its
         balance; then (None) the preset's report."""
-        shape = self.mesh(args.devices)
-        p, blocks, attention = shape["context"], len(model.blocks), model.blocks[0].attention
-        b, t, heads = args.batch_size // shape.get("data", 1), args.context // p, attention.heads
-        chunk = (b, t, heads, attention.width // heads)  # one device's K (or V)
-        program, hardware = step.lower(model, optimizer.init(model), batch), args.hardware
+        assert model.sequence is not None  # checked with the flags
+        shape, (blocks, heads, head_dim) = self.mesh(args.devices), model.sequence.attention(built)
+        p, b = shape["context"], args.batch_size // shape.get("data", 1)
+        chunk = (b, getattr(args, model.sequence.flag) // p, heads, head_dim)  # one device's K (or V)
+        program, hardware = step.lower(built, optimizer.init(built), batch), args.hardware
         print(context.ring_report(program, axis="context", blocks=blocks, chunk=chunk, hardware=hardware))
         return None

@@ -1,4 +1,4 @@
-"""``ExpertStyle``: ``--parallel ep`` and ``dp+ep``, a GPT's experts over "expert" (docs/experts.md).
+"""``ExpertStyle``: ``--parallel ep`` and ``dp+ep``, a model's experts over "expert" (docs/experts.md).
 
 Only a preset as steps go; its own are the checks (experts and windows that
 split over the devices) and what ``explain`` shows: where each expert lives,
@@ -11,7 +11,6 @@ one forward pass's all-to-alls against the formula, the routings it drops.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 
@@ -26,7 +25,7 @@ __all__ = ["ExpertStyle"]
 
 
 class ExpertStyle(Style):
-    """``ep`` and ``dp+ep``: a GPT's experts (``--experts``) over "expert", the batch over it too.
+    """``ep`` and ``dp+ep``: a model's experts (its entry's ``ExpertSplit``) over "expert", the batch too.
 
     Only a preset: the MoE's own constraints make XLA send every expert its slots and the results
     home, two all-to-alls per block forward. ``explain`` shows where each expert lives, those
@@ -44,18 +43,20 @@ class ExpertStyle(Style):
         self.check_explain(args, model, error)
 
     def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
-        """A GPT with experts; the experts over "expert", the batch's windows over "data" x "expert"."""
-        if not getattr(args, "experts", None):
+        """A model with experts; the experts over "expert", the batch over "data" x "expert"."""
+        split = model.experts
+        if split is None or not model.expert_count(args):
+            how = f"; add --{split.flag} N (a multiple of the 'expert' devices)" if split else ""
             error(
                 f"argument --parallel: {self.name} splits a mixture of experts over 'expert', and the "
-                f"{model.label} has none; add --experts N (a multiple of the 'expert' devices) to the GPT"
+                f"{model.label} has none{how}"
             )
         if getattr(args, "compare", False):  # every mesh shape is tried: one that cannot split says so
             return
-        mesh = args.mesh
-        if args.experts % (devices := mesh["expert"]):
+        mesh, experts = args.mesh, model.expert_count(args)
+        if experts % (devices := mesh["expert"]):
             error(
-                f"argument --experts: {args.experts} experts do not split over expert={devices} devices; "
+                f"argument --{split.flag}: {experts} experts do not split over expert={devices} devices; "
                 f"give a multiple of {devices}"
             )
         if args.batch_size is not None and args.batch_size % (ways := self.ways(mesh)):
@@ -70,21 +71,17 @@ class ExpertStyle(Style):
 
     def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
         """Where each expert lives; one batch's forward compiled: its all-to-alls, its dropped routings."""
+        assert model.experts is not None  # checked with the flags
         mesh = make_mesh(self.mesh(args.devices), devices=first_devices(args))
         built = shard(self.build(model, args, jax.random.key(0)), mesh, rules)
-        w_in = built.blocks[0].mlp.experts.w_in  # [E, M, H]: the stack "expert" splits
-        vocab = built.embedding.tokens.shape[0]
-        ids = jax.random.randint(jax.random.key(0), (args.batch_size, args.context), 0, vocab)
-        forward = Sharded(mesh, rules)(_routed)
-        _, stats = jax.block_until_ready(forward(built, ids))
-        slots = capacity(args.context, args.experts, args.top_k, args.capacity_factor)
-        groups, layers = args.batch_size // self.ways(mesh.shape), len(built.blocks)  # groups: one device's
-        program = forward.lower(built, ids)
-        report = expert_report(program, w_in, stats, groups=groups, slots=slots, layers=layers)
+        moe, *_ = layers = model.experts.layers(built)  # every layer alike
+        inputs = model.experts.inputs(args, built)
+        forward = Sharded(mesh, rules)(model.experts.forward)
+        _, stats = jax.block_until_ready(forward(built, inputs))
+        slots = capacity(inputs.shape[1], moe.n_experts, moe.k, moe.capacity_factor)
+        groups = args.batch_size // self.ways(mesh.shape)  # one device's
+        program = forward.lower(built, inputs)
+        w_in = moe.experts.w_in  # [E, M, H]: the stack "expert" splits
+        report = expert_report(program, w_in, stats, groups=groups, slots=slots, layers=len(layers))
         print(f"\n{report}")
         return 0
-
-
-def _routed(model: Any, ids: jax.Array) -> Any:
-    """A GPT's forward pass, logits and ``MoEStats``: what ``explain`` compiles for an expert style."""
-    return model.routed(ids)  # the logits too: without them XLA drops the last block's all-to-alls

@@ -61,8 +61,8 @@ class PipelineStyle(Style):
     def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
         if model.stack is None:
             error(f"argument --parallel: the {model.label} has no blocks to stack on 'stage' for a pipeline")
-        if getattr(args, "experts", 0):  # its stages would carry no MoEStats out
-            error(f"argument --experts: not with a pipeline (--parallel {self.name})")
+        if model.experts and model.expert_count(args):  # its stages would carry no MoEStats out
+            error(f"argument --{model.experts.flag}: not with a pipeline (--parallel {self.name})")
 
     def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
         assert model.stack is not None  # checked with the flags

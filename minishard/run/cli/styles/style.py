@@ -4,7 +4,30 @@ A style that is only its preset (``minishard.presets``) is a ``Style`` as it
 is: the preset's mesh and rules, and the model's own ``Sharded`` step. A style
 with a step of its own subclasses it in a module of its own beside this one
 (``pipeline``, ``zero``, ``context``, ``experts``) and overrides what it
-changes; ``STYLES`` (the package) lists them all.
+changes; ``STYLES`` (the package) lists them all. A style never reaches into a
+model: it asks the model's entry (``ModelEntry``: ``stack``, ``sequence``, ``experts``).
+
+The hooks, by the question they answer:
+
+* mesh and rules: ``mesh``, ``ways``, ``rules``;
+* the flags: ``parsed``, ``finish``, ``fill``, ``check``, ``check_explain``, ``checks_microbatches``;
+* build and step: ``build``, ``prepare``, ``make_step``, ``microbatches``, ``own_step``, ``own_step_cost``;
+* what ``explain`` shows: ``compiles``, ``before_explain``, ``explain_step``, ``after_plan``.
+
+Their calling order, the one place it is written (``flags.finish_train``, ``train.run``,
+``explain.check``, ``explain.run`` and ``explain._own_steps`` follow it)::
+
+    parse      parsed (every style's defaults)
+    train      finish -> mesh (unless --mesh) -> fill -> check (the model's checks before it)
+               -> rules -> build -> prepare -> make_step, microbatches (fit's arguments)
+    explain    mesh -> check_explain -> fill -> ways (the batch split)
+               -> before_explain (0, or the exit status of a refusal)
+               -> the plan only:   rules -> build -> [plan printed] -> after_plan
+               -> compiled (compiles, --hardware):   rules -> build -> prepare
+                  -> explain_step (None: the report follows) -> after_plan
+    --compare  each own_step style, each mesh shape: check_explain -> fill -> check -> build
+               -> own_step_cost
+    sample     build (the shapes a checkpoint restores into)
 
 >>> Style("dp").mesh(8), Style("dp").ways({"data": 8})
 ({'data': 8}, 8)
@@ -36,23 +59,15 @@ Args = argparse.Namespace
 class Style:
     """A ``--parallel`` style that is its preset's mesh and rules, and nothing more.
 
-    Every method is a hook the command line calls for whichever style was
-    chosen; a style with a step of its own subclasses this and overrides some.
+    Every method is a hook the command line calls for whichever style was chosen
+    (grouped and in order: the module's docstring); a style with a step of its own
+    subclasses this and overrides some.
     """
-
-    compiles = False
-    """Whether ``explain`` compiles its step even without ``--hardware`` (to show what it sends)."""
-    own_step = False
-    """Whether it trains a step of its own (``own_step_cost`` prices it), not ``fit``'s ``Sharded`` one."""
-    checks_microbatches = False
-    """Whether it checks ``--microbatches`` itself (a pipeline takes them, ZeRO refuses them by name);
-    ``explain`` refuses them for every other style, whose step it prices on whole batches."""
-    parsed: ClassVar[Mapping[str, Any]] = {}
-    """What every parse holds, whichever style is chosen: ``args.zero`` is None but under ZeRO."""
 
     def __init__(self, name: str, preset: str | None = None) -> None:
         self.name, self.preset = name, preset or name  # the preset whose mesh and rules it uses
 
+    # -- mesh and rules ------------------------------------------------------------------------------
     def mesh(self, devices: int) -> dict[str, int]:
         return preset(self.preset, devices)[0]
 
@@ -62,6 +77,13 @@ class Style:
 
     def rules(self, overrides: Mapping[str, Any]) -> AxisRules:
         return preset_rules(self.preset, overrides)
+
+    # -- the flags -----------------------------------------------------------------------------------
+    parsed: ClassVar[Mapping[str, Any]] = {}
+    """What every parse holds, whichever style is chosen: ``args.zero`` is None but under ZeRO."""
+    checks_microbatches = False
+    """Whether it checks ``--microbatches`` itself (a pipeline takes them, ZeRO refuses them by name);
+    ``explain`` refuses them for every other style, whose step it prices on whole batches."""
 
     def finish(self, args: Args, error: Error) -> None:
         """``train``: refuse what the style cannot honour, before the mesh is decided."""
@@ -76,12 +98,16 @@ class Style:
     def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
         """``explain``'s flags as the style needs them."""
 
+    # -- build and step ------------------------------------------------------------------------------
+    own_step = False
+    """Whether it trains a step of its own (``own_step_cost`` prices it), not ``fit``'s ``Sharded`` one."""
+
     def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
         return model.build(args, key)
 
-    def prepare(self, model: Any, args: Args, mesh: jax.sharding.Mesh) -> Any:
+    def prepare(self, built: Any, args: Args, mesh: jax.sharding.Mesh) -> Any:
         """The built model, made ready for its mesh (a pipeline's schedule)."""
-        return model
+        return built
 
     def make_step(self, args: Args, mesh: jax.sharding.Mesh) -> Callable[[Optimizer], Any] | None:
         """``fit``'s ``make_step``: None for ``fit``'s own ``Sharded`` step."""
@@ -91,12 +117,26 @@ class Style:
         """``fit``'s gradient accumulation."""
         return int(args.microbatches)
 
+    def own_step_cost(self, entry: ModelEntry, args: Args, built: Any, batch: Any, mesh: Mesh) -> StepCost:
+        """``explain --compare``: an ``own_step`` style's step on ``built``, priced on ``args.hardware``."""
+        raise NotImplementedError(f"--parallel {self.name} trains fit's Sharded step: compare prices it")
+
+    # -- what explain shows --------------------------------------------------------------------------
+    compiles = False
+    """Whether ``explain`` compiles its step even without ``--hardware`` (to show what it sends)."""
+
     def before_explain(self, args: Args) -> int:
         """``explain``: 0, or the exit status of a refusal already printed (before any work)."""
         return 0
 
     def explain_step(
-        self, args: Args, step: ShardedFunction, optimizer: Optimizer, model: Any, batch: Any
+        self,
+        args: Args,
+        model: ModelEntry,
+        step: ShardedFunction,
+        optimizer: Optimizer,
+        built: Any,
+        batch: Any,
     ) -> int | None:
         """``explain`` pricing the train ``step``: an exit status, or None for the preset's report."""
         return None
@@ -104,7 +144,3 @@ class Style:
     def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
         """``explain``, after the plan is printed: what more the style shows; an exit status."""
         return 0
-
-    def own_step_cost(self, entry: ModelEntry, args: Args, built: Any, batch: Any, mesh: Mesh) -> StepCost:
-        """``explain --compare``: an ``own_step`` style's step on ``built``, priced on ``args.hardware``."""
-        raise NotImplementedError(f"--parallel {self.name} trains fit's Sharded step: compare prices it")
