@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minishard.constraints import activation_axes, as_activation, output_sharding
+from minishard.constraints import activation_axes, as_activation, constrain, output_sharding
 from minishard.experts import MoE, MoEStats
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key
 from minishard.models.attention import KVCache
@@ -166,7 +166,10 @@ class GPT(Layer):
 
     def routed(self, ids: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, MoEStats | None]:
         """The logits, and the blocks' ``MoEStats`` added up (None with dense MLPs): what the loss adds."""
-        x, stats = routed_blocks(self.blocks, self.embedding(ids, positions), positions, remat=self.remat)
+        # The tokens' states as the rules lay out activations: left to XLA, the gather would take the
+        # table's layout (under fsdp "embed" over "data") and every device compute the whole batch.
+        x = constrain(self.embedding(ids, positions), activation_axes(3, "seq", "embed"))
+        x, stats = routed_blocks(self.blocks, x, positions, remat=self.remat)
         return self.head(self.norm(x)), stats
 
     def decode(
