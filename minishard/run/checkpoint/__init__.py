@@ -14,7 +14,7 @@ gets three things wrong at scale:
   resumes on ``data=8`` or on one device.
 
 A checkpoint ``<step>/`` holds three items: ``state``, every array of the model
-and optimizer state (velocities; a step counter, with a schedule) under its
+and optimizer state (velocities, a step counter) under its
 readable path such as ``model.layers[0].weight``; ``meta``, a JSON dict with
 the position in the data (epoch, batch, shuffle seed) and the history; and
 ``integrity``, one file per process with a CRC32 of every block of every array
