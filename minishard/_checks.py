@@ -34,9 +34,21 @@ Namer = Callable[..., str]
 
 
 class ShardingError(ValueError):
-    """A sharding request that cannot work; the message names what and where, and how to fix it."""
+    """A sharding request that cannot work; the message names what and where, and how to fix it.
+
+    Its fields, for a program to read rather than parse the message: ``why`` (what and where)
+    and ``fix`` (how to fix it, when one is said apart): the message is ``"<why>; <fix>"``.
+    """
 
     __module__ = "minishard.rules"  # where users meet it (and where pickle finds it)
+
+    def __init__(self, why: str, fix: str = "") -> None:
+        super().__init__(f"{why}; {fix}" if fix else why)
+        self.why, self.fix = why, fix
+
+    def retold(self, reword: Callable[[str], str]) -> ShardingError:
+        """The same error, its ``why`` reworded (to name where it happened), its ``fix`` kept."""
+        return ShardingError(reword(self.why), self.fix)
 
 
 # -- the shared checks ---------------------------------------------------------------------------
@@ -205,11 +217,11 @@ def divisible(
     for dim, (size, entry) in enumerate(zip(shape, spec)):
         if size % (ways := math.prod(mesh.shape[a] for a in _mesh_axes(entry))):
             sizes = ", ".join(f"{a!r}={mesh.shape[a]}" for a in _mesh_axes(entry))
-            raise ShardingError(
-                f"{where}: shape {shape}, dimension {dim} (logical axis {axes[dim]!r}) has "
-                f"size {size}, which mesh axis {sizes} cannot split evenly; choose sizes divisible "
-                f"by {ways} or change the rules"
+            why = (
+                f"{where}: shape {shape}, dimension {dim} (logical axis {axes[dim]!r}) has size {size}, "
+                f"which mesh axis {sizes} cannot split evenly"
             )
+            raise ShardingError(why, f"choose sizes divisible by {ways} or change the rules")
 
 
 def mesh_shape(shape: Any, names: Any) -> None:

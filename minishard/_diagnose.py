@@ -53,7 +53,7 @@ def failed_call(fn: Any, args: tuple[Any, ...], shardings: tuple[Any, ...]) -> N
     try:  # another batch size under a cached structure: is it still divisible?
         fn.config.plan_inputs(args)
     except ShardingError as e:
-        raise ShardingError(name_argument(fn, str(e))) from None
+        raise e.retold(lambda why: name_argument(fn, why)) from None
     for (path, arg), want in zip(jax.tree_util.tree_leaves_with_path(args), shardings):
         where = path_str(path)
         if getattr(arg, "is_deleted", bool)():  # numpy arrays are never donated away

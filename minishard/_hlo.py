@@ -176,6 +176,14 @@ def instruction_axes(line: str, mesh: AnyMesh) -> set[tuple[str, ...]]:
     return {_group_axes(group, sizes, names) for group in _replica_groups(line, math.prod(sizes))}
 
 
+def group_size(line: str, mesh: AnyMesh) -> int:
+    """Devices in one group of an instruction (its first); a collective-permute's: along the axes it moves."""
+    if _PAIRS.search(line):
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        return math.prod(sizes[axis] for axes in instruction_axes(line, mesh) for axis in axes)
+    return len(np.unique(_replica_groups(line, math.prod(mesh.axis_sizes))[0]))
+
+
 def _replica_groups(line: str, n_devices: int) -> list[np.ndarray]:
     """Device ids of each group, whichever of XLA's three notations the line uses."""
     if match := _EXPLICIT.search(line):

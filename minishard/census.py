@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import jax
 
@@ -97,7 +98,7 @@ def collectives(program: Program, mesh: AnyMesh | None = None) -> dict[str, Coll
     by default it is the one of the program's ``NamedSharding``\\ s.
     """
     found: dict[str, Collective] = {}
-    for kind, nbytes, groups in instructions(program, mesh):
+    for kind, nbytes, groups, _ in instructions(program, mesh):
         seen = found.get(kind, Collective(kind, 0, 0, ()))
         axes = tuple(sorted(set(seen.mesh_axes) | set(groups)))
         found[kind] = Collective(kind, seen.count + 1, seen.bytes + nbytes, axes)
@@ -115,41 +116,50 @@ def bytes_by_mesh_axes(
     {('all-reduce', ('y',)): 32, ('all-reduce', ('x',)): 8}
     """
     found: dict[tuple[str, tuple[str, ...]], int] = {}
-    for kind, nbytes, groups in instructions(program, mesh):
+    for kind, nbytes, groups, _ in instructions(program, mesh):
         mesh_axes = groups[0] if len(groups) == 1 else ("?",)  # groups of different shapes: rare
         found[kind, mesh_axes] = found.get((kind, mesh_axes), 0) + nbytes
     return found
 
 
-def instructions(
-    program: Program, mesh: AnyMesh | None = None
-) -> Iterator[tuple[str, int, tuple[tuple[str, ...], ...]]]:
-    """``(kind, bytes on one device, groups)`` of each collective the program runs, in program order.
+class Sent(NamedTuple):
+    """One run of a collective instruction: ``kind``; ``bytes``, its result on one device; ``groups``,
+    the mesh axes of each distinct group shape, sorted (nearly always one); ``devices`` in a group."""
 
-    ``groups``: the mesh axes of each distinct group shape, sorted; nearly always just one.
+    kind: str
+    bytes: int
+    groups: tuple[tuple[str, ...], ...]
+    devices: int
+
+
+def instructions(program: Program, mesh: AnyMesh | None = None) -> Iterator[Sent]:
+    """Each collective the program runs, in program order, as a ``Sent``.
+
     An instruction inside a loop body is yielded once per trip (XLA's ``known_trip_count``).
     Async pairs (``all-gather-start`` then ``all-gather-done``) count once: the
     start carries the groups, the done the result; each done is paired with the
-    oldest open start of its kind. XLA:TPU's ``all-reduce-scatter`` fusion (an
-    all-reduce and the slice each device keeps, run as one) is one reduce-scatter.
+    oldest open start of its kind.
+
+    >>> hlo = "%ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add"
+    >>> list(instructions(hlo, jax.sharding.AbstractMesh((2, 4), ("x", "y"))))   # 2 of the 4 along y
+    [Sent(kind='all-reduce', bytes=32, groups=(('y(2 of 4)',),), devices=2)]
     """
     text, mesh = _text_and_mesh(program, mesh)
-    started: dict[str, list[tuple[tuple[str, ...], ...]]] = {kind: [] for kind in KINDS}
-    runs, fused = _hlo.runs_per_call(text), _hlo.fused_reduce_scatters(text)
+    started: dict[str, list[tuple[tuple[tuple[str, ...], ...], int]]] = {kind: [] for kind in KINDS}
+    runs = _hlo.runs_per_call(text)
     for computation, match in _hlo.located(text):
         kind, phase, nbytes = match["kind"], match["phase"], _hlo.shape_bytes(match["shape"])
-        if computation in fused:  # XLA:TPU's all-reduce + slice, fused: one reduce-scatter of the slice
-            kind, nbytes = "reduce-scatter", _hlo.shape_bytes(fused[computation])
         if phase == "-done":  # the result of a start seen before
-            groups = started[kind].pop(0) if started[kind] else (("?",),)
+            groups, devices = started[kind].pop(0) if started[kind] else ((("?",),), 1)
         elif mesh is None:
             raise ValueError(f"found an {kind} but no mesh to name its devices; pass mesh=")
         else:
             groups = tuple(sorted(_hlo.instruction_axes(match.string, mesh)))
+            devices = _hlo.group_size(match.string, mesh)
         if phase == "-start":
-            started[kind].append(groups)
+            started[kind].append((groups, devices))
         else:
-            yield from [(kind, nbytes, groups)] * runs.get(computation, 1)
+            yield from [Sent(kind, nbytes, groups, devices)] * runs.get(computation, 1)
 
 
 def _text_and_mesh(program: Program, mesh: AnyMesh | None) -> tuple[str, AnyMesh | None]:
@@ -220,6 +230,7 @@ __all__ = [
     "KINDS",
     "Collective",
     "Program",
+    "Sent",
     "as_asked",
     "bytes_by_mesh_axes",
     "collectives",

@@ -153,7 +153,7 @@ def constrain(x: Any, logical_axes: LogicalAxes) -> Any:
     try:
         sharding = context.sharding(tuple(logical_axes))
     except ShardingError as e:
-        raise ShardingError(f"constrain: {e}") from None
+        raise e.retold(lambda why: f"constrain: {why}") from None
     _checks.divisible("constrain", jax.numpy.shape(x), tuple(logical_axes), sharding.spec, context.mesh)
     if context.explicit:  # the sharding is the array's type: change the type
         return jax.sharding.reshard(x, sharding)

@@ -392,7 +392,7 @@ def ring_report(
     mesh = mesh_of(compiled)
     p = int(dict(mesh.shape)[axis]) if mesh is not None else 1  # no mesh: nothing sent
     found = instructions(compiled, mesh)
-    sent = [n for kind, n, groups in found if kind == "collective-permute" and groups == ((axis,),)]
+    sent = [n for kind, n, groups, _ in found if kind == "collective-permute" and groups == ((axis,),)]
     return RingReport(axis, p, layout, blocks, tuple(chunk), (len(sent), sum(sent)), **options)
 
 

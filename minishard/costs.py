@@ -40,7 +40,7 @@ from minishard._hlo import repeated_dot_flops
 from minishard.census import as_asked, human_bytes, instructions, mesh_of
 from minishard.hardware import HARDWARE, Hardware, hardware_named
 from minishard.presets import PRESETS, preset
-from minishard.rules import AnyMesh, AxisRules, ShardingError, split_count
+from minishard.rules import AnyMesh, AxisRules, ShardingError
 from minishard.sharding import Sharded, make_mesh
 
 BACKWARD = 2 / 3  # the share of a training step's FLOPs that communication can hide behind
@@ -253,15 +253,15 @@ def cost_report(
 ) -> StepCost:
     """``step_cost`` of ``Sharded(mesh, rules)(step)`` on example ``args``, whose last is the batch.
 
-    The batch per device is the batch's leading dimension over the mesh axes
-    the ``batch`` rule names (the whole batch when it has none). A ``step`` with
-    ``.lower`` (a ``Sharded`` function, a ``zero.ZeroStep``) is lowered as it is;
-    ``rules`` then only says how the batch splits.
+    The batch per device is read from the compiled step: the rows of the batch's first array
+    that one device holds. A ``step`` with ``.lower`` (a ``Sharded`` function, a
+    ``zero.ZeroStep``) is lowered as it is, and ``rules`` go unused.
     """
     sharded = step if hasattr(step, "lower") else Sharded(mesh, rules)(step)  # type: ignore[arg-type]
-    global_batch = jax.tree.leaves(args[-1])[0].shape[0]
-    entry = rules.spec(("batch",), mesh)[0] if rules and "batch" in rules else None
-    return step_cost(sharded.lower(*args), hardware, batch=global_batch / split_count(mesh, entry))
+    lowered = sharded.lower(*args)
+    placed = jax.tree.leaves(lowered.compile().input_shardings[0][-1])[0]  # how the step splits the batch
+    rows = placed.shard_shape(jax.tree.leaves(args[-1])[0].shape)[0]
+    return step_cost(lowered, hardware, batch=rows)
 
 
 # --- 3. every candidate layout, ranked ----------------------------------------------
@@ -327,8 +327,8 @@ def compare(
             try:
                 mesh = make_mesh(shape, devices=jax.devices()[:devices])
                 cost = cost_report(step, args, mesh, rules, hardware)
-            except ShardingError as error:  # "<array>: shape (..), dimension 1 ... cannot split evenly; ..."
-                candidates.append(Candidate(style, shape, None, str(error).split(";")[0]))  # the whole reason
+            except ShardingError as error:  # why: "<array>: shape (..), dimension 1 ..."
+                candidates.append(Candidate(style, shape, None, error.why))
                 continue
             candidates.append(Candidate(style, shape, cost))
     fastest = sorted([*candidates, *others], key=lambda c: math.inf if c.cost is None else c.cost.step_s)
@@ -338,19 +338,11 @@ def compare(
 def _communication(text: str, mesh: AnyMesh | None, hardware: Hardware) -> tuple[tuple[str, int, float], ...]:
     """``(kind, bytes, seconds)`` per kind: each instruction priced over its own group of devices."""
     sent: dict[str, tuple[int, float]] = {}
-    for kind, nbytes, groups in instructions(text, mesh):
-        seconds = collective_time(kind, nbytes, _group_size(groups[0], mesh), hardware, n_axes=len(groups[0]))
+    for kind, nbytes, groups, devices in instructions(text, mesh):
+        seconds = collective_time(kind, nbytes, devices, hardware, n_axes=len(groups[0]))
         total, time = sent.get(kind, (0, 0.0))
         sent[kind] = (total + nbytes, time + seconds)
     return tuple((kind, n, s) for kind, (n, s) in sent.items())
-
-
-def _group_size(axes: tuple[str, ...], mesh: AnyMesh | None) -> int:
-    """Devices in a group over ``axes``: "data" is the whole axis, "data(2 of 4)" two of it."""
-    if mesh is None or "?" in axes:
-        return 1 if mesh is None else math.prod(mesh.axis_sizes)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    return math.prod(int(a.split("(")[1].split()[0]) if "(" in a else sizes[a] for a in axes)
 
 
 def _time(seconds: float) -> str:

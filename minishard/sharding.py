@@ -189,7 +189,7 @@ class _Walk:
         try:
             spec = self.rules.spec(axes, self.mesh)
         except ShardingError as e:
-            raise ShardingError(f"{where}: {e}") from None
+            raise e.retold(lambda why: f"{where}: {why}") from None
         self.leaves.append(_leaf_plan(path, shape, axes, spec, self.mesh))
         return spec
 
@@ -397,7 +397,7 @@ class ShardedFunction:
         try:
             inputs = self.config.plan_inputs(args).specs
         except ShardingError as e:
-            raise ShardingError(_diagnose.name_argument(self, str(e))) from None
+            raise e.retold(lambda why: _diagnose.name_argument(self, why)) from None
         mesh = self.config.mesh
         in_shardings = named_shardings(inputs, mesh)
         flat_shardings = tuple(jax.tree_util.tree_leaves(in_shardings))
@@ -431,7 +431,7 @@ class ShardedFunction:
         try:
             return plan(out_shapes, self.config.mesh, self.config.rules, _scalars_replicated).specs
         except ShardingError as e:
-            raise ShardingError(f"{self.name}: output {e}") from None
+            raise e.retold(lambda why: f"{self.name}: output {why}") from None
 
     def _eval_shape(self, traced: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """``jax.eval_shape`` of the function jit will trace; an Explicit mesh's ambiguity is named."""

@@ -286,6 +286,15 @@ def scaled(model, scale):
     return model(X) * scale
 
 
+def test_a_sharding_error_keeps_why_and_fix_apart_through_every_rewording():
+    with pytest.raises(ms.ShardingError) as caught:
+        ms.Sharded(MESH, RULES)(forward)(MODEL, np.ones((3, 8), np.float32))
+    error = caught.value  # what costs.compare reads: why, without the fix
+    assert error.why.startswith("forward: argument x: shape (3, 8), dimension 0 (logical axis 'batch')")
+    assert error.fix == "choose sizes divisible by 2 or change the rules"
+    assert str(error) == f"{error.why}; {error.fix}"
+
+
 @pytest.mark.parametrize("first", [None, 2.0], ids=["first-call", "cached"])
 def test_a_string_argument_is_named_by_its_parameter(first):
     step = ms.Sharded(MESH, RULES)(scaled)

@@ -115,13 +115,13 @@ def assert_collectives(
     found = list(instructions(compiled, mesh))
     broken = []
     for limit in limits:
-        selected = [nbytes for kind, nbytes, groups in found if limit.selects(kind, groups)]
+        selected = [nbytes for kind, nbytes, groups, _ in found if limit.selects(kind, groups)]
         if (limit.count is not None and len(selected) > limit.count) or (
             limit.bytes is not None and sum(selected) > limit.bytes
         ):
             broken.append(f"  {limit}; found {len(selected)}, {_exact_bytes(sum(selected))}")
     if exhaustive:
-        for kind, nbytes, groups in found:
+        for kind, nbytes, groups, _ in found:
             if not any(limit.selects(kind, groups) for limit in limits):
                 over = ", ".join(map(str, groups))
                 broken.append(f"  {kind} over {over} ({_exact_bytes(nbytes)}): no limit allows it")
