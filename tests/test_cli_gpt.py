@@ -102,6 +102,18 @@ def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys
             f"this run {flag} {value}: the resumed run would follow neither; resume with {flag} {saved}, "
             "or start afresh"
         ), err
+    styles = [
+        (["--parallel", "dp+cp", "--batch-size", "16"], "--parallel dp, this run --parallel dp+cp"),  # a ring
+        (["--parallel", "dp+pp", "--mesh", "data=8,stage=1"], "--parallel dp, this run --parallel dp+pp"),
+        (["--remat"], "--remat False, this run --remat True"),
+    ]
+    for flags, difference in styles:  # the same arrays, or stacked: the setting is named, not "another model"
+        assert main(["train", *TINY, "--steps", "6", "--checkpoint-dir", directory, "--resume", *flags]) == 1
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"error: the checkpoint in {directory} was saved under {difference}, which builds another model "
+            "(its arrays or its structure); resume under the saved setting, or start afresh (minishard "
+            "sample reads a GPT's checkpoint of any style but zero)"
+        )
 
 
 @needs_shakespeare

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointDirError",
     "CheckpointError",
+    "CheckpointMismatchError",
     "CorruptCheckpointError",
     "NonFiniteLossError",
     "NonFiniteStateError",
@@ -39,6 +40,10 @@ class CheckpointError(RuntimeError):
 
 class NonFiniteStateError(CheckpointError):
     """The state to save holds NaN or infinite values; nothing was written."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint holds other arrays than the state to restore into: another model, not corruption."""
 
 
 class CorruptCheckpointError(CheckpointError):

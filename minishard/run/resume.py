@@ -30,6 +30,7 @@ except ImportError:
     checkpoint = None  # type: ignore[assignment]
 
 __all__ = [
+    "another_setting",
     "check_checkpoint_dir",
     "check_meta",
     "kept",
@@ -37,6 +38,7 @@ __all__ = [
     "name_later",
     "open_checkpointer",
     "restore",
+    "setting_difference",
 ]
 
 
@@ -126,22 +128,25 @@ def check_meta(
     data_order: Mapping[str, Any],
     signatures: tuple[str, ...],
     directory: Any,
-    schedule: Mapping[str, Any] | None = None,
+    info: Mapping[str, Any] | None = None,
 ) -> None:
     """Is this checkpoint's metadata possible, and is it a checkpoint *of this run*?
 
     Impossible metadata (a missing field) raises ValueError: the checkpoint is
     corrupt and ``restore`` falls back. Possible metadata of another run
-    (another model, seed or batch size, or learning-rate ``schedule``) raises
+    (another model, seed or batch size, or learning-rate schedule) raises
     ResumeError: falling back would not help, the user must choose. ``signatures``:
-    this run's model, then the forms older versions saved of it.
+    this run's model, then the forms older versions saved of it; ``info``, what this
+    run saves about itself (``fit(info=...)``): its schedule and settings, to name the one that differs.
     """
-    _check_schedule(meta, schedule, directory)
+    _check_schedule(meta, (info or {}).get("schedule"), directory)
     for name, kind in (("sums", list), ("history", list)):
         if not isinstance(meta.get(name), kind):
             raise ValueError(f"field {name!r} is {meta.get(name)!r}, not a {kind.__name__}")
     signature = signatures[0]
     if "model" in meta and meta["model"] not in signatures:  # older checkpoints did not store it
+        if differs := setting_difference(meta, info):
+            raise ResumeError(another_setting(directory, differs))
         raise ResumeError(
             f"the checkpoint in {directory} was saved from another model:\n"
             f"  checkpoint: {_around_difference(meta['model'], signature)}\n"
@@ -154,6 +159,31 @@ def check_meta(
             f"the checkpoint in {directory} was saved with data order {saved}, but this run has "
             f"{dict(data_order)}; resume with the same --seed and --batch-size, or start afresh"
         )
+
+
+def setting_difference(meta: dict[str, Any], info: Mapping[str, Any] | None) -> str:
+    """``"--parallel dp+cp, this run --parallel dp"``: the first saved setting (the style, then the model's
+    flags) this run has another value of; "" when none does, or either side kept none."""
+    saved = meta.get("info") if isinstance(meta.get("info"), dict) else None
+    if not saved or not info:
+        return ""
+    pairs = [("parallel", saved.get("parallel"), info.get("parallel"))]
+    theirs, ours = saved.get("flags") or {}, info.get("flags") or {}
+    pairs += [(name, theirs.get(name), ours.get(name)) for name in sorted(theirs.keys() & ours.keys())]
+    for name, was, now in pairs:
+        if was != now:
+            flag = "--" + name.replace("_", "-")
+            return f"{flag} {was}, this run {flag} {now}"
+    return ""
+
+
+def another_setting(directory: Any, difference: str) -> str:
+    """The message of a checkpoint whose model another setting built."""
+    return (
+        f"the checkpoint in {directory} was saved under {difference}, which builds another model "
+        "(its arrays or its structure); resume under the saved setting, or start afresh "
+        "(minishard sample reads a GPT's checkpoint of any style but zero)"
+    )
 
 
 def _check_schedule(meta: dict[str, Any], schedule: Mapping[str, Any] | None, directory: Any) -> None:

@@ -51,15 +51,17 @@ from minishard.pipeline import StackedModel
 from minishard.rules import AxisRules
 from minishard.run.compiling import compile_events, compile_summary
 from minishard.run.data import EvalData, TrainingData, to_global
-from minishard.run.errors import NonFiniteLossError, NonFiniteStateError
+from minishard.run.errors import CheckpointMismatchError, NonFiniteLossError, NonFiniteStateError, ResumeError
 from minishard.run.horizon import Horizon, check_counts
 from minishard.run.resume import (
+    another_setting,
     check_checkpoint_dir,
     check_meta,
     kept,
     name_later,
     open_checkpointer,
     restore,
+    setting_difference,
 )
 from minishard.run.steps import CLASSIFICATION, Task, evaluate, make_train_step
 from minishard.sharding import Sharded, shard
@@ -357,10 +359,17 @@ class _Loop:
 
         def check(saved: int, meta: dict[str, Any]) -> None:
             horizon.since(meta, saved)
-            signatures, schedule = (run.signature, run.signature_before), (self.info or {}).get("schedule")
-            check_meta(meta, self.data.data_order, signatures, directory, schedule)
+            signatures = run.signature, run.signature_before
+            check_meta(meta, self.data.data_order, signatures, directory, self.info)
 
-        if (found := restore(self.checkpointer, run.state(), step, check, self.say.log)) is None:
+        try:
+            found = restore(self.checkpointer, run.state(), step, check, self.say.log)
+        except CheckpointMismatchError as error:  # other arrays: name the setting that built them, if saved
+            meta = self.checkpointer.read_meta(step)[1]
+            if differs := setting_difference(meta, self.info):
+                raise ResumeError(another_setting(directory, differs)) from None
+            raise error from None
+        if found is None:
             return
         run.step, state, meta = found
         run.since = horizon.since(meta, run.step)

@@ -72,7 +72,7 @@ from minishard.run.checkpoint.integrity import (
 )
 from minishard.run.checkpoint.migrations import older_name, sgd_steps
 from minishard.run.checkpoint.noise import quiet_storage_noise, reason
-from minishard.run.errors import CheckpointError, CorruptCheckpointError
+from minishard.run.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from minishard.tree import named_leaves
 
 __all__ = ["LOCK_FILE", "Checkpointer", "check_writable", "saved_steps"]
@@ -328,7 +328,7 @@ class Checkpointer:
                     "one side holds every array as ZeRO's flat shards: saved under --parallel zero, "
                     "resumed under another style, or the reverse; resume under the --parallel it was saved"
                 )
-            raise CheckpointError(
+            raise CheckpointMismatchError(
                 f"checkpoint {self.directory / str(step)} holds other arrays than the state to restore "
                 f"into ({why}):\n  " + "\n  ".join(differences[:10])
             )
