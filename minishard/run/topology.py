@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from minishard.census import Collective, collectives, human_bytes, mesh_of
+from minishard.census import KINDS, Collective, collectives, human_bytes, mesh_of
 from minishard.costs import Memory
 from minishard.sharding import Sharded, ShardedFunction, make_mesh
 
@@ -40,6 +40,7 @@ __all__ = [
     "compile_for",
     "hardware_of",
     "on_cpu_and_tpu",
+    "overlapped",
     "side_by_side",
     "tpu_devices",
 ]
@@ -47,6 +48,9 @@ __all__ = [
 GENERATIONS = {"v4": "v4p", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e"}
 """The TPU generations a topology may name, each with its entry of ``minishard.hardware.HARDWARE``."""
 INSTALL = "pip install 'minishard[tpu]'"
+_OPCODE = re.compile(  # `%name = SHAPE opcode(%first_operand, ...`
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*.*?\s(?P<op>[a-z][\w\-]*)\((?P<operand>%[\w.\-]+)?"
+)
 _NAME = re.compile(r"(?P<generation>[a-z0-9]+):(?P<shape>\d+(x\d+){1,2})")
 _QUIET = {  # libtpu on a machine without a TPU: no metadata server to ask, no lock, no warnings
     "TPU_SKIP_MDS_QUERY": "1",
@@ -162,6 +166,31 @@ def on_cpu_and_tpu(step: ShardedFunction, args: Sequence[Any]) -> list[Program]:
     return [compile_for(on_cpu.lower(*args)), compile_for(step.lower(*args))]
 
 
+def overlapped(text: str) -> dict[str, list[str]]:
+    """Each asynchronous collective (``all-gather-start`` ... ``all-gather-done``) of a scheduled
+    program, by the name of its start, with the opcodes XLA placed between its halves: the work it
+    overlaps with the transfer. A compiled program's text is in its execution order.
+
+    >>> overlapped("\\n".join(["%s = f32[8] all-gather-start(%p)", "%f = f32[8] fusion(%q)",
+    ...                         "%d = f32[8] all-gather-done(%s)"]))
+    {'s': ['fusion']}
+    """
+    running: dict[str, list[str]] = {}
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if (instruction := _OPCODE.match(line)) is None:
+            continue
+        op, kind = instruction["op"], instruction["op"].rpartition("-")[0]
+        if kind in KINDS and op.endswith("-start"):
+            running[instruction["name"]] = []
+        elif kind in KINDS and op.endswith("-done") and (start := instruction["operand"][1:]) in running:
+            found[start] = running.pop(start)
+        else:
+            for between in running.values():
+                between.append(op)
+    return found
+
+
 def side_by_side(programs: Sequence[Program]) -> str:
     """One column per compiler: each collective kind (count, bytes, mesh axes), memory, FLOPs, compiling."""
     kinds = list(dict.fromkeys(kind for program in programs for kind in program.collectives))
@@ -174,6 +203,7 @@ def side_by_side(programs: Sequence[Program]) -> str:
         "temporaries": lambda p: human_bytes(p.memory.temporaries),
         "FLOPs": lambda p: f"{p.flops:.3g}",
         "bytes accessed": lambda p: human_bytes(int(p.bytes_accessed)),
+        "async pairs": _async,
         "compile time": lambda p: f"{p.compile_s:.1f} s",
     }
     rows.update({name: [show(program) for program in programs] for name, show in numbers.items()})
@@ -183,6 +213,12 @@ def side_by_side(programs: Sequence[Program]) -> str:
         f"  {name:<{first}}  " + "  ".join(f"{cell:<{w}}" for cell, w in zip(cells, widths)).rstrip()
         for name, cells in rows.items()
     )
+
+
+def _async(program: Program) -> str:
+    """``x2, 31 ops between``: the asynchronous collectives, and what runs while they travel."""
+    pairs = overlapped(program.text)
+    return f"x{len(pairs)}, {sum(map(len, pairs.values()))} ops between" if pairs else "-"
 
 
 def _sent(found: Collective | None) -> str:

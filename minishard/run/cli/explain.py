@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="global batch of that step (default: the model's)",
     )
     add("--compare", action="store_true", help="rank every preset and mesh shape on --hardware")
-    add("--topology", help="compile the step for this TPU slice with XLA:TPU, ahead of time (e.g. v5e:2x4)")
+    add("--topology", help="compile for this TPU slice with XLA:TPU, ahead of time (v5e:2x4: 8 devices)")
     add("--memory", action="store_true", help="a train step's bytes per device by term; fits?")
     # each model's flags that change the step priced (the GPT's --context)
     add_model_flags(parser, flag_owners(MODELS.values(), lambda entry: entry.explain_flags))
