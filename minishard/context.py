@@ -10,7 +10,7 @@ other ways: all-gather, all-to-all, and Megatron's sequence parallelism):
 1. **Attention in pieces.** ``attend`` queries over some keys; ``merge`` two such
    partial softmaxes through their log-sum-exp: the online softmax, across devices.
 2. **Where the chunks live.** In order, or zig-zag (device i holds chunks i and 2p-1-i
-   of 2p); ``slot`` says which chunk pairs a device meets at each step, ``kind``
+   of 2p); ``meets`` says which chunks a device's queries meet at each step, ``kind``
    whether a pair is computed, masked (the diagonal) or skipped (all in the future).
 3. **The ring.** ``ring_attention``, p steps; its ``jax.custom_vjp`` sends K, V and their
    gradients round again, so the backward pass keeps one chunk per device, whatever p.
@@ -104,11 +104,11 @@ def chunks(device: Any, p: int, layout: str = "in-order") -> tuple[Any, ...]:
     return (device,) if layout == "in-order" else (device, 2 * p - 1 - device)
 
 
-def slot(device: Any, step: Any, p: int, layout: str = "in-order") -> tuple[Any, Any]:
+def meets(device: Any, step: Any, p: int, layout: str = "in-order") -> tuple[Any, Any]:
     """At ``step`` of the ring: the chunks of ``device``'s queries, and of the K and V passing by,
     which move one device on per step: at step s, device d holds device (d - s)'s.
 
-    >>> slot(device=1, step=1, p=4, layout="zigzag")   # its own chunks 1 and 6; device 0's 0 and 7
+    >>> meets(device=1, step=1, p=4, layout="zigzag")   # its own chunks 1 and 6; device 0's 0 and 7
     ((1, 6), (0, 7))
     """
     return chunks(device, p, layout), chunks((device - step) % p, p, layout)
@@ -126,16 +126,16 @@ def kind(q_chunk: int, k_chunk: int, causal: bool = True) -> str:
     return "masked" if causal and q_chunk == k_chunk else "computed"
 
 
-def schedule(p: int, layout: str = "in-order", causal: bool = True) -> list[list[tuple[str, ...]]]:
-    """Per device, per step: the ``kind`` of each pair of ``slot``, query chunks major.
+def pair_kinds(p: int, layout: str = "in-order", causal: bool = True) -> list[list[tuple[str, ...]]]:
+    """Per device, per step: the ``kind`` of each pair that ``meets`` names, query chunks major.
 
-    >>> schedule(p=2, layout="zigzag")[1]   # device 1 (chunks 1, 2): step 0 its own, step 1 device 0's
+    >>> pair_kinds(p=2, layout="zigzag")[1]   # device 1 (chunks 1, 2): step 0 its own, step 1 device 0's
     [('masked', 'skipped', 'computed', 'masked'), ('computed', 'skipped', 'computed', 'skipped')]
     """
-    _checks.ring("schedule", p, layout, CHUNKS)  # p >= 1 devices, a known layout
+    _checks.ring("pair_kinds", p, layout, CHUNKS)  # p >= 1 devices, a known layout
 
     def cell(device: int, step: int) -> tuple[str, ...]:
-        mine, theirs = slot(device, step, p, layout)
+        mine, theirs = meets(device, step, p, layout)
         return tuple(kind(q, k, causal) for q in mine for k in theirs)
 
     return [[cell(d, s) for s in range(p)] for d in range(p)]
@@ -146,7 +146,7 @@ def balance(p: int, layout: str = "in-order", causal: bool = True) -> float:
     pair costs a computed one: the mask comes after the matmul). In order, device i works at
     i + 1 steps: 2p/(p+1); zig-zag, every device at 2p + 1 pairs: 1."""
     _checks.ring("balance", p, layout, CHUNKS)
-    work = [sum(k != "skipped" for cell in row for k in cell) for row in schedule(p, layout, causal)]
+    work = [sum(k != "skipped" for cell in row for k in cell) for row in pair_kinds(p, layout, causal)]
     return max(work) / (sum(work) / p)
 
 
@@ -203,7 +203,7 @@ def _visit(acc: Any, qs: Any, kv: Any, mine: Any, theirs: Any, causal: bool) -> 
 def ring_forward(q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, layout: str = "in-order") -> Any:
     """The ring's forward pass, inside ``shard_map``: ``(out, lse)`` of this device's queries, float32.
 
-    p steps, each attending and merging the needed pairs of ``slot``. The next step's K and V
+    p steps, each attending and merging the needed pairs that ``meets`` names. The next step's K and V
     leave *before* this step's work, so a GPU or TPU can hide the transfer behind it; the last
     step sends nothing: 2(p-1) collective-permutes. ``jax.grad`` can differentiate this as it
     is, and then keeps every step's K, V and scores.
@@ -216,10 +216,10 @@ def ring_forward(q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, lay
     def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
         acc, kv = carry
         passed = jax.lax.ppermute(kv, axis, ring_pairs(p))  # sent now, used at the next step
-        return (_visit(acc, qs, kv, *slot(me, s, p, layout), causal), passed), None
+        return (_visit(acc, qs, kv, *meets(me, s, p, layout), causal), passed), None
 
     (acc, kv), _ = jax.lax.scan(step, (acc, (k, v)), jnp.arange(p - 1))
-    acc = _visit(acc, qs, kv, *slot(me, p - 1, p, layout), causal)
+    acc = _visit(acc, qs, kv, *meets(me, p - 1, p, layout), causal)
     return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*acc))
 
 
@@ -273,11 +273,11 @@ def _ring_bwd(axis: str, causal: bool, layout: str, residuals: Any, g: jax.Array
     def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
         dqs, kv, dkv = carry
         passed = jax.lax.ppermute(kv, axis, ring_pairs(p))  # K and V, sent before this step's work
-        dqs, dkv = _visit_grads(dqs, dkv, rows, kv, *slot(me, s, p, layout), causal)
+        dqs, dkv = _visit_grads(dqs, dkv, rows, kv, *meets(me, s, p, layout), causal)
         return (dqs, passed, jax.lax.ppermute(dkv, axis, ring_pairs(p))), None
 
     (dqs, kv, dkv), _ = jax.lax.scan(step, (dqs, (k, v), dkv), jnp.arange(p - 1))
-    dqs, dkv = _visit_grads(dqs, dkv, rows, kv, *slot(me, p - 1, p, layout), causal)
+    dqs, dkv = _visit_grads(dqs, dkv, rows, kv, *meets(me, p - 1, p, layout), causal)
     dk, dv = jax.lax.ppermute(dkv, axis, ring_pairs(p))  # the last step's gradients, home
     return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
@@ -407,17 +407,17 @@ __all__ = [
     "balance",
     "chunks",
     "kind",
+    "meets",
     "merge",
     "needed",
+    "pair_kinds",
     "permute",
     "positions",
     "ring_attention",
     "ring_forward",
     "ring_permutes",
     "ring_report",
-    "schedule",
     "scores",
-    "slot",
     "span",
     "visible",
 ]

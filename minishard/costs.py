@@ -264,7 +264,7 @@ def cost_report(
     return step_cost(lowered, hardware, batch=rows)
 
 
-# --- 3. every candidate layout, ranked ----------------------------------------------
+# --- 3. every candidate style and mesh shape, ranked ---------------------------------
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One preset on one mesh shape; ``cost`` is None when the model does not divide over it."""

@@ -13,7 +13,7 @@ module writes that loop in four steps:
 2. **Stacked blocks.** ``n`` identical blocks, their parameters on a leading ``"stage"``
    axis: the rule ``stage -> "stage"`` (the ``pp`` preset) gives each device its layers.
    ``stack`` turns a built model's blocks into them: the same function of the same numbers.
-3. **The schedule.** ``slot(tick, stage)`` says what a stage does at a tick; ``run_pipeline`` runs
+3. **The schedule.** ``work(tick, stage)`` says what a stage does at a tick; ``run_pipeline`` runs
    it, as a ``Pipeline`` (the mesh, the microbatches, the repeats) says.
 4. **Costs.** ``bubble_fraction``; ``pipeline_report`` reads ticks, bytes and memory from the program.
 
@@ -217,14 +217,14 @@ class Pipeline:
         return self.repeats * self.microbatches + self.stages - 1
 
 
-def slot(tick: Any, stage: Any, m: int, r: int = 1) -> tuple[Any, Any, Any]:
+def work(tick: Any, stage: Any, m: int, r: int = 1) -> tuple[Any, Any, Any]:
     """What ``stage`` works on at ``tick``: ``(busy, microbatch, repeat)``, for ints or traced arrays.
 
     Work item ``k = tick - stage``: microbatch ``k % m`` enters stage 0 at tick
     ``k`` and moves one stage per tick; after the last stage it comes back round
     to stage 0 for its next repeat ``k // m`` (the circular schedule).
 
-    >>> slot(tick=5, stage=1, m=4, r=2)   # microbatch 0, on its second round
+    >>> work(tick=5, stage=1, m=4, r=2)   # microbatch 0, on its second round
     (True, 0, 1)
     """
     k = tick - stage
@@ -238,7 +238,7 @@ def schedule(p: int, m: int, r: int = 1) -> list[list[Any]]:
         raise ValueError(f"a circular schedule needs m >= p microbatches, got m={m} < p={p}")
 
     def cell(t: int, d: int) -> Any:
-        busy, i, j = slot(t, d, m, r)
+        busy, i, j = work(t, d, m, r)
         return None if not busy else i if r == 1 else (i, j)
 
     return [[cell(t, d) for t in range(r * m + p - 1)] for d in range(p)]
@@ -276,9 +276,9 @@ def ring_pairs(p: int, shift: int = 1) -> list[tuple[int, int]]:
 
 
 def run_pipeline(blocks: Stacked, x: jax.Array, pipeline: Pipeline) -> jax.Array:
-    """``blocks(x)``, as a pipeline: ``p`` stages, each holding ``r`` chunks of ``n / (p·r)`` layers.
+    """``blocks(x)``, as a pipeline: ``p`` stages, each holding ``r`` sets of ``n / (p·r)`` layers.
 
-    Device ``d`` holds chunks ``d, d + p, d + 2p, ...``: a microbatch visits every
+    Device ``d`` holds sets ``d, d + p, d + 2p, ...``: a microbatch visits every
     device ``r`` times, round a ring. The layers are reordered ``[n] -> [p, r, L]``
     here; with ``r = 1`` that is free, with ``r > 1`` XLA moves them each step.
     """
@@ -288,22 +288,22 @@ def run_pipeline(blocks: Stacked, x: jax.Array, pipeline: Pipeline) -> jax.Array
     if blocks.n % (p * r):
         raise ValueError(f"pipeline: {blocks.n} blocks do not split into {p} stages x {r} repeats")
     schedule(p, m, r)  # checks m >= p for a circular schedule
-    chunks = jax.tree.map(lambda a: a.reshape(r, p, -1, *a.shape[1:]).swapaxes(0, 1), blocks.block)
+    layers = jax.tree.map(lambda a: a.reshape(r, p, -1, *a.shape[1:]).swapaxes(0, 1), blocks.block)
     loop = functools.partial(_gpipe, pipeline=pipeline)
     x_spec = P(None, pipeline.data_axis)  # [m, B/m, ...]: microbatch rows split over "data", if any
     stages = P(pipeline.stage_axis)
     run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=(stages, x_spec), out_specs=x_spec)
-    y = run(chunks, split_microbatches(x, m))
+    y = run(layers, split_microbatches(x, m))
     return y.swapaxes(0, 1).reshape(x.shape[0], *y.shape[2:])  # undo the strided split
 
 
-def _gpipe(chunks: Any, xs: jax.Array, *, pipeline: Pipeline) -> jax.Array:
-    """One device's program: ``pipeline.ticks`` times, run one chunk and pass the result on (``ppermute``)."""
+def _gpipe(layers: Any, xs: jax.Array, *, pipeline: Pipeline) -> jax.Array:
+    """One device's program: ``pipeline.ticks`` times, run its layers, pass the result on (``ppermute``)."""
     p, m, r, axis = pipeline.stages, pipeline.microbatches, pipeline.repeats, pipeline.stage_axis
     data = pipeline.data_axis
-    stage, chunks = jax.lax.axis_index(axis), jax.tree.map(lambda a: a[0], chunks)  # [r, L, ...]
+    stage, layers = jax.lax.axis_index(axis), jax.tree.map(lambda a: a[0], layers)  # [r, L, ...]
     if data:  # cast once, so that the gradient's psum over "data" (its transpose) runs once, not per tick
-        chunks = jax.lax.pcast(chunks, data, to="varying")
+        layers = jax.lax.pcast(layers, data, to="varying")
     varying = functools.partial(jax.lax.pcast, axis_name=axis, to="varying")  # differs per stage
     # The shift register, the inputs (where stage 0 also parks microbatches coming back round for
     # their next repeat) and the outputs. Bubbles hold NaN, so one that leaks fails the tests; a
@@ -312,13 +312,13 @@ def _gpipe(chunks: Any, xs: jax.Array, *, pipeline: Pipeline) -> jax.Array:
 
     def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
         state, inputs, outputs = carry
-        busy, i, j = slot(t, stage, m, r)
+        busy, i, j = work(t, stage, m, r)
         x = jnp.where(stage == 0, inputs[i], state)  # stage 0 starts microbatch i (repeat j)
         x = jnp.where(busy, x, 0.0)  # a bubble computes on zeros: NaN * 0 would be NaN in the gradient
-        y = run_blocks(jax.tree.map(lambda a: a[jnp.clip(j, 0, r - 1)], chunks), x)
+        y = run_blocks(jax.tree.map(lambda a: a[jnp.clip(j, 0, r - 1)], layers), x)
         outputs = outputs.at[i].set(jnp.where(busy & (stage == p - 1) & (j == r - 1), y, outputs[i]))
         state = jax.lax.ppermute(y, axis, ring_pairs(p))  # the shift
-        sent, i_back, j_back = slot(t, p - 1, m, r)  # what the last stage sent round to stage 0
+        sent, i_back, j_back = work(t, p - 1, m, r)  # what the last stage sent round to stage 0
         back = (stage == 0) & sent & (j_back < r - 1)
         inputs = inputs.at[i_back].set(jnp.where(back, state, inputs[i_back]))
         return (state, inputs, outputs), None
@@ -418,9 +418,9 @@ __all__ = [
     "ring_pairs",
     "run_pipeline",
     "schedule",
-    "slot",
     "split_microbatches",
     "stack",
     "stacked_mlp",
     "unstack",
+    "work",
 ]

@@ -3,7 +3,7 @@
 GPipe (``jax.grad`` of ``run_pipeline``) keeps every microbatch's activations until
 its backward loop starts; 1F1B starts a microbatch's backward pass as soon as it
 leaves the last stage, so a stage holds at most ``2p`` of them, however many
-microbatches there are. Read it after the chapter: it builds on its ``slot``,
+microbatches there are. Read it after the chapter: it builds on its ``work``,
 ``run_blocks`` and ``split_microbatches``, and nothing in the package imports it
 (tests/test_pipeline.py checks its memory; docs/pipeline.md measures it).
 """
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from minishard import _checks
-from minishard.pipeline import Pipeline, Stacked, ring_pairs, run_blocks, slot, split_microbatches
+from minishard.pipeline import Pipeline, Stacked, ring_pairs, run_blocks, split_microbatches, work
 
 
 def one_f_one_b(blocks: Stacked, x: jax.Array, targets: jax.Array, loss_fn: Any, pipeline: Pipeline) -> Any:
@@ -26,8 +26,8 @@ def one_f_one_b(blocks: Stacked, x: jax.Array, targets: jax.Array, loss_fn: Any,
 
     ``jax.grad`` of ``run_pipeline`` is GPipe: the backward loop is the transpose of the
     forward one and starts after it, so every microbatch's activations wait. Here one
-    loop of ``m + 2p - 2`` ticks does, per stage and tick, a forward chunk and a
-    backward chunk (``jax.vjp``, recomputing the chunk from its saved input): a stage
+    loop of ``m + 2p - 2`` ticks does, per stage and tick, a forward pass of its layers and a
+    backward one (``jax.vjp``, recomputing the forward from its saved input): a stage
     saves the inputs of at most ``2p`` microbatches, however large ``m``. No "data"
     axis, no repeats: the smallest version that shows the memory.
     """
@@ -43,26 +43,26 @@ def one_f_one_b(blocks: Stacked, x: jax.Array, targets: jax.Array, loss_fn: Any,
 
 
 def _one_f_one_b_loop(
-    chunk: Any, xs: jax.Array, ts: jax.Array, *, loss_fn: Any, p: int, m: int, axis: str
+    layers: Any, xs: jax.Array, ts: jax.Array, *, loss_fn: Any, p: int, m: int, axis: str
 ) -> Any:
     stage, varying = jax.lax.axis_index(axis), functools.partial(jax.lax.pcast, axis_name=axis, to="varying")
-    zeros, grads = jnp.zeros_like(xs[0]), jax.tree.map(jnp.zeros_like, chunk)  # (grads vary, as chunk)
+    zeros, grads = jnp.zeros_like(xs[0]), jax.tree.map(jnp.zeros_like, layers)  # (grads vary, as layers)
     # The forward and backward shift registers, the saved inputs (a ring of 2p), the sums.
     saved = jnp.zeros((2 * p, *zeros.shape))
     carry = varying(zeros), varying(zeros), varying(saved), grads, varying(jnp.zeros_like(xs)), varying(0.0)
 
     def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
         fwd, bwd, saved, grads, x_grads, loss = carry
-        f_busy, i_f, _ = slot(t, stage, m)  # forward: as GPipe
-        b_busy, i_b, _ = slot(t, 2 * p - 2 - stage, m)  # backward: from the last stage back, one per tick
+        f_busy, i_f, _ = work(t, stage, m)  # forward: as GPipe
+        b_busy, i_b, _ = work(t, 2 * p - 2 - stage, m)  # backward: from the last stage back, one per tick
         x = jnp.where(f_busy, jnp.where(stage == 0, xs[i_f], fwd), 0.0)
         saved = saved.at[i_f % (2 * p)].set(jnp.where(f_busy, x, saved[i_f % (2 * p)]))
-        y = run_blocks(chunk, x)
+        y = run_blocks(layers, x)
         value, y_grad = jax.value_and_grad(loss_fn)(y, ts[i_f])  # used on the last stage only
         g = jnp.where(b_busy, jnp.where(stage == p - 1, y_grad / m, bwd), 0.0)
-        _, vjp = jax.vjp(run_blocks, chunk, jnp.where(b_busy, saved[i_b % (2 * p)], 0.0))
-        chunk_grad, x_grad = vjp(g)
-        grads = jax.tree.map(jnp.add, grads, chunk_grad)
+        _, vjp = jax.vjp(run_blocks, layers, jnp.where(b_busy, saved[i_b % (2 * p)], 0.0))
+        layers_grad, x_grad = vjp(g)
+        grads = jax.tree.map(jnp.add, grads, layers_grad)
         x_grads = x_grads.at[i_b].set(jnp.where(b_busy & (stage == 0), x_grad, x_grads[i_b]))
         loss = loss + jnp.where(f_busy & (stage == p - 1), value / m, 0.0)
         fwd = jax.lax.ppermute(y, axis, ring_pairs(p))

@@ -122,8 +122,8 @@ class ZeroStep:
     def init(self, model: Any) -> Any:
         """The optimizer's state for the *shards*: each device holds 1/N of each moment (velocity)."""
         shapes = jax.eval_shape(self.optimizer.init, jax.eval_shape(self._shards, model))
-        layout = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._state_specs(shapes))
-        return jax.jit(self.optimizer.init, out_shardings=layout)(jax.eval_shape(self._shards, model))
+        placement = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._state_specs(shapes))
+        return jax.jit(self.optimizer.init, out_shardings=placement)(jax.eval_shape(self._shards, model))
 
     def _state_specs(self, state: Any) -> Any:
         """The step whole on every device; every model-shaped moment split, as the shards are."""

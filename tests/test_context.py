@@ -87,7 +87,7 @@ def test_every_query_chunk_meets_every_key_chunk_once(p, layout):
     met = {}
     for device in range(p):
         for step in range(p):
-            mine, theirs = cx.slot(device, step, p, layout)
+            mine, theirs = cx.meets(device, step, p, layout)
             for q in mine:
                 for k in theirs:
                     met[q, k] = met.get((q, k), 0) + 1
@@ -96,10 +96,10 @@ def test_every_query_chunk_meets_every_key_chunk_once(p, layout):
 
 
 def test_the_schedule_skips_the_future_and_masks_the_diagonal():
-    grid = cx.schedule(4, "in-order")
+    grid = cx.pair_kinds(4, "in-order")
     assert grid[0] == [("masked",), ("skipped",), ("skipped",), ("skipped",)]
     assert grid[3] == [("masked",), ("computed",), ("computed",), ("computed",)]
-    zigzag = cx.schedule(4, "zigzag")  # every device: 2 diagonals at step 0, then 2 pairs a step
+    zigzag = cx.pair_kinds(4, "zigzag")  # every device: 2 diagonals at step 0, then 2 pairs a step
     assert all(row[0].count("masked") == 2 and row[0].count("computed") == 1 for row in zigzag)
     assert all(cell.count("skipped") == 2 for row in zigzag for cell in row[1:])
 
@@ -318,8 +318,8 @@ def ring_on(p, shape, layout="in-order", attend_fn=cx.ring_attention):
         (ring_on(4, (1, 10, 2, 4)), ["over_sequence: a sequence of 10 tokens does not split into 4 equal"]),
         (lambda: cx.positions(16, 0), ["positions: p (the devices of the ring) must be a positive int"]),
         (lambda: cx.positions(0, 2), ["positions: seq_len must be a positive int, got 0"]),
-        (lambda: cx.schedule(0), ["schedule: p (the devices of the ring) must be a positive int, got 0"]),
-        (lambda: cx.schedule(2, "striped"), ["schedule: unknown sequence layout 'striped'"]),
+        (lambda: cx.pair_kinds(0), ["pair_kinds: p (the devices of the ring) must be a positive int, got 0"]),
+        (lambda: cx.pair_kinds(2, "striped"), ["pair_kinds: unknown sequence layout 'striped'"]),
         (lambda: cx.balance(0), ["balance: p (the devices of the ring) must be a positive int, got 0"]),
         (
             lambda: cx.chunks(device=5, p=4),

@@ -240,7 +240,7 @@ def test_a_bubble_computed_on_as_real_work_poisons_the_gradients(monkeypatch):
     blocks, _ = blocks_and_oracle(4)
     pipeline = pp.Pipeline(mesh_for(4), microbatches=4)
     always_busy = lambda tick, stage, m, r=1: (tick >= 0, (tick - stage) % m, (tick - stage) // m)  # noqa: E731
-    monkeypatch.setattr(pp, "slot", always_busy)
+    monkeypatch.setattr(pp, "work", always_busy)
     loss = jax.jit(lambda b: pp.run_pipeline(b, jnp.ones((8, WIDTH)), pipeline).sum())
     grads = jax.block_until_ready(jax.grad(loss)(blocks))
     assert np.isnan(grads.block.layers[0].weight).any()
