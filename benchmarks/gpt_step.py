@@ -12,7 +12,7 @@ losses must agree before anything is timed. Contenders, interleaved and
 paired as ``harness.py`` does, blocking after every step (programs with
 collectives on simulated devices):
 
-* ``minishard``: ``ms.Sharded(mesh, preset_rules("dp"))(make_train_step(AdamW(...), next_token_loss))``;
+* ``minishard``: ``ms.Sharded(mesh, style_rules("dp"))(make_train_step(AdamW(...), next_token_loss))``;
 * ``handwritten``: the plain-JAX step, the reference;
 * ``handwritten_copy``: the same jit again, the A/A control.
 
@@ -35,9 +35,9 @@ from jax.sharding import PartitionSpec as P
 import minishard as ms
 from minishard.models import gpt
 from minishard.optim import AdamW
-from minishard.presets import preset
 from minishard.run.next_token import next_token_loss
 from minishard.run.steps import make_train_step
+from minishard.styles import mesh_rules
 
 LR, B1, B2, EPS, DECAY, CLIP = 1e-3, 0.9, 0.99, 1e-8, 0.1, 1.0
 
@@ -135,7 +135,7 @@ def handwritten(mesh: jax.sharding.Mesh) -> Callable[..., Any]:
 
 def bench_gpt(sizes: dict[str, int], batch: int, rounds: int, iters: int, warmup: int) -> dict[str, Any]:
     model = gpt.GPT(**sizes, key=jax.random.key(0))
-    shape, rules = preset("dp", jax.device_count())
+    shape, rules = mesh_rules("dp", jax.device_count())
     mesh = ms.make_mesh(shape)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, sizes["vocab"], (batch, sizes["context"] + 1)).astype(np.int32)

@@ -33,10 +33,10 @@ import minishard as ms
 from minishard import pipeline as pp
 from minishard.models import gpt
 from minishard.optim import AdamW, warmup_cosine_decay
-from minishard.presets import preset
 from minishard.run.next_token import next_token_loss
 from minishard.run.steps import make_train_step
 from minishard.run.text_data import tiny_shakespeare
+from minishard.styles import mesh_rules
 from minishard.zero import zero_train_step
 
 STYLES = ("dp", "tp", "2d", "fsdp", "zero", "dp+pp")
@@ -52,7 +52,7 @@ def losses_under(style: str, steps: int, batch_size: int, seed: int = 0) -> list
         model = step.shard(model)
         state = step.init(model)
     else:  # tp: 4 heads split at most 4 ways, so 4 devices; every other style on all 8
-        shape, rules = preset(style, 4 if style == "tp" else 8)
+        shape, rules = mesh_rules(style, 4 if style == "tp" else 8)
         mesh = ms.make_mesh(shape, devices=jax.devices()[: 4 if style == "tp" else 8])
         if style == "dp+pp":  # data 2 x stage 4: a block per stage, 4 microbatches
             model = gpt.as_stacked(model).replace(pipeline=pp.Pipeline(mesh, 4, data_axis="data"))

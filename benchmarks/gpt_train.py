@@ -6,7 +6,7 @@ nanoGPT's README: ``--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_e
 defaults), AdamW (lr 1e-3, beta2 0.99, weight decay 0.1 on matrices, clipping at
 1.0), 100 warmup steps then a cosine to 1e-4 at step 2,000, no dropout, and a
 batch of 16 windows (a multiple of the 8 devices, next to nanoGPT's 12), under
-``Sharded`` with the ``dp`` preset. Every ``--eval-every`` steps it prints
+``Sharded`` with the ``dp`` style. Every ``--eval-every`` steps it prints
 ``val loss`` (nats per character, over the validation split's 871 fixed
 windows), and at the end ``test loss``, the step and wall times, the machine's
 load and a sample. The target (issue 24): ``val loss <= 1.88`` within 10 minutes.
@@ -44,11 +44,11 @@ import minishard as ms
 from minishard.models import gpt
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, warmup_cosine_decay
-from minishard.presets import preset
 from minishard.run.cli.sample import sample
 from minishard.run.next_token import next_token_loss, next_token_sums
 from minishard.run.steps import make_train_step
 from minishard.run.text_data import TEXT_SPLITS, TextDataset, tiny_shakespeare
+from minishard.styles import mesh_rules
 
 
 def evaluate(step: Any, model: Any, text: TextDataset, batch_size: int) -> float:
@@ -68,7 +68,7 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
     started, load_start = time.perf_counter(), os.getloadavg()
     splits = {s: tiny_shakespeare(s, 64, opts.batch_size, seed=opts.seed) for s in TEXT_SPLITS}
     vocab = splits["train"].vocabulary
-    shape, rules = preset(opts.parallel, jax.device_count())
+    shape, rules = mesh_rules(opts.parallel, jax.device_count())
     mesh = ms.make_mesh(shape)
     optimizer = AdamW(warmup_cosine_decay(opts.lr, opts.warmup, opts.steps, end_value=opts.lr / 10))
     experts = {"mlp": moe_mlp(opts.experts, opts.top_k, opts.capacity_factor)} if opts.experts else {}
@@ -152,7 +152,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--parallel", default="dp", help="a preset: dp, tp, 2d, fsdp, fsdp+tp, ep, dp+ep")
+    parser.add_argument("--parallel", default="dp", help="a style: dp, tp, 2d, fsdp, fsdp+tp, ep, dp+ep")
     parser.add_argument("--experts", type=int, default=0, help="MoE MLPs of this many experts (0: dense)")
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--capacity-factor", type=float, default=1.25)

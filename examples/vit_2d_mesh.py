@@ -11,7 +11,7 @@ result Megatron-style on a data=2 x model=4 mesh:
   (``static_fields``), and names the logical axes of its own arrays
   (``param_logical_axes``); sub-layers, here an ``Attention``, name theirs;
 * ``model.replace(pool=...)`` swaps a sub-layer: Layers are immutable pytrees;
-* ``preset("2d", 8)``: the style table's mesh (data=2 x model=4) and rules:
+* ``mesh_rules("2d", 8)``: the style table's mesh (data=2 x model=4) and rules:
   batch over "data", attention heads and MLP hidden units over "model". The
   layers never name the batch axis, so ``Sharded(mesh, rules)`` decides it.
   The pool's heads are split too, so ``explain`` counts one more forward and
@@ -33,8 +33,8 @@ import numpy as np
 import minishard as ms
 from minishard.census import bytes_by_mesh_axes
 from minishard.models.vit import Attention, ViT
-from minishard.presets import preset
 from minishard.run.steps import make_train_step
+from minishard.styles import mesh_rules
 
 IMAGE, CLASSES, BATCH = 16, 4, 64
 
@@ -80,7 +80,7 @@ def cross_entropy_loss(model: ViT, batch: dict[str, np.ndarray]) -> jax.Array:
 
 
 def main(steps: int = 30) -> None:
-    shape, rules = preset("2d", 8)  # {"data": 2, "model": 4}
+    shape, rules = mesh_rules("2d", 8)  # {"data": 2, "model": 4}
     mesh = ms.make_mesh(shape)
     vit_key, pool_key = jax.random.split(jax.random.key(0))
     model = ViT(image_size=IMAGE, patch_size=4, width=32, depth=2, heads=4, classes=CLASSES, key=vit_key)

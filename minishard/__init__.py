@@ -9,7 +9,7 @@ idea, and imports only the ones before it.
 * ``layers``: models as pytrees (``Layer``, ``Linear``, ``Sequential``, ``Residual``, ``mlp``);
 * ``losses``, ``optim``: cross-entropy and pure, functional optimizers (SGD, AdamW);
 * ``sharding``: meshes, one ``plan`` for a whole tree, ``shard`` and ``Sharded``;
-* ``presets``: twelve named styles (dp, tp, 2d, fsdp, fsdp+tp, pp, dp+pp, cp, dp+cp, tp+sp, ep,
+* ``styles``: twelve named styles (dp, tp, 2d, fsdp, fsdp+tp, pp, dp+pp, cp, dp+cp, tp+sp, ep,
   dp+ep) as a mesh shape and rules;
 * ``census``: ``collectives``, what a compiled program sends between devices, read from its HLO;
 * ``hardware``: the accelerators a step is priced on, each number with its source, and their links;

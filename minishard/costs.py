@@ -39,9 +39,9 @@ from minishard import _checks
 from minishard._hlo import repeated_dot_flops
 from minishard.census import as_asked, human_bytes, instructions, mesh_of
 from minishard.hardware import HARDWARE, Hardware, hardware_named
-from minishard.presets import PRESETS, preset
 from minishard.rules import AnyMesh, AxisRules, ShardingError
 from minishard.sharding import Sharded, make_mesh
+from minishard.styles import ANY_MODEL, mesh_rules
 
 BACKWARD = 2 / 3  # the share of a training step's FLOPs that communication can hide behind
 
@@ -267,7 +267,7 @@ def cost_report(
 # --- 3. every candidate style and mesh shape, ranked ---------------------------------
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One preset on one mesh shape; ``cost`` is None when the model does not divide over it."""
+    """One style on one mesh shape; ``cost`` is None when the model does not divide over it."""
 
     style: str
     mesh: dict[str, int]
@@ -296,8 +296,8 @@ class Comparison:
 
 
 def mesh_shapes(style: str, devices: int) -> list[dict[str, int]]:
-    """Every way to lay ``devices`` on the preset's mesh axes: one for a 1-D style, each divisor for 2-D."""
-    shape, _ = preset(style, devices)
+    """Every way to lay ``devices`` on the style's mesh axes: one for a 1-D style, each divisor for 2-D."""
+    shape, _ = mesh_rules(style, devices)
     if len(shape) == 1:
         return [shape]
     first, second = shape
@@ -309,20 +309,20 @@ def compare(
     args: Sequence[Any],
     hardware: Hardware | str = "v5p",
     devices: int = 0,
-    styles: Sequence[str] = PRESETS,
+    styles: Sequence[str] = ANY_MODEL,
     others: Sequence[Candidate] = (),
 ) -> Comparison:
     """``cost_report`` of ``step`` under every style and every mesh shape of ``devices``, fastest first.
 
     ``args`` are the step's example arguments (model, optimizer state, batch);
-    ``devices``: 0 for all of them; ``styles``: the presets any model takes, or more
-    (``presets.SEQUENCE`` for a long context, ``presets.EXPERT`` for a model with experts,
+    ``devices``: 0 for all of them; ``styles``: the styles any model takes, or more
+    (``styles.SEQUENCE`` for a long context, ``styles.EXPERT`` for a model with experts,
     whose all-to-alls cost a quarter of an all-gather). Each candidate compiles once.
     ``others``, priced elsewhere (a pipeline's step, ZeRO's), are ranked with them.
     """
     hardware, devices, candidates = hardware_named(hardware), devices or jax.device_count(), []  # 0: all
     for style in styles:
-        rules = preset(style, devices)[1]
+        rules = mesh_rules(style, devices)[1]
         for shape in mesh_shapes(style, devices):
             try:
                 mesh = make_mesh(shape, devices=jax.devices()[:devices])

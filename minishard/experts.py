@@ -376,6 +376,7 @@ def expert_report(
     found = collectives(program)
     return ExpertReport(where, shape, weight.dtype.itemsize, layers, found, int(dropped), int(routed))
 
+
 __all__ = [
     "ExpertParallel",
     "ExpertReport",

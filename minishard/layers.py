@@ -407,7 +407,7 @@ def megatron_axes(num_linear: int) -> list[LogicalAxes]:
     the way the second wants its input, so the pair needs one reduction at the
     end instead of a gather in between. The last Linear's outputs are
     ``"classes"``, not ``"embed"``: a classifier's 10 outputs cannot split 8
-    ways, as FSDP splits ``embed`` over "data", so every preset replicates
+    ways, as FSDP splits ``embed`` over "data", so every style replicates
     ``classes`` (under the 2-D rules, which replicate ``embed``, the two agree).
 
     >>> megatron_axes(3)

@@ -11,7 +11,7 @@ module writes that loop in four steps:
 1. **Microbatches.** Split a batch into ``m``, add up their gradients in a ``lax.scan``: the
    same gradients, ``m`` times less activation memory; the first half of a pipeline.
 2. **Stacked blocks.** ``n`` identical blocks, their parameters on a leading ``"stage"``
-   axis: the rule ``stage -> "stage"`` (the ``pp`` preset) gives each device its layers.
+   axis: the rule ``stage -> "stage"`` (the ``pp`` style) gives each device its layers.
    ``stack`` turns a built model's blocks into them: the same function of the same numbers.
 3. **The schedule.** ``work(tick, stage)`` says what a stage does at a tick; ``run_pipeline`` runs
    it, as a ``Pipeline`` (the mesh, the microbatches, the repeats) says.

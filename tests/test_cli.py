@@ -275,7 +275,7 @@ def test_ctrl_c_says_which_checkpoint_is_the_latest(tmp_path, capsys, monkeypatc
 
 @needs_mnist
 @pytest.mark.slow
-def test_the_cli_trains_on_an_explicit_mesh_with_a_preset(tmp_path, capsys):
+def test_the_cli_trains_on_an_explicit_mesh_with_a_style(tmp_path, capsys):
     argv = ["train", "--layers", "784,32,10", "--batch-size", "256", "--epochs", "1", "--parallel", "fsdp"]
     assert main([*argv, "--explicit"]) == 0
     explicit = capsys.readouterr().out
@@ -354,7 +354,7 @@ def test_explain_compare_ranks_every_layout_and_draws_them(tmp_path, capsys):
     assert lines[0] == "mlp, batch 128, on 8 devices: every style and mesh shape"
     rows = [line for line in lines if re.match(r"[* ] \w", line) and "style" not in line]
     assert len(rows) == 17 and rows[0].startswith("* ") and not any(r.startswith("* ") for r in rows[1:])
-    styles = {row[2:].split()[0] for row in rows}  # the pipelines and ZeRO ranked with the presets
+    styles = {row[2:].split()[0] for row in rows}  # the pipelines and ZeRO ranked with the other styles
     assert styles == {"dp", "tp", "2d", "fsdp", "fsdp+tp", "pp", "dp+pp", "zero"}
     pp_row = next(row for row in rows if row[2:].startswith("pp "))
     assert "stage=8" in pp_row and "communication-bound" in pp_row

@@ -264,18 +264,18 @@ class Halves(Style):
 
     def make_step(self, args, mesh):
         print("Halves: every batch in two")
-        sharded = ms.Sharded(mesh, self.rules({}), donate_argnums=(0, 1))  # dp's rules: its preset's
+        sharded = ms.Sharded(mesh, self.rules({}), donate_argnums=(0, 1))  # dp's rules: its like's
         return lambda optimizer: sharded(make_train_step(optimizer, TOY.task.loss, microbatches=2))
 
 
 @pytest.mark.slow  # one short training and one compile: ~6 s here
 def test_a_registered_style_brings_its_own_step_and_refusals(toy, monkeypatch, capsys):
-    monkeypatch.setitem(STYLES, "halves", Halves("halves", preset="dp"))
+    monkeypatch.setitem(STYLES, "halves", Halves("halves", like="dp"))
     assert main(["train", "--model", "toy", "--parallel", "halves", "--steps", "4"]) == 0
     out = capsys.readouterr().out
     assert "Halves: every batch in two" in out and re.search(r"Step 4 .* test loss \d", out)
     with pytest.raises(SystemExit):
         main(["train", "--model", "toy", "--parallel", "halves", "--microbatches", "4"])
     assert "argument --microbatches: --parallel halves always takes 2" in capsys.readouterr().err
-    assert main(["explain", "--model", "toy", "--parallel", "halves"]) == 0  # the preset's plan
+    assert main(["explain", "--model", "toy", "--parallel", "halves"]) == 0  # dp's plan
     assert capsys.readouterr().out.startswith("toy under halves on 8 devices")

@@ -21,7 +21,7 @@ import minishard as ms
 from minishard import context as cx
 from minishard import sequence as sq
 from minishard.models.transformer import LayerNorm
-from minishard.presets import preset_rules
+from minishard.styles import style_rules
 from minishard.testing import SequenceLayout, assert_attention_equivalent, sequence_layouts
 
 
@@ -362,7 +362,7 @@ plain_step = jax.jit(jax.value_and_grad(mean_square))
 
 @functools.cache
 def annotated_step(sequence_parallel):
-    rules = preset_rules("tp", {"seq": "model" if sequence_parallel else None})
+    rules = style_rules("tp", {"seq": "model" if sequence_parallel else None})
     return ms.Sharded(seq_mesh(4, "model"), rules)(jax.value_and_grad(mean_square))
 
 
@@ -410,7 +410,7 @@ def test_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_of_the_same_
 
 def test_the_residual_stream_is_split_over_the_sequence_and_takes_less_memory():
     x = jnp.ones((BATCH, SEQ, WIDTH))
-    forward = ms.Sharded(seq_mesh(4, "model"), preset_rules("tp", {"seq": "model"}))(lambda b, x: b(x))
+    forward = ms.Sharded(seq_mesh(4, "model"), style_rules("tp", {"seq": "model"}))(lambda b, x: b(x))
     assert forward(residual_blocks(), x).sharding.shard_shape((BATCH, SEQ, WIDTH)) == (BATCH, SEQ // 4, WIDTH)
     temp = [
         by_hand_step(s).lower(residual_blocks(), x).compile().memory_analysis().temp_size_in_bytes

@@ -17,8 +17,8 @@ import minishard as ms
 from minishard.census import as_asked, collectives
 from minishard.costs import HARDWARE, collective_time, compare, cost_report, critical_batch, step_cost
 from minishard.experts import MoE
-from minishard.presets import EXPERT, PRESETS, preset
 from minishard.run.steps import make_train_step
+from minishard.styles import ANY_MODEL, EXPERT, mesh_rules
 
 V5E, V4P, V5P, H100 = (HARDWARE[name] for name in ("v5e", "v4p", "v5p", "h100"))
 MICROSECONDS = 1e-6
@@ -146,7 +146,7 @@ def small_step_and_args():
 
 def test_cost_report_prices_a_sharded_step():
     step, args = small_step_and_args()
-    shape, rules = preset("dp", 8)
+    shape, rules = mesh_rules("dp", 8)
     cost = cost_report(step, args, ms.make_mesh(shape), rules, "h100")
     assert cost.batch == 4 and cost.communication[0][0] == "all-reduce"  # 32 examples over 8
     assert "communication-bound" in str(cost) and "H100" in str(cost)
@@ -157,7 +157,7 @@ def test_compare_ranks_every_preset_and_mesh_shape():
     step, args = small_step_and_args()
     ranked = compare(step, args, "v5p")
     styles = {candidate.style for candidate in ranked.candidates}
-    assert styles == set(PRESETS) and len(ranked.candidates) == 1 + 1 + 4 + 1 + 4  # 2-D styles: 1x8 .. 8x1
+    assert styles == set(ANY_MODEL) and len(ranked.candidates) == 1 + 1 + 4 + 1 + 4  # 2-D styles: 1x8 .. 8x1
     times = [candidate.cost.step_s for candidate in ranked.candidates if candidate.cost is not None]
     assert times == sorted(times) and str(ranked).splitlines()[1].startswith("* ")
 
@@ -251,8 +251,8 @@ def test_the_ring_hides_behind_its_blocks_by_maxtexts_intensity():
 @pytest.mark.slow  # 6 compiles of a small GPT
 def test_compare_ranks_the_context_parallel_layouts_with_the_others():
     from minishard.models import gpt
-    from minishard.presets import SEQUENCE
     from minishard.run.next_token import next_token_loss  # imports the GPT: only this slow test needs it
+    from minishard.styles import SEQUENCE
 
     model = jax.eval_shape(lambda: gpt.GPT(11, 16, 32, 1, 8, core="ring", key=jax.random.key(0)))
     model = jax.tree.map(lambda leaf: jnp.full(leaf.shape, 0.01, leaf.dtype), model)

@@ -22,11 +22,11 @@ from minishard.models import gpt
 from minishard.models.attention import ATTENTION_CORES, Attention, KVCache
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, weight_decay_mask
-from minishard.presets import LOGICAL_AXES, preset
 from minishard.run.cli.sample import sample
 from minishard.run.next_token import in_sequence_layout, next_token_loss
 from minishard.run.steps import make_train_step
 from minishard.run.text_data import Vocabulary
+from minishard.styles import LOGICAL_AXES, mesh_rules
 from minishard.zero import flat_padded, zero_train_step
 
 SMALL = dict(vocab=11, context=16, width=32, depth=2, heads=8, mlp_ratio=4)
@@ -59,7 +59,7 @@ def forward(model, ids, positions=None):  # module level: jit caches compiled co
 def test_the_gpt_maps_ids_to_next_character_logits_and_names_every_axis():
     model, batch = small_gpt(), small_batch()
     assert jax.jit(forward)(model, batch["inputs"]).shape == (BATCH, SMALL["context"], SMALL["vocab"])
-    leaves = ms.plan(model, None, preset("tp", 8)[1]).leaves
+    leaves = ms.plan(model, None, mesh_rules("tp", 8)[1]).leaves
     assert len(leaves) == 2 + SMALL["depth"] * 12 + 4  # tables; per block 2 norms, q k v out, MLP; norm, head
     for leaf in leaves:
         assert leaf.logical_axes and all(axis in LOGICAL_AXES for axis in leaf.logical_axes), leaf.path
@@ -97,7 +97,7 @@ def test_under_dp_and_dp_cp_every_chunk_of_attention_is_the_textbooks_attend(mon
     calls = []
     monkeypatch.setattr(cx, "attend", lambda *a, **kw: calls.append(a[0].shape) or ATTEND(*a, **kw))
     for style, core, chunk in (("dp", "dense", (8, 16, 8, 4)), ("dp+cp", "ring", (4, 2, 8, 4))):
-        shape, rules = preset(style, 8)
+        shape, rules = mesh_rules(style, 8)
         calls.clear()
         ms.Sharded(ms.make_mesh(shape), rules)(forward).lower(small_gpt(core=core), small_batch()["inputs"])
         # dp: one call per block on the whole batch (as traced); dp+cp: per block, a device's pairs of 2 x 2
@@ -244,7 +244,7 @@ def trained(style, depth=SMALL["depth"]):
         state = step.init(model)
     else:
         devices = jax.devices()[: 4 if style == "pp" else 8]
-        shape, rules = preset(style, len(devices))
+        shape, rules = mesh_rules(style, len(devices))
         mesh = ms.make_mesh(shape, devices=devices)
         if style in DEPTH:  # the same GPT, its blocks stacked and pipelined: a microbatch per stage
             pipe = pp.Pipeline(mesh, 4, data_axis="data" if style == "dp+pp" else None)
@@ -284,7 +284,7 @@ def test_one_megatron_step_equals_one_data_parallel_step_leaf_by_leaf():
     state = OPTIMIZER.init(model)
     results = {}
     for style in ("dp", "tp"):
-        shape, rules = preset(style, 8)
+        shape, rules = mesh_rules(style, 8)
         mesh = ms.make_mesh(shape)
         out = jax.block_until_ready(ms.Sharded(mesh, rules)(STEP)(model, state, batch))
         results[style] = out
@@ -303,7 +303,7 @@ def test_under_dp_cp_the_ring_gpt_has_the_loss_and_gradients_of_dp():
     # The batch dealt out zig-zag over "context" = 4, positions following; K and V round the ring.
     batch, results = small_batch(), {}
     for style, core in (("dp", "dense"), ("dp+cp", "ring")):
-        shape, rules = preset(style, 8)
+        shape, rules = mesh_rules(style, 8)
         step = ms.Sharded(ms.make_mesh(shape), rules)(value_and_grads)
         results[style] = jax.block_until_ready(step(small_gpt(core=core), batch))
         program = step.lower(small_gpt(core=core), batch)
@@ -323,7 +323,7 @@ def test_the_batch_is_dealt_out_only_where_attention_splits_the_sequence():
     model, batch = small_gpt(), small_batch()
     assert in_sequence_layout(model, batch) == (model, batch)  # outside Sharded: as given
     for style, dealt in (("dp+cp", True), ("tp+sp", False)):  # tp+sp: heads take "model" first
-        shape, rules = preset(style, 8)
+        shape, rules = mesh_rules(style, 8)
         env = LogicalSharding(ms.make_mesh(shape), rules)
         held, inputs = env.wrap(lambda: in_sequence_layout(model, batch))()
         order = np.asarray(cx.positions(SMALL["context"], 4, "zigzag")) if dealt else np.arange(16)
@@ -392,7 +392,7 @@ def test_generation_with_the_cache_equals_recomputing_and_one_seed_gives_one_tex
     assert got.tolist() == recomputed_generation(model, prompt.tolist(), 30, 0.8, seed=7)
     assert got.tolist() == gpt.generate(model, prompt, 30, temperature=0.8, seed=7).tolist()
     assert got.tolist() != gpt.generate(model, prompt, 30, temperature=0.8, seed=8).tolist()
-    shape, rules = preset("tp", 8)  # the same text with the cache's heads split over "model"
+    shape, rules = mesh_rules("tp", 8)  # the same text with the cache's heads split over "model"
     step = ms.Sharded(ms.make_mesh(shape), rules, donate_argnums=2)(decode)
     assert gpt.generate(model, prompt, 30, temperature=0.8, seed=7, step=step).tolist() == got.tolist()
     long = np.arange(20, dtype=np.int32) % SMALL["vocab"]  # longer than the context: read its last 16
@@ -401,7 +401,7 @@ def test_generation_with_the_cache_equals_recomputing_and_one_seed_gives_one_tex
 
 def test_under_tp_the_cache_splits_its_heads_over_model_next_to_their_weights():
     model = small_gpt()
-    shape, rules = preset("tp", 8)
+    shape, rules = mesh_rules("tp", 8)
     mesh = ms.make_mesh(shape)
     step = ms.Sharded(mesh, rules, donate_argnums=2)(decode)
     prompt = jnp.asarray([[3, 1, 4]], jnp.int32)
@@ -427,14 +427,17 @@ def test_sample_continues_a_prompt_as_text_and_names_a_character_it_cannot_read(
 
 @pytest.mark.slow  # two meshes, two compiles
 def test_the_gpt_trains_on_an_explicit_mesh_with_any_batch_axis_name_as_on_an_auto_one():
-    # "rows" where the preset says "batch": a layer that spelled "batch" would find no rule for it.
+    # "rows" where the style says "batch": a layer that spelled "batch" would find no rule for it.
     # SGD, not AdamW: Adam's g / sqrt(v) turns a last-ulp difference of a tiny gradient into a
     # visible one, and this test compares every parameter.
     rules = ms.AxisRules.from_pairs(
-        [("rows" if axis == "batch" else axis, target) for axis, target in preset("fsdp+tp", 8)[1].pairs]
+        [("rows" if axis == "batch" else axis, target) for axis, target in mesh_rules("fsdp+tp", 8)[1].pairs]
     )
     runs = {}
-    for explicit, step_rules, batch_axis in ((False, preset("fsdp+tp", 8)[1], None), (True, rules, "rows")):
+    for explicit, step_rules, batch_axis in (
+        (False, mesh_rules("fsdp+tp", 8)[1], None),
+        (True, rules, "rows"),
+    ):
         mesh = ms.make_mesh({"data": 2, "model": 4}, explicit=explicit)
         step = ms.Sharded(mesh, step_rules, batch_axis=batch_axis)(SGD_STEP)
         model = ms.shard(small_gpt(), mesh, step_rules)
@@ -484,7 +487,7 @@ def test_an_moe_gpt_adds_its_routers_losses_and_keeps_the_dense_gpts_active_para
 def test_an_moe_gpt_under_expert_parallelism_equals_it_on_one_device(style):
     model, batch = moe_gpt(4.0), small_batch()
     want_loss, want_grads, want_stats = jax.jit(loss_and_grads)(model, batch)
-    shape, rules = preset(style, 8)
+    shape, rules = mesh_rules(style, 8)
     mesh = ms.make_mesh(shape)
     placed = ms.shard(model, mesh, rules)
     assert placed.blocks[0].mlp.experts.w_in.sharding.spec == P("expert", None, None)

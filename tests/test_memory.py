@@ -17,12 +17,12 @@ from minishard.losses import classification_loss
 from minishard.memory import FP32, MIXED, Precision, bytes_per_parameter, zero_bytes
 from minishard.models.gpt import GPT
 from minishard.models.vit import ViT
-from minishard.presets import preset
 from minishard.run.cli import main
 from minishard.run.cli.memory import budget
 from minishard.run.cli.models.gpt import NEXT_CHARACTER
 from minishard.run.next_token import next_token_loss
 from minishard.run.steps import make_train_step
+from minishard.styles import mesh_rules
 
 GB = 1e9
 
@@ -144,7 +144,7 @@ def _case(name: str) -> tuple[Any, Any, dict[str, Any], Any]:
 def predicted_and_compiled(name: str, style: str) -> tuple[mm.Budget, Memory]:
     """The budget of a train step that donates its model and state, as ``train`` compiles it, and the
     compiler's ``memory_analysis()``: one compile per model and style, shared by the tests."""
-    shape, rules = preset(style, DEVICES)
+    shape, rules = mesh_rules(style, DEVICES)
     mesh = make_mesh(shape, devices=jax.devices()[:DEVICES])
     model, optimizer, batch, loss = _case(name)
     args = (model, optimizer.init(model), batch)
@@ -271,7 +271,7 @@ def test_explain_memory_refuses_bad_flags_in_one_line(flags, says, capsys):
 def test_each_gpt_block_adds_its_activations_and_gradients_to_the_compiled_step():
     """Under dp the compiled temporaries grow per block by the formula's activations and the block's
     gradients twice (the all-reduce's sum beside its summands), to 1%: the fixed rest of the step apart."""
-    shape, rules = preset("dp", DEVICES)
+    shape, rules = mesh_rules("dp", DEVICES)
     mesh = make_mesh(shape, devices=jax.devices()[:DEVICES])
     windows = jnp.zeros((16, 64), jnp.int32)
     temporaries = {}

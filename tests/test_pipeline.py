@@ -27,10 +27,10 @@ import minishard as ms
 from minishard import pipeline as pp
 from minishard.models.vit import Attention, stacked_vit
 from minishard.pipeline_1f1b import one_f_one_b
-from minishard.presets import preset, preset_rules
 from minishard.run.data import mnist
 from minishard.run.steps import make_train_step
 from minishard.run.train import fit
+from minishard.styles import mesh_rules, style_rules
 
 WIDTH = 8
 
@@ -110,7 +110,7 @@ def test_plan_rows_lead_with_the_stage_axis():
     sizes = [12, WIDTH, WIDTH, WIDTH, WIDTH, WIDTH, 3]  # 4 square hidden Linears: 4 stacked blocks
     model = jax.eval_shape(lambda: pp.stacked_mlp(sizes, key=jax.random.key(0)))
     mesh = ms.make_mesh({"data": 2, "stage": 4}, devices=jax.devices()[:8])
-    rows = {leaf.path: leaf for leaf in ms.plan(model, mesh, preset_rules("dp+pp")).leaves}
+    rows = {leaf.path: leaf for leaf in ms.plan(model, mesh, style_rules("dp+pp")).leaves}
     weight = rows["blocks.block.layers[0].weight"]
     assert (weight.shape, weight.logical_axes) == ((4, WIDTH, WIDTH), ("stage", None, None))
     assert rows["before.layers[0].weight"].logical_axes == (None, None)
@@ -121,7 +121,7 @@ def test_stacked_vit_blocks_carry_the_stage_axis():
     attention = model.blocks.block.attention
     assert type(attention) is Attention and attention.query.shape == (2, 16, 2, 8)  # no stacked subclass
     assert attention.param_logical_axes()["query"] == ("embed", "heads", "kv")  # as unstacked
-    rows = {leaf.path: leaf.logical_axes for leaf in ms.plan(model, None, preset_rules("pp")).leaves}
+    rows = {leaf.path: leaf.logical_axes for leaf in ms.plan(model, None, style_rules("pp")).leaves}
     assert rows["blocks.block.attention.query"] == ("stage", "embed", "heads", "kv")  # Stacked adds it
     assert rows["blocks.block.norm1.scale"] == ("stage", "embed")
 
@@ -205,8 +205,8 @@ def test_a_pipelined_model_trains_like_the_sequential_one():
     piped = model.replace(pipeline=pp.Pipeline(mesh, microbatches=4, data_axis="data"))
     rng = np.random.default_rng(0)
     batch = {"image": rng.normal(size=(16, 12)).astype(np.float32), "label": rng.integers(0, 3, 16)}
-    step = ms.Sharded(mesh, preset_rules("dp+pp"))(make_train_step(ms.SGD(0.1)))
-    model_step = ms.Sharded(mesh, preset_rules("dp+pp"))(make_train_step(ms.SGD(0.1), microbatches=2))
+    step = ms.Sharded(mesh, style_rules("dp+pp"))(make_train_step(ms.SGD(0.1)))
+    model_step = ms.Sharded(mesh, style_rules("dp+pp"))(make_train_step(ms.SGD(0.1), microbatches=2))
     opt_state = ms.SGD(0.1).init(model)
     report = pp.pipeline_report(step, (piped, opt_state, batch))  # what `explain` shows
     assert (report.stages, report.ticks, report.bubble) == (4, 7, 3 / 7)
@@ -321,7 +321,7 @@ MNIST_MLP = [784, 256, 256, 256, 256, 256, 10]  # 4 stacked 256 x 256 blocks: on
 
 def losses_per_step(model, style, data, log):
     """Every step's loss of one epoch of ``data``, trained as ``minishard train`` does (its SGD)."""
-    shape, rules = preset(style, 8)
+    shape, rules = mesh_rules(style, 8)
     mesh = ms.make_mesh(shape)
     if "stage" in shape:
         model = model.replace(pipeline=pp.Pipeline(mesh, microbatches=8, data_axis="data"))

@@ -15,7 +15,6 @@ import minishard as ms
 from minishard.census import bytes_by_mesh_axes, human_bytes
 from minishard.constraints import constrain
 from minishard.models import gpt
-from minishard.presets import preset
 from minishard.run.cli import main
 from minishard.run.next_token import next_token_loss
 from minishard.run.steps import make_train_step
@@ -27,6 +26,7 @@ from minishard.run.topology import (
     side_by_side,
     tpu_devices,
 )
+from minishard.styles import mesh_rules
 from minishard.tree import tree_bytes
 
 TOPOLOGY = "v5e:2x4"  # 8 chips, as many as the suite's simulated CPU devices
@@ -62,7 +62,7 @@ def test_explain_refuses_a_bad_topology_in_one_line_before_any_work(capsys):
 
 
 class PinnedLinear(ms.Linear):
-    """A Linear whose output lives as (batch, its output axis), as in test_presets."""
+    """A Linear whose output lives as (batch, its output axis), as in test_styles."""
 
     def __call__(self, x):
         return constrain(super().__call__(x), ("batch", self.logical_axes[1]))
@@ -70,7 +70,7 @@ class PinnedLinear(ms.Linear):
 
 @pytest.mark.slow  # 7 s: the step compiled twice
 def test_xla_tpu_reduce_scatters_the_fsdp_gradient_that_xla_cpu_all_reduces_whole():
-    shape, rules = preset("fsdp", 8)
+    shape, rules = mesh_rules("fsdp", 8)
     # 1024 inputs: each device's 128 rows fill XLA:TPU's tiles of 8 (784 would pad to 104 each)
     layers = ms.mlp([1024, 512, 10], key=jax.random.key(0), axes=ms.megatron_axes(2))
     model = ms.Sequential([PinnedLinear.tree_unflatten(*reversed(layer.tree_flatten())) if isinstance(
@@ -96,7 +96,7 @@ def test_xla_tpu_reduce_scatters_the_fsdp_gradient_that_xla_cpu_all_reduces_whol
 
 def test_the_compiled_arguments_are_the_plans_bytes_where_the_shards_fill_tpu_tiles():
     """(rows a multiple of 8, columns of 128: XLA:TPU pads an array to its (8, 128) tiles)."""
-    shape, rules = preset("fsdp", 8)
+    shape, rules = mesh_rules("fsdp", 8)
     model = ms.Linear(1024, 1024, key=jax.random.key(0), axes=("embed", "mlp"), use_bias=False)
     step = ms.Sharded(ms.make_mesh(shape, devices=tpu_devices(TOPOLOGY)), rules)(lambda m, x: m(x).sum())
     program = compile_for(step.lower(model, np.ones((64, 1024), np.float32)))
@@ -112,7 +112,7 @@ def test_a_tp_gpt_step_sends_megatrons_four_all_reduces_per_block_on_both_compil
     model = gpt.GPT(**sizes, key=jax.random.key(0))
     ids = np.zeros((8, sizes["context"] + 1), np.int32)
     batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
-    shape, rules = preset("tp", 8)
+    shape, rules = mesh_rules("tp", 8)
     step = ms.Sharded(ms.make_mesh(shape, devices=tpu_devices(TOPOLOGY)), rules)(
         make_train_step(OPT, lambda m, b: (next_token_loss(m, b)[0], ()))
     )

@@ -24,7 +24,6 @@ from test_checkpoint import read_only_directory
 import minishard as ms
 from minishard.models.vit import ViT, vit_rules
 from minishard.pipeline import Pipeline, stacked_mlp
-from minishard.presets import preset_rules
 from minishard.run.checkpoint import Checkpointer, saved_steps
 from minishard.run.compiling import enable_compilation_cache
 from minishard.run.data import Dataset, mnist
@@ -32,6 +31,7 @@ from minishard.run.errors import CheckpointDirError, CheckpointError, NonFiniteL
 from minishard.run.resume import check_checkpoint_dir, check_meta
 from minishard.run.steps import make_train_step
 from minishard.run.train import first_loss, fit
+from minishard.styles import style_rules
 
 needs_mnist = pytest.mark.skipif(
     not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "mnist")),
@@ -648,7 +648,7 @@ def test_a_resumed_run_measures_divergence_against_its_historys_first_loss():
 def test_a_pipelined_run_resumes_with_other_microbatches(tmp_path):
     """The microbatches are a schedule, not parameters: changing them on resume keeps the model."""
     mesh = ms.make_mesh({"data": 4, "stage": 2})
-    rules = preset_rules("dp+pp")
+    rules = style_rules("dp+pp")
 
     def piped(m):
         model = stacked_mlp([4, 8, 8, 8, 4], key=jax.random.key(0))
@@ -665,7 +665,7 @@ def test_a_pipelined_checkpoint_saved_with_its_schedule_in_the_signature_resumes
     mesh = ms.make_mesh({"data": 4, "stage": 2})
     model = stacked_mlp([4, 8, 8, 8, 4], key=jax.random.key(0))
     model = model.replace(pipeline=Pipeline(mesh, 2, data_axis="data"))
-    quiet = dict(mesh=mesh, rules=preset_rules("dp+pp"), checkpoint_dir=tmp_path, log=lambda line: None)
+    quiet = dict(mesh=mesh, rules=style_rules("dp+pp"), checkpoint_dir=tmp_path, log=lambda line: None)
     fit(model, ms.SGD(0.1), tiny_data(), epochs=1, progress=False, **quiet)
     files = [path for path in tmp_path.rglob("*") if path.is_file()]
     [meta_file] = [path for path in files if '"model"' in path.read_text(errors="ignore")]

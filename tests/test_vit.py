@@ -21,8 +21,8 @@ import minishard.models.vit as transformer
 from minishard import pipeline as pp
 from minishard.census import bytes_by_mesh_axes
 from minishard.models.vit import Attention, LayerNorm, PatchEmbedding, ViT, as_stacked, stacked_vit, vit_rules
-from minishard.presets import LOGICAL_AXES, PRESETS, preset, preset_rules
 from minishard.run.steps import make_train_step
+from minishard.styles import ANY_MODEL, LOGICAL_AXES, mesh_rules, style_rules
 from minishard.testing import assert_sharded_equivalent, meshes
 
 # Fixed small sizes, so that every hypothesis example reuses the same compiled reference:
@@ -127,12 +127,12 @@ def test_one_key_gives_every_layer_its_own_randomness():
     assert not np.allclose(model.blocks[0].attention.query, model.blocks[0].attention.key)
 
 
-def test_vit_rules_are_the_presets_rules_with_overrides_first():
+def test_vit_rules_are_the_styles_rules_with_overrides_first():
     assert vit_rules("dp").spec(("batch", "embed", "heads")) == P("data", None, None)
     assert vit_rules("tp").spec(("batch", "embed", "heads")) == P(None, None, "model")
     assert vit_rules("2d").spec(("batch", "mlp")) == P("data", "model")
     assert vit_rules("2d", embed="model").spec(("embed",)) == P("model")
-    for old in ("data", "tensor"):  # the names vit_rules had before the presets: one name per style now
+    for old in ("data", "tensor"):  # the names vit_rules had before the styles: one name per style now
         with pytest.raises(ValueError, match=f"unknown parallel style '{old}'"):
             vit_rules(old)
     with pytest.raises(ValueError, match="unknown parallel style 'pipeline'; choose from dp, tp, 2d"):
@@ -177,8 +177,8 @@ sgd_step = make_train_step(ms.SGD(0.1))
 @given(st.data())
 def test_sharded_vit_forward_and_sgd_step_equal_the_unsharded_ones(data):
     mesh = data.draw(meshes(), label="mesh")  # 1x8, 2x4, 4x2 or 8x1 over ("data", "model")
-    style = data.draw(st.sampled_from(PRESETS), label="style")
-    rules, split = preset_rules(style), "batch" if style == "dp" else True  # dp splits no parameter
+    style = data.draw(st.sampled_from(ANY_MODEL), label="style")
+    rules, split = style_rules(style), "batch" if style == "dp" else True  # dp splits no parameter
     seed = data.draw(st.integers(0, 3), label="seed")
     model, batch = small_vit(seed), small_batch(seed)
     options = {"rtol": 1e-4, "atol": 1e-5, "require_split": split}
@@ -196,12 +196,12 @@ def renamed_batch_axis(rules, name):
 
 @pytest.mark.slow  # over 5 s: two meshes, two compiles
 def test_the_vit_trains_with_any_batch_axis_name_on_an_explicit_mesh_as_on_an_auto_one():
-    # "rows" where the preset says "batch", and no rule for "batch": a layer that spelled
+    # "rows" where the style says "batch", and no rule for "batch": a layer that spelled
     # "batch" in an activation's layout would fail with "logical axis 'batch' has no rule".
-    rows = renamed_batch_axis(preset_rules("2d"), "rows")
+    rows = renamed_batch_axis(style_rules("2d"), "rows")
     assert "batch" not in rows and "rows" in rows
     runs = {}
-    for explicit, rules, batch_axis in ((False, preset_rules("2d"), None), (True, rows, "rows")):
+    for explicit, rules, batch_axis in ((False, style_rules("2d"), None), (True, rows, "rows")):
         mesh = ms.make_mesh({"data": 2, "model": 4}, explicit=explicit)
         step = ms.Sharded(mesh, rules, batch_axis=batch_axis)(sgd_step)
         model, batch = ms.shard(small_vit(), mesh, rules), small_batch()
@@ -221,7 +221,7 @@ def test_the_vit_trains_with_any_batch_axis_name_on_an_explicit_mesh_as_on_an_au
 
 def megatron_step_collectives(remat):
     """Compile one 2-D momentum-SGD step of the default ViT (from shapes only); its HLO's collectives."""
-    mesh, rules = ms.make_mesh({"data": 2, "model": 4}), preset_rules("2d")
+    mesh, rules = ms.make_mesh({"data": 2, "model": 4}), style_rules("2d")
     model = jax.eval_shape(lambda: ViT(key=jax.random.key(0), remat=remat))
     optimizer = ms.SGD(0.05, momentum=0.9)
     state = jax.eval_shape(optimizer.init, model)
@@ -273,13 +273,13 @@ def test_the_stacked_vit_is_the_same_function_of_the_same_parameters():
 def test_the_stacked_vit_trains_alike_pipelined_over_data_and_stage_or_data_parallel():
     small = {**SMALL, "depth": 4, "heads": 4}
     model = numpy_filled(jax.eval_shape(lambda: stacked_vit(**small, key=jax.random.key(0))), seed=0)
-    axes = {leaf.path: leaf.logical_axes for leaf in ms.plan(model, None, preset_rules("dp+pp")).leaves}
+    axes = {leaf.path: leaf.logical_axes for leaf in ms.plan(model, None, style_rules("dp+pp")).leaves}
     assert axes["blocks.block.attention.query"] == ("stage", "embed", "heads", "kv")
     batch = {**small_batch(), "image": np.tile(small_batch()["image"], (2, 1, 1, 1))}
     batch["label"] = np.tile(batch["label"], 2)  # 16 examples: 4 microbatches of 4, 2 per data device
     losses = {}
     for style in ("dp", "dp+pp"):
-        shape, rules = preset(style, 8)
+        shape, rules = mesh_rules(style, 8)
         mesh = ms.make_mesh(shape)
         piped = model if style == "dp" else model.replace(pipeline=pp.Pipeline(mesh, 4, data_axis="data"))
         step, state = ms.Sharded(mesh, rules)(sgd_step), ms.SGD(0.1).init(piped)

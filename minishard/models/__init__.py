@@ -4,7 +4,7 @@ A model here is a tree of ``Layer``s whose parameters name their logical axes
 (``param_logical_axes``) and whose activations name theirs through
 ``minishard.constraints`` (``activation_axes``, ``output_sharding``,
 ``as_activation``). It knows nothing of meshes, devices or the batch axis's
-name: a preset's rules (``minishard.presets``) and ``Sharded`` decide where it
+name: a style's rules (``minishard.styles``) and ``Sharded`` decide where it
 runs. It imports no ``_``-prefixed name of the textbook; what it needs and the
 public API lacks, the API grows. The textbook never imports it.
 

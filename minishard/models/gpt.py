@@ -15,12 +15,12 @@ parameter live at both ends of the model: a pipeline holds the embedding on
 its first stage and the head on its last, and the two would have to meet
 every step. Untied, ``stacked_gpt`` is the same function of the same
 parameters, and each table names its own axes: ``("vocab", "embed")`` for the
-lookup, ``("embed", "vocab")`` for the head. No preset splits ``"vocab"`` (65
+lookup, ``("embed", "vocab")`` for the head. No style splits ``"vocab"`` (65
 characters do not divide), so under ``tp`` the head stays whole and the
 Megatron splits are the heads and the MLP's hidden units, as in the ViT.
 
 =====================  ============================  =========================
-parameter              logical axes                  the ``tp`` preset
+parameter              logical axes                  the ``tp`` style
 =====================  ============================  =========================
 token table            ``("vocab", "embed")``        replicated
 position table         ``("seq", "embed")``          replicated

@@ -19,7 +19,7 @@ Every parameter names its logical axes. Heads are a dimension of their own
 can split them without any reshaping in the model:
 
 =====================  ============================  ==========================
-parameter              logical axes                  the ``2d`` preset
+parameter              logical axes                  the ``2d`` style
 =====================  ============================  ==========================
 patch projection       ``("patch", "embed")``        replicated
 positions              ``("seq", "embed")``          replicated
@@ -31,10 +31,10 @@ MLP out                ``("mlp", "embed")``          hidden units over "model"
 head                   ``("embed", "classes")``      replicated
 =====================  ============================  ==========================
 
-The presets of ``minishard.presets`` (``dp``, ``tp``, ``2d``, ``fsdp``,
+The styles of ``minishard.styles`` (``dp``, ``tp``, ``2d``, ``fsdp``,
 ``fsdp+tp``) run the same model data-, tensor- (Megatron), 2-D- or fully
 sharded data-parallel; only the rules change. ``vit_rules(style)`` gives a
-preset's rules. The model names the batch axis nowhere: every activation's
+style's rules. The model names the batch axis nowhere: every activation's
 layout comes from ``activation_axes``, so ``Sharded(batch_axis=...)`` can
 call it what it likes.
 
@@ -67,7 +67,7 @@ parameters: 1/4 of the attention and MLP weights, all of the rest.
 Measured with ``minishard.explain`` (and checked by ``tests/test_vit.py``)
 for the default ``ViT`` (28x28x1 images, patch 7: 16 tokens; width 64, depth 4,
 4 heads of 16, MLP 128) and ``minishard.run.steps.make_train_step`` (momentum SGD)
-at batch 128 with ``preset("2d", 8)`` (data=2 x model=4)::
+at batch 128 with ``mesh_rules("2d", 8)`` (data=2 x model=4)::
 
     all-reduce  x17  4.4 MB  over ('data',), ('model',)
 
@@ -84,7 +84,7 @@ at batch 128 with ``preset("2d", 8)`` (data=2 x model=4)::
 
 So 4.2 MB over "model" against 0.16 MB over "data": for a model this small,
 its activations outweigh its weights, and tensor parallelism costs far more
-communication than data parallelism (``preset("dp", 8)``, data=8, all-reduces
+communication than data parallelism (``mesh_rules("dp", 8)``, data=8, all-reduces
 the 551,464 bytes of gradients, plus loss and accuracy, and nothing else).
 
 Rematerialisation: ``ViT(..., remat=True)`` wraps each block's call in
@@ -119,19 +119,19 @@ from minishard.layers import Layer, Linear, Sequential, check_input, check_key
 from minishard.models.attention import Attention
 from minishard.models.transformer import Block, LayerNorm, apply_blocks
 from minishard.pipeline import StackedModel, stack
-from minishard.presets import preset_rules
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes
+from minishard.styles import style_rules
 
 
 def vit_rules(style: str = "2d", **overrides: MeshAxes) -> AxisRules:
-    """The rules of the preset ``style`` (``minishard.presets``), ``overrides`` first: they win.
+    """The rules of the style ``style`` (``minishard.styles``), ``overrides`` first: they win.
 
     >>> vit_rules("tp").spec(("embed", "heads", "kv"))   # Megatron: heads over "model"
     P(None, 'model', None)
     >>> vit_rules("dp", heads="data").spec(("embed", "heads", "kv"))   # an override wins
     P(None, 'data', None)
     """
-    return preset_rules(style, overrides)
+    return style_rules(style, overrides)
 
 
 class PatchEmbedding(Layer):

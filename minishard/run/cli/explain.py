@@ -4,7 +4,7 @@ Nothing is trained. Without ``--hardware`` nothing is even allocated: the
 model is built by ``jax.eval_shape`` and planned on an ``AbstractMesh``, so any
 device count works on any machine. ``--hardware`` (or a style whose own step
 is the point, such as ``zero``) compiles the step on simulated devices and
-prices it (``minishard.costs``); ``--compare`` ranks every preset and mesh shape
+prices it (``minishard.costs``); ``--compare`` ranks every style and mesh shape
 (for the GPT, the sequence styles too, its attention a ring where "context" splits it).
 ``--topology v5e:2x4`` compiles the step for a TPU slice with XLA:TPU, ahead of
 time (``minishard.run.topology``), and sets it beside XLA:CPU's program.
@@ -21,7 +21,6 @@ import jax.numpy as jnp
 
 from minishard.census import human_bytes
 from minishard.costs import HARDWARE, Candidate, StepCost, compare, mesh_shapes
-from minishard.presets import EXPERT, PRESETS, SEQUENCE
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
 from minishard.run.cli import styles
@@ -44,6 +43,7 @@ from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
 from minishard.run.topology import LoweredOnce, hardware_of, on_cpu_and_tpu, side_by_side, tpu_devices
 from minishard.sharding import Sharded, ShardedFunction, make_mesh
+from minishard.styles import ANY_MODEL, EXPERT, SEQUENCE
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "check", "price", "print_report", "print_state", "run"]
 
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=at_least(1),
         help="global batch of that step (default: the model's)",
     )
-    add("--compare", action="store_true", help="rank every preset and mesh shape on --hardware")
+    add("--compare", action="store_true", help="rank every style and mesh shape on --hardware")
     add("--topology", help="compile for this TPU slice with XLA:TPU, ahead of time (v5e:2x4: 8 devices)")
     add("--memory", action="store_true", help="a train step's bytes per device by term; fits?")
     # each model's flags that change the step priced (the GPT's --context)
@@ -88,8 +88,10 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     args.topology_devices = _topology(args, style, error) if args.topology else None
     if args.memory and args.compare:
         error("argument --memory: one style at a time; drop --compare")
-    if args.memory and args.parallel not in PRESETS:
-        error(f"argument --memory: it predicts {', '.join(PRESETS)}'s step, not --parallel {args.parallel}'s")
+    if args.memory and args.parallel not in ANY_MODEL:
+        error(
+            f"argument --memory: it predicts {', '.join(ANY_MODEL)}'s step, not --parallel {args.parallel}'s"
+        )
     compiles = args.hardware or args.compare or style.compiles or args.topology or args.memory
     if args.batch_size is not None and not compiles:
         others = " or ".join(f"--parallel {name}" for name, other in STYLES.items() if other.compiles)
@@ -171,7 +173,7 @@ def _compile_and_price(args: argparse.Namespace) -> int:
     step, step_args = make_train_step(optimizer, model.task.loss), (built, optimizer.init(built), batch)
     if args.compare:
         experts = EXPERT if model.expert_count(args) else ()  # a dense model: ep is dp
-        ranked_styles = PRESETS + (SEQUENCE if sequence else ()) + experts
+        ranked_styles = ANY_MODEL + (SEQUENCE if sequence else ()) + experts
         ranked = compare(step, step_args, args.hardware, args.devices, ranked_styles, _own_steps(args, model))
         print(f"{args.model}, batch {args.batch_size}, on {args.devices} devices: every style and mesh shape")
         print(ranked)
@@ -215,7 +217,7 @@ def _own_steps(args: argparse.Namespace, model: Any) -> list[Candidate]:
     for name, style in STYLES.items():
         if not style.own_step:
             continue
-        for shape in mesh_shapes(style.preset, args.devices):
+        for shape in mesh_shapes(style.like, args.devices):
             try:
                 candidates.append(Candidate(name, shape, _own_step_cost(args, model, style, shape)))
             except ValueError as error:  # its flags' checks, or a ShardingError: the row says why

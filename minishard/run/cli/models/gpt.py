@@ -148,7 +148,7 @@ def check_moe(args: Args, error: Error) -> None:
 def _check_gpt_shape(args: Args, error: Error) -> None:
     """--heads divide --width and split over "model"; the MoE flags (``check_moe``)."""
     check_heads(args, error)
-    if args.heads % (ways := args.mesh.get("model", 1)):  # every preset with a "model" axis splits heads
+    if args.heads % (ways := args.mesh.get("model", 1)):  # every style with a "model" axis splits heads
         error(
             f"argument --heads: {args.heads} heads cannot split over model={ways} devices; "
             f"give a multiple of {ways}, or fewer --devices"

@@ -1,7 +1,7 @@
 """The styles of ``--parallel``: one ``Style`` each, in ``STYLES``.
 
-Most styles are only a preset (``minishard.presets``): a mesh shape and
-rules, and the model's own ``Sharded`` step. A style that needs a step of its
+Most styles are only a mesh shape and rules (``minishard.styles``), and
+the model's own ``Sharded`` step. A style that needs a step of its
 own is one entry too, a ``Style`` that overrides what it changes: the
 flags it refuses or fills in, the model it builds, the step it trains with,
 and what ``explain`` shows for it. Four do today: a pipeline (``pp``,
@@ -9,7 +9,7 @@ and what ``explain`` shows for it. Four do today: a pipeline (``pp``,
 (``zero``: dp's mesh and rules, ``minishard.zero``'s step), context
 parallelism (``cp``, ``dp+cp``: the GPT with ring attention, and the ring shown)
 and the experts (``ep``, ``dp+ep``: their checks, and what ``explain`` shows of
-the all-to-alls). ``tp+sp`` is only its preset: the GPT's residual stream
+the all-to-alls). ``tp+sp`` is only its mesh and rules: the GPT's residual stream
 follows its "seq" rule.
 
 The package: ``style`` (``Style``, the hooks), and a module for each style
@@ -27,8 +27,6 @@ import argparse
 import sys
 from collections.abc import Mapping, Sequence
 
-from minishard.presets import EXPERT, PIPELINED, rules_for_mesh
-from minishard.presets import STYLES as PRESET_STYLES
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import at_least
 from minishard.run.cli.styles.context import ContextStyle
@@ -36,6 +34,7 @@ from minishard.run.cli.styles.experts import ExpertStyle
 from minishard.run.cli.styles.pipeline import PipelineStyle
 from minishard.run.cli.styles.style import Args, Style
 from minishard.run.cli.styles.zero import ZeroStyle
+from minishard.styles import EXPERT, PIPELINED, SPLITS, rules_for_mesh
 
 __all__ = [
     "NO_STYLE",
@@ -92,12 +91,12 @@ def warn_unused(mesh: Mapping[str, int], rules: AxisRules) -> None:
 
 
 STYLES: dict[str, Style] = {
-    **{name: PipelineStyle(name) if name in PIPELINED else Style(name) for name in PRESET_STYLES},
+    **{name: PipelineStyle(name) if name in PIPELINED else Style(name) for name in SPLITS},
     **{name: ExpertStyle(name) for name in EXPERT},
-    "zero": ZeroStyle("zero", preset="dp"),
+    "zero": ZeroStyle("zero", like="dp"),
     **{name: ContextStyle(name) for name in ("cp", "dp+cp")},
 }
-"""``--parallel``'s choices: every preset, ZeRO by hand, the ring, the experts; a new style is one entry."""
+"""``--parallel``'s choices: each of ``minishard.styles``, ZeRO by hand, the ring, the experts."""
 NO_STYLE = Style("2d")
 """Without --parallel: the mesh data=2,model=4 (or --mesh), with the rules for its axes (``cli_rules``)."""
 

@@ -27,7 +27,7 @@ __all__ = ["ContextStyle"]
 class ContextStyle(Style):
     """``cp``, ``dp+cp``: the sequence over "context", the model's attention a ring (``minishard.context``).
 
-    Its step is the preset's: the model's loss deals each batch out zig-zag (the GPT's:
+    Its step is ``fit``'s ``Sharded`` one: the model's loss deals each batch out zig-zag (the GPT's:
     ``run.next_token.in_sequence_layout``) and its ``"ring"`` attention cores send K and V round
     the devices of "context" (``ModelEntry.sequence``). ``explain`` compiles the step and shows the ring.
     """
@@ -70,7 +70,7 @@ class ContextStyle(Style):
         batch: Any,
     ) -> int | None:
         """The ring's collective-permutes, read from the compiled ``step`` against the formula, and its
-        balance; then (None) the preset's report."""
+        balance; then (None) the plan's report."""
         assert model.sequence is not None  # checked with the flags
         shape, (blocks, heads, head_dim) = self.mesh(args.devices), model.sequence.attention(built)
         p, b = shape["context"], args.batch_size // shape.get("data", 1)

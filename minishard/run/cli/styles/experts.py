@@ -1,6 +1,6 @@
 """``ExpertStyle``: ``--parallel ep`` and ``dp+ep``, a model's experts over "expert" (docs/experts.md).
 
-Only a preset as steps go; its own are the checks (experts and windows that
+Only a mesh and rules as steps go; its own are the checks (experts and windows that
 split over the devices) and what ``explain`` shows: where each expert lives,
 one forward pass's all-to-alls against the formula, the routings it drops.
 
@@ -27,7 +27,7 @@ __all__ = ["ExpertStyle"]
 class ExpertStyle(Style):
     """``ep`` and ``dp+ep``: a model's experts (its entry's ``ExpertSplit``) over "expert", the batch too.
 
-    Only a preset: the MoE's own constraints make XLA send every expert its slots and the results
+    Only a mesh and rules: the MoE's own constraints make XLA send every expert its slots and the results
     home, two all-to-alls per block forward. ``explain`` shows where each expert lives, those
     all-to-alls against the formula, and the routings one batch drops.
     """

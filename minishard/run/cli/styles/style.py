@@ -1,7 +1,7 @@
 """``Style``: the hooks the command line calls for whichever ``--parallel`` style was chosen.
 
-A style that is only its preset (``minishard.presets``) is a ``Style`` as it
-is: the preset's mesh and rules, and the model's own ``Sharded`` step. A style
+A style that is only a mesh and rules (``minishard.styles``) is a ``Style`` as
+it is: its mesh and rules, and the model's own ``Sharded`` step. A style
 with a step of its own subclasses it in a module of its own beside this one
 (``pipeline``, ``zero``, ``context``, ``experts``) and overrides what it
 changes; ``STYLES`` (the package) lists them all. A style never reaches into a
@@ -44,11 +44,11 @@ from jax.sharding import Mesh
 
 from minishard.costs import StepCost
 from minishard.optim import Optimizer
-from minishard.presets import preset, preset_rules
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.sharding import ShardedFunction
+from minishard.styles import mesh_rules, style_rules
 
 __all__ = ["Args", "Style"]
 
@@ -57,26 +57,26 @@ Args = argparse.Namespace
 
 
 class Style:
-    """A ``--parallel`` style that is its preset's mesh and rules, and nothing more.
+    """A ``--parallel`` style that is its mesh and rules (``minishard.styles``), nothing more.
 
     Every method is a hook the command line calls for whichever style was chosen
     (grouped and in order: the module's docstring); a style with a step of its own
     subclasses this and overrides some.
     """
 
-    def __init__(self, name: str, preset: str | None = None) -> None:
-        self.name, self.preset = name, preset or name  # the preset whose mesh and rules it uses
+    def __init__(self, name: str, like: str | None = None) -> None:
+        self.name, self.like = name, like or name  # the style (minishard.styles) whose mesh and rules it uses
 
     # -- mesh and rules ------------------------------------------------------------------------------
     def mesh(self, devices: int) -> dict[str, int]:
-        return preset(self.preset, devices)[0]
+        return mesh_rules(self.like, devices)[0]
 
     def ways(self, mesh: Mapping[str, int]) -> int:
         """The devices a batch splits over."""
         return int(mesh.get("data", 1))
 
     def rules(self, overrides: Mapping[str, Any]) -> AxisRules:
-        return preset_rules(self.preset, overrides)
+        return style_rules(self.like, overrides)
 
     # -- the flags -----------------------------------------------------------------------------------
     parsed: ClassVar[Mapping[str, Any]] = {}
@@ -138,7 +138,7 @@ class Style:
         built: Any,
         batch: Any,
     ) -> int | None:
-        """``explain`` pricing the train ``step``: an exit status, or None for the preset's report."""
+        """``explain`` pricing the train ``step``: an exit status, or None for the plan's report."""
         return None
 
     def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:

@@ -4,7 +4,7 @@ dp's mesh and rules, ``minishard.zero``'s step at ZeRO-3 instead of the
 model's ``Sharded`` one; ``explain`` shows what that step sends against the
 analytic minimum, and what each device holds.
 
->>> ZeroStyle("zero", preset="dp").mesh(8)
+>>> ZeroStyle("zero", like="dp").mesh(8)
 {'data': 8}
 """
 

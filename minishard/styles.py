@@ -1,6 +1,6 @@
 """Twelve named ways to spread a model over devices: a mesh shape and ordered rules for each.
 
-Nobody should have to write rules to *try* a style. ``preset(name, devices)``
+Nobody should have to write rules to *try* a style. ``mesh_rules(name, devices)``
 returns the mesh shape and the ``AxisRules`` of one of them; the model never
 changes, only where its logical axes go:
 
@@ -31,12 +31,13 @@ the batch rule comes first and takes "data", so ``embed`` falls back to its
 next rule, ``None``; for a weight ``(embed, mlp)`` no batch dimension competes,
 so ``embed`` takes "data".
 
->>> shape, rules = preset("fsdp", 8)
+>>> shape, rules = mesh_rules("fsdp", 8)
 >>> shape, rules.spec(("batch", "embed")), rules.spec(("embed", "mlp"))
 ({'data': 8}, P('data', None), P('data', None))
 
-``STYLES`` is the one table of what a style is; the CLI's ``--parallel``, the
-ViT and the docs read it. ``rules_for_mesh`` gives the rules for a mesh when
+``SPLITS`` is the one table of what each style splits; the CLI's ``STYLES``
+(``minishard.run.cli.styles``: a style's flags, build and step too), the ViT and
+the docs read it. ``rules_for_mesh`` gives the rules for a mesh when
 no style is named: the ``2d`` style, minus the mesh axes the mesh lacks.
 """
 
@@ -47,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from minishard import _checks
 from minishard.rules import AxisRules, MeshAxes
 
-STYLES: dict[str, tuple[tuple[str, MeshAxes], ...]] = {
+SPLITS: dict[str, tuple[tuple[str, MeshAxes], ...]] = {
     "dp": (("batch", "data"),),
     "tp": (("mlp", "model"), ("heads", "model")),
     "2d": (("batch", "data"), ("mlp", "model"), ("heads", "model")),
@@ -62,30 +63,30 @@ STYLES: dict[str, tuple[tuple[str, MeshAxes], ...]] = {
     "dp+ep": (("expert", "expert"), ("batch", ("data", "expert")), ("batch", "data")),
 }
 """What each style splits, as ordered rules; every logical axis they leave is replicated."""
-PIPELINED = tuple(name for name, splits in STYLES.items() if ("stage", "stage") in splits)
+PIPELINED = tuple(name for name, splits in SPLITS.items() if ("stage", "stage") in splits)
 """The styles that need a model with stacked blocks (``minishard.pipeline.Stacked``)."""
-SEQUENCE = tuple(name for name, splits in STYLES.items() if "seq" in dict(splits))
+SEQUENCE = tuple(name for name, splits in SPLITS.items() if "seq" in dict(splits))
 """The styles that split the sequence: for a model whose activations name "seq" (the GPT's)."""
-EXPERT = tuple(name for name, splits in STYLES.items() if ("expert", "expert") in splits)
+EXPERT = tuple(name for name, splits in SPLITS.items() if ("expert", "expert") in splits)
 """The styles that split a mixture of experts' experts; a model without experts they leave as dp."""
-PRESETS = tuple(name for name in STYLES if name not in PIPELINED + SEQUENCE + EXPERT)
+ANY_MODEL = tuple(name for name in SPLITS if name not in PIPELINED + SEQUENCE + EXPERT)
 """The styles any model takes."""
 LOGICAL_AXES = ("batch", "embed", "mlp", "heads", "kv", "seq", "patch", "classes", "stage", "expert", "vocab")
-"""Every logical axis minishard's MLP, ViT, GPT and MoE name: each preset gives each one a rule."""
+"""Every logical axis minishard's MLP, ViT, GPT and MoE name: each style gives each one a rule."""
 
 
-def preset(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
+def mesh_rules(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
     """``(mesh shape, rules)`` of the style ``name`` on ``devices`` devices.
 
     2-D styles put 2 devices on "data" and the rest on "model", "stage", "context" or "expert"
     (``2d`` on 8 devices: data=2 x model=4), or 1 on "data" when ``devices`` is odd.
 
-    >>> preset("2d", 8)[0], preset("tp", 8)[0], preset("dp+ep", 8)[0]
+    >>> mesh_rules("2d", 8)[0], mesh_rules("tp", 8)[0], mesh_rules("dp+ep", 8)[0]
     ({'data': 2, 'model': 4}, {'model': 8}, {'data': 2, 'expert': 4})
     """
-    rules = preset_rules(name)
-    _checks.count("preset: devices", devices)
-    targets = dict(STYLES[name]).values()
+    rules = style_rules(name)
+    _checks.count("mesh_rules: devices", devices)
+    targets = dict(SPLITS[name]).values()
     mesh_axes = [axis for axis in ("data", "model", "stage", "context", "expert") if axis in targets]
     if len(mesh_axes) == 1:
         return {mesh_axes[0]: devices}, rules
@@ -93,18 +94,18 @@ def preset(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
     return {"data": data, mesh_axes[1]: devices // data}, rules
 
 
-def preset_rules(name: str, overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
+def style_rules(name: str, overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
     """The ordered rules of the style ``name``: ``overrides`` first (so they win), then its splits.
 
     Last come ``LOGICAL_AXES`` to ``None``, the fallback of every axis: replicated.
 
-    >>> preset_rules("tp", {"embed": "model"}).spec(("embed", "mlp"))   # embed came first
+    >>> style_rules("tp", {"embed": "model"}).spec(("embed", "mlp"))   # embed came first
     P('model', None)
     """
-    if name not in STYLES:
-        raise ValueError(f"preset: unknown parallel style {name!r}; choose from {', '.join(STYLES)}")
+    if name not in SPLITS:
+        raise ValueError(f"style_rules: unknown parallel style {name!r}; choose from {', '.join(SPLITS)}")
     replicated = [(axis, None) for axis in LOGICAL_AXES]
-    return AxisRules.from_pairs([*overrides.items(), *STYLES[name], *replicated])
+    return AxisRules.from_pairs([*overrides.items(), *SPLITS[name], *replicated])
 
 
 def rules_for_mesh(mesh_axes: Sequence[str], overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
@@ -119,7 +120,7 @@ def rules_for_mesh(mesh_axes: Sequence[str], overrides: Mapping[str, MeshAxes] =
     >>> rules.spec(("embed", "heads", "kv")), rules.spec(("batch", "mlp"))
     (P('data', None, None), P('data', None))
     """
-    splits = {axis: target for axis, target in STYLES["2d"] if target in mesh_axes}
+    splits = {axis: target for axis, target in SPLITS["2d"] if target in mesh_axes}
     return AxisRules(**{**{axis: splits.get(axis) for axis in LOGICAL_AXES}, **overrides})
 
 
@@ -127,10 +128,10 @@ __all__ = [
     "EXPERT",
     "LOGICAL_AXES",
     "PIPELINED",
-    "PRESETS",
+    "ANY_MODEL",
     "SEQUENCE",
-    "STYLES",
-    "preset",
-    "preset_rules",
+    "SPLITS",
+    "mesh_rules",
+    "style_rules",
     "rules_for_mesh",
 ]

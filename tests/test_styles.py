@@ -1,17 +1,17 @@
-"""minishard.presets, and Explicit meshes: the named styles, what each one splits, and sharding in types.
+"""minishard.styles, and Explicit meshes: the named styles, what each one splits, and sharding in types.
 
-* **The styles' table**: ``preset`` gives each style its mesh shape (2 devices on
+* **The styles' table**: ``mesh_rules`` gives each style its mesh shape (2 devices on
   "data", the rest on "model" or "stage") and its ordered rules, overrides first;
   unknown styles and device counts are refused; the pipeline styles split only
   "stage"; ``rules_for_mesh`` keeps the 2-D splits a mesh can take; the CLI takes a
-  preset and lets ``--mesh`` and ``--rules`` override it. Every preset trains the
+  style and lets ``--mesh`` and ``--rules`` override it. Every style trains the
   MLP exactly as ``dp`` does.
 * **FSDP by rules alone**: it stores an eighth of every divisible parameter and of
   its velocity, and its step (activations pinned with ``constrain``) all-gathers
   each split weight (forward) while XLA:CPU all-reduces the whole gradient and
   keeps each device's slice (where a reduce-scatter would move an eighth: the CPU
   backend does not rewrite all-reduce + slice into one; see docs/sharding.md).
-* **Explicit meshes**: every preset trains as on an Auto mesh, the sharding shows
+* **Explicit meshes**: every style trains as on an Auto mesh, the sharding shows
   in the arrays' types, an ambiguous contraction names the layer and the fix, and
   on random meshes, rules and models sharding changes no number.
 """
@@ -28,28 +28,28 @@ from models import SIZES, example, train_step
 import minishard as ms
 from minishard.census import bytes_by_mesh_axes
 from minishard.constraints import constrain
-from minishard.presets import (
+from minishard.rules import ShardingError
+from minishard.styles import (
+    ANY_MODEL,
     EXPERT,
     LOGICAL_AXES,
     PIPELINED,
-    PRESETS,
     SEQUENCE,
-    STYLES,
-    preset,
-    preset_rules,
+    SPLITS,
+    mesh_rules,
     rules_for_mesh,
+    style_rules,
 )
-from minishard.rules import ShardingError
 from minishard.testing import assert_sharded_equivalent, axis_rules, batch_sizes, meshes, mlps
 from minishard.tree import tree_bytes
 
 
 def sharded(name):
-    shape, rules = preset(name, 8)
+    shape, rules = mesh_rules(name, 8)
     return ms.make_mesh(shape), rules
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", ANY_MODEL)
 def test_every_preset_trains_like_data_parallelism(name):
     args = example(axes=ms.megatron_axes(2))
     expected = jax.block_until_ready(ms.Sharded(*sharded("dp"))(train_step)(*args))
@@ -59,70 +59,70 @@ def test_every_preset_trains_like_data_parallelism(name):
 
 
 def test_a_preset_puts_two_devices_on_data_and_the_rest_on_model():
-    assert preset("2d", 8)[0] == preset("fsdp+tp", 8)[0] == {"data": 2, "model": 4}
-    assert preset("2d", 7)[0] == {"data": 1, "model": 7}  # odd: nothing to pair on "data"
-    assert preset("dp", 8)[0] == preset("fsdp", 8)[0] == {"data": 8}
-    assert preset("tp", 1)[0] == {"model": 1}
+    assert mesh_rules("2d", 8)[0] == mesh_rules("fsdp+tp", 8)[0] == {"data": 2, "model": 4}
+    assert mesh_rules("2d", 7)[0] == {"data": 1, "model": 7}  # odd: nothing to pair on "data"
+    assert mesh_rules("dp", 8)[0] == mesh_rules("fsdp", 8)[0] == {"data": 8}
+    assert mesh_rules("tp", 1)[0] == {"model": 1}
     replicated = [(axis, None) for axis in LOGICAL_AXES]  # the fallback, last
-    assert list(preset_rules("2d").pairs) == [
+    assert list(style_rules("2d").pairs) == [
         ("batch", "data"),
         ("mlp", "model"),
         ("heads", "model"),
         *replicated,
     ]
-    for name in PRESETS:  # the style's row of the table, then the fallback
-        assert preset(name, 8)[1].pairs == preset_rules(name).pairs == (*STYLES[name], *replicated)
+    for name in ANY_MODEL:  # the style's row of the table, then the fallback
+        assert mesh_rules(name, 8)[1].pairs == style_rules(name).pairs == (*SPLITS[name], *replicated)
 
 
 def test_the_pipeline_styles_split_only_the_stage_axis():
-    assert PIPELINED == ("pp", "dp+pp") and not set(PIPELINED) & set(PRESETS)  # PRESETS: any model
-    assert preset("pp", 8)[0] == {"stage": 8} and preset("dp+pp", 8)[0] == {"data": 2, "stage": 4}
-    rules = preset_rules("dp+pp")
+    assert PIPELINED == ("pp", "dp+pp") and not set(PIPELINED) & set(ANY_MODEL)  # ANY_MODEL: any model
+    assert mesh_rules("pp", 8)[0] == {"stage": 8} and mesh_rules("dp+pp", 8)[0] == {"data": 2, "stage": 4}
+    rules = style_rules("dp+pp")
     assert rules.spec(("stage", "embed", "mlp")) == P("stage", None, None)
     assert rules.spec(("batch", "embed")) == P("data", None)
-    assert preset_rules("dp").spec(("stage", "embed")) == P(None, None)  # a stacked model under dp
+    assert style_rules("dp").spec(("stage", "embed")) == P(None, None)  # a stacked model under dp
 
 
 def test_the_sequence_styles_split_seq_over_context_or_after_the_heads_over_model():
-    assert SEQUENCE == ("cp", "dp+cp", "tp+sp") and not set(SEQUENCE) & set(PRESETS)
-    assert preset("cp", 8)[0] == {"context": 8} and preset("dp+cp", 8)[0] == {"data": 2, "context": 4}
-    rules = preset_rules("dp+cp")
+    assert SEQUENCE == ("cp", "dp+cp", "tp+sp") and not set(SEQUENCE) & set(ANY_MODEL)
+    assert mesh_rules("cp", 8)[0] == {"context": 8} and mesh_rules("dp+cp", 8)[0] == {"data": 2, "context": 4}
+    rules = style_rules("dp+cp")
     assert rules.spec(("batch", "seq", "heads", "kv")) == P("data", "context", None, None)
-    sp = preset_rules("tp+sp")  # heads claim "model" first: attention's sequence stays whole
+    sp = style_rules("tp+sp")  # heads claim "model" first: attention's sequence stays whole
     assert sp.spec(("batch", "seq", "heads", "kv")) == P(None, None, "model", None)
     assert sp.spec(("batch", "seq", "embed")) == P(None, "model", None)  # the residual stream: split
     assert sp.spec(("batch", "seq", "mlp")) == P(None, None, "model")
 
 
 def test_the_expert_styles_split_the_experts_first_and_the_batch_over_the_same_axis():
-    assert EXPERT == ("ep", "dp+ep") and not set(EXPERT) & set(PRESETS)
-    assert preset("ep", 8)[0] == {"expert": 8} and preset("dp+ep", 8)[0] == {"data": 2, "expert": 4}
+    assert EXPERT == ("ep", "dp+ep") and not set(EXPERT) & set(ANY_MODEL)
+    assert mesh_rules("ep", 8)[0] == {"expert": 8} and mesh_rules("dp+ep", 8)[0] == {"data": 2, "expert": 4}
     for name, batch in (("ep", "expert"), ("dp+ep", ("data", "expert"))):
-        rules = preset_rules(name)
+        rules = style_rules(name)
         assert rules.spec(("expert", "embed", "mlp")) == P("expert", None, None)
         assert rules.spec(("batch", "embed")) == P(batch, None)  # dense layers: data parallel over all
     # An MoE's slots [E, G, C, M]: the experts claim "expert" first, the groups fall back to "data".
-    assert preset_rules("dp+ep").spec(("expert", "batch", None, "embed")) == P("expert", "data", None, None)
+    assert style_rules("dp+ep").spec(("expert", "batch", None, "embed")) == P("expert", "data", None, None)
 
 
 def test_a_preset_refuses_an_unknown_style_or_device_count():
     with pytest.raises(ValueError, match=r"unknown parallel style 'gpipe'; choose from dp, .*, pp, dp\+pp"):
-        preset("gpipe", 8)
-    with pytest.raises(ValueError, match=r"preset: unknown parallel style 'gpipe'"):
-        preset_rules("gpipe")
+        mesh_rules("gpipe", 8)
+    with pytest.raises(ValueError, match=r"style_rules: unknown parallel style 'gpipe'"):
+        style_rules("gpipe")
     for devices in (0, 2.0, True):
-        with pytest.raises(ValueError, match=r"preset: devices must be a positive int, got"):
-            preset("dp", devices)
+        with pytest.raises(ValueError, match=r"mesh_rules: devices must be a positive int, got"):
+            mesh_rules("dp", devices)
 
 
-def test_preset_rules_put_overrides_first_so_they_win():
-    rules = preset_rules("2d", {"embed": "model", "batch": None})
+def test_style_rules_put_overrides_first_so_they_win():
+    rules = style_rules("2d", {"embed": "model", "batch": None})
     assert rules.pairs[:2] == (("embed", "model"), ("batch", None))
     assert rules.spec(("batch", "embed")) == P(None, "model")
     assert rules.spec(("embed", "mlp")) == P("model", None)  # "model" is taken: mlp falls back
 
 
-# What the CLI's default_rules gave (minishard/run/cli.py, before presets held them), by hand:
+# What the CLI's default_rules gave (minishard/run/cli.py, before the styles held them), by hand:
 # the batch over "data", MLP hidden units and heads over "model" when the mesh has them.
 EVERY_AXIS_REPLICATED = dict.fromkeys(LOGICAL_AXES)
 
@@ -212,9 +212,9 @@ def test_the_cli_takes_a_preset_and_lets_mesh_and_rules_override():
 
 
 # -- Explicit axes: sharding in types ------------------------------------------------------
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", ANY_MODEL)
 def test_explicit_meshes_train_like_auto_ones(name):
-    shape, rules = preset(name, 8)
+    shape, rules = mesh_rules(name, 8)
     args = example(axes=ms.megatron_axes(2))
     results = {}
     for explicit in (False, True):
