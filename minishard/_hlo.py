@@ -148,6 +148,14 @@ def fused_reduce_scatters(text: str) -> dict[str, str]:
     return {found["name"]: found["shape"] for line in text.splitlines() if (found := _FUSED.match(line))}
 
 
+def sent_as(match: re.Match[str], fused_slice: str | None) -> tuple[str, str | None, int]:
+    """``(kind, phase, bytes)`` of a collective instruction; inside an ``all-reduce-scatter``
+    fusion (``fused_slice`` its result), the reduce-scatter of that slice."""
+    if fused_slice is not None:
+        return "reduce-scatter", match["phase"], shape_bytes(fused_slice)
+    return match["kind"], match["phase"], shape_bytes(match["shape"])
+
+
 def shape_bytes(shape: str) -> int:
     """``"(f32[512]{0}, bf16[2,3]{1,0})"`` -> 512*4 + 6*2 bytes."""
     total = 0

@@ -136,9 +136,9 @@ def instructions(program: Program, mesh: AnyMesh | None = None) -> Iterator[Sent
     """Each collective the program runs, in program order, as a ``Sent``.
 
     An instruction inside a loop body is yielded once per trip (XLA's ``known_trip_count``).
-    Async pairs (``all-gather-start`` then ``all-gather-done``) count once: the
-    start carries the groups, the done the result; each done is paired with the
-    oldest open start of its kind.
+    Async pairs (``all-gather-start`` then ``all-gather-done``) count once: the start carries the groups,
+    the done the result; each done is paired with the oldest open start of its kind. XLA:TPU's
+    ``all-reduce-scatter`` fusion (an all-reduce and the slice each device keeps) is one reduce-scatter.
 
     >>> hlo = "%ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add"
     >>> list(instructions(hlo, jax.sharding.AbstractMesh((2, 4), ("x", "y"))))   # 2 of the 4 along y
@@ -146,9 +146,9 @@ def instructions(program: Program, mesh: AnyMesh | None = None) -> Iterator[Sent
     """
     text, mesh = _text_and_mesh(program, mesh)
     started: dict[str, list[tuple[tuple[tuple[str, ...], ...], int]]] = {kind: [] for kind in KINDS}
-    runs = _hlo.runs_per_call(text)
+    runs, fused = _hlo.runs_per_call(text), _hlo.fused_reduce_scatters(text)
     for computation, match in _hlo.located(text):
-        kind, phase, nbytes = match["kind"], match["phase"], _hlo.shape_bytes(match["shape"])
+        kind, phase, nbytes = _hlo.sent_as(match, fused.get(computation))
         if phase == "-done":  # the result of a start seen before
             groups, devices = started[kind].pop(0) if started[kind] else ((("?",),), 1)
         elif mesh is None:
