@@ -317,11 +317,27 @@ def test_explain_checks_its_flags_before_the_report(flags, message, tmp_path, mo
 def test_explain_plans_its_own_model_on_any_device_count(capsys):
     # The style's own rules and mesh, no train command line: 100000 devices need no batch to split.
     assert main(["explain", "--parallel", "dp", "--devices", "100000"]) == 0
-    assert capsys.readouterr().out.startswith("mlp under dp on 100000 devices")
+    out = capsys.readouterr().out
+    assert out.startswith("mlp under dp on 100000 devices") and out.endswith(
+        "(the step is not compiled: 100000 devices; explain compiles on up to 64 without --hardware; "
+        "the plan above is all)\n"
+    )
     assert main(["explain", "--devices", "100000"]) == 1  # 2d: data=2 x model=50000 cannot split 512
     err = capsys.readouterr().err
     assert err.startswith("error: layers[0].weight:") and "mesh axis 'model'=50000" in err
     assert "usage:" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # compiles the fsdp step twice
+def test_explain_shows_what_the_compiled_step_sends_with_or_without_hardware(capsys):
+    def sends(*flags):
+        assert main(["explain", "--parallel", "fsdp", *flags]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("collectives of train_step"))
+        return [line for line in lines[start + 1 :] if line.startswith("  all-")]
+
+    plain, priced = sends(), sends("--hardware", "v5p")  # --hardware only adds the price
+    assert plain == priced and any(line.startswith("  all-gather") for line in plain), (plain, priced)
 
 
 # -- what a step costs (explain --hardware, --compare) and ZeRO by hand (--parallel zero) ---------------

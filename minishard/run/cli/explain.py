@@ -2,9 +2,10 @@
 
 Nothing is trained. Without ``--hardware`` nothing is even allocated: the
 model is built by ``jax.eval_shape`` and planned on an ``AbstractMesh``, so any
-device count works on any machine. ``--hardware`` (or a style whose own step
-is the point, such as ``zero``) compiles the step on simulated devices and
-prices it (``minishard.costs``); ``--compare`` ranks every style and mesh shape
+device count works on any machine; a preset's step is then compiled on up to
+``SENDS_UP_TO`` simulated devices, to show what it sends. ``--hardware`` (or a
+style whose own step is the point, such as ``zero``) compiles the step on
+simulated devices and prices it too (``minishard.costs``); ``--compare`` ranks every style and mesh shape
 (for the GPT, the sequence styles too, its attention a ring where "context" splits it).
 ``--topology v5e:2x4`` compiles the step for a TPU slice with XLA:TPU, ahead of
 time (``minishard.run.topology``), and sets it beside XLA:CPU's program.
@@ -19,7 +20,7 @@ from typing import Any, NoReturn
 import jax
 import jax.numpy as jnp
 
-from minishard.census import human_bytes
+from minishard.census import collectives, human_bytes, summary
 from minishard.costs import HARDWARE, Candidate, StepCost, compare, mesh_shapes
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
@@ -34,6 +35,7 @@ from minishard.run.cli.flags import (
     first_devices,
     flag_owners,
     refuse_other_models_flags,
+    simulate_devices,
 )
 from minishard.run.cli.memory import print_memory
 from minishard.run.cli.models import MODELS
@@ -45,7 +47,18 @@ from minishard.run.topology import LoweredOnce, hardware_of, on_cpu_and_tpu, sid
 from minishard.sharding import Sharded, ShardedFunction, make_mesh
 from minishard.styles import ANY_MODEL, EXPERT, SEQUENCE
 
-__all__ = ["DESCRIPTION", "HELP", "add_arguments", "check", "price", "print_report", "print_state", "run"]
+__all__ = [
+    "DESCRIPTION",
+    "HELP",
+    "SENDS_UP_TO",
+    "add_arguments",
+    "check",
+    "price",
+    "print_report",
+    "print_sends",
+    "print_state",
+    "run",
+]
 
 HELP = "print (and --plot) the plan of a default model under a named style"
 DEFAULT_STYLE = "2d"
@@ -116,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
     Nothing is trained or allocated: the model is built by ``jax.eval_shape`` and
     planned on an ``AbstractMesh`` with the style's rules, so any device count
-    works on any machine. Pricing a step (``--hardware``, ``--compare``) or a
+    works on any machine; then a preset's step is compiled to show what it sends
+    (``print_sends``). Pricing a step (``--hardware``, ``--compare``) or a
     style's own step (``--parallel zero``) compiles it: see ``price``.
     """
     model, style = MODELS[args.model], STYLES[args.parallel]
@@ -136,7 +150,35 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print_report(args, report, shape, rules, f"{args.model} under {args.parallel} on {args.devices} devices")
     print_state(args, built, mesh, rules)
+    if type(style) is Style:  # a preset's step (the others show their own, after the plan)
+        print_sends(args, model, style, rules)
     return style.after_plan(args, model, rules)
+
+
+SENDS_UP_TO = 64
+"""Without ``--hardware``, ``explain`` compiles a preset's step on up to this many simulated devices to
+show what it sends (XLA:CPU compiles for minutes beyond); above, the plan alone, said in one line."""
+
+
+def print_sends(args: argparse.Namespace, model: Any, style: Style, rules: AxisRules) -> None:
+    """What the compiled step sends, as ``--hardware`` shows it without the price: on the first
+    ``--devices`` devices, if there are that many, and the batch splits over "data"."""
+    shape, ways = style.mesh(args.devices), style.ways(style.mesh(args.devices))
+    why = f"{args.devices} devices; explain compiles on up to {SENDS_UP_TO} without --hardware"
+    if args.devices <= SENDS_UP_TO:
+        simulate_devices(args.devices)
+        why = f"{args.devices} devices asked, there are {len(jax.devices())}"
+        if args.batch_size % ways == 0 and len(jax.devices()) >= args.devices:
+            mesh, optimizer = make_mesh(shape, devices=first_devices(args)), model.compiled_optimizer(args)
+            built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
+            step = Sharded(mesh, rules)(make_train_step(optimizer, model.task.loss))
+            example = (built, jax.eval_shape(optimizer.init, built), model.example(args, args.batch_size))
+            print(f"collectives of train_step, batch {args.batch_size} (compiled; --hardware prices them):")
+            print("\n".join("  " + line for line in summary(collectives(step.lower(*example))).splitlines()))
+            return
+        if args.batch_size % ways:
+            why = f"a batch of {args.batch_size} does not split over data={ways}"
+    print(f"(the step is not compiled: {why}; the plan above is all)")
 
 
 def price(args: argparse.Namespace) -> int:
