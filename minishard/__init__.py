@@ -22,7 +22,9 @@ idea, and imports only the ones before it.
 * ``sequence``: the sequence split by one collective each (all-gather, all-to-all, Megatron's);
 * ``experts``: a mixture of experts, and expert parallelism by hand: two ``all_to_all`` collectives per layer;
 * ``memory``: will it fit? A step's bytes per device, term by term (parameters, gradients, optimizer
-  state, master copy, activations), against the compiler's ``memory_analysis()`` and the published tables.
+  state, master copy, activations), against the compiler's ``memory_analysis()`` and the published tables;
+* ``serving``: the inference roofline: prefill and decode priced on any chip, the KV cache, latency
+  against throughput.
 
 Three private modules hold what a reader may skip, each at its place in that order:
 ``_checks``, the guards (first: it imports nothing); ``_diagnose``, what went wrong

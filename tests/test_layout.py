@@ -52,6 +52,7 @@ ORDER = (
     "sequence",
     "experts",
     "memory",
+    "serving",
 )
 """The import order of every module of the textbook, the private ones at their place.
 
@@ -68,6 +69,7 @@ CHAPTERS = {
     "sequence": 200,
     "experts": 395,
     "memory": 385,
+    "serving": 215,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)

@@ -1,0 +1,209 @@
+"""Serving: what one generated token costs, priced on any chip (the inference roofline).
+
+Training reads each weight once for a whole batch of long sequences; decoding reads
+each weight, and every sequence's whole KV cache, to make *one* token per sequence.
+So a decode step is bound by HBM bandwidth until the batch is large, and the cache,
+not the weights, soon decides what fits. Prefill (reading the prompt) is a training
+forward pass: compute-bound. The formulas, for P parameters of ``w`` bytes each, B
+sequences whose caches hold ``kv`` bytes each, on N chips of C FLOP/s and W bytes/s:
+
+* KV cache per token: ``2 · bytes · kv_heads · head_dim · layers`` (keys and values);
+* decode step: ``B·kv / NW + max(2BP / NC, P·w / NW)``: attention reads each cache
+  once per token (never compute-bound), the matmuls are the larger of FLOPs and weights;
+* critical batch: the matmuls turn compute-bound at ``B = C·w / 2W`` (240 in bf16 on v5e);
+* prefill of T tokens: ``2PT / NC``;
+* tensor-parallel decode: two all-reduces of ``B x width`` activations per layer.
+
+Sources: the scaling book's inference chapter (jax-ml/scaling-book, ``inference.md``):
+its equations, its LLaMA-2 13B tables and pop quiz, which tests/test_serving.py reproduces.
+The prices are bounds (perfect overlap, no kernel overheads); weights and caches in int8 or
+int4 are priced by their bytes alone, no quantised kernel runs here.
+
+>>> round(decode_critical_batch("v5e"), 1), round(decode_critical_batch("v5e", "int8"), 1)
+(243.2, 121.6)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from minishard import _checks
+from minishard.costs import collective_time
+from minishard.hardware import Hardware, hardware_named
+from minishard.memory import itemsize
+
+# --- 1. the bytes: weights and the KV cache -----------------------------------------------------
+
+PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+"""The number formats a weight or a cache entry is priced in."""
+
+
+def number_bytes(precision: str) -> float:
+    """Bytes of one weight or cache entry: ``memory.itemsize``'s, and half a byte for int4.
+
+    >>> [number_bytes(name) for name in PRECISIONS]
+    [4, 2, 1, 0.5]
+    """
+    _checks.one_of("precision", precision, PRECISIONS)
+    return 0.5 if precision == "int4" else itemsize(precision)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """A decoder-only transformer's shapes, as the pricing sees it (the book's names in brackets):
+    ``layers`` (L), ``width`` (D), ``heads`` (N), ``kv_heads`` (K; fewer than ``heads`` under
+    grouped-query attention), ``head_dim`` (H), ``hidden`` (F, a gated MLP's three matrices), ``vocab`` (V).
+    """
+
+    layers: int
+    width: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+
+    @property
+    def params(self) -> int:
+        """The book's count: a gated MLP (3DF), q and out (2DNH), k and v (2DKH) per layer, two embeddings.
+
+        >>> round(LLAMA2_13B.params / 1e9, 3)
+        13.015
+        """
+        attention = 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
+        return self.layers * (3 * self.width * self.hidden + attention) + 2 * self.vocab * self.width
+
+    def kv_bytes_per_token(self, precision: str = "bfloat16") -> float:
+        """Cache bytes per token of one sequence: ``2 · bytes · K · H · L``.
+
+        >>> LLAMA2_13B.kv_bytes_per_token(), LLAMA2_13B.kv_bytes_per_token("int8")
+        (819200, 409600)
+        """
+        return 2 * number_bytes(precision) * self.kv_heads * self.head_dim * self.layers
+
+
+LLAMA2_13B = Decoder(layers=40, width=5120, heads=40, kv_heads=40, head_dim=128, hidden=13824, vocab=32000)
+"""LLaMA-2 13B, as the scaling book's inference chapter lists it (F = 2.7 D; no grouped queries)."""
+SIZES = {"llama2-13b": LLAMA2_13B}
+"""The named sizes ``minishard explain --decode --size`` prices."""
+
+# --- 2. the roofline of one decode step ---------------------------------------------------------
+
+
+def decode_critical_batch(hardware: Hardware | str, weights: str = "bfloat16") -> float:
+    """Sequences per chip above which a decode step's matmuls are compute-bound: ``C · w / 2W``.
+
+    Per weight, B sequences do 2B FLOPs and read ``w`` bytes: equal at ``2B / C = w / W``.
+    int8 weights with bf16 FLOPs halve it (the book's 240 and 120 on a v5e).
+    """
+    hardware = hardware_named(hardware)
+    return hardware.flops * number_bytes(weights) / (2 * hardware.hbm_bandwidth)
+
+
+def decode_step_time(
+    params: float,
+    kv_bytes: float,
+    batch: int,
+    chips: int,
+    hardware: Hardware | str,
+    weights: str = "bfloat16",
+) -> float:
+    """Seconds of one decode step of ``batch`` sequences, each with a cache of ``kv_bytes``, on ``chips``.
+
+    The book's general bound: attention reads every cache (``B·kv / NW``, never compute-bound),
+    then the matmuls take the larger of their FLOPs and their weights' reads. (The plain
+    roofline ``max(2BP/NC, (P·w + B·kv)/NW)`` assumes the cache reads hide under the
+    matmuls' FLOPs; it is lower once the batch passes the critical one.)
+
+    >>> round(decode_step_time(30e9, 819e6, 4, 16, "v5e", "int8") * 1e3, 2)   # the book's pop quiz
+    2.57
+    """
+    _checks.count("decode_step_time: batch", batch)
+    _checks.count("decode_step_time: chips", chips)
+    hardware = hardware_named(hardware)
+    bandwidth, flops = chips * hardware.hbm_bandwidth, chips * hardware.flops
+    matmuls = max(2 * batch * params / flops, params * number_bytes(weights) / bandwidth)
+    return batch * kv_bytes / bandwidth + matmuls
+
+
+def prefill_time(params: float, tokens: int, chips: int, hardware: Hardware | str) -> float:
+    """Seconds to read ``tokens`` of prompt: a training forward pass, ``2PT / NC`` (attention's
+    own FLOPs left out, as the book does; they matter past a context of about the width).
+
+    >>> round(prefill_time(LLAMA2_13B.params, 8192, 8, "v5e") * 1e3, 1)
+    135.3
+    """
+    return 2 * params * tokens / (chips * hardware_named(hardware).flops)
+
+
+def tensor_parallel_time(decoder: Decoder, batch: int, chips: int, hardware: Hardware | str) -> float:
+    """Seconds one decode step spends in Megatron's collectives: per layer, an all-reduce of the
+    ``batch x width`` bf16 activations after attention's out-projection and one after the MLP's.
+    Tiny messages: at small batches the per-hop latency, not the bandwidth, prices them.
+
+    >>> round(tensor_parallel_time(LLAMA2_13B, 1, 8, "v5e") * 1e3, 2)   # 80 all-reduces of 10 kB
+    0.64
+    """
+    activations = batch * decoder.width * number_bytes("bfloat16")
+    return 2 * decoder.layers * collective_time("all-reduce", activations, chips, hardware)
+
+
+# --- 3. what fits, and latency against throughput -----------------------------------------------
+
+
+def cache_fits(
+    params: float, kv_bytes: float, chips: int, hardware: Hardware | str, weights: str = "bfloat16"
+) -> int:
+    """Sequences whose caches (``kv_bytes`` each) fit in the chips' HBM beside the weights.
+
+    >>> cache_fits(LLAMA2_13B.params, 819200 * 8192, 8, "v5e")   # 128 GB less 26 GB of weights
+    15
+    """
+    free = chips * hardware_named(hardware).hbm_bytes - params * number_bytes(weights)
+    return max(0, int(free // kv_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One batch size on the latency-throughput curve: seconds per step, tokens/s in all and per chip."""
+
+    batch: int
+    step: float
+    tokens_per_second: float
+    per_chip: float
+
+
+def latency_throughput(
+    params: float,
+    kv_bytes: float,
+    batches: tuple[int, ...],
+    chips: int,
+    hardware: Hardware | str,
+    weights: str = "bfloat16",
+) -> list[Point]:
+    """The trade a batch makes: each step is slower, but makes ``batch`` tokens at once.
+
+    >>> [round(p.tokens_per_second) for p in latency_throughput(30e9, 819e6, (4, 256), 16, "v5e", "int8")]
+    [1558, 12161]
+    """
+    points = []
+    for batch in batches:
+        step = decode_step_time(params, kv_bytes, batch, chips, hardware, weights)
+        points.append(Point(batch, step, batch / step, batch / step / chips))
+    return points
+
+
+__all__ = [
+    "LLAMA2_13B",
+    "PRECISIONS",
+    "SIZES",
+    "Decoder",
+    "Point",
+    "cache_fits",
+    "decode_critical_batch",
+    "decode_step_time",
+    "latency_throughput",
+    "number_bytes",
+    "prefill_time",
+    "tensor_parallel_time",
+]

@@ -1,0 +1,90 @@
+"""The inference roofline (minishard.serving) against the scaling book's inference chapter.
+
+Oracles (jax-ml/scaling-book, ``inference.md``): the LLaMA-2 13B table on 8 TPU v5e and
+the pop quiz. Every figure is recomputed from serving's functions and hardware.py's chips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from minishard import serving
+from minishard.hardware import HARDWARE
+
+BATCHES = (1, 8, 16, 32, 64, 240)
+BOOK_STEP_MS = (4.98, 12.13, 20.30, 36.65, 69.33, 249.09)
+BOOK_TOKENS_PER_S = (200.61, 659.30, 787.99, 873.21, 923.13, 963.53)
+# The book's table is computed from rounded figures: 13e9 parameters (26 GB in bf16), a cache of
+# 6.7 GB per sequence, and 0.82e12 B/s of HBM per chip ("0.82TiB/s each", under the table); its
+# tpus.md chapter and its pop quiz, like hardware.py, use 8.1e11. That is the whole difference.
+BOOK_V5E = dataclasses.replace(HARDWARE["v5e"], hbm_bandwidth=8.2e11)
+
+
+def test_kv_cache_of_llama2_13b_is_6_71e9_bytes_that_is_6_25_gib() -> None:
+    per_sequence = serving.LLAMA2_13B.kv_bytes_per_token() * 8192
+    assert per_sequence == 2 * 2 * 40 * 128 * 40 * 8192 == 6_710_886_400
+    # The book writes 6.7 "GB" in the text and "GiB" in the table; its totals (32.7 = 26 + 6.7) and
+    # step times (32.7e9 B / 6.56e12 B/s = 4.98 ms) are decimal: GB is right, 6.71e9 B = 6.25 GiB.
+    assert round(per_sequence / 1e9, 2) == 6.71
+    assert round(per_sequence / 2**30, 2) == 6.25
+
+
+def test_the_book_table_from_its_rounded_figures() -> None:
+    points = serving.latency_throughput(13e9, 6.7e9, BATCHES, 8, BOOK_V5E)
+    assert [round(p.step * 1e3, 2) for p in points] == list(BOOK_STEP_MS)
+    assert [round(p.tokens_per_second, 2) for p in points] == pytest.approx(BOOK_TOKENS_PER_S, abs=0.011)
+
+
+def test_the_book_table_from_the_exact_shapes_and_hardware_py() -> None:
+    """Exact shapes (13.015e9 parameters, 6.711e9 B of cache) at 8.1e11 B/s: 1.3-1.5 % slower."""
+    model = serving.LLAMA2_13B
+    points = serving.latency_throughput(model.params, model.kv_bytes_per_token() * 8192, BATCHES, 8, "v5e")
+    for point, book in zip(points, BOOK_STEP_MS, strict=True):
+        assert 1.01 < point.step * 1e3 / book < 1.02
+
+
+def test_pop_quiz_30b_int8_on_a_v5e_4x4() -> None:
+    cache = 100e3 * 8192  # 100 kB per token, 8k context: 819 MB per sequence
+    small, large = (serving.decode_step_time(30e9, cache, b, 16, "v5e", "int8") for b in (4, 256))
+    assert round(small * 1e3, 1) == 2.6  # the book: "2.5 ms" (2.57, rounded down)
+    assert round(large * 1e3) == 21  # the book: "21ms": 16.2 ms of cache reads + 4.9 ms of FLOPs
+    # the plain roofline, cache reads hidden under the FLOPs, would say 18.5 ms
+    plain = max(2 * 256 * 30e9 / (16 * 1.97e14), (30e9 + 256 * cache) / (16 * 8.1e11))
+    assert round(plain * 1e3, 1) == 18.5 < large * 1e3
+
+
+def test_critical_batch_halves_with_int8_weights_and_quarters_with_int4() -> None:
+    bf16, int8, int4 = (serving.decode_critical_batch("v5e", w) for w in ("bfloat16", "int8", "int4"))
+    assert round(bf16) == 243 and int8 == bf16 / 2 and int4 == bf16 / 4
+    # at the critical batch the matmuls' FLOPs take as long as their weights' reads
+    params = 1e9
+    at = serving.decode_step_time(params, 0.0, round(bf16), 1, "v5e")
+    assert at == pytest.approx(2 * params / HARDWARE["v5e"].hbm_bandwidth, rel=2e-3)
+
+
+def test_throughput_grows_with_the_batch_and_latency_with_it() -> None:
+    points = serving.latency_throughput(13e9, 6.7e9, BATCHES, 8, "v5e")
+    assert all(
+        a.step < b.step and a.tokens_per_second < b.tokens_per_second for a, b in itertools.pairwise(points)
+    )
+    assert points[0].per_chip == pytest.approx(points[0].tokens_per_second / 8)
+
+
+def test_gqa_and_int8_shrink_the_cache_and_more_fits() -> None:
+    gqa = dataclasses.replace(serving.LLAMA2_13B, kv_heads=8)  # the book's 1:5 grouped queries
+    assert serving.LLAMA2_13B.kv_bytes_per_token() == 5 * gqa.kv_bytes_per_token()
+    fits = [
+        serving.cache_fits(m.params, m.kv_bytes_per_token(p) * 8192, 8, "v5e", p)
+        for m, p in ((serving.LLAMA2_13B, "bfloat16"), (gqa, "bfloat16"), (gqa, "int8"))
+    ]
+    assert fits[0] < fits[1] < fits[2]
+
+
+def test_bad_precision_and_batch_are_named() -> None:
+    with pytest.raises(ValueError, match="precision"):
+        serving.number_bytes("fp8")
+    with pytest.raises(ValueError, match="batch"):
+        serving.decode_step_time(1e9, 1e6, 0, 1, "v5e")
