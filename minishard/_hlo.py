@@ -61,6 +61,11 @@ _CALLS = re.compile(
     r"\b(?P<attr>body|condition|calls|to_apply|branch_computations)=\{?(?P<names>%?[\w.\-]+(?:,\s*%[\w.\-]+)*)"
 )
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')  # in a while's backend_config
+_CONDITION = re.compile(r"\bcondition=%?(?P<name>[\w.\-]+)")
+_CONSTANT = re.compile(r"^\s*%(?P<name>[\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((?P<value>\d+)\)")
+_BELOW = re.compile(  # a loop condition: `ROOT %lt = pred[] compare(%i, %n), direction=LT`
+    r"^\s*ROOT\s+%[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%[\w.\-]+,\s*%(?P<bound>[\w.\-]+)\),\s*direction=LT"
+)
 
 
 def runs_per_call(text: str) -> dict[str, int]:
@@ -69,8 +74,10 @@ def runs_per_call(text: str) -> dict[str, int]:
     A ``lax.scan`` or ``fori_loop`` becomes a ``while`` whose body XLA proves runs a
     fixed number of times and writes into the instruction,
     ``backend_config={..."known_trip_count":{"n":"7"}}``: its body runs 7 times per
-    run of the computation holding the while; nested loops multiply. Anything else
-    called (fusions, reducers, branches) runs once per run of its caller.
+    run of the computation holding the while; nested loops multiply. XLA:TPU writes
+    no trip count: its condition, ``counter < constant(7)``, gives it (``_counted``;
+    jax's loops count from 0 by 1). Anything else called (fusions, reducers,
+    branches) runs once per run of its caller.
 
     >>> loop = '%w = f32[] while(%p), condition=%c, body=%body, backend_config={"known_trip_count":{"n":"7"}}'
     >>> hlo = "\n".join(["%body (p: f32[]) -> f32[] {", "}", "ENTRY %main (p: f32[]) -> f32[] {", loop])
@@ -78,14 +85,15 @@ def runs_per_call(text: str) -> dict[str, int]:
     7
     """
     caller: dict[str, tuple[str, int]] = {}  # computation -> (who calls it, how often per run)
-    computation = ""
+    computation, counted = "", _counted(text)
     for line in text.splitlines():
         if header := _COMPUTATION.match(line):
             computation = header["name"]
             continue
         trips = _TRIP_COUNT.search(line)
+        bound = counted.get(condition["name"], 1) if (condition := _CONDITION.search(line)) else 1
         for called in _CALLS.finditer(line):
-            times = int(trips[1]) if trips and called["attr"] == "body" else 1
+            times = (int(trips[1]) if trips else bound) if called["attr"] == "body" else 1
             for name in called["names"].split(","):
                 caller[name.strip().lstrip("%")] = (computation, times)
 
@@ -94,6 +102,22 @@ def runs_per_call(text: str) -> dict[str, int]:
         return times * runs(parent) if parent else times
 
     return {name: runs(name) for name in caller}
+
+
+def _counted(text: str) -> dict[str, int]:
+    """Loop conditions of the form ``ROOT compare(%i, %n), direction=LT`` with ``%n = s32[] constant(7)``
+    in the same computation: each condition's name, and its bound."""
+    bounds: dict[str, int] = {}
+    constants: dict[str, int] = {}
+    computation = ""
+    for line in text.splitlines():
+        if header := _COMPUTATION.match(line):
+            computation, constants = header["name"], {}
+        elif constant := _CONSTANT.match(line):
+            constants[constant["name"]] = int(constant["value"])
+        elif (below := _BELOW.match(line)) and below["bound"] in constants:
+            bounds[computation] = constants[below["bound"]]
+    return bounds
 
 
 _DEFINED = re.compile(

@@ -12,7 +12,7 @@ import pytest
 from models import OPT, train_step
 
 import minishard as ms
-from minishard.census import bytes_by_mesh_axes, human_bytes
+from minishard.census import bytes_by_mesh_axes, collectives, human_bytes
 from minishard.constraints import constrain
 from minishard.models import gpt
 from minishard.run.cli import main
@@ -144,3 +144,19 @@ def test_without_libtpu_the_refusal_says_how_to_install_it(monkeypatch):
         tpu_devices(TOPOLOGY)
     with pytest.raises(ValueError, match=re.escape(INSTALL) + "$"):
         tpu_devices(TOPOLOGY)
+
+
+def test_a_collective_in_a_loop_counts_once_per_trip_though_xla_tpu_writes_no_trip_count():
+    mesh = ms.make_mesh({"x": 8}, devices=tpu_devices(TOPOLOGY))
+
+    def ring(chunk):
+        def hop(carry, _):
+            return jax.lax.ppermute(carry, "x", [(i, (i + 1) % 8) for i in range(8)]) + carry, None
+
+        return jax.lax.scan(hop, chunk, None, length=5)[0]
+
+    step = jax.jit(jax.shard_map(ring, mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P("x")))
+    compiled = step.lower(jax.ShapeDtypeStruct((8 * 1024,), np.float32)).compile()
+    assert "known_trip_count" not in (compiled.as_text() or "")  # the condition, i < 5, says it
+    found = collectives(compiled)["collective-permute"]
+    assert (found.count, found.bytes) == (5, 5 * 1024 * 4)
