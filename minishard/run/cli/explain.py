@@ -87,7 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
-    """--compare needs --hardware; --batch-size needs a step to compile, and must split over "data"."""
+    """--compare needs --hardware; --batch-size needs a step to compile, and must split over "data".
+
+    The style's hooks are called in the order ``styles/style.py`` writes, here and in ``run``.
+    """
     check_output("--plot", args.plot, PLOT_FORMATS, error)
     model = MODELS[args.model]
     refuse_other_models_flags(args, model, MODELS.values(), error)  # as train does

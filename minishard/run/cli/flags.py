@@ -257,8 +257,8 @@ def finish_train(
 ) -> argparse.Namespace:
     """Fill in what was not given (per model, per style) and check the flags together.
 
-    Each check ends with one ``error:`` line. The order: flags of another
-    model, the style's own refusals, the defaults, then every check in turn.
+    Each check ends with one ``error:`` line. The order: flags of another model, the
+    style's own refusals, the defaults, then every check (the hooks': ``styles/style.py``).
     """
     refuse_other_models_flags(args, model, models, error)
     style.finish(args, error)

@@ -93,8 +93,9 @@ class ModelEntry:
     a step on them); ``fill`` derives defaults from others, ``check`` checks its
     flags together (``argparse``'s one ``error`` line); ``explain_flags`` are those
     of its flags that change the step ``explain`` prices, ``check_explain`` checks
-    them (explain takes no training flags); ``stack`` is how its blocks
-    stack for a pipeline. Every checkpoint keeps ``saved(args)`` and the ``Splits``'
+    them (explain takes no training flags). What a style may change, the styles
+    ask here: ``stack`` (pp), ``sequence`` (cp), ``experts`` (ep), and ``sample``
+    asks ``stream``. Every checkpoint keeps ``saved(args)`` and the ``Splits``'
     ``info``: what ``sample`` needs to rebuild the model without its data.
     """
 
