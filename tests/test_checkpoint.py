@@ -663,3 +663,33 @@ def test_read_meta_of_a_broken_latest_step_falls_back_in_one_line(tmp_path):
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert lines[0].startswith(f"checkpoint {tmp_path / '2'} is ")
     assert lines[0].endswith("falling back to step 1")
+
+
+def test_after_a_failed_save_orbax_s_orphaned_futures_stay_out_of_view_and_nothing_else(caplog):
+    """A full disk fails orbax's writes; the futures nobody awaited are reported when collected, at exit
+    ("Future exception was never retrieved" and a traceback), after the one line that said it."""
+    import logging
+
+    from minishard.run.checkpoint.noise import quiet_orphaned_echoes
+
+    asyncio_log, before = logging.getLogger("asyncio"), list(logging.getLogger("asyncio").filters)
+
+    def raised_in(filename):
+        try:
+            exec(compile("raise OSError(28, 'No space left on device')", filename, "exec"))
+        except OSError:
+            return sys.exc_info()
+
+    try:
+        quiet_orphaned_echoes()
+        quiet_orphaned_echoes()  # once is enough: the same filter
+        assert len(asyncio_log.filters) == len(before) + 1
+        future = "Future exception was never retrieved\nfuture: <Future finished exception=OSError(28)>"
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            in_orbax = raised_in("/site-packages/orbax/checkpoint/_src/path/async_path.py")
+            asyncio_log.error(future, exc_info=in_orbax)
+            assert caplog.records == []  # an echo of the error already said
+            asyncio_log.error(future, exc_info=raised_in("/home/me/my_script.py"))  # the user's own: shown
+            assert len(caplog.records) == 1
+    finally:
+        asyncio_log.filters[:] = before

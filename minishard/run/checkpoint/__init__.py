@@ -71,7 +71,7 @@ from minishard.run.checkpoint.integrity import (
     verify_meta,
 )
 from minishard.run.checkpoint.migrations import older_name, sgd_steps
-from minishard.run.checkpoint.noise import quiet_storage_noise, reason
+from minishard.run.checkpoint.noise import quiet_orphaned_echoes, quiet_storage_noise, reason
 from minishard.run.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from minishard.tree import named_leaves
 
@@ -162,6 +162,7 @@ class Checkpointer:
                 self._manager.save(int(step), args=ocp.args.Composite(**items), force=True)
                 self._manager.wait_until_finished()
         except Exception as e:
+            quiet_orphaned_echoes()  # this error says it: not orbax's orphaned futures again, at exit
             previous = [s for s in self.steps() if s < step]
             kept = (
                 f"the previous checkpoint (step {previous[-1]}) is intact"
@@ -228,6 +229,7 @@ class Checkpointer:
             if i + 1 < len(candidates):
                 self.log(f"{failures[-1]}; falling back to step {candidates[i + 1]}")
         header = [f"no checkpoint in {self.directory} could be loaded:"] if len(failures) > 1 else []
+        quiet_orphaned_echoes()  # this error says it: not orbax's orphaned reads again, at exit
         raise CheckpointError("\n  ".join(header + failures)) from None
 
     def read_meta(self, step: int | None = None) -> tuple[int, dict[str, Any]]:

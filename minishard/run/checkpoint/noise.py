@@ -13,12 +13,13 @@ import logging
 import re
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["quiet_storage_noise", "reason"]
+__all__ = ["quiet_orphaned_echoes", "quiet_storage_noise", "reason"]
 
 
 def reason(error: BaseException, checkpoint: Path) -> str:
@@ -117,5 +118,28 @@ def _an_echo(unraisable: Any) -> bool:
 
 
 def _not_an_unawaited_read(record: logging.LogRecord) -> bool:
+    """Not a read or write of orbax's (or tensorstore's) that failed with nobody awaiting it."""
     message = record.getMessage()
-    return not ("never retrieved" in message and ("orbax" in message or "tensorstore" in message))
+    return not ("never retrieved" in message and _from_storage(message, record.exc_info))
+
+
+def _from_storage(message: str, exc_info: Any) -> bool:
+    """The message names orbax or tensorstore, or its exception was raised inside them (a full disk:
+    ``OSError(28)`` from orbax's ``async_path``)."""
+    frames = traceback.extract_tb(exc_info[2]) if exc_info and exc_info[2] is not None else []
+    texts = [message, *(frame.filename for frame in frames)]
+    return any(name in text for name in ("orbax", "tensorstore") for text in texts)
+
+
+def quiet_orphaned_echoes() -> None:
+    """For the rest of the process: after a command has said in one line what failed, orbax's futures
+    that failed unawaited with it are reported by asyncio only when collected, at exit (``Future
+    exception was never retrieved`` and a traceback, on a full disk): drop those, and only those."""
+    log = logging.getLogger("asyncio")
+    if _orphaned_echo not in log.filters:
+        log.addFilter(_orphaned_echo)
+
+
+def _orphaned_echo(record: logging.LogRecord) -> bool:
+    """``_not_an_unawaited_read``, as the filter ``quiet_orphaned_echoes`` leaves in place."""
+    return _not_an_unawaited_read(record)
