@@ -54,9 +54,10 @@ def visible(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
 
 
 def scores(q: jax.Array, k: jax.Array, q_pos: Any, k_pos: Any, causal: bool) -> jax.Array:
-    """``q·k / sqrt(head_dim)`` per ``[batch, query, head, key]`` in float32; causal: the future masked."""
-    s = jnp.einsum("bqhd,bkhd->bqhk", q.astype(jnp.float32), k.astype(jnp.float32)) * q.shape[-1] ** -0.5
-    return jnp.where(visible(q_pos, k_pos)[None, :, None, :], s, MASK_VALUE) if causal else s
+    """``q·k / sqrt(head_dim)`` per ``[batch, head, query, key]`` in float32 (heads before queries: a split
+    of heads and of the sequence propagates as the model's layers have it); causal: the future masked."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * q.shape[-1] ** -0.5
+    return jnp.where(visible(q_pos, k_pos)[None, None], s, MASK_VALUE) if causal else s
 
 
 def attend(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, *, causal: bool = False) -> Partial:
@@ -65,8 +66,10 @@ def attend(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, *, causal: bool = Fal
     ``lse``, the log of the softmax's denominator, is all a later ``merge`` needs of the scores.
     """
     s = scores(q, k, q_pos, k_pos, causal)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    return jnp.einsum("bqhk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32)), lse
+    lse = jax.nn.logsumexp(s, axis=-1)  # [b, h, q]
+    return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32)), lse.swapaxes(
+        1, 2
+    )
 
 
 def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) -> Partial:
@@ -237,13 +240,13 @@ def attend_grads(q: Any, k: Any, v: Any, out: Any, g: Any, lse: Any, *at: Any) -
     >>> [bool(jnp.allclose(mine, jax_s, atol=1e-5)) for mine, jax_s in zip(grads, vjp(g))]
     [True, True, True]
     """
-    w = jnp.exp(scores(q, k, *at) - lse[..., None])  # the weights, [b, q, h, k]
-    dv = jnp.einsum("bqhk,bqhd->bkhd", w, g)  # 1. dv = wᵀ·g
-    dp = jnp.einsum("bqhd,bkhd->bqhk", g, v.astype(jnp.float32))  # 2. dp = g·vᵀ, the weights' gradient
+    w = jnp.exp(scores(q, k, *at) - lse.swapaxes(1, 2)[..., None])  # the weights, [b, h, q, k]
+    dv = jnp.einsum("bhqk,bqhd->bkhd", w, g)  # 1. dv = wᵀ·g
+    dp = jnp.einsum("bqhd,bkhd->bhqk", g, v.astype(jnp.float32))  # 2. dp = g·vᵀ, the weights' gradient
     delta = jnp.sum(g * out, axis=-1)  # 3. delta = Σ g·out per query: what the softmax takes back
-    ds = w * (dp - delta[..., None]) * q.shape[-1] ** -0.5  # 4. ds: the scores' gradient, scaled
-    dq = jnp.einsum("bqhk,bkhd->bqhd", ds, k.astype(jnp.float32))  # 5. dq = ds·k
-    dk = jnp.einsum("bqhk,bqhd->bkhd", ds, q.astype(jnp.float32))  # 6. dk = dsᵀ·q
+    ds = w * (dp - delta.swapaxes(1, 2)[..., None]) * q.shape[-1] ** -0.5  # 4. ds: the scores' gradient
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k.astype(jnp.float32))  # 5. dq = ds·k
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(jnp.float32))  # 6. dk = dsᵀ·q
     return dq, dk, dv
 
 
