@@ -19,6 +19,7 @@ optax's two functions works (``minishard.optim.Optimizer``): SGD, AdamW.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from minishard.losses import Batch, Loss, classification_loss
+from minishard.memory import Precision
 from minishard.optim import Optimizer
 from minishard.pipeline import microbatched
 from minishard.run.data import to_global
@@ -66,14 +68,21 @@ CLASSIFICATION = Task(classification_loss, ("acc",), classification_sums)
 
 
 def make_train_step(
-    optimizer: Optimizer, loss: Loss = classification_loss, microbatches: int = 1
+    optimizer: Optimizer,
+    loss: Loss = classification_loss,
+    microbatches: int = 1,
+    precision: Precision | None = None,
 ) -> Callable[..., Any]:
     """One optimizer step on one batch; pure, so ``Sharded``/``jax.jit`` can compile it.
 
     ``microbatches`` > 1 accumulates the gradients over that many slices of the batch
     (``pipeline.microbatched``): the same step, one microbatch's activations alive at a
-    time (``minishard train --microbatches M``).
+    time (``minishard train --microbatches M``). ``precision`` (``minishard.memory.BF16``)
+    computes the loss on its copies of the model and batch (``Precision.compute``); the
+    model the step is given and returns stays the float32 master (``train --precision bf16``).
     """
+    if precision is not None:
+        loss = functools.partial(_computed, loss, precision)
     value_and_grad = (
         microbatched(loss, microbatches) if microbatches > 1 else jax.value_and_grad(loss, has_aux=True)
     )
@@ -84,6 +93,11 @@ def make_train_step(
         return model, opt_state, value, *metrics
 
     return train_step
+
+
+def _computed(loss: Loss, precision: Precision, model: Any, batch: Batch) -> tuple[jax.Array, Any]:
+    """``loss`` on the precision's copies: differentiated, the gradients return in the master's dtype."""
+    return loss(precision.compute(model), precision.compute(batch))
 
 
 def evaluate(

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from minishard.losses import Batch
+from minishard.memory import Precision
 from minishard.optim import Optimizer
 from minishard.pipeline import StackedModel
 from minishard.rules import AxisRules
@@ -99,6 +100,7 @@ def fit(
     progress: bool | None = None,
     microbatches: int = 1,
     make_step: Callable[[Any], Any] | None = None,
+    precision: Precision | None = None,
 ) -> tuple[Any, Any, History]:
     """Train ``model`` for ``epochs`` epochs or ``steps`` steps in all: ``(model, opt_state, history)``.
 
@@ -109,16 +111,15 @@ def fit(
     period's end, the last ``keep`` kept; ``resume`` continues from the latest good one, ``resume_from``
     from that step; another run's checkpoints are refused unless ``overwrite``. A non-finite loss, or one
     ``DIVERGED`` times the run's first, stops training before anything bad is saved.
-    ``microbatches > 1`` accumulates gradients; ``make_step(optimizer)`` builds another step
-    (``minishard.zero``'s). ``fit`` trains a copy of ``model``.
+    ``microbatches > 1`` accumulates gradients, ``precision`` casts each step (``memory.BF16``);
+    ``make_step(optimizer)`` builds another step (``minishard.zero``'s). ``fit`` trains a copy of ``model``.
     """
     check_checkpoint_dir(checkpoint_dir, resume=resume, resume_from=resume_from, overwrite=overwrite)
     check_counts(keep=keep, log_every=log_every, checkpoint_every=checkpoint_every, microbatches=microbatches)
     horizon = Horizon.of(epochs, steps, eval_every, train_data)
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
-    train_step = (
-        make_step(optimizer) if make_step else sharded(make_train_step(optimizer, task.loss, microbatches))
-    )
+    step = make_train_step(optimizer, task.loss, microbatches, precision)
+    train_step = make_step(optimizer) if make_step else sharded(step)
     run = _Run.start(model, optimizer, mesh, rules, train_step, task.metrics)
     sharding = sharded.batch_sharding
     measure = _evaluator(Sharded(mesh, rules)(task.evaluate), eval_data, test_data, sharding)

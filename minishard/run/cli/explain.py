@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from minishard.census import collectives, human_bytes, summary
 from minishard.costs import HARDWARE, Candidate, StepCost, compare, mesh_shapes
+from minishard.memory import PRECISIONS
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
 from minishard.run.cli import styles
@@ -82,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--compare", action="store_true", help="rank every style and mesh shape on --hardware")
     add("--topology", help="compile for this TPU slice with XLA:TPU, ahead of time (v5e:2x4: 8 devices)")
     add("--memory", action="store_true", help="a train step's bytes per device by term; fits?")
+    add("--precision", choices=tuple(PRECISIONS), default="fp32", help="with --memory: the step's precision")
     # each model's flags that change the step priced (the GPT's --context)
     add_model_flags(parser, flag_owners(MODELS.values(), lambda entry: entry.explain_flags))
 
@@ -102,6 +104,8 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     args.parallel = args.parallel or model.style or DEFAULT_STYLE
     style = STYLES[args.parallel]
     args.topology_devices = _topology(args, style, error) if args.topology else None
+    if args.precision != "fp32" and not args.memory:
+        error("argument --precision: only with --memory (the step explain prices is float32)")
     if args.memory and args.compare:
         error("argument --memory: one style at a time; drop --compare")
     if args.memory and args.parallel not in ANY_MODEL:

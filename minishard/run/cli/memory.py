@@ -87,15 +87,20 @@ def print_memory(args: argparse.Namespace) -> int:
     built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
     optimizer = model.compiled_optimizer(args)
     step_args = (built, jax.eval_shape(optimizer.init, built), model.example(args, args.batch_size))
+    precision = memory.PRECISIONS[args.precision]
     try:
-        predicted = budget(step_args, jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape)), rules)
+        mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
+        predicted = budget(step_args, mesh, rules, precision)
     except ShardingError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     count = sum(leaf.size for leaf in jax.tree.leaves(built))
     compiles = count <= COMPILES_UP_TO and len(jax.devices()) == args.devices
-    compiled = _compiled(step_args, optimizer, model.task.loss, shape, rules) if compiles else None
-    where = f"under {args.parallel} on {args.devices} devices, batch {args.batch_size}"
+    step = make_train_step(
+        optimizer, model.task.loss, precision=None if precision == memory.FP32 else precision
+    )
+    compiled = _compiled(step_args, step, shape, rules) if compiles else None
+    where = f"under {args.parallel} on {args.devices} devices, batch {args.batch_size}, {args.precision}"
     print(f"{args.model} ({count:,} parameters) {where}: bytes per device")
     print(predicted.table(compiled))
     if compiled is None:
@@ -105,9 +110,7 @@ def print_memory(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compiled(
-    args: tuple[Any, Any, Any], optimizer: Any, loss: Any, shape: dict[str, int], rules: AxisRules
-) -> Memory:
+def _compiled(args: tuple[Any, Any, Any], step: Any, shape: dict[str, int], rules: AxisRules) -> Memory:
     """``memory_analysis()`` of the train step as ``train`` compiles it: the model and state donated."""
-    step = Sharded(make_mesh(shape), rules, donate_argnums=(0, 1))(make_train_step(optimizer, loss))
-    return Memory.of(step.lower(*args).compile())
+    sharded = Sharded(make_mesh(shape), rules, donate_argnums=(0, 1))(step)
+    return Memory.of(sharded.lower(*args).compile())

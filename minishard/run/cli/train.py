@@ -23,6 +23,7 @@ from typing import Any
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 
 from minishard.constraints import DEFAULT_BATCH_AXIS
+from minishard.memory import PRECISIONS
 from minishard.optim import Optimizer
 from minishard.report import explain
 from minishard.rules import ShardingError
@@ -109,6 +110,12 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
     add("--lr", "initial (or peak) learning rate", type=flags.positive)
     add("--schedule", "learning rate schedule", choices=("exponential", "cosine"))
     add("--warmup-steps", "cosine: steps of linear warmup", type=at_least(0))
+    parser.add_argument(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default="fp32",
+        help="bf16: each step computes in bfloat16 on the float32 model (minishard.memory; default fp32)",
+    )
 
 
 def _add_mesh_flags(parser: argparse.ArgumentParser) -> None:
@@ -192,6 +199,11 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     """Every flag together, before any work (``flags.finish_train``); the errors are argparse's."""
     model = MODELS[args.model]
     args.parallel = args.parallel or model.style
+    if args.precision != "fp32" and style_of(args.parallel).own_step:
+        error(
+            f"argument --precision: {args.precision} casts Sharded's step, and --parallel "
+            f"{args.parallel} runs a step of its own; give a preset style (dp, tp, fsdp, ...)"
+        )
     return finish_train(args, error, model, style_of(args.parallel), MODELS.values())
 
 
@@ -335,6 +347,7 @@ def _fit(
         metrics_log=args.log if distributed.is_main_process() else None,  # one writer per file
         log_every=20,
         microbatches=style.microbatches(args),
+        precision=None if args.precision == "fp32" else PRECISIONS[args.precision],
     )
     return history
 
