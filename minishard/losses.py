@@ -65,11 +65,10 @@ def cross_entropy(logits: jax.Array, targets_onehot: jax.Array) -> jax.Array:
     """Mean over the batch of ``-sum(targets * log_softmax(logits))``.
 
     ``log_softmax`` is ``logits - logsumexp(logits)``: ``logsumexp`` subtracts
-    the max before exponentiating, so large logits never overflow. It runs in
-    float32 whatever the logits' dtype: a bfloat16 model's loss keeps its digits.
+    the max before exponentiating, so large logits never overflow.
     """
     _checks.cross_entropy(logits, targets_onehot)
-    logits = logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)  # a bfloat16 model's loss too, in float32's digits
     log_probs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     return -jnp.mean(jnp.sum(targets_onehot * log_probs, axis=-1))
 
