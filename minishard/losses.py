@@ -64,11 +64,10 @@ def one_hot(labels: jax.Array, num_classes: int, *, checked: bool = False) -> ja
 def cross_entropy(logits: jax.Array, targets_onehot: jax.Array) -> jax.Array:
     """Mean over the batch of ``-sum(targets * log_softmax(logits))``.
 
-    ``log_softmax`` is ``logits - logsumexp(logits)``: ``logsumexp`` subtracts
-    the max before exponentiating, so large logits never overflow.
-    """
+    ``log_softmax`` is ``logits - logsumexp(logits)``: ``logsumexp`` subtracts the max before
+    exponentiating, so large logits never overflow. In float32, a bfloat16 model's logits too."""
     _checks.cross_entropy(logits, targets_onehot)
-    logits = logits.astype(jnp.float32)  # a bfloat16 model's loss too, in float32's digits
+    logits = logits.astype(jnp.float32)
     log_probs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     return -jnp.mean(jnp.sum(targets_onehot * log_probs, axis=-1))
 
