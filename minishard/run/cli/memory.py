@@ -95,22 +95,31 @@ def print_memory(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     count = sum(leaf.size for leaf in jax.tree.leaves(built))
-    compiles = count <= COMPILES_UP_TO and len(jax.devices()) == args.devices
+    devices = args.topology_devices  # --topology: XLA:TPU compiles it, whatever its size (nothing allocated)
+    compiles = devices is not None or (count <= COMPILES_UP_TO and len(jax.devices()) == args.devices)
     step = make_train_step(
         optimizer, model.task.loss, precision=None if precision == memory.FP32 else precision
     )
-    compiled = _compiled(step_args, step, shape, rules) if compiles else None
-    where = f"under {args.parallel} on {args.devices} devices, batch {args.batch_size}, {args.precision}"
+    on = args.topology or f"{args.devices} devices"
+    where = f"under {args.parallel} on {on}, batch {args.batch_size}, {args.precision}"
     print(f"{args.model} ({count:,} parameters) {where}: bytes per device")
+    try:
+        compiled = _compiled(step_args, step, shape, rules, devices) if compiles else None
+    except jax.errors.JaxRuntimeError as error:  # XLA:TPU out of HBM: the compiler's own verdict
+        print(f"XLA:TPU refuses it: {str(error).splitlines()[0]}")
+        compiles, compiled = True, None
     print(predicted.table(compiled))
-    if compiled is None:
+    if not compiles:
         print(f"(not compiled here: {count:,} parameters on {args.devices} devices; predicted only)")
     if args.hardware:
         print(predicted.verdict(HARDWARE[args.hardware], args.devices))
     return 0
 
 
-def _compiled(args: tuple[Any, Any, Any], step: Any, shape: dict[str, int], rules: AxisRules) -> Memory:
-    """``memory_analysis()`` of the train step as ``train`` compiles it: the model and state donated."""
-    sharded = Sharded(make_mesh(shape), rules, donate_argnums=(0, 1))(step)
+def _compiled(
+    args: tuple[Any, Any, Any], step: Any, shape: dict[str, int], rules: AxisRules, devices: Any
+) -> Memory:
+    """``memory_analysis()`` of the train step as ``train`` compiles it: the model and state donated
+    (on ``devices``: a TPU slice's, or None for the simulated CPU devices)."""
+    sharded = Sharded(make_mesh(shape, devices=devices), rules, donate_argnums=(0, 1))(step)
     return Memory.of(sharded.lower(*args).compile())
