@@ -50,6 +50,7 @@ def test_a_topology_is_its_chips_and_their_generation_prices_them():
     devices = tpu_devices(TOPOLOGY)
     assert len(devices) == 8 and {d.device_kind for d in devices} == {"TPU v5 lite"}
     assert hardware_of(TOPOLOGY) == "v5e" and hardware_of("v4:2x2x2") == "v4p"
+    assert len(tpu_devices("v4:2x2x2")) == 8  # one device per chip (megacore), as jax.make_mesh needs
     assert len(tpu_devices("v5p:2x2x2")) == 8 and len(tpu_devices("v5e:1x1")) == 1
 
 

@@ -66,7 +66,7 @@ def tpu_devices(topology: str) -> list[jax.Device]:
     A name that is no topology, an unknown generation, or a shape XLA:TPU refuses
     is one ``ValueError`` line naming it; so is a missing libtpu (with how to install it).
     """
-    _, shape = _parse(topology)
+    generation, shape = _parse(topology)
     if importlib.util.find_spec("libtpu") is None:
         raise ValueError(f"compiling for {topology} needs XLA:TPU, which libtpu holds: {INSTALL}")
     for name, value in _QUIET.items():
@@ -79,7 +79,8 @@ def tpu_devices(topology: str) -> list[jax.Device]:
         description = topologies.get_topology_desc(
             platform="tpu",
             topology_name=topology,
-            chip_config_name="default",
+            chip_config_name="megacore" if generation == "v4" else "default",  # one device per chip, as
+            # jax.make_mesh needs; a v4 chip's two cores are otherwise two devices
             chips_per_host_bounds=per_host,
             num_slices=1,
         )
