@@ -34,17 +34,17 @@ from minishard.memory import itemsize
 
 # --- 1. the bytes: weights and the KV cache -----------------------------------------------------
 
-PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+FORMATS = ("float32", "bfloat16", "int8", "int4")
 """The number formats a weight or a cache entry is priced in."""
 
 
 def number_bytes(precision: str) -> float:
     """Bytes of one weight or cache entry: ``memory.itemsize``'s, and half a byte for int4.
 
-    >>> [number_bytes(name) for name in PRECISIONS]
+    >>> [number_bytes(name) for name in FORMATS]
     [4, 2, 1, 0.5]
     """
-    _checks.one_of("precision", precision, PRECISIONS)
+    _checks.one_of("precision", precision, FORMATS)
     return 0.5 if precision == "int4" else itemsize(precision)
 
 
@@ -91,9 +91,10 @@ SIZES = {"llama2-13b": LLAMA2_13B}
 
 
 def decode_critical_batch(hardware: Hardware | str, weights: str = "bfloat16") -> float:
-    """Sequences per chip above which a decode step's matmuls are compute-bound: ``C · w / 2W``.
+    """Sequences in a batch above which a decode step's matmuls are compute-bound: ``C · w / 2W``.
 
-    Per weight, B sequences do 2B FLOPs and read ``w`` bytes: equal at ``2B / C = w / W``.
+    Per weight, B sequences do 2B FLOPs and read ``w`` bytes: equal at ``2B / C = w / W``
+    (the chips cancel: each reads its share of the weights and does its share of the FLOPs).
     int8 weights with bf16 FLOPs halve it (the book's 240 and 120 on a v5e).
     """
     hardware = hardware_named(hardware)
@@ -195,8 +196,8 @@ def latency_throughput(
 
 __all__ = [
     "LLAMA2_13B",
-    "PRECISIONS",
     "SIZES",
+    "FORMATS",
     "Decoder",
     "Point",
     "cache_fits",

@@ -13,6 +13,7 @@ import pytest
 
 from minishard import serving
 from minishard.hardware import HARDWARE
+from minishard.run.cli import main
 
 BATCHES = (1, 8, 16, 32, 64, 240)
 BOOK_STEP_MS = (4.98, 12.13, 20.30, 36.65, 69.33, 249.09)
@@ -88,3 +89,39 @@ def test_bad_precision_and_batch_are_named() -> None:
         serving.number_bytes("fp8")
     with pytest.raises(ValueError, match="batch"):
         serving.decode_step_time(1e9, 1e6, 0, 1, "v5e")
+
+
+def test_explain_decode_prints_the_roofline_from_serving(capsys):
+    assert main(["explain", "--decode", "--size", "llama2-13b", "--hardware", "v5e", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    rows = {int(line.split()[0]): line.split() for line in out.splitlines() if line.split()[0].isdigit()}
+    assert sorted(rows) == [1, 8, 16, 32, 64, 128, 240]  # the book's batches, up to the critical 240
+    model = serving.LLAMA2_13B
+    expected = serving.latency_throughput(model.params, model.kv_bytes_per_token() * 8192, (1, 240), 8, "v5e")
+    assert float(rows[1][1]) == round(expected[0].step * 1e3, 2) and rows[1][-1] == "yes"
+    assert float(rows[240][2]) == round(expected[1].tokens_per_second, 2) and rows[240][-1] == "no"
+    assert "15 sequences fit" in out and "prefill of 8,192 tokens: 135.3 ms" in out
+
+
+def test_explain_decode_in_int8_halves_the_batch_and_the_cache(capsys):
+    flags = ["explain", "--decode", "--hardware", "v5e", "--quantize", "int8", "--context", "4096"]
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    assert "409,600 B per token" in out and out.strip().splitlines()[-1].split()[0] == "120"
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--decode"], "argument --hardware: --decode prices serving on a chip"),
+        (["--decode", "--hardware", "v5e", "--parallel", "tp"], "argument --parallel: --decode prices"),
+        (["--decode", "--hardware", "v5e", "--width", "64"], "argument --width: --decode prices"),
+        (["--size", "llama2-13b", "--hardware", "v5e"], "argument --size: only --decode takes it"),
+        (["--decode", "--hardware", "v5e", "--quantize", "fp8"], "argument --quantize: invalid choice"),
+    ],
+)
+def test_explain_decode_refuses_bad_flags_in_one_line(flags, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err, err

@@ -25,7 +25,7 @@ from minishard.costs import HARDWARE, Candidate, StepCost, compare, mesh_shapes
 from minishard.memory import PRECISIONS
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
-from minishard.run.cli import styles
+from minishard.run.cli import decode, styles
 from minishard.run.cli.flags import (
     PLOT_FORMATS,
     Error,
@@ -84,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--topology", help="compile for this TPU slice with XLA:TPU, ahead of time (v5e:2x4: 8 devices)")
     add("--memory", action="store_true", help="a train step's bytes per device by term; fits?")
     add("--precision", choices=tuple(PRECISIONS), default="fp32", help="with --memory: the step's precision")
+    decode.add_arguments(add)
     # each model's flags that change the step priced (the GPT's --context)
     add_model_flags(parser, flag_owners(MODELS.values(), lambda entry: entry.explain_flags))
 
@@ -94,6 +95,9 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     The style's hooks are called in the order ``styles/style.py`` writes, here and in ``run``.
     """
     check_output("--plot", args.plot, PLOT_FORMATS, error)
+    decode.check(args, flag_owners(MODELS.values(), lambda entry: entry.explain_flags), error)
+    if args.decode:
+        return args  # serving is priced from a named size, not from --model's step
     model = MODELS[args.model]
     refuse_other_models_flags(args, model, MODELS.values(), error)  # as train does
     if args.compare and not args.hardware:
@@ -140,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     (``print_sends``). Pricing a step (``--hardware``, ``--compare``) or a
     style's own step (``--parallel zero``) compiles it: see ``price``.
     """
+    if args.decode:
+        return decode.print_decode(args)
     model, style = MODELS[args.model], STYLES[args.parallel]
     if refused := style.before_explain(args):
         return refused  # before any work: a pipeline's step is compiled below, on devices

@@ -1,0 +1,100 @@
+"""``minishard explain --decode``: serving a named model size, priced on a chip (``minishard.serving``).
+
+Nothing is built or compiled: the roofline takes the size's shapes (``--size``), the
+chip's numbers (``--hardware``), the chips (``--devices``), the context (``--context``)
+and the largest batch (``--batch-size``), and prints prefill, a decode step, the cache
+that fits beside the weights, and latency against throughput for batch 1 ... B.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+
+from minishard import serving
+from minishard.census import human_bytes
+from minishard.hardware import hardware_named
+
+__all__ = [
+    "DECODE_FLAGS",
+    "DEFAULT_CONTEXT",
+    "OTHER_WORK",
+    "add_arguments",
+    "batches",
+    "check",
+    "print_decode",
+]
+
+DEFAULT_CONTEXT = 8192
+"""Tokens of context without ``--context`` (the scaling book's tables')."""
+DECODE_FLAGS = {"size": "--size", "serve_format": "--quantize"}
+"""The flags only ``--decode`` takes, by their names in ``args``."""
+OTHER_WORK = ("compare", "memory", "topology", "plot", "parallel", "microbatches")
+"""Flags asking for a train step's work, which ``--decode`` does not do."""
+
+
+def add_arguments(add: Callable[..., object]) -> None:
+    """``--decode`` and its own flags, added by ``explain`` beside its others."""
+    add("--decode", action="store_true", help="price serving --size on --hardware: prefill, decode, KV cache")
+    add("--size", choices=list(serving.SIZES), help="with --decode: the model, its shapes from its paper")
+    formats = [name for name in serving.FORMATS if serving.number_bytes(name) < 2]
+    add("--quantize", dest="serve_format", choices=formats, help="with --decode: weights and KV cache (default bf16)")
+
+
+def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[[str], object]) -> None:
+    """Every flag --decode reads, and none it would ignore, before any work; fills the defaults."""
+    if not args.decode:
+        for name, flag in DECODE_FLAGS.items():
+            if getattr(args, name) is not None:
+                error(f"argument {flag}: only --decode takes it")
+        return
+    ignored = [name for name in (*OTHER_WORK, *model_flags) if name != "context"]
+    if given := [name for name in ignored if getattr(args, name, None) not in (None, False)]:
+        flag = given[0].replace("_", "-")
+        error(f"argument --{flag}: --decode prices serving a --size, not a train step; drop --{flag}")
+    if args.hardware is None:
+        error("argument --hardware: --decode prices serving on a chip; add one (e.g. --hardware v5e)")
+    args.size = args.size or next(iter(serving.SIZES))
+    args.serve_format = args.serve_format or "bfloat16"
+    args.context = args.context or DEFAULT_CONTEXT
+    largest = int(serving.decode_critical_batch(args.hardware, args.serve_format) // 8 * 8)
+    args.batch_size = args.batch_size or max(1, largest)
+
+
+def batches(largest: int) -> tuple[int, ...]:
+    """1, the powers of two from 8 below ``largest``, and ``largest``: the book's rows.
+
+    >>> batches(240), batches(4)
+    ((1, 8, 16, 32, 64, 128, 240), (1, 4))
+    """
+    powers = [2**k for k in range(3, largest.bit_length()) if 2**k < largest]
+    return tuple(dict.fromkeys((1, *powers, largest)))
+
+
+def print_decode(args: argparse.Namespace) -> int:
+    """The size's prefill, decode steps, cache and latency-throughput table on ``--devices`` chips."""
+    model, chips, chip = serving.SIZES[args.size], args.devices, hardware_named(args.hardware)
+    weights = model.params * serving.number_bytes(args.serve_format)
+    per_token = model.kv_bytes_per_token(args.serve_format)
+    cache = per_token * args.context
+    fits = serving.cache_fits(model.params, cache, chips, chip, args.serve_format)
+    print(f"{args.size} ({model.params / 1e9:.2f}e9 parameters) on {chips} {chip.name}, {args.serve_format}")
+    print(
+        f"weights {human_bytes(int(weights))}; KV cache {per_token:,.0f} B per token, "
+        f"{human_bytes(int(cache))} per {args.context:,}-token sequence; "
+        f"{fits} sequences fit beside the weights in {human_bytes(int(chips * chip.hbm_bytes))}"
+    )
+    prefill = serving.prefill_time(model.params, args.context, chips, chip)
+    print(f"prefill of {args.context:,} tokens: {prefill * 1e3:.1f} ms (a forward pass, compute-bound)")
+    critical = serving.decode_critical_batch(chip, args.serve_format)
+    print(f"critical batch: {critical:.0f} sequences (above it a decode step's matmuls are compute-bound)")
+    tp = serving.tensor_parallel_time(model, 1, chips, chip)
+    print(f"tensor parallelism's all-reduces: {tp * 1e3:.2f} ms per step at batch 1 (not in the steps below)")
+    points = serving.latency_throughput(
+        model.params, cache, batches(args.batch_size), chips, chip, args.serve_format
+    )
+    print(f"{'batch':>6} {'step ms':>9} {'tokens/s':>10} {'per chip':>9}  fits")
+    for p in points:
+        fit = "yes" if p.batch <= fits else "no"
+        print(f"{p.batch:6} {p.step * 1e3:9.2f} {p.tokens_per_second:10.2f} {p.per_chip:9.2f}  {fit}")
+    return 0
