@@ -38,7 +38,12 @@ def add_arguments(add: Callable[..., object]) -> None:
     add("--decode", action="store_true", help="price serving --size on --hardware: prefill, decode, KV cache")
     add("--size", choices=list(serving.SIZES), help="with --decode: the model, its shapes from its paper")
     formats = [name for name in serving.FORMATS if serving.number_bytes(name) < 2]
-    add("--quantize", dest="serve_format", choices=formats, help="with --decode: weights and KV cache (default bf16)")
+    add(
+        "--quantize",
+        dest="serve_format",
+        choices=formats,
+        help="with --decode: weights and KV cache (default bf16)",
+    )
 
 
 def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[[str], object]) -> None:
