@@ -39,6 +39,14 @@ def test_the_book_table_from_its_rounded_figures() -> None:
     assert [round(p.tokens_per_second, 2) for p in points] == pytest.approx(BOOK_TOKENS_PER_S, abs=0.011)
 
 
+def test_the_book_gqa_table_a_five_times_smaller_cache() -> None:
+    """The book's second table: 8 KV heads for 40 query heads (1:5), parameters held at 13e9."""
+    points = serving.latency_throughput(13e9, 6.7e9 / 5, BATCHES, 8, BOOK_V5E)
+    assert [round(p.step * 1e3, 2) for p in points] == [4.17, 5.60, 7.23, 10.50, 17.04, 52.99]
+    book = (239.94, 1429.19, 2212.48, 3047.62, 3756.62, 4529.34)
+    assert [p.tokens_per_second for p in points] == pytest.approx(book, abs=0.011)
+
+
 def test_the_book_table_from_the_exact_shapes_and_hardware_py() -> None:
     """Exact shapes (13.015e9 parameters, 6.711e9 B of cache) at 8.1e11 B/s: 1.3-1.5 % slower."""
     model = serving.LLAMA2_13B
