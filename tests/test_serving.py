@@ -13,7 +13,7 @@ import pytest
 
 from minishard import serving
 from minishard.hardware import HARDWARE
-from minishard.run.cli import main
+from minishard.run.cli import decode, main
 
 BATCHES = (1, 8, 16, 32, 64, 240)
 BOOK_STEP_MS = (4.98, 12.13, 20.30, 36.65, 69.33, 249.09)
@@ -106,8 +106,9 @@ def test_explain_decode_prints_the_roofline_from_serving(capsys):
     assert sorted(rows) == [1, 8, 16, 32, 64, 128, 240]  # the book's batches, up to the critical 240
     model = serving.LLAMA2_13B
     expected = serving.latency_throughput(model.params, model.kv_bytes_per_token() * 8192, (1, 240), 8, "v5e")
-    assert float(rows[1][1]) == round(expected[0].step * 1e3, 2) and rows[1][-1] == "yes"
-    assert float(rows[240][2]) == round(expected[1].tokens_per_second, 2) and rows[240][-1] == "no"
+    assert float(rows[1][1]) == round(expected[0].step * 1e3, 2) and rows[1][4] == "yes"
+    assert float(rows[240][2]) == round(expected[1].tokens_per_second, 2) and rows[240][4] == "no"
+    assert rows[1][5].count("#") < rows[240][5].count("#") == decode.BAR  # the picture: a bar per row
     assert "15 sequences fit" in out and "prefill of 8,192 tokens: 135.3 ms" in out
 
 

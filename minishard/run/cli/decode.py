@@ -16,6 +16,7 @@ from minishard.census import human_bytes
 from minishard.hardware import hardware_named
 
 __all__ = [
+    "BAR",
     "DECODE_FLAGS",
     "DEFAULT_CONTEXT",
     "OTHER_WORK",
@@ -27,6 +28,8 @@ __all__ = [
 
 DEFAULT_CONTEXT = 8192
 """Tokens of context without ``--context`` (the scaling book's tables')."""
+BAR = 30
+"""Characters of the largest throughput's bar: latency (the rows) against throughput, as a picture."""
 DECODE_FLAGS = {"size": "--size", "serve_format": "--quantize"}
 """The flags only ``--decode`` takes, by their names in ``args``."""
 OTHER_WORK = ("compare", "memory", "topology", "plot", "parallel", "microbatches")
@@ -98,8 +101,9 @@ def print_decode(args: argparse.Namespace) -> int:
     points = serving.latency_throughput(
         model.params, cache, batches(args.batch_size), chips, chip, args.serve_format
     )
-    print(f"{'batch':>6} {'step ms':>9} {'tokens/s':>10} {'per chip':>9}  fits")
+    print(f"{'batch':>6} {'step ms':>9} {'tokens/s':>10} {'per chip':>9}  fits  tokens/s, as a bar")
+    most = max(p.tokens_per_second for p in points)
     for p in points:
-        fit = "yes" if p.batch <= fits else "no"
-        print(f"{p.batch:6} {p.step * 1e3:9.2f} {p.tokens_per_second:10.2f} {p.per_chip:9.2f}  {fit}")
+        fit, bar = "yes" if p.batch <= fits else "no ", "#" * round(BAR * p.tokens_per_second / most)
+        print(f"{p.batch:6} {p.step * 1e3:9.2f} {p.tokens_per_second:10.2f} {p.per_chip:9.2f}  {fit}   {bar}")
     return 0
