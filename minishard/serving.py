@@ -84,7 +84,9 @@ class Decoder:
 
 LLAMA2_13B = Decoder(layers=40, width=5120, heads=40, kv_heads=40, head_dim=128, hidden=13824, vocab=32000)
 """LLaMA-2 13B, as the scaling book's inference chapter lists it (F = 2.7 D; no grouped queries)."""
-SIZES = {"llama2-13b": LLAMA2_13B}
+LLAMA3_70B = Decoder(layers=80, width=8192, heads=64, kv_heads=8, head_dim=128, hidden=28672, vocab=128256)
+"""LLaMA-3 70B, as the book's "Serving LLaMA 3-70B" lists it (``applied-inference.md``; 8 KV heads)."""
+SIZES = {"llama2-13b": LLAMA2_13B, "llama3-70b": LLAMA3_70B}
 """The named sizes ``minishard explain --decode --size`` prices."""
 
 # --- 2. the roofline of one decode step ---------------------------------------------------------
@@ -196,6 +198,7 @@ def latency_throughput(
 
 __all__ = [
     "LLAMA2_13B",
+    "LLAMA3_70B",
     "SIZES",
     "FORMATS",
     "Decoder",

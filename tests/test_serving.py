@@ -55,6 +55,17 @@ def test_the_book_table_from_the_exact_shapes_and_hardware_py() -> None:
         assert 1.01 < point.step * 1e3 / book < 1.02
 
 
+def test_llama3_70b_cache_and_the_smallest_bf16_slice() -> None:
+    """The book's "Serving LLaMA 3-70B": 160 KiB of int8 cache per token; in bf16 on a v5e 4x4,
+    256 GB less 140 GB of weights leaves room for 43 caches of 8k tokens (42 from the exact shapes).
+    Its int8 row (8 chips, "68" GB left, 52 caches) does not add up: 128 GB less 70 GB is 58 GB, 43 caches."""
+    model = serving.LLAMA3_70B
+    assert model.kv_bytes_per_token("int8") == 160 * 1024 and round(model.params / 1e9, 2) == 70.55
+    assert serving.cache_fits(70e9, 324e3 * 8192, 16, "v5e") == 43
+    assert serving.cache_fits(model.params, model.kv_bytes_per_token() * 8192, 16, "v5e") == 42
+    assert serving.cache_fits(70e9, 162e3 * 8192, 8, "v5e", "int8") == 43
+
+
 def test_pop_quiz_30b_int8_on_a_v5e_4x4() -> None:
     cache = 100e3 * 8192  # 100 kB per token, 8k context: 819 MB per sequence
     small, large = (serving.decode_step_time(30e9, cache, b, 16, "v5e", "int8") for b in (4, 256))
