@@ -21,7 +21,7 @@ needs_mnist = pytest.mark.skipif(
 def final_line(output: str) -> str:
     """The last epoch line, without its (machine-dependent) duration."""
     lines = [line for line in output.splitlines() if line.startswith("Epoch ")]
-    return re.sub(r" in [\d.]+ s", "", lines[-1])
+    return re.sub(r" in [\d.]+ s( \([^)]*\))?", "", lines[-1])
 
 
 @needs_mnist

@@ -143,7 +143,11 @@ def toy(monkeypatch):
 
 def step_lines(output: str) -> list[str]:
     """The record lines, without their (machine-dependent) durations."""
-    return [re.sub(r" in [\d.]+ s", "", line) for line in output.splitlines() if line.startswith("Step ")]
+    return [
+        re.sub(r" in [\d.]+ s( \([^)]*\))?", "", line)
+        for line in output.splitlines()
+        if line.startswith("Step ")
+    ]
 
 
 @pytest.mark.slow  # two short trainings through the command line: ~15 s here
@@ -169,7 +173,16 @@ def test_a_registered_model_trains_by_steps_with_its_own_task_optimizer_and_data
     val = [float(re.search(r"val loss ([\d.]+)", line)[1]) for line in lines]
     assert val[-1] < val[0] < np.log(len(VOCABULARY)) + 0.5, val  # it learns
     records = [json.loads(line) for line in log.read_text().splitlines() if "seconds" in json.loads(line)]
-    assert sorted(records[-1]) == ["loss", "loss_curve", "seconds", "step", "steps", "test_loss", "val_loss"]
+    assert sorted(records[-1]) == [
+        "loss",
+        "loss_curve",
+        "seconds",
+        "speed",
+        "step",
+        "steps",
+        "test_loss",
+        "val_loss",
+    ]
     assert plot.read_bytes()[:4] == b"\x89PNG"
     with Checkpointer(directory, read_only=True) as ckpt:
         step, meta = ckpt.read_meta()

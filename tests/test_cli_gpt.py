@@ -43,7 +43,11 @@ SHAKESPEARE = "\n !$&',-.3:;?" + string.ascii_uppercase + string.ascii_lowercase
 
 def records(output: str) -> list[str]:
     """The lines of each evaluation, without their (machine-dependent) durations."""
-    return [re.sub(r" in [\d.]+ s", "", line) for line in output.splitlines() if line.startswith("Step ")]
+    return [
+        re.sub(r" in [\d.]+ s( \([^)]*\))?", "", line)
+        for line in output.splitlines()
+        if line.startswith("Step ")
+    ]
 
 
 @needs_shakespeare
@@ -314,3 +318,55 @@ def test_explain_prices_the_gpt_step_at_six_n_tokens_plus_attention(capsys):
     assert flops == pytest.approx(formula, rel=0.05), (flops, formula)
     moments = re.search(r"per device: parameters (.+?), gradients \1, AdamW mu \1, AdamW nu \1;", out)
     assert moments and moments[1] == "3.3 MB"  # dp: every device holds all of each
+
+
+@needs_shakespeare
+@pytest.mark.slow  # a tiny GPT's five steps, three of them traced
+def test_profile_traces_the_chosen_steps_and_the_mfu_is_the_model_flops_over_the_step_time(tmp_path, capsys):
+    import gzip
+
+    from minishard.costs import model_flops
+    from minishard.run.next_token import next_token_loss
+
+    trace, log = tmp_path / "trace", tmp_path / "metrics.jsonl"
+    assert main(["train", *TINY, "--steps", "5", "--profile", str(trace), "--log", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert f"Wrote a trace of steps 2-4 to {trace}" in out
+    (written,) = trace.glob("plugins/profile/*/*.trace.json.gz")  # TensorBoard's layout; Perfetto opens it
+    events = json.loads(gzip.decompress(written.read_bytes()))["traceEvents"]
+    assert sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train") == [2, 3, 4]
+    assert any(e.get("name") == "PjitFunction(train_step)" for e in events)  # the step itself, inside them
+
+    (record,) = [json.loads(line) for line in log.read_text().splitlines() if "seconds" in line]
+    speed = record["speed"]
+    assert speed["mfu"] == pytest.approx(speed["step_flops"] / speed["step_s"] / speed["peak_flops"])
+    assert speed["tokens_per_s"] == pytest.approx(16 * 16 / speed["step_s"])  # batch 16 x context 16
+    gpt = GPT(65, 16, 16, 1, 2, 4, key=jax.random.key(0))
+    window = jax.ShapeDtypeStruct((16, 16), np.int32)
+    assert speed["step_flops"] == model_flops(next_token_loss, gpt, {"inputs": window, "targets": window})
+    line = next(line for line in out.splitlines() if line.startswith("Step 5 "))
+    assert re.search(rf" s \({speed['tokens_per_s']:,.0f} tokens/s, MFU [\d.e-]+%\) · loss", line), line
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "3", "--profile-steps", "2:5"], "argument --profile-steps: 2:5 is not a range"),
+        (["--steps", "9", "--profile-steps", "4:2"], "argument --profile-steps: 4:2 is not a range"),
+        (["--steps", "9", "--profile-steps", "two"], "expected FIRST:LAST step numbers"),
+    ],
+)
+def test_profile_refuses_steps_outside_the_run_in_one_line(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *TINY, "--profile", str(tmp_path / "trace"), *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, err
+
+
+def test_profile_refuses_a_directory_it_cannot_create_before_any_data_loads(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "no-data-here"))  # refused before the data is read
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *TINY, "--steps", "5", "--profile", str(tmp_path / "file" / "trace")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --profile: cannot create" in err, err

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures(fresh_compile_cache.__name__)
 def epoch_lines(output: str) -> list[str]:
     """The ``Epoch N ...`` lines without the rank prefix and the (machine-dependent) duration."""
     return [
-        re.sub(r" in [\d.]+ s", "", line.split("] ", 1)[-1])
+        re.sub(r" in [\d.]+ s( \([^)]*\))?", "", line.split("] ", 1)[-1])
         for line in output.splitlines()
         if "Epoch " in line
     ]

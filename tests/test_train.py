@@ -585,7 +585,10 @@ def test_fit_by_steps_records_every_eval_every_steps_and_tests_after_the_last(tm
     assert [(r["step"], r["steps"]) for r in history] == [(4, 4), (8, 4), (10, 2)]  # the last one shorter
     assert ["val_acc" in r for r in history] == [True] * 3 and ["test_acc" in r for r in history] == [0, 0, 1]
     records = [line for line in lines if line.startswith("Step ")]
-    assert re.fullmatch(r"Step 4 in [\d.]+ s · loss [\d.]+ · train acc [\d.]+ · val acc [\d.]+", records[0])
+    speed = r"\([\d,]+ examples/s, MFU [\d.e-]+%\)"  # the steps after the compiling one
+    assert re.fullmatch(
+        rf"Step 4 in [\d.]+ s {speed} · loss [\d.]+ · train acc [\d.]+ · val acc [\d.]+", records[0]
+    )
     assert re.search(r"· val acc [\d.]+ · test acc [\d.]+$", records[-1]) and "epoch" not in lines[-1]
     assert saved_steps(tmp_path) == [4, 8, 10]
 

@@ -150,7 +150,7 @@ def plot_comparison(comparison: Comparison, path: str) -> None:
     plt.close(fig)
 
 
-BOOKKEEPING = ("epoch", "step", "seconds", "steps", "loss_curve")
+BOOKKEEPING = ("epoch", "step", "seconds", "steps", "loss_curve", "speed")
 """The fields of a ``fit`` record that are not metrics."""
 TITLES = {"loss": "loss", "acc": "accuracy"}
 

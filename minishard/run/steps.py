@@ -54,6 +54,7 @@ class Task:
     loss: Loss
     metrics: tuple[str, ...]
     evaluate: Callable[[Any, Batch], dict[str, jax.Array]]
+    unit: str = "examples"  # what a batch is counted in, per second: "examples", or "tokens" ([B, T] arrays)
 
 
 def classification_sums(model: Any, batch: Batch) -> dict[str, jax.Array]:

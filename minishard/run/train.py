@@ -33,19 +33,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
-import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import IO, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from minishard.losses import Batch
 from minishard.memory import Precision
 from minishard.optim import Optimizer
 from minishard.pipeline import StackedModel
@@ -54,6 +51,7 @@ from minishard.run.compiling import compile_events, compile_summary
 from minishard.run.data import EvalData, TrainingData, to_global
 from minishard.run.errors import CheckpointMismatchError, NonFiniteLossError, NonFiniteStateError, ResumeError
 from minishard.run.horizon import Horizon, check_counts
+from minishard.run.profiling import Profile, Speed, check_profile
 from minishard.run.resume import (
     another_setting,
     check_checkpoint_dir,
@@ -64,10 +62,11 @@ from minishard.run.resume import (
     restore,
     setting_difference,
 )
+from minishard.run.saying import Say, format_epoch
 from minishard.run.steps import CLASSIFICATION, Task, evaluate, make_train_step
 from minishard.sharding import Sharded, shard
 
-__all__ = ["fit", "format_epoch"]
+__all__ = ["fit"]
 
 History = list[dict[str, Any]]
 EvalSets = EvalData | Mapping[str, EvalData] | None
@@ -101,18 +100,19 @@ def fit(
     microbatches: int = 1,
     make_step: Callable[[Any], Any] | None = None,
     precision: Precision | None = None,
+    profile: Profile | None = None,
 ) -> tuple[Any, Any, History]:
     """Train ``model`` for ``epochs`` epochs or ``steps`` steps in all: ``(model, opt_state, history)``.
 
     ``history``, a record per epoch (or per ``eval_every`` steps): ``epoch`` (or ``step``), ``seconds``,
-    ``loss`` and ``train_<metric>`` of ``task`` (the period's means), ``steps``, ``loss_curve``, and
-    ``<set>_<metric>`` of ``eval_data`` (every period) and of ``test_data`` (the last). With
+    ``speed`` (``Speed.of``), ``loss`` and ``train_<metric>`` of ``task`` (the period's means), ``steps``,
+    ``loss_curve``, ``<set>_<metric>`` of ``eval_data`` (every period) and of ``test_data`` (the last). With
     ``checkpoint_dir``: a checkpoint (and ``info``, JSON) every ``checkpoint_every`` steps and at each
-    period's end, the last ``keep`` kept; ``resume`` continues from the latest good one, ``resume_from``
-    from that step; another run's checkpoints are refused unless ``overwrite``. A non-finite loss, or one
-    ``DIVERGED`` times the run's first, stops training before anything bad is saved.
-    ``microbatches > 1`` accumulates gradients, ``precision`` casts each step (``memory.BF16``);
-    ``make_step(optimizer)`` builds another step (``minishard.zero``'s). ``fit`` trains a copy of ``model``.
+    period's end, the last ``keep`` kept; ``resume`` continues from the latest good one, ``resume_from`` from
+    that step; another run's checkpoints are refused unless ``overwrite``. A non-finite loss, or one
+    ``DIVERGED`` times the run's first, stops training before anything bad is saved. ``microbatches > 1``
+    accumulates gradients, ``precision`` casts each step (``memory.BF16``); ``make_step(optimizer)`` builds
+    another step (``minishard.zero``'s); ``profile`` traces steps. ``fit`` trains a copy of ``model``.
     """
     check_checkpoint_dir(checkpoint_dir, resume=resume, resume_from=resume_from, overwrite=overwrite)
     check_counts(keep=keep, log_every=log_every, checkpoint_every=checkpoint_every, microbatches=microbatches)
@@ -126,10 +126,9 @@ def fit(
     with contextlib.ExitStack() as open_files:
         checkpointer = open_checkpointer(open_files, checkpoint_dir, keep, overwrite, log)
         metrics = open_files.enter_context(open(metrics_log, "a")) if metrics_log else None
-        say = _Say(log, metrics, log_every, progress)
-        loop = _Loop(
-            run, horizon, train_data, train_step, sharding, measure, checkpointer, checkpoint_every, info, say
-        )
+        say = Say(log, metrics, log_every, progress)
+        saving = checkpointer, checkpoint_every, info
+        loop = _Loop(run, horizon, train_data, train_step, sharding, measure, *saving, say, task, profile)
         if checkpointer is not None and (resume or resume_from is not None):
             loop.resume(resume_from)
         loop.train()
@@ -169,6 +168,7 @@ class _Run:
     since: int = 0  # the step this period's measuring began at
     sums: list[float] = dataclasses.field(default_factory=list)  # this period's loss and metrics, summed
     curve: list[list[float]] = dataclasses.field(default_factory=list)  # this period's [step, loss] samples
+    timed: tuple[int, float] = (0, 0.0)  # this period's steps but a compiling one, and their seconds
     history: History = dataclasses.field(default_factory=list)
     compiled: bool = False  # the first step compiles, and says so
     first_loss: float | None = None  # the run's first (a resumed run's from its history): DIVERGED's unit
@@ -198,6 +198,7 @@ class _Run:
     def restart(self, since: int = 0) -> _Run:
         """A new period, from step ``since``: nothing measured yet."""
         self.sums, self.curve, self.since = [0.0] * (1 + len(self.metrics)), [], since
+        self.timed = (0, 0.0)
         return self
 
     def means(self, steps: int) -> dict[str, float]:
@@ -211,37 +212,6 @@ class _Run:
 
     def state(self) -> dict[str, Any]:
         return {"model": self.whole_model(), "opt_state": self.opt_state}
-
-
-@dataclasses.dataclass
-class _Say:
-    """What a run says: lines through ``log``, JSON lines into ``metrics`` (every ``every`` steps and
-    per record), and a progress bar in a terminal (``progress`` None: when stdout is one)."""
-
-    log: Callable[[str], None]
-    metrics: IO[str] | None
-    every: int
-    progress: bool | None
-
-    def json(self, record: dict[str, Any]) -> None:
-        if self.metrics:
-            self.metrics.write(json.dumps(record) + "\n")
-
-    def bar(self, batches: Iterator[Batch], title: str, total: int, done: int) -> Iterator[Batch]:
-        """The batches; with a progress bar when attached to a terminal (rich, if installed)."""
-        if not (sys.stdout.isatty() if self.progress is None else self.progress):
-            yield from batches
-            return
-        try:
-            from rich.progress import Progress
-        except ImportError:
-            yield from batches
-            return
-        with Progress(transient=True) as bar:
-            task = bar.add_task(title, total=total, completed=done)
-            for batch in batches:
-                yield batch
-                bar.advance(task)
 
 
 def unscheduled(model: Any) -> Any:
@@ -277,13 +247,17 @@ class _Loop:
     checkpointer: Any
     checkpoint_every: int | None
     info: Mapping[str, Any] | None  # saved with every checkpoint
-    say: _Say
+    say: Say
+    task: Task  # what the loss is, and what a batch is counted in
+    profile: Profile | None
+    speed: Speed | None = None
     # The checkpoints after the step this run resumed from: another future, which its next save drops.
     abandoned: list[int] = dataclasses.field(default_factory=list)
 
     def train(self) -> None:
         """Every period from the run's step on: its steps, then its record and a checkpoint."""
         run, horizon = self.run, self.horizon
+        check_profile(self.profile, horizon.total)
         for start, stop in horizon.periods(run.step, run.since):
             started = time.perf_counter()
             batches = self.data.batches(run.step, stop)
@@ -294,7 +268,9 @@ class _Loop:
                     raise NonFiniteLossError(self.diverged(loss))
                 if run.step % self.say.every == 0:
                     run.curve.append([run.step, loss])
-                    self.say.json({"step": run.step, **horizon.epoch_of(run.step), "loss": loss})
+                    self.say.json(
+                        {"step": run.step, **horizon.epoch_of(run.step), "loss": loss, **self.rate()}
+                    )
                 if self.checkpoint_every and run.step % self.checkpoint_every == 0 and run.step < stop:
                     self.save()  # (a period's last step is saved below, with its record)
             self.end_period(start, stop, started)
@@ -308,7 +284,7 @@ class _Loop:
         return f"loss is {loss:.3g}{grown if math.isfinite(loss) else ''} {where}. Try a smaller --lr."
 
     def take_step(self, batch: dict[str, jax.Array]) -> float:
-        """One step; returns its loss. The first compiles: say how long that took, and its memory."""
+        """One step; returns its loss. The first compiles: say how long that took, its memory and speed."""
         run, step = self.run, self.train_step
         if not run.compiled:
             with compile_events() as events:
@@ -316,14 +292,28 @@ class _Loop:
             run.model, run.opt_state, *values = outputs
             compiled = step.lower(run.model, run.opt_state, batch).compile()  # cached: free
             self.say.log(compile_summary(events, compiled))
+            devices = list(self.sharding.mesh.devices.flat)
+            self.speed = Speed.of_step(
+                self.task.loss, unscheduled(run.whole_model()), batch, self.task.unit, devices
+            )
+            self.say.log(self.speed.said())
             run.compiled = True
+            measured = [float(value) for value in values]
         else:
-            run.model, run.opt_state, *values = step(run.model, run.opt_state, batch)
+            started = time.perf_counter()
+            with self.profile.step(run.step + 1, self.say.log) if self.profile else contextlib.nullcontext():
+                run.model, run.opt_state, *values = step(run.model, run.opt_state, batch)
+                # float() waits: on simulated devices XLA:CPU must not queue collectives unboundedly
+                measured = [float(value) for value in values]
+            run.timed = (run.timed[0] + 1, run.timed[1] + time.perf_counter() - started)
         run.step += 1
-        # float() waits for the step: on simulated devices XLA:CPU must not queue collectives unboundedly
-        measured = [float(value) for value in values]
         run.sums = [total + value for total, value in zip(run.sums, measured)]
         return measured[0]
+
+    def rate(self) -> dict[str, Any]:
+        """``{"speed": Speed.of(...)}`` of this period's timed steps, or nothing before any."""
+        steps, seconds = self.run.timed
+        return {"speed": self.speed.of(steps, seconds)} if self.speed and steps else {}
 
     def end_period(self, start: int, stop: int, started: float) -> None:
         """Record the period (its sums cover all its steps, resumed or not), evaluate, and start the next."""
@@ -331,7 +321,7 @@ class _Loop:
         record: dict[str, Any] = {**self.horizon.label(stop), "seconds": time.perf_counter() - started}
         record |= run.means(stop - start)
         record |= {"steps": stop - start, "loss_curve": run.curve}  # [step, loss] every log_every steps
-        record |= self.measure(run.whole_model(), stop == self.horizon.total)
+        record |= self.rate() | self.measure(run.whole_model(), stop == self.horizon.total)
         run.history.append(record)
         self.say.log(format_epoch(record))
         self.say.json(record)
@@ -383,13 +373,3 @@ class _Loop:
             return
         self.say.log(horizon.resumed(run.step))
         self.abandoned = name_later(self.checkpointer, step, self.say.log)
-
-
-def format_epoch(record: dict[str, Any]) -> str:
-    """``Epoch 1 in 2.31 s · loss 0.412 · train acc 0.951 · test acc 0.948``; by steps ``Step 500 in ...``."""
-    line = f"Epoch {record['epoch']}" if "epoch" in record else f"Step {record['step']}"
-    line += f" in {record['seconds']:.2f} s"
-    for name, value in record.items():
-        if name not in ("epoch", "step", "seconds", "steps", "loss_curve"):
-            line += f" · {name.replace('_', ' ')} {value:.3f}"
-    return line

@@ -45,6 +45,7 @@ from minishard.run.compiling import enable_compilation_cache
 from minishard.run.data import check_batch_split
 from minishard.run.errors import CheckpointError, TrainingError
 from minishard.run.horizon import Horizon
+from minishard.run.profiling import Profile, add_profile_flags, check_profile_flags
 from minishard.run.render import plot_history, show
 from minishard.run.resume import check_checkpoint_dir
 from minishard.run.tfds_reading import DataError
@@ -165,6 +166,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="keep compiled programs in this directory (JAX's persistent compilation cache)",
     )
     add("--debug", action="store_true", help="show the full traceback of an unexpected error")
+    add_profile_flags(parser)
 
 
 def _add_process_flags(parser: argparse.ArgumentParser) -> None:
@@ -204,7 +206,9 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
             f"argument --precision: {args.precision} casts Sharded's step, and --parallel "
             f"{args.parallel} runs a step of its own; give a preset style (dp, tp, fsdp, ...)"
         )
-    return finish_train(args, error, model, style_of(args.parallel), MODELS.values())
+    args = finish_train(args, error, model, style_of(args.parallel), MODELS.values())
+    check_profile_flags(args, error)
+    return args
 
 
 def run(args: argparse.Namespace) -> int:
@@ -348,6 +352,7 @@ def _fit(
         log_every=20,
         microbatches=style.microbatches(args),
         precision=None if args.precision == "fp32" else PRECISIONS[args.precision],
+        profile=Profile(args.profile, *args.profile_steps) if args.profile else None,
     )
     return history
 

@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 
-NEXT_CHARACTER = Task(next_token_loss, ("acc",), next_token_sums)
+NEXT_CHARACTER = Task(next_token_loss, ("acc",), next_token_sums, unit="tokens")
 """The GPT's task: the cross-entropy of every next character (nats per character), and its accuracy;
 an evaluation reports the mean loss over the split's fixed windows (``val loss``, ``test loss``),
 and with ``--experts`` the share of routings the experts' capacity dropped (``val dropped``)."""

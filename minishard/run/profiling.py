@@ -1,0 +1,204 @@
+"""Where a run's time goes: its speed (tokens or examples per second, MFU) and a profiler trace.
+
+MFU, model FLOPs utilisation, is the share of the hardware's peak a step turns
+into the model's arithmetic: ``costs.model_flops`` (3 x the forward matmuls)
+over the step's time, over ``peak_flops``. An accelerator's peak is its table
+entry (``minishard.hardware``, bf16). A CPU's is *measured*: the best of a few
+runs of a 512 x 512 float32 matmul on every device at once, once per process.
+Simulated devices (``--devices 8``) are threads sharing the same cores, so
+their measured peak is the cores', split 8 ways, and MFU says what share of
+*the machine* the step used, wherever its simulated devices wait on each other.
+
+``Profile`` brackets steps ``first..last`` (counted from 1, the compiling step)
+with ``jax.profiler``: a trace TensorBoard's profile plugin and Perfetto open.
+
+>>> Speed(flops=6e9, items=1024, unit="tokens", peak=1e11).of(steps=10, seconds=1.0)
+{'step_s': 0.1, 'tokens_per_s': 10240.0, 'mfu': 0.6, 'step_flops': 6000000000.0, 'peak_flops': 100000000000.0}
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from minishard.costs import model_flops
+from minishard.hardware import HARDWARE
+from minishard.run.errors import TrainingError
+
+__all__ = [
+    "Profile",
+    "Speed",
+    "add_profile_flags",
+    "check_profile",
+    "check_profile_flags",
+    "format_speed",
+    "measured_peak",
+    "peak_flops",
+    "profile_problem",
+    "step_range",
+]
+
+SIDE = 512  # the measured matmul's side: 2 · 512³ FLOPs per device, large enough to run near peak
+
+
+def peak_flops(devices: Sequence[jax.Device]) -> tuple[float, str]:
+    """The peak FLOP/s of ``devices`` together, and where the number comes from."""
+    kind = devices[0].device_kind.lower()
+    for name, hardware in HARDWARE.items():
+        if devices[0].platform != "cpu" and name in kind:
+            return hardware.flops * len(devices), f"{len(devices)} x {hardware.name}'s bf16 peak"
+    local = tuple(d for d in devices if d.process_index == jax.process_index())
+    return measured_peak(local) * len(devices) / len(local), f"measured: a {SIDE}² matmul on each device"
+
+
+@functools.cache
+def measured_peak(devices: tuple[jax.Device, ...], repeats: int = 5) -> float:
+    """FLOP/s of ``devices`` each multiplying two ``SIDE`` x ``SIDE`` float32 matrices at once, best of
+    ``repeats``: the first call compiles, a loaded machine's slow runs are not the peak."""
+    mesh = Mesh(np.array(devices), ("d",))
+    sharding = NamedSharding(mesh, PartitionSpec("d"))
+    x = jax.device_put(jnp.ones((len(devices), SIDE, SIDE), jnp.float32), sharding)
+    multiply = jax.jit(lambda a: jnp.einsum("bij,bjk->bik", a, a), out_shardings=sharding)
+    multiply(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        multiply(x).block_until_ready()
+        best = min(best, time.perf_counter() - started)
+    return 2 * SIDE**3 * len(devices) / best
+
+
+@dataclasses.dataclass(frozen=True)
+class Speed:
+    """What a step's time means: its model FLOPs, the tokens or examples (``unit``) it trains on, and
+    the ``peak`` FLOP/s of the devices it runs on."""
+
+    flops: float
+    items: int
+    unit: str
+    peak: float
+    source: str = ""  # where the peak comes from
+
+    @classmethod
+    def of_step(
+        cls, loss: Callable[..., Any], model: Any, batch: Any, unit: str, devices: Sequence[jax.Device]
+    ) -> Speed:
+        """Training ``model`` with ``loss`` on batches like ``batch`` (tokens: ``[B, T]``) on ``devices``."""
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+        first = next(iter(batch.values())).shape
+        items = first[0] * (first[1] if unit == "tokens" else 1)
+        return cls(model_flops(loss, model, shapes), items, unit, *peak_flops(devices))
+
+    def of(self, steps: int, seconds: float) -> dict[str, float]:
+        """``steps`` steps in ``seconds``: the mean step time, items per second, MFU, and what it divides."""
+        step_s = seconds / steps
+        rate = {
+            "step_s": step_s,
+            f"{self.unit}_per_s": self.items / step_s,
+            "mfu": self.flops / step_s / self.peak,
+        }
+        return rate | {"step_flops": self.flops, "peak_flops": self.peak}
+
+    def said(self) -> str:
+        """``Model FLOPs 5.29 G a step (1,024 tokens); peak 92.1 GFLOP/s (measured: ...)``."""
+        peak = f"{self.peak / 1e9:.3g} GFLOP/s ({self.source})"
+        return f"Model FLOPs {self.flops / 1e9:.3g} G a step ({self.items:,} {self.unit}); peak {peak}"
+
+
+def format_speed(speed: dict[str, float]) -> str:
+    """``10,240 tokens/s, MFU 60%``: a record's ``speed`` (``Speed.of``)."""
+    rates = [f"{n:,.0f} {name.removesuffix('_per_s')}/s" for name, n in speed.items() if "_per_s" in name]
+    return ", ".join([*rates, f"MFU {speed['mfu'] * 100:.3g}%"])
+
+
+def step_range(text: str) -> tuple[int, int]:
+    """``--profile-steps``'s type: ``FIRST:LAST``, two step numbers, ``2:4``."""
+    first, colon, last = text.partition(":")
+    if not (colon and first.strip().isdigit() and last.strip().isdigit()):
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST step numbers (e.g. 2:4), got {text!r}")
+    return int(first), int(last)
+
+
+def profile_problem(directory: str, first: int, last: int, total: int | None) -> str | None:
+    """What is wrong with tracing steps ``first..last`` of a run of ``total`` steps into ``directory``
+    (a flag's message, without its name), or None; creates the directory, as the trace would."""
+    if not 1 <= first <= last or (total is not None and last > total):
+        run = f"the run's steps 1..{total}" if total is not None else "steps from 1"
+        return f"{first}:{last} is not a range (FIRST:LAST, FIRST <= LAST) of {run}"
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        return f"cannot create {directory}: {error.strerror}"
+    return None if os.access(directory, os.W_OK | os.X_OK) else f"cannot write to {directory}"
+
+
+def add_profile_flags(parser: argparse.ArgumentParser) -> None:
+    """``minishard train``'s ``--profile DIR`` and ``--profile-steps FIRST:LAST``."""
+    add = parser.add_argument
+    add(
+        "--profile",
+        metavar="DIR",
+        help="write a jax.profiler trace of some steps here (Perfetto, TensorBoard)",
+    )
+    add(
+        "--profile-steps",
+        metavar="FIRST:LAST",
+        type=step_range,
+        help="the steps --profile traces, from 1, the compiling one (default 2:4, cut to the run)",
+    )
+
+
+def check_profile_flags(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
+    """--profile's directory writable, and its steps (default 2:4, cut to a shorter run) in the run: a run
+    by --epochs is checked once its data says how many steps it takes, still before any step."""
+    if args.profile_steps is not None and not args.profile:
+        error("argument --profile-steps: give --profile DIR too, where the trace goes")
+    if not args.profile:
+        return
+    if args.profile_steps is None:
+        end = min(4, args.steps) if args.steps is not None else 4
+        args.profile_steps = (min(2, end), end)
+    first, last = args.profile_steps
+    if problem := profile_problem(args.profile, first, last, args.steps):
+        flag = "--profile-steps" if "range" in problem else "--profile"
+        error(f"argument {flag}: {problem}")
+
+
+def check_profile(profile: Profile | None, total: int) -> None:
+    """``profile_problem``, raised as a ``TrainingError`` before the first step."""
+    if profile and (problem := profile_problem(profile.directory, profile.first, profile.last, total)):
+        raise TrainingError(f"--profile: {problem}")
+
+
+@dataclasses.dataclass
+class Profile:
+    """Trace steps ``first`` to ``last`` (counted from 1) into ``directory`` with ``jax.profiler``."""
+
+    directory: str
+    first: int = 2  # step 1 compiles: a trace of it would be mostly the compiler
+    last: int = 4
+
+    @contextlib.contextmanager
+    def step(self, number: int, log: Callable[[str], None]) -> Iterator[None]:
+        """Run step ``number`` (its body: the step and its wait), traced if it is in the range."""
+        if not self.first <= number <= self.last:
+            yield
+            return
+        if number == self.first:
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+        with jax.profiler.StepTraceAnnotation("train", step_num=number):
+            yield
+        if number == self.last:
+            jax.profiler.stop_trace()
+            log(f"Wrote a trace of steps {self.first}-{self.last} to {self.directory} (open it in Perfetto)")
