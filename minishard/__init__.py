@@ -57,6 +57,20 @@ def _mask(how: int, signals: set[int]) -> set[int]:
 # launcher would run on: SIGINT and SIGTERM wait until these imports are done, then arrive.
 _held = _mask(_signal.SIG_BLOCK, {_signal.SIGINT, _signal.SIGTERM})
 
+# libtpu (the ``tpu`` extra, which compiles for a TPU slice ahead of time) is opened by every JAX
+# start to look for a chip; on a machine with none it prints five lines of warnings. Tell it first
+# what it would find: no metadata server to ask, one host, any valid type, no lock on a chip.
+from jax._src import hardware_utils as _hardware  # JAX's own answer to "is there a TPU chip?"
+
+if _hardware.num_available_tpu_chips_and_device_id()[0] == 0:
+    for _name, _value in {
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_ACCELERATOR_TYPE": "v5litepod-8",  # a topology's own name decides the devices compiled for
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # every process here opens libtpu: test workers, a launch's ranks
+    }.items():
+        _os.environ.setdefault(_name, _value)
+
 from minishard import tree
 from minishard.census import collectives
 from minishard.constraints import constrain

@@ -193,6 +193,14 @@ def test_a_registered_model_trains_by_steps_with_its_own_task_optimizer_and_data
         "flags": flags,
         "parallel": "dp",
         "vocabulary": VOCABULARY,
+        # the learning-rate flags a resume must repeat: the task's own optimizer, none of them given
+        "schedule": {
+            "--lr": 0.01,
+            "--schedule": None,
+            "--decay-rate": None,
+            "--decay-steps": None,
+            "--staircase": None,
+        },
     }
     # Back to step 6, as if the run had stopped there: the batches of a straight run, the same parameters.
     straight = restored(directory)

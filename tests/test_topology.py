@@ -4,7 +4,10 @@ libtpu is installed by the dev extra, so these run on every machine; nothing run
 """
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -31,6 +34,26 @@ from minishard.tree import tree_bytes
 
 TOPOLOGY = "v5e:2x4"  # 8 chips, as many as the suite's simulated CPU devices
 UNKNOWN = "topology 'v7:2x4': unknown TPU generation 'v7' (v4, v5e, v5p, v6e)"
+
+
+def test_with_libtpu_installed_and_no_chip_starting_jax_through_minishard_prints_nothing():
+    # libtpu warns on stderr at every JAX start on a machine without a TPU, unless told what it would find
+    assert importlib.util.find_spec("libtpu") is not None, INSTALL
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "ALLOW_MULTIPLE_LIBTPU"))}
+    env.pop("JAX_PLATFORMS", None)
+    code = "import minishard, jax; print(jax.devices()[0].platform)"
+    started = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert (started.returncode, started.stdout, started.stderr) == (0, "cpu\n", "")
+    bare = subprocess.run(
+        [sys.executable, "-c", code.replace("minishard, ", "")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "TPU_WORKER_HOSTNAMES" in bare.stderr  # what minishard's start keeps out of view
 
 
 @pytest.mark.parametrize(

@@ -95,10 +95,12 @@ class Speed:
         cls, loss: Callable[..., Any], model: Any, batch: Any, unit: str, devices: Sequence[jax.Device]
     ) -> Speed:
         """Training ``model`` with ``loss`` on batches like ``batch`` (tokens: ``[B, T]``) on ``devices``."""
-        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+        # shapes without their layouts: the model's FLOPs do not depend on them (and an Explicit
+        # mesh's shardings would ask for the mesh the step is traced under)
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (model, batch))
         first = next(iter(batch.values())).shape
         items = first[0] * (first[1] if unit == "tokens" else 1)
-        return cls(model_flops(loss, model, shapes), items, unit, *peak_flops(devices))
+        return cls(model_flops(loss, *shapes), items, unit, *peak_flops(devices))
 
     def of(self, steps: int, seconds: float) -> dict[str, float]:
         """``steps`` steps in ``seconds``: the mean step time, items per second, MFU, and what it divides."""

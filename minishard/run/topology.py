@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -52,12 +51,6 @@ _OPCODE = re.compile(  # `%name = SHAPE opcode(%first_operand, ...`
     r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*.*?\s(?P<op>[a-z][\w\-]*)\((?P<operand>%[\w.\-]+)?"
 )
 _NAME = re.compile(r"(?P<generation>[a-z0-9]+):(?P<shape>\d+(x\d+){1,2})")
-_QUIET = {  # libtpu on a machine without a TPU: no metadata server to ask, no lock, no warnings
-    "TPU_SKIP_MDS_QUERY": "1",
-    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # two test workers may both compile for a topology
-    "TPU_WORKER_HOSTNAMES": "localhost",
-    "TPU_ACCELERATOR_TYPE": "v5litepod-8",  # any valid one; the topology's own name decides the devices
-}
 
 
 def tpu_devices(topology: str) -> list[jax.Device]:
@@ -69,8 +62,6 @@ def tpu_devices(topology: str) -> list[jax.Device]:
     generation, shape = _parse(topology)
     if importlib.util.find_spec("libtpu") is None:
         raise ValueError(f"compiling for {topology} needs XLA:TPU, which libtpu holds: {INSTALL}")
-    for name, value in _QUIET.items():
-        os.environ.setdefault(name, value)
     from jax.experimental import topologies
 
     chips = [int(n) for n in shape.split("x")]
