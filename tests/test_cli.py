@@ -490,6 +490,26 @@ def test_devices_below_those_simulated_are_the_first_n_said_in_one_line(capsys, 
     assert "mesh {'data': 4} (4 devices)" in out
 
 
+@pytest.mark.slow  # each compiles a step on 4 devices
+@pytest.mark.parametrize(
+    ("flags", "heading", "sends"),
+    [  # the paths that refused ("4 asked, there are 8") or only planned; the GPT's 4 heads under tp
+        (["--model", "gpt", "--parallel", "tp"], "gpt under tp on 4 devices", "all-reduce  x16"),
+        (["--parallel", "zero"], "mlp under zero (ZeRO-3 by hand) on 4 devices", "reduce-scatter  x4"),
+        (["--model", "gpt", "--parallel", "cp"], "gpt under cp on 4 devices, batch 12", "collective-permute"),
+        (["--model", "gpt", "--parallel", "dp+cp"], "gpt under dp+cp on 4 devices", "collective-permute"),
+    ],
+    ids=["gpt tp", "zero", "gpt cp", "gpt dp+cp"],
+)
+def test_every_explain_path_compiles_on_the_first_n_devices_and_says_so_once(flags, heading, sends, capsys):
+    assert main(["explain", *flags, "--devices", "4"]) == 0  # 8 simulated here
+    out = capsys.readouterr().out
+    assert out.count("Using the first 4 of the 8 devices (--devices 4)\n") == 1, out
+    assert heading in out
+    collectives = out[out.index("collectives of") :]
+    assert sends in collectives  # compiled on those 4, not only planned
+
+
 @needs_mnist
 @pytest.mark.slow  # about 15 s: 120 steps of the stacked MLP on data 2 x stage 4
 def test_the_cli_trains_a_pipeline_on_data_and_stage_axes(capsys):

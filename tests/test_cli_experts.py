@@ -74,3 +74,24 @@ def test_train_dp_ep_learns_and_reports_the_dropped_routings_each_evaluation(cap
     assert len(lines) == 2 and all("val dropped" in line for line in lines)
     losses = [float(re.search(r"val loss ([\d.]+)", line).group(1)) for line in lines]
     assert losses[1] < losses[0] < 4.2  # ln 65 = 4.17: it learns
+
+
+@needs_shakespeare
+@pytest.mark.slow  # a step of the MoE GPT compiles; the resume stops at the checkpoint's metadata
+def test_a_resume_under_another_capacity_factor_is_refused_naming_the_flag(tmp_path, capsys):
+    # The same arrays, another capacity (a static field of every MoE): the routing a run resumes under
+    # would drop other tokens than the one it saved. Named, not "another model", and nothing trained.
+    directory = str(tmp_path / "run")
+    tiny = [*GPT, "--width", "16", "--depth", "1", "--heads", "2", "--context", "16", "--no-download"]
+    moe = [*tiny, "--experts", "2", "--top-k", "1", "--steps", "1", "--warmup-steps", "0"]
+    assert main(["train", *moe, "--checkpoint-dir", directory]) == 0
+    capsys.readouterr()
+    resumed = ["train", *moe, "--checkpoint-dir", directory, "--resume", "--capacity-factor", "2"]
+    assert main(resumed) == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1] == (
+        f"error: the checkpoint in {directory} was saved under --capacity-factor 1.25, this run "
+        "--capacity-factor 2.0, which builds another model (its arrays or its structure); resume under "
+        "the saved setting, or start afresh (minishard sample reads a GPT's checkpoint of any style but zero)"
+    ), err
+    assert "Step " not in out and "Resumed" not in out

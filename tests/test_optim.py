@@ -322,6 +322,17 @@ BAD_INPUTS = [
     (lambda: SGD(0.1, momentum=1.5), ValueError, ["momentum must be a number in [0, 1)", "1.5"]),
     (lambda: exponential_decay(0.1, -0.5, 100), ValueError, ["decay_rate", "-0.5"]),
     (lambda: exponential_decay(0.1, 0.5, 0), ValueError, ["decay_steps must be a positive int", "0"]),
+    # a negative schedule is refused where it is built, before any optimizer evaluates it at step 0
+    (
+        lambda: exponential_decay(-0.1, 0.5, 100),
+        ValueError,
+        ["exponential_decay: init_value must be a finite number > 0, got -0.1"],
+    ),
+    (
+        lambda: warmup_cosine_decay(-1.0, 1, 10),
+        ValueError,
+        ["warmup_cosine_decay: peak_value must be a finite number > 0, got -1.0"],
+    ),
     (
         lambda: warmup_cosine_decay(1.0, 1, 10, end_value=-1),
         ValueError,
