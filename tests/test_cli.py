@@ -314,6 +314,18 @@ def test_explain_checks_its_flags_before_the_report(flags, message, tmp_path, mo
     assert err.strip().splitlines()[-1].startswith(("minishard explain: error:", "minishard: error:"))
 
 
+def test_explain_without_hardware_lists_what_the_compiled_fsdp_step_sends(capsys):
+    # The reading path's step 7: the collectives are the compiled program's; --hardware only adds the price.
+    assert main(["explain", "--parallel", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    sends = out[out.index("collectives of train_step, batch 128 (compiled; --hardware prices them):") :]
+    assert sends.splitlines()[1:] == [
+        "  all-reduce  x1  20.5 kB  over ('data',)",
+        "  all-gather  x5  1.9 MB  over ('data',)",
+        "  all-to-all  x4  148.5 kB  over ('data',)",
+    ]
+
+
 def test_explain_plans_its_own_model_on_any_device_count(capsys):
     # The style's own rules and mesh, no train command line: 100000 devices need no batch to split.
     assert main(["explain", "--parallel", "dp", "--devices", "100000"]) == 0

@@ -272,6 +272,21 @@ def test_sample_refuses_a_prompt_outside_the_vocabulary_in_one_line(tmp_path, ca
     assert "is not a directory" in capsys.readouterr().err
 
 
+def test_sample_refuses_a_zero_checkpoint_in_one_line_as_docs_gpt_md_says(tmp_path, capsys):
+    info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "zero", "vocabulary": "\n !ABab"}
+    with Checkpointer(tmp_path) as checkpointer:  # what train saves under zero, without the training
+        checkpointer.save(3, {"w": jax.numpy.ones(2)}, {"info": info})
+    with pytest.raises(SystemExit) as exit_:
+        main(["sample", "--checkpoint-dir", str(tmp_path), "--prompt", "Ab"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "", err
+    assert err.strip().splitlines()[-1] == (
+        f"minishard sample: error: argument --checkpoint-dir: step 3 in {tmp_path} was trained under zero, "
+        "whose optimizer state is flat shards of the devices it ran on; sample reads the other styles' "
+        "checkpoints"
+    )
+
+
 @pytest.mark.parametrize("broken", ["meta missing", "meta half-written", "meta changed", "an empty step"])
 def test_sample_on_a_broken_latest_step_falls_back_in_one_line(tmp_path, capsys, broken):
     info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": "\n !ABab"}

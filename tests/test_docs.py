@@ -167,3 +167,27 @@ def test_page_runs(page, tmp_path, monkeypatch):
         pytest.skip(f"{page.name} needs {', '.join(missing)} set")
     monkeypatch.chdir(tmp_path)
     run_page(page)
+
+
+def test_costs_md_zero_table_counts_the_bytes_of_the_step_minishard_train_runs(monkeypatch, capsys):
+    # One basis per table, said in its caption: the dp and fsdp rows are the CLI's step (loss and accuracy)
+    import minishard.run.cli.explain as explain_command
+    from minishard.run.cli import main
+
+    sent, summary = [], explain_command.summary
+    monkeypatch.setattr(explain_command, "summary", lambda found: sent.append(found) or summary(found))
+    for style in ("dp", "fsdp"):
+        assert main(["explain", "--parallel", style]) == 0  # the MLP, batch 128 on 8 devices, compiled
+    capsys.readouterr()
+    dp, fsdp = sent[0]["all-reduce"].bytes, sent[1]
+    page = (ROOT / "docs" / "costs.md").read_text()
+    assert "every step on one basis: each returns its loss *and* its accuracy" in page
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in page.splitlines()
+        if line.startswith("| `dp` (Sharded)") or line.startswith("| `fsdp` (Sharded, rules)")
+    }
+    assert rows["`dp` (Sharded)"] == f"all-reduce {dp:,}"
+    assert rows["`fsdp` (Sharded, rules)"] == ", ".join(
+        f"{kind} {fsdp[kind].bytes:,}" for kind in ("all-gather", "all-to-all", "all-reduce")
+    )
