@@ -506,12 +506,13 @@ def test_devices_below_those_simulated_are_the_first_n_said_in_one_line(capsys, 
 @pytest.mark.parametrize(
     ("flags", "heading", "sends"),
     [  # the paths that refused ("4 asked, there are 8") or only planned; the GPT's 4 heads under tp
+        ([], "mlp under 2d on 4 devices", "all-reduce  x2"),  # the learner's `explain --devices 4`
         (["--model", "gpt", "--parallel", "tp"], "gpt under tp on 4 devices", "all-reduce  x16"),
         (["--parallel", "zero"], "mlp under zero (ZeRO-3 by hand) on 4 devices", "reduce-scatter  x4"),
         (["--model", "gpt", "--parallel", "cp"], "gpt under cp on 4 devices, batch 12", "collective-permute"),
         (["--model", "gpt", "--parallel", "dp+cp"], "gpt under dp+cp on 4 devices", "collective-permute"),
     ],
-    ids=["gpt tp", "zero", "gpt cp", "gpt dp+cp"],
+    ids=["default", "gpt tp", "zero", "gpt cp", "gpt dp+cp"],
 )
 def test_every_explain_path_compiles_on_the_first_n_devices_and_says_so_once(flags, heading, sends, capsys):
     assert main(["explain", *flags, "--devices", "4"]) == 0  # 8 simulated here
