@@ -23,7 +23,7 @@ Memory per device: the memory chapter's 16 bytes per parameter (mixed precision,
 fsdp x tp, one layer's weights gathered whole, and the activations the backward pass needs:
 the residual stream, ``CHECKPOINTS`` times per layer (``memory.korthikanti`` fully recomputed).
 
->>> llama = SIZES["llama3-70b"]
+>>> from minishard.serving import LLAMA3_70B as llama
 >>> round(optimal_fsdp(4 * 2**20, 8960, llama.hidden))   # the book's X_opt: 1,618 from 4.19e6 tokens
 1619
 >>> best = rank(llama, 4 * 2**20, 8960, "v5p").costs[0]
@@ -42,7 +42,7 @@ from minishard.census import human_bytes
 from minishard.costs import collective_time, critical_batch
 from minishard.hardware import Hardware, hardware_named
 from minishard.memory import MIXED, Budget, bytes_per_parameter, korthikanti
-from minishard.serving import SIZES, Decoder
+from minishard.serving import Decoder
 
 CHECKPOINTS = 4
 """Residual streams each layer keeps for the backward pass: the book's "checkpoint 4 times per layer"."""
@@ -53,7 +53,8 @@ CHECKPOINTS = 4
 def train_flops(model: Decoder, tokens: float) -> float:
     """``6 P tokens``: per parameter and token, 2 FLOPs forward and 4 backward (attention's own left out).
 
-    >>> f"{train_flops(SIZES['llama3-70b'], 1):.3g}"   # the book's 6 x 70e9 = 4.2e11 per token
+    >>> from minishard.serving import LLAMA3_70B
+    >>> f"{train_flops(LLAMA3_70B, 1):.3g}"   # the book's 6 x 70e9 = 4.2e11 per token
     '4.23e+11'
     """
     return 6 * model.params * tokens
@@ -189,7 +190,8 @@ def price(
 ) -> LayoutCost:
     """One training step of ``tokens`` on ``layout``, from the model's shapes: nothing is compiled.
 
-    >>> cost = price(SIZES["llama3-70b"], Layout(fsdp=8960), 4 * 2**20, "v5p")   # pure FSDP, 3 axes
+    >>> from minishard.serving import LLAMA3_70B
+    >>> cost = price(LLAMA3_70B, Layout(fsdp=8960), 4 * 2**20, "v5p")   # pure FSDP on 3 axes
     >>> round(cost.tokens), round(cost.flips_at)   # the book: 468 per chip, 850 needed
     (468, 850)
     """
@@ -229,7 +231,7 @@ def _memory(model: Decoder, layout: Layout, group_tokens: float, checkpoints: in
 def layouts(model: Decoder, devices: int) -> list[Layout]:
     """Every ``dp x fsdp x tp = devices`` whose tp divides the heads and the MLP's width.
 
-    >>> llama = SIZES["llama3-70b"]
+    >>> from minishard.serving import LLAMA3_70B as llama
     >>> len(layouts(llama, 8)), [str(layout) for layout in layouts(llama, 2)]
     (10, ['fsdp 2', 'dp 2', 'tp 2'])
     """
@@ -282,31 +284,30 @@ class Ranking:
 
 
 def rank(model: Decoder, tokens: int, devices: int, hardware: Hardware | str) -> Ranking:
-    """``price`` every layout of ``devices``; those that fit first, fastest first (then the smaller).
+    """``price`` every layout of ``devices``; those that fit first, fastest first (then the one that
+    waits least for its collectives, then the smaller).
 
-    ``rule``: the FSDP x TP layout nearest the book's ``optimal_fsdp``, for a torus of 3 axes or more.
+    ``rule``: on a torus, the FSDP x TP layout nearest the book's ``optimal_fsdp`` (TP on one axis).
     """
     _checks.count("rank: tokens", tokens, minimum=devices)
     hardware = hardware_named(hardware)
     costs = [price(model, layout, tokens, hardware) for layout in layouts(model, devices)]
-    costs.sort(key=lambda c: (not c.fits, c.step_s, c.memory.total))
+    costs.sort(key=lambda c: (not c.fits, c.step_s, c.bound, c.memory.total))
     mixed = [c.layout for c in costs if c.layout.dp == 1 and c.layout.tp > 1]
-    best = optimal_fsdp(tokens, devices, model.hidden)
+    best = optimal_fsdp(tokens, devices, model.hidden, fsdp_axes=max(1, hardware.axes - 1))
     nearest = min(mixed, key=lambda layout: abs(math.log(layout.fsdp / best)), default=None)
-    rule = nearest if hardware.axes >= 3 else None
+    rule = nearest if hardware.topology == "torus" else None
     return Ranking(model, tokens, tuple(costs), rule)
 
 
 def _with_axes(cost: LayoutCost) -> str:
+    """The layout, with the torus axes of a dimension that takes more than one."""
     axes = cost.layout.axes(cost.hardware) if cost.hardware.topology == "torus" else {}
-    return (
-        str(cost.layout)
-        if not axes or all(n == 1 for n in axes.values())
-        else " x ".join(
-            f"{name} {size} ({axes[name]:.2g} axes)" if axes[name] != 1 else f"{name} {size}"
-            for name, size in cost.layout.ways().items()
-        )
-    )
+    many = {name: n for name, n in axes.items() if n > 1}
+    return " x ".join(
+        f"{name} {size}" + (f" ({many[name]:g} axes)" if name in many else "")
+        for name, size in cost.layout.ways().items()
+    ) or str(cost.layout)
 
 
 def _ms(seconds: float) -> str:
@@ -315,7 +316,6 @@ def _ms(seconds: float) -> str:
 
 __all__ = [
     "CHECKPOINTS",
-    "SIZES",
     "Layout",
     "LayoutCost",
     "Ranking",
