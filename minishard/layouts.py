@@ -92,8 +92,8 @@ def checkpoint_bytes(model: Decoder, tokens: float, per_layer: int = CHECKPOINTS
     Korthikanti's full recomputation keeps one bf16 stream per layer (split over ``tp`` with the
     sequence); the book keeps ``per_layer`` of them.
     """
-    one = korthikanti(int(tokens), 1, model.width, model.heads, t=tp, sp=True, recompute="full")
-    return per_layer * model.layers * one
+    one_token = korthikanti(1, 1, model.width, model.heads, t=tp, sp=True, recompute="full")
+    return per_layer * model.layers * tokens * one_token
 
 
 # --- 2. one layout, priced ------------------------------------------------------------------------
@@ -211,10 +211,11 @@ def price(
     per_device = tokens / layout.devices
     compute = 2 * model.params * per_device / hardware.flops
     forward, backward = Sent(gather, tensor), Sent(gather + scatter + reduce, 2 * tensor)
-    return LayoutCost(layout, hardware, per_device, compute, forward, backward, _memory(model, layout, group))
+    memory = _memory(model, layout, group, checkpoints)
+    return LayoutCost(layout, hardware, per_device, compute, forward, backward, memory)
 
 
-def _memory(model: Decoder, layout: Layout, group_tokens: float, checkpoints: int = CHECKPOINTS) -> Budget:
+def _memory(model: Decoder, layout: Layout, group_tokens: float, checkpoints: int) -> Budget:
     """Per device: the per-parameter terms over fsdp x tp, a gathered layer, the checkpoints."""
     shards = layout.fsdp * layout.tp
     per_parameter = bytes_per_parameter(MIXED, "adamw")

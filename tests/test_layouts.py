@@ -147,3 +147,9 @@ def test_the_table_marks_the_fastest_and_the_books_rule_and_counts_the_rest() ->
 def test_fewer_tokens_than_devices_are_refused() -> None:
     with pytest.raises(ValueError, match="rank: tokens"):
         rank(LLAMA3_70B, 100, POD, "v5p")
+
+
+def test_fewer_checkpoints_hold_less_and_change_nothing_else() -> None:
+    four, one = (price(LLAMA3_70B, Layout(fsdp=2240, tp=4), BATCH, "v5p", checkpoints=n) for n in (4, 1))
+    assert four.memory.terms["activations"] == 4 * one.memory.terms["activations"]
+    assert four.step_s == one.step_s
