@@ -449,6 +449,19 @@ def test_explain_compare_size_ranks_llama3_70b_as_the_book_does_without_compilin
     assert lines[-1].startswith("runner-up fsdp 1120 x tp 8: a forward pass of 144 ms of matmuls")
 
 
+def test_explain_compare_size_says_why_an_equally_fast_runner_up_loses(capsys):
+    assert main(["explain", "--compare", "--size", "llama3-8b", "--hardware", "v5e", "--devices", "256",
+                 "--batch-size", "1M"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    ranking = layouts.rank(serving.LLAMA3_8B, 2**20, 256, "v5e")
+    best, second = ranking.costs[:2]
+    assert best.step_s == second.step_s and best.bound < second.bound  # both compute-bound on a 2D torus
+    assert lines[-1] == (
+        f"runner-up {second.layout}: as fast, compute-bound; its collectives fill {second.bound:.1%} "
+        f"of the time its matmuls hide them, against {best.bound:.1%}"
+    )
+
+
 LAYOUT_FLAGS = [
     (["--batch-size", "4M", "--size", "llama9"], "argument --size: invalid choice: 'llama9'"),
     (["--batch-size", "4Q"], "argument --batch-size: expected an integer (or 512K, 4M), got '4Q'"),

@@ -74,17 +74,20 @@ def print_ranking(args: argparse.Namespace) -> int:
 
 def _runner_up(best: layouts.LayoutCost, second: layouts.LayoutCost) -> str:
     """Why the second loses: what each sends in a forward pass (weights, activations) beside its
-    matmuls; when both hide it all, the memory."""
+    matmuls; when both are as fast, how much of the time their collectives fill, or the memory."""
 
     def sent(cost: layouts.LayoutCost) -> str:
         weights, activations = cost.forward.weights * 1e3, cost.forward.activations * 1e3
         return f"{weights:.3g} + {activations:.3g} = {weights + activations:.3g} ms"
 
+    if second.step_s == best.step_s and second.bound > best.bound:
+        return (
+            f"runner-up {second.layout}: as fast, {best.verdict}; its collectives fill {second.bound:.1%} "
+            f"of the time its matmuls hide them, against {best.bound:.1%}"
+        )
     if second.step_s == best.step_s:
         held = [human_bytes(int(cost.memory.total)) for cost in (second, best)]
-        return (
-            f"runner-up {second.layout}: as fast, {best.verdict}; it holds {held[0]} a device, not {held[1]}"
-        )
+        return f"runner-up {second.layout}: as fast, as busy; it holds {held[0]} a device, against {held[1]}"
     return (
         f"runner-up {second.layout}: a forward pass of {best.compute_s * 1e3:.3g} ms of matmuls sends "
         f"{sent(second)} (weights + activations), against {sent(best)}"
