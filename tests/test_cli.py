@@ -493,7 +493,7 @@ def test_explain_compare_size_refuses_bad_input_in_one_line(flags, message, caps
         ),
         (
             ["explain", "--size", "llama3-8b", "--hardware", "v5p"],
-            "argument --size: only --decode takes it (and",
+            "argument --size: only --decode or --compare takes it",
         ),
     ],
 )

@@ -138,7 +138,7 @@ def test_explain_decode_in_int8_halves_the_batch_and_the_cache(capsys):
         (["--decode", "--hardware", "v5e", "--width", "64"], "argument --width: --decode prices"),
         (
             ["--size", "llama2-13b", "--hardware", "v5e"],
-            "argument --size: only --decode takes it (and --compare)",
+            "argument --size: only --decode or --compare takes it",
         ),
         (["--decode", "--hardware", "v5e", "--quantize", "fp8"], "argument --quantize: invalid choice"),
     ],
