@@ -57,9 +57,7 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
     """Every flag --decode reads, and none it would ignore, before any work; fills the defaults."""
     if not args.decode:
         for name, flag in DECODE_FLAGS.items():
-            takers = (
-                "--decode or --compare" if name == "size" else "--decode"
-            )  # --compare ranks a size's layouts
+            takers = "--decode or --compare" if name == "size" else "--decode"  # --compare ranks its layouts
             if getattr(args, name) is not None and not (name == "size" and args.compare):
                 error(f"argument {flag}: only {takers} takes it")
         return
