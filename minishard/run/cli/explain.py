@@ -34,7 +34,6 @@ from minishard.run.cli.flags import (
     add_model_flags,
     at_least,
     check_output,
-    count,
     fill_defaults,
     first_devices,
     flag_owners,
@@ -80,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--batch-size",
         dest="batch_size",
-        type=count(1),
+        type=layouts.count,
         help="global batch of that step (default: the model's); with --size, in tokens (4M)",
     )
     add(

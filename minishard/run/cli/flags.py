@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from minishard.run.cli.styles.style import Style
 
 __all__ = [
-    "BINARY",
     "DEFAULT_MESH",
     "LOG_FORMATS",
     "PLOT_FORMATS",
@@ -40,7 +39,6 @@ __all__ = [
     "address",
     "at_least",
     "check_output",
-    "count",
     "default_text",
     "fill_defaults",
     "finish_train",
@@ -91,30 +89,6 @@ def at_least(least: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < least:
             raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
-        return value
-
-    return parse
-
-
-BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
-"""What a count's K, M and G multiply it by: binary, as the scaling book's "4M tokens" are 4 x 1024 x 1024."""
-
-
-def count(least: int) -> Callable[[str], int]:
-    """An argparse type: an int >= ``least``, with K, M or G for ``BINARY``'s multiples.
-
-    >>> count(1)("4M"), count(1)("512k"), count(1)("96")
-    (4194304, 524288, 96)
-    """
-
-    def parse(text: str) -> int:
-        digits, scale = (text[:-1], BINARY[text[-1].upper()]) if text[-1:].upper() in BINARY else (text, 1)
-        try:
-            value = int(digits) * scale
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer (or 512K, 4M), got {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
         return value
 
     return parse

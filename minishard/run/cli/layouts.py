@@ -17,12 +17,30 @@ from minishard.census import human_bytes
 from minishard.costs import critical_batch
 from minishard.hardware import hardware_named
 
-__all__ = ["OTHER_WORK", "TOP", "check", "print_ranking"]
+__all__ = ["BINARY", "OTHER_WORK", "TOP", "check", "count", "print_ranking"]
 
+BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
+"""What a count's K, M and G multiply it by: binary, as the scaling book's "4M tokens" are 4 x 1024 x 1024."""
 TOP = 5
 """The fastest layouts that fit, shown before the best of each other kind."""
 OTHER_WORK = ("memory", "topology", "plot", "parallel", "microbatches", "serve_format")
 """Flags asking for a compiled step's work, or serving's, which a ranking by shapes does not do."""
+
+
+def count(text: str) -> int:
+    """An argparse type for ``--batch-size``: an int >= 1, with K, M or G for ``BINARY``'s multiples.
+
+    >>> count("4M"), count("512k"), count("96")
+    (4194304, 524288, 96)
+    """
+    digits, scale = (text[:-1], BINARY[text[-1].upper()]) if text[-1:].upper() in BINARY else (text, 1)
+    try:
+        value = int(digits) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer (or 512K, 4M), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
 
 
 def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[[str], object]) -> None:
