@@ -462,6 +462,17 @@ def test_explain_compare_size_says_why_an_equally_fast_runner_up_loses(capsys):
     )
 
 
+def test_explain_compare_size_breaks_a_tie_of_equal_sends_by_memory(capsys):
+    # Behind a switch, dp 2 x fsdp 4 sends what fsdp 8 sends (the all-reduce over 2 of a quarter
+    # adds what FSDP's ring factor 3/4 saves), so only the memory tells them apart.
+    assert (
+        main(["explain", "--compare", "--size", "llama3-8b", "--hardware", "h100", "--batch-size", "64K"])
+        == 0
+    )
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("runner-up dp 2 x fsdp 4: as fast, as busy; it holds"), last
+
+
 LAYOUT_FLAGS = [
     (["--batch-size", "4M", "--size", "llama9"], "argument --size: invalid choice: 'llama9'"),
     (["--batch-size", "4Q"], "argument --batch-size: expected an integer (or 512K, 4M), got '4Q'"),

@@ -98,7 +98,7 @@ def _runner_up(best: layouts.LayoutCost, second: layouts.LayoutCost) -> str:
         weights, activations = cost.forward.weights * 1e3, cost.forward.activations * 1e3
         return f"{weights:.3g} + {activations:.3g} = {weights + activations:.3g} ms"
 
-    if second.step_s == best.step_s and second.bound > best.bound:
+    if second.step_s == best.step_s and round(second.bound, 3) > round(best.bound, 3):
         return (
             f"runner-up {second.layout}: as fast, {best.verdict}; its collectives fill {second.bound:.1%} "
             f"of the time its matmuls hide them, against {best.bound:.1%}"
