@@ -6,8 +6,9 @@ the scaling book does (``training.md``, and its walk-through, ``applied-training
 A layout splits the N devices three ways, ``dp x fsdp x tp = N``, each dimension a mesh axis:
 
 * **dp**: replicas, each holding every weight of its share, all-reduce the gradients;
-* **fsdp**: splits the weights and the optimizer state too (ZeRO-3), gathers the weights for
-  each pass and reduce-scatters the gradients: bytes that do not grow with the batch;
+* **fsdp**: splits the weights and the optimizer state too (ZeRO-3, the parameters flattened,
+  so any count divides), gathers the weights for each pass and reduce-scatters the gradients:
+  bytes that do not grow with the batch;
 * **tp**: splits each matmul (Megatron, with the sequence split between blocks): each block
   gathers its input's tokens and reduce-scatters its output: bytes that grow with the batch.
 
