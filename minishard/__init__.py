@@ -24,7 +24,10 @@ idea, and imports only the ones before it.
 * ``memory``: will it fit? A step's bytes per device, term by term (parameters, gradients, optimizer
   state, master copy, activations), against the compiler's ``memory_analysis()`` and the published tables;
 * ``serving``: the inference roofline: prefill and decode priced on any chip, the KV cache, latency
-  against throughput.
+  against throughput;
+* ``layouts``: which layout, at what size: every dp x fsdp x tp split of N chips priced from a model's
+  shapes (step, memory, where it turns compute-bound) and ranked, nothing compiled (the scaling
+  book's LLaMA-3 walk-through).
 
 Three private modules hold what a reader may skip, each at its place in that order:
 ``_checks``, the guards (first: it imports nothing); ``_diagnose``, what went wrong

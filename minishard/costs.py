@@ -59,7 +59,7 @@ _SHARE: dict[str, Callable[[int], tuple[float, float]]] = {
 
 
 def collective_time(
-    kind: str, nbytes: float, devices: int, hardware: Hardware | str, n_axes: int = 1
+    kind: str, nbytes: float, devices: int, hardware: Hardware | str, n_axes: float = 1
 ) -> float:
     """Seconds for one collective over ``devices`` (along ``n_axes`` mesh axes), whose result on one
     device is ``nbytes``.
@@ -99,7 +99,7 @@ def _whole(kind: str, result_bytes: float, devices: int) -> float:
     return result_bytes * devices if kind in ("reduce-scatter", "all-to-all") else result_bytes
 
 
-def critical_batch(hardware: Hardware | str, devices: int | None = None, n_axes: int = 1) -> float:
+def critical_batch(hardware: Hardware | str, devices: int | None = None, n_axes: float = 1) -> float:
     """Examples (tokens) per device above which data parallelism is compute-bound: C / W.
 
     The scaling book's derivation (training chapter), the one minishard uses. Per weight of

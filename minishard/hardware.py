@@ -6,8 +6,9 @@ formula of ``minishard.costs`` divides by.
 
 Sources. TPUs: the scaling book's TPU chapter (jax-ml/scaling-book, ``tpus.md``):
 its chip table (HBM capacity and bandwidth, bf16 FLOP/s) and its ICI table
-(bidirectional bandwidth per link), and about 1 µs per ICI hop from its sharding
-chapter. GPUs: its GPU chapter (``gpus.md``): the FLOPs-and-bandwidth and memory
+(bidirectional bandwidth per link), about 1 µs per ICI hop from its sharding
+chapter, and its torus: TPU v4 and v5p link each chip to 6 neighbours (a 3D torus,
+3 axes), v5e and v6e to 4 (2D). GPUs: its GPU chapter (``gpus.md``): the FLOPs-and-bandwidth and memory
 tables, and the node table: 18 NVLink 4 links x 25 GB/s = 450 GB/s of egress per
 H100 or H200, 900 GB/s per B200 (NVLink 5), and 400 GB/s per GPU into the
 InfiniBand fat tree beyond a node of 8. The GPU per-hop latency is an
@@ -29,7 +30,8 @@ class Hardware:
     W the collective formulas divide by: on a TPU torus the *bidirectional*
     bandwidth along one axis (a ring sends both ways), on a GPU the NVLink egress
     of one GPU into its switch. ``node``: GPUs behind one NVLink switch, beyond
-    which ``scale_out`` (InfiniBand, per GPU) applies. ``latency``: per hop.
+    which ``scale_out`` (InfiniBand, per GPU) applies. ``latency``: per hop. ``axes``: the torus's
+    dimensions, each a ring a mesh axis can take (a switch has one).
     """
 
     name: str
@@ -41,8 +43,9 @@ class Hardware:
     latency: float = 1e-6
     node: int | None = None
     scale_out: float | None = None
+    axes: int = 1
 
-    def bandwidth(self, devices: int, n_axes: int = 1) -> float:
+    def bandwidth(self, devices: int, n_axes: float = 1) -> float:
         """W over ``devices`` spanning ``n_axes`` mesh axes: a torus gets one link per axis; a switch
         gives each GPU its NVLink egress, and beyond a node of ``node`` GPUs the scale-out network's.
 
@@ -56,10 +59,10 @@ class Hardware:
 
 
 HARDWARE = {
-    "v4p": Hardware("TPU v4p", 2.75e14, 1.2e12, 32e9, 9e10, "torus"),
-    "v5e": Hardware("TPU v5e", 1.97e14, 8.1e11, 16e9, 9e10, "torus"),
-    "v5p": Hardware("TPU v5p", 4.59e14, 2.8e12, 96e9, 1.8e11, "torus"),
-    "v6e": Hardware("TPU v6e", 9.20e14, 1.6e12, 32e9, 1.8e11, "torus"),
+    "v4p": Hardware("TPU v4p", 2.75e14, 1.2e12, 32e9, 9e10, "torus", axes=3),
+    "v5e": Hardware("TPU v5e", 1.97e14, 8.1e11, 16e9, 9e10, "torus", axes=2),
+    "v5p": Hardware("TPU v5p", 4.59e14, 2.8e12, 96e9, 1.8e11, "torus", axes=3),
+    "v6e": Hardware("TPU v6e", 9.20e14, 1.6e12, 32e9, 1.8e11, "torus", axes=2),
     "h100": Hardware("H100", 9.9e14, 3.35e12, 80e9, 450e9, "switch", node=8, scale_out=400e9),
     "h200": Hardware("H200", 9.9e14, 4.8e12, 141e9, 450e9, "switch", node=8, scale_out=400e9),
     "b200": Hardware("B200", 2.25e15, 8.0e12, 192e9, 900e9, "switch", node=8, scale_out=400e9),

@@ -86,8 +86,19 @@ LLAMA2_13B = Decoder(layers=40, width=5120, heads=40, kv_heads=40, head_dim=128,
 """LLaMA-2 13B, as the scaling book's inference chapter lists it (F = 2.7 D; no grouped queries)."""
 LLAMA3_70B = Decoder(layers=80, width=8192, heads=64, kv_heads=8, head_dim=128, hidden=28672, vocab=128256)
 """LLaMA-3 70B, as the book's "Serving LLaMA 3-70B" lists it (``applied-inference.md``; 8 KV heads)."""
-SIZES = {"llama2-13b": LLAMA2_13B, "llama3-70b": LLAMA3_70B}
-"""The named sizes ``minishard explain --decode --size`` prices."""
+LLAMA3_8B = Decoder(layers=32, width=4096, heads=32, kv_heads=8, head_dim=128, hidden=14336, vocab=128256)
+"""LLaMA-3 8B: the Llama 3 paper's Table 3 (Dubey et al. 2024), the vocabulary as released."""
+LLAMA3_405B = Decoder(
+    layers=126, width=16384, heads=128, kv_heads=8, head_dim=128, hidden=53248, vocab=128256
+)
+"""LLaMA-3 405B, from the same table."""
+SIZES = {
+    "llama2-13b": LLAMA2_13B,
+    "llama3-8b": LLAMA3_8B,
+    "llama3-70b": LLAMA3_70B,
+    "llama3-405b": LLAMA3_405B,
+}
+"""The named sizes ``minishard explain --size`` prices: serving (``--decode``), training (``--compare``)."""
 
 # --- 2. the roofline of one decode step ---------------------------------------------------------
 
@@ -198,7 +209,9 @@ def latency_throughput(
 
 __all__ = [
     "LLAMA2_13B",
+    "LLAMA3_8B",
     "LLAMA3_70B",
+    "LLAMA3_405B",
     "SIZES",
     "FORMATS",
     "Decoder",

@@ -7,7 +7,9 @@ import re
 import jax
 import pytest
 
+from minishard import layouts, serving
 from minishard.census import human_bytes
+from minishard.run.cli import layouts as layouts_cli
 from minishard.run.cli import main, parse_args
 from minishard.run.cli.styles import cli_rules, unused_mesh_axes
 from minishard.run.errors import TrainingError
@@ -430,6 +432,98 @@ def test_cost_and_zero_flags_are_one_error_line_before_any_work(argv, message, c
     out, err = capsys.readouterr()
     assert exit_.value.code == 2 and message in err and out == "", err
     assert err.strip().splitlines()[-1].startswith(f"minishard {argv[0]}: error: argument --")
+
+
+# -- a named size's layouts ranked from its shapes (explain --compare --size), nothing compiled ----------
+LLAMA = ["explain", "--compare", "--size", "llama3-70b", "--hardware", "v5p", "--devices", "8960"]
+
+
+def test_explain_compare_size_ranks_llama3_70b_as_the_book_does_without_compiling(monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(jax, "jit", refuse)  # a ranking by shapes compiles nothing
+    assert main([*LLAMA, "--batch-size", "4M", "--context", "4096"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "batch 4,194,304 tokens (1,024 sequences of 4,096): 468 per device"
+    assert "pure FSDP needs 850 tokens per device (C/W over 3 axes)" in lines[2]  # the book's 850
+    rows = [line for line in lines if re.match(r"[* ] (dp|fsdp|tp) \d", line)]
+    # The scaling book's "2048-way FSDP and 4-way model parallelism", on the pod's own 8,960: first
+    assert rows[0].startswith("* fsdp 2240 (2 axes) x tp 4") and rows[0].endswith("<- the book's X_opt")
+    ranking = layouts.rank(serving.LLAMA3_70B, 4 * 2**20, 8960, "v5p")
+    shown = [cost for cost in ranking.costs if cost.fits][: layouts_cli.TOP]
+    assert [row[2:].split("  ")[0].replace(" (2 axes)", "") for row in rows[: len(shown)]] == [
+        str(cost.layout) for cost in shown
+    ]
+    pure = next(row for row in rows if row.startswith("  fsdp 8960 (3 axes)"))  # the best of each kind too
+    assert pure.split()[-1] == "x1.8" and "850" in pure
+    assert "do not fit" in lines[lines.index(rows[-1]) + 1]
+    assert lines[-1].startswith("runner-up fsdp 1120 x tp 8: a forward pass of 144 ms of matmuls")
+
+
+def test_explain_compare_size_says_why_an_equally_fast_runner_up_loses(capsys):
+    assert main(["explain", "--compare", "--size", "llama3-8b", "--hardware", "v5e", "--devices", "256",
+                 "--batch-size", "1M"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    ranking = layouts.rank(serving.LLAMA3_8B, 2**20, 256, "v5e")
+    best, second = ranking.costs[:2]
+    assert best.step_s == second.step_s and best.bound < second.bound  # both compute-bound on a 2D torus
+    assert lines[-1] == (
+        f"runner-up {second.layout}: as fast, compute-bound; its collectives fill {second.bound:.1%} "
+        f"of the time its matmuls hide them, against {best.bound:.1%}"
+    )
+
+
+def test_explain_compare_size_breaks_a_tie_of_equal_sends_by_memory(capsys):
+    # Behind a switch, dp 2 x fsdp 4 sends what fsdp 8 sends (the all-reduce over 2 of a quarter
+    # adds what FSDP's ring factor 3/4 saves), so only the memory tells them apart.
+    assert (
+        main(["explain", "--compare", "--size", "llama3-8b", "--hardware", "h100", "--batch-size", "64K"])
+        == 0
+    )
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("runner-up dp 2 x fsdp 4: as fast, as busy; it holds"), last
+
+
+LAYOUT_FLAGS = [
+    (["--batch-size", "4M", "--size", "llama9"], "argument --size: invalid choice: 'llama9'"),
+    (["--batch-size", "4Q"], "argument --batch-size: expected an integer (or 512K, 4M), got '4Q'"),
+    (["--batch-size", "4096"], "argument --batch-size: 4,096 tokens leave some of 8,960 devices none"),
+    (["--batch-size", "4M", "--context", "3000"],
+     "argument --batch-size: 4,194,304 tokens are not whole --context 3000 sequences"),
+    ([], "argument --batch-size: --compare --size needs the batch in tokens (e.g. 4M)"),
+    (["--batch-size", "4M", "--devices", "0"], "argument --devices: must be at least 1"),
+    (["--batch-size", "4M", "--parallel", "fsdp"], "argument --parallel: --compare --size ranks layouts"),
+    (["--batch-size", "4M", "--width", "64"], "argument --width: --compare --size ranks layouts"),
+    (["--batch-size", "4M", "--memory"], "argument --memory: --compare --size ranks layouts"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "message"), LAYOUT_FLAGS, ids=[" ".join(f) for f, _ in LAYOUT_FLAGS])
+def test_explain_compare_size_refuses_bad_input_in_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*LLAMA, *flags])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and message in err and out == "", err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["explain", "--compare", "--size", "llama3-8b", "--batch-size", "1M"],
+            "argument --hardware: --compare",
+        ),
+        (
+            ["explain", "--size", "llama3-8b", "--hardware", "v5p"],
+            "argument --size: only --decode or --compare takes it",
+        ),
+    ],
+)
+def test_a_size_needs_a_chip_and_compare_or_decode(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_train_parallel_zero_is_dp_s_mesh_and_rules_with_zero_s_step():

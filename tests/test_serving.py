@@ -136,7 +136,10 @@ def test_explain_decode_in_int8_halves_the_batch_and_the_cache(capsys):
         (["--decode"], "argument --hardware: --decode prices serving on a chip"),
         (["--decode", "--hardware", "v5e", "--parallel", "tp"], "argument --parallel: --decode prices"),
         (["--decode", "--hardware", "v5e", "--width", "64"], "argument --width: --decode prices"),
-        (["--size", "llama2-13b", "--hardware", "v5e"], "argument --size: only --decode takes it"),
+        (
+            ["--size", "llama2-13b", "--hardware", "v5e"],
+            "argument --size: only --decode or --compare takes it",
+        ),
         (["--decode", "--hardware", "v5e", "--quantize", "fp8"], "argument --quantize: invalid choice"),
     ],
 )

@@ -39,7 +39,11 @@ OTHER_WORK = ("compare", "memory", "topology", "plot", "parallel", "microbatches
 def add_arguments(add: Callable[..., object]) -> None:
     """``--decode`` and its own flags, added by ``explain`` beside its others."""
     add("--decode", action="store_true", help="price serving --size on --hardware: prefill, decode, KV cache")
-    add("--size", choices=list(serving.SIZES), help="with --decode: the model, its shapes from its paper")
+    add(
+        "--size",
+        choices=list(serving.SIZES),
+        help="with --decode or --compare: the model, its shapes from its paper",
+    )
     formats = [name for name in serving.FORMATS if serving.number_bytes(name) < 2]
     add(
         "--quantize",
@@ -53,8 +57,9 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
     """Every flag --decode reads, and none it would ignore, before any work; fills the defaults."""
     if not args.decode:
         for name, flag in DECODE_FLAGS.items():
-            if getattr(args, name) is not None:
-                error(f"argument {flag}: only --decode takes it")
+            takers = "--decode or --compare" if name == "size" else "--decode"  # --compare ranks its layouts
+            if getattr(args, name) is not None and not (name == "size" and args.compare):
+                error(f"argument {flag}: only {takers} takes it")
         return
     ignored = [name for name in (*OTHER_WORK, *model_flags) if name != "context"]
     if given := [name for name in ignored if getattr(args, name, None) not in (None, False)]:

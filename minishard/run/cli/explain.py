@@ -6,7 +6,9 @@ device count works on any machine; a preset's step is then compiled on up to
 ``SENDS_UP_TO`` simulated devices, to show what it sends. ``--hardware`` (or a
 style whose own step is the point, such as ``zero``) compiles the step on
 simulated devices and prices it too (``minishard.costs``); ``--compare`` ranks every style and mesh shape
-(for the GPT, the sequence styles too, its attention a ring where "context" splits it).
+(for the GPT, the sequence styles too, its attention a ring where "context" splits it);
+with ``--size llama3-70b`` it ranks a named size's dp x fsdp x tp layouts from its shapes,
+compiling nothing (``minishard.layouts``).
 ``--topology v5e:2x4`` compiles the step for a TPU slice with XLA:TPU, ahead of
 time (``minishard.run.topology``), and sets it beside XLA:CPU's program.
 """
@@ -25,7 +27,7 @@ from minishard.costs import HARDWARE, Candidate, StepCost, compare, mesh_shapes
 from minishard.memory import PRECISIONS
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
-from minishard.run.cli import decode, styles
+from minishard.run.cli import decode, layouts, styles
 from minishard.run.cli.flags import (
     PLOT_FORMATS,
     Error,
@@ -77,10 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--batch-size",
         dest="batch_size",
-        type=at_least(1),
-        help="global batch of that step (default: the model's)",
+        type=layouts.count,
+        help="global batch of that step (default: the model's); with --size, in tokens (4M)",
     )
-    add("--compare", action="store_true", help="rank every style and mesh shape on --hardware")
+    add(
+        "--compare",
+        action="store_true",
+        help="rank every style and mesh shape (or --size's layouts) on --hardware",
+    )
     add("--topology", help="compile for this TPU slice with XLA:TPU, ahead of time (v5e:2x4: 8 devices)")
     add("--memory", action="store_true", help="a train step's bytes per device by term; fits?")
     add("--precision", choices=tuple(PRECISIONS), default="fp32", help="with --memory: the step's precision")
@@ -98,6 +104,9 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     decode.check(args, flag_owners(MODELS.values(), lambda entry: entry.explain_flags), error)
     if args.decode:
         return args  # serving is priced from a named size, not from --model's step
+    if args.size:  # --compare --size: layouts ranked from the size's shapes, nothing compiled
+        layouts.check(args, flag_owners(MODELS.values(), lambda entry: entry.explain_flags), error)
+        return args
     model = MODELS[args.model]
     refuse_other_models_flags(args, model, MODELS.values(), error)  # as train does
     if args.compare and not args.hardware:
@@ -146,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.decode:
         return decode.print_decode(args)
+    if args.size:
+        return layouts.print_ranking(args)
     model, style = MODELS[args.model], STYLES[args.parallel]
     if refused := style.before_explain(args):
         return refused  # before any work: a pipeline's step is compiled below, on devices

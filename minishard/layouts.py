@@ -1,0 +1,333 @@
+"""Which layout, at what size: every way to split a transformer's training over N chips, ranked.
+
+``minishard.costs`` prices a step that XLA compiled. A LLaMA-3 run on thousands of chips cannot
+be compiled here, but its step is simple enough to price from the model's shapes alone, as
+the scaling book does (``training.md``, and its walk-through, ``applied-training.md``).
+A layout splits the N devices three ways, ``dp x fsdp x tp = N``, each dimension a mesh axis:
+
+* **dp**: replicas, each holding every weight of its share, all-reduce the gradients;
+* **fsdp**: splits the weights and the optimizer state too (ZeRO-3, the parameters flattened,
+  so any count divides), gathers the weights for each pass and reduce-scatters the gradients:
+  bytes that do not grow with the batch;
+* **tp**: splits each matmul (Megatron, with the sequence split between blocks): each block
+  gathers its input's tokens and reduce-scatters its output: bytes that grow with the batch.
+
+Per device, with b = B / N tokens and P parameters, a forward pass does F = 2Pb FLOPs and the
+backward pass 2F (the book's 6P per token). Each pass hides its own collectives behind its own
+matmuls, so ``step = max(F, sent forward) + max(2F, sent backward)``: the forward pass sends the
+FSDP gathers and the tensor collectives, the backward pass the gathers again, the
+reduce-scatters, the all-reduce and the tensor collectives transposed (twice the forward's,
+as the book counts them). (``costs.StepCost`` reads a compiled program and cannot tell the
+passes apart: it hides every collective behind the backward pass.) On a torus each split
+dimension takes one of the chip's axes (``Hardware.axes``), the largest dimension those left.
+Memory per device: the memory chapter's 16 bytes per parameter (mixed precision, AdamW) over
+fsdp x tp, one layer's weights gathered whole, and the activations the backward pass needs:
+the residual stream, ``CHECKPOINTS`` times per layer (``memory.korthikanti`` fully recomputed).
+
+>>> from minishard.serving import LLAMA3_70B as llama
+>>> round(optimal_fsdp(4 * 2**20, 8960, llama.hidden))   # the book's X_opt: 1,618 from 4.19e6 tokens
+1619
+>>> best = rank(llama, 4 * 2**20, 8960, "v5p").costs[0]
+>>> str(best.layout), best.verdict
+('fsdp 2240 x tp 4', 'communication-bound by x1.1')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+from minishard import _checks
+from minishard.census import human_bytes
+from minishard.costs import collective_time, critical_batch
+from minishard.hardware import Hardware, hardware_named
+from minishard.memory import MIXED, Budget, bytes_per_parameter, korthikanti
+from minishard.serving import Decoder
+
+CHECKPOINTS = 4
+"""Residual streams each layer keeps for the backward pass: the book's "checkpoint 4 times per layer"."""
+
+# --- 1. a run's size, and the book's rules ----------------------------------------------------------
+
+
+def train_flops(model: Decoder, tokens: float) -> float:
+    """``6 P tokens``: per parameter and token, 2 FLOPs forward and 4 backward (attention's own left out).
+
+    >>> from minishard.serving import LLAMA3_70B
+    >>> f"{train_flops(LLAMA3_70B, 1):.3g}"   # the book's 6 x 70e9 = 4.2e11 per token
+    '4.23e+11'
+    """
+    return 6 * model.params * tokens
+
+
+def train_seconds(model: Decoder, tokens: float, chips: int, hardware: Hardware | str, mfu: float) -> float:
+    """Seconds to train on ``tokens`` with ``chips`` at ``mfu`` of their peak FLOP/s."""
+    return train_flops(model, tokens) / (chips * hardware_named(hardware).flops * mfu)
+
+
+def mixed_critical_batch(
+    hardware: Hardware | str, hidden: int, fsdp_axes: int = 2, tensor_axes: int = 1
+) -> float:
+    """Tokens per device below which FSDP + TP waits on its collectives at best: ``4 a^2 / (M_X M_Y F)``.
+
+    a = C / W (``costs.critical_batch``), F the MLP's width; FSDP over M_X torus axes, TP over
+    M_Y. On a 3D torus M_X M_Y = 2: ``2 a^2 / F``, about half of what FSDP alone needs.
+    """
+    alpha = critical_batch(hardware)
+    return 4 * alpha**2 / (fsdp_axes * tensor_axes * hidden)
+
+
+def optimal_fsdp(tokens: float, devices: int, hidden: int, fsdp_axes: int = 2, tensor_axes: int = 1) -> float:
+    """The FSDP ways that send the least beside TP: ``X_opt = sqrt(B/F · M_X/M_Y · N)``.
+
+    FSDP's gathers shrink as TP grows (each device gathers its tensor shard only) and TP's grow
+    as FSDP does (each tensor group holds more tokens): the sum is least here.
+    """
+    return math.sqrt(tokens / hidden * fsdp_axes / tensor_axes * devices)
+
+
+def checkpoint_bytes(model: Decoder, tokens: float, per_layer: int = CHECKPOINTS, tp: int = 1) -> float:
+    """Bytes of the residual streams kept for the backward pass: ``2 · width · tokens · per_layer · layers``.
+
+    Korthikanti's full recomputation keeps one bf16 stream per layer (split over ``tp`` with the
+    sequence); the book keeps ``per_layer`` of them.
+    """
+    one_token = korthikanti(1, 1, model.width, model.heads, t=tp, sp=True, recompute="full")
+    return per_layer * model.layers * tokens * one_token
+
+
+# --- 2. one layout, priced ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """``dp x fsdp x tp`` devices: data-parallel replicas, FSDP shards, tensor-parallel shards."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.fsdp * self.tp
+
+    def ways(self) -> dict[str, int]:
+        """The split dimensions and their sizes."""
+        return {name: size for name, size in dataclasses.asdict(self).items() if size > 1}
+
+    def axes(self, hardware: Hardware) -> dict[str, float]:
+        """The torus axes each dimension's collectives run over: one each, the largest takes those
+        left; more dimensions than axes share them. A switch has one (``Hardware.bandwidth``).
+
+        >>> Layout(fsdp=2240, tp=4).axes(hardware_named("v5p"))
+        {'fsdp': 2, 'tp': 1}
+        """
+        ways = self.ways()
+        share = min(1.0, hardware.axes / len(ways)) if ways else 1.0
+        axes = {name: share for name in ways}
+        if ways and hardware.axes > len(ways):
+            axes[max(ways, key=ways.__getitem__)] += hardware.axes - len(ways)
+        return {name: int(n) if n == int(n) else n for name, n in axes.items()}
+
+    def __str__(self) -> str:
+        return " x ".join(f"{name} {size}" for name, size in self.ways().items()) or "one device"
+
+
+class Sent(NamedTuple):
+    """Seconds of one pass's collectives: of the weights (whatever the batch), of the activations."""
+
+    weights: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.activations
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutCost:
+    """One layout's predicted step, per device: ``compute_s`` of the forward pass (the backward's
+    is twice it), each pass's collectives, ``tokens`` per device, and the memory by term."""
+
+    layout: Layout
+    hardware: Hardware
+    tokens: float
+    compute_s: float
+    forward: Sent
+    backward: Sent
+    memory: Budget
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.forward.total) + max(2 * self.compute_s, self.backward.total)
+
+    @property
+    def bound(self) -> float:
+        """k = sends over the compute they hide behind, in the pass where it is largest: > 1 waits."""
+        return max(self.forward.total / self.compute_s, self.backward.total / (2 * self.compute_s))
+
+    @property
+    def verdict(self) -> str:
+        return "compute-bound" if self.bound <= 1 else f"communication-bound by x{self.bound:.1f}"
+
+    @property
+    def flips_at(self) -> float:
+        """Tokens per device above which this layout is compute-bound: the weights' bytes stay,
+        the compute and the activations' bytes grow with the batch. ``inf``: TP alone waits."""
+        flips = []
+        for compute, sent in ((self.compute_s, self.forward), (2 * self.compute_s, self.backward)):
+            left = compute - sent.activations  # per b tokens: what hides the weights
+            flips.append(self.tokens * sent.weights / left if left > 0 else math.inf)
+        return max(flips)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.hardware.hbm_bytes
+
+
+def price(
+    model: Decoder, layout: Layout, tokens: int, hardware: Hardware | str, checkpoints: int = CHECKPOINTS
+) -> LayoutCost:
+    """One training step of ``tokens`` on ``layout``, from the model's shapes: nothing is compiled.
+
+    >>> from minishard.serving import LLAMA3_70B
+    >>> cost = price(LLAMA3_70B, Layout(fsdp=8960), 4 * 2**20, "v5p")   # pure FSDP on 3 axes
+    >>> round(cost.tokens), round(cost.flips_at)   # the book: 468 per chip, 850 needed
+    (468, 850)
+    """
+    hardware = hardware_named(hardware)
+    axes, (dp, fsdp, tp) = layout.axes(hardware), (layout.dp, layout.fsdp, layout.tp)
+    group = tokens / (dp * fsdp)  # the tokens one tensor-parallel group computes on
+    weights = 2 * model.params / tp  # bf16 bytes of one tensor shard: what FSDP gathers whole
+    stream = 2 * group * model.width * 2 * model.layers  # the bf16 input of every block (attention, MLP)
+
+    def send(kind: str, result_bytes: float, over: str) -> float:
+        size = getattr(layout, over)
+        return collective_time(kind, result_bytes, size, hardware, axes.get(over, 1))
+
+    gather, scatter = send("all-gather", weights, "fsdp"), send("reduce-scatter", weights / fsdp, "fsdp")
+    reduce = send("all-reduce", weights / fsdp, "dp")  # each replica's gradients, once FSDP scattered them
+    tensor = send("all-gather", stream, "tp") + send("reduce-scatter", stream / tp, "tp")
+    per_device = tokens / layout.devices
+    compute = 2 * model.params * per_device / hardware.flops
+    forward, backward = Sent(gather, tensor), Sent(gather + scatter + reduce, 2 * tensor)
+    memory = _memory(model, layout, group, checkpoints)
+    return LayoutCost(layout, hardware, per_device, compute, forward, backward, memory)
+
+
+def _memory(model: Decoder, layout: Layout, group_tokens: float, checkpoints: int) -> Budget:
+    """Per device: the per-parameter terms over fsdp x tp, a gathered layer, the checkpoints."""
+    shards = layout.fsdp * layout.tp
+    per_parameter = bytes_per_parameter(MIXED, "adamw")
+    terms = {name: size * model.params / shards for name, size in per_parameter.items() if size}
+    if layout.fsdp > 1:
+        terms["gathered"] = 2 * model.params / model.layers / layout.tp
+    terms["activations"] = checkpoint_bytes(model, group_tokens, checkpoints, layout.tp)
+    return Budget(terms, shards)
+
+
+# --- 3. every layout, ranked ------------------------------------------------------------------------
+
+
+def layouts(model: Decoder, devices: int) -> list[Layout]:
+    """Every ``dp x fsdp x tp = devices`` whose tp divides the heads and the MLP's width.
+
+    >>> from minishard.serving import LLAMA3_70B as llama
+    >>> len(layouts(llama, 8)), [str(layout) for layout in layouts(llama, 2)]
+    (10, ['fsdp 2', 'dp 2', 'tp 2'])
+    """
+    _checks.count("layouts: devices", devices)
+    found = []
+    for tp in _divisors(devices):
+        if model.heads % tp or model.hidden % tp:
+            continue
+        found += [Layout(dp, devices // tp // dp, tp) for dp in _divisors(devices // tp)]
+    return found
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranking:
+    """Every layout's cost, those that fit first, fastest first; ``rule``: the book's pick."""
+
+    model: Decoder
+    tokens: int
+    costs: tuple[LayoutCost, ...]
+    rule: Layout | None
+
+    def table(self, top: int = 5) -> str:
+        """The ``top`` fastest that fit, then the best of each other set of dimensions (and the book's
+        pick) wherever they rank, and a line for the rest."""
+        fit = [cost for cost in self.costs if cost.fits]
+        shown, kinds = fit[:top], {tuple(cost.layout.ways()) for cost in fit[:top]}
+        for cost in fit[top:]:
+            kind = tuple(cost.layout.ways())
+            if kind not in kinds or cost.layout == self.rule:
+                shown.append(cost)
+                kinds.add(kind)
+        lines = [f"  {'layout':26} {'step':>9} {'flips at':>9} {'memory':>9}  verdict"]
+        for cost in shown:
+            flips = "never" if cost.flips_at == math.inf else f"{cost.flips_at:,.0f}"
+            mark = "*" if cost is fit[0] else " "
+            rule = "  <- the book's X_opt" if cost.layout == self.rule else ""
+            cells = f"{_ms(cost.step_s):>9} {flips:>9} {human_bytes(int(cost.memory.total)):>9}"
+            lines.append(f"{mark} {_with_axes(cost):26} {cells}  {cost.verdict}{rule}")
+        out = [cost for cost in self.costs if not cost.fits]
+        rest = [f"{len(fit) - len(shown)} more fit, slower"] if len(fit) > len(shown) else []
+        if out:
+            small = min(out, key=lambda c: c.memory.total)
+            needs = human_bytes(int(small.memory.total))
+            rest.append(f"{len(out)} do not fit, the smallest {small.layout}: {needs}")
+        return "\n".join([*lines, f"  ({'; '.join(rest)})"] if rest else lines)
+
+
+def rank(model: Decoder, tokens: int, devices: int, hardware: Hardware | str) -> Ranking:
+    """``price`` every layout of ``devices``; those that fit first, fastest first (then the one that
+    waits least for its collectives, then the smaller).
+
+    ``rule``: on a torus, the FSDP x TP layout nearest the book's ``optimal_fsdp`` (TP on one axis).
+    """
+    _checks.count("rank: tokens", tokens, minimum=devices)
+    hardware = hardware_named(hardware)
+    costs = [price(model, layout, tokens, hardware) for layout in layouts(model, devices)]
+    costs.sort(key=lambda c: (not c.fits, c.step_s, c.bound, c.memory.total))
+    mixed = [c.layout for c in costs if c.layout.dp == 1 and c.layout.tp > 1]
+    best = optimal_fsdp(tokens, devices, model.hidden, fsdp_axes=max(1, hardware.axes - 1))
+    nearest = min(mixed, key=lambda layout: abs(math.log(layout.fsdp / best)), default=None)
+    rule = nearest if hardware.topology == "torus" else None
+    return Ranking(model, tokens, tuple(costs), rule)
+
+
+def _with_axes(cost: LayoutCost) -> str:
+    """The layout, with the torus axes of a dimension that takes more than one."""
+    axes = cost.layout.axes(cost.hardware) if cost.hardware.topology == "torus" else {}
+    many = {name: n for name, n in axes.items() if n > 1}
+    return " x ".join(
+        f"{name} {size}" + (f" ({many[name]:g} axes)" if name in many else "")
+        for name, size in cost.layout.ways().items()
+    ) or str(cost.layout)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+__all__ = [
+    "CHECKPOINTS",
+    "Layout",
+    "LayoutCost",
+    "Ranking",
+    "Sent",
+    "checkpoint_bytes",
+    "layouts",
+    "mixed_critical_batch",
+    "optimal_fsdp",
+    "price",
+    "rank",
+    "train_flops",
+    "train_seconds",
+]
