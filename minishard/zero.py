@@ -106,11 +106,14 @@ class ZeroStep:
     def shard(self, model: Any) -> Any:
         """A copy of ``model`` placed for the step (the step donates it): whole on every device
         (levels 1, 2), or each array as a flat vector split over the devices (level 3)."""
+        return self._placing(model)(model)
+
+    def _placing(self, model: Any) -> Any:
         self.shapes = jax.eval_shape(lambda: model)
         if self.level < 3:
             whole = NamedSharding(self.mesh, P())
-            return jax.jit(lambda m: jax.tree.map(jnp.copy, m), out_shardings=whole)(model)
-        return jax.jit(self._shards, out_shardings=self._split())(model)
+            return jax.jit(lambda m: jax.tree.map(jnp.copy, m), out_shardings=whole)
+        return jax.jit(self._shards, out_shardings=self._split())
 
     def gather(self, model: Any) -> Any:
         """The whole model again, on every device (level 3); the model itself at level 2."""
@@ -121,9 +124,18 @@ class ZeroStep:
 
     def init(self, model: Any) -> Any:
         """The optimizer's state for the *shards*: each device holds 1/N of each moment (velocity)."""
+        return self._initialising(model)(jax.eval_shape(self._shards, model))
+
+    def _initialising(self, model: Any) -> Any:
         shapes = jax.eval_shape(self.optimizer.init, jax.eval_shape(self._shards, model))
         placement = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._state_specs(shapes))
-        return jax.jit(self.optimizer.init, out_shardings=placement)(jax.eval_shape(self._shards, model))
+        return jax.jit(self.optimizer.init, out_shardings=placement)
+
+    def placed_shapes(self, model: Any) -> tuple[Any, Any]:
+        """``shard(model)`` and its ``init``, as shapes and layouts only (``jax.ShapeDtypeStruct``): what a
+        compiler for chips that are not here takes (``minishard.run.topology``)."""
+        placed = self._placing(model).eval_shape(model)
+        return placed, self._initialising(model).eval_shape(jax.eval_shape(self._shards, model))
 
     def _state_specs(self, state: Any) -> Any:
         """The step whole on every device; every model-shaped moment split, as the shards are."""
@@ -290,8 +302,9 @@ def zero_report(step: ZeroStep, args: tuple[Any, ...]) -> ZeroReport:
 
 
 def _one_device(tree: Any) -> int:
-    """The bytes of ``tree`` that its first device holds."""
-    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+    """The bytes of ``tree`` that one device holds (of arrays, or of their shapes and shardings)."""
+    leaves = jax.tree.leaves(tree)
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in leaves)
 
 
 __all__ = ["ZeroReport", "ZeroStep", "flat_padded", "unpadded", "zero_report", "zero_train_step"]

@@ -161,6 +161,25 @@ def test_explain_on_a_topology_prints_xla_tpus_report_and_both_programs(capsys):
     assert rows["reduce-scatter"].split()[2:] == ["x1", "213.0", "kB", "over", "data"]  # 98 rows padded: 104
 
 
+@pytest.mark.slow  # 9 s: ZeRO-3's shard_map step compiled by XLA:TPU
+def test_zero_s_own_step_compiles_for_a_topology_and_xla_tpu_gathers_the_big_weight_in_bf16(capsys):
+    assert main(["explain", "--parallel", "zero", "--topology", TOPOLOGY]) == 0
+    out = capsys.readouterr().out
+    assert f"(compiled by XLA:TPU for {TOPOLOGY} alone: a step of its own has no XLA:CPU twin here)" in out
+    # the matmul reads its weight in bf16 (TPU's default precision), so XLA:TPU converts before gathering:
+    # the 784 x 512 weight crosses in 2 bytes a number, the small ones in 4 (each padded to 8 x 640)
+    assert f"sent: all-gather {784 * 512 * 2 + 8 * 640 * 4:,} B + reduce-scatter 0 B" in out
+    assert "full-gradient all-reduce: 1,630,336 B" in out  # and it all-reduces the gradient, then slices
+
+
+@pytest.mark.slow  # 11 s: the pipeline's step compiled by XLA:TPU
+def test_a_pipeline_compiles_for_a_topology_with_the_bubble_read_from_xla_tpu_s_loop(capsys):
+    assert main(["explain", "--parallel", "dp+pp", "--topology", TOPOLOGY]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step on TPU v5e, 64 examples per device" in out
+    assert "bubble 0.273 from the program, 0.273 = (p-1)/(m+p-1)" in out  # 4 stages, 8 microbatches
+
+
 def test_without_libtpu_the_refusal_says_how_to_install_it(monkeypatch):
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "libtpu" else found(name))

@@ -251,7 +251,9 @@ def _compile_and_price(args: argparse.Namespace) -> int:
         return 0
     # one jit: the style's census, explain's and the price share it (on a topology, one lowering too)
     sharded = (LoweredOnce if args.topology else ShardedFunction)(step, Sharded(mesh, rules))
-    programs = on_cpu_and_tpu(sharded, step_args) if args.topology else []  # first: each compile timed
+    programs = on_cpu_and_tpu(sharded, step_args) if args.topology and not style.own_step else []
+    if args.topology and style.own_step:  # its model is built on the topology's mesh: no CPU twin
+        print(f"(compiled by XLA:TPU for {args.topology} alone: a step of its own has no XLA:CPU twin here)")
     if (status := style.explain_step(args, model, sharded, optimizer, built, batch)) is not None:
         return status
     report = explain(built, mesh, rules, sharded, step_args, args.hardware)
@@ -266,14 +268,14 @@ def _compile_and_price(args: argparse.Namespace) -> int:
 
 def _topology(args: argparse.Namespace, style: Style, error: Error) -> list[jax.Device]:
     """--topology: its devices, whose count is --devices and whose chips price the step (--hardware)."""
-    if args.compare or style.own_step:
-        refused = "--compare" if args.compare else f"--parallel {args.parallel} (a step of its own)"
-        error(f"argument --topology: compiles the Sharded step of one style, not {refused}")
+    if args.compare:
+        error("argument --topology: compiles the step of one style, not --compare")
     try:
         devices = tpu_devices(args.topology)
     except ValueError as refused_topology:
         error(f"argument --topology: {refused_topology}")
     args.devices, args.hardware = len(devices), args.hardware or hardware_of(args.topology)
+    args.chosen_devices = devices  # every mesh of this command: the topology's (flags.first_devices)
     return devices
 
 

@@ -97,8 +97,7 @@ class ZeroStyle(Style):
         their gradients; no gradient all-reduce."""
         n, mesh = args.devices, make_mesh({"data": args.devices}, devices=first_devices(args))
         step = self.step(optimizer, mesh, model.task)
-        placed = step.shard(built)
-        step_args = (placed, step.init(placed), batch)
+        step_args = (*step.placed_shapes(built), batch)  # shapes and layouts: a topology holds no arrays
         print(f"{args.model} under zero (ZeRO-{self.LEVEL} by hand) on {n} devices, batch {args.batch_size}")
         print(zero_report(step, step_args))
         if args.hardware:
