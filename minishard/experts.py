@@ -5,7 +5,8 @@ A dense transformer runs every token through one MLP. A mixture-of-experts (MoE)
 2: GShard): ``E`` times the parameters, ``k`` times the work per token. In four steps:
 
 1. **Routing.** Each token takes its ``k`` best experts, each expert has ``capacity`` slots;
-   a routing that finds them full is *dropped*. Two auxiliary losses keep the router honest.
+   a routing that finds them full is *dropped*. Two auxiliary losses keep the router honest;
+   ``with_stats(f)`` collects them, and the counts, from every ``MoE`` that ``f`` calls.
 2. **Dispatch and combine** (``MoE``): one-hot tensors and dense einsums, the tokens to every
    expert's slots ``[E, G, C, M]``, through the ``Experts`` (stacked on ``"expert"``), and back.
 3. **Expert parallelism by annotation**: a rule ``expert -> "expert"``; one ``constrain`` makes
@@ -18,7 +19,7 @@ The letters: ``G`` groups (the rows of a batch; each routes its own tokens), ``S
 group, ``M`` features, ``E`` experts, ``C`` slots per expert and group, ``H`` hidden units.
 
 >>> moe = MoE(4, k=2, capacity_factor=1.25, features=8, hidden=16, key=jax.random.key(0))
->>> y, stats = moe(jnp.ones((2, 6, 8)))   # 6 equal tokens: all pick the same 2 experts, 4 slots each
+>>> y, stats = with_stats(moe)(jnp.ones((2, 6, 8)))   # 6 equal tokens pick the same 2 experts, 4 slots each
 >>> y.shape, capacity(6, 4, 2, 1.25), int(stats.routed), int(stats.dropped)
 ((2, 6, 8), 4, 24, 8)
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -129,7 +130,7 @@ def z_loss(logits: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MoEStats:
-    """What an ``MoE`` call reports besides its output, a pytree: ``y, stats = moe(x)``.
+    """What an ``MoE`` call reports besides its output, a pytree: ``y, stats = with_stats(moe)(x)``.
 
     * ``aux_loss``: ``balance_weight · balance_loss + z_weight · z_loss``, to add to the training loss;
     * ``balance_loss``, ``z_loss``: the two unweighted, to watch;
@@ -141,6 +142,48 @@ class MoEStats:
     z_loss: jax.Array
     dropped: jax.Array
     routed: jax.Array
+
+
+# An MoE returns its output alone, as a dense MLP does, and hands its stats to whoever asks for them:
+# Flax's ``sow`` into "intermediates" (MaxText's load-balancing loss), as a function transform.
+_collections: list[list[MoEStats]] = []
+"""The open collections, innermost last. A module global is safe: tracing is one Python thread, and
+``with_stats`` opens and closes its collection inside one trace, so no kept tracer outlives it."""
+
+
+def keep(stats: MoEStats | None) -> None:
+    """Hand ``stats`` to the innermost open collection. With none open (sampling, a plain forward)
+    they are not kept; None (a dense block's, handed on from inside a transformation) is nothing."""
+    if _collections and stats is not None:
+        _collections[-1].append(stats)
+
+
+def with_stats(f: Callable[..., Any]) -> Callable[..., tuple[Any, MoEStats | None]]:
+    """``f`` made to return ``(f(...), stats)``, as ``jax.value_and_grad`` returns a value beside its
+    gradient: the ``MoEStats`` of every ``MoE`` that ``f`` called, added up leaf by leaf in call
+    order (losses and counts), or None when no MoE ran.
+
+    A kept value is a tracer of the trace that made it. A transformation inside ``f`` traces
+    its own function (``jax.checkpoint``, ``lax.scan``, ``vmap``, ``shard_map``, ``jit``): wrap that
+    function, return its stats and ``keep`` them outside (``transformer.apply_blocks`` under remat).
+    Around ``jit``, wrap what it compiles: ``jax.jit(with_stats(f))``.
+
+    >>> moe, x = MoE(4, k=2, features=8, hidden=16, key=jax.random.key(0)), jnp.ones((2, 6, 8))
+    >>> moe(x).shape, int(with_stats(moe)(x)[1].routed)   # called alone: the output alone, as a dense MLP's
+    ((2, 6, 8), 24)
+    >>> int(with_stats(lambda x: moe(moe(x)))(x)[1].routed), with_stats(jnp.sin)(x)[1]   # two MoEs; none
+    (48, None)
+    """
+
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, MoEStats | None]:
+        _collections.append([])
+        try:
+            out = f(*args, **kwargs)
+        finally:
+            kept = _collections.pop()  # closed, even when f raises
+        return out, functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), kept) if kept else None
+
+    return run
 
 
 # --- 2. the layer: dispatch, the experts, combine ---------------------------------------------
@@ -178,13 +221,13 @@ class Experts(Layer):
 
 
 class MoE(Layer):
-    """A mixture-of-experts MLP: ``y, stats = moe(x)``, ``x`` of shape ``[..., S, M]``.
+    """A mixture-of-experts MLP: ``y = moe(x)``, ``x`` of shape ``[..., S, M]``, as a dense MLP.
 
     The leading dimensions are groups (a GPT's ``[batch, sequence, features]``: one per sequence),
     each routing its ``S`` tokens into ``capacity(S, ...)`` slots per expert. A dropped routing
-    adds nothing: ``x + y`` keeps the token's residual. A Layer is a pure function, with nothing to
-    ``sow`` into, so the losses and counts come back as ``MoEStats``, a second output the model
-    threads to its loss. ``parallel``: an ``ExpertParallel`` runs it by hand (section 4).
+    adds nothing: ``x + y`` keeps the token's residual. The losses and counts, an ``MoEStats``,
+    go to the innermost ``with_stats`` (``keep``), the one thing a call does besides computing ``y``
+    (while tracing: the program stays pure). ``parallel``: an ``ExpertParallel`` runs it by hand (section 4).
     """
 
     param_fields = ("router", "experts")
@@ -214,12 +257,15 @@ class MoE(Layer):
         self.n_experts, self.k, self.capacity_factor = int(n_experts), int(k), float(capacity_factor)
         self.balance_weight, self.z_weight, self.parallel = float(balance_weight), float(z_weight), parallel
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+    def __call__(self, x: jax.Array) -> jax.Array:
         _checks.moe_input(x, self.router.in_features)
         if self.parallel is not None:
-            return all_to_all_moe(self, x, self.parallel)
+            y, stats = all_to_all_moe(self, x, self.parallel)
+            keep(stats)
+            return y
         groups = x.reshape(-1, *x.shape[-2:])  # [G, S, M]
         dispatch, combine, stats = self.route(groups)
+        keep(stats)  # to the innermost with_stats, if one is open
         slot_axes = ("expert", *activation_axes(3, None, "embed"))  # [E, G, C, M]; see section 3
         with jax.named_scope("dispatch"):  # XLA's all-to-alls keep the scope's name (section 4)
             slots = constrain(jnp.einsum("gsm,gsec->egcm", groups, dispatch), slot_axes)  # to every expert
@@ -227,7 +273,7 @@ class MoE(Layer):
             out = constrain(self.experts(slots), slot_axes)
         with jax.named_scope("combine"):
             y = jnp.einsum("egcm,gsec->gsm", out, combine)  # each token: its experts' outputs, weighted
-        return y.reshape(x.shape), stats
+        return y.reshape(x.shape)
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, MoEStats]:
         """``[G, S, M]`` tokens -> ``dispatch``, ``combine`` ``[G, S, E, C]`` and the ``MoEStats``."""
@@ -239,6 +285,16 @@ class MoE(Layer):
         balance, z = balance_loss(probs, experts), z_loss(logits)
         aux = self.balance_weight * balance + self.z_weight * z
         return dispatch, combine, MoEStats(aux, balance, z, dropped, jnp.array(experts.size, jnp.int32))
+
+
+def moe_layers(model: Any) -> tuple[MoE, ...]:
+    """Every ``MoE`` in ``model``, first to last (the pytree's order); none in a dense model.
+
+    >>> len(moe_layers([MoE(4, features=8, hidden=16, key=jax.random.key(0)), jnp.ones(3)]))
+    1
+    """
+    nodes = jax.tree.leaves(model, is_leaf=lambda node: isinstance(node, MoE))
+    return tuple(node for node in nodes if isinstance(node, MoE))
 
 
 # --- 3. expert parallelism by annotation ------------------------------------------------------
@@ -267,7 +323,7 @@ class ExpertParallel:
 
 
 def all_to_all_moe(moe: MoE, x: jax.Array, parallel: ExpertParallel) -> tuple[jax.Array, MoEStats]:
-    """``moe(x)`` with the experts spread over ``parallel.expert_axis``, every collective on the screen.
+    """``with_stats(moe)(x)`` with the experts over ``parallel.expert_axis``, every collective on the screen.
 
     The router is whole on every device, the experts split by the layer's own annotations. The
     two ``all_to_all``\\ s each move one device's slots, ``E · G/D · C · M`` numbers; ``jax.grad``
@@ -314,8 +370,9 @@ class ExpertReport:
     >>> moe = MoE(8, k=2, features=8, hidden=16, key=jax.random.key(0), parallel=ExpertParallel(mesh))
     >>> moe = ms.shard(moe, mesh, AxisRules(expert="expert", embed=None, mlp=None))
     >>> x = jax.random.normal(jax.random.key(1), (8, 6, 8))   # 8 groups of 6 tokens: 2 per device
-    >>> forward = jax.jit(lambda moe, x: moe(x)).lower(moe, x)
-    >>> report = expert_report(forward, moe.experts.w_in, moe(x)[1], groups=2, slots=capacity(6, 8, 2, 1.25))
+    >>> forward = jax.jit(lambda moe, x: with_stats(moe)(x)).lower(moe, x)
+    >>> stats = with_stats(moe)(x)[1]
+    >>> report = expert_report(forward, moe.experts.w_in, stats, groups=2, slots=capacity(6, 8, 2, 1.25))
     >>> report.found["all-to-all"].bytes == report.formula[1]
     True
     >>> hlo = forward.compile().as_text().splitlines()   # each all-to-all named by its scope
@@ -388,6 +445,9 @@ __all__ = [
     "capacity",
     "dispatch_and_combine",
     "expert_report",
+    "keep",
+    "moe_layers",
     "top_k",
+    "with_stats",
     "z_loss",
 ]

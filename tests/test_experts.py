@@ -9,6 +9,7 @@ XLA's rendezvous otherwise).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -28,9 +29,13 @@ from minishard.experts import (
     all_to_all_moe,
     balance_loss,
     capacity,
+    keep,
     top_k,
+    with_stats,
     z_loss,
 )
+from minishard.models.gpt import GPT
+from minishard.models.transformer import Block, apply_blocks, moe_mlp
 from minishard.rules import ShardingError
 from minishard.testing import assert_layout, assert_moe_equivalent, expert_parallels, moe_reference, moes
 
@@ -39,7 +44,7 @@ KEY = jax.random.key(0)
 
 
 def apply(moe, x):  # for Sharded: a plain function, traced anew under each one's rules
-    return moe(x)
+    return with_stats(moe)(x)
 
 
 forward = jax.jit(apply)  # one function: jit's cache holds a program per shape (and its first trace)
@@ -157,6 +162,94 @@ def test_a_router_that_cannot_choose_balances_and_one_that_always_chooses_one_ex
     assert float(jax.jit(z_loss)(jnp.zeros((2, 6, 4)))) == pytest.approx(math.log(4) ** 2)
 
 
+# -- the stats, collected: with_stats and keep ---------------------------------------------------
+def added(*stats):
+    return functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), stats)
+
+
+def assert_same_stats(got, want):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+def test_with_stats_adds_up_every_moe_it_calls_in_call_order():
+    first, second, x = random_moe(seed=1), random_moe(n_experts=4, k=1, seed=2), tokens(2, 8)
+    y, stats = jax.jit(with_stats(lambda x: second(first(x))))(x)
+    middle, first_stats = jax.jit(with_stats(first))(x)
+    out, second_stats = jax.jit(with_stats(second))(middle)
+    np.testing.assert_array_equal(y, out)
+    assert_same_stats(stats, added(first_stats, second_stats))
+    assert int(stats.routed) == 2 * 8 * (2 + 1)  # both layers' routings, k = 2 then 1
+    assert jax.jit(with_stats(jnp.sin))(x)[1] is None  # no MoE ran
+
+
+def test_an_inner_collection_keeps_its_stats_unless_they_are_handed_on():
+    moe, x = random_moe(), tokens(2, 8)
+    (_, one), (_, none), (_, handed_on) = (
+        with_stats(moe)(x),
+        with_stats(lambda x: with_stats(moe)(x)[0])(x),
+        with_stats(lambda x: keep(with_stats(moe)(x)[1]))(x),
+    )
+    assert none is None
+    assert_same_stats(handed_on, one)
+
+
+def test_a_collection_closes_when_its_function_raises():
+    moe, x = random_moe(), tokens(2, 8)
+
+    def failing(x):
+        moe(x)
+        raise ZeroDivisionError
+
+    def outer(x):
+        with pytest.raises(ZeroDivisionError):
+            with_stats(failing)(x)
+        return moe(x)  # to outer's collection, not to the failed one's
+
+    assert_same_stats(with_stats(outer)(x)[1], with_stats(moe)(x)[1])
+
+
+def blocks_loss(blocks, x, remat):
+    y, stats = with_stats(apply_blocks)(blocks, x, remat=remat)
+    return jnp.sum(jnp.sin(y)) + stats.aux_loss, stats
+
+
+@functools.cache
+def moe_blocks():
+    """Two pre-norm blocks, each MLP 4 experts: what ``apply_blocks`` wraps in ``jax.checkpoint``."""
+    keys = jax.random.split(KEY, 2)
+    return tuple(Block(FEATURES, 2, HIDDEN, key=k, causal=True, mlp=moe_mlp(4, k=2)) for k in keys)
+
+
+def test_under_remat_the_gradients_and_the_stats_equal_the_plain_ones_and_no_tracer_leaks():
+    blocks, x = moe_blocks(), tokens(2, 8)
+    with jax.checking_leaks():  # a tracer kept inside jax.checkpoint's trace would be caught here
+        runs = {
+            remat: jax.jit(jax.value_and_grad(blocks_loss, has_aux=True), static_argnums=2)(blocks, x, remat)
+            for remat in (False, True)
+        }
+    (plain_loss, plain_stats), plain_grads = runs[False]
+    (remat_loss, remat_stats), remat_grads = runs[True]
+    assert int(plain_stats.routed) == 2 * 2 * 8 * 2  # both blocks' routings: the stats left checkpoint
+    assert_same_stats(remat_stats, plain_stats)
+    np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-6)
+    for (path, a), b in zip(ms.tree.named_leaves(remat_grads), jax.tree.leaves(plain_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=path)
+    assert float(jnp.abs(plain_grads[0].mlp.router.weight).sum()) > 0  # the aux loss reaches the router
+
+
+def test_a_plain_moe_gpt_returns_its_logits_alone_and_keeps_nothing():
+    model = GPT(vocab=5, context=8, width=16, depth=2, heads=2, key=KEY, mlp=moe_mlp(4, k=2))
+    ids = jnp.zeros((2, 8), jnp.int32)
+    forward = jax.jit(lambda m, ids: m(ids))
+    with jax.checking_leaks():  # a kept tracer outliving its trace would be caught here
+        logits = [forward(model, ids) for _ in range(2)]  # traced once, then from jit's cache
+    assert all(isinstance(out, jax.Array) and out.shape == (2, 8, 5) for out in logits)
+    counted, stats = jax.jit(with_stats(model))(ids)
+    np.testing.assert_array_equal(counted, logits[0])
+    assert int(stats.routed) == 2 * 2 * 8 * 2  # the collection opened after still gets both blocks'
+
+
 # -- 2. expert parallelism by annotation -----------------------------------------------------------
 EP_RULES = ms.AxisRules.from_pairs(
     [("expert", "expert"), ("batch", "expert"), ("embed", None), ("mlp", None)]
@@ -219,6 +312,11 @@ def test_by_hand_equals_one_device_on_every_mesh_that_splits_the_experts(data):
     )
 
 
+def summed_with_aux_loss(moe, x):
+    y, stats = apply(moe, x)
+    return jnp.sum(y) + stats.aux_loss
+
+
 @pytest.mark.parametrize(
     "parallel", [ExpertParallel(ms.make_mesh({"expert": 8})), DP_EP], ids=["ep", "dp+ep"]
 )
@@ -229,7 +327,7 @@ def test_one_layer_sends_two_all_to_alls_forward_four_with_the_backward(parallel
     found = collectives(forward.lower(moe, x))["all-to-all"]
     assert (found.count, found.bytes, found.mesh_axes) == (2, 2 * slots * FEATURES * 4, (("expert",),))
     # with respect to x too, as in a model whose earlier layers learn: else the fourth is dead code
-    grad = jax.jit(jax.grad(lambda m, x: jnp.sum(m(x)[0]) + m(x)[1].aux_loss, argnums=(0, 1)))
+    grad = jax.jit(jax.grad(summed_with_aux_loss, argnums=(0, 1)))
     found = collectives(grad.lower(moe, x))["all-to-all"]
     assert (found.count, found.bytes) == (4, 4 * slots * FEATURES * 4)
 

@@ -18,6 +18,7 @@ import minishard as ms
 from minishard import context as cx
 from minishard import pipeline as pp
 from minishard.constraints import LogicalSharding
+from minishard.experts import with_stats
 from minishard.models import gpt
 from minishard.models.attention import ATTENTION_CORES, Attention, KVCache
 from minishard.models.transformer import moe_mlp
@@ -465,12 +466,12 @@ def moe_gpt(capacity_factor):
 
 def loss_and_grads(model, batch):
     (loss, _), grads = jax.value_and_grad(next_token_loss, has_aux=True)(model, batch)
-    return loss, grads, model.routed(batch["inputs"])[1]
+    return loss, grads, with_stats(model)(batch["inputs"])[1]
 
 
 def test_an_moe_gpt_adds_its_routers_losses_and_keeps_the_dense_gpts_active_parameters():
     model, batch = moe_gpt(1.25), small_batch()
-    logits, stats = jax.jit(lambda m, ids: m.routed(ids))(model, batch["inputs"])
+    logits, stats = jax.jit(lambda m, ids: with_stats(m)(ids))(model, batch["inputs"])
     mlp = model.blocks[0].mlp
     assert mlp.experts.w_in.shape == (8, SMALL["width"], 4 * SMALL["width"] // 2)  # k of them: 4 x width
     assert int(stats.routed) == SMALL["depth"] * BATCH * SMALL["context"] * 2  # every block, every token, k
@@ -497,5 +498,5 @@ def test_an_moe_gpt_under_expert_parallelism_equals_it_on_one_device(style):
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     for (path, got), want in zip(ms.tree.named_leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=path)
-    forward = ms.Sharded(mesh, rules)(lambda m, ids: m.routed(ids)).lower(model, batch["inputs"])
+    forward = ms.Sharded(mesh, rules)(lambda m, ids: with_stats(m)(ids)).lower(model, batch["inputs"])
     assert ms.collectives(forward)["all-to-all"].count == 2 * SMALL["depth"]  # tokens out and home, per block

@@ -68,7 +68,7 @@ CHAPTERS = {
     "zero": 300,
     "context": 428,
     "sequence": 200,
-    "experts": 395,
+    "experts": 455,  # issue 43 §4: with_stats and keep (45 lines), moe_layers (10): the MoE's stats collected
     "memory": 405,
     "serving": 230,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too
     "layouts": 340,
@@ -419,3 +419,38 @@ def test_the_reaching_in_scan_finds_a_model_name_and_a_path_into_blocks():
         'models = ("gpt",)\nw = built.blocks[0].mlp.experts.w_in\nn = len(built.blocks)  # "GPT" in prose\n'
     )
     assert reaching_in(source) == ["1: 'gpt'", "2: .blocks["]
+
+
+# -- one shape of result: no routed twins, no switch on an MLP's output ------------------------------
+def mlp_switches(source: str) -> list[str]:
+    """``line: what`` for each ``routed`` function or call and each ``isinstance`` on an MLP or its output."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and "routed" in node.name:
+            found.append(f"{node.lineno}: def {node.name}")
+        elif isinstance(node, ast.Call) and "routed" in ast.unparse(node.func).split(".")[-1]:
+            found.append(f"{node.lineno}: {ast.unparse(node.func)}(...)")
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "isinstance"
+            and any(word in ast.unparse(node) for word in ("mlp", "MoE", "tuple", "out"))
+        ):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_every_block_returns_one_shape_of_result():
+    wrong = [
+        f"{path.relative_to(PACKAGE)}:{found}"
+        for path in [*sorted((PACKAGE / "models").rglob("*.py")), PACKAGE / "run" / "next_token.py"]
+        for found in mlp_switches(path.read_text())
+    ]
+    assert not wrong, f"an MoE is called as a dense MLP; its stats come from with_stats: {wrong}"
+
+
+def test_the_mlp_switch_scan_finds_the_old_twins():
+    source = (
+        "def routed(self, x):\n    y, stats = out if isinstance(out, tuple) else (out, None)\n"
+        "x, s = routed_blocks(blocks, x)\nif isinstance(model.blocks[0].mlp, MoE):\n    pass\n"
+    )
+    assert sorted(line.split(":")[0] for line in mlp_switches(source)) == ["1", "2", "3", "4"]

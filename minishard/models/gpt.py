@@ -37,8 +37,9 @@ attention over the tokens at ``positions``: the run side deals each batch out zi
 devices of "context" (``minishard.run.next_token``); ``docs/context.md`` measures it against ``dp``.
 
 ``GPT(mlp=moe_mlp(8, k=2))`` makes every MLP a mixture of experts
-(``minishard.experts``): ``routed`` returns the logits and the blocks'
-``MoEStats`` added up, which the training loss adds (``minishard.run.next_token``).
+(``minishard.experts``), the same function of its ids: ``with_stats(model)(ids)``
+gives the logits and the blocks' ``MoEStats`` added up, which the training loss
+adds (``minishard.run.next_token``).
 
 Decoding keeps a ``KVCache`` per block (``init_cache``): ``decode`` runs only
 the new tokens through the blocks, each attending to the cached keys and
@@ -67,10 +68,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from minishard.constraints import activation_axes, as_activation, constrain, output_sharding
-from minishard.experts import MoE, MoEStats
+from minishard.experts import moe_layers
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key
 from minishard.models.attention import KVCache
-from minishard.models.transformer import Block, LayerNorm, MLPBuilder, dense_mlp, routed_blocks
+from minishard.models.transformer import Block, LayerNorm, MLPBuilder, apply_blocks, dense_mlp
 from minishard.pipeline import StackedModel, stack
 from minishard.rules import LogicalAxes
 
@@ -162,15 +163,11 @@ class GPT(Layer):
         self.remat = bool(remat)
 
     def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        return self.routed(ids, positions)[0]
-
-    def routed(self, ids: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, MoEStats | None]:
-        """The logits, and the blocks' ``MoEStats`` added up (None with dense MLPs): what the loss adds."""
         # The tokens' states as the rules lay out activations: left to XLA, the gather would take the
         # table's layout (under fsdp "embed" over "data") and every device compute the whole batch.
         x = constrain(self.embedding(ids, positions), activation_axes(3, "seq", "embed"))
-        x, stats = routed_blocks(self.blocks, x, positions, remat=self.remat)
-        return self.head(self.norm(x)), stats
+        x = apply_blocks(self.blocks, x, positions, remat=self.remat)
+        return self.head(self.norm(x))
 
     def decode(
         self, ids: jax.Array, start: jax.Array, caches: tuple[KVCache, ...]
@@ -201,7 +198,7 @@ def as_stacked(model: GPT) -> StackedModel:
     it, outside the pipeline. Same parameters, same function (no remat);
     ``minishard.pipeline.unstack`` gives the GPT back (a pipeline's checkpoint decodes so).
     """
-    if isinstance(model.blocks[0].mlp, MoE):
+    if moe_layers(model):  # its stages run in a lax.scan, whose trace would keep their stats
         raise ValueError("as_stacked: a pipeline carries no MoEStats out of its stages; stack a dense GPT")
     return stack(model.embedding, model.blocks, Sequential([model.norm, model.head]))
 

@@ -9,12 +9,13 @@ or characters in and the next character out. What they share lives here, once:
   multi-head self-attention, heads as a dimension of their own;
 * ``dense_mlp``: the Megatron MLP, ``Linear(embed -> mlp)``, Swish, ``Linear(mlp -> embed)``;
   ``Block(..., mlp=...)`` takes any other builder of the same arguments: ``moe_mlp``'s mixture
-  of experts (``minishard.experts``), whose ``(y, MoEStats)`` the blocks add up (``routed``);
+  of experts (``minishard.experts``), called as the dense MLP is (its stats: ``with_stats``);
 * ``Block``: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``; ``cached``
   runs it on new tokens only, reading and extending a ``KVCache``. Where the rules
   split "seq", its residual stream is pinned there (``residual_stream``): under
   ``tp+sp`` that is Megatron's sequence parallelism, under ``cp`` the tokens stay put;
-* ``apply_blocks``: the blocks in order, each one optionally rematerialised.
+* ``apply_blocks``: the blocks in order, each one optionally rematerialised (an MoE's stats
+  handed out of ``jax.checkpoint``'s trace, never left in it).
 
 >>> import jax, jax.numpy as jnp
 >>> block = Block(8, 2, 16, key=jax.random.key(0), causal=True)
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from minishard.constraints import activation_axes, as_activation, constrain, environment
-from minishard.experts import MoE, MoEStats
+from minishard.experts import MoE, keep, with_stats
 from minishard.layers import Layer, Sequential, mlp
 from minishard.models.attention import Attention, KVCache
 from minishard.rules import LogicalAxes
@@ -81,7 +82,7 @@ def dense_mlp(width: int, hidden: int, *, key: jax.Array) -> Sequential:
 
 MLPBuilder = Callable[..., Layer]
 """``builder(width, hidden, *, key) -> Layer`` from ``[..., width]`` to ``[..., width]``, as ``dense_mlp``
-(or to ``(y, MoEStats)``, as ``moe_mlp``'s)."""
+and ``moe_mlp``'s."""
 
 
 def moe_mlp(n_experts: int, k: int = 2, capacity_factor: float = 1.25, **options: Any) -> MLPBuilder:
@@ -131,25 +132,18 @@ class Block(Layer):
         self.mlp: Any = mlp(width, hidden, key=k_mlp)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        return self.routed(x, positions)[0]
-
-    def routed(self, x: jax.Array, positions: jax.Array | None = None) -> tuple[jax.Array, MoEStats | None]:
-        """The block, and what its MLP reports besides its output: an ``MoE``'s stats, else None."""
         x = residual_stream(x)
         x = residual_stream(x + self.attention(self.norm1(x), positions))
-        y, stats = self.residual_mlp(x)
-        return residual_stream(y), stats
+        return residual_stream(self.residual_mlp(x))
 
     def cached(self, x: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """The block on new tokens only, their keys and values added to ``cache``."""
         mixed, cache = self.attention.cached(self.norm1(x), positions, cache)
-        return self.residual_mlp(x + mixed)[0], cache
+        return self.residual_mlp(x + mixed), cache
 
-    def residual_mlp(self, x: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+    def residual_mlp(self, x: jax.Array) -> jax.Array:
         """``x + mlp(norm(x))``: a dropped routing adds nothing, the token keeps its residual."""
-        out = self.mlp(self.norm2(x))
-        y, stats = out if isinstance(out, tuple) else (out, None)  # an MoE: (y, MoEStats)
-        return x + y, stats
+        return x + self.mlp(self.norm2(x))
 
 
 def residual_stream(x: jax.Array) -> jax.Array:
@@ -166,31 +160,31 @@ def residual_stream(x: jax.Array) -> jax.Array:
     return constrain(x, stream)
 
 
-def _call_block(block: Block, x: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, Any]:
+def _call_block(block: Block, x: jax.Array, positions: jax.Array | None) -> jax.Array:
     """A block as a function of (parameters, input): the form ``jax.checkpoint`` wraps."""
-    return block.routed(x, positions)
+    return block(x, positions)
 
 
 # Remat: keep nothing from inside a block for the backward pass; recompute it from the block's input.
-_remat_block = jax.checkpoint(_call_block, policy=jax.checkpoint_policies.nothing_saveable)
+# jax.checkpoint traces the block on its own: an MoE's stats leave that trace as an output.
+_checkpointed = jax.checkpoint(with_stats(_call_block), policy=jax.checkpoint_policies.nothing_saveable)
+
+
+def _remat_block(block: Block, x: jax.Array, positions: jax.Array | None) -> jax.Array:
+    """``_call_block`` rematerialised; its MoEStats (None if dense) handed on to the open collection."""
+    x, stats = _checkpointed(block, x, positions)
+    keep(stats)
+    return x
 
 
 def apply_blocks(
     blocks: tuple[Block, ...], x: jax.Array, positions: jax.Array | None = None, *, remat: bool = False
 ) -> jax.Array:
     """The blocks in order; with ``remat``, each wrapped in ``jax.checkpoint`` (``nothing_saveable``)."""
-    return routed_blocks(blocks, x, positions, remat=remat)[0]
-
-
-def routed_blocks(
-    blocks: tuple[Block, ...], x: jax.Array, positions: jax.Array | None = None, *, remat: bool = False
-) -> tuple[jax.Array, MoEStats | None]:
-    """``apply_blocks``, and the blocks' ``MoEStats`` added up (losses and counts): None if all dense."""
-    call, total = _remat_block if remat else _call_block, None
+    call = _remat_block if remat else _call_block
     for block in blocks:  # a loop over layers (unrolled by jit), never over examples
-        x, stats = call(block, x, positions)
-        total = stats if total is None else jax.tree.map(jnp.add, total, stats)  # every block alike
-    return x, total
+        x = call(block, x, positions)
+    return x
 
 
 __all__ = [
@@ -201,5 +195,4 @@ __all__ = [
     "dense_mlp",
     "moe_mlp",
     "residual_stream",
-    "routed_blocks",
 ]

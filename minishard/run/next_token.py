@@ -11,8 +11,9 @@ here, on the run side, as nanoGPT keeps its model file apart from ``train.py``:
   (``minishard.run.steps``) is the GPT's step under every style, ``zero_train_step``'s too;
 * ``next_token_sums``: what an evaluation adds up over a split's padded batches.
 
-A model of ``MoE`` MLPs reports their ``MoEStats`` beside its logits (``model.routed``):
-the loss adds their auxiliary losses, an evaluation the share of routings dropped.
+Any model is called through ``with_stats`` (``minishard.experts``): a model of ``MoE`` MLPs
+reports their ``MoEStats`` beside its logits, and the loss adds their auxiliary losses, an
+evaluation the share of routings dropped; a dense one reports None.
 
 >>> import jax, numpy as np
 >>> from minishard.models.gpt import GPT
@@ -33,9 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from minishard.context import positions as held_positions
+from minishard.experts import with_stats
 from minishard.losses import Batch, accuracy, cross_entropy, one_hot
 from minishard.models.attention import SEQUENCE_LAYOUT, sequence_axis
-from minishard.models.gpt import GPT
 
 __all__ = ["in_sequence_layout", "next_token_loss", "next_token_sums"]
 
@@ -56,19 +57,13 @@ def in_sequence_layout(model: Any, batch: Batch) -> tuple[Callable[[jax.Array], 
     return functools.partial(model, positions=order), dealt
 
 
-def _routed(model: Any) -> Callable[..., Any]:
-    """``model`` as ``(ids, positions=) -> (logits, MoEStats or None)``."""
-    # a StackedModel (pp, dp+pp) has dense blocks only: no stats
-    return model.routed if isinstance(model, GPT) else lambda ids, **kw: (model(ids, **kw), None)
-
-
 def next_token_loss(model: Any, batch: Batch) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Cross-entropy of every next token (nats per token), and the fraction guessed right: a ``Loss``.
 
     A GPT of MoE MLPs (``transformer.moe_mlp``) adds their auxiliary losses, ``stats.aux_loss``.
     """
-    held, batch = in_sequence_layout(_routed(model), batch)
-    logits, stats = held(batch["inputs"])
+    held, batch = in_sequence_layout(model, batch)
+    logits, stats = with_stats(held)(batch["inputs"])
     loss = cross_entropy(logits, one_hot(batch["targets"], logits.shape[-1]))
     return loss if stats is None else loss + stats.aux_loss, (accuracy(logits, batch["targets"]),)
 
@@ -76,8 +71,8 @@ def next_token_loss(model: Any, batch: Batch) -> tuple[jax.Array, tuple[jax.Arra
 def next_token_sums(model: Any, batch: Batch) -> dict[str, jax.Array]:
     """The summed loss of the real windows of a (possibly padded) batch, how many are real (``count``),
     and with MoE MLPs the share of routings their capacity dropped (``dropped``, times ``count``)."""
-    held, batch = in_sequence_layout(_routed(model), batch)
-    logits, stats = held(batch["inputs"])
+    held, batch = in_sequence_layout(model, batch)
+    logits, stats = with_stats(held)(batch["inputs"])
     per_window = jax.vmap(lambda lg, t: cross_entropy(lg, one_hot(t, lg.shape[-1])))(logits, batch["targets"])
     sums = {"loss": (per_window * batch["mask"]).sum(), "count": batch["mask"].sum()}
     if stats is None:  # dense MLPs (or stacked for a pipeline): nothing routed

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from minishard import pipeline
-from minishard.experts import MoE, MoEStats
+from minishard.experts import MoE
 from minishard.optim import Optimizer
 from minishard.run.cli.flags import Error, Flag
 from minishard.run.data import EvalData, TrainingData
@@ -69,11 +69,11 @@ class SequenceSplit:
 
 @dataclasses.dataclass(frozen=True)
 class ExpertSplit:
-    """Where a model's mixtures of experts are (ep, dp+ep), and a forward pass that counts their routings."""
+    """Where a model's mixtures of experts are (ep, dp+ep), and inputs for a forward pass that counts
+    their routings (``with_stats(model)(inputs)``)."""
 
     flag: str  # the flag of the experts per layer (0: dense MLPs)
     layers: Callable[[Any], tuple[MoE, ...]]  # the built model's MoE layers, first to last
-    forward: Callable[[Any, Any], tuple[Any, MoEStats]]  # (model, inputs): outputs, the MoEStats added up
     inputs: Callable[[Args, Any], jax.Array]  # (args, built): a batch of random inputs, args.batch_size
 
 

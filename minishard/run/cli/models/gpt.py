@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from minishard.experts import moe_layers
 from minishard.models.gpt import GPT, stacked_gpt, stream
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, warmup_cosine_decay
@@ -30,7 +31,6 @@ from minishard.run.cli.models.transformer import (
     check_depth_stages,
     check_heads,
     depth_over_stages,
-    moe_layers,
     ring_cores,
 )
 from minishard.run.next_token import next_token_loss, next_token_sums
@@ -50,7 +50,6 @@ __all__ = [
     "gpt_splits",
     "nanogpt_batch",
     "random_windows",
-    "routed",
 ]
 
 
@@ -181,14 +180,9 @@ def random_windows(args: Args, model: Any) -> jax.Array:
     return jax.random.randint(jax.random.key(0), (args.batch_size, args.context), 0, vocab)
 
 
-def routed(model: Any, ids: jax.Array) -> Any:
-    """A forward pass, the logits and the ``MoEStats``: what ``explain`` compiles under an expert style."""
-    return model.routed(ids)  # the logits too: without them XLA drops the last block's all-to-alls
-
-
 TEXT_SEQUENCE = SequenceSplit("context", ring=ring_cores, attention=attention_shape)
 """A text model's windows of ``--context`` characters over "context" (cp, dp+cp): its attention a ring."""
-TEXT_EXPERTS = ExpertSplit("experts", layers=moe_layers, forward=routed, inputs=random_windows)
+TEXT_EXPERTS = ExpertSplit("experts", layers=moe_layers, inputs=random_windows)
 """A text model's ``--experts`` over "expert" (ep, dp+ep): its blocks' MoE MLPs."""
 
 

@@ -2,8 +2,8 @@
 
 Heads must divide the width, and under a pipeline the depth rounds up to, and
 splits over, the stages. A model whose ``blocks`` are ``transformer.Block`` offers
-the styles the operations ``SequenceSplit`` and ``ExpertSplit`` ask for with
-``ring_cores``, ``attention_shape`` and ``moe_layers``.
+the styles the operations ``SequenceSplit`` asks for with ``ring_cores`` and
+``attention_shape`` (``ExpertSplit``'s, ``moe_layers``, is the chapter's: ``minishard.experts``).
 
 >>> sorted(TRANSFORMER_FLAGS)
 ['depth', 'heads', 'mlp_ratio', 'remat', 'width']
@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from minishard.experts import MoE
 from minishard.run.cli.flags import Error, Flag, at_least
 from minishard.run.cli.models.entry import Args
 
@@ -24,7 +23,6 @@ __all__ = [
     "check_depth_stages",
     "check_heads",
     "depth_over_stages",
-    "moe_layers",
     "ring_cores",
 ]
 
@@ -62,11 +60,6 @@ def attention_shape(model: Any) -> tuple[int, int, int]:
     """``(attention layers, heads, head_dim)`` of ``model``'s blocks: what a ring sends per layer."""
     attention = model.blocks[0].attention  # every block alike
     return len(model.blocks), attention.heads, attention.width // attention.heads
-
-
-def moe_layers(model: Any) -> tuple[MoE, ...]:
-    """``model``'s mixtures of experts, block by block (none with dense MLPs)."""
-    return tuple(block.mlp for block in model.blocks if isinstance(block.mlp, MoE))
 
 
 TRANSFORMER_FLAGS = {

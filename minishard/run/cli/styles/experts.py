@@ -11,10 +11,11 @@ one forward pass's all-to-alls against the formula, the routings it drops.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 
-from minishard.experts import capacity, expert_report
+from minishard.experts import MoEStats, capacity, expert_report, with_stats
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import Error, first_devices
 from minishard.run.cli.models.entry import ModelEntry
@@ -76,7 +77,7 @@ class ExpertStyle(Style):
         built = shard(self.build(model, args, jax.random.key(0)), mesh, rules)
         moe, *_ = layers = model.experts.layers(built)  # every layer alike
         inputs = model.experts.inputs(args, built)
-        forward = Sharded(mesh, rules)(model.experts.forward)
+        forward = Sharded(mesh, rules)(_forward)
         _, stats = jax.block_until_ready(forward(built, inputs))
         slots = capacity(inputs.shape[1], moe.n_experts, moe.k, moe.capacity_factor)
         groups = args.batch_size // self.ways(mesh.shape)  # one device's
@@ -85,3 +86,8 @@ class ExpertStyle(Style):
         report = expert_report(program, w_in, stats, groups=groups, slots=slots, layers=len(layers))
         print(f"\n{report}")
         return 0
+
+
+def _forward(model: Any, inputs: jax.Array) -> tuple[Any, MoEStats | None]:
+    """A forward pass, the outputs and the ``MoEStats``: what ``explain`` compiles under an expert style."""
+    return with_stats(model)(inputs)  # the outputs too: without them XLA drops the last block's all-to-alls
