@@ -24,7 +24,9 @@ idea, and imports only the ones before it.
 * ``memory``: will it fit? A step's bytes per device, term by term (parameters, gradients, optimizer
   state, master copy, activations), against the compiler's ``memory_analysis()`` and the published tables;
 * ``serving``: the inference roofline: prefill and decode priced on any chip, the KV cache, latency
-  against throughput.
+  against throughput;
+* ``precision``: mixed precision's numbers: fp16's dynamic loss scale (against ``jmp``'s), the cast
+  before FSDP's all-gather, the dtype gradients are reduced in.
 
 Three private modules hold what a reader may skip, each at its place in that order:
 ``_checks``, the guards (first: it imports nothing); ``_diagnose``, what went wrong

@@ -53,6 +53,7 @@ ORDER = (
     "experts",
     "memory",
     "serving",
+    "precision",
 )
 """The import order of every module of the textbook, the private ones at their place.
 
@@ -70,6 +71,7 @@ CHAPTERS = {
     "experts": 395,
     "memory": 405,
     "serving": 215,
+    "precision": 235,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)
