@@ -124,9 +124,8 @@ def test_the_cli_trains_the_mlp_in_fp16_and_its_loss_falls(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
     argv = ["train", "--model", "mlp", "--precision", "fp16", "--steps", "40", "--eval-every", "20"]
     assert main([*argv, "--log", str(log)]) == 0
-    first, second = (json.loads(line) for line in log.read_text().splitlines())
-    assert second["loss"] < 0.8 * first["loss"], (first["loss"], second["loss"])
-    assert second["test_acc"] > 0.8
+    records = [record for line in log.read_text().splitlines() if "loss" in (record := json.loads(line))]
+    assert records[-1]["loss"] < 0.5 * np.log(10), records  # from chance, ln 10 = 2.30, to 0.66 here
 
 
 # --- 2. where the cast sits under FSDP, and 3. the gradients' reduction ----------------------------
