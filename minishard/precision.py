@@ -201,7 +201,7 @@ def reduced_in(dtype: str, value_and_grad: Callable[..., Any]) -> Callable[..., 
         (n, axes), context = replicas(), environment()
         if context is None or n == 1:
             return value_and_grad(model, batch)  # one replica: nothing to reduce
-        rules = [pair for pair in context.rules.pairs if pair[0] != context.batch_axis]
+        rules = [(name, to) for name, to in context.rules.pairs if not set(axes) & _named(to)]  # the rows'
         within = dataclasses.replace(context, rules=AxisRules.from_pairs(rules)).wrap(value_and_grad)
         rows = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
         out, grads = jax.vmap(within, in_axes=(None, 0), spmd_axis_name=axes)(model, rows)
@@ -210,6 +210,11 @@ def reduced_in(dtype: str, value_and_grad: Callable[..., Any]) -> Callable[..., 
         return jax.tree.map(lambda o: o.mean(0), out), jax.tree.map(mean, grads)
 
     return reduced
+
+
+def _named(target: Any) -> set[str]:
+    """The mesh axes a rule's target names: none, one, or a tuple of them."""
+    return set() if target is None else {target} if isinstance(target, str) else set(target)
 
 
 def _sum_rows(x: jax.Array) -> jax.Array:
