@@ -84,7 +84,10 @@ MIXED = Precision("bfloat16", "bfloat16", master="float32")
 BF16 = Precision("bfloat16", "float32", master="float32")
 """What ``train --precision bf16`` runs: the float32 model is the master copy, cast to bfloat16 for
 each step's forward and backward passes; its gradients come back (and are reduced) in float32."""
-PRECISIONS = {"fp32": FP32, "bf16": BF16}
+FP16 = Precision("float16", "float32", master="float32")
+"""What ``train --precision fp16`` runs: BF16's policy in float16, whose 5 exponent bits need a loss
+scale (``minishard.precision.LossScaled``): the gradients of the scaled loss, reduced in float32."""
+PRECISIONS = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
 """The precisions ``--precision`` names."""
 MOMENTS = {"sgd": 0, "momentum": 1, "adamw": 2}
 """float32 tensors per parameter each optimizer keeps: plain SGD none, its momentum one, AdamW two."""
@@ -373,6 +376,7 @@ def _mesh_axes(spec: Any) -> set[str]:
 __all__ = [
     "BF16",
     "DTYPES",
+    "FP16",
     "FP32",
     "MIXED",
     "MOMENTS",

@@ -53,6 +53,7 @@ ORDER = (
     "experts",
     "memory",
     "serving",
+    "precision",
     "layouts",
 )
 """The import order of every module of the textbook, the private ones at their place.
@@ -71,6 +72,7 @@ CHAPTERS = {
     "experts": 455,  # issue 43 §4: with_stats and keep (45 lines), moe_layers (10): the MoE's stats collected
     "memory": 405,
     "serving": 230,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too
+    "precision": 235,
     "layouts": 340,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""

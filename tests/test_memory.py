@@ -330,7 +330,10 @@ def test_a_bf16_steps_arguments_hold_the_master_and_its_activations_halve():
 @pytest.mark.parametrize(
     ("command", "says"),
     [
-        (["train", "--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
+        (
+            ["train", "--precision", "fp8"],
+            "argument --precision: invalid choice: 'fp8' (choose from 'fp32', 'bf16', 'fp16')",
+        ),
         (
             ["train", "--precision", "bf16", "--parallel", "zero"],
             "argument --precision: bf16 casts Sharded's step",

@@ -31,6 +31,7 @@ from minishard.losses import Batch, Loss, classification_loss
 from minishard.memory import Precision
 from minishard.optim import Optimizer
 from minishard.pipeline import microbatched
+from minishard.precision import LossScaled, reduced_in, scaled
 from minishard.run.data import to_global
 
 __all__ = [
@@ -81,19 +82,37 @@ def make_train_step(
     time (``minishard train --microbatches M``). ``precision`` (``minishard.memory.BF16``)
     computes the loss on its copies of the model and batch (``Precision.compute``); the
     model the step is given and returns stays the float32 master (``train --precision bf16``).
+    Where its gradients' dtype is not the compute dtype, the step reduces them itself, in their
+    dtype (``precision.reduced_in``). A ``precision.LossScaled`` optimizer (fp16) scales the loss
+    by its state's scale before ``grad``, and skips the update where the gradients overflow.
     """
     if precision is not None:
         loss = functools.partial(_computed, loss, precision)
-    value_and_grad = (
-        microbatched(loss, microbatches) if microbatches > 1 else jax.value_and_grad(loss, has_aux=True)
-    )
+    # gradients in another dtype than the compute's: the step reduces them (the partitioner: in the compute's)
+    reduce = precision.grads if precision and precision.grads != precision.params else None
+    scaling = isinstance(optimizer, LossScaled)
+    if precision and precision.params == "float16" and not scaling:
+        raise ValueError(FP16_UNSCALED)
+
+    def value_and_grad(opt_state: Any) -> Callable[..., Any]:
+        fn = scaled(loss, opt_state.loss_scale.scale) if scaling else loss
+        grad = microbatched(fn, microbatches) if microbatches > 1 else jax.value_and_grad(fn, has_aux=True)
+        return grad if reduce is None else reduced_in(reduce, grad)
 
     def train_step(model: Any, opt_state: Any, batch: Batch) -> tuple[Any, ...]:
-        (value, metrics), grads = value_and_grad(model, batch)
+        (value, metrics), grads = value_and_grad(opt_state)(model, batch)
+        if scaling:
+            value, metrics = metrics  # the unscaled loss, kept beside the metrics
         model, opt_state = optimizer.update(model, grads, opt_state)
         return model, opt_state, value, *metrics
 
     return train_step
+
+
+FP16_UNSCALED = (
+    "make_train_step: float16 needs a loss scale (5 exponent bits: small gradients flush to 0); "
+    "pass minishard.precision.LossScaled(optimizer), and init its state with it"
+)
 
 
 def _computed(loss: Loss, precision: Precision, model: Any, batch: Batch) -> tuple[jax.Array, Any]:

@@ -25,6 +25,7 @@ import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first
 from minishard.constraints import DEFAULT_BATCH_AXIS
 from minishard.memory import PRECISIONS
 from minishard.optim import Optimizer
+from minishard.precision import LossScaled
 from minishard.report import explain
 from minishard.rules import ShardingError
 from minishard.run import distributed
@@ -115,7 +116,8 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
         "--precision",
         choices=tuple(PRECISIONS),
         default="fp32",
-        help="bf16: each step computes in bfloat16 on the float32 model (minishard.memory; default fp32)",
+        help="bf16, fp16: each step computes in 16 bits on the float32 model, fp16 with a dynamic loss "
+        "scale (minishard.memory, minishard.precision; default fp32)",
     )
 
 
@@ -267,6 +269,8 @@ def train_on_mesh(args: argparse.Namespace) -> int:
     optimizer = model.optimizer(
         args, Horizon.of(args.epochs, args.steps, args.eval_every, splits.train).total
     )
+    if args.precision == "fp16":  # float16's 5 exponent bits: the loss is scaled, overflows skipped
+        optimizer = LossScaled(optimizer)
     history = _fit(args, model, style, built, optimizer, splits, mesh, rules)
     if args.plot and history and distributed.is_main_process():
         plot_history(history, args.plot, optimizer.learning_rate)

@@ -1,0 +1,240 @@
+"""Mixed precision, the numbers: fp16's loss scale, where the cast sits, and the gradients' dtype.
+
+``minishard.memory`` says what a precision costs in bytes held (``Precision``: the
+weights' dtype, the gradients', a float32 master copy). This chapter is what it
+costs in numbers and in bytes sent:
+
+1. **fp16 needs a loss scale.** float16 has 5 exponent bits: a gradient below
+   6e-8 rounds to zero. Multiply the loss by a large ``scale`` before ``grad``,
+   divide the gradients by it after, and the small ones survive; where the scale
+   is too large a gradient overflows to inf, and the step is skipped, the scale
+   halved. After ``period`` finite steps in a row the scale doubles again
+   (dynamic loss scaling, Micikevicius et al. 2018; ``jmp.DynamicLossScale``'s
+   defaults, which the tests drive step by step beside this one). bfloat16 keeps
+   float32's 8 exponent bits and needs none of it.
+2. **Where the cast sits under FSDP.** Cast each weight's shard to bfloat16, and
+   the all-gather moves 2 bytes a number; gather the float32 weight first, and 4
+   (levanter#426). ``partitioned`` reads a step's collectives as XLA's SPMD
+   partitioner wrote them, before XLA:CPU widens bfloat16 ones to float32.
+3. **In which dtype gradients are reduced.** Differentiated through the cast,
+   a gradient leaves the backward pass in the compute dtype, and the partitioner
+   all-reduces it there, whatever the optimizer wants after (jax#27496).
+   ``reduced_in`` makes the reduction the step's own: each replica's gradients,
+   cast to the dtype asked for, then summed.
+
+>>> state = adjust(LossScale.start(), all_finite({"w": jnp.array([1.0, jnp.inf])}))
+>>> float(state.scale), int(state.good)   # an overflow: halve the scale, count again from 0
+(16384.0, 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from minishard import _checks
+from minishard.constraints import activation_axes, constrain, environment
+from minishard.optim import Optimizer
+from minishard.rules import AxisRules
+
+# --- 1. fp16: the dynamic loss scale ----------------------------------------------------------
+
+INITIAL, PERIOD, FACTOR, FLOOR = 2.0**15, 2000, 2.0, 1.0
+"""jmp's ``DynamicLossScale`` defaults: start at 2^15, double after 2,000 finite steps, halve on an
+overflow, never below 1."""
+
+
+class LossScale(NamedTuple):
+    """The loss scale's state, a pytree: ``scale`` (float32), and ``good`` (int32), the finite steps
+    since the scale last changed. Sharded and checkpointed with the optimizer's state it lives in."""
+
+    scale: jax.Array
+    good: jax.Array
+
+    @classmethod
+    def start(cls, scale: float = INITIAL) -> LossScale:
+        return cls(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32))
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """One boolean: is every number of every array in ``tree`` finite (no inf, no NaN)?"""
+    return jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]).all()
+
+
+def adjust(
+    state: LossScale, finite: jax.Array, period: int = PERIOD, factor: float = FACTOR, floor: float = FLOOR
+) -> LossScale:
+    """The next scale: halved (not below ``floor``) after an overflow, doubled after ``period`` finite
+    steps in a row (kept if doubling overflows float32), else the same.
+
+    >>> state = LossScale.start(4.0)
+    >>> for finite in (True, True, False, False, False, True):
+    ...     state = adjust(state, jnp.array(finite), period=2)
+    ...     print(float(state.scale), int(state.good))
+    4.0 1
+    8.0 0
+    4.0 0
+    2.0 0
+    1.0 0
+    1.0 1
+    """
+    doubled = jnp.where(jnp.isfinite(state.scale * factor), state.scale * factor, state.scale)
+    grown = jnp.where(state.good == period - 1, doubled, state.scale)
+    scale = jnp.where(finite, grown, jnp.maximum(floor, state.scale / factor))
+    return LossScale(scale, jnp.where(finite, (state.good + 1) % period, 0).astype(jnp.int32))
+
+
+class LossScaledState(NamedTuple):
+    """``inner``: the optimizer's own state; ``loss_scale``: the ``LossScale`` the step reads."""
+
+    inner: Any
+    loss_scale: LossScale
+
+
+class LossScaled:
+    """``optimizer`` behind a dynamic loss scale: an ``Optimizer`` whose state carries the scale.
+
+    The train step multiplies the loss by ``state.loss_scale.scale`` before ``grad``;
+    ``update`` takes those scaled gradients, unscales them, and where any is not finite
+    returns ``params`` and the optimizer's state as they were (the step skipped, bit for
+    bit) with the scale halved.
+
+    >>> from minishard import SGD
+    >>> opt = LossScaled(SGD(1.0))
+    >>> params, state = opt.update({"w": jnp.array(1.0)}, {"w": jnp.array(jnp.inf)}, opt.init({"w": 0.0}))
+    >>> float(params["w"]), float(state.loss_scale.scale), int(state.inner.step)
+    (1.0, 16384.0, 0)
+    """
+
+    def __init__(
+        self, optimizer: Optimizer, initial: float = INITIAL, period: int = PERIOD, factor: float = FACTOR
+    ) -> None:
+        _checks.positive("LossScaled: initial", initial)
+        _checks.count("LossScaled: period", period)
+        _checks.positive("LossScaled: factor", factor)
+        self.optimizer, self.initial, self.period, self.factor = optimizer, initial, period, factor
+        self.learning_rate = optimizer.learning_rate
+
+    def init(self, params: Any) -> LossScaledState:
+        return LossScaledState(self.optimizer.init(params), LossScale.start(self.initial))
+
+    def update(
+        self, params: Any, grads: Any, state: LossScaledState, *, axis_name: str | None = None
+    ) -> tuple[Any, LossScaledState]:
+        """One step on the gradients of the scaled loss, or none where they overflowed."""
+        unscaled = jax.tree.map(lambda g: g * (1 / state.loss_scale.scale), grads)
+        finite = all_finite(unscaled)
+        stepped = self.optimizer.update(params, unscaled, state.inner, axis_name=axis_name)
+        params, inner = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old), stepped, (params, state.inner)
+        )
+        return params, LossScaledState(inner, adjust(state.loss_scale, finite, self.period, self.factor))
+
+
+def scaled(loss: Callable[..., Any], scale: jax.Array) -> Callable[..., Any]:
+    """``loss(model, batch) -> (value, aux)`` as ``grad`` should see it under fp16: ``(value * scale,
+    (value, aux))``, the unscaled value kept in the aux for the record."""
+
+    def scaled_loss(model: Any, batch: Any) -> tuple[jax.Array, Any]:
+        value, aux = loss(model, batch)
+        return value * scale, (value, aux)
+
+    return scaled_loss
+
+
+# --- 2. where the cast sits under FSDP ------------------------------------------------------
+
+
+def gathered(tree: Any) -> Any:
+    """Every array of ``tree`` constrained whole on each device: FSDP's all-gather, said out loud
+    (inside ``Sharded``; elsewhere ``tree``). Cast after it, the gather moves float32."""
+    return jax.tree.map(lambda x: constrain(x, (None,) * jnp.ndim(x)), tree)
+
+
+def partitioned(lowered: jax.stages.Lowered) -> str:
+    """``lowered``'s program as XLA's SPMD partitioner wrote it: its collectives in the dtypes the step
+    sends. Feed it to ``census.collectives(text, mesh)``.
+
+    XLA:CPU computes no bfloat16: a later pass (``float-normalization-bf16``) widens
+    every bfloat16 collective to float32 between two converts, so the final CPU
+    program moves 4 bytes a number where a GPU or TPU moves 2. The partitioner's
+    output, dumped as it compiles, is what an accelerator would send.
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        lowered.compile({"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        (path,) = glob.glob(f"{folder}/*after_spmd-partitioning*")
+        return Path(path).read_text()
+
+
+# --- 3. in which dtype gradients are reduced ------------------------------------------------
+
+
+def replicas() -> tuple[int, tuple[str, ...]]:
+    """How many ways the ``Sharded`` step in effect splits its batch (its data-parallel replicas), and
+    over which mesh axes; ``(1, ())`` outside one."""
+    context = environment()
+    target = None if context is None else context.batch_target
+    axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    return (math.prod(dict(context.mesh.shape)[axis] for axis in axes) if context else 1), axes
+
+
+def reduced_in(dtype: str, value_and_grad: Callable[..., Any]) -> Callable[..., Any]:
+    """``value_and_grad(model, batch)``, its gradients summed over the replicas in ``dtype``.
+
+    Each replica's slice of the batch becomes one row of a ``vmap`` whose rows lie on
+    the batch's mesh axes (``spmd_axis_name``; inside a row the batch is whole): each
+    device computes its own gradients, nothing summed yet. The mean over rows, taken
+    in ``dtype``, is the all-reduce, and the census reads it in ``dtype``. The values
+    and metrics are means of equal slices: the same.
+    """
+    _checks.one_of("reduced_in: dtype", dtype, ("float32", "bfloat16", "float16"))
+
+    def reduced(model: Any, batch: Any) -> Any:
+        (n, axes), context = replicas(), environment()
+        if context is None or n == 1:
+            return value_and_grad(model, batch)  # one replica: nothing to reduce
+        rules = [(name, to) for name, to in context.rules.pairs if not set(axes) & _named(to)]  # the rows'
+        within = dataclasses.replace(context, rules=AxisRules.from_pairs(rules)).wrap(value_and_grad)
+        rows = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
+        out, grads = jax.vmap(within, in_axes=(None, 0), spmd_axis_name=axes)(model, rows)
+        row = lambda g: constrain(g.astype(dtype), activation_axes(g.ndim))  # noqa: E731  one per device
+        mean = lambda g: (_sum_rows(row(g)) / n).astype(g.dtype)  # noqa: E731
+        return jax.tree.map(lambda o: o.mean(0), out), jax.tree.map(mean, grads)
+
+    return reduced
+
+
+def _named(target: Any) -> set[str]:
+    """The mesh axes a rule's target names: none, one, or a tuple of them."""
+    return set() if target is None else {target} if isinstance(target, str) else set(target)
+
+
+def _sum_rows(x: jax.Array) -> jax.Array:
+    """The sum over the first axis, in ``x``'s own dtype (``jnp.sum`` would add bfloat16 in float32)."""
+    return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, (0,))
+
+
+__all__ = [
+    "FACTOR",
+    "FLOOR",
+    "INITIAL",
+    "PERIOD",
+    "LossScale",
+    "LossScaled",
+    "LossScaledState",
+    "adjust",
+    "all_finite",
+    "gathered",
+    "partitioned",
+    "reduced_in",
+    "replicas",
+    "scaled",
+]
