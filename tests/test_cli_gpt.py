@@ -385,3 +385,29 @@ def test_profile_refuses_a_directory_it_cannot_create_before_any_data_loads(tmp_
         main(["train", *TINY, "--steps", "5", "--profile", str(tmp_path / "file" / "trace")])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "argument --profile: cannot create" in err, err
+
+
+@pytest.mark.slow  # over 5 s
+def test_sample_under_tp_prints_the_same_text_as_on_one_device(tmp_path, capsys):
+    settings = {"width": 16, "depth": 2, "heads": 8, "mlp_ratio": 2, "context": 8, "remat": False}
+    directory = str(tmp_path / "run")
+    model = jax.jit(lambda key: GPT(65, 8, 16, 2, 8, 2, key=key))(jax.random.key(3))
+    info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": SHAKESPEARE}
+    with Checkpointer(directory) as checkpointer:
+        state = {
+            "model": model,
+            "opt_state": GPT_ENTRY.compiled_optimizer(parse_args(["train", "--model", "gpt"])).init(model),
+        }
+        checkpointer.save(5, state, {"info": info | {"flags": settings | {"weight_decay": 0.1}}})
+    texts = {}
+    for parallel in ("none", "tp"):
+        flags = ["--prompt", "ROMEO:", "--tokens", "12", "--parallel", parallel]
+        assert main(["sample", "--checkpoint-dir", directory, *flags]) == 0
+        texts[parallel] = capsys.readouterr().out
+    assert texts["tp"] == texts["none"] and len(texts["none"]) == len("ROMEO:") + 12 + 1
+    with pytest.raises(SystemExit):
+        main(["sample", "--checkpoint-dir", directory, "--parallel", "dp"])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "minishard sample: error: argument --parallel: dp splits sequences or positions and sample decodes "
+        "one sequence; allowed: none, tp (dp, 2d and cp need --batch, issue 48)"
+    )

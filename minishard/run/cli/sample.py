@@ -10,11 +10,19 @@ model entry's ``stream`` (the GPT's: ``minishard.models.gpt.stream``): the promp
 fills a ``KVCache`` per block in one call, then each new character is one jitted
 step that reads the cache and appends its own keys and values, printed as soon as
 it is drawn (``--tokens 1000000000`` streams). The same seed gives the same text.
+
+``--parallel tp`` decodes on every device: the weights and each block's cache are
+placed by ``tp``'s rules (``minishard.styles.mesh_rules``, ``minishard.shard``: the
+heads over "model", each device the cache of its own heads) and the prefill and
+the decode step are ``Sharded`` under them; the same seed gives the same text as
+on one device. The styles that split sequences (dp, 2d) or positions (cp) wait for
+``--batch`` (issue 48): one sequence has nothing to split over "data".
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -23,6 +31,8 @@ from typing import Any
 import jax
 
 from minishard.pipeline import StackedModel, unstack
+from minishard.sharding import Sharded, make_mesh, shard
+from minishard.styles import mesh_rules
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli.flags import Error, at_least, positive
 from minishard.run.cli.models import MODELS
@@ -30,7 +40,18 @@ from minishard.run.cli.styles import style_of
 from minishard.run.errors import CheckpointError
 from minishard.run.text_data import Vocabulary
 
-__all__ = ["HELP", "Stream", "add_arguments", "check", "continuation", "restore", "run", "sample"]
+__all__ = [
+    "HELP",
+    "Stream",
+    "add_arguments",
+    "check",
+    "continuation",
+    "placed",
+    "restore",
+    "run",
+    "sample",
+    "sharded_stream",
+]
 
 HELP = "continue a prompt from a GPT's checkpoint (decoding with a KV cache); needs no data"
 
@@ -49,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="below 1: bolder choices of likely characters (default %(default)s)",
     )
     add("--seed", type=at_least(0), default=0, help="the same seed, the same text (default %(default)s)")
+    add(
+        "--parallel",
+        choices=("none", "tp", "dp", "2d", "cp"),
+        default="none",
+        help="decode on every device, the weights and the KV cache split as the style says (default: one device)",
+    )
     add("--debug", action="store_true", help="show the full traceback of an unexpected error")
 
 
@@ -80,6 +107,16 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         Vocabulary(info["vocabulary"]).encode(args.prompt)
     except ValueError as e:
         error(f"argument --prompt: {e}")
+    if args.parallel in ("dp", "2d", "cp"):
+        error(
+            f"argument --parallel: {args.parallel} splits sequences or positions and sample decodes one "
+            "sequence; allowed: none, tp (dp, 2d and cp need --batch, issue 48)"
+        )
+    heads, devices = int(info["flags"].get("heads", 0)), len(jax.devices())
+    if args.parallel == "tp" and heads % devices:
+        error(
+            f"argument --parallel: tp splits the {heads} heads over {devices} devices; heads must divide evenly"
+        )
     args.info = info
     return args
 
@@ -95,9 +132,12 @@ def run(args: argparse.Namespace) -> int:
         entry, vocabulary = MODELS[args.info["model"]], Vocabulary(args.info["vocabulary"])
         assert entry.stream is not None  # checked with the flags
         model = restore(args.checkpoint_dir, args.step, args.info)
+        stream = entry.stream if args.parallel == "none" else sharded_stream(entry.stream, args.parallel)
+        if args.parallel != "none":
+            model = placed(model, args.parallel)
         print(args.prompt, end="", flush=True)
         drawn = continuation(
-            model, vocabulary, args.prompt, args.tokens, args.temperature, args.seed, stream=entry.stream
+            model, vocabulary, args.prompt, args.tokens, args.temperature, args.seed, stream=stream
         )
         for text in drawn:
             print(text, end="", flush=True)  # as each is drawn: a long continuation streams
@@ -133,6 +173,25 @@ def restore(directory: str, step: int, info: dict[str, Any]) -> Any:
     if isinstance(model, StackedModel):
         model = unstack(model, jax.eval_shape(lambda: entry.build(settings, jax.random.key(0))))
     return model
+
+
+def placed(model: Any, parallel: str) -> Any:
+    """``model`` on every device, its weights placed by the style ``parallel``'s rules."""
+    shape, rules = mesh_rules(parallel, len(jax.devices()))
+    return shard(model, make_mesh(shape), rules)
+
+
+def sharded_stream(stream: Stream, parallel: str) -> Stream:
+    """``stream`` whose prefill and decode step are ``Sharded`` by ``parallel``'s rules, the caches donated.
+
+    The caches are Layers naming ("batch", "seq", "heads", "kv"): the same rules lay them
+    out, so under tp each device keeps the keys and values of its own heads.
+    """
+    shape, rules = mesh_rules(parallel, len(jax.devices()))
+    step = Sharded(make_mesh(shape), rules, donate_argnums=2)(
+        lambda model, ids, caches, start: model.decode(ids, start, caches)
+    )
+    return functools.partial(stream, step=step)
 
 
 Stream = Callable[..., Iterator[int]]
