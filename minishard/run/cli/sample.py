@@ -22,23 +22,24 @@ on one device. The styles that split sequences (dp, 2d) or positions (cp) wait f
 from __future__ import annotations
 
 import argparse
-import functools
+import collections
 import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from minishard.pipeline import StackedModel, unstack
-from minishard.sharding import Sharded, make_mesh, shard
-from minishard.styles import mesh_rules
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli.flags import Error, at_least, positive
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import style_of
 from minishard.run.errors import CheckpointError
 from minishard.run.text_data import Vocabulary
+from minishard.sharding import Sharded, make_mesh, shard
+from minishard.styles import mesh_rules
 
 __all__ = [
     "HELP",
@@ -50,7 +51,8 @@ __all__ = [
     "restore",
     "run",
     "sample",
-    "sharded_stream",
+    "decoder",
+    "batched",
 ]
 
 HELP = "continue a prompt from a GPT's checkpoint (decoding with a KV cache); needs no data"
@@ -74,7 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--parallel",
         choices=("none", "tp", "dp", "2d", "cp"),
         default="none",
-        help="decode on every device, the weights and the KV cache split as the style says (default: one device)",
+        help="decode on every device, weights and KV cache split as the style says (default: one device)",
+    )
+    add(
+        "--batch",
+        type=at_least(1),
+        default=1,
+        help="N continuations of the prompt at once, the n-th drawn with seed + n (default %(default)s)",
     )
     add("--debug", action="store_true", help="show the full traceback of an unexpected error")
 
@@ -107,16 +115,19 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         Vocabulary(info["vocabulary"]).encode(args.prompt)
     except ValueError as e:
         error(f"argument --prompt: {e}")
-    if args.parallel in ("dp", "2d", "cp"):
+    if args.parallel == "cp":
         error(
-            f"argument --parallel: {args.parallel} splits sequences or positions and sample decodes one "
-            "sequence; allowed: none, tp (dp, 2d and cp need --batch, issue 48)"
+            "argument --parallel: cp is not built: splitting the cache over positions needs each step to "
+            "combine partial softmaxes across devices (ring attention's); allowed: none, tp, dp, 2d"
         )
-    heads, devices = int(info["flags"].get("heads", 0)), len(jax.devices())
-    if args.parallel == "tp" and heads % devices:
+    shape = mesh_rules(args.parallel, len(jax.devices()))[0] if args.parallel != "none" else {}
+    heads = int({**entry.defaults, **info.get("flags", {})}["heads"])
+    if heads % shape.get("model", 1):
         error(
-            f"argument --parallel: tp splits the {heads} heads over {devices} devices; heads must divide evenly"
+            f"argument --parallel: {args.parallel} splits {heads} heads over {shape['model']} devices: uneven"
         )
+    if args.batch % shape.get("data", 1):
+        error(f"argument --batch: {args.batch} sequences must split evenly over {shape['data']} data devices")
     args.info = info
     return args
 
@@ -132,9 +143,24 @@ def run(args: argparse.Namespace) -> int:
         entry, vocabulary = MODELS[args.info["model"]], Vocabulary(args.info["vocabulary"])
         assert entry.stream is not None  # checked with the flags
         model = restore(args.checkpoint_dir, args.step, args.info)
-        stream = entry.stream if args.parallel == "none" else sharded_stream(entry.stream, args.parallel)
-        if args.parallel != "none":
-            model = placed(model, args.parallel)
+        if args.parallel != "none" or args.batch > 1:
+            model = model if args.parallel == "none" else placed(model, args.parallel)
+            drawn_rows = batched(
+                model,
+                vocabulary.encode(args.prompt).tolist(),
+                args.tokens,
+                temperature=args.temperature,
+                seed=args.seed,
+                batch=args.batch,
+                step=decoder(args.parallel),
+            )
+            texts = [args.prompt] * args.batch
+            for ids in drawn_rows:
+                texts = [text + vocabulary.decode([i]) for text, i in zip(texts, ids)]
+            for b, text in enumerate(texts):
+                print(*([f"--- seed {args.seed + b}"] if args.batch > 1 else []), text, sep="\n")
+            return 0
+        stream = entry.stream
         print(args.prompt, end="", flush=True)
         drawn = continuation(
             model, vocabulary, args.prompt, args.tokens, args.temperature, args.seed, stream=stream
@@ -181,17 +207,56 @@ def placed(model: Any, parallel: str) -> Any:
     return shard(model, make_mesh(shape), rules)
 
 
-def sharded_stream(stream: Stream, parallel: str) -> Stream:
-    """``stream`` whose prefill and decode step are ``Sharded`` by ``parallel``'s rules, the caches donated.
+def decoder(parallel: str) -> Callable[..., Any]:
+    """The prefill and decode step, ``model.decode`` jitted, the caches donated: ``Sharded`` by
+    ``parallel``'s rules, whose caches (Layers naming "batch", "seq", "heads", "kv") they lay out
+    too: under tp each device keeps the keys and values of its own heads, under dp its own sequences."""
 
-    The caches are Layers naming ("batch", "seq", "heads", "kv"): the same rules lay them
-    out, so under tp each device keeps the keys and values of its own heads.
-    """
+    def decode(model: Any, ids: jax.Array, caches: Any, start: jax.Array) -> Any:
+        return model.decode(ids, start, caches)
+
+    if parallel == "none":
+        return jax.jit(decode, donate_argnums=2)
     shape, rules = mesh_rules(parallel, len(jax.devices()))
-    step = Sharded(make_mesh(shape), rules, donate_argnums=2)(
-        lambda model, ids, caches, start: model.decode(ids, start, caches)
-    )
-    return functools.partial(stream, step=step)
+    return Sharded(make_mesh(shape), rules, donate_argnums=2)(decode)
+
+
+def batched(
+    model: Any,
+    ids: list[int],
+    tokens: int,
+    *,
+    temperature: float,
+    seed: int,
+    batch: int,
+    step: Callable[..., Any],
+) -> Iterator[list[int]]:
+    """``batch`` continuations of ``ids`` decoded together, one new id per row per step; row ``b`` is
+    drawn with ``seed + b`` exactly as ``gpt.stream`` draws with one seed, so it is the text of
+    ``--seed seed+b``. A full cache restarts from the last half-context, as ``gpt.stream`` does."""
+    context = model.embedding.positions.shape[0]
+    rows = [collections.deque(ids, maxlen=context) for _ in range(batch)]
+    keys = [jax.random.key(seed + b) for b in range(batch)]
+
+    def prefill(kept: int) -> tuple[jax.Array, Any, int]:
+        prompt = jnp.asarray([list(row)[-kept:] for row in rows], jnp.int32)
+        logits, caches = step(model, prompt, model.init_cache(batch), jnp.asarray(0))
+        return logits, caches, prompt.shape[1]
+
+    logits, caches, filled = prefill(context)
+    for i in range(tokens):
+        for b, row in enumerate(rows):
+            row.append(
+                int(jax.random.categorical(jax.random.fold_in(keys[b], i), logits[b, -1] / temperature))
+            )
+        yield [row[-1] for row in rows]
+        if filled == context:
+            logits, caches, filled = prefill(context // 2)
+        else:
+            logits, caches = step(
+                model, jnp.asarray([[row[-1]] for row in rows]), caches, jnp.asarray(filled)
+            )
+            filled += 1
 
 
 Stream = Callable[..., Iterator[int]]
