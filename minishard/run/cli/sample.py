@@ -15,8 +15,11 @@ it is drawn (``--tokens 1000000000`` streams). The same seed gives the same text
 placed by ``tp``'s rules (``minishard.styles.mesh_rules``, ``minishard.shard``: the
 heads over "model", each device the cache of its own heads) and the prefill and
 the decode step are ``Sharded`` under them; the same seed gives the same text as
-on one device. The styles that split sequences (dp, 2d) or positions (cp) wait for
-``--batch`` (issue 48): one sequence has nothing to split over "data".
+on one device. ``--batch N`` decodes N continuations of the prompt together, the
+n-th drawn with ``seed + n`` (so each is the text of that seed alone), which dp and
+2d split over "data". ``--explain`` prints, instead of text, the collectives of one
+compiled decode step (``minishard.census.collectives``) and XLA's bytes accessed
+beside the weights' and the caches' bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from minishard.census import collectives
 from minishard.pipeline import StackedModel, unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli.flags import Error, at_least, positive
@@ -84,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="N continuations of the prompt at once, the n-th drawn with seed + n (default %(default)s)",
     )
+    add("--explain", action="store_true", help="print one decode step's collectives and bytes, not text")
     add("--debug", action="store_true", help="show the full traceback of an unexpected error")
 
 
@@ -143,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
         entry, vocabulary = MODELS[args.info["model"]], Vocabulary(args.info["vocabulary"])
         assert entry.stream is not None  # checked with the flags
         model = restore(args.checkpoint_dir, args.step, args.info)
+        if args.explain:
+            model = model if args.parallel == "none" else placed(model, args.parallel)
+            print(explained(model, decoder(args.parallel), args.batch, args.parallel))
+            return 0
         if args.parallel != "none" or args.batch > 1:
             model = model if args.parallel == "none" else placed(model, args.parallel)
             drawn_rows = batched(
@@ -257,6 +266,29 @@ def batched(
                 model, jnp.asarray([[row[-1]] for row in rows]), caches, jnp.asarray(filled)
             )
             filled += 1
+
+
+def explained(model: Any, step: Any, batch: int, parallel: str) -> str:
+    """One decode step of ``batch`` sequences compiled: its collectives per kind (count, bytes on one
+    device, mesh axes) and XLA's bytes accessed beside the weights' and the caches' (all devices)."""
+    caches = model.init_cache(batch)
+    ids, start = jnp.zeros((batch, 1), jnp.int32), jnp.asarray(1)
+    lowered = step.lower(model, ids, caches, start)
+    compiled = lowered.compile()
+    lines = [f"one decode step, batch {batch}, {parallel}:"]
+    for kind, c in collectives(compiled).items():
+        lines.append(
+            f"  {kind}: {c.count} x, {c.bytes:,} B per device over {', '.join(map('+'.join, c.mesh_axes))}"
+        )
+    if len(lines) == 1:
+        lines.append("  no collectives")
+    params = sum(x.nbytes for x in jax.tree.leaves(model))
+    cached = sum(x.nbytes for x in jax.tree.leaves(caches))
+    accessed = int((compiled.cost_analysis() or {}).get("bytes accessed", 0))
+    lines.append(
+        f"  bytes accessed (XLA, one device): {accessed:,} B; params {params:,} B + caches {cached:,} B"
+    )
+    return "\n".join(lines)
 
 
 Stream = Callable[..., Iterator[int]]
