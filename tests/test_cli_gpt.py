@@ -385,3 +385,43 @@ def test_profile_refuses_a_directory_it_cannot_create_before_any_data_loads(tmp_
         main(["train", *TINY, "--steps", "5", "--profile", str(tmp_path / "file" / "trace")])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "argument --profile: cannot create" in err, err
+
+
+@pytest.mark.slow  # over 5 s
+def test_sample_sharded_prints_the_same_texts_as_on_one_device_row_b_as_seed_b(tmp_path, capsys):
+    settings = {"width": 16, "depth": 2, "heads": 8, "mlp_ratio": 2, "context": 8, "remat": False}
+    directory = str(tmp_path / "run")
+    model = jax.jit(lambda key: GPT(65, 8, 16, 2, 8, 2, key=key))(jax.random.key(3))
+    info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": SHAKESPEARE}
+    with Checkpointer(directory) as checkpointer:
+        state = {
+            "model": model,
+            "opt_state": GPT_ENTRY.compiled_optimizer(parse_args(["train", "--model", "gpt"])).init(model),
+        }
+        checkpointer.save(5, state, {"info": info | {"flags": settings | {"weight_decay": 0.1}}})
+    flags = ["sample", "--checkpoint-dir", directory, "--prompt", "ROMEO:", "--tokens", "12", "--seed", "4"]
+    texts = {}
+    for parallel in ("none", "tp", "dp", "2d"):  # 12 tokens past a context of 8: the restart too
+        assert main([*flags, "--parallel", parallel, "--batch", "8"]) == 0
+        texts[parallel] = capsys.readouterr().out
+    assert texts["tp"] == texts["none"] and texts["dp"] == texts["none"] and texts["2d"] == texts["none"]
+    rows = dict(chunk.split("\n", 1) for chunk in texts["none"].split("--- seed ")[1:])  # text has "\n"s
+    assert list(rows) == [str(seed) for seed in range(4, 12)]
+    assert len(set(rows.values())) == 8 and all(len(text) == len("ROMEO:") + 12 + 1 for text in rows.values())
+    assert main([*flags[:-1], "7"]) == 0  # one sequence, on one device, by gpt.stream: row 3's text
+    assert capsys.readouterr().out == rows["7"]
+    for bad, line in [
+        (
+            ["--parallel", "dp", "--batch", "3"],
+            "argument --batch: 3 sequences must split evenly over 8 data devices",
+        ),
+        (
+            ["--parallel", "cp"],
+            "argument --parallel: cp is not built: splitting the cache over positions needs "
+            "each step to combine partial softmaxes across devices (ring attention's); "
+            "allowed: none, tp, dp, 2d",
+        ),
+    ]:
+        with pytest.raises(SystemExit):
+            main([*flags, *bad])
+        assert capsys.readouterr().err.strip().splitlines()[-1] == f"minishard sample: error: {line}"

@@ -10,18 +10,31 @@ model entry's ``stream`` (the GPT's: ``minishard.models.gpt.stream``): the promp
 fills a ``KVCache`` per block in one call, then each new character is one jitted
 step that reads the cache and appends its own keys and values, printed as soon as
 it is drawn (``--tokens 1000000000`` streams). The same seed gives the same text.
+
+``--parallel tp`` decodes on every device: the weights and each block's cache are
+placed by ``tp``'s rules (``minishard.styles.mesh_rules``, ``minishard.shard``: the
+heads over "model", each device the cache of its own heads) and the prefill and
+the decode step are ``Sharded`` under them; the same seed gives the same text as
+on one device. ``--batch N`` decodes N continuations of the prompt together, the
+n-th drawn with ``seed + n`` (so each is the text of that seed alone), which dp and
+2d split over "data". ``--explain`` prints, instead of text, the collectives of one
+compiled decode step (``minishard.census.collectives``) and XLA's bytes accessed
+beside the weights' and the caches' bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from minishard.census import collectives
 from minishard.pipeline import StackedModel, unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli.flags import Error, at_least, positive
@@ -29,8 +42,22 @@ from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import style_of
 from minishard.run.errors import CheckpointError
 from minishard.run.text_data import Vocabulary
+from minishard.sharding import Sharded, make_mesh, shard
+from minishard.styles import mesh_rules
 
-__all__ = ["HELP", "Stream", "add_arguments", "check", "continuation", "restore", "run", "sample"]
+__all__ = [
+    "HELP",
+    "Stream",
+    "add_arguments",
+    "check",
+    "continuation",
+    "placed",
+    "restore",
+    "run",
+    "sample",
+    "decoder",
+    "batched",
+]
 
 HELP = "continue a prompt from a GPT's checkpoint (decoding with a KV cache); needs no data"
 
@@ -49,6 +76,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="below 1: bolder choices of likely characters (default %(default)s)",
     )
     add("--seed", type=at_least(0), default=0, help="the same seed, the same text (default %(default)s)")
+    add(
+        "--parallel",
+        choices=("none", "tp", "dp", "2d", "cp"),
+        default="none",
+        help="decode on every device, weights and KV cache split as the style says (default: one device)",
+    )
+    add(
+        "--batch",
+        type=at_least(1),
+        default=1,
+        help="N continuations of the prompt at once, the n-th drawn with seed + n (default %(default)s)",
+    )
+    add("--explain", action="store_true", help="print one decode step's collectives and bytes, not text")
     add("--debug", action="store_true", help="show the full traceback of an unexpected error")
 
 
@@ -80,6 +120,19 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         Vocabulary(info["vocabulary"]).encode(args.prompt)
     except ValueError as e:
         error(f"argument --prompt: {e}")
+    if args.parallel == "cp":
+        error(
+            "argument --parallel: cp is not built: splitting the cache over positions needs each step to "
+            "combine partial softmaxes across devices (ring attention's); allowed: none, tp, dp, 2d"
+        )
+    shape = mesh_rules(args.parallel, len(jax.devices()))[0] if args.parallel != "none" else {}
+    heads = int({**entry.defaults, **info.get("flags", {})}["heads"])
+    if heads % shape.get("model", 1):
+        error(
+            f"argument --parallel: {args.parallel} splits {heads} heads over {shape['model']} devices: uneven"
+        )
+    if args.batch % shape.get("data", 1):
+        error(f"argument --batch: {args.batch} sequences must split evenly over {shape['data']} data devices")
     args.info = info
     return args
 
@@ -95,9 +148,31 @@ def run(args: argparse.Namespace) -> int:
         entry, vocabulary = MODELS[args.info["model"]], Vocabulary(args.info["vocabulary"])
         assert entry.stream is not None  # checked with the flags
         model = restore(args.checkpoint_dir, args.step, args.info)
+        if args.explain:
+            model = model if args.parallel == "none" else placed(model, args.parallel)
+            print(explained(model, decoder(args.parallel), args.batch, args.parallel))
+            return 0
+        if args.parallel != "none" or args.batch > 1:
+            model = model if args.parallel == "none" else placed(model, args.parallel)
+            drawn_rows = batched(
+                model,
+                vocabulary.encode(args.prompt).tolist(),
+                args.tokens,
+                temperature=args.temperature,
+                seed=args.seed,
+                batch=args.batch,
+                step=decoder(args.parallel),
+            )
+            texts = [args.prompt] * args.batch
+            for ids in drawn_rows:
+                texts = [text + vocabulary.decode([i]) for text, i in zip(texts, ids)]
+            for b, text in enumerate(texts):
+                print(*([f"--- seed {args.seed + b}"] if args.batch > 1 else []), text, sep="\n")
+            return 0
+        stream = entry.stream
         print(args.prompt, end="", flush=True)
         drawn = continuation(
-            model, vocabulary, args.prompt, args.tokens, args.temperature, args.seed, stream=entry.stream
+            model, vocabulary, args.prompt, args.tokens, args.temperature, args.seed, stream=stream
         )
         for text in drawn:
             print(text, end="", flush=True)  # as each is drawn: a long continuation streams
@@ -133,6 +208,87 @@ def restore(directory: str, step: int, info: dict[str, Any]) -> Any:
     if isinstance(model, StackedModel):
         model = unstack(model, jax.eval_shape(lambda: entry.build(settings, jax.random.key(0))))
     return model
+
+
+def placed(model: Any, parallel: str) -> Any:
+    """``model`` on every device, its weights placed by the style ``parallel``'s rules."""
+    shape, rules = mesh_rules(parallel, len(jax.devices()))
+    return shard(model, make_mesh(shape), rules)
+
+
+def decoder(parallel: str) -> Callable[..., Any]:
+    """The prefill and decode step, ``model.decode`` jitted, the caches donated: ``Sharded`` by
+    ``parallel``'s rules, whose caches (Layers naming "batch", "seq", "heads", "kv") they lay out
+    too: under tp each device keeps the keys and values of its own heads, under dp its own sequences."""
+
+    def decode(model: Any, ids: jax.Array, caches: Any, start: jax.Array) -> Any:
+        return model.decode(ids, start, caches)
+
+    if parallel == "none":
+        return jax.jit(decode, donate_argnums=2)
+    shape, rules = mesh_rules(parallel, len(jax.devices()))
+    return Sharded(make_mesh(shape), rules, donate_argnums=2)(decode)
+
+
+def batched(
+    model: Any,
+    ids: list[int],
+    tokens: int,
+    *,
+    temperature: float,
+    seed: int,
+    batch: int,
+    step: Callable[..., Any],
+) -> Iterator[list[int]]:
+    """``batch`` continuations of ``ids`` decoded together, one new id per row per step; row ``b`` is
+    drawn with ``seed + b`` exactly as ``gpt.stream`` draws with one seed, so it is the text of
+    ``--seed seed+b``. A full cache restarts from the last half-context, as ``gpt.stream`` does."""
+    context = model.embedding.positions.shape[0]
+    rows = [collections.deque(ids, maxlen=context) for _ in range(batch)]
+    keys = [jax.random.key(seed + b) for b in range(batch)]
+
+    def prefill(kept: int) -> tuple[jax.Array, Any, int]:
+        prompt = jnp.asarray([list(row)[-kept:] for row in rows], jnp.int32)
+        logits, caches = step(model, prompt, model.init_cache(batch), jnp.asarray(0))
+        return logits, caches, prompt.shape[1]
+
+    logits, caches, filled = prefill(context)
+    for i in range(tokens):
+        for b, row in enumerate(rows):
+            row.append(
+                int(jax.random.categorical(jax.random.fold_in(keys[b], i), logits[b, -1] / temperature))
+            )
+        yield [row[-1] for row in rows]
+        if filled == context:
+            logits, caches, filled = prefill(context // 2)
+        else:
+            logits, caches = step(
+                model, jnp.asarray([[row[-1]] for row in rows]), caches, jnp.asarray(filled)
+            )
+            filled += 1
+
+
+def explained(model: Any, step: Any, batch: int, parallel: str) -> str:
+    """One decode step of ``batch`` sequences compiled: its collectives per kind (count, bytes on one
+    device, mesh axes) and XLA's bytes accessed beside the weights' and the caches' (all devices)."""
+    caches = model.init_cache(batch)
+    ids, start = jnp.zeros((batch, 1), jnp.int32), jnp.asarray(1)
+    lowered = step.lower(model, ids, caches, start)
+    compiled = lowered.compile()
+    lines = [f"one decode step, batch {batch}, {parallel}:"]
+    for kind, c in collectives(compiled).items():
+        lines.append(
+            f"  {kind}: {c.count} x, {c.bytes:,} B per device over {', '.join(map('+'.join, c.mesh_axes))}"
+        )
+    if len(lines) == 1:
+        lines.append("  no collectives")
+    params = sum(x.nbytes for x in jax.tree.leaves(model))
+    cached = sum(x.nbytes for x in jax.tree.leaves(caches))
+    accessed = int((compiled.cost_analysis() or {}).get("bytes accessed", 0))
+    lines.append(
+        f"  bytes accessed (XLA, one device): {accessed:,} B; params {params:,} B + caches {cached:,} B"
+    )
+    return "\n".join(lines)
 
 
 Stream = Callable[..., Iterator[int]]
