@@ -26,7 +26,7 @@ idea, and imports only the ones before it.
 * ``serving``: the inference roofline: prefill and decode priced on any chip, the KV cache, latency
   against throughput;
 * ``precision``: mixed precision's numbers: fp16's dynamic loss scale (against ``jmp``'s), the cast
-  before FSDP's all-gather, the dtype gradients are reduced in.
+  before FSDP's all-gather, the dtype gradients are reduced in;
 * ``layouts``: which layout, at what size: every dp x fsdp x tp split of N chips priced from a model's
   shapes (step, memory, where it turns compute-bound) and ranked, nothing compiled (the scaling
   book's LLaMA-3 walk-through).

@@ -73,6 +73,9 @@ class ExpertStyle(Style):
     def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
         """Where each expert lives; one batch's forward compiled: its all-to-alls, its dropped routings."""
         assert model.experts is not None  # checked with the flags
+        if args.topology:  # the report runs a forward pass for its dropped routings: no chip is here
+            print(f"\n(no expert report: it runs a forward pass, and {args.topology}'s chips are not here)")
+            return 0
         mesh = make_mesh(self.mesh(args.devices), devices=first_devices(args))
         built = shard(self.build(model, args, jax.random.key(0)), mesh, rules)
         moe, *_ = layers = model.experts.layers(built)  # every layer alike
