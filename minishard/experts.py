@@ -408,7 +408,8 @@ class ExpertReport:
     def __str__(self) -> str:
         (count, total), share = self.formula, self.dropped / self.routed
         shape = " x ".join(map(str, self.slots))
-        homes = [f"  experts {a}-{end - 1}: devices {', '.join(map(str, d))}" for (a, end), d in self.homes]
+        spans = [f"expert {a}" if end - a == 1 else f"experts {a}-{end - 1}" for (a, end), _ in self.homes]
+        homes = [f"  {span}: devices {', '.join(map(str, d))}" for span, (_, d) in zip(spans, self.homes)]
         sent = ["  " + line for line in summary(self.found).splitlines()]
         formula = (
             f"  2 all-to-alls per block, each E x G/D x C x M = {shape} x {self.itemsize} B = "

@@ -51,6 +51,30 @@ def test_expert_styles_fill_a_batch_that_splits_over_data_and_expert():
     assert dense.experts == 0 and dense.top_k is None and dense.batch_size == 16  # dp on 8: 16
 
 
+@pytest.mark.parametrize(
+    ("experts", "filled", "notes"),
+    [
+        (
+            "1",
+            (1, 1.0),
+            [
+                "--top-k 2 is more than --experts 1 allows: 1",
+                "--capacity-factor 1.25 is more than --experts 1 allows: 1",
+            ],
+        ),
+        ("2", (2, 1.0), ["--capacity-factor 1.25 is more than --experts 2 allows: 1"]),
+        ("4", (2, 1.25), []),
+    ],
+)
+def test_defaults_too_big_for_few_experts_are_capped_and_said_not_refused(experts, filled, notes, capsys):
+    args = parse_args(["train", *GPT, "--experts", experts])
+    assert (args.top_k, args.capacity_factor) == filled
+    out = capsys.readouterr().out
+    assert [
+        line.removeprefix("note: the default ") for line in out.splitlines() if line.startswith("note:")
+    ] == notes
+
+
 @pytest.mark.slow  # the GPT with experts compiles its forward pass on 8 devices
 def test_explain_shows_where_each_expert_lives_two_all_to_alls_per_block_and_the_dropped(capsys):
     assert main(["explain", *GPT, "--experts", "8", "--parallel", "dp+ep"]) == 0

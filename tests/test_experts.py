@@ -24,6 +24,7 @@ import minishard as ms
 from minishard.census import bytes_by_mesh_axes, collectives
 from minishard.experts import (
     ExpertParallel,
+    ExpertReport,
     Experts,
     MoE,
     all_to_all_moe,
@@ -436,3 +437,9 @@ BAD_INPUTS = [
 @pytest.mark.parametrize(("call", "kind", "words"), BAD_INPUTS)
 def test_bad_input_is_named_before_any_compile(call, kind, words):
     assert_named(call, kind, words)
+
+
+def test_the_expert_report_names_a_lone_expert_and_ranges_of_more():
+    homes = (((0, 1), (0,)), ((1, 3), (1, 5)))
+    report = ExpertReport(homes, (3, 2, 2, 4), 4, 1, {}, 0, 8)
+    assert str(report).splitlines()[1:3] == ["  expert 0: devices 0", "  experts 1-2: devices 1, 5"]

@@ -115,11 +115,26 @@ def _gpt(args: Args, key: jax.Array, stacked: bool = False) -> Any:
 
 
 def _fill_gpt(args: Args) -> None:
-    """The batch near nanoGPT's 12, and with --experts the MoE's defaults (``MOE_DEFAULTS``)."""
+    """The batch near nanoGPT's 12, and with --experts the MoE's defaults (``MOE_DEFAULTS``), each capped
+    where the experts are too few for it (a note says so): k at most the experts, the capacity factor at
+    most experts / k, where no routing is dropped."""
     nanogpt_batch(args)
-    for name, value in MOE_DEFAULTS.items():
-        if args.experts and getattr(args, name, None) is None:
-            setattr(args, name, value)
+    if not args.experts:
+        return
+    if args.top_k is None:
+        args.top_k = _capped("top-k", MOE_DEFAULTS["top_k"], args.experts, args)
+    if args.capacity_factor is None and args.top_k <= args.experts:  # else check_moe refuses --top-k
+        args.capacity_factor = _capped(
+            "capacity-factor", MOE_DEFAULTS["capacity_factor"], args.experts / args.top_k, args
+        )
+
+
+def _capped(flag: str, default: float, most: float, args: Args) -> float:
+    """``default``, or ``most`` if it is less, said in one note line (never silently)."""
+    if default <= most:
+        return default
+    print(f"note: the default --{flag} {default:g} is more than --experts {args.experts} allows: {most:g}")
+    return most
 
 
 def check_moe(args: Args, error: Error) -> None:
