@@ -134,7 +134,7 @@ class Layout:
         return " x ".join(f"{name} {size}" for name, size in self.ways().items()) or "one device"
 
 
-class Sent(NamedTuple):
+class CommSeconds(NamedTuple):
     """Seconds of one pass's collectives: of the weights (whatever the batch), of the activations."""
 
     weights: float
@@ -154,8 +154,8 @@ class LayoutCost:
     hardware: Hardware
     tokens: float
     compute_s: float
-    forward: Sent
-    backward: Sent
+    forward: CommSeconds
+    backward: CommSeconds
     memory: Budget
 
     @property
@@ -211,7 +211,7 @@ def price(
     tensor = send("all-gather", stream, "tp") + send("reduce-scatter", stream / tp, "tp")
     per_device = tokens / layout.devices
     compute = 2 * model.params * per_device / hardware.flops
-    forward, backward = Sent(gather, tensor), Sent(gather + scatter + reduce, 2 * tensor)
+    forward, backward = CommSeconds(gather, tensor), CommSeconds(gather + scatter + reduce, 2 * tensor)
     memory = _memory(model, layout, group, checkpoints)
     return LayoutCost(layout, hardware, per_device, compute, forward, backward, memory)
 
@@ -321,7 +321,7 @@ __all__ = [
     "Layout",
     "LayoutCost",
     "Ranking",
-    "Sent",
+    "CommSeconds",
     "checkpoint_bytes",
     "layouts",
     "mixed_critical_batch",
