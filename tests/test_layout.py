@@ -66,13 +66,13 @@ CHAPTERS = {
     "costs": 415,  # issue 49: model_flops (41 lines), MFU's numerator
     "pipeline": 430,  # issue 43: stack, unstack (22 lines): the one way to stack for pp; the report (12)
     "pipeline_1f1b": 80,
-    "zero": 300,
+    "zero": 312,  # issue 47: placed_shapes (10 lines), ZeRO's step compiled for chips that are not here
     "context": 428,
     "sequence": 200,
     "experts": 455,  # issue 43 §4: with_stats and keep (45 lines), moe_layers (10): the MoE's stats collected
     "memory": 405,
     "serving": 230,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too
-    "precision": 235,
+    "precision": 242,
     "layouts": 340,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
