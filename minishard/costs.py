@@ -353,10 +353,10 @@ def model_flops(loss: Callable[..., Any], *args: Any) -> float:
     >>> model_flops(lambda w, x: (x @ w).sum(), w, x) == 3 * 2 * 32 * 784 * 512
     True
     """
-    return 3 * _matmul_flops(jax.make_jaxpr(loss)(*args).jaxpr)
+    return 3 * matmul_flops(jax.make_jaxpr(loss)(*args).jaxpr)
 
 
-def _matmul_flops(jaxpr: Any) -> float:
+def matmul_flops(jaxpr: Any) -> float:
     """2 · output · contracted of each ``dot_general`` in ``jaxpr``, inner jaxprs (jit, remat,
     custom_vjp, shard_map) included, a ``scan``'s body ``length`` times, a ``cond``'s largest branch."""
     total = 0.0
@@ -365,8 +365,8 @@ def _matmul_flops(jaxpr: Any) -> float:
             (contracted, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
             total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contracted)
-        inner = [_matmul_flops(getattr(v, "jaxpr", v)) for v in eqn.params.values() if _is_jaxpr(v)]
-        branches = [_matmul_flops(b.jaxpr) for b in eqn.params.get("branches", ())]
+        inner = [matmul_flops(getattr(v, "jaxpr", v)) for v in eqn.params.values() if _is_jaxpr(v)]
+        branches = [matmul_flops(b.jaxpr) for b in eqn.params.get("branches", ())]
         total += sum(inner) * eqn.params.get("length", 1) + max(branches, default=0.0)
     return total
 
@@ -405,6 +405,7 @@ __all__ = [
     "cost_report",
     "critical_batch",
     "mesh_shapes",
+    "matmul_flops",
     "model_flops",
     "ring_bound",
     "sent_bytes",

@@ -38,6 +38,7 @@ from minishard import _checks
 from minishard.census import human_bytes
 from minishard.costs import Memory
 from minishard.hardware import Hardware
+from minishard.remat import POLICIES
 from minishard.rules import AnyMesh, AxisRules
 from minishard.sharding import Plan, Sharded
 
@@ -145,8 +146,11 @@ def zero_bytes(terms: dict[str, float], stage: int, devices: int) -> float:
 
 # --- 3. activations: what a transformer block keeps for its backward pass -------------------
 
-RECOMPUTE = ("none", "selective", "full")
-"""Keep everything; recompute attention's core (the softmax) from q, k, v; or the block from its input."""
+PAPER = ("none", "selective", "full")
+"""Korthikanti et al.'s: keep everything; recompute attention's core (the softmax) from q, k, v; or the
+block from its input."""
+RECOMPUTE = (*POLICIES, "selective")
+"""What ``block_activations`` counts: each policy of ``minishard.remat``, and the paper's selective."""
 
 
 def korthikanti(
@@ -161,7 +165,7 @@ def korthikanti(
     >>> korthikanti(2048, 1, 12288, 96) / 2**20   # GPT-3's 175B layer, one sequence: MiB
     2736.0
     """
-    _checks.one_of("korthikanti: recompute", recompute, RECOMPUTE)
+    _checks.one_of("korthikanti: recompute", recompute, PAPER)
     attention = 0 if recompute == "selective" else 5 * a * s / h
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
@@ -177,6 +181,7 @@ def block_activations(
 
     All sizes are one device's: ``b`` examples of ``s`` tokens, ``heads`` of its heads,
     ``hidden`` of its MLP's units; ``sp`` splits the residual stream's tokens (``tp+sp``).
+    Without recomputation (``"none"``) a block keeps:
 
     * the two LayerNorms' inputs and outputs (the projections' inputs): ``4 b s width / sp``;
     * q, k and v, and attention's output (the out projection's input): ``4 b s heads head_dim``;
@@ -188,17 +193,40 @@ def block_activations(
     ``sbh(34 + 5as/h)``: minishard has no dropout, so no mask after attention and after the
     MLP (``2sbh``), and none on the softmax's output, nor its output (``3as²b``). Split over t:
     the norms stay whole without ``sp`` (the paper's 10 is 4 + 4 + its 2 masks).
+    The paper's ``"selective"`` drops the softmax's ``b heads s²``; remat's policies: ``kept_by_policy``.
 
     >>> s, b, h, a = 64, 2, 128, 4
     >>> block_activations(b, s, h, a, h // a, 4 * h) == s * b * h * (16 + a * s / h)
     True
     """
     _checks.one_of("block_activations: recompute", recompute, RECOMPUTE)
-    stream = b * s * width // sp
-    if recompute == "full":
-        return stream  # the block's input alone; the backward pass runs the block again
+    if recompute not in ("none", "selective"):
+        return kept_by_policy(b, s, width, heads, head_dim, hidden, sp, recompute)
     softmax = 0 if recompute == "selective" else b * heads * s * s
-    return 4 * stream + 4 * b * s * heads * head_dim + softmax + 2 * b * s * hidden
+    return 4 * b * s * width // sp + 4 * b * s * heads * head_dim + softmax + 2 * b * s * hidden
+
+
+def kept_by_policy(
+    b: int, s: int, width: int, heads: int, head_dim: int, hidden: int, sp: int, policy: str
+) -> int:
+    """Numbers a block keeps under a ``jax.checkpoint`` ``policy``: its input, ``sbh``, and what it saves.
+
+    * ``"full"``: nothing more: ``sbh``;
+    * ``"names"``: q, k, v and attention's output: ``sbh(2 + 3)`` = ``5sbh``;
+    * ``"dots"``: every matmul's output: q, k, v, the scores, the sum over values, the out
+      projection's and the MLP's first: ``sbh(2 + 4 + r + as/h)``.
+
+    >>> s, b, h, a = 64, 2, 128, 4
+    >>> [kept_by_policy(b, s, h, a, h // a, 4 * h, 1, p) // (s * b * h) for p in ("full", "names", "dots")]
+    [1, 5, 12]
+    """
+    stream, qkv, scores = b * s * width // sp, 3 * b * s * heads * head_dim, b * heads * s * s
+    kept = {
+        "full": stream,  # the block's input alone; the backward pass runs the block again
+        "names": 2 * stream + qkv,  # its input, q, k, v, and attention's output
+        "dots": 2 * stream + qkv + scores + qkv // 3 + b * s * hidden,
+    }
+    return kept[policy]
 
 
 def head_activations(b: int, s: int, width: int, logits: int, sp: int = 1) -> int:
@@ -381,6 +409,7 @@ __all__ = [
     "MIXED",
     "MOMENTS",
     "OPTIMIZER_STATE",
+    "PAPER",
     "PRECISIONS",
     "RECOMPUTE",
     "ZERO_SPLITS",
@@ -389,6 +418,7 @@ __all__ = [
     "block_activations",
     "bytes_per_parameter",
     "head_activations",
+    "kept_by_policy",
     "itemsize",
     "korthikanti",
     "mlp_activations",

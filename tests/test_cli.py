@@ -83,7 +83,7 @@ BAD_FLAGS = [
         ["--width", "32"],
         "argument --width: only the ViT and the GPT take it, and --model is mlp; add --model vit",
     ),
-    (["--remat"], "argument --remat: only the ViT and the GPT take it"),
+    (["--remat", "full"], "argument --remat: only the ViT and the GPT take it"),
     (["--resume-from", "300"], "argument --resume-from: needs --checkpoint-dir"),
     (["--overwrite"], "argument --overwrite: needs --checkpoint-dir"),
     (["--overwrite", "--resume", "--checkpoint-dir", "x"], "give --overwrite or --resume, not both"),
@@ -103,7 +103,7 @@ BAD_FLAGS = [
         "argument --depth: 6 blocks cannot split over 8",
     ),
     (
-        ["--parallel", "pp", "--model", "vit", "--remat"],
+        ["--parallel", "pp", "--model", "vit", "--remat", "full"],
         "argument --remat: not with a pipeline (--parallel pp)",
     ),
     (["--parallel", "dp+pp", "--explicit"], "argument --explicit: not with a pipeline (--parallel dp+pp)"),
@@ -164,7 +164,7 @@ def test_a_pipeline_builds_its_blocks_with_the_activation_asked_for():
 
 def test_each_model_gets_its_own_defaults():
     vit, mlp = parse_args(["train", "--model", "vit"]), parse_args(["train"])
-    assert (vit.epochs, vit.schedule, vit.width, vit.remat) == (3, "cosine", 64, False)
+    assert (vit.epochs, vit.schedule, vit.width, vit.remat) == (3, "cosine", 64, "none")
     assert (mlp.epochs, mlp.schedule, mlp.layers, mlp.activation) == (
         5,
         "exponential",

@@ -109,7 +109,7 @@ def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys
     styles = [
         (["--parallel", "dp+cp", "--batch-size", "16"], "--parallel dp, this run --parallel dp+cp"),  # a ring
         (["--parallel", "dp+pp", "--mesh", "data=8,stage=1"], "--parallel dp, this run --parallel dp+pp"),
-        (["--remat"], "--remat False, this run --remat True"),
+        (["--remat", "dots"], "--remat none, this run --remat dots"),
     ]
     for flags, difference in styles:  # the same arrays, or stacked: the setting is named, not "another model"
         assert main(["train", *TINY, "--steps", "6", "--checkpoint-dir", directory, "--resume", *flags]) == 1
@@ -207,7 +207,7 @@ def test_the_gpt_defaults_are_nanogpts_cpu_configuration_with_a_batch_near_12():
 
 @pytest.mark.slow  # over 5 s
 def test_sample_continues_a_prompt_from_a_checkpoint_the_same_for_the_same_seed(tmp_path, capsys):
-    settings = {"width": 16, "depth": 2, "heads": 2, "mlp_ratio": 2, "context": 8, "remat": False}
+    settings = {"width": 16, "depth": 2, "heads": 2, "mlp_ratio": 2, "context": 8, "remat": "none"}
     vocabulary, directory = SHAKESPEARE, str(tmp_path / "run")
     model = jax.jit(lambda key: GPT(65, 8, 16, 2, 2, 2, key=key))(jax.random.key(3))  # one compile, not many
     info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": vocabulary}
@@ -389,7 +389,7 @@ def test_profile_refuses_a_directory_it_cannot_create_before_any_data_loads(tmp_
 
 @pytest.mark.slow  # over 5 s
 def test_sample_sharded_prints_the_same_texts_as_on_one_device_row_b_as_seed_b(tmp_path, capsys):
-    settings = {"width": 16, "depth": 2, "heads": 8, "mlp_ratio": 2, "context": 8, "remat": False}
+    settings = {"width": 16, "depth": 2, "heads": 8, "mlp_ratio": 2, "context": 8, "remat": "none"}
     directory = str(tmp_path / "run")
     model = jax.jit(lambda key: GPT(65, 8, 16, 2, 8, 2, key=key))(jax.random.key(3))
     info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": SHAKESPEARE}

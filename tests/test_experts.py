@@ -227,10 +227,10 @@ def test_under_remat_the_gradients_and_the_stats_equal_the_plain_ones_and_no_tra
     with jax.checking_leaks():  # a tracer kept inside jax.checkpoint's trace would be caught here
         runs = {
             remat: jax.jit(jax.value_and_grad(blocks_loss, has_aux=True), static_argnums=2)(blocks, x, remat)
-            for remat in (False, True)
+            for remat in ("none", "full")
         }
-    (plain_loss, plain_stats), plain_grads = runs[False]
-    (remat_loss, remat_stats), remat_grads = runs[True]
+    (plain_loss, plain_stats), plain_grads = runs["none"]
+    (remat_loss, remat_stats), remat_grads = runs["full"]
     assert int(plain_stats.routed) == 2 * 2 * 8 * 2  # both blocks' routings: the stats left checkpoint
     assert_same_stats(remat_stats, plain_stats)
     np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-6)

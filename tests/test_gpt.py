@@ -338,8 +338,8 @@ def test_remat_and_microbatches_change_the_memory_not_the_numbers():
     state = OPTIMIZER.init(model)
     plain = jax.jit(STEP)(model, state, batch)
     with pytest.raises(ValueError, match="the same 30 arrays as params, but their trees differ"):
-        jax.jit(STEP)(model.replace(remat=True), state, batch)  # a static field is part of the tree
-    rematted = model.replace(remat=True)
+        jax.jit(STEP)(model.replace(remat="full"), state, batch)  # a static field is part of the tree
+    rematted = model.replace(remat="full")
     remat = jax.jit(STEP)(rematted, OPTIMIZER.init(rematted), batch)
     micro = jax.jit(make_train_step(OPTIMIZER, next_token_loss, microbatches=4))(model, state, batch)
     assert "remat" in str(jax.make_jaxpr(STEP)(rematted, OPTIMIZER.init(rematted), batch))

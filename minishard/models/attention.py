@@ -35,10 +35,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from minishard import context
 from minishard.constraints import activation_axes, environment, output_sharding
 from minishard.layers import Layer, check_key
+from minishard.remat import ATTENTION, QKV
 from minishard.rules import LogicalAxes, MeshAxes
 from minishard.sequence import over_sequence
 
@@ -170,9 +172,9 @@ class Attention(Layer):
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """``[B, T, width]`` -> ``[B, T, width]``; ``positions`` ``[T]`` default to ``0 .. T - 1``."""
         positions = jnp.arange(x.shape[1]) if positions is None else positions
-        q, k, v = self.project(x)
+        q, k, v = checkpoint_name(self.project(x), QKV)  # what remat's "names" policy saves
         mixed = ATTENTION_CORES[self.core](q, k, v, positions, positions, causal=self.causal)
-        return self.combine(mixed)
+        return checkpoint_name(self.combine(mixed), ATTENTION)
 
     def cached(self, x: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Attention of new tokens (at ``positions``, consecutive) to every cached one and each other."""

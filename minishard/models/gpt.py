@@ -73,6 +73,7 @@ from minishard.layers import Layer, Linear, Sequential, check_input, check_key
 from minishard.models.attention import KVCache
 from minishard.models.transformer import Block, LayerNorm, MLPBuilder, apply_blocks, dense_mlp
 from minishard.pipeline import StackedModel, stack
+from minishard.remat import POLICIES
 from minishard.rules import LogicalAxes
 
 
@@ -124,7 +125,7 @@ class GPT(Layer):
     4 heads, 128 features, a context of 64 characters), with the ViT's MLP
     (``mlp_ratio`` 4, Swish). ``core`` names the attention core
     (``minishard.models.attention.ATTENTION_CORES``), ``mlp`` builds each
-    block's MLP, ``remat`` recomputes each block in the backward pass.
+    block's MLP, ``remat`` names the recomputation policy of each block (``minishard.remat``).
 
     >>> import jax
     >>> model = GPT(vocab=5, context=8, width=16, depth=2, heads=2, key=jax.random.key(0))
@@ -145,11 +146,13 @@ class GPT(Layer):
         mlp_ratio: int = 4,
         *,
         key: jax.Array,
-        remat: bool = False,
+        remat: str = "none",
         core: str = "dense",
         mlp: MLPBuilder = dense_mlp,
     ) -> None:
         check_key("GPT", key)
+        if remat not in POLICIES:
+            raise ValueError(f"GPT: remat must be a policy of {', '.join(POLICIES)}, got {remat!r}")
         sizes = {"vocab": vocab, "context": context, "width": width, "depth": depth, "heads": heads}
         for name, size in (sizes | {"mlp_ratio": mlp_ratio}).items():
             if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
@@ -160,7 +163,7 @@ class GPT(Layer):
         self.blocks = tuple(block(key=k) for k in keys[2:])
         self.norm = LayerNorm(width)
         self.head = Linear(width, vocab, key=keys[1], scale=width**-0.5, axes=("embed", "vocab"))
-        self.remat = bool(remat)
+        self.remat = remat  # a policy of minishard.remat.POLICIES
 
     def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         # The tokens' states as the rules lay out activations: left to XLA, the gather would take the

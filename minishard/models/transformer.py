@@ -14,8 +14,8 @@ or characters in and the next character out. What they share lives here, once:
   runs it on new tokens only, reading and extending a ``KVCache``. Where the rules
   split "seq", its residual stream is pinned there (``residual_stream``): under
   ``tp+sp`` that is Megatron's sequence parallelism, under ``cp`` the tokens stay put;
-* ``apply_blocks``: the blocks in order, each one optionally rematerialised (an MoE's stats
-  handed out of ``jax.checkpoint``'s trace, never left in it).
+* ``apply_blocks``: the blocks in order, each under a recomputation policy (``minishard.remat``; an
+  MoE's stats handed out of ``jax.checkpoint``'s trace, never left in it).
 
 >>> import jax, jax.numpy as jnp
 >>> block = Block(8, 2, 16, key=jax.random.key(0), causal=True)
@@ -38,6 +38,7 @@ from minishard.constraints import activation_axes, as_activation, constrain, env
 from minishard.experts import MoE, keep, with_stats
 from minishard.layers import Layer, Sequential, mlp
 from minishard.models.attention import Attention, KVCache
+from minishard.remat import checkpointed
 from minishard.rules import LogicalAxes
 
 
@@ -165,23 +166,24 @@ def _call_block(block: Block, x: jax.Array, positions: jax.Array | None) -> jax.
     return block(x, positions)
 
 
-# Remat: keep nothing from inside a block for the backward pass; recompute it from the block's input.
-# jax.checkpoint traces the block on its own: an MoE's stats leave that trace as an output.
-_checkpointed = jax.checkpoint(with_stats(_call_block), policy=jax.checkpoint_policies.nothing_saveable)
+def _remat_block(policy: str) -> Callable[[Block, jax.Array, jax.Array | None], jax.Array]:
+    """``_call_block`` under ``jax.checkpoint`` with ``policy``; its MoEStats (None if dense) handed on
+    to the open collection (``jax.checkpoint`` traces the block on its own: they leave it as an output)."""
+    block_with_stats = checkpointed(with_stats(_call_block), policy)
 
+    def call(block: Block, x: jax.Array, positions: jax.Array | None) -> jax.Array:
+        x, stats = block_with_stats(block, x, positions)
+        keep(stats)
+        return x
 
-def _remat_block(block: Block, x: jax.Array, positions: jax.Array | None) -> jax.Array:
-    """``_call_block`` rematerialised; its MoEStats (None if dense) handed on to the open collection."""
-    x, stats = _checkpointed(block, x, positions)
-    keep(stats)
-    return x
+    return call
 
 
 def apply_blocks(
-    blocks: tuple[Block, ...], x: jax.Array, positions: jax.Array | None = None, *, remat: bool = False
+    blocks: tuple[Block, ...], x: jax.Array, positions: jax.Array | None = None, *, remat: str = "none"
 ) -> jax.Array:
-    """The blocks in order; with ``remat``, each wrapped in ``jax.checkpoint`` (``nothing_saveable``)."""
-    call = _remat_block if remat else _call_block
+    """The blocks in order, each under the recomputation policy ``remat`` (``minishard.remat.POLICIES``)."""
+    call = _call_block if remat == "none" else _remat_block(remat)
     for block in blocks:  # a loop over layers (unrolled by jit), never over examples
         x = call(block, x, positions)
     return x

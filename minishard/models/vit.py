@@ -87,7 +87,7 @@ its activations outweigh its weights, and tensor parallelism costs far more
 communication than data parallelism (``mesh_rules("dp", 8)``, data=8, all-reduces
 the 551,464 bytes of gradients, plus loss and accuracy, and nothing else).
 
-Rematerialisation: ``ViT(..., remat=True)`` wraps each block's call in
+Rematerialisation: ``ViT(..., remat="full")`` wraps each block's call in
 ``jax.checkpoint`` with ``jax.checkpoint_policies.nothing_saveable``: the
 backward pass keeps only each block's input and recomputes everything inside
 the block (attention weights ``[B, heads, tokens, tokens]`` included) when it
@@ -119,6 +119,7 @@ from minishard.layers import Layer, Linear, Sequential, check_input, check_key
 from minishard.models.attention import Attention
 from minishard.models.transformer import Block, LayerNorm, apply_blocks
 from minishard.pipeline import StackedModel, stack
+from minishard.remat import POLICIES
 from minishard.rules import AxisRules, LogicalAxes, MeshAxes
 from minishard.styles import style_rules
 
@@ -210,8 +211,9 @@ class ViT(Layer):
     layer of its own, so another one drops in with ``model.replace(pool=...)``;
     ``examples/vit_2d_mesh.py`` writes an attention pool.
 
-    ``remat=True`` wraps each block's call in ``jax.checkpoint`` (policy
-    ``nothing_saveable``): less memory, one more forward pass per step.
+    ``remat="full"`` wraps each block's call in ``jax.checkpoint`` (policy
+    ``nothing_saveable``): less memory, one more forward pass per step; ``minishard.remat``
+    has the other policies.
 
     >>> import jax
     >>> model = jax.eval_shape(lambda: ViT(key=jax.random.key(0)))   # shapes only: nothing drawn
@@ -234,16 +236,18 @@ class ViT(Layer):
         classes: int = 10,
         *,
         key: jax.Array,
-        remat: bool = False,
+        remat: str = "none",
     ) -> None:
         check_key("ViT", key)
+        if remat not in POLICIES:
+            raise ValueError(f"ViT: remat must be a policy of {', '.join(POLICIES)}, got {remat!r}")
         keys = jax.random.split(key, depth + 2)  # one key per layer, as minishard.mlp does
         self.embedding = PatchEmbedding(image_size, patch_size, channels, width, key=keys[0])
         self.blocks = tuple(Block(width, heads, mlp_ratio * width, key=k) for k in keys[2:])
         self.norm = LayerNorm(width)
         self.pool: Any = MeanPool()  # any Layer [B, tokens, width] -> [B, width]
         self.head = Linear(width, classes, key=keys[1], scale=width**-0.5, axes=("embed", "classes"))
-        self.remat = bool(remat)
+        self.remat = remat  # a policy of minishard.remat.POLICIES
 
     def __call__(self, images: jax.Array) -> jax.Array:
         x = apply_blocks(self.blocks, self.embedding(images), remat=self.remat)

@@ -63,11 +63,11 @@ def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> int:
     hidden = leaves["blocks[0].mlp.layers[0].weight"].shape[1]
     _, seq, heads_split, _ = ways("seq", "heads", "kv")
     sp = ways("seq", "embed")[1]  # the residual stream's tokens split (tp+sp)
-    remat = "full" if getattr(model, "remat", False) else "none"
     shape = (b, s // seq, width, heads // heads_split, head_dim, hidden // ways("seq", "mlp")[2])
-    block = memory.block_activations(*shape, sp=sp // seq, recompute=remat)
+    kept, whole = (memory.block_activations(*shape, sp=sp // seq, recompute=p) for p in (model.remat, "none"))
     outputs = leaves["head.weight"].shape[1] * (s if isinstance(model, GPT) else 1)  # per token or image
-    return len(model.blocks) * block + memory.head_activations(b, s // seq, width, outputs, sp // seq)
+    head = memory.head_activations(b, s // seq, width, outputs, sp // seq)
+    return len(model.blocks) * kept + (whole - kept) + head  # and one block recomputed at a time
 
 
 def _ways(rules: AxisRules, mesh: AnyMesh, axes: tuple[str, ...]) -> tuple[int, ...]:

@@ -233,7 +233,7 @@ GPT_ENTRY = ModelEntry(
         "depth": 4,
         "heads": 4,
         "mlp_ratio": 4,
-        "remat": False,
+        "remat": "none",
         "context": 64,
         "weight_decay": 0.1,
         "experts": 0,  # dense MLPs

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from minishard.remat import POLICIES
 from minishard.run.cli.flags import Error, Flag, at_least
 from minishard.run.cli.models.entry import Args
 
@@ -67,6 +68,6 @@ TRANSFORMER_FLAGS = {
     "depth": Flag("transformer blocks", type=at_least(1)),
     "heads": Flag("attention heads; must divide --width", type=at_least(1)),
     "mlp_ratio": Flag("MLP hidden units per feature", type=at_least(1)),
-    "remat": Flag("recompute each block in the backward pass (jax.checkpoint)", action="store_true"),
+    "remat": Flag("what each block keeps for the backward pass (minishard.remat)", choices=tuple(POLICIES)),
 }
 """The flags of every transformer here (the ViT, the GPT): its shape, and rematerialisation."""

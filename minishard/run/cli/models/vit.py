@@ -69,7 +69,7 @@ VIT = ModelEntry(
         "heads": 4,
         "patch_size": 7,
         "mlp_ratio": 2,
-        "remat": False,
+        "remat": "none",
         **SGD_DEFAULTS,
         "epochs": 3,
         "batch_size": 128,

@@ -36,7 +36,7 @@ class PipelineStyle(Style):
     schedule (``minishard.pipeline``), so microbatches are not accumulated.
     """
 
-    refuses = ("remat", "explicit")
+    refuses = (("remat", "none"), ("explicit", False))  # each flag, and its value that asks for nothing
     own_step = checks_microbatches = True
 
     def fill(self, args: Args, model: ModelEntry) -> None:
@@ -52,8 +52,8 @@ class PipelineStyle(Style):
             error(
                 f"argument --mesh: --parallel {self.name} puts stacked blocks on a 'stage' axis; it has none"
             )
-        for flag in self.refuses:
-            if getattr(args, flag, None):
+        for flag, nothing in self.refuses:
+            if getattr(args, flag, None) not in (None, nothing):
                 error(f"argument --{flag}: not with a pipeline (--parallel {self.name})")
         assert model.stack is not None  # checked above
         model.stack.check(args, args.mesh["stage"], error)
