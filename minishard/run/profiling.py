@@ -4,7 +4,9 @@ MFU, model FLOPs utilisation, is the share of the hardware's peak a step turns
 into the model's arithmetic: ``costs.model_flops`` (3 x the forward matmuls)
 over the step's time, over ``peak_flops``. An accelerator's peak is its table
 entry (``minishard.hardware``, bf16). A CPU's is *measured*: the best of a few
-runs of a 512 x 512 float32 matmul on every device at once, once per process.
+runs of a 512 x 512 float32 matmul on every device at once, once per machine:
+``cached_peak`` keeps it in ``cache_directory()``, by what it depends on
+(``peak_key``), and ``MINISHARD_MEASURE_PEAK=1`` measures it again.
 Simulated devices (``--devices 8``) are threads sharing the same cores, so
 their measured peak is the cores', split 8 ways, and MFU says what share of
 *the machine* the step used, wherever its simulated devices wait on each other.
@@ -22,13 +24,18 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import json
 import os
+import platform
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -37,19 +44,29 @@ from minishard.hardware import HARDWARE
 from minishard.run.errors import TrainingError
 
 __all__ = [
+    "MEASURE_AGAIN",
+    "PEAK_CACHE",
     "Profile",
     "Speed",
     "add_profile_flags",
+    "cache_directory",
+    "cached_peak",
     "check_profile",
     "check_profile_flags",
     "format_speed",
     "measured_peak",
     "peak_flops",
+    "peak_key",
     "profile_problem",
     "step_range",
 ]
 
 SIDE = 512  # the measured matmul's side: 2 · 512³ FLOPs per device, large enough to run near peak
+PEAK_CACHE = "peak_flops.json"
+"""The file in ``cache_directory()`` that keeps each measured peak: ``{peak_key: {"flops", "measured"}}``."""
+MEASURE_AGAIN = "MINISHARD_MEASURE_PEAK"
+"""An environment variable: set (but to ``0``), the peak is measured again and its cached entry replaced
+(say, after measuring on a loaded machine)."""
 
 
 def peak_flops(devices: Sequence[jax.Device]) -> tuple[float, str]:
@@ -59,7 +76,97 @@ def peak_flops(devices: Sequence[jax.Device]) -> tuple[float, str]:
         if devices[0].platform != "cpu" and name in kind:
             return hardware.flops * len(devices), f"{len(devices)} x {hardware.name}'s bf16 peak"
     local = tuple(d for d in devices if d.process_index == jax.process_index())
-    return measured_peak(local) * len(devices) / len(local), f"measured: a {SIDE}² matmul on each device"
+    flops, source = cached_peak(local)
+    return flops * len(devices) / len(local), source
+
+
+def cache_directory() -> Path:
+    """Where minishard keeps what it measures once: ``$XDG_CACHE_HOME/minishard``, else (unset, or not
+    an absolute path, as the XDG spec says) ``~/.cache/minishard``."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "minishard"
+
+
+def peak_key(devices: Sequence[jax.Device]) -> str:
+    """What a measured peak depends on: the devices (count, platform, kind), the CPU (its model, the
+    cores this process may use), JAX's and jaxlib's versions, ``XLA_FLAGS`` (the simulated devices,
+    the optimisation level) and the matmul measured. Another of any of these is another entry."""
+    first = devices[0]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    flags = " ".join(os.environ.get("XLA_FLAGS", "").split()) or "none"
+    return (
+        f"{len(devices)} x {first.platform} {first.device_kind}; {cpu_model()}, {cores} cores; "
+        f"jax {jax.__version__}, jaxlib {jaxlib.__version__}; XLA_FLAGS {flags}; {SIDE}² float32 matmul"
+    )
+
+
+def cpu_model() -> str:
+    """The CPU's model name: ``/proc/cpuinfo``'s on Linux, else what ``platform`` knows."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine() or "an unknown CPU"
+
+
+def cached_peak(devices: tuple[jax.Device, ...]) -> tuple[float, str]:
+    """``measured_peak(devices)``, measured once per machine (``peak_key``) and kept in
+    ``cache_directory()``: the FLOP/s and what the FLOPs line says of them. ``MEASURE_AGAIN`` measures
+    anew; so does a cache that cannot be read (then rewritten), and one that cannot be written is left
+    as it is: the line says which, and a run never stops for its cache."""
+    path, key, how = cache_directory() / PEAK_CACHE, peak_key(devices), f"a {SIDE}² matmul on each device"
+    entries, problem = _read_peaks(path)
+    again = os.environ.get(MEASURE_AGAIN, "") not in ("", "0")
+    if key in entries and not again:
+        measured, remeasure = entries[key]["measured"], f"{MEASURE_AGAIN}=1 measures again"
+        return entries[key]["flops"], f"{how}, measured {measured}, cached in {path}; {remeasure}"
+    flops = measured_peak(devices)
+    entries[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M")}
+    written = _write_peaks(path, entries)
+    said = f"measured{' again' if again else ''}: {how}"
+    unreadable = [f"the cache was unreadable ({problem})"] if problem else []
+    return flops, "; ".join([said, *unreadable, written or f"cached in {path}"])
+
+
+def _read_peaks(path: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """The cache's entries, and what is wrong with it (None: nothing, or there is no cache yet)."""
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return {}, f"{type(error).__name__}: {error}"
+    if not isinstance(entries, dict) or not all(_is_peak(entry) for entry in entries.values()):
+        return {}, 'not {key: {"flops": F, "measured": T}, ...}'
+    return entries, None
+
+
+def _is_peak(entry: Any) -> bool:
+    """``{"flops": a positive number, "measured": a time}``, as ``cached_peak`` writes one."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("measured"), str):
+        return False
+    flops = entry.get("flops")
+    return isinstance(flops, int | float) and not isinstance(flops, bool) and flops > 0
+
+
+def _write_peaks(path: Path, entries: dict[str, dict[str, Any]]) -> str | None:
+    """Write the cache whole (a temporary file, then a rename: a reader never sees half); what went
+    wrong, or None."""
+    written = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", encoding="utf-8", dir=path.parent, suffix=".tmp", delete=False
+        ) as file:
+            written = file.name
+            json.dump(entries, file, indent=1, ensure_ascii=False)  # the key's 512² as it is said
+        os.replace(written, path)
+    except OSError as error:
+        if written:  # a full disk, say: no half-written file left behind
+            with contextlib.suppress(OSError):
+                os.unlink(written)
+        return f"not cached: cannot write {path} ({error.strerror or error})"
+    return None
 
 
 @functools.cache

@@ -34,8 +34,8 @@ from minishard.sharding import Sharded, ShardedFunction, make_mesh
 __all__ = [
     "GENERATIONS",
     "INSTALL",
+    "CompiledStep",
     "LoweredOnce",
-    "Program",
     "compile_for",
     "hardware_of",
     "on_cpu_and_tpu",
@@ -98,7 +98,7 @@ def _parse(topology: str) -> tuple[str, str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Program:
+class CompiledStep:
     """What one compiler made of a step, per device: its collectives (``minishard.collectives``),
     memory (``costs.Memory``), ``cost_analysis()``'s FLOPs and bytes accessed, and the compile time."""
 
@@ -111,7 +111,7 @@ class Program:
     text: str  # the compiled HLO, for what no column shows (the -start/-done pairs)
 
 
-def compile_for(lowered: jax.stages.Lowered) -> Program:
+def compile_for(lowered: jax.stages.Lowered) -> CompiledStep:
     """Compile ``lowered`` (timed) and read the program: the platform of its devices names the compiler."""
     start = time.perf_counter()
     compiled = lowered.compile()
@@ -119,7 +119,7 @@ def compile_for(lowered: jax.stages.Lowered) -> Program:
     analysis = compiled.cost_analysis() or {}
     mesh = mesh_of(compiled)
     platform = mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else "?"
-    return Program(
+    return CompiledStep(
         compiler=f"XLA:{platform.upper()}",
         collectives=collectives(compiled),
         memory=Memory.of(compiled),
@@ -149,7 +149,7 @@ class LoweredOnce(ShardedFunction):
         return self._lowered[key]
 
 
-def on_cpu_and_tpu(step: ShardedFunction, args: Sequence[Any]) -> list[Program]:
+def on_cpu_and_tpu(step: ShardedFunction, args: Sequence[Any]) -> list[CompiledStep]:
     """``step`` (a ``Sharded`` function on a topology's mesh) compiled twice: by XLA:CPU, on as many
     simulated CPU devices in a mesh of the same shape, and by XLA:TPU, as it is."""
     config = step.config
@@ -183,7 +183,7 @@ def overlapped(text: str) -> dict[str, list[str]]:
     return found
 
 
-def side_by_side(programs: Sequence[Program]) -> str:
+def side_by_side(programs: Sequence[CompiledStep]) -> str:
     """One column per compiler: each collective kind (count, bytes, mesh axes), memory, FLOPs, compiling."""
     kinds = list(dict.fromkeys(kind for program in programs for kind in program.collectives))
     rows: dict[str, list[str]] = {"": [program.compiler for program in programs]}
@@ -207,7 +207,7 @@ def side_by_side(programs: Sequence[Program]) -> str:
     )
 
 
-def _async(program: Program) -> str:
+def _async(program: CompiledStep) -> str:
     """``x2, 31 ops between``: the asynchronous collectives, and what runs while they travel."""
     pairs = overlapped(program.text)
     return f"x{len(pairs)}, {sum(map(len, pairs.values()))} ops between" if pairs else "-"

@@ -24,7 +24,7 @@ hypothesis strategies that keep the number of compiled programs small.
   (``split_counts``, ``width_units``, ``splittable_widths``), ``batches``, ``seeds``;
 * ``builders.py``: ``models`` from your own builder, and ``mlps``;
 * ``assertions.py``: ``assert_sharded_equivalent``, ``assert_split``;
-* ``layouts.py``: ``assert_layout`` and the ``Layout`` it states;
+* ``layouts.py``: ``assert_layout`` and the ``ExpectedLayout`` it states;
 * ``budgets.py``: ``Limit``, ``assert_collectives``, ``data_parallel_limits``, ``megatron_limits``;
 * ``profiles.py``: the ``"minishard"`` hypothesis profiles (``register_profiles``);
 * ``pipelines.py``: ``pipelines`` that fit a stacked model, ``assert_pipeline_equivalent``
@@ -52,7 +52,7 @@ from minishard.testing.attention import SequenceLayout, assert_attention_equival
 from minishard.testing.budgets import Limit, assert_collectives, data_parallel_limits, megatron_limits
 from minishard.testing.builders import LINEAR_AXES, mlps, models
 from minishard.testing.experts import assert_moe_equivalent, expert_parallels, moe_reference, moes
-from minishard.testing.layouts import Layout, assert_layout
+from minishard.testing.layouts import ExpectedLayout, assert_layout
 from minishard.testing.pipelines import assert_pipeline_equivalent, pipelines
 from minishard.testing.profiles import register_profiles
 from minishard.testing.strategies import (
@@ -74,7 +74,7 @@ __all__ = [
     "DEFAULT_CHOICES",
     "LINEAR_AXES",
     "MULTIPLES",
-    "Layout",
+    "ExpectedLayout",
     "Limit",
     "SequenceLayout",
     "assert_attention_equivalent",

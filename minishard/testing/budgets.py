@@ -15,7 +15,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from minishard.census import KINDS, Collective, collectives, human_bytes, instructions, mesh_of, summary
+from minishard.census import (
+    KINDS,
+    Collective,
+    Program,
+    collectives,
+    human_bytes,
+    instructions,
+    mesh_of,
+    summary,
+)
 from minishard.rules import AnyMesh, AxisRules, as_mesh_axes
 from minishard.sharding import Sharded
 from minishard.testing.assertions import _check_mesh_axes, _sharded
@@ -75,9 +84,6 @@ def _exact_bytes(nbytes: int) -> str:
     """
     exact = f"{nbytes:,} B"
     return exact if human_bytes(nbytes) == exact else f"{exact} ({human_bytes(nbytes)})"
-
-
-Program = jax.stages.Lowered | jax.stages.Compiled | str
 
 
 def assert_collectives(
@@ -203,4 +209,4 @@ def megatron_limits(
     return [Limit("all-reduce", over=over, count=pairs, bytes=pairs * nbytes)]
 
 
-__all__ = ["Limit", "Program", "assert_collectives", "data_parallel_limits", "megatron_limits"]
+__all__ = ["Limit", "assert_collectives", "data_parallel_limits", "megatron_limits"]

@@ -20,7 +20,7 @@ from minishard.sharding import plan
 from minishard.testing.assertions import _check_mesh_axes, _padded
 from minishard.tree import path_str
 
-Layout = PartitionSpec | tuple[int, ...] | LogicalAxes
+ExpectedLayout = PartitionSpec | tuple[int, ...] | LogicalAxes
 """What an array's layout must be: a spec, each device's shard shape, or logical axes (through the rules)."""
 
 
@@ -97,7 +97,7 @@ def _expected_by_path(tree: Any, expected: Any) -> dict[str, Any]:
 
 
 def _wanted_spec(
-    path: str, want: Layout, shape: tuple[int, ...], mesh: Mesh, rules: AxisRules
+    path: str, want: ExpectedLayout, shape: tuple[int, ...], mesh: Mesh, rules: AxisRules
 ) -> PartitionSpec | None:
     """The spec ``want`` stands for (None for a shard shape), checked against the mesh and the array."""
     if isinstance(want, tuple) and all(isinstance(d, int) and not isinstance(d, bool) for d in want):
@@ -120,7 +120,7 @@ def _wanted_spec(
     return spec
 
 
-def _layout_problem(array: Any, mesh: Mesh, want: Layout, spec: PartitionSpec | None) -> str | None:
+def _layout_problem(array: Any, mesh: Mesh, want: ExpectedLayout, spec: PartitionSpec | None) -> str | None:
     """What is wrong with ``array``'s layout, or None if it is the one wanted."""
     if not isinstance(array, jax.Array):
         kind = f"{type(array).__module__}.{type(array).__name__}"
@@ -161,4 +161,4 @@ def _why(tree: Any, mesh: Mesh, rules: AxisRules) -> Callable[[str], str]:
     return why
 
 
-__all__ = ["Layout", "assert_layout"]
+__all__ = ["ExpectedLayout", "assert_layout"]

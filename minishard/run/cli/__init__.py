@@ -9,7 +9,8 @@ Each subcommand is a module with ``HELP``, ``add_arguments(parser)``,
 ``run(args) -> exit status``: ``train``, ``explain``, ``sample`` (a GPT's
 checkpoint continues a prompt) and ``minishard.run.launch``, one row each of
 ``COMMANDS``. What they share lives beside them: ``flags`` (flag types
-and the checks of several flags at once), ``models`` (one entry per model) and
+and the checks of several flags at once), ``ignored`` (the flags a mode of
+``explain`` would ignore, refused), ``models`` (one entry per model) and
 ``styles`` (one entry per ``--parallel`` style).
 """
 

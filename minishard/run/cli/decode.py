@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterable
 from minishard import serving
 from minishard.census import human_bytes
 from minishard.hardware import hardware_named
+from minishard.run.cli.ignored import STEP_WORK, refuse_ignored
 
 __all__ = [
     "BAR",
     "DECODE_FLAGS",
     "DEFAULT_CONTEXT",
-    "OTHER_WORK",
     "add_arguments",
     "batches",
     "check",
@@ -32,8 +32,6 @@ BAR = 30
 """Characters of the largest throughput's bar: latency (the rows) against throughput, as a picture."""
 DECODE_FLAGS = {"size": "--size", "serve_format": "--quantize"}
 """The flags only ``--decode`` takes, by their names in ``args``."""
-OTHER_WORK = ("compare", "memory", "topology", "plot", "parallel", "microbatches")
-"""Flags asking for a train step's work, which ``--decode`` does not do."""
 
 
 def add_arguments(add: Callable[..., object]) -> None:
@@ -61,10 +59,8 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
             if getattr(args, name) is not None and not (name == "size" and args.compare):
                 error(f"argument {flag}: only {takers} takes it")
         return
-    ignored = [name for name in (*OTHER_WORK, *model_flags) if name != "context"]
-    if given := [name for name in ignored if getattr(args, name, None) not in (None, False)]:
-        flag = given[0].replace("_", "-")
-        error(f"argument --{flag}: --decode prices serving a --size, not a train step; drop --{flag}")
+    why = "--decode prices serving a --size, not a train step"
+    refuse_ignored(args, ("compare", *STEP_WORK), model_flags, why, error)
     if args.hardware is None:
         error("argument --hardware: --decode prices serving on a chip; add one (e.g. --hardware v5e)")
     args.size = args.size or next(iter(serving.SIZES))

@@ -56,7 +56,7 @@ __all__ = [
     "SENDS_UP_TO",
     "add_arguments",
     "check",
-    "price",
+    "print_priced_step",
     "print_report",
     "print_sends",
     "print_state",
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     planned on an ``AbstractMesh`` with the style's rules, so any device count
     works on any machine; then a preset's step is compiled to show what it sends
     (``print_sends``). Pricing a step (``--hardware``, ``--compare``) or a
-    style's own step (``--parallel zero``) compiles it: see ``price``.
+    style's own step (``--parallel zero``) compiles it: see ``print_priced_step``.
     """
     if args.decode:
         return decode.print_decode(args)
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if args.memory:
         return print_memory(args)
     if args.hardware or args.compare or style.compiles:
-        return price(args)
+        return print_priced_step(args)
     shape, rules = style.mesh(args.devices), style.rules({})
     mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
     built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
@@ -205,7 +205,7 @@ def print_sends(args: argparse.Namespace, model: Any, style: Style, rules: AxisR
     print(f"(the step is not compiled: {why}; the plan above is all)")
 
 
-def price(args: argparse.Namespace) -> int:
+def print_priced_step(args: argparse.Namespace) -> int:
     """``explain --hardware H [--parallel NAME | --compare] [--batch-size B]``, and a style's own step.
 
     The default model's train step is compiled on ``--devices`` (simulated)

@@ -16,15 +16,14 @@ from minishard import layouts, serving
 from minishard.census import human_bytes
 from minishard.costs import critical_batch
 from minishard.hardware import hardware_named
+from minishard.run.cli.ignored import STEP_WORK, refuse_ignored
 
-__all__ = ["BINARY", "OTHER_WORK", "TOP", "check", "count", "print_ranking"]
+__all__ = ["BINARY", "TOP", "check", "count", "print_ranking"]
 
 BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
 """What a count's K, M and G multiply it by: binary, as the scaling book's "4M tokens" are 4 x 1024 x 1024."""
 TOP = 5
 """The fastest layouts that fit, shown before the best of each other kind."""
-OTHER_WORK = ("memory", "topology", "plot", "parallel", "microbatches", "serve_format")
-"""Flags asking for a compiled step's work, or serving's, which a ranking by shapes does not do."""
 
 
 def count(text: str) -> int:
@@ -46,10 +45,8 @@ def count(text: str) -> int:
 def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[[str], object]) -> None:
     """A chip, a batch in tokens, at least a token per device, whole sequences of ``--context``; none
     of the flags it would ignore. Before any work."""
-    ignored = [name for name in (*OTHER_WORK, *model_flags) if name != "context"]
-    if given := [name for name in ignored if getattr(args, name, None) not in (None, False)]:
-        flag = "--quantize" if given[0] == "serve_format" else "--" + given[0].replace("_", "-")
-        error(f"argument {flag}: --compare --size ranks layouts from a size's shapes; drop {flag}")
+    why = "--compare --size ranks layouts from a size's shapes"
+    refuse_ignored(args, STEP_WORK, model_flags, why, error)  # --quantize: decode.check refused it
     if args.precision != "fp32":
         error("argument --precision: --compare --size prices mixed precision (bf16, float32 master)")
     if args.hardware is None:
