@@ -53,10 +53,23 @@ def visible(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
     return k_pos[None, :] <= q_pos[:, None]
 
 
+def grouped(x: jax.Array, kv_heads: int, axis: int) -> jax.Array:
+    """``x``'s heads (dimension ``axis``) as ``[kv_heads, group]``: grouped-query attention's query heads,
+    ``heads / kv_heads`` per key and value head (query head ``h`` reads K/V head ``h // group``; 1: MHA).
+
+    >>> grouped(jnp.zeros((1, 3, 8, 16)), 2, axis=2).shape   # 8 query heads, 2 groups of 4
+    (1, 3, 2, 4, 16)
+    """
+    return x.reshape(*x.shape[:axis], kv_heads, x.shape[axis] // kv_heads, *x.shape[axis + 1 :])
+
+
 def scores(q: jax.Array, k: jax.Array, q_pos: Any, k_pos: Any, causal: bool) -> jax.Array:
     """``q·k / sqrt(head_dim)`` per ``[batch, head, query, key]`` in float32 (heads before queries: a split
-    of heads and of the sequence propagates as the model's layers have it); causal: the future masked."""
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * q.shape[-1] ** -0.5
+    of heads and of the sequence propagates as the model's layers have it); causal: the future masked.
+    ``k`` may have fewer heads than ``q`` (``grouped``): each group of query heads reads its one."""
+    by_group = grouped(q.astype(jnp.float32), k.shape[2], axis=2)  # [b, q, kv_heads, group, d]
+    s = jnp.einsum("bqngd,bknd->bngqk", by_group, k.astype(jnp.float32)) * q.shape[-1] ** -0.5
+    s = s.reshape(s.shape[0], q.shape[2], *s.shape[3:])  # [b, h, q, k]
     return jnp.where(visible(q_pos, k_pos)[None, None], s, MASK_VALUE) if causal else s
 
 
@@ -67,9 +80,9 @@ def attend(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, *, causal: bool = Fal
     """
     s = scores(q, k, q_pos, k_pos, causal)
     lse = jax.nn.logsumexp(s, axis=-1)  # [b, h, q]
-    return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32)), lse.swapaxes(
-        1, 2
-    )
+    weights = grouped(jnp.exp(s - lse[..., None]), v.shape[2], axis=1)  # [b, kv_heads, group, q, k]
+    out = jnp.einsum("bngqk,bknd->bqngd", weights, v.astype(jnp.float32))
+    return out.reshape(*out.shape[:2], q.shape[2], -1), lse.swapaxes(1, 2)
 
 
 def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) -> Partial:
@@ -91,7 +104,8 @@ def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) ->
 
 def attention(q: Any, k: Any, v: Any, q_pos: Any = None, k_pos: Any = None, *, causal: bool = False) -> Any:
     """Softmax attention on one device, ``[batch, seq, heads, head_dim]``, the queries at ``q_pos`` (``0, 1,
-    ...``), the keys at ``k_pos`` (the queries'): the oracle for the rest, and the models' dense core."""
+    ...``), the keys at ``k_pos`` (the queries'): the oracle for the rest, and the models' dense core.
+    Keys and values may have fewer heads, a divisor of the queries' (grouped-query attention)."""
     _checks.qkv("attention", q, k, v)  # float [batch, seq, heads, head_dim] arrays, k and v of one shape
     q_pos = jnp.arange(q.shape[1]) if q_pos is None else q_pos
     return attend(q, k, v, q_pos, q_pos if k_pos is None else k_pos, causal=causal)[0].astype(q.dtype)
@@ -409,6 +423,7 @@ __all__ = [
     "attention",
     "balance",
     "chunks",
+    "grouped",
     "kind",
     "meets",
     "merge",

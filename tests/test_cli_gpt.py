@@ -148,6 +148,12 @@ BAD_FLAGS = [
     (["--context", "60000"], "argument --context: 60000 characters and the next one do not fit"),
     (["--heads", "3"], "argument --heads: 3 heads must divide --width 128"),
     (["--parallel", "tp"], "argument --heads: 4 heads cannot split over model=8 devices"),
+    (["--kv-heads", "3"], "argument --kv-heads: 3 must divide --heads 4 (each group of heads / kv-heads"),
+    (
+        ["--parallel", "2d", "--kv-heads", "2"],
+        "argument --kv-heads: 2 key and value heads cannot split over model=4 devices (they split as the "
+        "heads do); give a multiple of 4, or fewer --devices",
+    ),
     (["--epochs", "2"], "argument --epochs: the GPT trains by steps; give --steps"),
     (["--schedule", "exponential"], "argument --schedule: the GPT's AdamW warms up, then follows a cosine"),
     (["--dataset", "mnist"], "argument --dataset: the GPT trains on tiny_shakespeare, not mnist"),
