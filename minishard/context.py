@@ -53,23 +53,10 @@ def visible(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
     return k_pos[None, :] <= q_pos[:, None]
 
 
-def grouped(x: jax.Array, kv_heads: int, axis: int) -> jax.Array:
-    """``x``'s heads (dimension ``axis``) as ``[kv_heads, group]``: grouped-query attention's query heads,
-    ``heads / kv_heads`` per key and value head (query head ``h`` reads K/V head ``h // group``; 1: MHA).
-
-    >>> grouped(jnp.zeros((1, 3, 8, 16)), 2, axis=2).shape   # 8 query heads, 2 groups of 4
-    (1, 3, 2, 4, 16)
-    """
-    return x.reshape(*x.shape[:axis], kv_heads, x.shape[axis] // kv_heads, *x.shape[axis + 1 :])
-
-
 def scores(q: jax.Array, k: jax.Array, q_pos: Any, k_pos: Any, causal: bool) -> jax.Array:
     """``q·k / sqrt(head_dim)`` per ``[batch, head, query, key]`` in float32 (heads before queries: a split
-    of heads and of the sequence propagates as the model's layers have it); causal: the future masked.
-    ``k`` may have fewer heads than ``q`` (``grouped``): each group of query heads reads its one."""
-    by_group = grouped(q.astype(jnp.float32), k.shape[2], axis=2)  # [b, q, kv_heads, group, d]
-    s = jnp.einsum("bqngd,bknd->bngqk", by_group, k.astype(jnp.float32)) * q.shape[-1] ** -0.5
-    s = s.reshape(s.shape[0], q.shape[2], *s.shape[3:])  # [b, h, q, k]
+    of heads and of the sequence propagates as the model's layers have it); causal: the future masked."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * q.shape[-1] ** -0.5
     return jnp.where(visible(q_pos, k_pos)[None, None], s, MASK_VALUE) if causal else s
 
 
@@ -80,9 +67,9 @@ def attend(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, *, causal: bool = Fal
     """
     s = scores(q, k, q_pos, k_pos, causal)
     lse = jax.nn.logsumexp(s, axis=-1)  # [b, h, q]
-    weights = grouped(jnp.exp(s - lse[..., None]), v.shape[2], axis=1)  # [b, kv_heads, group, q, k]
-    out = jnp.einsum("bngqk,bknd->bqngd", weights, v.astype(jnp.float32))
-    return out.reshape(*out.shape[:2], q.shape[2], -1), lse.swapaxes(1, 2)
+    return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32)), lse.swapaxes(
+        1, 2
+    )
 
 
 def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) -> Partial:
@@ -105,10 +92,29 @@ def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) ->
 def attention(q: Any, k: Any, v: Any, q_pos: Any = None, k_pos: Any = None, *, causal: bool = False) -> Any:
     """Softmax attention on one device, ``[batch, seq, heads, head_dim]``, the queries at ``q_pos`` (``0, 1,
     ...``), the keys at ``k_pos`` (the queries'): the oracle for the rest, and the models' dense core.
-    Keys and values may have fewer heads, a divisor of the queries' (grouped-query attention)."""
+    Keys and values may have fewer heads, a divisor of the queries' (grouped-query attention, ``grouped``)."""
     _checks.qkv("attention", q, k, v)  # float [batch, seq, heads, head_dim] arrays, k and v of one shape
     q_pos = jnp.arange(q.shape[1]) if q_pos is None else q_pos
-    return attend(q, k, v, q_pos, q_pos if k_pos is None else k_pos, causal=causal)[0].astype(q.dtype)
+    k_pos = q_pos if k_pos is None else k_pos
+    if (group := q.shape[2] // k.shape[2]) > 1:  # each group's query heads: more queries of one K/V head
+        out = attend(grouped(q, group), k, v, jnp.repeat(q_pos, group), k_pos, causal=causal)[0]
+        return grouped(out, group, inverse=True).astype(q.dtype)
+    return attend(q, k, v, q_pos, k_pos, causal=causal)[0].astype(q.dtype)
+
+
+def grouped(q: jax.Array, group: int, *, inverse: bool = False) -> jax.Array:
+    """Grouped-query attention as multi-head: ``q`` ``[b, t, heads, d]`` as ``[b, t·group, heads / group,
+    d]``, query head ``h`` a query of K/V head ``h // group`` (row ``t·group + h % group``, at its token's
+    position), so ``attend`` reads each K/V head once for its group; ``inverse``: the outputs back.
+
+    >>> q = jnp.arange(4.0).reshape(1, 1, 4, 1)   # one token, 4 query heads: 2 groups of 2
+    >>> grouped(q, 2)[0, :, :, 0].tolist(), bool((grouped(grouped(q, 2), 2, inverse=True) == q).all())
+    ([[0.0, 2.0], [1.0, 3.0]], True)
+    """
+    b, t, h, d = q.shape
+    if inverse:
+        return q.reshape(b, t // group, group, h, d).swapaxes(2, 3).reshape(b, t // group, h * group, d)
+    return q.reshape(b, t, h // group, group, d).swapaxes(2, 3).reshape(b, t * group, h // group, d)
 
 
 # --- 2. where the chunks live, and what each step computes --------------------------

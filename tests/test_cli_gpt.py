@@ -293,6 +293,20 @@ def test_sample_refuses_a_zero_checkpoint_in_one_line_as_docs_gpt_md_says(tmp_pa
     )
 
 
+def test_sample_refuses_a_style_that_cannot_split_the_key_and_value_heads_in_one_line(tmp_path, capsys):
+    info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": "\n !ABab"}
+    with Checkpointer(tmp_path) as checkpointer:  # a GQA GPT's flags, without the training
+        checkpointer.save(
+            3, {"w": jax.numpy.ones(2)}, {"info": info | {"flags": {"heads": 8, "kv_heads": 2}}}
+        )
+    with pytest.raises(SystemExit) as exit_:
+        main(["sample", "--checkpoint-dir", str(tmp_path), "--prompt", "Ab", "--parallel", "tp"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "minishard sample: error: argument --parallel: tp splits 2 key and value heads over 8 devices: uneven"
+    )
+
+
 @pytest.mark.parametrize("broken", ["meta missing", "meta half-written", "meta changed", "an empty step"])
 def test_sample_on_a_broken_latest_step_falls_back_in_one_line(tmp_path, capsys, broken):
     info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": "\n !ABab"}

@@ -208,7 +208,8 @@ class Attention(Layer):
         """``x`` ``[B, T, width]`` -> queries ``[B, T, heads, head_dim]``, keys and values (``kv_heads``)."""
         # One einsum for q, k and v (c: which of the three), so that in the backward pass the
         # gradient into x is one sum over (c, h, k): one all-reduce over "model", not three.
-        # Grouped, the queries have more heads than k and v: one einsum for them, one for k and v.
+        # Grouped, the queries have more heads than k and v: one einsum for them, one for k and v, and
+        # under tp the backward pass all-reduces two partial gradients into x, not one.
         if self.kv_heads == self.heads:
             q, k, v = _projected(x, self.query, self.key, self.value)
             return q, k, v
