@@ -96,7 +96,7 @@ def attention(q: Any, k: Any, v: Any, q_pos: Any = None, k_pos: Any = None, *, c
     _checks.qkv("attention", q, k, v)  # float [batch, seq, heads, head_dim] arrays, k and v of one shape
     q_pos = jnp.arange(q.shape[1]) if q_pos is None else q_pos
     k_pos = q_pos if k_pos is None else k_pos
-    if (group := q.shape[2] // k.shape[2]) > 1:  # each group's query heads: more queries of one K/V head
+    if (group := q.shape[2] // max(k.shape[2], 1)) > 1:  # a group of query heads: more queries of a K/V head
         out = attend(grouped(q, group), k, v, jnp.repeat(q_pos, group), k_pos, causal=causal)[0]
         return grouped(out, group, inverse=True).astype(q.dtype)
     return attend(q, k, v, q_pos, k_pos, causal=causal)[0].astype(q.dtype)

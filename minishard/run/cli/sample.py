@@ -130,7 +130,7 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     shape = mesh_rules(args.parallel, len(jax.devices()))[0] if args.parallel != "none" else {}
     flags = {**entry.defaults, **info.get("flags", {})}
     heads = int(flags["heads"])
-    for count, what in ((heads, "heads"), (int(flags.get("kv_heads") or heads), "key and value heads")):
+    for count, what in ((heads, "heads"), (int(flags["kv_heads"] or heads), "key and value heads")):
         if count % shape.get("model", 1):
             error(
                 f"argument --parallel: {args.parallel} splits {count} {what} over {shape['model']} devices: "

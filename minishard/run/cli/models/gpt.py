@@ -46,7 +46,6 @@ __all__ = [
     "TEXT_EXPERTS",
     "TEXT_SEQUENCE",
     "adamw",
-    "check_kv_heads",
     "check_moe",
     "gpt_splits",
     "nanogpt_batch",
@@ -170,11 +169,11 @@ def _check_gpt_shape(args: Args, error: Error) -> None:
             f"argument --heads: {args.heads} heads cannot split over model={ways} devices; "
             f"give a multiple of {ways}, or fewer --devices"
         )
-    check_kv_heads(args.heads, args.kv_heads, ways, error)
+    _check_kv_heads(args.heads, args.kv_heads, ways, error)
     check_moe(args, error)
 
 
-def check_kv_heads(heads: int, kv_heads: int, ways: int, error: Error) -> None:
+def _check_kv_heads(heads: int, kv_heads: int, ways: int, error: Error) -> None:
     """Grouped queries: --kv-heads divide --heads, and split over "model" as the heads do (tp keeps each
     device's query heads beside the key and value heads they read)."""
     if heads % kv_heads:
