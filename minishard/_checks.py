@@ -671,18 +671,22 @@ def chunk_holder(device: Any, p: Any, layout: Any, chunks: dict[str, int]) -> No
         )
 
 
-def qkv(where: str, q: Any, k: Any, v: Any, *, here: str = "") -> None:
+def qkv(where: str, q: Any, k: Any, v: Any, *, here: str = "", grouped: bool = True) -> None:
     """q, k and v: float ``[batch, seq, heads, head_dim]`` arrays, k and v of one shape, q of theirs but
-    its length (a cache's keys outnumber its queries); an int would be truncated."""
+    its length (a cache's keys outnumber its queries) and, ``grouped``, its heads a multiple of theirs
+    (grouped-query attention); an int would be truncated."""
     shapes = [jnp.shape(x) for x in (q, k, v)]
     if (
-        len(shapes[0]) != 4
+        {len(shapes[0]), len(shapes[1])} != {4}
         or shapes[1] != shapes[2]
-        or shapes[0][::2] + shapes[0][3:] != shapes[1][::2] + shapes[1][3:]
+        or shapes[0][::3] != shapes[1][::3]
+        or shapes[0][2] % max(shapes[1][2], 1)
+        or (not grouped and shapes[0][2] != shapes[1][2])
     ):
+        heads = ", and hold a multiple of their heads" if grouped else ""
         raise ValueError(
             f"{where}: q, k and v must be [batch, seq, heads, head_dim] arrays of one shape (q may be "
-            f"shorter or longer), got {shapes}{here}"
+            f"shorter or longer{heads}), got {shapes}{here}"
         )
     if ints := [f"{n} {jnp.result_type(x)}" for n, x in zip("qkv", (q, k, v)) if not _floating(x)]:
         raise TypeError(
@@ -710,7 +714,7 @@ def context_inputs(
     where: str, q: Any, k: Any, v: Any, axis: Any, layout: Any, chunks: dict[str, int]
 ) -> None:
     """Inside ``shard_map`` over ``axis``: q, k, v of one ``[batch, seq, heads, head_dim]`` shape."""
-    qkv(where, q, k, v, here=" on this device")
+    qkv(where, q, k, v, here=" on this device", grouped=False)
     try:
         p = jax.lax.axis_size(axis)
     except NameError:

@@ -91,10 +91,30 @@ def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) ->
 
 def attention(q: Any, k: Any, v: Any, q_pos: Any = None, k_pos: Any = None, *, causal: bool = False) -> Any:
     """Softmax attention on one device, ``[batch, seq, heads, head_dim]``, the queries at ``q_pos`` (``0, 1,
-    ...``), the keys at ``k_pos`` (the queries'): the oracle for the rest, and the models' dense core."""
+    ...``), the keys at ``k_pos`` (the queries'): the oracle for the rest, and the models' dense core.
+    Keys and values may have fewer heads, a divisor of the queries' (grouped-query attention, ``grouped``)."""
     _checks.qkv("attention", q, k, v)  # float [batch, seq, heads, head_dim] arrays, k and v of one shape
     q_pos = jnp.arange(q.shape[1]) if q_pos is None else q_pos
-    return attend(q, k, v, q_pos, q_pos if k_pos is None else k_pos, causal=causal)[0].astype(q.dtype)
+    k_pos = q_pos if k_pos is None else k_pos
+    if (group := q.shape[2] // max(k.shape[2], 1)) > 1:  # a group of query heads: more queries of a K/V head
+        out = attend(grouped(q, group), k, v, jnp.repeat(q_pos, group), k_pos, causal=causal)[0]
+        return grouped(out, group, inverse=True).astype(q.dtype)
+    return attend(q, k, v, q_pos, k_pos, causal=causal)[0].astype(q.dtype)
+
+
+def grouped(q: jax.Array, group: int, *, inverse: bool = False) -> jax.Array:
+    """Grouped-query attention as multi-head: ``q`` ``[b, t, heads, d]`` as ``[b, t·group, heads / group,
+    d]``, query head ``h`` a query of K/V head ``h // group`` (row ``t·group + h % group``, at its token's
+    position), so ``attend`` reads each K/V head once for its group; ``inverse``: the outputs back.
+
+    >>> q = jnp.arange(4.0).reshape(1, 1, 4, 1)   # one token, 4 query heads: 2 groups of 2
+    >>> grouped(q, 2)[0, :, :, 0].tolist(), bool((grouped(grouped(q, 2), 2, inverse=True) == q).all())
+    ([[0.0, 2.0], [1.0, 3.0]], True)
+    """
+    b, t, h, d = q.shape
+    if inverse:
+        return q.reshape(b, t // group, group, h, d).swapaxes(2, 3).reshape(b, t // group, h * group, d)
+    return q.reshape(b, t, h // group, group, d).swapaxes(2, 3).reshape(b, t * group, h // group, d)
 
 
 # --- 2. where the chunks live, and what each step computes --------------------------
@@ -409,6 +429,7 @@ __all__ = [
     "attention",
     "balance",
     "chunks",
+    "grouped",
     "kind",
     "meets",
     "merge",

@@ -148,6 +148,12 @@ BAD_FLAGS = [
     (["--context", "60000"], "argument --context: 60000 characters and the next one do not fit"),
     (["--heads", "3"], "argument --heads: 3 heads must divide --width 128"),
     (["--parallel", "tp"], "argument --heads: 4 heads cannot split over model=8 devices"),
+    (["--kv-heads", "3"], "argument --kv-heads: 3 must divide --heads 4 (each group of heads / kv-heads"),
+    (
+        ["--parallel", "2d", "--kv-heads", "2"],
+        "argument --kv-heads: 2 key and value heads cannot split over model=4 devices (they split as the "
+        "heads do); give a multiple of 4, or fewer --devices",
+    ),
     (["--epochs", "2"], "argument --epochs: the GPT trains by steps; give --steps"),
     (["--schedule", "exponential"], "argument --schedule: the GPT's AdamW warms up, then follows a cosine"),
     (["--dataset", "mnist"], "argument --dataset: the GPT trains on tiny_shakespeare, not mnist"),
@@ -284,6 +290,20 @@ def test_sample_refuses_a_zero_checkpoint_in_one_line_as_docs_gpt_md_says(tmp_pa
         f"minishard sample: error: argument --checkpoint-dir: step 3 in {tmp_path} was trained under zero, "
         "whose optimizer state is flat shards of the devices it ran on; sample reads the other styles' "
         "checkpoints"
+    )
+
+
+def test_sample_refuses_a_style_that_cannot_split_the_key_and_value_heads_in_one_line(tmp_path, capsys):
+    info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": "\n !ABab"}
+    with Checkpointer(tmp_path) as checkpointer:  # a GQA GPT's flags, without the training
+        checkpointer.save(
+            3, {"w": jax.numpy.ones(2)}, {"info": info | {"flags": {"heads": 8, "kv_heads": 2}}}
+        )
+    with pytest.raises(SystemExit) as exit_:
+        main(["sample", "--checkpoint-dir", str(tmp_path), "--prompt", "Ab", "--parallel", "tp"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "minishard sample: error: argument --parallel: tp splits 2 key and value heads over 8 devices: uneven"
     )
 
 

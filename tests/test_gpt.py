@@ -27,6 +27,7 @@ from minishard.run.cli.sample import sample
 from minishard.run.next_token import in_sequence_layout, next_token_loss
 from minishard.run.steps import make_train_step
 from minishard.run.text_data import Vocabulary
+from minishard.serving import Decoder
 from minishard.styles import LOGICAL_AXES, mesh_rules
 from minishard.zero import flat_padded, zero_train_step
 
@@ -300,14 +301,15 @@ def value_and_grads(model, batch):  # module level: Sharded caches compiled code
 
 
 @pytest.mark.slow  # two programs compile on 8 devices
-def test_under_dp_cp_the_ring_gpt_has_the_loss_and_gradients_of_dp():
+@pytest.mark.parametrize("kv_heads", [8, 2])  # grouped: K and V travel repeated, as many bytes
+def test_under_dp_cp_the_ring_gpt_has_the_loss_and_gradients_of_dp(kv_heads):
     # The batch dealt out zig-zag over "context" = 4, positions following; K and V round the ring.
     batch, results = small_batch(), {}
     for style, core in (("dp", "dense"), ("dp+cp", "ring")):
         shape, rules = mesh_rules(style, 8)
         step = ms.Sharded(ms.make_mesh(shape), rules)(value_and_grads)
-        results[style] = jax.block_until_ready(step(small_gpt(core=core), batch))
-        program = step.lower(small_gpt(core=core), batch)
+        results[style] = jax.block_until_ready(step(small_gpt(core=core, kv_heads=kv_heads), batch))
+        program = step.lower(small_gpt(core=core, kv_heads=kv_heads), batch)
     (loss, (acc,)), grads = results["dp+cp"]
     assert float(loss) == pytest.approx(float(results["dp"][0][0]), rel=1e-6)
     assert float(acc) == float(results["dp"][0][1][0])
@@ -411,6 +413,71 @@ def test_under_tp_the_cache_splits_its_heads_over_model_next_to_their_weights():
     logits, caches = step(model, prompt, model.init_cache(1), jnp.asarray(0))
     assert caches[0].values.sharding.spec == P(None, None, "model", None)  # and it stays so
     np.testing.assert_allclose(logits, jax.jit(forward)(model, prompt), rtol=1e-5, atol=1e-5)
+
+
+# --- grouped-query attention ---------------------------------------------------------------------
+
+
+def tiled(model, interleaved=False):
+    """``model`` as multi-head attention: each key and value head repeated for the query heads of its
+    group (query head h reads K/V head h // group); ``interleaved``, the wrong grouping (h % kv_heads)."""
+
+    def mha(block):
+        attention = block.attention
+        group = attention.heads // attention.kv_heads
+        k, v = (
+            jnp.tile(w, (1, group, 1)) if interleaved else jnp.repeat(w, group, 1)
+            for w in (attention.key, attention.value)
+        )
+        return block.replace(attention=attention.replace(key=k, value=v, kv_heads=attention.heads))
+
+    return model.replace(blocks=tuple(mha(block) for block in model.blocks))
+
+
+def test_kv_heads_equal_to_heads_is_the_multi_head_gpt_and_keeps_its_checkpoint_shapes():
+    mha, same = (gpt.GPT(**SMALL, key=jax.random.key(0), **kv) for kv in ({}, {"kv_heads": 8}))
+    assert jax.tree.structure(mha) == jax.tree.structure(same)
+    for a, b in zip(jax.tree.leaves(mha), jax.tree.leaves(same), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="Attention: kv_heads 3 must divide heads 8"):
+        gpt.GPT(**SMALL, kv_heads=3, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])  # multi-query, and groups of 4 query heads
+def test_grouped_queries_compute_the_multi_head_gpt_whose_keys_and_values_are_tiled(kv_heads):
+    model, ids = small_gpt(seed=1, kv_heads=kv_heads), small_batch(batch=2)["inputs"]
+    assert model.blocks[0].attention.key.shape == (SMALL["width"], kv_heads, SMALL["width"] // 8)
+    expected = jax.jit(forward)(tiled(model), ids)
+    np.testing.assert_allclose(jax.jit(forward)(model, ids), expected, rtol=1e-5, atol=1e-5)
+    logits, caches = gpt.decode_step(model, ids[:, :5], model.init_cache(2), jnp.asarray(0))
+    logits, caches = gpt.decode_step(model, ids[:, 5:6], caches, jnp.asarray(5))  # through the cache
+    np.testing.assert_allclose(logits[:, 0], expected[:, 5], rtol=1e-5, atol=1e-5)
+    if kv_heads > 1:  # a real check of the grouping: the other order of heads computes another model
+        assert not np.allclose(jax.jit(forward)(tiled(model, interleaved=True), ids), expected, atol=1e-3)
+
+
+def test_the_cache_keeps_the_kv_heads_alone_its_bytes_per_token_as_serving_prices_them():
+    per_token = {}
+    for kv_heads in (8, 2, 1):
+        caches = small_gpt(kv_heads=kv_heads).init_cache(3)
+        assert caches[0].keys.shape == (3, SMALL["context"], kv_heads, 4)
+        cached = sum(leaf.nbytes for leaf in jax.tree.leaves(caches))
+        per_token[kv_heads] = cached / (3 * SMALL["context"])
+        shape = dict(layers=2, width=32, heads=8, kv_heads=kv_heads, head_dim=4, hidden=128, vocab=11)
+        assert per_token[kv_heads] == Decoder(**shape).kv_bytes_per_token("float32")
+    assert per_token[8] == 4 * per_token[2] == 8 * per_token[1] == 2 * 2 * 8 * 4 * 4  # K, V; L, heads, D, f32
+
+
+@pytest.mark.slow  # two decode programs compile on 4 devices, one more on 1
+def test_under_tp_grouped_decoding_splits_the_kv_heads_and_draws_the_unsharded_text():
+    model, prompt = small_gpt(seed=2, kv_heads=4), np.array([3, 1, 4, 1, 5], np.int32)
+    shape, rules = mesh_rules("tp", 4)  # 4 key and value heads, each beside its 2 query heads
+    step = ms.Sharded(ms.make_mesh(shape, devices=jax.devices()[:4]), rules, donate_argnums=2)(decode)
+    specs = step.specs(model, prompt[None], model.init_cache(1), jnp.asarray(0))
+    assert [cache.keys for cache in specs.inputs[2]] == [P(None, None, "model", None)] * SMALL["depth"]
+    assert specs.inputs[0].blocks[0].attention.value == P(None, "model", None)
+    got = gpt.generate(model, prompt, 14, temperature=0.8, seed=7, step=step)  # past the context: a restart
+    assert got.tolist() == gpt.generate(model, prompt, 14, temperature=0.8, seed=7).tolist()
 
 
 def test_sample_continues_a_prompt_as_text_and_names_a_character_it_cannot_read():

@@ -130,11 +130,35 @@ def test_explain_decode_in_int8_halves_the_batch_and_the_cache(capsys):
     assert "409,600 B per token" in out and out.strip().splitlines()[-1].split()[0] == "120"
 
 
+def test_explain_decode_parallel_compiles_a_miniatures_decode_step_and_reads_what_it_sends(capsys):
+    # llama3-70b's 64 heads and 8 KV heads at head_dim 8 (width 512), 2 blocks, batch 8 (--devices).
+    flags = ["explain", "--decode", "--size", "llama3-70b", "--hardware", "v5e", "--devices", "8"]
+    sent = {}
+    for style in ("tp", "dp", "2d"):
+        assert main([*flags, "--parallel", style]) == 0
+        census = capsys.readouterr().out.split("one decode step, batch 8, ")[1].splitlines()
+        sent[style] = census[1].strip()
+        caches = 2 * 2 * 8 * decode.MINIATURE["context"] * 8 * 8 * 4  # K, V; blocks, B, T, KV heads, D, f32
+        assert census[-1].endswith(f"caches {caches:,} B")  # the 8 KV heads alone: an eighth of MHA's
+    # Per block, an all-reduce of the B x width activations after attention and one after the MLP;
+    # 2d reduces each "data" half's 4 sequences over model=4: half the bytes.
+    assert sent["tp"] == f"all-reduce: 4 x, {4 * 8 * 512 * 4:,} B per device over model"
+    assert sent["2d"] == f"all-reduce: 4 x, {4 * 4 * 512 * 4:,} B per device over model"
+    assert sent["dp"] == "no collectives"
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
         (["--decode"], "argument --hardware: --decode prices serving on a chip"),
-        (["--decode", "--hardware", "v5e", "--parallel", "tp"], "argument --parallel: --decode prices"),
+        (
+            ["--decode", "--hardware", "v5e", "--parallel", "fsdp"],
+            "argument --parallel: --decode compiles a decode step under tp, dp, 2d, not fsdp",
+        ),
+        (
+            ["--decode", "--hardware", "v5e", "--size", "llama3-70b", "--parallel", "tp", "--devices", "16"],
+            "argument --parallel: tp splits llama3-70b's 8 KV heads over model=16 devices: uneven",
+        ),
         (["--decode", "--hardware", "v5e", "--width", "64"], "argument --width: --decode prices"),
         (
             ["--size", "llama2-13b", "--hardware", "v5e"],

@@ -72,11 +72,13 @@ def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, cau
     The tokens must be held dealt out in ``SEQUENCE_LAYOUT`` (``minishard.run.next_token.in_sequence_layout``
     does it to a batch): the ring reads their positions from the layout, not from its arguments.
     Where the sequence is whole the ring has one device, and is ``context.attention`` itself.
+    Grouped keys and values travel repeated, one per query head: the ring sends what MHA's sends.
     """
     axis, p = sequence_axis()
     env = environment()
     if env is None or axis is None or p == 1:
         return context.attention(q, k, v, q_positions, k_positions, causal=causal)
+    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))  # the ring's K/V: MHA's
     batch_axes = env.spec(activation_axes(4, "seq", "heads", "kv"))[0]
     ring = over_sequence(
         context.ring_attention,
@@ -94,14 +96,15 @@ ATTENTION_CORES: dict[str, AttentionCore] = {"dense": context.attention, "ring":
 
 
 class KVCache(Layer):
-    """One block's keys and values for every position of a sequence: ``[B, S, heads, head_dim]`` each.
+    """One block's keys and values for every position of a sequence: ``[B, S, kv_heads, head_dim]`` each.
 
     Decoding one token at a time, a block needs the keys and values of every
     earlier token; keeping them turns each step's work from the whole context
     to one token. It is a pytree like a model and names its axes, so
     ``Sharded`` lays it out by the rules: under ``tp`` each device keeps the
     cache of its own heads, next to those heads' weights. Empty slots hold
-    zeros; the causal mask hides them (their positions lie ahead).
+    zeros; the causal mask hides them (their positions lie ahead). Under grouped-query attention it
+    holds the ``kv_heads`` heads alone: its bytes per token shrink by ``heads / kv_heads``.
 
     >>> cache = KVCache(2, 16, heads=4, head_dim=8)
     >>> cache.keys.shape, cache.param_logical_axes()["keys"][1:]
@@ -129,10 +132,17 @@ class KVCache(Layer):
 class Attention(Layer):
     """Multi-head self-attention, heads as a dimension of their own.
 
-    ``query``, ``key`` and ``value`` are ``[width, heads, head_dim]``; ``out``
-    is ``[heads, head_dim, width]``. Every einsum keeps ``h`` (heads) as an
-    index until the last one sums over it, so with ``heads -> "model"`` each
-    device computes whole heads alone and only that last sum crosses devices.
+    ``query`` is ``[width, heads, head_dim]``, ``key`` and ``value`` are
+    ``[width, kv_heads, head_dim]``; ``out`` is ``[heads, head_dim, width]``.
+    Every einsum keeps ``h`` (heads) as an index until the last one sums over
+    it, so with ``heads -> "model"`` each device computes whole heads alone and
+    only that last sum crosses devices.
+
+    ``kv_heads`` (static; by default ``heads``) below ``heads`` is grouped-query
+    attention (Ainslie et al., 2023): each group of ``heads / kv_heads`` query heads
+    shares one key and value head (``context.grouped``), and a ``KVCache`` keeps
+    ``kv_heads`` heads; 1 is multi-query attention. Their heads split over "model"
+    as the queries' do, so under ``tp`` the model axis must divide ``kv_heads`` too.
 
     No biases: the LayerNorm before attention shifts its output by a learned
     ``bias``, and ``bias @ query`` already is a bias of the queries (the same
@@ -147,26 +157,38 @@ class Attention(Layer):
     >>> x = jax.ShapeDtypeStruct((3, 5, 8), jnp.float32)   # [batch, tokens, width]
     >>> attention.query.shape, jax.eval_shape(lambda a, x: a(x), attention, x).shape
     ((8, 2, 4), (3, 5, 8))
+    >>> jax.eval_shape(lambda: Attention(8, 2, key=jax.random.key(0), kv_heads=1)).key.shape   # MQA
+    (8, 1, 4)
     """
 
     param_fields = ("query", "key", "value", "out")
-    static_fields = ("width", "heads", "causal", "core")
+    static_fields = ("width", "heads", "kv_heads", "causal", "core")
 
     def __init__(
-        self, width: int, heads: int, *, key: jax.Array, causal: bool = False, core: str = "dense"
+        self,
+        width: int,
+        heads: int,
+        *,
+        key: jax.Array,
+        causal: bool = False,
+        core: str = "dense",
+        kv_heads: int | None = None,
     ) -> None:
+        kv_heads = heads if kv_heads is None else kv_heads
         if width % heads:
             raise ValueError(f"Attention: width {width} must be a multiple of heads {heads}")
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"Attention: kv_heads {kv_heads} must divide heads {heads}")
         if core not in ATTENTION_CORES:
             raise ValueError(f"Attention: unknown core {core!r}; choose from {', '.join(ATTENTION_CORES)}")
         check_key("Attention", key)
         self.width, self.heads, self.causal, self.core = int(width), int(heads), bool(causal), core
-        head_dim = width // heads
+        self.kv_heads, head_dim = int(kv_heads), width // heads
         q_key, k_key, v_key, out_key = jax.random.split(key, 4)  # one key per weight
         normal = jax.random.normal
         self.query = normal(q_key, (width, heads, head_dim)) / math.sqrt(width)  # fan-in scaling
-        self.key = normal(k_key, (width, heads, head_dim)) / math.sqrt(width)
-        self.value = normal(v_key, (width, heads, head_dim)) / math.sqrt(width)
+        self.key = normal(k_key, (width, kv_heads, head_dim)) / math.sqrt(width)
+        self.value = normal(v_key, (width, kv_heads, head_dim)) / math.sqrt(width)
         self.out = normal(out_key, (heads, head_dim, width)) / math.sqrt(width)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
@@ -184,15 +206,17 @@ class Attention(Layer):
         mixed = context.attention(q, cache.keys, cache.values, positions, everywhere, causal=True)
         return self.combine(mixed), cache
 
-    def project(self, x: jax.Array) -> jax.Array:
-        """``x`` ``[B, T, width]`` -> queries, keys and values stacked: ``[3, B, T, heads, head_dim]``."""
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``x`` ``[B, T, width]`` -> queries ``[B, T, heads, head_dim]``, keys and values (``kv_heads``)."""
         # One einsum for q, k and v (c: which of the three), so that in the backward pass the
         # gradient into x is one sum over (c, h, k): one all-reduce over "model", not three.
-        # On an Explicit mesh, the contractions name their outputs' layouts (output_sharding);
-        # elsewhere output_sharding is None and XLA decides.
-        qkv = jnp.stack([self.query, self.key, self.value])
-        stacked = (None, *activation_axes(4, "seq", "heads", "kv"))  # [which of q/k/v, b, t, h, k]
-        return jnp.einsum("bte,cehk->cbthk", x, qkv, out_sharding=output_sharding(stacked))
+        # Grouped, the queries have more heads than k and v: one einsum for them, one for k and v, and
+        # under tp the backward pass all-reduces two partial gradients into x, not one.
+        if self.kv_heads == self.heads:
+            q, k, v = _projected(x, self.query, self.key, self.value)
+            return q, k, v
+        (q,), (k, v) = _projected(x, self.query), _projected(x, self.key, self.value)
+        return q, k, v
 
     def combine(self, mixed: jax.Array) -> jax.Array:
         """``[B, T, heads, head_dim]`` -> ``[B, T, width]``: the one sum over heads."""
@@ -203,6 +227,14 @@ class Attention(Layer):
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
         qkv: LogicalAxes = ("embed", "heads", "kv")
         return {"query": qkv, "key": qkv, "value": qkv, "out": ("heads", "kv", "embed")}
+
+
+def _projected(x: jax.Array, *weights: jax.Array) -> jax.Array:
+    """``x`` through the ``[width, heads, head_dim]`` ``weights`` of one shape, stacked: ``[c, B, T, heads,
+    head_dim]``. On an Explicit mesh the contraction names its output's layout (output_sharding);
+    elsewhere output_sharding is None and XLA decides."""
+    stacked = (None, *activation_axes(4, "seq", "heads", "kv"))  # [which weight, b, t, h, k]
+    return jnp.einsum("bte,cehk->cbthk", x, jnp.stack(weights), out_sharding=output_sharding(stacked))
 
 
 __all__ = [

@@ -125,7 +125,10 @@ class GPT(Layer):
     4 heads, 128 features, a context of 64 characters), with the ViT's MLP
     (``mlp_ratio`` 4, Swish). ``core`` names the attention core
     (``minishard.models.attention.ATTENTION_CORES``), ``mlp`` builds each
-    block's MLP, ``remat`` names the recomputation policy of each block (``minishard.remat``).
+    block's MLP, ``remat`` names the recomputation policy of each block (``minishard.remat``). ``kv_heads``
+    (by default ``heads``) fewer than ``heads`` is grouped-query attention: each
+    group of ``heads / kv_heads`` query heads shares one key and value head, and
+    the cache keeps ``kv_heads`` heads (``minishard.models.attention.Attention``).
 
     >>> import jax
     >>> model = GPT(vocab=5, context=8, width=16, depth=2, heads=2, key=jax.random.key(0))
@@ -149,17 +152,21 @@ class GPT(Layer):
         remat: str = "none",
         core: str = "dense",
         mlp: MLPBuilder = dense_mlp,
+        kv_heads: int | None = None,
     ) -> None:
         check_key("GPT", key)
         if remat not in POLICIES:
             raise ValueError(f"GPT: remat must be a policy of {', '.join(POLICIES)}, got {remat!r}")
+        kv_heads = heads if kv_heads is None else kv_heads
         sizes = {"vocab": vocab, "context": context, "width": width, "depth": depth, "heads": heads}
-        for name, size in (sizes | {"mlp_ratio": mlp_ratio}).items():
+        for name, size in (sizes | {"mlp_ratio": mlp_ratio, "kv_heads": kv_heads}).items():
             if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
                 raise ValueError(f"GPT: {name} must be a positive int, got {size!r}")
         keys = jax.random.split(key, depth + 2)  # one key per layer
         self.embedding = Embedding(vocab, context, width, key=keys[0])
-        block = functools.partial(Block, width, heads, mlp_ratio * width, causal=True, core=core, mlp=mlp)
+        block = functools.partial(
+            Block, width, heads, mlp_ratio * width, causal=True, core=core, mlp=mlp, kv_heads=kv_heads
+        )
         self.blocks = tuple(block(key=k) for k in keys[2:])
         self.norm = LayerNorm(width)
         self.head = Linear(width, vocab, key=keys[1], scale=width**-0.5, axes=("embed", "vocab"))
@@ -184,11 +191,10 @@ class GPT(Layer):
         return self.head(self.norm(x)), tuple(written)
 
     def init_cache(self, batch: int) -> tuple[KVCache, ...]:
-        """An empty ``KVCache`` per block, room for the whole context."""
+        """An empty ``KVCache`` per block, room for the whole context, of the ``kv_heads`` heads."""
         attention, length = self.blocks[0].attention, self.embedding.positions.shape[0]
-        return tuple(
-            KVCache(batch, length, attention.heads, attention.width // attention.heads) for _ in self.blocks
-        )
+        head_dim = attention.width // attention.heads
+        return tuple(KVCache(batch, length, attention.kv_heads, head_dim) for _ in self.blocks)
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
         return {}  # every parameter lives in a sub-layer, which answers for itself
@@ -241,10 +247,10 @@ def generate(
     cache is full (the learned positions end at the context), it restarts from
     the last half-context of text, so every token still sees at least that much.
     ``step`` is ``decode_step`` or the same function under ``Sharded``; ``stream`` gives
-    the new ids one at a time, as they are drawn.
+    the new ids one step at a time, as they are drawn, and decodes a batch.
     """
     new = stream(model, prompt, tokens, temperature=temperature, seed=seed, step=step)
-    return np.asarray([*np.asarray(prompt).tolist(), *new], np.int32)
+    return np.asarray([*np.asarray(prompt).tolist(), *(ids[0] for ids in new)], np.int32)
 
 
 def stream(
@@ -255,31 +261,45 @@ def stream(
     temperature: float = 1.0,
     seed: int = 0,
     step: Callable[..., Any] = decode_step,
-) -> Iterator[int]:
-    """``generate``'s new ids, each as soon as it is drawn (a long continuation prints as it goes);
-    only the last context of text is kept. The arguments are checked before the first id."""
+    batch: int = 1,
+) -> Iterator[list[int]]:
+    """``generate``'s new ids, as soon as each step draws them (a long continuation prints as it goes):
+    ``batch`` continuations of ``prompt`` decoded together, one new id per row per step. Row ``b`` is
+    drawn with ``seed + b``, as a lone sequence of that seed is: the same text. Only the last context
+    of each row is kept. The arguments are checked before the first id.
+
+    >>> model = GPT(vocab=5, context=8, width=8, depth=1, heads=2, key=jax.random.key(0))
+    >>> rows = list(stream(model, np.array([1, 2]), 3, seed=4, batch=2))   # 3 steps of 2 rows
+    >>> [ids[1] for ids in rows] == [ids[0] for ids in stream(model, np.array([1, 2]), 3, seed=5)]
+    True
+    """
     context = model.embedding.positions.shape[0]
-    _check_generate(model, prompt, tokens, temperature)
-    out = collections.deque((int(i) for i in np.asarray(prompt)), maxlen=context)  # a longer prompt: its end
-    key = jax.random.key(seed)
-    logits, caches, filled = _prefill(model, list(out), step)
+    _check_generate(model, prompt, tokens, temperature, batch)
+    ids = [int(i) for i in np.asarray(prompt)]
+    rows = [collections.deque(ids, maxlen=context) for _ in range(batch)]  # a longer prompt: its end
+    keys = [jax.random.key(seed + b) for b in range(batch)]
+    logits, caches, filled = _prefill(model, rows, context, step)
     for i in range(tokens):
-        scaled = logits[0, -1] / temperature  # below 1: sharper than the model's own distribution
-        out.append(int(jax.random.categorical(jax.random.fold_in(key, i), scaled)))
-        yield out[-1]
+        for b, row in enumerate(rows):
+            scaled = logits[b, -1] / temperature  # below 1: sharper than the model's own distribution
+            row.append(int(jax.random.categorical(jax.random.fold_in(keys[b], i), scaled)))
+        yield [row[-1] for row in rows]
         if filled == context:  # no position left: start again from the last half-context
-            logits, caches, filled = _prefill(model, list(out)[-(context // 2) :], step)
+            logits, caches, filled = _prefill(model, rows, context // 2, step)
         else:
-            logits, caches = step(model, jnp.asarray([[out[-1]]]), caches, jnp.asarray(filled))
+            new = jnp.asarray([[row[-1]] for row in rows])
+            logits, caches = step(model, new, caches, jnp.asarray(filled))
             filled += 1
 
 
-def _check_generate(model: GPT, prompt: Any, tokens: Any, temperature: Any) -> None:
+def _check_generate(model: GPT, prompt: Any, tokens: Any, temperature: Any, batch: Any) -> None:
     """Refuse, by name, what would sample silently wrong: a uniform draw (temperature inf), a clamped id."""
     if not np.isfinite(temperature) or not temperature > 0:
         raise ValueError(f"generate: temperature must be a finite number > 0, got {temperature}")
     if isinstance(tokens, bool) or not isinstance(tokens, int | np.integer) or tokens < 0:
         raise ValueError(f"generate: tokens must be an int >= 0, got {tokens!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int | np.integer) or batch < 1:
+        raise ValueError(f"generate: batch must be an int >= 1, got {batch!r}")
     ids, vocab = np.asarray(prompt), model.embedding.tokens.shape[0]
     if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
         raise ValueError(f"generate: the prompt must be a list of ids [P], got {ids.dtype}{list(ids.shape)}")
@@ -292,10 +312,11 @@ def _check_generate(model: GPT, prompt: Any, tokens: Any, temperature: Any) -> N
         )
 
 
-def _prefill(model: GPT, ids: list[int], step: Callable[..., Any]) -> tuple[jax.Array, Any, int]:
-    """Fresh caches holding ``ids``; the logits of the last one."""
-    logits, caches = step(model, jnp.asarray([ids], jnp.int32), model.init_cache(1), jnp.asarray(0))
-    return logits, caches, len(ids)
+def _prefill(model: GPT, rows: list[Any], kept: int, step: Callable[..., Any]) -> tuple[jax.Array, Any, int]:
+    """Fresh caches holding each row's last ``kept`` ids; the logits of the last one."""
+    ids = jnp.asarray([list(row)[-kept:] for row in rows], jnp.int32)
+    logits, caches = step(model, ids, model.init_cache(len(rows)), jnp.asarray(0))
+    return logits, caches, ids.shape[1]
 
 
 __all__ = [

@@ -111,7 +111,7 @@ class Block(Layer):
     the hidden units split over "model" like the heads. Pre-norm (normalise
     the input of each branch, not the sum) keeps the residual path an identity
     from input to output, which lets deep stacks train with less learning-rate
-    warmup (Xiong et al., 2020). ``causal`` and ``core`` go to ``Attention``.
+    warmup (Xiong et al., 2020). ``causal``, ``core`` and ``kv_heads`` go to ``Attention``.
     """
 
     param_fields = ("norm1", "attention", "norm2", "mlp")
@@ -126,10 +126,11 @@ class Block(Layer):
         causal: bool = False,
         core: str = "dense",
         mlp: MLPBuilder = dense_mlp,
+        kv_heads: int | None = None,
     ) -> None:
         k_attention, k_mlp = jax.random.split(key)
         self.norm1, self.norm2 = LayerNorm(width), LayerNorm(width)
-        self.attention = Attention(width, heads, key=k_attention, causal=causal, core=core)
+        self.attention = Attention(width, heads, key=k_attention, causal=causal, core=core, kv_heads=kv_heads)
         self.mlp: Any = mlp(width, hidden, key=k_mlp)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:

@@ -4,6 +4,8 @@ Nothing is built or compiled: the roofline takes the size's shapes (``--size``),
 chip's numbers (``--hardware``), the chips (``--devices``), the context (``--context``)
 and the largest batch (``--batch-size``), and prints prefill, a decode step, the cache
 that fits beside the weights, and latency against throughput for batch 1 ... B.
+``--parallel tp | dp | 2d`` then compiles one decode step of a ``MINIATURE`` of the size
+on ``--devices`` simulated devices and prints what it sends (``sample.explained``).
 """
 
 from __future__ import annotations
@@ -11,18 +13,26 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterable
 
+import jax
+
 from minishard import serving
 from minishard.census import human_bytes
 from minishard.hardware import hardware_named
+from minishard.models.gpt import GPT
+from minishard.run.cli.flags import first_devices
 from minishard.run.cli.ignored import STEP_WORK, refuse_ignored
+from minishard.run.cli.sample import DECODE_STYLES, decoder, explained
+from minishard.styles import mesh_rules
 
 __all__ = [
     "BAR",
     "DECODE_FLAGS",
     "DEFAULT_CONTEXT",
+    "MINIATURE",
     "add_arguments",
     "batches",
     "check",
+    "print_census",
     "print_decode",
 ]
 
@@ -68,6 +78,22 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
     args.context = args.context or DEFAULT_CONTEXT
     largest = int(serving.decode_critical_batch(args.hardware, args.serve_format) // 8 * 8)
     args.batch_size = args.batch_size or max(1, largest)
+    if args.parallel is not None:
+        _check_census(args, error)
+
+
+def _check_census(args: argparse.Namespace, error: Callable[[str], object]) -> None:
+    """--parallel with --decode: a style decoding is sharded under, its "model" axis splitting the heads."""
+    if args.parallel not in DECODE_STYLES:
+        styles = ", ".join(DECODE_STYLES)
+        error(f"argument --parallel: --decode compiles a decode step under {styles}, not {args.parallel}")
+    size, ways = serving.SIZES[args.size], mesh_rules(args.parallel, args.devices)[0].get("model", 1)
+    for count, what in ((size.heads, "heads"), (size.kv_heads, "KV heads")):
+        if count % ways:
+            error(
+                f"argument --parallel: {args.parallel} splits {args.size}'s {count} {what} over model={ways} "
+                "devices: uneven; give fewer --devices"
+            )
 
 
 def batches(largest: int) -> tuple[int, ...]:
@@ -107,4 +133,28 @@ def print_decode(args: argparse.Namespace) -> int:
     for p in points:
         fit, bar = "yes" if p.batch <= fits else "no ", "#" * round(BAR * p.tokens_per_second / most)
         print(f"{p.batch:6} {p.step * 1e3:9.2f} {p.tokens_per_second:10.2f} {p.per_chip:9.2f}  {fit}   {bar}")
+    return print_census(args) if args.parallel else 0
+
+
+MINIATURE = {"head_dim": 8, "depth": 2, "context": 64}
+"""The GPT whose decode step ``--parallel`` compiles: the size's heads and KV heads, these shapes."""
+
+
+def print_census(args: argparse.Namespace) -> int:
+    """One decode step of batch ``--devices`` of a ``MINIATURE`` of ``--size``, compiled under
+    ``--parallel``: what each token sends, beside the roofline (bytes scale with width and batch)."""
+    if (devices := first_devices(args)) is None:
+        return 2
+    size, (head_dim, depth, context) = serving.SIZES[args.size], MINIATURE.values()
+    width, key = size.heads * head_dim, jax.random.key(0)
+    model = jax.eval_shape(
+        lambda: GPT(
+            context=context, width=width, depth=depth, heads=size.heads, kv_heads=size.kv_heads, key=key
+        )
+    )
+    print(
+        f"compiled on {args.devices} simulated devices: a GPT of {args.size}'s {size.heads} heads and "
+        f"{size.kv_heads} KV heads, head_dim {head_dim}, {depth} blocks, a context of {context}, float32"
+    )
+    print(explained(model, decoder(args.parallel, devices), args.devices, args.parallel))
     return 0

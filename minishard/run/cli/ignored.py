@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable
 
 __all__ = ["STEP_WORK", "refuse_ignored"]
 
-STEP_WORK = ("memory", "topology", "plot", "parallel", "microbatches")
-"""Flags asking for a compiled train step's work, by their names in ``args``."""
+STEP_WORK = ("memory", "topology", "plot", "microbatches")
+"""Flags asking for a compiled train step's work, by their names in ``args`` (``--decode`` reads
+``--parallel`` for the census of a decode step; ``--compare --size`` refuses it too)."""
 
 
 def refuse_ignored(

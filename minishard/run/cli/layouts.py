@@ -46,7 +46,8 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
     """A chip, a batch in tokens, at least a token per device, whole sequences of ``--context``; none
     of the flags it would ignore. Before any work."""
     why = "--compare --size ranks layouts from a size's shapes"
-    refuse_ignored(args, STEP_WORK, model_flags, why, error)  # --quantize: decode.check refused it
+    # --quantize: decode.check refused it already
+    refuse_ignored(args, (*STEP_WORK, "parallel"), model_flags, why, error)
     if args.precision != "fp32":
         error("argument --precision: --compare --size prices mixed precision (bf16, float32 master)")
     if args.hardware is None:

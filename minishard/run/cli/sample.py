@@ -15,17 +15,16 @@ it is drawn (``--tokens 1000000000`` streams). The same seed gives the same text
 placed by ``tp``'s rules (``minishard.styles.mesh_rules``, ``minishard.shard``: the
 heads over "model", each device the cache of its own heads) and the prefill and
 the decode step are ``Sharded`` under them; the same seed gives the same text as
-on one device. ``--batch N`` decodes N continuations of the prompt together, the
-n-th drawn with ``seed + n`` (so each is the text of that seed alone), which dp and
-2d split over "data". ``--explain`` prints, instead of text, the collectives of one
-compiled decode step (``minishard.census.collectives``) and XLA's bytes accessed
-beside the weights' and the caches' bytes.
+on one device. ``--batch N`` decodes N continuations of the prompt together (the same
+``stream``, its ``batch``), the n-th drawn with ``seed + n`` (so each is the text of that
+seed alone), which dp and 2d split over "data". ``--explain`` prints, instead of text,
+the collectives of one compiled decode step (``minishard.census.collectives``) and XLA's
+bytes accessed beside the weights' and the caches' bytes.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -46,6 +45,7 @@ from minishard.sharding import Sharded, make_mesh, shard
 from minishard.styles import mesh_rules
 
 __all__ = [
+    "DECODE_STYLES",
     "HELP",
     "Stream",
     "add_arguments",
@@ -56,10 +56,11 @@ __all__ = [
     "run",
     "sample",
     "decoder",
-    "batched",
 ]
 
 HELP = "continue a prompt from a GPT's checkpoint (decoding with a KV cache); needs no data"
+DECODE_STYLES = ("tp", "dp", "2d")
+"""The styles a decode step is sharded under (cp's cache over positions is not built)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=at_least(0), default=0, help="the same seed, the same text (default %(default)s)")
     add(
         "--parallel",
-        choices=("none", "tp", "dp", "2d", "cp"),
+        choices=("none", *DECODE_STYLES, "cp"),
         default="none",
         help="decode on every device, weights and KV cache split as the style says (default: one device)",
     )
@@ -121,16 +122,20 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     except ValueError as e:
         error(f"argument --prompt: {e}")
     if args.parallel == "cp":
+        allowed = ", ".join(("none", *DECODE_STYLES))
         error(
             "argument --parallel: cp is not built: splitting the cache over positions needs each step to "
-            "combine partial softmaxes across devices (ring attention's); allowed: none, tp, dp, 2d"
+            f"combine partial softmaxes across devices (ring attention's); allowed: {allowed}"
         )
     shape = mesh_rules(args.parallel, len(jax.devices()))[0] if args.parallel != "none" else {}
-    heads = int({**entry.defaults, **info.get("flags", {})}["heads"])
-    if heads % shape.get("model", 1):
-        error(
-            f"argument --parallel: {args.parallel} splits {heads} heads over {shape['model']} devices: uneven"
-        )
+    flags = {**entry.defaults, **info.get("flags", {})}
+    heads = int(flags["heads"])
+    for count, what in ((heads, "heads"), (int(flags["kv_heads"] or heads), "key and value heads")):
+        if count % shape.get("model", 1):
+            error(
+                f"argument --parallel: {args.parallel} splits {count} {what} over {shape['model']} devices: "
+                "uneven"
+            )
     if args.batch % shape.get("data", 1):
         error(f"argument --batch: {args.batch} sequences must split evenly over {shape['data']} data devices")
     args.info = info
@@ -154,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.parallel != "none" or args.batch > 1:
             model = model if args.parallel == "none" else placed(model, args.parallel)
-            drawn_rows = batched(
+            drawn_rows = entry.stream(
                 model,
-                vocabulary.encode(args.prompt).tolist(),
+                vocabulary.encode(args.prompt),
                 args.tokens,
                 temperature=args.temperature,
                 seed=args.seed,
@@ -216,61 +221,26 @@ def placed(model: Any, parallel: str) -> Any:
     return shard(model, make_mesh(shape), rules)
 
 
-def decoder(parallel: str) -> Callable[..., Any]:
+def decoder(parallel: str, devices: list[jax.Device] | None = None) -> Callable[..., Any]:
     """The prefill and decode step, ``model.decode`` jitted, the caches donated: ``Sharded`` by
-    ``parallel``'s rules, whose caches (Layers naming "batch", "seq", "heads", "kv") they lay out
-    too: under tp each device keeps the keys and values of its own heads, under dp its own sequences."""
+    ``parallel``'s rules on ``devices`` (default: all), whose caches (Layers naming "batch", "seq",
+    "heads", "kv") they lay out too: under tp each device keeps the keys and values of its own heads,
+    under dp its own sequences."""
 
     def decode(model: Any, ids: jax.Array, caches: Any, start: jax.Array) -> Any:
         return model.decode(ids, start, caches)
 
     if parallel == "none":
         return jax.jit(decode, donate_argnums=2)
-    shape, rules = mesh_rules(parallel, len(jax.devices()))
-    return Sharded(make_mesh(shape), rules, donate_argnums=2)(decode)
-
-
-def batched(
-    model: Any,
-    ids: list[int],
-    tokens: int,
-    *,
-    temperature: float,
-    seed: int,
-    batch: int,
-    step: Callable[..., Any],
-) -> Iterator[list[int]]:
-    """``batch`` continuations of ``ids`` decoded together, one new id per row per step; row ``b`` is
-    drawn with ``seed + b`` exactly as ``gpt.stream`` draws with one seed, so it is the text of
-    ``--seed seed+b``. A full cache restarts from the last half-context, as ``gpt.stream`` does."""
-    context = model.embedding.positions.shape[0]
-    rows = [collections.deque(ids, maxlen=context) for _ in range(batch)]
-    keys = [jax.random.key(seed + b) for b in range(batch)]
-
-    def prefill(kept: int) -> tuple[jax.Array, Any, int]:
-        prompt = jnp.asarray([list(row)[-kept:] for row in rows], jnp.int32)
-        logits, caches = step(model, prompt, model.init_cache(batch), jnp.asarray(0))
-        return logits, caches, prompt.shape[1]
-
-    logits, caches, filled = prefill(context)
-    for i in range(tokens):
-        for b, row in enumerate(rows):
-            row.append(
-                int(jax.random.categorical(jax.random.fold_in(keys[b], i), logits[b, -1] / temperature))
-            )
-        yield [row[-1] for row in rows]
-        if filled == context:
-            logits, caches, filled = prefill(context // 2)
-        else:
-            logits, caches = step(
-                model, jnp.asarray([[row[-1]] for row in rows]), caches, jnp.asarray(filled)
-            )
-            filled += 1
+    devices = devices or jax.devices()
+    shape, rules = mesh_rules(parallel, len(devices))
+    return Sharded(make_mesh(shape, devices=devices), rules, donate_argnums=2)(decode)
 
 
 def explained(model: Any, step: Any, batch: int, parallel: str) -> str:
     """One decode step of ``batch`` sequences compiled: its collectives per kind (count, bytes on one
-    device, mesh axes) and XLA's bytes accessed beside the weights' and the caches' (all devices)."""
+    device, mesh axes) and XLA's bytes accessed beside the weights' and the caches' (all devices).
+    ``model`` may be shapes alone (``jax.eval_shape``): nothing of it is read."""
     caches = model.init_cache(batch)
     ids, start = jnp.zeros((batch, 1), jnp.int32), jnp.asarray(1)
     lowered = step.lower(model, ids, caches, start)
@@ -282,8 +252,7 @@ def explained(model: Any, step: Any, batch: int, parallel: str) -> str:
         )
     if len(lines) == 1:
         lines.append("  no collectives")
-    params = sum(x.nbytes for x in jax.tree.leaves(model))
-    cached = sum(x.nbytes for x in jax.tree.leaves(caches))
+    params, cached = (sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)) for t in (model, caches))
     accessed = int((compiled.cost_analysis() or {}).get("bytes accessed", 0))
     lines.append(
         f"  bytes accessed (XLA, one device): {accessed:,} B; params {params:,} B + caches {cached:,} B"
@@ -291,8 +260,9 @@ def explained(model: Any, step: Any, batch: int, parallel: str) -> str:
     return "\n".join(lines)
 
 
-Stream = Callable[..., Iterator[int]]
-"""A model entry's decoding, as ``gpt.stream``: ``(model, ids, tokens, *, temperature, seed)``, new ids."""
+Stream = Callable[..., Iterator[list[int]]]
+"""A model entry's decoding, as ``gpt.stream``: ``(model, ids, tokens, *, temperature, seed, batch, step)``,
+each step's new ids, one per row (``batch`` of them, 1 by default)."""
 
 
 def sample(
@@ -313,5 +283,5 @@ def continuation(
     model: Any, vocab: Vocabulary, prompt: str, tokens: int, temperature: float, seed: int, *, stream: Stream
 ) -> Iterator[str]:
     """The characters after ``prompt``, each as soon as it is drawn (a model entry's ``stream``)."""
-    for token in stream(model, vocab.encode(prompt), tokens, temperature=temperature, seed=seed):
-        yield vocab.decode([token])
+    for ids in stream(model, vocab.encode(prompt), tokens, temperature=temperature, seed=seed):
+        yield vocab.decode(ids)

@@ -118,7 +118,7 @@ class ModelEntry:
     stack: Stacking | None = None  # None: it has no blocks to stack, so no pipeline style
     sequence: SequenceSplit | None = None  # None: it has no sequence to split, so no cp, dp+cp
     experts: ExpertSplit | None = None  # None: it has no experts, so ep and dp+ep have none to split
-    stream: Callable[..., Iterator[int]] | None = None  # decoding (``minishard sample``), as ``gpt.stream``
+    stream: Callable[..., Iterator[list[int]]] | None = None  # decoding (``minishard sample``), gpt's
 
     def expert_count(self, args: Args) -> int:
         """Experts per layer in this run: 0 for dense MLPs, or a model that takes no experts."""

@@ -106,12 +106,13 @@ def _gpt(args: Args, key: jax.Array, stacked: bool = False) -> Any:
     """``GPT`` (or, for a pipeline, ``stacked_gpt``) over --dataset's characters."""
     vocab = text_data.TEXT_DATASET_INFO[args.dataset].vocabulary_size
     shape = (vocab, args.context, args.width, args.depth, args.heads, args.mlp_ratio)
+    kv_heads = args.kv_heads  # None (a checkpoint saved before --kv-heads): the heads
     if stacked:  # a pipeline refuses --experts (PipelineStyle.check_explain)
-        return stacked_gpt(*shape, key=key)
+        return stacked_gpt(*shape, key=key, kv_heads=kv_heads)
     if args.experts:  # each expert mlp_ratio x width / k hidden units: the dense GPT's active parameters
         mlp = moe_mlp(args.experts, args.top_k, args.capacity_factor)
-        return GPT(*shape, key=key, remat=args.remat, mlp=mlp)
-    return GPT(*shape, key=key, remat=args.remat)
+        return GPT(*shape, key=key, remat=args.remat, mlp=mlp, kv_heads=kv_heads)
+    return GPT(*shape, key=key, remat=args.remat, kv_heads=kv_heads)
 
 
 def _fill_gpt(args: Args) -> None:
@@ -119,6 +120,7 @@ def _fill_gpt(args: Args) -> None:
     where the experts are too few for it (a note says so): k at most the experts, the capacity factor at
     most experts / k, where no routing is dropped."""
     nanogpt_batch(args)
+    args.kv_heads = args.kv_heads or args.heads  # multi-head attention unless --kv-heads groups them
     if not args.experts:
         return
     if args.top_k is None:
@@ -160,14 +162,30 @@ def check_moe(args: Args, error: Error) -> None:
 
 
 def _check_gpt_shape(args: Args, error: Error) -> None:
-    """--heads divide --width and split over "model"; the MoE flags (``check_moe``)."""
+    """--heads divide --width, --kv-heads --heads, and both split over "model"; the MoE flags."""
     check_heads(args, error)
     if args.heads % (ways := args.mesh.get("model", 1)):  # every style with a "model" axis splits heads
         error(
             f"argument --heads: {args.heads} heads cannot split over model={ways} devices; "
             f"give a multiple of {ways}, or fewer --devices"
         )
+    _check_kv_heads(args.heads, args.kv_heads, ways, error)
     check_moe(args, error)
+
+
+def _check_kv_heads(heads: int, kv_heads: int, ways: int, error: Error) -> None:
+    """Grouped queries: --kv-heads divide --heads, and split over "model" as the heads do (tp keeps each
+    device's query heads beside the key and value heads they read)."""
+    if heads % kv_heads:
+        error(
+            f"argument --kv-heads: {kv_heads} must divide --heads {heads} (each group of heads / kv-heads "
+            "query heads shares one key and value head)"
+        )
+    if kv_heads % ways:
+        error(
+            f"argument --kv-heads: {kv_heads} key and value heads cannot split over model={ways} devices "
+            f"(they split as the heads do); give a multiple of {ways}, or fewer --devices"
+        )
 
 
 def _check_gpt(args: Args, error: Error) -> None:
@@ -223,6 +241,11 @@ GPT_ENTRY = ModelEntry(
     flags={
         **TRANSFORMER_FLAGS,
         "context": Flag("characters each prediction sees (its learned positions)", type=at_least(1)),
+        "kv_heads": Flag(
+            "key and value heads, each shared by --heads / --kv-heads query heads: grouped-query attention "
+            "(default: --heads; 1: multi-query)",
+            type=at_least(1),
+        ),
         "weight_decay": Flag("AdamW's decoupled weight decay of the matrices, in [0, 1)", type=unit_interval),
         **MOE_FLAGS,
     },
@@ -235,6 +258,7 @@ GPT_ENTRY = ModelEntry(
         "mlp_ratio": 4,
         "remat": "none",
         "context": 64,
+        "kv_heads": None,  # _fill_gpt: --heads
         "weight_decay": 0.1,
         "experts": 0,  # dense MLPs
         "steps": 2000,
@@ -254,7 +278,7 @@ GPT_ENTRY = ModelEntry(
     fill=_fill_gpt,
     check=_check_gpt,
     # a longer window, experts, another shape (a 7B on paper: explain --memory): another step to price
-    explain_flags=("context", "width", "depth", "heads", "mlp_ratio", "remat", *MOE_FLAGS),
+    explain_flags=("context", "width", "depth", "heads", "kv_heads", "mlp_ratio", "remat", *MOE_FLAGS),
     check_explain=_check_gpt_shape,
     stack=Stacking(lambda args, key: _gpt(args, key, stacked=True), depth_over_stages(4), check_depth_stages),
     sequence=TEXT_SEQUENCE,
