@@ -134,6 +134,10 @@ def zero_bytes(terms: dict[str, float], stage: int, devices: int) -> float:
 
     ZeRO's paper, mixed precision with K = 12 (master and two moments), Ψ parameters:
     stage 1 is 2Ψ + 2Ψ + KΨ/N, stage 2 2Ψ + (2Ψ + KΨ)/N, stage 3 (2Ψ + 2Ψ + KΨ)/N.
+    Megatron-LM's distributed optimizer is stage 1; in float32, 8 + 8/N bytes per parameter, and
+    so is ``minishard.zero``'s level 1 compiled: the parameters whole and AdamW's moments split
+    are its arguments, to the byte, and each device reduce-scatters its whole gradient. Megatron's
+    bf16 row, 6 + 12/N, needs the float32 master split beside the moments: ``ZeroStep`` keeps none.
 
     >>> [zero_bytes(bytes_per_parameter(MIXED), stage, 8) for stage in (0, 1, 2, 3)]
     [16.0, 5.5, 3.75, 2.0]
