@@ -41,6 +41,7 @@ from minishard.hardware import Hardware
 from minishard.remat import POLICIES
 from minishard.rules import AnyMesh, AxisRules
 from minishard.sharding import Plan, Sharded
+from minishard.tree import cast_floating
 
 # --- 1. bytes per parameter --------------------------------------------------------------------
 
@@ -71,8 +72,7 @@ class Precision:
         >>> BF16.compute({"w": np.ones(2, np.float32), "ids": np.ones(2, np.int32)})["w"].dtype
         dtype(bfloat16)
         """
-        floating = lambda x: jax.numpy.issubdtype(x.dtype, jax.numpy.floating)  # noqa: E731
-        return jax.tree.map(lambda x: x.astype(self.params) if floating(x) else x, tree)
+        return cast_floating(tree, self.params)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -135,6 +135,10 @@ def zero_bytes(terms: dict[str, float], stage: int, devices: int) -> float:
 
     ZeRO's paper, mixed precision with K = 12 (master and two moments), Ψ parameters:
     stage 1 is 2Ψ + 2Ψ + KΨ/N, stage 2 2Ψ + (2Ψ + KΨ)/N, stage 3 (2Ψ + 2Ψ + KΨ)/N.
+    Megatron-LM's distributed optimizer is stage 1: 8 + 8/N bytes per parameter in float32, 6 + 12/N
+    with bfloat16 weights (a float32 master split beside the moments), and so is ``minishard.zero``'s
+    level 1 compiled (``compute="bfloat16"``): the weights whole and the rest split are its arguments,
+    to the byte, and each device reduce-scatters its whole float32 gradient.
 
     >>> [zero_bytes(bytes_per_parameter(MIXED), stage, 8) for stage in (0, 1, 2, 3)]
     [16.0, 5.5, 3.75, 2.0]

@@ -22,7 +22,7 @@ import numpy as np
 
 from minishard import _checks
 
-__all__ = ["count_params", "named_leaves", "path_str", "tree_bytes"]
+__all__ = ["cast_floating", "count_params", "named_leaves", "path_str", "tree_bytes"]
 
 
 def path_str(path: tuple[Any, ...], root: str = "") -> str:
@@ -61,6 +61,13 @@ def tree_bytes(tree: Any) -> int:
     """Total bytes of the arrays in ``tree`` (unsharded: the whole arrays)."""
     leaves = _arrays("tree_bytes", tree)
     return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """Every floating array of ``tree`` in ``dtype`` (jmp's cast to compute); integers (token ids,
+    labels) as they are."""
+    floating = lambda x: jax.numpy.issubdtype(x.dtype, jax.numpy.floating)  # noqa: E731
+    return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else x, tree)
 
 
 def _leaves_with_path(where: str, tree: Any) -> list[tuple[Any, Any]]:

@@ -20,6 +20,11 @@ over the mesh axis "data".
   Each layer ``all_gather``\\ s its weights just before it runs; ``jax.grad``
   transposes that all-gather into a ``psum_scatter``, so the gradients arrive
   already reduced and split, ready for the split update. No all-reduce at all.
+* **Mixed precision** (``compute="bfloat16"``, levels 1 and 2): Megatron-LM's distributed
+  optimizer. The weights are held whole in bfloat16; each device keeps a float32 *master* of its
+  1/N beside the moments (``Mastered``), differentiates through the cast (float32 gradients),
+  updates its master shard and all-gathers it cast to bfloat16: 2 + 4 bytes per parameter whole,
+  (4 + 8)/N split, where float32 holds 4 + 4 and 8/N (``minishard.memory.zero_bytes``).
 
 Every array is split as a flat vector: ``(784, 512)`` becomes 401,408 numbers,
 padded to a multiple of N, one contiguous 1/N per device. The SGD and AdamW of
@@ -42,7 +47,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +59,7 @@ from minishard.census import Collective, collectives, human_bytes, summary
 from minishard.layers import Sequential
 from minishard.losses import Batch, Loss, classification_loss
 from minishard.optim import Optimizer
+from minishard.tree import cast_floating
 
 
 def flat_padded(leaf: jax.Array, n: int) -> jax.Array:
@@ -71,6 +77,14 @@ def unpadded(flat: jax.Array, like: Any) -> jax.Array:
     return flat[: math.prod(like.shape)].reshape(like.shape)
 
 
+class Mastered(NamedTuple):
+    """The state of a step that computes in bfloat16: each device's 1/N of the float32 ``master``
+    weights, which the optimizer updates, and the optimizer's ``inner`` state of them."""
+
+    master: Any
+    inner: Any
+
+
 class ZeroStep:
     """A training step ``(model, opt_state, batch) -> (model, opt_state, loss, *metrics)``, as
     ``Sharded(mesh, rules)(make_train_step(optimizer, loss))`` is, with ZeRO's communication.
@@ -78,23 +92,35 @@ class ZeroStep:
     ``init(model)`` makes the optimizer state, split 1/N per device. At level 3
     the model is split too: ``shard(model)`` splits it, ``gather(model)`` puts it
     back together (to evaluate or save it). At level 2 both only place it, whole.
+    ``compute``: the dtype of the weights the step holds and computes with; in bfloat16 a float32
+    master of each device's 1/N is its state's (``Mastered``), and ``shard`` casts the model.
     """
 
     def __init__(
-        self, optimizer: Optimizer, mesh: Mesh, level: int = 2, axis: str = "data", loss: Loss | None = None
+        self,
+        optimizer: Optimizer,
+        mesh: Mesh,
+        level: int = 2,
+        axis: str = "data",
+        loss: Loss | None = None,
+        compute: str = "float32",
     ) -> None:
         if level not in (1, 2, 3):
             raise ValueError(f"zero_train_step: level must be 1, 2 or 3, got {level!r}")
         if axis not in mesh.shape:
             raise ValueError(f"zero_train_step: the mesh {dict(mesh.shape)} has no axis {axis!r}")
-        self.optimizer, self.mesh, self.level, self.axis = optimizer, mesh, level, axis
+        _checks.one_of("zero_train_step: compute", compute, ("float32", "bfloat16"))
+        if compute != "float32" and level == 3:
+            raise ValueError("zero_train_step: compute='bfloat16' keeps the weights whole: level 1 or 2")
+        self.optimizer, self.mesh, self.level, self.axis, self.compute = optimizer, mesh, level, axis, compute
         self.loss: Loss = loss or classification_loss
         self.n = mesh.shape[axis]
         self.shapes: Any = None  # the whole model's shapes, set by shard()
         self._step = jax.jit(self._shard_mapped, donate_argnums=(0, 1))
 
     def __repr__(self) -> str:  # what a checkpoint's signature records: it resumes only under the same step
-        return f"ZeroStep(level={self.level}, axis={self.axis!r})"
+        mixed = "" if self.compute == "float32" else f", compute={self.compute!r}"
+        return f"ZeroStep(level={self.level}, axis={self.axis!r}{mixed})"
 
     # -- where the arrays live, outside the step --------------------------------
     def _split(self) -> NamedSharding:
@@ -112,7 +138,9 @@ class ZeroStep:
         self.shapes = jax.eval_shape(lambda: model)
         if self.level < 3:
             whole = NamedSharding(self.mesh, P())
-            return jax.jit(lambda m: jax.tree.map(jnp.copy, m), out_shardings=whole)
+            return jax.jit(
+                lambda m: cast_floating(jax.tree.map(jnp.copy, m), self.compute), out_shardings=whole
+            )
         return jax.jit(self._shards, out_shardings=self._split())
 
     def gather(self, model: Any) -> Any:
@@ -123,19 +151,26 @@ class ZeroStep:
         return jax.jit(lambda m: jax.tree.map(unpadded, m, self.shapes), out_shardings=whole)(model)
 
     def init(self, model: Any) -> Any:
-        """The optimizer's state for the *shards*: each device holds 1/N of each moment (velocity)."""
-        return self._initialising(model)(jax.eval_shape(self._shards, model))
+        """The optimizer's state for the *shards*: each device holds 1/N of each moment (velocity),
+        and in bfloat16 1/N of the float32 master, from the placed model's weights (as Megatron's)."""
+        return self._initialising(model)(model)
 
     def _initialising(self, model: Any) -> Any:
-        shapes = jax.eval_shape(self.optimizer.init, jax.eval_shape(self._shards, model))
+        def init(model: Any) -> Any:
+            if self.compute == "float32":
+                return self.optimizer.init(self._shards(model))
+            master = cast_floating(self._shards(model), "float32")
+            return Mastered(master, self.optimizer.init(master))
+
+        shapes = jax.eval_shape(init, model)
         placement = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._state_specs(shapes))
-        return jax.jit(self.optimizer.init, out_shardings=placement)
+        return jax.jit(init, out_shardings=placement)
 
     def placed_shapes(self, model: Any) -> tuple[Any, Any]:
         """``shard(model)`` and its ``init``, as shapes and layouts only (``jax.ShapeDtypeStruct``): what a
         compiler for chips that are not here takes (``minishard.run.topology``)."""
         placed = self._placing(model).eval_shape(model)
-        return placed, self._initialising(model).eval_shape(jax.eval_shape(self._shards, model))
+        return placed, self._initialising(model).eval_shape(model)
 
     def _state_specs(self, state: Any) -> Any:
         """The step whole on every device; every model-shaped moment split, as the shards are."""
@@ -164,10 +199,17 @@ class ZeroStep:
             out_specs=(model_spec, state_spec, P(), P()),
         )(model, opt_state, batch)
 
+    def _computed(self, weights: Any, batch: Batch) -> Any:
+        """The loss on ``weights`` and ``batch`` cast to ``compute``: differentiated at float32
+        ``weights``, its gradients come back in float32 (Megatron's "main grads")."""
+        return self.loss(cast_floating(weights, self.compute), cast_floating(batch, self.compute))
+
     def _zero2(self, model: Any, opt_state: Any, batch: Batch) -> Any:
-        """Runs on one device: its own examples, the whole model, 1/N of the velocity."""
+        """Runs on one device: its own examples, the whole model, 1/N of the velocity (and master)."""
         own = jax.lax.pcast(model, self.axis, to="varying")  # my copy: its gradient stays mine, no psum
-        (loss, metrics), grads = jax.value_and_grad(self.loss, has_aux=True)(own, batch)
+        (loss, metrics), grads = jax.value_and_grad(self._computed, has_aux=True)(
+            cast_floating(own, "float32"), batch
+        )
         me = jax.lax.axis_index(self.axis)
 
         def reduce_scatter(grad: jax.Array) -> jax.Array:  # the sum of my 1/N, from every device
@@ -177,11 +219,17 @@ class ZeroStep:
             return jax.lax.dynamic_slice_in_dim(flat_padded(param, self.n), me * grad.size, grad.size)
 
         def all_gather(part: jax.Array, like: jax.Array) -> jax.Array:  # everyone's parts, whole again
-            return unpadded(jax.lax.all_gather(part, self.axis, tiled=True, to="invarying"), like)
+            whole = jax.lax.all_gather(part.astype(like.dtype), self.axis, tiled=True, to="invarying")
+            return unpadded(whole, like)  # cast before the gather: bfloat16 moves 2 bytes a number
 
         grads = jax.tree.map(reduce_scatter, grads)
-        params = jax.tree.map(my_part, model, grads)
-        params, opt_state = self.optimizer.update(params, grads, opt_state, axis_name=self.axis)
+        if isinstance(opt_state, Mastered):  # the optimizer updates my 1/N of the float32 master
+            master, inner = opt_state
+            params, inner = self.optimizer.update(master, grads, inner, axis_name=self.axis)
+            opt_state = Mastered(params, inner)
+        else:
+            params = jax.tree.map(my_part, model, grads)
+            params, opt_state = self.optimizer.update(params, grads, opt_state, axis_name=self.axis)
         return jax.tree.map(all_gather, params, model), opt_state, *self._mean(loss, metrics)
 
     def _zero3(self, shards: Any, opt_state: Any, batch: Batch) -> Any:
@@ -216,13 +264,19 @@ class ZeroStep:
 
 
 def zero_train_step(
-    optimizer: Optimizer, mesh: Mesh, *, level: int = 2, axis: str = "data", loss: Loss | None = None
+    optimizer: Optimizer,
+    mesh: Mesh,
+    *,
+    level: int = 2,
+    axis: str = "data",
+    loss: Loss | None = None,
+    compute: str = "float32",
 ) -> ZeroStep:
     """A ZeRO training step over ``mesh``'s ``axis``; see ``ZeroStep`` and the module docstring.
 
     ``loss``: ``minishard.losses.classification_loss`` unless given (a GPT's: ``run.next_token``'s).
     """
-    return ZeroStep(optimizer, mesh, level, axis, loss)
+    return ZeroStep(optimizer, mesh, level, axis, loss, compute)
 
 
 # -- what it sends, against the minimum ---------------------------------------------
@@ -307,4 +361,4 @@ def _one_device(tree: Any) -> int:
     return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in leaves)
 
 
-__all__ = ["ZeroReport", "ZeroStep", "flat_padded", "unpadded", "zero_report", "zero_train_step"]
+__all__ = ["Mastered", "ZeroReport", "ZeroStep", "flat_padded", "unpadded", "zero_report", "zero_train_step"]

@@ -19,6 +19,7 @@ RUN, REPORT = ROOT / "benchmarks" / "run.py", ROOT / "benchmarks" / "report.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark modules import each other by name
 
 import harness  # noqa: E402
+import memory_styles  # noqa: E402
 import report  # noqa: E402
 
 
@@ -133,3 +134,13 @@ def test_tiny_gpt_section_times_minishard_against_a_handwritten_step_of_equal_lo
     np.testing.assert_allclose(losses["minishard"], losses["handwritten"], rtol=1e-5)
     assert set(doc["gpt_step"]["tokens_per_s"]) == {"minishard", "handwritten", "handwritten_copy"}
     assert "### 8. The GPT's AdamW step" in report.render({**doc, "mode": "tiny", "seconds": 1.0})
+
+
+def test_memory_styles_draws_explain_memorys_prediction_per_style(tmp_path, capsys):
+    memory_styles.main(["--plot", str(tmp_path / "memory.png")])
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    fp32, bf16 = memory_styles.budgets("fp32"), memory_styles.budgets("bf16")
+    assert set(fp32) == {"dp", "tp", "2d", "fsdp", "fsdp+tp"}
+    for style, step in bf16.items():  # bf16: the float32 weights are the master, the step's copy half of them
+        assert step.terms["master"] == fp32[style].terms["parameters"] == 2 * step.terms["parameters"]
+    assert capsys.readouterr().out.count("total") == 2

@@ -149,6 +149,7 @@ SLOW_PAGES = {
     "context.md",
     "costs.md",
     "experts.md",
+    "memory.md",
     "pipeline.md",
     "sharding.md",
     "testing.md",

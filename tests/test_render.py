@@ -3,7 +3,8 @@
 import pytest
 
 from minishard.costs import HARDWARE, Candidate, Comparison, Memory, StepCost
-from minishard.run.render import plot_comparison, plot_history
+from minishard.memory import Budget
+from minishard.run.render import plot_budgets, plot_comparison, plot_history, terms_of
 
 V5P = HARDWARE["v5p"]
 
@@ -38,3 +39,13 @@ def test_plot_history_draws_any_metrics_by_epochs_or_by_steps(tmp_path):
     assert all(f"<!-- {title} -->" in epochs for title in ("loss", "accuracy", "learning rate", "epoch"))
     assert all(f"<!-- {label} -->" in steps for label in ("val", "test", "train, per step", "learning rate"))
     assert "accuracy" not in steps  # no metric it does not have
+
+
+def test_plot_budgets_stacks_every_term_of_every_style(tmp_path):
+    pytest.importorskip("matplotlib")
+    dp = Budget({"parameters": 4e6, "gradients": 4e6, "reduced gradients": 4e6})
+    fsdp = Budget({"parameters": 1e6, "gradients": 1e6, "gathered": 2e5})
+    assert terms_of([fsdp, dp]) == ["parameters", "gradients", "reduced gradients", "gathered"]
+    plot_budgets({"fp32": {"dp": dp, "fsdp": fsdp}, "bf16": {"dp": dp}}, str(tmp_path / "bars.svg"), "a step")
+    drawn = (tmp_path / "bars.svg").read_text()
+    assert all(f"<!-- {text} -->" in drawn for text in ("fp32", "bf16", "reduced gradients", "gathered"))

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 import minishard as ms
 from minishard.census import collectives
+from minishard.memory import BF16
 from minishard.run.steps import make_train_step
-from minishard.zero import flat_padded, unpadded, zero_train_step
+from minishard.zero import Mastered, flat_padded, unpadded, zero_train_step
 
 MESH_SHAPE = {"data": 8}
 
@@ -107,6 +108,10 @@ def test_flat_padded_round_trips_and_bad_arguments_are_refused():
         zero_train_step(ms.SGD(0.1), mesh, level=4)
     with pytest.raises(ValueError, match="no axis 'model'"):
         zero_train_step(ms.SGD(0.1), mesh, axis="model")
+    with pytest.raises(ValueError, match="zero_train_step: compute must be one of"):
+        zero_train_step(ms.SGD(0.1), mesh, compute="float16")
+    with pytest.raises(ValueError, match="compute='bfloat16' keeps the weights whole: level 1 or 2"):
+        zero_train_step(ms.SGD(0.1), mesh, level=3, compute="bfloat16")
 
 
 @pytest.mark.slow  # four short trainings: ~5 s here
@@ -137,3 +142,29 @@ def test_a_batch_that_does_not_split_over_the_devices_is_named():
         match=r"^ZeroStep: a batch of 12 examples does not split over the 8 devices of axis 'data'",
     ):
         step(model, step.init(model), random_batch(0, 12, 4, 2))
+
+
+@pytest.mark.slow  # two trainings of two steps, each compiled: ~8 s here
+def test_zero1_in_bfloat16_updates_a_float32_master_as_sharded_bf16_does():
+    """compute="bfloat16": the weights whole in bfloat16, each device's 1/8 of a float32 master beside
+    AdamW's moments. Sharded's BF16 step, given the same weights as its float32 master, computes the same
+    bfloat16 forward and float32 gradients: after two steps its model is the gathered master, and the
+    ZeRO step's weights are that master cast to bfloat16."""
+    mesh, optimizer = ms.make_mesh(MESH_SHAPE), ms.AdamW(1e-2)
+    zero = zero_train_step(optimizer, mesh, level=1, compute="bfloat16")
+    got = zero.shard(ms.mlp([5, 8, 4], key=jax.random.key(0)))
+    state = zero.init(got)
+    expected = jax.tree.map(lambda w: w.astype(jnp.float32), got)  # the same weights, as a float32 master
+    dp = ms.Sharded(mesh, ms.AxisRules(batch="data"))(make_train_step(optimizer, precision=BF16))
+    expected_state = optimizer.init(expected)
+    for batch in [random_batch(i, 16, 5, 4) for i in range(2)]:
+        expected, expected_state, expected_loss, _ = jax.block_until_ready(
+            dp(expected, expected_state, batch)
+        )
+        got, state, loss, _ = jax.block_until_ready(zero(got, state, batch))
+        assert float(loss) == pytest.approx(float(expected_loss), rel=1e-5)
+    assert isinstance(state, Mastered) and state.master[0].weight.shape == (40,)  # 5 x 8, 5 a device
+    master = jax.tree.map(unpadded, state.master, expected)
+    for weights, ours, theirs in zip(*(jax.tree.leaves(tree) for tree in (got, master, expected))):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+        assert weights.dtype == jnp.bfloat16 and jnp.array_equal(weights, ours.astype(jnp.bfloat16))

@@ -18,6 +18,7 @@ import html
 import io
 import math
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -25,6 +26,7 @@ import numpy as np
 
 from minishard import Report
 from minishard.costs import Comparison
+from minishard.memory import Budget
 
 
 def rich_table(report: Report) -> Any:
@@ -150,6 +152,42 @@ def plot_comparison(comparison: Comparison, path: str) -> None:
     plt.close(fig)
 
 
+def terms_of(budgets: Iterable[Budget]) -> list[str]:
+    """Every term of ``budgets``, in the order they name them: each new one after the term before it."""
+    order: list[str] = []
+    for b in budgets:
+        names = list(b.terms)
+        for i, name in enumerate(names):
+            if name not in order:
+                before = [known for known in names[:i] if known in order]
+                order.insert(order.index(before[-1]) + 1 if before else 0, name)
+    return order
+
+
+def plot_budgets(panels: dict[str, dict[str, Budget]], path: str, title: str) -> None:
+    """The anatomy of a step's memory: per panel (a precision, say), one stacked bar per style of its
+    ``memory.Budget``'s terms, bytes per device; the terms in the order the budgets name them."""
+    import matplotlib  # an optional extra: imported only to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    terms = terms_of([b for budgets in panels.values() for b in budgets.values()])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), sharey=True, squeeze=False)
+    for ax, (panel, budgets) in zip(axes[0], panels.items()):
+        bottom = np.zeros(len(budgets))
+        for i, term in enumerate(terms):
+            sizes = np.array([b.terms.get(term, 0.0) / 1e6 for b in budgets.values()])
+            ax.bar(list(budgets), sizes, bottom=bottom, label=term, color=plt.get_cmap("tab10")(i))
+            bottom += sizes
+        ax.set(title=panel, ylabel="MB per device, predicted" if ax is axes[0][0] else None)
+    axes[0][-1].legend(fontsize=7, loc="upper right")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 BOOKKEEPING = ("epoch", "step", "seconds", "steps", "loss_curve", "speed")
 """The fields of a ``fit`` record that are not metrics."""
 TITLES = {"loss": "loss", "acc": "accuracy"}
@@ -197,10 +235,12 @@ def _measure(name: str) -> str:
 
 __all__ = [
     "device_shards",
+    "plot_budgets",
     "plot_comparison",
     "plot_history",
     "plot_report",
     "report_html",
     "rich_table",
     "show",
+    "terms_of",
 ]

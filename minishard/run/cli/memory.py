@@ -26,7 +26,7 @@ from minishard.run.cli.styles import STYLES
 from minishard.run.steps import make_train_step
 from minishard.sharding import Sharded, make_mesh
 
-__all__ = ["COMPILES_UP_TO", "activations", "budget", "print_memory"]
+__all__ = ["COMPILES_UP_TO", "activations", "budget", "predict", "print_memory"]
 
 COMPILES_UP_TO = 50_000_000
 """Parameters up to which ``--memory`` compiles the step here for its compiled column (a model of
@@ -78,27 +78,38 @@ def _ways(rules: AxisRules, mesh: AnyMesh, axes: tuple[str, ...]) -> tuple[int, 
     return tuple(math.prod(sizes[name] for name in entry) for entry in named)
 
 
-def print_memory(args: argparse.Namespace) -> int:
-    """``explain --memory``: the predicted table (no compile, any size), the compiled column where the
-    step compiles here, and with ``--hardware`` whether it fits on one accelerator's HBM."""
-    simulate_devices(args.devices)  # before JAX starts, in case the step compiles
+def predict(args: argparse.Namespace) -> tuple[Budget, tuple[Any, Any, Any], dict[str, int], AxisRules]:
+    """``explain --memory``'s prediction from its checked flags (``parse_args``), nothing compiled: the
+    budget, the step's ``(model, opt_state, batch)`` as shapes, the style's mesh shape and rules.
+
+    Raises ``ShardingError`` where the style's rules cannot split the model.
+    """
     model, style = MODELS[args.model], STYLES[args.parallel]
     shape, rules = style.mesh(args.devices), style.rules({})
     built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
     optimizer = model.compiled_optimizer(args)
     step_args = (built, jax.eval_shape(optimizer.init, built), model.example(args, args.batch_size))
-    precision = memory.PRECISIONS[args.precision]
+    mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
+    return budget(step_args, mesh, rules, memory.PRECISIONS[args.precision]), step_args, shape, rules
+
+
+def print_memory(args: argparse.Namespace) -> int:
+    """``explain --memory``: the predicted table (no compile, any size), the compiled column where the
+    step compiles here, and with ``--hardware`` whether it fits on one accelerator's HBM."""
+    simulate_devices(args.devices)  # before JAX starts, in case the step compiles
     try:
-        mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
-        predicted = budget(step_args, mesh, rules, precision)
+        predicted, step_args, shape, rules = predict(args)
     except ShardingError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    count = sum(leaf.size for leaf in jax.tree.leaves(built))
+    model, precision = MODELS[args.model], memory.PRECISIONS[args.precision]
+    count = sum(leaf.size for leaf in jax.tree.leaves(step_args[0]))
     devices = args.topology_devices  # --topology: XLA:TPU compiles it, whatever its size (nothing allocated)
     compiles = devices is not None or (count <= COMPILES_UP_TO and len(jax.devices()) == args.devices)
     step = make_train_step(
-        optimizer, model.task.loss, precision=None if precision == memory.FP32 else precision
+        model.compiled_optimizer(args),
+        model.task.loss,
+        precision=None if precision == memory.FP32 else precision,
     )
     on = args.topology or f"{args.devices} devices"
     where = f"under {args.parallel} on {on}, batch {args.batch_size}, {args.precision}"
