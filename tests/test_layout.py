@@ -72,7 +72,7 @@ CHAPTERS = {
     "sequence": 200,
     "experts": 455,  # issue 43 §4: with_stats and keep (45 lines), moe_layers (10): the MoE's stats collected
     "remat": 150,  # issue 45 §4: the policies, after_the_gradient (XLA:CPU schedules by it), StepFlops
-    "memory": 430,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23 lines)
+    "memory": 435,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23 lines)
     "serving": 230,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too
     "precision": 242,
     "layouts": 340,
