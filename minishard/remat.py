@@ -33,7 +33,7 @@ MLP's second matmul is a sixth of a block's), HFU / MFU a little under 4/3.
 >>> w = jnp.ones((4, 4))
 >>> def loss(w, x):
 ...     block = lambda w, x: jnp.tanh(x @ w) @ w   # two matmuls
-...     return checkpointed(block, "full")(w, x).sum()
+...     return checkpointed(block, "full")(w, x).sum(), ()   # (value, metrics): a Loss
 >>> flops = step_flops(loss, w, jnp.ones((2, 4)))
 >>> flops.hardware / flops.model   # 3 + 1 of the 2 forward matmuls, over 3 x 2 of them
 1.1666666666666667
@@ -126,12 +126,13 @@ class StepFlops:
 
 
 def step_flops(loss: Callable[..., Any], *args: Any) -> StepFlops:
-    """Model and hardware FLOPs of a step on ``loss(*args)``, counted from jaxprs, no compile.
+    """Model and hardware FLOPs of a step on ``loss(*args) -> (value, metrics)`` (``losses.Loss``),
+    counted from jaxprs, no compile.
 
-    The hardware count reads the jaxpr of ``jax.value_and_grad(loss)``: the forward pass,
-    then the backward, where ``jax.checkpoint``'s recomputed forward sits inside it.
+    The hardware count reads the jaxpr of ``jax.value_and_grad``: the forward pass, then the
+    backward, where ``jax.checkpoint``'s recomputed forward sits inside it.
     """
-    hardware = matmul_flops(jax.make_jaxpr(jax.value_and_grad(loss))(*args).jaxpr)
+    hardware = matmul_flops(jax.make_jaxpr(jax.value_and_grad(loss, has_aux=True))(*args).jaxpr)
     return StepFlops(model_flops(loss, *args), hardware)
 
 

@@ -383,6 +383,26 @@ def test_profile_traces_the_chosen_steps_and_the_mfu_is_the_model_flops_over_the
     assert re.search(rf" s \({speed['tokens_per_s']:,.0f} tokens/s, MFU [\d.e-]+%\) · loss", line), line
 
 
+@needs_shakespeare
+@pytest.mark.slow  # a tiny GPT's three steps
+def test_under_remat_each_line_gives_the_hfu_of_the_flops_the_step_runs(tmp_path, capsys):
+    from minishard.remat import step_flops
+    from minishard.run.next_token import next_token_loss
+
+    log = tmp_path / "metrics.jsonl"
+    assert main(["train", *TINY, "--steps", "3", "--remat", "full", "--log", str(log)]) == 0
+    out = capsys.readouterr().out
+    speed = [json.loads(line) for line in log.read_text().splitlines() if "seconds" in line][-1]["speed"]
+    gpt = GPT(65, 16, 16, 1, 2, 4, key=jax.random.key(0), remat="full")
+    window = jax.ShapeDtypeStruct((16, 16), np.int32)
+    flops = step_flops(next_token_loss, gpt, {"inputs": window, "targets": window})
+    assert speed["hfu"] / speed["mfu"] == pytest.approx(flops.hardware / flops.model)  # > 1: recomputed
+    assert flops.hardware > flops.model
+    assert f", {flops.hardware / 1e9:.3g} G run (" in out  # the Model FLOPs line says both
+    line = next(line for line in out.splitlines() if line.startswith("Step 3 "))
+    assert re.search(r"MFU [\d.e-]+%, HFU [\d.e-]+%\) · loss", line), line
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -2,7 +2,8 @@
 
 MFU, model FLOPs utilisation, is the share of the hardware's peak a step turns
 into the model's arithmetic: ``costs.model_flops`` (3 x the forward matmuls)
-over the step's time, over ``peak_flops``. An accelerator's peak is its table
+over the step's time, over ``peak_flops``; under ``--remat``, HFU counts the FLOPs the
+step runs, the recomputed forward too (``remat.step_flops``). An accelerator's peak is its table
 entry (``minishard.hardware``, bf16). A CPU's is *measured*: the best of a few
 runs of a 512 x 512 float32 matmul on every device at once, once per machine:
 ``cached_peak`` keeps it in ``cache_directory()``, by what it depends on
@@ -39,8 +40,8 @@ import jaxlib
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from minishard.costs import model_flops
 from minishard.hardware import HARDWARE
+from minishard.remat import step_flops
 from minishard.run.errors import TrainingError
 
 __all__ = [
@@ -196,6 +197,7 @@ class Speed:
     unit: str
     peak: float
     source: str = ""  # where the peak comes from
+    hardware: float | None = None  # FLOPs the step runs, recomputation included; None: ``flops``
 
     @classmethod
     def of_step(
@@ -207,7 +209,8 @@ class Speed:
         shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (model, batch))
         first = next(iter(batch.values())).shape
         items = first[0] * (first[1] if unit == "tokens" else 1)
-        return cls(model_flops(loss, *shapes), items, unit, *peak_flops(devices))
+        flops = step_flops(loss, *shapes)
+        return cls(flops.model, items, unit, *peak_flops(devices), hardware=flops.hardware)
 
     def of(self, steps: int, seconds: float) -> dict[str, float]:
         """``steps`` steps in ``seconds``: the mean step time, items per second, MFU, and what it divides."""
@@ -217,18 +220,25 @@ class Speed:
             f"{self.unit}_per_s": self.items / step_s,
             "mfu": self.flops / step_s / self.peak,
         }
+        if self.hardware is not None and self.hardware != self.flops:  # recomputation: HFU > MFU
+            rate["hfu"] = self.hardware / step_s / self.peak
         return rate | {"step_flops": self.flops, "peak_flops": self.peak}
 
     def said(self) -> str:
         """``Model FLOPs 5.29 G a step (1,024 tokens); peak 92.1 GFLOP/s (measured: ...)``."""
         peak = f"{self.peak / 1e9:.3g} GFLOP/s ({self.source})"
-        return f"Model FLOPs {self.flops / 1e9:.3g} G a step ({self.items:,} {self.unit}); peak {peak}"
+        recomputed = (
+            "" if self.hardware in (None, self.flops) else f", {self.hardware / 1e9:.3g} G run (--remat)"
+        )
+        flops = f"Model FLOPs {self.flops / 1e9:.3g} G a step{recomputed}"
+        return f"{flops} ({self.items:,} {self.unit}); peak {peak}"
 
 
 def format_speed(speed: dict[str, float]) -> str:
-    """``10,240 tokens/s, MFU 60%``: a record's ``speed`` (``Speed.of``)."""
+    """``10,240 tokens/s, MFU 60%``, and ``, HFU 75%`` under recomputation: a record's ``speed``."""
     rates = [f"{n:,.0f} {name.removesuffix('_per_s')}/s" for name, n in speed.items() if "_per_s" in name]
-    return ", ".join([*rates, f"MFU {speed['mfu'] * 100:.3g}%"])
+    hfu = [f"HFU {speed['hfu'] * 100:.3g}%"] if "hfu" in speed else []
+    return ", ".join([*rates, f"MFU {speed['mfu'] * 100:.3g}%", *hfu])
 
 
 def step_range(text: str) -> tuple[int, int]:
