@@ -42,7 +42,7 @@ from minishard.run.cli.flags import (
 )
 from minishard.run.cli.memory import print_memory
 from minishard.run.cli.models import MODELS
-from minishard.run.cli.styles import STYLES, warn_unused
+from minishard.run.cli.styles import STYLES, style_of, warn_unused
 from minishard.run.cli.styles.style import Style
 from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
@@ -115,7 +115,7 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         flag = "--parallel" if args.parallel else "--microbatches"
         error(f"argument {flag}: --compare ranks every style, each as it trains by default; drop {flag}")
     args.parallel = args.parallel or model.style or DEFAULT_STYLE
-    style = STYLES[args.parallel]
+    style = style_of(args.parallel)
     args.topology_devices = _topology(args, style, error) if args.topology else None
     if args.precision != "fp32" and not args.memory:
         error("argument --precision: only with --memory (the step explain prices is float32)")
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         return decode.print_decode(args)
     if args.size:
         return layouts.print_ranking(args)
-    model, style = MODELS[args.model], STYLES[args.parallel]
+    model, style = MODELS[args.model], style_of(args.parallel)
     if refused := style.before_explain(args):
         return refused  # before any work: a pipeline's step is compiled below, on devices
     if args.memory:
@@ -226,7 +226,7 @@ def price(args: argparse.Namespace) -> int:
 
 
 def _compile_and_price(args: argparse.Namespace) -> int:
-    model, style = MODELS[args.model], STYLES[args.parallel]
+    model, style = MODELS[args.model], style_of(args.parallel)
     sequence = args.compare and model.sequence is not None  # the ring ranked with the others
     style = STYLES["cp"] if sequence else style  # whose build gives its attention the "ring" core
     shape, rules = style.mesh(args.devices), style.rules({})

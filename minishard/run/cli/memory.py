@@ -22,7 +22,7 @@ from minishard.models.gpt import GPT
 from minishard.rules import AnyMesh, AxisRules, ShardingError
 from minishard.run.cli.flags import simulate_devices
 from minishard.run.cli.models import MODELS
-from minishard.run.cli.styles import STYLES
+from minishard.run.cli.styles import style_of
 from minishard.run.steps import make_train_step
 from minishard.sharding import Sharded, make_mesh
 
@@ -82,7 +82,7 @@ def print_memory(args: argparse.Namespace) -> int:
     """``explain --memory``: the predicted table (no compile, any size), the compiled column where the
     step compiles here, and with ``--hardware`` whether it fits on one accelerator's HBM."""
     simulate_devices(args.devices)  # before JAX starts, in case the step compiles
-    model, style = MODELS[args.model], STYLES[args.parallel]
+    model, style = MODELS[args.model], style_of(args.parallel)
     shape, rules = style.mesh(args.devices), style.rules({})
     built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
     optimizer = model.compiled_optimizer(args)
