@@ -87,6 +87,8 @@ CONFLICTS: dict[frozenset[str], str] = {
     "(pipeline.run_blocks), and ring attention needs their tokens' positions",
     frozenset({"pp", "ep"}): "a pipeline's stages return activations alone "
     "(pipeline.run_blocks), and an MoE's blocks return their routing statistics too",
+    frozenset({"pp", "sp"}): "the pipeline's shard_map is manual over every mesh axis, and JAX refuses "
+    "sp's constraint on the residual stream inside it ('seq' over the Auto axis 'model')",
 }
 """Pairs of dimensions that cannot work together, and why."""
 ALIASES = {"2d": "dp+tp"}
