@@ -103,12 +103,14 @@ def dimensions(name: str) -> tuple[str, ...]:
     (('dp', 'tp', 'pp'), ('dp', 'tp'))
     """
     given = ALIASES.get(name, name).split("+")
+    if len(given) == 1 and name not in DIMENSIONS:
+        raise ValueError(
+            f"unknown parallel style {name!r}; choose from {', '.join(SPLITS)}, or dimensions joined by + "
+            f"from {', '.join(DIMENSIONS)}"
+        )
     for dim in given:
         if dim not in DIMENSIONS:
-            raise ValueError(
-                f"{name}: unknown dimension {dim!r}; a style is one of {', '.join(SPLITS)}, or dimensions "
-                f"joined by + from {', '.join(DIMENSIONS)}"
-            )
+            raise ValueError(f"{name}: unknown dimension {dim!r}; the dimensions are {', '.join(DIMENSIONS)}")
         if given.count(dim) > 1:
             raise ValueError(f"{name}: {dim} is named twice")
     for pair, why in CONFLICTS.items():

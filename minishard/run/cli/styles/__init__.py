@@ -125,6 +125,11 @@ def parallel(text: str) -> str:
     """
     if text in STYLES:
         return text
+    if "+" not in text and text not in DIMENSIONS:  # ZeRO by hand is one of the choices too
+        raise argparse.ArgumentTypeError(
+            f"unknown parallel style {text!r}; choose from {', '.join(STYLES)}, or dimensions joined by + "
+            f"from {', '.join(DIMENSIONS)}"
+        )
     try:
         dims = dimensions(text)
     except ValueError as e:
