@@ -24,8 +24,8 @@ some logical axes over one mesh axis of its own (``DIMENSIONS``):
   "expert", and the batch over it too, as is usual.
 
 A style is dimensions joined by ``+`` (``compose``): ``dp+tp+pp`` is a data x model x stage
-grid. Twelve of them have names (``SPLITS``): the seven dimensions' own (``2d`` is dp+tp),
-``fsdp+tp``, ``dp+pp``, ``dp+cp``, ``tp+sp``, ``dp+ep`` and ``2d``.
+grid. Twelve have names (``SPLITS``): dp, tp, fsdp, pp, cp, ep alone, ``2d`` (dp+tp),
+``fsdp+tp``, ``dp+pp``, ``dp+cp``, ``tp+sp`` and ``dp+ep``.
 
 The rules are ordered (Flax's semantics): for an activation ``(batch, embed)``
 the batch rule comes first and takes "data", so ``embed`` falls back to its
@@ -148,24 +148,6 @@ def compose(name: str) -> tuple[tuple[str, MeshAxes], ...]:
     return tuple(splits)
 
 
-def composed_mesh(name: str, devices: int) -> dict[str, int]:
-    """The mesh of ``name`` on ``devices``: an axis per dimension (sp rides on tp's), split evenly.
-
-    Each axis but the last takes 2 devices while they pair up, the last the rest: 2 x 2 x 2 on 8
-    for three axes, 2 x 4 for two, all of them for one (1 on the first axes when ``devices`` is odd).
-
-    >>> composed_mesh("dp+tp+pp", 8), composed_mesh("2d", 8), composed_mesh("tp+sp", 8)
-    ({'data': 2, 'model': 2, 'stage': 2}, {'data': 2, 'model': 4}, {'model': 8})
-    """
-    _checks.count("composed_mesh: devices", devices)
-    axes = [axis for axis in MESH_AXES if axis in {DIMENSIONS[dim] for dim in dimensions(name)}]
-    shape, left = {}, devices
-    for axis in axes[:-1]:
-        shape[axis] = 2 if left % 2 == 0 else 1
-        left //= shape[axis]
-    return {**shape, axes[-1]: left}
-
-
 # --- 2. the named styles ------------------------------------------------------------------------
 
 SPLITS: dict[str, tuple[tuple[str, MeshAxes], ...]] = {
@@ -188,12 +170,21 @@ LOGICAL_AXES = ("batch", "embed", "mlp", "heads", "kv", "seq", "patch", "classes
 def mesh_rules(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
     """``(mesh shape, rules)`` of the style ``name`` (named, or composed) on ``devices`` devices.
 
-    >>> mesh_rules("2d", 8)[0], mesh_rules("tp", 8)[0], mesh_rules("dp+ep", 8)[0]
-    ({'data': 2, 'model': 4}, {'model': 8}, {'data': 2, 'expert': 4})
+    An axis per dimension (sp rides on tp's), split evenly: each axis but the last takes 2
+    devices while they pair up (1 when ``devices`` is odd), the last the rest: 2 x 2 x 2 on 8
+    for three axes, 2 x 4 for two.
+
+    >>> mesh_rules("dp+tp+pp", 8)[0], mesh_rules("2d", 8)[0], mesh_rules("tp+sp", 8)[0]
+    ({'data': 2, 'model': 2, 'stage': 2}, {'data': 2, 'model': 4}, {'model': 8})
     """
     rules = style_rules(name)
     _checks.count("mesh_rules: devices", devices)
-    return composed_mesh(name, devices), rules
+    axes = [axis for axis in MESH_AXES if axis in {DIMENSIONS[dim] for dim in dimensions(name)}]
+    shape, left = {}, devices
+    for axis in axes[:-1]:
+        shape[axis] = 2 if left % 2 == 0 else 1
+        left //= shape[axis]
+    return {**shape, axes[-1]: left}, rules
 
 
 def style_rules(name: str, overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
@@ -205,7 +196,7 @@ def style_rules(name: str, overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
     P('model', None)
     """
     try:
-        splits = SPLITS[name] if name in SPLITS else compose(name)
+        splits = compose(name)
     except ValueError as e:
         raise ValueError(f"style_rules: {e}") from None
     replicated = [(axis, None) for axis in LOGICAL_AXES]
@@ -241,7 +232,6 @@ __all__ = [
     "SEQUENCE",
     "SPLITS",
     "compose",
-    "composed_mesh",
     "dimensions",
     "mesh_rules",
     "style_rules",
