@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
+import os
 import time
 
 import jax
@@ -31,6 +33,10 @@ from minishard.run.next_token import next_token_loss
 from minishard.run.steps import make_train_step
 from minishard.styles import DIMENSIONS, SPLITS, compose, dimensions, mesh_rules, style_rules
 
+needs_shakespeare = pytest.mark.skipif(
+    not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "tiny_shakespeare")),
+    reason="needs tiny_shakespeare prepared by tfds: set TFDS_DATA_DIR (make test does)",
+)
 # What the named styles split and their meshes on 8 devices before composition made them: kept.
 NAMED = {
     "dp": ((("batch", "data"),), {"data": 8}),
@@ -214,3 +220,46 @@ def test_every_composition_trains_the_gpt_to_the_losses_of_dp(name):
 @pytest.mark.parametrize("name", COMPOSITIONS)
 def test_every_composition_trains_the_gpt_for_30_steps_to_the_losses_of_dp(name):
     assert_converges(name, steps=30)
+
+
+# --- the command line: explain shows each dimension's collectives; train prints dp's val loss ------
+
+
+def test_explain_shows_the_composed_plan_and_each_dimensions_collectives(capsys):
+    assert main(["explain", "--model", "gpt", "--parallel", "dp+tp+pp"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh {'data': 2, 'model': 2, 'stage': 2} (8 devices)" in out
+    assert (
+        "P('stage', None, 'model', None)" in out
+    )  # a stacked query: its blocks over stage, heads over model
+    assert "stages 2, microbatches 4, ticks 5 (read from the compiled loop)" in out
+    rows = out[out.index("collectives by dimension:") :].splitlines()[1:]
+    assert rows[0].split()[:3] == ["dp", "(data)", "all-reduce"]  # the gradients' mean
+    assert ["pp", "(stage)", "collective-permute", "x10"] in [row.split()[:4] for row in rows]  # 5 ticks x 2
+    assert {row.split()[0] for row in rows} == {"dp", "tp", "pp"}
+
+
+def val_losses(tmp_path, name: str) -> list[float]:
+    log = tmp_path / f"{name}.jsonl"
+    tiny = ["--model", "gpt", "--width", "32", "--depth", "2", "--heads", "4", "--context", "16"]
+    flags = [
+        "--batch-size",
+        "16",
+        "--steps",
+        "30",
+        "--eval-every",
+        "15",
+        "--log",
+        str(log),
+    ]  # one batch for all
+    assert main(["train", *tiny, "--parallel", name, *flags]) == 0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return [record[key] for record in records for key in ("loss", "val_loss", "test_loss") if key in record]
+
+
+@needs_shakespeare
+@pytest.mark.slow  # three GPT trainings of 30 steps
+def test_train_prints_the_val_loss_of_dp_under_fsdp_tp_pp_and_dp_tp_cp(tmp_path):
+    expected = val_losses(tmp_path, "dp")
+    for name in ("fsdp+tp+pp", "dp+tp+cp"):
+        assert val_losses(tmp_path, name) == pytest.approx(expected, rel=1e-4), name

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import jax
 import jax.numpy as jnp
 
-from minishard.census import collectives, human_bytes, summary
+from minishard.census import collectives, human_bytes, instructions, summary
 from minishard.costs import HARDWARE, Candidate, StepCost, compare, mesh_shapes
 from minishard.memory import PRECISIONS
 from minishard.report import explain
@@ -43,6 +43,7 @@ from minishard.run.cli.flags import (
 from minishard.run.cli.memory import print_memory
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import STYLES, style_of, warn_unused
+from minishard.run.cli.styles.composed import by_dimension
 from minishard.run.cli.styles.style import Style
 from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
@@ -197,8 +198,11 @@ def print_sends(args: argparse.Namespace, model: Any, style: Style, rules: AxisR
             built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
             step = Sharded(mesh, rules)(make_train_step(optimizer, model.task.loss))
             example = (built, jax.eval_shape(optimizer.init, built), model.example(args, args.batch_size))
+            compiled = step.lower(*example).compile()
             print(f"collectives of train_step, batch {args.batch_size} (compiled; --hardware prices them):")
-            print("\n".join("  " + line for line in summary(collectives(step.lower(*example))).splitlines()))
+            print("\n".join("  " + line for line in summary(collectives(compiled)).splitlines()))
+            if args.parallel not in STYLES:  # a composition: whose each collective is
+                print(by_dimension(args.parallel, instructions(compiled)))
             return
         if args.batch_size % ways:
             why = f"a batch of {args.batch_size} does not split over data={ways}"
