@@ -6,7 +6,9 @@
   the textbook and on the command line (argparse's ``error: argument --parallel: ...``).
 * **Convergence** (torchtitan's protocol, docs/compose.md): at a fixed batch, every composition
   of two and three dimensions that fits 8 devices trains the small GPT from the same seed to the
-  losses of dp, 1e-4 relative, float32: a few steps here, 30 in a slow test.
+  losses of dp, 1e-4 relative, float32 (with ep, an MoE GPT to its own dp losses): 3 steps
+  here, 30 in a slow test; and ``minishard train`` prints dp's val loss (slow).
+* **explain** shows a composition's collectives by dimension (each dimension has its mesh axis).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 import minishard as ms
 from minishard import pipeline as pp
 from minishard.models import gpt
+from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW
 from minishard.run.cli import main, parse_args
 from minishard.run.cli.styles import parallel
@@ -142,6 +145,7 @@ SMALL = dict(vocab=11, context=16, width=32, depth=4, heads=8, mlp_ratio=4)  # 4
 BATCH, MICROBATCHES = 8, 4  # a fixed batch for every composition: 8 windows of 16 tokens
 OPTIMIZER = AdamW(1e-2, eps=1e-6)  # eps: test_gpt.py's reason
 STEP = make_train_step(OPTIMIZER, next_token_loss)
+EXPERTS = moe_mlp(8, k=2, capacity_factor=4.0)  # 8 experts of 2 per token: a capacity that drops nothing
 
 
 def composes(name: str) -> bool:
@@ -156,17 +160,19 @@ def composes(name: str) -> bool:
 COMPOSITIONS = [
     name
     for size in (2, 3)
-    for name in map("+".join, itertools.combinations([dim for dim in DIMENSIONS if dim != "ep"], size))
+    for name in map("+".join, itertools.combinations(DIMENSIONS, size))
     if composes(name)
 ]
-"""Every composition of two and three dimensions but ep's (the GPT here has no experts)."""
+"""Every composition of two and three dimensions the command line takes."""
 
 
 def test_the_compositions_of_two_and_three_dimensions_are_these():
     assert [
-        *("dp+tp", "dp+pp", "dp+cp", "fsdp+tp", "fsdp+pp", "fsdp+cp", "tp+sp", "tp+pp", "tp+cp"),
-        *("dp+tp+sp", "dp+tp+pp", "dp+tp+cp", "fsdp+tp+sp", "fsdp+tp+pp", "fsdp+tp+cp"),
-    ] == COMPOSITIONS
+        *("dp+tp", "dp+pp", "dp+cp", "dp+ep", "fsdp+tp", "fsdp+pp", "fsdp+cp", "fsdp+ep"),
+        *("tp+sp", "tp+pp", "tp+cp", "tp+ep"),
+        *("dp+tp+sp", "dp+tp+pp", "dp+tp+cp", "dp+tp+ep", "fsdp+tp+sp", "fsdp+tp+pp", "fsdp+tp+cp"),
+        *("fsdp+tp+ep", "tp+sp+ep"),
+    ] == COMPOSITIONS  # pp and cp with each other, sp or ep refused: each says why (REFUSED)
 
 
 def batch(seed: int) -> dict[str, np.ndarray]:
@@ -175,14 +181,15 @@ def batch(seed: int) -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def trained(name: str, steps: int) -> tuple[list[float], float]:
+def trained(name: str, steps: int, experts: bool = False) -> tuple[list[float], float]:
     """``steps`` AdamW steps of the small GPT under the composition ``name``: its losses, and the
     seconds of its first step (tracing and compiling it, mostly). The chapters as the CLI wires
     them: pp stacks the blocks and pipelines them (microbatch rows over "data", if any), cp makes
-    attention a ring."""
+    attention a ring; with ``experts`` every MLP is a mixture (``EXPERTS``)."""
     shape, rules = mesh_rules(name, 8)
     mesh, dims = ms.make_mesh(shape), dimensions(name)
-    model = gpt.GPT(**SMALL, core="ring" if "cp" in dims else "dense", key=jax.random.key(0))
+    mlp = {"mlp": EXPERTS} if experts else {}
+    model = gpt.GPT(**SMALL, core="ring" if "cp" in dims else "dense", key=jax.random.key(0), **mlp)
     if "pp" in dims:
         pipeline = pp.Pipeline(mesh, MICROBATCHES, data_axis="data" if "data" in shape else None)
         model = gpt.as_stacked(model).replace(pipeline=pipeline)
@@ -198,8 +205,9 @@ def trained(name: str, steps: int) -> tuple[list[float], float]:
 
 
 def assert_converges(name: str, steps: int) -> None:
-    expected, _ = trained("dp", steps)
-    losses, first_s = trained(name, steps)
+    experts = "ep" in dimensions(name)  # the same mixture of experts under dp
+    expected, _ = trained("dp", steps, experts)
+    losses, first_s = trained(name, steps, experts)
     delta = max(abs(a - b) / b for a, b in zip(losses, expected, strict=True))
     print(f"{name}: |dloss| / loss <= {delta:.1e} over {steps} steps; first step {first_s:.1f} s")
     np.testing.assert_allclose(losses, expected, rtol=1e-4, atol=0)
