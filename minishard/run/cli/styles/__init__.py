@@ -135,7 +135,7 @@ def parallel(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if len(chapters := [dim for dim in dims if dim in CHAPTERS]) > 1:
-        first, second = chapters
+        first, second = chapters[:2]
         raise argparse.ArgumentTypeError(
             f"{text}: {first} and {second} do not compose here: each is a style with checks and reports of "
             "its own (minishard/run/cli/styles/), and no style yet has both"
