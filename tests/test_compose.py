@@ -18,6 +18,8 @@ import functools
 import itertools
 import json
 import os
+import subprocess
+import sys
 import time
 
 import jax
@@ -181,13 +183,13 @@ def batch(seed: int) -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def trained(name: str, steps: int, experts: bool = False) -> tuple[list[float], float]:
+def trained(name: str, steps: int, experts: bool = False, devices: int = 8) -> tuple[list[float], float]:
     """``steps`` AdamW steps of the small GPT under the composition ``name``: its losses, and the
     seconds of its first step (tracing and compiling it, mostly). The chapters as the CLI wires
     them: pp stacks the blocks and pipelines them (microbatch rows over "data", if any), cp makes
-    attention a ring; with ``experts`` every MLP is a mixture (``EXPERTS``)."""
-    shape, rules = mesh_rules(name, 8)
-    mesh, dims = ms.make_mesh(shape), dimensions(name)
+    attention a ring; with ``experts`` every MLP is a mixture (``EXPERTS``). On the first ``devices``."""
+    shape, rules = mesh_rules(name, devices)
+    mesh, dims = ms.make_mesh(shape, devices=jax.devices()[:devices]), dimensions(name)
     mlp = {"mlp": EXPERTS} if experts else {}
     model = gpt.GPT(**SMALL, core="ring" if "cp" in dims else "dense", key=jax.random.key(0), **mlp)
     if "pp" in dims:
@@ -204,10 +206,10 @@ def trained(name: str, steps: int, experts: bool = False) -> tuple[list[float], 
     return losses, seconds[0]
 
 
-def assert_converges(name: str, steps: int) -> None:
+def assert_converges(name: str, steps: int, devices: int = 8) -> None:
     experts = "ep" in dimensions(name)  # the same mixture of experts under dp
     expected, _ = trained("dp", steps, experts)
-    losses, first_s = trained(name, steps, experts)
+    losses, first_s = trained(name, steps, experts, devices)
     delta = max(abs(a - b) / b for a, b in zip(losses, expected, strict=True))
     print(f"{name}: |dloss| / loss <= {delta:.1e} over {steps} steps; first step {first_s:.1f} s")
     np.testing.assert_allclose(losses, expected, rtol=1e-4, atol=0)
@@ -228,6 +230,18 @@ def test_every_composition_trains_the_gpt_to_the_losses_of_dp(name):
 @pytest.mark.parametrize("name", COMPOSITIONS)
 def test_every_composition_trains_the_gpt_for_30_steps_to_the_losses_of_dp(name):
     assert_converges(name, steps=30)
+
+
+@pytest.mark.slow  # a process of its own, 16 simulated devices, 30 steps twice
+def test_four_dimensions_on_16_devices_train_the_gpt_to_the_losses_of_dp_on_8():
+    # dp+tp+sp+ep: data=2 x model=2 (tp, and sp on it) x expert=4, the batch over data x expert.
+    check = "import test_compose; test_compose.assert_converges('dp+tp+sp+ep', 30, devices=16)"
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=16")
+    path = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": path}
+    run = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "dp+tp+sp+ep: |dloss| / loss <= " in run.stdout
 
 
 # --- the command line: explain shows each dimension's collectives; train prints dp's val loss ------
