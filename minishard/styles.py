@@ -1,30 +1,31 @@
-"""Twelve named ways to spread a model over devices: a mesh shape and ordered rules for each.
+"""Twelve named ways to spread a model over devices, and every composition of seven dimensions.
 
 Nobody should have to write rules to *try* a style. ``mesh_rules(name, devices)``
 returns the mesh shape and the ``AxisRules`` of one of them; the model never
-changes, only where its logical axes go:
+changes, only where its logical axes go. Each *dimension* of parallelism splits
+some logical axes over one mesh axis of its own (``DIMENSIONS``):
 
 * ``dp``: data parallel. The batch over "data"; every parameter whole on every device.
-* ``tp``: tensor (Megatron) parallel. MLP hidden units and attention heads over
-  "model"; the batch whole.
-* ``2d``: both, on a data x model grid.
 * ``fsdp``: fully sharded data parallel (ZeRO-3). The batch over "data", and
   every parameter split over "data" too, along its first axis that can take
   it: ``embed`` first, then ``mlp``, then ``heads``. Each device *stores* 1/N
   of every weight and of the optimizer state that mirrors it, and XLA gathers
   a weight only while computing with it.
-* ``fsdp+tp``: FSDP on "data" and Megatron on "model".
-* ``pp``: pipeline parallel. A model's stacked blocks (``minishard.pipeline``)
-  over "stage", every device a stage; ``dp+pp``: the batch over "data" too.
-  They split only the logical axis "stage", which only stacked blocks name.
-* ``cp``, ``dp+cp``: context parallel. The sequence ("seq") over a mesh axis of its own,
-  "context", as the batch goes over "data"; attention then needs every key on every
-  device (``minishard.context``'s ring). ``tp+sp``: tensor parallel, and Megatron's
-  sequence parallelism: "seq" over "model" too, after heads and hidden units, so only
-  the residual stream (``("batch", "seq", "embed")``) takes it (``minishard.sequence``).
+* ``tp``: tensor (Megatron) parallel. MLP hidden units and attention heads over
+  "model"; the batch whole.
+* ``sp``: Megatron's sequence parallelism, on tp's "model" axis (so only with ``tp``):
+  "seq" over "model" too, after heads and hidden units, so only the residual stream
+  (``("batch", "seq", "embed")``) takes it (``minishard.sequence``).
+* ``pp``: pipeline parallel. A model's stacked blocks (``minishard.pipeline``) over
+  "stage". It splits only the logical axis "stage", which only stacked blocks name.
+* ``cp``: context parallel. The sequence ("seq") over "context"; attention then needs
+  every key on every device (``minishard.context``'s ring).
 * ``ep``: expert parallel. A mixture of experts' stacked experts (``minishard.experts``) over
-  "expert", and the batch over it too, as is usual; ``dp+ep``: the batch over "data" x "expert".
-  The expert rule comes first, so an MoE's slots split by expert: two all-to-alls per layer.
+  "expert", and the batch over it too, as is usual.
+
+A style is dimensions joined by ``+`` (``compose``): ``dp+tp+pp`` is a data x model x stage
+grid. Twelve have names (``SPLITS``): dp, tp, fsdp, pp, cp, ep alone, ``2d`` (dp+tp),
+``fsdp+tp``, ``dp+pp``, ``dp+cp``, ``tp+sp`` and ``dp+ep``.
 
 The rules are ordered (Flax's semantics): for an activation ``(batch, embed)``
 the batch rule comes first and takes "data", so ``embed`` falls back to its
@@ -35,7 +36,7 @@ so ``embed`` takes "data".
 >>> shape, rules.spec(("batch", "embed")), rules.spec(("embed", "mlp"))
 ({'data': 8}, P('data', None), P('data', None))
 
-``SPLITS`` is the one table of what each style splits; the CLI's ``STYLES``
+``SPLITS`` is the table of the named styles; the CLI's ``STYLES``
 (``minishard.run.cli.styles``: a style's flags, build and step too), the ViT and
 the docs read it. ``rules_for_mesh`` gives the rules for a mesh when
 no style is named: the ``2d`` style, minus the mesh axes the mesh lacks.
@@ -48,21 +49,112 @@ from collections.abc import Mapping, Sequence
 from minishard import _checks
 from minishard.rules import AxisRules, MeshAxes
 
-SPLITS: dict[str, tuple[tuple[str, MeshAxes], ...]] = {
-    "dp": (("batch", "data"),),
-    "tp": (("mlp", "model"), ("heads", "model")),
-    "2d": (("batch", "data"), ("mlp", "model"), ("heads", "model")),
-    "fsdp": (("batch", "data"), ("embed", "data"), ("mlp", "data"), ("heads", "data")),
-    "fsdp+tp": (("batch", "data"), ("mlp", "model"), ("heads", "model"), ("embed", "data")),
-    "pp": (("stage", "stage"),),
-    "dp+pp": (("batch", "data"), ("stage", "stage")),
-    "cp": (("seq", "context"),),
-    "dp+cp": (("batch", "data"), ("seq", "context")),
-    "tp+sp": (("mlp", "model"), ("heads", "model"), ("seq", "model")),
-    "ep": (("expert", "expert"), ("batch", "expert")),
-    "dp+ep": (("expert", "expert"), ("batch", ("data", "expert")), ("batch", "data")),
+# --- 1. the dimensions, and the one order their rules take --------------------------------------
+
+DIMENSIONS: dict[str, str] = {
+    "dp": "data",
+    "fsdp": "data",
+    "tp": "model",
+    "sp": "model",  # rides on tp's axis
+    "pp": "stage",
+    "cp": "context",
+    "ep": "expert",
 }
-"""What each style splits, as ordered rules; every logical axis they leave is replicated."""
+"""Each dimension of parallelism and the mesh axis it splits over."""
+ORDER: tuple[tuple[str, str], ...] = (
+    ("ep", "expert"),  # an MoE's slots [E, G, C, M]: the experts claim "expert" before the groups
+    ("dp", "batch"),  # the batch next, so an activation's embed (fsdp's) falls back to whole
+    ("fsdp", "batch"),
+    ("ep", "batch"),
+    ("tp", "mlp"),  # tp's before fsdp's: a weight [embed, mlp] is Megatron's over "model",
+    ("tp", "heads"),  # and fsdp splits it along embed, the axis left
+    ("fsdp", "embed"),
+    ("fsdp", "mlp"),  # fsdp's fallbacks (a bias of hidden units), unless tp splits them
+    ("fsdp", "heads"),
+    ("pp", "stage"),  # only stacked blocks name "stage": nothing competes
+    ("cp", "seq"),
+    ("sp", "seq"),  # after tp's heads: attention's [batch, seq, heads, kv] keeps its sequence whole
+)
+"""Every dimension's splits ``(dimension, logical axis)``, each over the dimension's mesh axis, in
+the order a composition's rules take them. A logical axis keeps the rule of the first dimension
+that splits it; the batch, which several split, goes over all of their mesh axes at once."""
+MESH_AXES = ("data", "model", "stage", "context", "expert")
+"""The mesh axes of the dimensions, in the order a composed mesh lists them."""
+CONFLICTS: dict[frozenset[str], str] = {
+    frozenset({"dp", "fsdp"}): "both split the batch over 'data' (fsdp is dp that also splits the weights)",
+    frozenset({"cp", "sp"}): "both split 'seq' (cp over 'context', sp over tp's 'model')",
+    frozenset({"pp", "cp"}): "a pipeline's stages call each block on activations alone "
+    "(pipeline.run_blocks), and ring attention needs their tokens' positions",
+    frozenset({"pp", "ep"}): "a pipeline's stages return activations alone "
+    "(pipeline.run_blocks), and an MoE's blocks return their routing statistics too",
+    frozenset({"pp", "sp"}): "the pipeline's shard_map is manual over every mesh axis, and JAX refuses "
+    "sp's constraint on the residual stream inside it ('seq' over the Auto axis 'model')",
+}
+"""Pairs of dimensions that cannot work together, and why."""
+ALIASES = {"2d": "dp+tp"}
+"""Named styles that are other names for dimensions: ``2d`` is dp+tp."""
+
+
+def dimensions(name: str) -> tuple[str, ...]:
+    """The dimensions of ``name`` (``"2d"``: dp and tp), in ``DIMENSIONS``' order; a composition
+    that cannot work is refused in one line that names the two dimensions and why.
+
+    >>> dimensions("tp+pp+dp"), dimensions("2d")
+    (('dp', 'tp', 'pp'), ('dp', 'tp'))
+    """
+    given = ALIASES.get(name, name).split("+")
+    if len(given) == 1 and name not in DIMENSIONS:
+        raise ValueError(
+            f"unknown parallel style {name!r}; choose from {', '.join(SPLITS)}, or dimensions joined by + "
+            f"from {', '.join(DIMENSIONS)}"
+        )
+    for dim in given:
+        if dim not in DIMENSIONS:
+            raise ValueError(f"{name}: unknown dimension {dim!r}; the dimensions are {', '.join(DIMENSIONS)}")
+        if given.count(dim) > 1:
+            raise ValueError(f"{name}: {dim} is named twice")
+    for pair, why in CONFLICTS.items():
+        if pair <= set(given):
+            first, second = sorted(pair, key=given.index)
+            raise ValueError(f"{name}: {first} and {second} do not compose: {why}")
+    if "sp" in given and "tp" not in given:
+        raise ValueError(f"{name}: sp splits the sequence over tp's 'model' axis, and there is no tp; add tp")
+    return tuple(dim for dim in DIMENSIONS if dim in given)
+
+
+def compose(name: str) -> tuple[tuple[str, MeshAxes], ...]:
+    """The ordered splits of the dimensions of ``name``, ``ORDER``'s rows for them.
+
+    The batch goes over every mesh axis that splits it at once, then over "data" alone (where
+    the experts took "expert"); a logical axis keeps the rule of the first dimension that splits it.
+
+    >>> compose("fsdp+tp")   # fsdp's mlp and heads: tp's already
+    (('batch', 'data'), ('mlp', 'model'), ('heads', 'model'), ('embed', 'data'))
+    >>> compose("dp+ep")
+    (('expert', 'expert'), ('batch', ('data', 'expert')), ('batch', 'data'))
+    """
+    dims = dimensions(name)
+    rows = [(dim, logical, DIMENSIONS[dim]) for dim, logical in ORDER if dim in dims]
+    batch = tuple(mesh_axis for _, logical, mesh_axis in rows if logical == "batch")
+    splits: list[tuple[str, MeshAxes]] = []
+    owner: dict[str, str] = {}  # logical axis -> the dimension whose rule it keeps
+    for dim, logical, mesh_axis in rows:
+        if logical == "batch" and "batch" not in owner:  # the batch once, over all of its axes
+            splits.append(("batch", batch[0] if len(batch) == 1 else batch))
+            if len(batch) > 1:  # then "data" alone, where another of them is taken
+                splits.append(("batch", batch[0]))
+        if owner.setdefault(logical, dim) == dim and logical != "batch":
+            splits.append((logical, mesh_axis))
+    return tuple(splits)
+
+
+# --- 2. the named styles ------------------------------------------------------------------------
+
+SPLITS: dict[str, tuple[tuple[str, MeshAxes], ...]] = {
+    name: compose(name)
+    for name in ("dp", "tp", "2d", "fsdp", "fsdp+tp", "pp", "dp+pp", "cp", "dp+cp", "tp+sp", "ep", "dp+ep")
+}
+"""What each named style splits, as ordered rules; every logical axis they leave is replicated."""
 PIPELINED = tuple(name for name, splits in SPLITS.items() if ("stage", "stage") in splits)
 """The styles that need a model with stacked blocks (``minishard.pipeline.Stacked``)."""
 SEQUENCE = tuple(name for name, splits in SPLITS.items() if "seq" in dict(splits))
@@ -76,22 +168,23 @@ LOGICAL_AXES = ("batch", "embed", "mlp", "heads", "kv", "seq", "patch", "classes
 
 
 def mesh_rules(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
-    """``(mesh shape, rules)`` of the style ``name`` on ``devices`` devices.
+    """``(mesh shape, rules)`` of the style ``name`` (named, or composed) on ``devices`` devices.
 
-    2-D styles put 2 devices on "data" and the rest on "model", "stage", "context" or "expert"
-    (``2d`` on 8 devices: data=2 x model=4), or 1 on "data" when ``devices`` is odd.
+    An axis per dimension (sp rides on tp's), split evenly: each axis but the last takes 2
+    devices while they pair up (1 when ``devices`` is odd), the last the rest: 2 x 2 x 2 on 8
+    for three axes, 2 x 4 for two.
 
-    >>> mesh_rules("2d", 8)[0], mesh_rules("tp", 8)[0], mesh_rules("dp+ep", 8)[0]
-    ({'data': 2, 'model': 4}, {'model': 8}, {'data': 2, 'expert': 4})
+    >>> mesh_rules("dp+tp+pp", 8)[0], mesh_rules("2d", 8)[0], mesh_rules("tp+sp", 8)[0]
+    ({'data': 2, 'model': 2, 'stage': 2}, {'data': 2, 'model': 4}, {'model': 8})
     """
     rules = style_rules(name)
     _checks.count("mesh_rules: devices", devices)
-    targets = dict(SPLITS[name]).values()
-    mesh_axes = [axis for axis in ("data", "model", "stage", "context", "expert") if axis in targets]
-    if len(mesh_axes) == 1:
-        return {mesh_axes[0]: devices}, rules
-    data = 2 if devices % 2 == 0 and devices > 1 else 1
-    return {"data": data, mesh_axes[1]: devices // data}, rules
+    axes = [axis for axis in MESH_AXES if axis in {DIMENSIONS[dim] for dim in dimensions(name)}]
+    shape, left = {}, devices
+    for axis in axes[:-1]:
+        shape[axis] = 2 if left % 2 == 0 else 1
+        left //= shape[axis]
+    return {**shape, axes[-1]: left}, rules
 
 
 def style_rules(name: str, overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
@@ -102,10 +195,12 @@ def style_rules(name: str, overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
     >>> style_rules("tp", {"embed": "model"}).spec(("embed", "mlp"))   # embed came first
     P('model', None)
     """
-    if name not in SPLITS:
-        raise ValueError(f"style_rules: unknown parallel style {name!r}; choose from {', '.join(SPLITS)}")
+    try:
+        splits = compose(name)
+    except ValueError as e:
+        raise ValueError(f"style_rules: {e}") from None
     replicated = [(axis, None) for axis in LOGICAL_AXES]
-    return AxisRules.from_pairs([*overrides.items(), *SPLITS[name], *replicated])
+    return AxisRules.from_pairs([*overrides.items(), *splits, *replicated])
 
 
 def rules_for_mesh(mesh_axes: Sequence[str], overrides: Mapping[str, MeshAxes] = {}) -> AxisRules:
@@ -125,12 +220,19 @@ def rules_for_mesh(mesh_axes: Sequence[str], overrides: Mapping[str, MeshAxes] =
 
 
 __all__ = [
+    "ALIASES",
+    "CONFLICTS",
+    "DIMENSIONS",
+    "MESH_AXES",
+    "ORDER",
     "EXPERT",
     "LOGICAL_AXES",
     "PIPELINED",
     "ANY_MODEL",
     "SEQUENCE",
     "SPLITS",
+    "compose",
+    "dimensions",
     "mesh_rules",
     "style_rules",
     "rules_for_mesh",

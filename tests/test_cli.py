@@ -117,7 +117,7 @@ BAD_FLAGS = [
     ),
     (["--microbatches", "5"], "argument --microbatches: --batch-size 128 does not split into 5 microbatches"),
     (["--microbatches", "0"], "argument --microbatches: must be at least 1"),
-    (["--parallel", "gpipe"], "argument --parallel: invalid choice: 'gpipe'"),
+    (["--parallel", "gpipe"], "argument --parallel: unknown parallel style 'gpipe'; choose from dp, tp, 2d,"),
 ]
 
 

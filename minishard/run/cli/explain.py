@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import jax
 import jax.numpy as jnp
 
-from minishard.census import collectives, human_bytes, summary
+from minishard.census import collectives, human_bytes, instructions, summary
 from minishard.costs import HARDWARE, Candidate, StepCost, compare, mesh_shapes
 from minishard.memory import PRECISIONS
 from minishard.report import explain
@@ -42,7 +42,8 @@ from minishard.run.cli.flags import (
 )
 from minishard.run.cli.memory import print_memory
 from minishard.run.cli.models import MODELS
-from minishard.run.cli.styles import STYLES, warn_unused
+from minishard.run.cli.styles import STYLES, style_of, warn_unused
+from minishard.run.cli.styles.composed import by_dimension
 from minishard.run.cli.styles.style import Style
 from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
@@ -115,7 +116,7 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         flag = "--parallel" if args.parallel else "--microbatches"
         error(f"argument {flag}: --compare ranks every style, each as it trains by default; drop {flag}")
     args.parallel = args.parallel or model.style or DEFAULT_STYLE
-    style = STYLES[args.parallel]
+    style = style_of(args.parallel)
     args.topology_devices = _topology(args, style, error) if args.topology else None
     if args.precision != "fp32" and not args.memory:
         error("argument --precision: only with --memory (the step explain prices is float32)")
@@ -157,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         return decode.print_decode(args)
     if args.size:
         return layouts.print_ranking(args)
-    model, style = MODELS[args.model], STYLES[args.parallel]
+    model, style = MODELS[args.model], style_of(args.parallel)
     if refused := style.before_explain(args):
         return refused  # before any work: a pipeline's step is compiled below, on devices
     if args.memory:
@@ -197,8 +198,11 @@ def print_sends(args: argparse.Namespace, model: Any, style: Style, rules: AxisR
             built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
             step = Sharded(mesh, rules)(make_train_step(optimizer, model.task.loss))
             example = (built, jax.eval_shape(optimizer.init, built), model.example(args, args.batch_size))
+            compiled = step.lower(*example).compile()
             print(f"collectives of train_step, batch {args.batch_size} (compiled; --hardware prices them):")
-            print("\n".join("  " + line for line in summary(collectives(step.lower(*example))).splitlines()))
+            print("\n".join("  " + line for line in summary(collectives(compiled)).splitlines()))
+            if args.parallel not in STYLES:  # a composition: whose each collective is
+                print(by_dimension(args.parallel, instructions(compiled)))
             return
         if args.batch_size % ways:
             why = f"a batch of {args.batch_size} does not split over data={ways}"
@@ -226,7 +230,7 @@ def print_priced_step(args: argparse.Namespace) -> int:
 
 
 def _compile_and_price(args: argparse.Namespace) -> int:
-    model, style = MODELS[args.model], STYLES[args.parallel]
+    model, style = MODELS[args.model], style_of(args.parallel)
     sequence = args.compare and model.sequence is not None  # the ring ranked with the others
     style = STYLES["cp"] if sequence else style  # whose build gives its attention the "ring" core
     shape, rules = style.mesh(args.devices), style.rules({})

@@ -22,7 +22,7 @@ from minishard.models.gpt import GPT
 from minishard.rules import AnyMesh, AxisRules, ShardingError
 from minishard.run.cli.flags import simulate_devices
 from minishard.run.cli.models import MODELS
-from minishard.run.cli.styles import STYLES
+from minishard.run.cli.styles import style_of
 from minishard.run.steps import make_train_step
 from minishard.sharding import Sharded, make_mesh
 
@@ -84,7 +84,7 @@ def predict(args: argparse.Namespace) -> tuple[Budget, tuple[Any, Any, Any], dic
 
     Raises ``ShardingError`` where the style's rules cannot split the model.
     """
-    model, style = MODELS[args.model], STYLES[args.parallel]
+    model, style = MODELS[args.model], style_of(args.parallel)
     shape, rules = style.mesh(args.devices), style.rules({})
     built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
     optimizer = model.compiled_optimizer(args)

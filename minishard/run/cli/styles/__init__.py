@@ -17,13 +17,19 @@ with a step of its own, named for it: ``pipeline``, ``zero``, ``context``,
 ``experts``. This module holds what the command line asks of them all:
 ``STYLES``, the one place that lists them, and ``--parallel``'s flags and rules.
 
->>> STYLES["zero"].mesh(8), STYLES["dp+pp"].mesh(8)
-({'data': 8}, {'data': 2, 'stage': 4})
+Any other ``+``-joined dimensions (``minishard.styles.compose``: ``dp+tp+pp``) are a style
+too (``style_of``): the entry of the one chapter among them that has a step or checks of its
+own (``pp``: the pipeline's, ``cp``: the ring's, ``ep``: the experts'), on the composed mesh
+and rules; the annotated dimensions (dp, fsdp, tp, sp) need nothing more.
+
+>>> STYLES["zero"].mesh(8), STYLES["dp+pp"].mesh(8), style_of("fsdp+tp+pp").mesh(8)
+({'data': 8}, {'data': 2, 'stage': 4}, {'data': 2, 'model': 2, 'stage': 2})
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -34,13 +40,14 @@ from minishard.run.cli.styles.experts import ExpertStyle
 from minishard.run.cli.styles.pipeline import PipelineStyle
 from minishard.run.cli.styles.style import Args, Style
 from minishard.run.cli.styles.zero import ZeroStyle
-from minishard.styles import EXPERT, PIPELINED, SPLITS, rules_for_mesh
+from minishard.styles import DIMENSIONS, EXPERT, PIPELINED, SPLITS, dimensions, rules_for_mesh
 
 __all__ = [
     "NO_STYLE",
     "STYLES",
     "add_arguments",
     "cli_rules",
+    "parallel",
     "style_of",
     "unused_mesh_axes",
     "warn_unused",
@@ -50,7 +57,12 @@ __all__ = [
 def add_arguments(parser: argparse.ArgumentParser, help: str) -> None:
     """``--parallel`` and ``--microbatches``: what train and explain share of the styles."""
     parser.set_defaults(**{name: value for style in STYLES.values() for name, value in style.parsed.items()})
-    parser.add_argument("--parallel", choices=list(STYLES), help=help)
+    parser.add_argument(
+        "--parallel",
+        type=parallel,
+        help=f"{help}: {', '.join(STYLES)}, or dimensions "
+        f"joined by + from {', '.join(DIMENSIONS)} (e.g. dp+tp+pp)",
+    )
     parser.add_argument(
         "--microbatches",
         type=at_least(1),
@@ -64,7 +76,7 @@ def cli_rules(args: Args, mesh_axes: Sequence[str]) -> AxisRules:
     return (
         rules_for_mesh(mesh_axes, args.rules)
         if args.parallel is None
-        else STYLES[args.parallel].rules(args.rules)
+        else style_of(args.parallel).rules(args.rules)
     )
 
 
@@ -101,6 +113,43 @@ NO_STYLE = Style("2d")
 """Without --parallel: the mesh data=2,model=4 (or --mesh), with the rules for its axes (``cli_rules``)."""
 
 
+CHAPTERS = {"pp": PipelineStyle, "cp": ContextStyle, "ep": ExpertStyle}
+"""The dimensions whose style is a chapter's entry of its own; a composition takes its entry."""
+
+
+def parallel(text: str) -> str:
+    """``--parallel``: a style of ``STYLES``, or dimensions joined by + that compose (one chapter at most).
+
+    >>> parallel("tp+dp+pp")
+    'tp+dp+pp'
+    """
+    if text in STYLES:
+        return text
+    if "+" not in text and text not in DIMENSIONS:  # ZeRO by hand is one of the choices too
+        raise argparse.ArgumentTypeError(
+            f"unknown parallel style {text!r}; choose from {', '.join(STYLES)}, or dimensions joined by + "
+            f"from {', '.join(DIMENSIONS)}"
+        )
+    try:
+        dims = dimensions(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if len(chapters := [dim for dim in dims if dim in CHAPTERS]) > 1:
+        first, second = chapters[:2]
+        raise argparse.ArgumentTypeError(
+            f"{text}: {first} and {second} do not compose here: each is a style with checks and reports of "
+            "its own (minishard/run/cli/styles/), and no style yet has both"
+        )
+    return text
+
+
+@functools.cache
+def _composed(name: str) -> Style:
+    """The style of dimensions joined by +: the entry of its chapter (if any), on its mesh and rules."""
+    chapter = next((dim for dim in dimensions(name) if dim in CHAPTERS), None)
+    return CHAPTERS[chapter](name) if chapter else Style(name)
+
+
 def style_of(name: str | None) -> Style:
-    """The entry of ``--parallel NAME``, or ``NO_STYLE`` when none was named."""
-    return STYLES[name] if name else NO_STYLE
+    """The entry of ``--parallel NAME`` (a named style, or dimensions joined by +), or ``NO_STYLE``."""
+    return (STYLES.get(name) or _composed(name)) if name else NO_STYLE

@@ -15,11 +15,14 @@ from typing import Any
 import jax
 
 from minishard import context
+from minishard.census import instructions
 from minishard.optim import Optimizer
 from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import ModelEntry
+from minishard.run.cli.styles.composed import by_dimension
 from minishard.run.cli.styles.style import Args, Style
 from minishard.sharding import ShardedFunction
+from minishard.styles import SPLITS
 
 __all__ = ["ContextStyle"]
 
@@ -77,4 +80,6 @@ class ContextStyle(Style):
         chunk = (b, getattr(args, model.sequence.flag) // p, heads, head_dim)  # one device's K (or V)
         program, hardware = step.lower(built, optimizer.init(built), batch), args.hardware
         print(context.ring_report(program, axis="context", blocks=blocks, chunk=chunk, hardware=hardware))
+        if self.name not in SPLITS:  # a composition: whose each collective is
+            print(by_dimension(self.name, instructions(program)))
         return None

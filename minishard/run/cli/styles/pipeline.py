@@ -17,13 +17,16 @@ import jax
 from jax.sharding import Mesh
 
 from minishard import pipeline
+from minishard.census import instructions
 from minishard.costs import StepCost, cost_report
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import Error, first_devices
 from minishard.run.cli.models.entry import ModelEntry
+from minishard.run.cli.styles.composed import by_dimension
 from minishard.run.cli.styles.style import Args, Style
 from minishard.run.steps import make_train_step
 from minishard.sharding import Sharded, make_mesh
+from minishard.styles import SPLITS
 
 __all__ = ["PipelineStyle"]
 
@@ -118,4 +121,6 @@ class PipelineStyle(Style):
         report = str(pipeline.pipeline_report(step, example))
         print(f"\nOne training step (batch {args.batch_size}), compiled:")
         print("\n".join("  " + line for line in report.splitlines()))
+        if self.name not in SPLITS:  # a composition: whose each collective is
+            print(by_dimension(self.name, instructions(step.lower(*example))))
         return 0
