@@ -292,7 +292,9 @@ def run_pipeline(blocks: Stacked, x: jax.Array, pipeline: Pipeline) -> jax.Array
     loop = functools.partial(_gpipe, pipeline=pipeline)
     x_spec = P(None, pipeline.data_axis)  # [m, B/m, ...]: microbatch rows split over "data", if any
     stages = P(pipeline.stage_axis)
-    run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=(stages, x_spec), out_specs=x_spec)
+    # manual over its own axes only: another mesh axis ("model": tp) stays the annotations' inside a stage
+    own = {pipeline.stage_axis} | ({pipeline.data_axis} if pipeline.data_axis else set())
+    run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=(stages, x_spec), out_specs=x_spec, axis_names=own)
     y = run(layers, split_microbatches(x, m))
     return y.swapaxes(0, 1).reshape(x.shape[0], *y.shape[2:])  # undo the strided split
 

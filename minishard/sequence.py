@@ -66,7 +66,9 @@ def over_sequence(
     _checks.mesh_has("over_sequence", axis, tuple(mesh.axis_names))
     spec = P(batch_axes, axis)
     attend_here = functools.partial(attend_fn, axis=axis, **options)
-    mapped = jax.shard_map(attend_here, mesh=mesh, in_specs=spec, out_specs=spec)
+    own = {axis, *((batch_axes,) if isinstance(batch_axes, str) else batch_axes or ())}
+    # manual over its own axes only: the heads stay split over "model" (tp) by the annotations
+    mapped = jax.shard_map(attend_here, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=own)
 
     def on_whole_arrays(q: Any, k: Any, v: Any) -> jax.Array:
         _checks.whole_sequence(q, k, v, mesh.shape[axis], options.get("layout", "in-order"), CHUNKS)

@@ -127,14 +127,17 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
             f"argument --memory: it predicts {', '.join(ANY_MODEL)}'s step, not --parallel {args.parallel}'s"
         )
     compiles = args.hardware or args.compare or style.compiles or args.topology or args.memory
-    if args.batch_size is not None and not compiles:
-        others = " or ".join(f"--parallel {name}" for name, other in STYLES.items() if other.compiles)
-        error(f"argument --batch-size: only a compiled step takes it; add --hardware (or {others})")
-    if args.microbatches is not None and not style.checks_microbatches:
-        error(
-            f"argument --microbatches: explain prices a step of whole batches under --parallel "
-            f"{args.parallel}; only a pipeline's (pp, dp+pp) takes microbatches"
-        )
+    others = " or ".join(f"--parallel {name}" for name, other in STYLES.items() if other.compiles)
+    for flag in ("batch_size", "microbatches"):  # a pipeline's microbatches are its plan's: printed
+        if (
+            getattr(args, flag) is not None
+            and not compiles
+            and not (flag == "microbatches" and style.own_step)
+        ):
+            name = "--" + flag.replace("_", "-")
+            error(f"argument {name}: only a compiled step takes it; add --hardware (or {others})")
+    if args.microbatches is not None and args.memory:
+        error("argument --microbatches: --memory predicts a step of whole batches; drop --microbatches")
     args.mesh = {"data": args.devices} if args.compare else style.mesh(args.devices)  # "data" may span all
     style.check_explain(args, model, error)  # what was given, before the defaults fill the rest
     fill_defaults(args, model, style)  # the model's --batch-size among them (the GPT's: from "data")
@@ -142,6 +145,8 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     ways = style.ways(args.mesh)
     if compiles and args.batch_size % ways:
         error(f"argument --batch-size: {args.batch_size} cannot be split evenly over data={ways} devices")
+    if compiles and not style.checks_microbatches:  # accumulated, as train --microbatches M does
+        style.check_microbatches(args, error)
     return args
 
 
@@ -240,7 +245,8 @@ def _compile_and_price(args: argparse.Namespace) -> int:
     batch = {
         name: jnp.zeros(like.shape, like.dtype) for name, like in model.example(args, args.batch_size).items()
     }
-    step, step_args = make_train_step(optimizer, model.task.loss), (built, optimizer.init(built), batch)
+    step = make_train_step(optimizer, model.task.loss, microbatches=style.microbatches(args))
+    step_args = (built, optimizer.init(built), batch)
     if args.compare:
         experts = EXPERT if model.expert_count(args) else ()  # a dense model: ep is dp
         ranked_styles = ANY_MODEL + (SEQUENCE if sequence else ()) + experts

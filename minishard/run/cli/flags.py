@@ -279,7 +279,7 @@ def finish_train(
     _check_batch(args, error)
     check_output("--plot", args.plot, PLOT_FORMATS, error)
     check_output("--log", args.log, LOG_FORMATS, error)
-    _check_microbatches(args, error)
+    style.check_microbatches(args, error)
     style.check(args, model, error)
     return args
 
@@ -388,13 +388,3 @@ def _check_batch(args: argparse.Namespace, error: Error) -> None:
         error(str(e))
     if args.batch_size % processes:
         error(f"argument --batch-size: {args.batch_size} cannot be split evenly over {processes} processes")
-
-
-def _check_microbatches(args: argparse.Namespace, error: Error) -> None:
-    """Each microbatch (of accumulation, or of a pipeline) splits evenly over "data" too."""
-    m, data = args.microbatches, args.mesh.get("data", 1)
-    if args.batch_size % (m * data):
-        error(
-            f"argument --microbatches: --batch-size {args.batch_size} does not split into {m} microbatches "
-            f"over data={data} devices ({args.batch_size} is not a multiple of {m * data})"
-        )

@@ -82,8 +82,8 @@ class Style:
     parsed: ClassVar[Mapping[str, Any]] = {}
     """What every parse holds, whichever style is chosen: ``args.zero`` is None but under ZeRO."""
     checks_microbatches = False
-    """Whether it checks ``--microbatches`` itself (a pipeline takes them, ZeRO refuses them by name);
-    ``explain`` refuses them for every other style, whose step it prices on whole batches."""
+    """Whether it checks ``--microbatches`` itself (a pipeline's schedule takes them, ZeRO refuses them by
+    name); every other style accumulates the gradients over them, in ``train`` and ``explain`` alike."""
 
     def finish(self, args: Args, error: Error) -> None:
         """``train``: refuse what the style cannot honour, before the mesh is decided."""
@@ -97,6 +97,15 @@ class Style:
 
     def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
         """``explain``'s flags as the style needs them."""
+
+    def check_microbatches(self, args: Args, error: Error) -> None:
+        """Each microbatch (of accumulation, or of a pipeline) splits evenly over "data" too."""
+        m, data = args.microbatches, args.mesh.get("data", 1)
+        if args.batch_size % (m * data):
+            error(
+                f"argument --microbatches: --batch-size {args.batch_size} does not split into {m} "
+                f"microbatches over data={data} devices ({args.batch_size} is not a multiple of {m * data})"
+            )
 
     # -- build and step ------------------------------------------------------------------------------
     own_step = False
