@@ -6,6 +6,7 @@ must be set here, before any test module imports jax.
 
 import os
 import signal
+import tempfile
 
 # 8 simulated devices, and a compiler that compiles fast: XLA:CPU's backend (LLVM and its fusion
 # emitters) took 85% of the suite's time; at optimisation level 0 with the loop emitters the suite
@@ -20,6 +21,10 @@ _FLAGS = (
 for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
+# What minishard measures once and caches (a CPU's matmul peak) goes to a directory of this run's,
+# never the user's ~/.cache: a test's load would become the machine's peak. Subprocesses inherit it.
+os.environ.setdefault("MINISHARD_CACHE_DIR", tempfile.mkdtemp(prefix="minishard-cache-"))
 
 # A shell's background job starts with Ctrl-C ignored, and its children inherit that; the tests
 # of Ctrl-C need what a terminal gives: Python's KeyboardInterrupt here, the default in children.

@@ -16,7 +16,7 @@ from minishard.run.profiling import MEASURE_AGAIN, PEAK_CACHE, cache_directory, 
 @pytest.fixture
 def measured(monkeypatch, tmp_path):
     """The cache under ``tmp_path`` (never the user's home); the peaks "measured", 1, 2, 3 ... GFLOP/s."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("MINISHARD_CACHE_DIR", str(tmp_path / "minishard"))
     monkeypatch.delenv(MEASURE_AGAIN, raising=False)
     calls: list[tuple[jax.Device, ...]] = []
 
@@ -113,7 +113,10 @@ def test_a_failed_write_leaves_no_half_written_file(measured, monkeypatch, tmp_p
     assert list(path.parent.iterdir()) == []
 
 
-def test_the_cache_directory_follows_xdg_else_the_home(monkeypatch, tmp_path):
+def test_the_cache_directory_is_minishards_own_else_xdgs_else_the_homes(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINISHARD_CACHE_DIR", str(tmp_path / "own"))  # the suite's (conftest)
+    assert cache_directory() == tmp_path / "own"
+    monkeypatch.delenv("MINISHARD_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_directory() == tmp_path / "xdg" / "minishard"

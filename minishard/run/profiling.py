@@ -82,8 +82,11 @@ def peak_flops(devices: Sequence[jax.Device]) -> tuple[float, str]:
 
 
 def cache_directory() -> Path:
-    """Where minishard keeps what it measures once: ``$XDG_CACHE_HOME/minishard``, else (unset, or not
-    an absolute path, as the XDG spec says) ``~/.cache/minishard``."""
+    """Where minishard keeps what it measures once: ``$MINISHARD_CACHE_DIR`` if set (the tests' own),
+    else ``$XDG_CACHE_HOME/minishard``, else (unset, or not an absolute path, as the XDG spec says)
+    ``~/.cache/minishard``."""
+    if own := os.environ.get("MINISHARD_CACHE_DIR"):
+        return Path(own)
     base = os.environ.get("XDG_CACHE_HOME", "")
     return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "minishard"
 
