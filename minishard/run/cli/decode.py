@@ -87,7 +87,13 @@ def _check_census(args: argparse.Namespace, error: Callable[[str], object]) -> N
     if args.parallel not in DECODE_STYLES:
         styles = ", ".join(DECODE_STYLES)
         error(f"argument --parallel: --decode compiles a decode step under {styles}, not {args.parallel}")
-    size, ways = serving.SIZES[args.size], mesh_rules(args.parallel, args.devices)[0].get("model", 1)
+    shape = mesh_rules(args.parallel, args.devices)[0]
+    size, ways, context = serving.SIZES[args.size], shape.get("model", 1), MINIATURE["context"]
+    if context % shape.get("context", 1):
+        error(
+            f"argument --devices: {args.parallel} splits the miniature's {context} cached positions over "
+            f"context={shape['context']} devices: uneven"
+        )
     for count, what in ((size.heads, "heads"), (size.kv_heads, "KV heads")):
         if count % ways:
             error(

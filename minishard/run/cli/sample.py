@@ -25,6 +25,7 @@ bytes accessed beside the weights' and the caches' bytes.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -51,6 +52,7 @@ __all__ = [
     "add_arguments",
     "check",
     "continuation",
+    "per_device",
     "placed",
     "restore",
     "run",
@@ -59,8 +61,8 @@ __all__ = [
 ]
 
 HELP = "continue a prompt from a GPT's checkpoint (decoding with a KV cache); needs no data"
-DECODE_STYLES = ("tp", "dp", "2d")
-"""The styles a decode step is sharded under (cp's cache over positions is not built)."""
+DECODE_STYLES = ("tp", "dp", "2d", "cp", "dp+cp")
+"""The styles a decode step is sharded under: the cache's heads, sequences or positions split."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=at_least(0), default=0, help="the same seed, the same text (default %(default)s)")
     add(
         "--parallel",
-        choices=("none", *DECODE_STYLES, "cp"),
+        choices=("none", *DECODE_STYLES),
         default="none",
         help="decode on every device, weights and KV cache split as the style says (default: one device)",
     )
@@ -121,12 +123,6 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         Vocabulary(info["vocabulary"]).encode(args.prompt)
     except ValueError as e:
         error(f"argument --prompt: {e}")
-    if args.parallel == "cp":
-        allowed = ", ".join(("none", *DECODE_STYLES))
-        error(
-            "argument --parallel: cp is not built: splitting the cache over positions needs each step to "
-            f"combine partial softmaxes across devices (ring attention's); allowed: {allowed}"
-        )
     shape = mesh_rules(args.parallel, len(jax.devices()))[0] if args.parallel != "none" else {}
     flags = {**entry.defaults, **info.get("flags", {})}
     heads = int(flags["heads"])
@@ -136,6 +132,11 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
                 f"argument --parallel: {args.parallel} splits {count} {what} over {shape['model']} devices: "
                 "uneven"
             )
+    if (context := int(flags["context"])) % shape.get("context", 1):
+        error(
+            f"argument --parallel: {args.parallel} splits the cache's {context} positions over "
+            f"{shape['context']} context devices: uneven"
+        )
     if args.batch % shape.get("data", 1):
         error(f"argument --batch: {args.batch} sequences must split evenly over {shape['data']} data devices")
     args.info = info
@@ -252,12 +253,20 @@ def explained(model: Any, step: Any, batch: int, parallel: str) -> str:
         )
     if len(lines) == 1:
         lines.append("  no collectives")
-    params, cached = (sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)) for t in (model, caches))
+    placed_as = compiled.input_shardings[0]  # per argument, a sharding per leaf
+    params, cached = (per_device(t, placed_as[i]) for i, t in ((0, model), (2, caches)))
     accessed = int((compiled.cost_analysis() or {}).get("bytes accessed", 0))
     lines.append(
-        f"  bytes accessed (XLA, one device): {accessed:,} B; params {params:,} B + caches {cached:,} B"
+        f"  bytes accessed (XLA, one device): {accessed:,} B; params + B·KV on one device: "
+        f"{params:,} + {cached:,} = {params + cached:,} B (XLA {accessed / (params + cached):.2f}x)"
     )
     return "\n".join(lines)
+
+
+def per_device(tree: Any, shardings: Any) -> int:
+    """The bytes of ``tree``'s arrays (or shapes) that one device holds, each split by its sharding."""
+    pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
+    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in pairs)
 
 
 Stream = Callable[..., Iterator[list[int]]]
