@@ -416,7 +416,9 @@ def test_under_tp_the_cache_splits_its_heads_over_model_next_to_their_weights():
 
 
 @pytest.mark.parametrize(("style", "kv_heads"), [("cp", 8), ("dp+cp", 2)])  # dp+cp: grouped queries too
-def test_under_cp_each_device_keeps_its_positions_of_the_cache_and_decodes_the_unsharded_logits(style, kv_heads):
+def test_under_cp_each_device_keeps_its_positions_of_the_cache_and_decodes_the_unsharded_logits(
+    style, kv_heads
+):
     model, ids = small_gpt(seed=1, kv_heads=kv_heads), small_batch(batch=2)["inputs"]
     shape, rules = mesh_rules(style, 4)  # cp: 4 slots of 16 per device; dp+cp: 8 per device, a sequence each
     step = ms.Sharded(ms.make_mesh(shape, devices=jax.devices()[:4]), rules, donate_argnums=2)(decode)
