@@ -4,7 +4,7 @@ Nothing is built or compiled: the roofline takes the size's shapes (``--size``),
 chip's numbers (``--hardware``), the chips (``--devices``), the context (``--context``)
 and the largest batch (``--batch-size``), and prints prefill, a decode step, the cache
 that fits beside the weights, and latency against throughput for batch 1 ... B.
-``--parallel tp | dp | 2d`` then compiles one decode step of a ``MINIATURE`` of the size
+``--parallel tp | dp | 2d | cp | dp+cp`` then compiles one decode step of a ``MINIATURE`` of the size
 on ``--devices`` simulated devices and prints what it sends (``sample.explained``).
 """
 

@@ -17,9 +17,13 @@ heads over "model", each device the cache of its own heads) and the prefill and
 the decode step are ``Sharded`` under them; the same seed gives the same text as
 on one device. ``--batch N`` decodes N continuations of the prompt together (the same
 ``stream``, its ``batch``), the n-th drawn with ``seed + n`` (so each is the text of that
-seed alone), which dp and 2d split over "data". ``--explain`` prints, instead of text,
-the collectives of one compiled decode step (``minishard.census.collectives``) and XLA's
-bytes accessed beside the weights' and the caches' bytes.
+seed alone), which dp and 2d split over "data". ``--parallel cp`` splits each cache's
+positions over "context" (``dp+cp``: and the sequences over "data"): every device keeps a
+contiguous share of the slots, attends the new tokens to them alone, and the partial softmaxes
+merge across the devices (``minishard.models.attention.cached_attention``); the prompt is
+prefilled so too, so any prompt length works. ``--explain`` prints, instead of text, the
+collectives of one compiled decode step (``minishard.census.collectives``) and XLA's bytes
+accessed beside the weights' and the caches' bytes on one device (``per_device``).
 """
 
 from __future__ import annotations
@@ -240,7 +244,8 @@ def decoder(parallel: str, devices: list[jax.Device] | None = None) -> Callable[
 
 def explained(model: Any, step: Any, batch: int, parallel: str) -> str:
     """One decode step of ``batch`` sequences compiled: its collectives per kind (count, bytes on one
-    device, mesh axes) and XLA's bytes accessed beside the weights' and the caches' (all devices).
+    device, mesh axes) and XLA's bytes accessed beside what a step must read at least, the weights
+    and the caches one device holds (params + B·KV; docs/serving.md says what XLA counts beyond).
     ``model`` may be shapes alone (``jax.eval_shape``): nothing of it is read."""
     caches = model.init_cache(batch)
     ids, start = jnp.zeros((batch, 1), jnp.int32), jnp.asarray(1)
@@ -253,8 +258,8 @@ def explained(model: Any, step: Any, batch: int, parallel: str) -> str:
         )
     if len(lines) == 1:
         lines.append("  no collectives")
-    placed_as = compiled.input_shardings[0]  # per argument, a sharding per leaf
-    params, cached = (per_device(t, placed_as[i]) for i, t in ((0, model), (2, caches)))
+    placed_as = compiled.input_shardings[0]  # (model, ids, caches, start): a sharding per leaf
+    params, cached = per_device(model, placed_as[0]), per_device(caches, placed_as[2])
     accessed = int((compiled.cost_analysis() or {}).get("bytes accessed", 0))
     lines.append(
         f"  bytes accessed (XLA, one device): {accessed:,} B; params + B·KV on one device: "
@@ -264,7 +269,12 @@ def explained(model: Any, step: Any, batch: int, parallel: str) -> str:
 
 
 def per_device(tree: Any, shardings: Any) -> int:
-    """The bytes of ``tree``'s arrays (or shapes) that one device holds, each split by its sharding."""
+    """The bytes of ``tree``'s arrays (or shapes) that one device holds, each split by its sharding.
+
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> per_device(jnp.zeros((16, 4)), NamedSharding(make_mesh({"data": 8}), P("data")))   # 2 rows of 4 floats
+    32
+    """
     pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
     return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in pairs)
 
