@@ -272,7 +272,7 @@ def per_device(tree: Any, shardings: Any) -> int:
     """The bytes of ``tree``'s arrays (or shapes) that one device holds, each split by its sharding.
 
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> per_device(jnp.zeros((16, 4)), NamedSharding(make_mesh({"data": 8}), P("data")))   # 2 rows of 4 floats
+    >>> per_device(jnp.zeros((16, 4)), NamedSharding(make_mesh({"data": 8}), P("data")))  # 2 rows of 4
     32
     """
     pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
