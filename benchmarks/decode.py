@@ -57,7 +57,7 @@ def times(model, step, batch: int) -> tuple[float, float]:
 def main() -> None:
     model = GPT(65, CONTEXT, WIDTH, DEPTH, HEADS, 4, key=jax.random.key(0))
     print(f"{'style':>5}  {'batch':>5}  {'prefill ms':>10}  {'decode ms/token':>15}")
-    for parallel in ("none", "tp", "dp", "2d"):
+    for parallel in ("none", "tp", "dp", "2d", "cp", "dp+cp"):
         placed_model = model if parallel == "none" else placed(model, parallel)
         for batch in (8, 32):
             prefill, decode = times(placed_model, decoder(parallel), batch)

@@ -89,6 +89,29 @@ def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) ->
     return jnp.exp(lse1 - lse)[..., None] * out1 + jnp.exp(lse2 - lse)[..., None] * out2, lse
 
 
+def merge_across(out: jax.Array, lse: jax.Array, axis: str) -> Partial:
+    """``merge`` of the p devices of ``axis``, inside ``shard_map``: each device's attention of the same
+    queries over its own keys, as one over all of them, on every device. Part i weighs ``e^(lse_i - lse)``
+    as in ``merge``, by three all-reduces: the max, the sum of exponentials, the weighted outputs.
+
+    >>> import functools, minishard as ms
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = ms.make_mesh({"seq": 4}, devices=jax.devices()[:4])
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))   # 8 keys, 2 per device
+    >>> at = jnp.arange(8)
+    >>> def mine(q, k, v):   # this device's keys, at their positions; then everyone's merged
+    ...     here = 2 * jax.lax.axis_index("seq") + jnp.arange(2)
+    ...     return merge_across(*attend(q, k, v, at, here), "seq")[0]
+    >>> merged = jax.shard_map(mine, mesh=mesh, in_specs=(P(), P(None, "seq"), P(None, "seq")), out_specs=P())
+    >>> bool(jnp.allclose(merged(q, k, v), attend(q, k, v, at, at)[0], atol=1e-6))
+    True
+    """
+    top = jax.lax.pmax(lse, axis)  # the largest: no e^(lse_i - top) overflows
+    weights = jnp.exp(lse - top)
+    total = jax.lax.psum(weights, axis)  # e^(lse - top): the whole denominator, scaled
+    return jax.lax.psum(weights[..., None] * out, axis) / total[..., None], top + jnp.log(total)
+
+
 def attention(q: Any, k: Any, v: Any, q_pos: Any = None, k_pos: Any = None, *, causal: bool = False) -> Any:
     """Softmax attention on one device, ``[batch, seq, heads, head_dim]``, the queries at ``q_pos`` (``0, 1,
     ...``), the keys at ``k_pos`` (the queries'): the oracle for the rest, and the models' dense core.
@@ -433,6 +456,7 @@ __all__ = [
     "kind",
     "meets",
     "merge",
+    "merge_across",
     "needed",
     "pair_kinds",
     "permute",

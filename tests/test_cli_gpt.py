@@ -293,17 +293,26 @@ def test_sample_refuses_a_zero_checkpoint_in_one_line_as_docs_gpt_md_says(tmp_pa
     )
 
 
-def test_sample_refuses_a_style_that_cannot_split_the_key_and_value_heads_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("parallel", "flags", "line"),
+    [
+        ("tp", {"heads": 8, "kv_heads": 2}, "tp splits 2 key and value heads over 8 devices: uneven"),
+        ("cp", {"context": 12}, "cp splits the cache's 12 positions over 8 context devices: uneven"),
+        ("dp+cp", {"context": 6}, "dp+cp splits the cache's 6 positions over 4 context devices: uneven"),
+    ],
+)
+def test_sample_refuses_a_style_that_cannot_split_the_cache_in_one_line(
+    tmp_path, capsys, parallel, flags, line
+):
     info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": "\n !ABab"}
-    with Checkpointer(tmp_path) as checkpointer:  # a GQA GPT's flags, without the training
-        checkpointer.save(
-            3, {"w": jax.numpy.ones(2)}, {"info": info | {"flags": {"heads": 8, "kv_heads": 2}}}
-        )
+    with Checkpointer(tmp_path) as checkpointer:  # a GPT's flags, without the training
+        checkpointer.save(3, {"w": jax.numpy.ones(2)}, {"info": info | {"flags": flags}})
     with pytest.raises(SystemExit) as exit_:
-        main(["sample", "--checkpoint-dir", str(tmp_path), "--prompt", "Ab", "--parallel", "tp"])
+        main(["sample", "--checkpoint-dir", str(tmp_path), "--prompt", "Ab", "--parallel", parallel])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "minishard sample: error: argument --parallel: tp splits 2 key and value heads over 8 devices: uneven"
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1]
+        == f"minishard sample: error: argument --parallel: {line}"
     )
 
 
@@ -441,10 +450,13 @@ def test_sample_sharded_prints_the_same_texts_as_on_one_device_row_b_as_seed_b(t
         checkpointer.save(5, state, {"info": info | {"flags": settings | {"weight_decay": 0.1}}})
     flags = ["sample", "--checkpoint-dir", directory, "--prompt", "ROMEO:", "--tokens", "12", "--seed", "4"]
     texts = {}
-    for parallel in ("none", "tp", "dp", "2d"):  # 12 tokens past a context of 8: the restart too
+    styles = ("tp", "dp", "2d", "cp", "dp+cp")  # cp: the 8 positions of the cache, one per device
+    for parallel in ("none", *styles):  # 12 tokens past a context of 8: the restart too
         assert main([*flags, "--parallel", parallel, "--batch", "8"]) == 0
         texts[parallel] = capsys.readouterr().out
-    assert texts["tp"] == texts["none"] and texts["dp"] == texts["none"] and texts["2d"] == texts["none"]
+    assert all(texts[style] == texts["none"] for style in styles), [
+        s for s in styles if texts[s] != texts["none"]
+    ]
     rows = dict(chunk.split("\n", 1) for chunk in texts["none"].split("--- seed ")[1:])  # text has "\n"s
     assert list(rows) == [str(seed) for seed in range(4, 12)]
     assert len(set(rows.values())) == 8 and all(len(text) == len("ROMEO:") + 12 + 1 for text in rows.values())
@@ -456,10 +468,8 @@ def test_sample_sharded_prints_the_same_texts_as_on_one_device_row_b_as_seed_b(t
             "argument --batch: 3 sequences must split evenly over 8 data devices",
         ),
         (
-            ["--parallel", "cp"],
-            "argument --parallel: cp is not built: splitting the cache over positions needs "
-            "each step to combine partial softmaxes across devices (ring attention's); "
-            "allowed: none, tp, dp, 2d",
+            ["--parallel", "dp+cp", "--batch", "3"],
+            "argument --batch: 3 sequences must split evenly over 2 data devices",
         ),
     ]:
         with pytest.raises(SystemExit):

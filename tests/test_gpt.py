@@ -415,6 +415,25 @@ def test_under_tp_the_cache_splits_its_heads_over_model_next_to_their_weights():
     np.testing.assert_allclose(logits, jax.jit(forward)(model, prompt), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("style", "kv_heads"), [("cp", 8), ("dp+cp", 2)])  # dp+cp: grouped queries too
+def test_under_cp_each_device_keeps_its_positions_of_the_cache_and_decodes_the_unsharded_logits(
+    style, kv_heads
+):
+    model, ids = small_gpt(seed=1, kv_heads=kv_heads), small_batch(batch=2)["inputs"]
+    shape, rules = mesh_rules(style, 4)  # cp: 4 slots of 16 per device; dp+cp: 8 per device, a sequence each
+    step = ms.Sharded(ms.make_mesh(shape, devices=jax.devices()[:4]), rules, donate_argnums=2)(decode)
+    logits, caches = step(model, ids[:, :5], model.init_cache(2), jnp.asarray(0))  # the prompt: 5 slots of 16
+    assert caches[0].keys.sharding.spec == P(rules.spec(("batch",))[0], "context", None, None)
+    for shard in caches[0].keys.addressable_shards:  # contiguous: the first device's slots 0 .. share - 1
+        written = np.abs(np.asarray(shard.data)).sum(axis=(0, 2, 3)) > 0
+        assert written.tolist() == [shard.index[1].start + s < 5 for s in range(written.size)]
+    full = jax.jit(forward)(model, ids)
+    np.testing.assert_allclose(logits, full[:, :5], rtol=1e-5, atol=1e-5)
+    for t in range(5, SMALL["context"]):  # one token at a time, written to every device's slots in turn
+        logits, caches = step(model, ids[:, t : t + 1], caches, jnp.asarray(t))
+        np.testing.assert_allclose(logits[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+
+
 # --- grouped-query attention ---------------------------------------------------------------------
 
 

@@ -68,7 +68,7 @@ CHAPTERS = {
     "pipeline": 430,  # issue 43: stack, unstack (22 lines): the one way to stack for pp; the report (12)
     "pipeline_1f1b": 80,
     "zero": 365,  # issue 47: placed_shapes (10 lines); issue 45: compute="bfloat16" (51), Megatron's master
-    "context": 447,  # issue 48: grouped-query attention in the dense core (grouped, 21 lines)
+    "context": 472,  # issue 48: grouped-query attention (grouped, 21 lines); merge_across (24), cp decode
     "sequence": 200,
     "experts": 455,  # issue 43 §4: with_stats and keep (45 lines), moe_layers (10): the MoE's stats collected
     "remat": 150,  # issue 45 §4: the policies, after_the_gradient (XLA:CPU schedules by it), StepFlops

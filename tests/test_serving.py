@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from minishard import serving
 from minishard.hardware import HARDWARE
+from minishard.models.gpt import GPT
 from minishard.run.cli import decode, main
+from minishard.run.cli.sample import decoder, per_device
 
 BATCHES = (1, 8, 16, 32, 64, 240)
 BOOK_STEP_MS = (4.98, 12.13, 20.30, 36.65, 69.33, 249.09)
@@ -133,18 +138,53 @@ def test_explain_decode_in_int8_halves_the_batch_and_the_cache(capsys):
 def test_explain_decode_parallel_compiles_a_miniatures_decode_step_and_reads_what_it_sends(capsys):
     # llama3-70b's 64 heads and 8 KV heads at head_dim 8 (width 512), 2 blocks, batch 8 (--devices).
     flags = ["explain", "--decode", "--size", "llama3-70b", "--hardware", "v5e", "--devices", "8"]
-    sent = {}
-    for style in ("tp", "dp", "2d"):
+    sent, (heads, head_dim, width) = {}, (64, 8, 512)
+    for style in ("tp", "dp", "2d", "cp", "dp+cp"):
         assert main([*flags, "--parallel", style]) == 0
         census = capsys.readouterr().out.split("one decode step, batch 8, ")[1].splitlines()
         sent[style] = census[1].strip()
-        caches = 2 * 2 * 8 * decode.MINIATURE["context"] * 8 * 8 * 4  # K, V; blocks, B, T, KV heads, D, f32
-        assert census[-1].endswith(f"caches {caches:,} B")  # the 8 KV heads alone: an eighth of MHA's
+        numbers = re.findall(r"\d[\d,]*", census[-1])  # accessed; params + cached = predicted
+        accessed, params, cached, predicted = (int(n.replace(",", "")) for n in numbers[:4])
+        # K, V; blocks, B, T, KV heads, D, f32: every style keeps an eighth of it on each device
+        # (tp its KV head, dp its sequence, 2d a half of the sequences' 2 heads, cp its 8 positions)
+        assert cached == 2 * 2 * 8 * decode.MINIATURE["context"] * 8 * 8 * 4 // 8
+        assert predicted == params + cached <= accessed <= 2.5 * predicted  # docs/serving.md: why above
     # Per block, an all-reduce of the B x width activations after attention and one after the MLP;
     # 2d reduces each "data" half's 4 sequences over model=4: half the bytes.
-    assert sent["tp"] == f"all-reduce: 4 x, {4 * 8 * 512 * 4:,} B per device over model"
-    assert sent["2d"] == f"all-reduce: 4 x, {4 * 4 * 512 * 4:,} B per device over model"
+    assert sent["tp"] == f"all-reduce: 4 x, {4 * 8 * width * 4:,} B per device over model"
+    assert sent["2d"] == f"all-reduce: 4 x, {4 * 4 * width * 4:,} B per device over model"
     assert sent["dp"] == "no collectives"
+    # cp, per block: the max of each query head's lse [B, H], then the weighted outputs [B, H, D] and
+    # their sums [B, H] in one all-reduce; and the new position's row of the split position table.
+    for style, batch in (("cp", 8), ("dp+cp", 4)):
+        merged = 2 * (batch * heads * 4 + batch * heads * (head_dim + 1) * 4) + width * 4
+        assert sent[style] == f"all-reduce: 5 x, {merged:,} B per device over context"
+
+
+def test_under_dp_xla_reads_the_weights_and_the_cache_and_the_stacked_qkv_copy_and_little_else():
+    # One sequence per device, every weight whole: XLA's bytes accessed are params + B·KV, plus
+    # Attention.project's jnp.stack of the q, k, v weights (a copy per step: read and written), and
+    # within 10% of the prediction the rest (activations, the cache's copies): docs/serving.md.
+    size = serving.SIZES["llama3-8b"]
+    head_dim, depth, context = decode.MINIATURE.values()
+    model = jax.eval_shape(
+        lambda: GPT(
+            context=context,
+            width=size.heads * head_dim,
+            depth=depth,
+            heads=size.heads,
+            kv_heads=size.kv_heads,
+            key=jax.random.key(0),
+        )
+    )
+    caches = model.init_cache(8)
+    compiled = decoder("dp").lower(model, jnp.zeros((8, 1), jnp.int32), caches, jnp.asarray(1)).compile()
+    placed_as = compiled.input_shardings[0]
+    predicted = per_device(model, placed_as[0]) + per_device(caches, placed_as[2])
+    weights = [(b.attention.query, b.attention.key, b.attention.value) for b in model.blocks]
+    qkv = sum(w.size * w.dtype.itemsize for block in weights for w in block)  # whole on each device
+    accessed = compiled.cost_analysis()["bytes accessed"]
+    assert predicted < accessed - 2 * qkv < 1.1 * predicted
 
 
 @pytest.mark.parametrize(
@@ -153,11 +193,15 @@ def test_explain_decode_parallel_compiles_a_miniatures_decode_step_and_reads_wha
         (["--decode"], "argument --hardware: --decode prices serving on a chip"),
         (
             ["--decode", "--hardware", "v5e", "--parallel", "fsdp"],
-            "argument --parallel: --decode compiles a decode step under tp, dp, 2d, not fsdp",
+            "argument --parallel: --decode compiles a decode step under tp, dp, 2d, cp, dp+cp, not fsdp",
         ),
         (
             ["--decode", "--hardware", "v5e", "--size", "llama3-70b", "--parallel", "tp", "--devices", "16"],
             "argument --parallel: tp splits llama3-70b's 8 KV heads over model=16 devices: uneven",
+        ),
+        (
+            ["--decode", "--hardware", "v5e", "--parallel", "cp", "--devices", "48"],
+            "argument --devices: cp splits the miniature's 64 cached positions over context=48 devices",
         ),
         (["--decode", "--hardware", "v5e", "--width", "64"], "argument --width: --decode prices"),
         (

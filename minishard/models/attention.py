@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from minishard import context
 from minishard.constraints import activation_axes, environment, output_sharding
@@ -93,6 +95,35 @@ def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, cau
 
 ATTENTION_CORES: dict[str, AttentionCore] = {"dense": context.attention, "ring": ring_core}
 """The cores ``Attention(core=...)`` can name."""
+
+
+def cached_attention(q: Any, keys: Any, values: Any, q_positions: Any) -> jax.Array:
+    """New tokens' queries (at ``q_positions``) over a block's cache, whose slot s holds position s; causal.
+
+    Where the rules split the cache's "seq" over a mesh axis (cp: "context"), each device holds a
+    contiguous share of the slots and attends every query to them alone; the partial softmaxes merge
+    across the axis (``context.merge_across``): all-reduces of the queries' outputs, never the cache.
+    Elsewhere the cache is whole on each device: ``context.attention``.
+    """
+    axis, p = sequence_axis()
+    env, slots = environment(), jnp.arange(keys.shape[1])
+    if env is None or axis is None or p == 1:
+        return context.attention(q, keys, values, q_positions, slots, causal=True)
+    split = (*env.spec(activation_axes(4, "seq", "heads", "kv")), None, None, None)[:4]  # the cache's
+    whole = P(split[0], None, *split[2:])  # every new token on every device of the axis
+    attend_here = functools.partial(_attend_share, axis=axis)
+    return jax.shard_map(
+        attend_here, mesh=env.mesh, in_specs=(whole, P(*split), P(*split), P()), out_specs=whole
+    )(q, keys, values, q_positions)
+
+
+def _attend_share(q: Any, keys: Any, values: Any, q_positions: Any, *, axis: str) -> jax.Array:
+    """Inside ``shard_map``: the queries over this device's slots of the cache, merged with the others'."""
+    group, share = q.shape[2] // keys.shape[2], keys.shape[1]  # a group's query heads: more queries
+    held = jax.lax.axis_index(axis) * share + jnp.arange(share)  # in order: device i, slots i·share ...
+    q_at = jnp.repeat(q_positions, group)
+    out, lse = context.attend(context.grouped(q, group), keys, values, q_at, held, causal=True)
+    return context.grouped(context.merge_across(out, lse, axis)[0], group, inverse=True).astype(q.dtype)
 
 
 class KVCache(Layer):
@@ -201,10 +232,8 @@ class Attention(Layer):
     def cached(self, x: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Attention of new tokens (at ``positions``, consecutive) to every cached one and each other."""
         q, k, v = self.project(x)
-        cache = cache.write(k, v, positions[0])
-        everywhere = jnp.arange(cache.keys.shape[1])  # slot s holds position s
-        mixed = context.attention(q, cache.keys, cache.values, positions, everywhere, causal=True)
-        return self.combine(mixed), cache
+        cache = cache.write(k, v, positions[0])  # split over positions (cp): on the device of each slot
+        return self.combine(cached_attention(q, cache.keys, cache.values, positions)), cache
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``x`` ``[B, T, width]`` -> queries ``[B, T, heads, head_dim]``, keys and values (``kv_heads``)."""
@@ -243,6 +272,7 @@ __all__ = [
     "Attention",
     "AttentionCore",
     "KVCache",
+    "cached_attention",
     "ring_core",
     "sequence_axis",
 ]

@@ -45,7 +45,8 @@ Decoding keeps a ``KVCache`` per block (``init_cache``): ``decode`` runs only
 the new tokens through the blocks, each attending to the cached keys and
 values of every earlier one, and ``generate`` draws a
 continuation one character at a time with a jitted step that donates the
-cache, so XLA updates it in place.
+cache, so XLA updates it in place. Under ``cp`` each device keeps its share of the cache's
+positions, and the partial attentions merge across "context" (``attention.cached_attention``).
 
 >>> import jax
 >>> model = jax.eval_shape(lambda: GPT(key=jax.random.key(0)))   # nanoGPT's CPU shape, no numbers drawn

@@ -4,7 +4,7 @@ Nothing is built or compiled: the roofline takes the size's shapes (``--size``),
 chip's numbers (``--hardware``), the chips (``--devices``), the context (``--context``)
 and the largest batch (``--batch-size``), and prints prefill, a decode step, the cache
 that fits beside the weights, and latency against throughput for batch 1 ... B.
-``--parallel tp | dp | 2d`` then compiles one decode step of a ``MINIATURE`` of the size
+``--parallel tp | dp | 2d | cp | dp+cp`` then compiles one decode step of a ``MINIATURE`` of the size
 on ``--devices`` simulated devices and prints what it sends (``sample.explained``).
 """
 
@@ -87,7 +87,13 @@ def _check_census(args: argparse.Namespace, error: Callable[[str], object]) -> N
     if args.parallel not in DECODE_STYLES:
         styles = ", ".join(DECODE_STYLES)
         error(f"argument --parallel: --decode compiles a decode step under {styles}, not {args.parallel}")
-    size, ways = serving.SIZES[args.size], mesh_rules(args.parallel, args.devices)[0].get("model", 1)
+    shape = mesh_rules(args.parallel, args.devices)[0]
+    size, ways, context = serving.SIZES[args.size], shape.get("model", 1), MINIATURE["context"]
+    if context % shape.get("context", 1):
+        error(
+            f"argument --devices: {args.parallel} splits the miniature's {context} cached positions over "
+            f"context={shape['context']} devices: uneven"
+        )
     for count, what in ((size.heads, "heads"), (size.kv_heads, "KV heads")):
         if count % ways:
             error(

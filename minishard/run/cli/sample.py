@@ -17,14 +17,19 @@ heads over "model", each device the cache of its own heads) and the prefill and
 the decode step are ``Sharded`` under them; the same seed gives the same text as
 on one device. ``--batch N`` decodes N continuations of the prompt together (the same
 ``stream``, its ``batch``), the n-th drawn with ``seed + n`` (so each is the text of that
-seed alone), which dp and 2d split over "data". ``--explain`` prints, instead of text,
-the collectives of one compiled decode step (``minishard.census.collectives``) and XLA's
-bytes accessed beside the weights' and the caches' bytes.
+seed alone), which dp and 2d split over "data". ``--parallel cp`` splits each cache's
+positions over "context" (``dp+cp``: and the sequences over "data"): every device keeps a
+contiguous share of the slots, attends the new tokens to them alone, and the partial softmaxes
+merge across the devices (``minishard.models.attention.cached_attention``); the prompt is
+prefilled so too, so any prompt length works. ``--explain`` prints, instead of text, the
+collectives of one compiled decode step (``minishard.census.collectives``) and XLA's bytes
+accessed beside the weights' and the caches' bytes on one device (``per_device``).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -51,6 +56,7 @@ __all__ = [
     "add_arguments",
     "check",
     "continuation",
+    "per_device",
     "placed",
     "restore",
     "run",
@@ -59,8 +65,8 @@ __all__ = [
 ]
 
 HELP = "continue a prompt from a GPT's checkpoint (decoding with a KV cache); needs no data"
-DECODE_STYLES = ("tp", "dp", "2d")
-"""The styles a decode step is sharded under (cp's cache over positions is not built)."""
+DECODE_STYLES = ("tp", "dp", "2d", "cp", "dp+cp")
+"""The styles a decode step is sharded under: the cache's heads, sequences or positions split."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=at_least(0), default=0, help="the same seed, the same text (default %(default)s)")
     add(
         "--parallel",
-        choices=("none", *DECODE_STYLES, "cp"),
+        choices=("none", *DECODE_STYLES),
         default="none",
         help="decode on every device, weights and KV cache split as the style says (default: one device)",
     )
@@ -121,12 +127,6 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         Vocabulary(info["vocabulary"]).encode(args.prompt)
     except ValueError as e:
         error(f"argument --prompt: {e}")
-    if args.parallel == "cp":
-        allowed = ", ".join(("none", *DECODE_STYLES))
-        error(
-            "argument --parallel: cp is not built: splitting the cache over positions needs each step to "
-            f"combine partial softmaxes across devices (ring attention's); allowed: {allowed}"
-        )
     shape = mesh_rules(args.parallel, len(jax.devices()))[0] if args.parallel != "none" else {}
     flags = {**entry.defaults, **info.get("flags", {})}
     heads = int(flags["heads"])
@@ -136,6 +136,11 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
                 f"argument --parallel: {args.parallel} splits {count} {what} over {shape['model']} devices: "
                 "uneven"
             )
+    if (context := int(flags["context"])) % shape.get("context", 1):
+        error(
+            f"argument --parallel: {args.parallel} splits the cache's {context} positions over "
+            f"{shape['context']} context devices: uneven"
+        )
     if args.batch % shape.get("data", 1):
         error(f"argument --batch: {args.batch} sequences must split evenly over {shape['data']} data devices")
     args.info = info
@@ -239,7 +244,8 @@ def decoder(parallel: str, devices: list[jax.Device] | None = None) -> Callable[
 
 def explained(model: Any, step: Any, batch: int, parallel: str) -> str:
     """One decode step of ``batch`` sequences compiled: its collectives per kind (count, bytes on one
-    device, mesh axes) and XLA's bytes accessed beside the weights' and the caches' (all devices).
+    device, mesh axes) and XLA's bytes accessed beside what a step must read at least, the weights
+    and the caches one device holds (params + B·KV; docs/serving.md says what XLA counts beyond).
     ``model`` may be shapes alone (``jax.eval_shape``): nothing of it is read."""
     caches = model.init_cache(batch)
     ids, start = jnp.zeros((batch, 1), jnp.int32), jnp.asarray(1)
@@ -252,12 +258,25 @@ def explained(model: Any, step: Any, batch: int, parallel: str) -> str:
         )
     if len(lines) == 1:
         lines.append("  no collectives")
-    params, cached = (sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)) for t in (model, caches))
+    placed_as = compiled.input_shardings[0]  # (model, ids, caches, start): a sharding per leaf
+    params, cached = per_device(model, placed_as[0]), per_device(caches, placed_as[2])
     accessed = int((compiled.cost_analysis() or {}).get("bytes accessed", 0))
     lines.append(
-        f"  bytes accessed (XLA, one device): {accessed:,} B; params {params:,} B + caches {cached:,} B"
+        f"  bytes accessed (XLA, one device): {accessed:,} B; params + B·KV on one device: "
+        f"{params:,} + {cached:,} = {params + cached:,} B (XLA {accessed / (params + cached):.2f}x)"
     )
     return "\n".join(lines)
+
+
+def per_device(tree: Any, shardings: Any) -> int:
+    """The bytes of ``tree``'s arrays (or shapes) that one device holds, each split by its sharding.
+
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> per_device(jnp.zeros((16, 4)), NamedSharding(make_mesh({"data": 8}), P("data")))  # 2 rows of 4
+    32
+    """
+    pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
+    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in pairs)
 
 
 Stream = Callable[..., Iterator[list[int]]]
