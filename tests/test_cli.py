@@ -462,7 +462,16 @@ def test_explain_compare_size_ranks_llama3_70b_as_the_book_does_without_compilin
     pure = next(row for row in rows if row.startswith("  fsdp 8960 (3 axes)"))  # the best of each kind too
     assert pure.split()[-1] == "x1.8" and "850" in pure
     assert "do not fit" in lines[lines.index(rows[-1]) + 1]
-    assert lines[-1].startswith("runner-up fsdp 1120 x tp 8: a forward pass of 144 ms of matmuls")
+    # Why the runner-up loses, from the ranking's own terms: its collectives, not hidden, cost more
+    best, second = shown[:2]
+    lost = layouts.human_seconds(second.step_s - best.step_s)
+    runner_up = next(line for line in lines if line.startswith("runner-up"))
+    assert runner_up.startswith(f"runner-up fsdp 1120 x tp 8 loses {lost} a step to communication")
+    assert second.waiting_s - best.waiting_s == pytest.approx(second.step_s - best.step_s)
+    # ... and the one faster still, whose replicas each hold a quarter of the model, does not fit
+    assert lines[-1].startswith("faster still, dp 2240 x tp 4") and "does not fit" in lines[-1]
+    days = layouts.train_seconds(serving.LLAMA3_70B, 15e12, 8960, "v5p", 0.4) / 86400  # the book's 44
+    assert any(line.startswith(f"15T tokens: 6.35e+24 FLOPs, {days:.1f} days at 40% MFU") for line in lines)
 
 
 def test_explain_compare_size_says_why_an_equally_fast_runner_up_loses(capsys):

@@ -92,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--memory", action="store_true", help="a train step's bytes per device by term; fits?")
     add("--precision", choices=tuple(PRECISIONS), default="fp32", help="with --memory: the step's precision")
     decode.add_arguments(add)
+    layouts.add_arguments(add)
     # each model's flags that change the step priced (the GPT's --context)
     add_model_flags(parser, flag_owners(MODELS.values(), lambda entry: entry.explain_flags))
 
@@ -102,6 +103,7 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     The style's hooks are called in the order ``styles/style.py`` writes, here and in ``run``.
     """
     check_output("--plot", args.plot, PLOT_FORMATS, error)
+    layouts.refuse_budget(args, error)
     decode.check(args, flag_owners(MODELS.values(), lambda entry: entry.explain_flags), error)
     if args.decode:
         return args  # serving is priced from a named size, not from --model's step
