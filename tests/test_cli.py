@@ -498,6 +498,19 @@ def test_explain_compare_size_breaks_a_tie_of_equal_sends_by_memory(capsys):
     assert last.startswith("runner-up dp 2 x fsdp 4: as fast, as busy; it holds"), last
 
 
+def test_explain_compare_size_prices_a_token_budget_at_an_mfu(capsys):
+    argv = ["explain", "--compare", "--size", "llama3-8b", "--hardware", "v5e", "--devices", "256"]
+    assert main([*argv, "--batch-size", "1M", "--tokens", "2T", "--mfu", "0.5"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("2T tokens"))
+    days = layouts.train_seconds(serving.LLAMA3_8B, 2e12, 256, "v5e", 0.5) / 86400
+    best = layouts.rank(serving.LLAMA3_8B, 2**20, 256, "v5e").costs[0]
+    at_best = layouts.train_seconds(serving.LLAMA3_8B, 2e12, 256, "v5e", best.mfu) / 86400
+    assert line.startswith(
+        f"2T tokens: {layouts.train_flops(serving.LLAMA3_8B, 2e12):.3g} FLOPs, {days:,.1f} days at 50%"
+    )
+    assert f"{at_best:,.1f} at the {best.mfu:.0%} its step predicts" in line
+
+
 LAYOUT_FLAGS = [
     (["--batch-size", "4M", "--size", "llama9"], "argument --size: invalid choice: 'llama9'"),
     (["--batch-size", "4Q"], "argument --batch-size: expected an integer (or 512K, 4M), got '4Q'"),
@@ -509,6 +522,10 @@ LAYOUT_FLAGS = [
     (["--batch-size", "4M", "--parallel", "fsdp"], "argument --parallel: --compare --size ranks layouts"),
     (["--batch-size", "4M", "--width", "64"], "argument --width: --compare --size ranks layouts"),
     (["--batch-size", "4M", "--memory"], "argument --memory: --compare --size ranks layouts"),
+    (["--batch-size", "4M", "--tokens", "lots"],
+     "argument --tokens: expected a number of tokens (15T, 1.5e12), got 'lots'"),
+    (["--batch-size", "4M", "--tokens", "0"], "argument --tokens: must be a positive number of tokens, got 0"),
+    (["--batch-size", "4M", "--mfu", "40"], "argument --mfu: must be above 0 and at most 1 (0.4 is 40%), got 40"),
 ]  # fmt: skip
 
 
@@ -530,6 +547,14 @@ def test_explain_compare_size_refuses_bad_input_in_one_line(flags, message, caps
         (
             ["explain", "--size", "llama3-8b", "--hardware", "v5p"],
             "argument --size: only --decode or --compare takes it",
+        ),
+        (
+            ["explain", "--model", "gpt", "--tokens", "15T"],
+            "argument --tokens: only --compare --size takes it",
+        ),
+        (
+            ["explain", "--decode", "--size", "llama3-8b", "--hardware", "v5e", "--mfu", "0.5"],
+            "argument --mfu: only --compare --size takes it",
         ),
     ],
 )
