@@ -253,6 +253,19 @@ def price(
     (468, 850)
     """
     hardware = hardware_named(hardware)
+    forward, backward = pass_collectives(model, layout, tokens, hardware)
+    per_device = tokens / layout.devices
+    compute = 2 * model.params * per_device / hardware.flops
+    m = microbatches(layout, tokens, hardware, context)
+    in_flight = tokens / (layout.dp * layout.fsdp) * min(m, layout.pp) / m  # a pipeline's, or all its tokens
+    memory, bubble = _memory(model, layout, in_flight, checkpoints), bubble_fraction(layout.pp, m)
+    return LayoutCost(layout, hardware, per_device, compute, forward, backward, memory, m, bubble)
+
+
+def pass_collectives(
+    model: Decoder, layout: Layout, tokens: int, hardware: Hardware
+) -> tuple[CommSeconds, CommSeconds]:
+    """The seconds of the forward pass's collectives and of the backward pass's, each over its torus axes."""
     axes, (dp, fsdp, tp, pp) = layout.axes(hardware), (layout.dp, layout.fsdp, layout.tp, layout.pp)
     group = tokens / (dp * fsdp)  # the tokens one tensor-parallel group computes on
     weights = 2 * model.params / tp / pp  # bf16 bytes of a stage's tensor shard: what FSDP gathers whole
@@ -267,15 +280,7 @@ def price(
     tensor = send("all-gather", stream, "tp") + send("reduce-scatter", stream / tp, "tp")
     hop = send("collective-permute", 2 * group * model.width / tp, "pp")  # a stage's output, split by sp
     regather = gather if pp == 1 else 0.0  # a pipeline's stage keeps its gathered weights for the backward
-    per_device = tokens / layout.devices
-    compute = 2 * model.params * per_device / hardware.flops
-    forward = CommSeconds(gather, tensor + hop)
-    backward = CommSeconds(regather + scatter + reduce, 2 * tensor + hop)
-    m = microbatches(layout, tokens, hardware, context)
-    memory = _memory(model, layout, group * min(m, pp) / m, checkpoints)
-    return LayoutCost(
-        layout, hardware, per_device, compute, forward, backward, memory, m, bubble_fraction(pp, m)
-    )
+    return CommSeconds(gather, tensor + hop), CommSeconds(regather + scatter + reduce, 2 * tensor + hop)
 
 
 def _memory(model: Decoder, layout: Layout, in_flight: float, checkpoints: int) -> Budget:
@@ -402,6 +407,7 @@ __all__ = [
     "layouts",
     "mixed_critical_batch",
     "optimal_fsdp",
+    "pass_collectives",
     "price",
     "rank",
     "human_seconds",

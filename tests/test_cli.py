@@ -524,8 +524,8 @@ LAYOUT_FLAGS = [
     (["--batch-size", "4M", "--memory"], "argument --memory: --compare --size ranks layouts"),
     (["--batch-size", "4M", "--tokens", "lots"],
      "argument --tokens: expected a number of tokens (15T, 1.5e12), got 'lots'"),
-    (["--batch-size", "4M", "--tokens", "0"], "argument --tokens: must be a positive number of tokens, got 0"),
-    (["--batch-size", "4M", "--mfu", "40"], "argument --mfu: must be above 0 and at most 1 (0.4 is 40%), got 40"),
+    (["--batch-size", "4M", "--tokens", "0"], "argument --tokens: must be a positive number of tokens"),
+    (["--batch-size", "4M", "--mfu", "40"], "argument --mfu: must be above 0 and at most 1 (0.4 is 40%)"),
 ]  # fmt: skip
 
 
