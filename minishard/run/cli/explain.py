@@ -7,7 +7,7 @@ device count works on any machine; a preset's step is then compiled on up to
 style whose own step is the point, such as ``zero``) compiles the step on
 simulated devices and prices it too (``minishard.costs``); ``--compare`` ranks every style and mesh shape
 (for the GPT, the sequence styles too, its attention a ring where "context" splits it);
-with ``--size llama3-70b`` it ranks a named size's dp x fsdp x tp layouts from its shapes,
+with ``--size llama3-70b`` it ranks a named size's dp x fsdp x tp x pp layouts from its shapes,
 compiling nothing (``minishard.layouts``).
 ``--topology v5e:2x4`` compiles the step for a TPU slice with XLA:TPU, ahead of
 time (``minishard.run.topology``), and sets it beside XLA:CPU's program.
