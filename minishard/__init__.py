@@ -29,7 +29,7 @@ idea, and imports only the ones before it.
   against throughput;
 * ``precision``: mixed precision's numbers: fp16's dynamic loss scale (against ``jmp``'s), the cast
   before FSDP's all-gather, the dtype gradients are reduced in;
-* ``layouts``: which layout, at what size: every dp x fsdp x tp split of N chips priced from a model's
+* ``layouts``: which layout, at what size: every dp x fsdp x tp x pp split of N chips priced from a model's
   shapes (step, memory, where it turns compute-bound) and ranked, nothing compiled (the scaling
   book's LLaMA-3 walk-through).
 

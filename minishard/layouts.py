@@ -3,14 +3,18 @@
 ``minishard.costs`` prices a step that XLA compiled. A LLaMA-3 run on thousands of chips cannot
 be compiled here, but its step is simple enough to price from the model's shapes alone, as
 the scaling book does (``training.md``, and its walk-through, ``applied-training.md``).
-A layout splits the N devices three ways, ``dp x fsdp x tp = N``, each dimension a mesh axis:
+A layout splits the N devices four ways, ``dp x fsdp x tp x pp = N``, each dimension a mesh axis:
 
 * **dp**: replicas, each holding every weight of its share, all-reduce the gradients;
 * **fsdp**: splits the weights and the optimizer state too (ZeRO-3, the parameters flattened,
   so any count divides), gathers the weights for each pass and reduce-scatters the gradients:
   bytes that do not grow with the batch;
 * **tp**: splits each matmul (Megatron, with the sequence split between blocks): each block
-  gathers its input's tokens and reduce-scatters its output: bytes that grow with the batch.
+  gathers its input's tokens and reduce-scatters its output: bytes that grow with the batch;
+* **pp**: splits the layers into stages (``minishard.pipeline``): each device gathers, holds and
+  updates only its stage's weights, and sends one residual stream a step to the next stage, but
+  idles in the pipeline's bubble, ``pipeline.bubble_fraction``: fewest where the microbatches are
+  many, and each must keep enough tokens for its matmuls to outrun HBM (``microbatches``).
 
 Per device, with b = B / N tokens and P parameters, a forward pass does F = 2Pb FLOPs and the
 backward pass 2F (the book's 6P per token). Each pass hides its own collectives behind its own
@@ -18,11 +22,15 @@ matmuls, so ``step = max(F, sent forward) + max(2F, sent backward)``: the forwar
 FSDP gathers and the tensor collectives, the backward pass the gathers again, the
 reduce-scatters, the all-reduce and the tensor collectives transposed (twice the forward's,
 as the book counts them). (``costs.StepCost`` reads a compiled program and cannot tell the
-passes apart: it hides every collective behind the backward pass.) On a torus each split
-dimension takes one of the chip's axes (``Hardware.axes``), the largest dimension those left.
+passes apart: it hides every collective behind the backward pass.) A pipeline's step is that
+busy time over ``1 - bubble``. On a torus each split dimension but pp takes one of the chip's
+axes (``Hardware.axes``), the largest dimension those left; a stage sends to its neighbour.
 Memory per device: the memory chapter's 16 bytes per parameter (mixed precision, AdamW) over
-fsdp x tp, one layer's weights gathered whole, and the activations the backward pass needs:
-the residual stream, ``CHECKPOINTS`` times per layer (``memory.korthikanti`` fully recomputed).
+fsdp x tp x pp, one layer's weights gathered whole (a pipeline's stage: all of its layers,
+kept through its microbatches, as torchtitan does: else FSDP gathers each microbatch again),
+and the activations the backward pass needs: the residual stream, ``CHECKPOINTS`` times per
+layer (``memory.korthikanti`` fully recomputed), of the whole batch, or of the ``p`` microbatches
+a pipeline's first stage holds at once when it runs 1F1B (``pipeline_1f1b``; GPipe's bubble).
 
 >>> from minishard.serving import LLAMA3_70B as llama
 >>> round(optimal_fsdp(4 * 2**20, 8960, llama.hidden))   # the book's X_opt: 1,618 from 4.19e6 tokens
@@ -43,10 +51,13 @@ from minishard.census import human_bytes
 from minishard.costs import collective_time, critical_batch
 from minishard.hardware import Hardware, hardware_named
 from minishard.memory import MIXED, Budget, bytes_per_parameter, korthikanti
-from minishard.serving import Decoder
+from minishard.pipeline import bubble_fraction
+from minishard.serving import Decoder, decode_critical_batch
 
 CHECKPOINTS = 4
 """Residual streams each layer keeps for the backward pass: the book's "checkpoint 4 times per layer"."""
+CONTEXT = 4096
+"""Tokens a sequence, which a pipeline's microbatch keeps whole: LLaMA-3's first 4M-token batches'."""
 
 # --- 1. a run's size, and the book's rules ----------------------------------------------------------
 
@@ -102,15 +113,17 @@ def checkpoint_bytes(model: Decoder, tokens: float, per_layer: int = CHECKPOINTS
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """``dp x fsdp x tp`` devices: data-parallel replicas, FSDP shards, tensor-parallel shards."""
+    """``dp x fsdp x tp x pp`` devices: data-parallel replicas, FSDP shards, tensor-parallel shards,
+    pipeline stages."""
 
     dp: int = 1
     fsdp: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def devices(self) -> int:
-        return self.dp * self.fsdp * self.tp
+        return self.dp * self.fsdp * self.tp * self.pp
 
     def ways(self) -> dict[str, int]:
         """The split dimensions and their sizes."""
@@ -119,11 +132,13 @@ class Layout:
     def axes(self, hardware: Hardware) -> dict[str, float]:
         """The torus axes each dimension's collectives run over: one each, the largest takes those
         left; more dimensions than axes share them. A switch has one (``Hardware.bandwidth``).
+        pp takes none: a stage sends one residual stream a step, to its neighbour, over one link.
 
-        >>> Layout(fsdp=2240, tp=4).axes(hardware_named("v5p"))
-        {'fsdp': 2, 'tp': 1}
+        >>> v5p = hardware_named("v5p")
+        >>> Layout(fsdp=2240, tp=4).axes(v5p), Layout(fsdp=560, tp=4, pp=4).axes(v5p)
+        ({'fsdp': 2, 'tp': 1}, {'fsdp': 2, 'tp': 1})
         """
-        ways = self.ways()
+        ways = {name: size for name, size in self.ways().items() if name != "pp"}
         share = min(1.0, hardware.axes / len(ways)) if ways else 1.0
         axes = {name: share for name in ways}
         if ways and hardware.axes > len(ways):
@@ -148,7 +163,8 @@ class CommSeconds(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class LayoutCost:
     """One layout's predicted step, per device: ``compute_s`` of the forward pass (the backward's
-    is twice it), each pass's collectives, ``tokens`` per device, and the memory by term."""
+    is twice it), each pass's collectives, ``tokens`` per device, the memory by term, and the
+    pipeline's ``microbatches`` and ``bubble`` (1 and 0 without pp)."""
 
     layout: Layout
     hardware: Hardware
@@ -157,10 +173,32 @@ class LayoutCost:
     forward: CommSeconds
     backward: CommSeconds
     memory: Budget
+    microbatches: int = 1
+    bubble: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        """Each pass's matmuls, or its collectives where they take longer."""
+        return max(self.compute_s, self.forward.total) + max(2 * self.compute_s, self.backward.total)
 
     @property
     def step_s(self) -> float:
-        return max(self.compute_s, self.forward.total) + max(2 * self.compute_s, self.backward.total)
+        return self.busy_s / (1 - self.bubble)
+
+    @property
+    def waiting_s(self) -> float:
+        """Of the busy time, what the matmuls do not hide: the collectives' exposed seconds."""
+        return self.busy_s - 3 * self.compute_s
+
+    @property
+    def idle_s(self) -> float:
+        """The pipeline's bubble, in seconds."""
+        return self.step_s - self.busy_s
+
+    @property
+    def mfu(self) -> float:
+        """The share of the chips' peak the step would use: its matmuls over its whole time."""
+        return 3 * self.compute_s / self.step_s
 
     @property
     def bound(self) -> float:
@@ -186,8 +224,26 @@ class LayoutCost:
         return self.memory.total <= self.hardware.hbm_bytes
 
 
+def microbatches(layout: Layout, tokens: float, hardware: Hardware | str, context: int = CONTEXT) -> int:
+    """The most microbatches a pipeline's tokens split into (1 without pp): each whole sequences
+    of ``context``, and at least ``serving.decode_critical_batch`` tokens, below which a matmul
+    reads its weights from HBM for fewer FLOPs than the reading takes (164 on a v5p).
+
+    >>> microbatches(Layout(fsdp=56, tp=8, pp=20), 4 * 2**20, "v5p")   # 18 sequences a pipeline
+    18
+    """
+    group = tokens / (layout.dp * layout.fsdp)  # the tokens one pipeline of tensor-parallel stages computes
+    smallest = max(context, decode_critical_batch(hardware))  # decoding's sequences are a token each
+    return max(1, int(group // smallest)) if layout.pp > 1 else 1
+
+
 def price(
-    model: Decoder, layout: Layout, tokens: int, hardware: Hardware | str, checkpoints: int = CHECKPOINTS
+    model: Decoder,
+    layout: Layout,
+    tokens: int,
+    hardware: Hardware | str,
+    checkpoints: int = CHECKPOINTS,
+    context: int = CONTEXT,
 ) -> LayoutCost:
     """One training step of ``tokens`` on ``layout``, from the model's shapes: nothing is compiled.
 
@@ -197,10 +253,23 @@ def price(
     (468, 850)
     """
     hardware = hardware_named(hardware)
-    axes, (dp, fsdp, tp) = layout.axes(hardware), (layout.dp, layout.fsdp, layout.tp)
+    forward, backward = pass_collectives(model, layout, tokens, hardware)
+    per_device = tokens / layout.devices
+    compute = 2 * model.params * per_device / hardware.flops
+    m = microbatches(layout, tokens, hardware, context)
+    in_flight = tokens / (layout.dp * layout.fsdp) * min(m, layout.pp) / m  # a pipeline's, or all its tokens
+    memory, bubble = _memory(model, layout, in_flight, checkpoints), bubble_fraction(layout.pp, m)
+    return LayoutCost(layout, hardware, per_device, compute, forward, backward, memory, m, bubble)
+
+
+def pass_collectives(
+    model: Decoder, layout: Layout, tokens: int, hardware: Hardware
+) -> tuple[CommSeconds, CommSeconds]:
+    """The seconds of the forward pass's collectives and of the backward pass's, each over its torus axes."""
+    axes, (dp, fsdp, tp, pp) = layout.axes(hardware), (layout.dp, layout.fsdp, layout.tp, layout.pp)
     group = tokens / (dp * fsdp)  # the tokens one tensor-parallel group computes on
-    weights = 2 * model.params / tp  # bf16 bytes of one tensor shard: what FSDP gathers whole
-    stream = 2 * group * model.width * 2 * model.layers  # the bf16 input of every block (attention, MLP)
+    weights = 2 * model.params / tp / pp  # bf16 bytes of a stage's tensor shard: what FSDP gathers whole
+    stream = 2 * group * model.width * 2 * model.layers / pp  # the bf16 input of a stage's every block
 
     def send(kind: str, result_bytes: float, over: str) -> float:
         size = getattr(layout, over)
@@ -209,21 +278,21 @@ def price(
     gather, scatter = send("all-gather", weights, "fsdp"), send("reduce-scatter", weights / fsdp, "fsdp")
     reduce = send("all-reduce", weights / fsdp, "dp")  # each replica's gradients, once FSDP scattered them
     tensor = send("all-gather", stream, "tp") + send("reduce-scatter", stream / tp, "tp")
-    per_device = tokens / layout.devices
-    compute = 2 * model.params * per_device / hardware.flops
-    forward, backward = CommSeconds(gather, tensor), CommSeconds(gather + scatter + reduce, 2 * tensor)
-    memory = _memory(model, layout, group, checkpoints)
-    return LayoutCost(layout, hardware, per_device, compute, forward, backward, memory)
+    hop = send("collective-permute", 2 * group * model.width / tp, "pp")  # a stage's output, split by sp
+    regather = gather if pp == 1 else 0.0  # a pipeline's stage keeps its gathered weights for the backward
+    return CommSeconds(gather, tensor + hop), CommSeconds(regather + scatter + reduce, 2 * tensor + hop)
 
 
-def _memory(model: Decoder, layout: Layout, group_tokens: float, checkpoints: int) -> Budget:
-    """Per device: the per-parameter terms over fsdp x tp, a gathered layer, the checkpoints."""
-    shards = layout.fsdp * layout.tp
+def _memory(model: Decoder, layout: Layout, in_flight: float, checkpoints: int) -> Budget:
+    """Per device: the per-parameter terms over fsdp x tp x pp, a gathered layer (a stage's layers,
+    under pp), the checkpoints of a stage's layers for the ``in_flight`` tokens it holds."""
+    shards = layout.fsdp * layout.tp * layout.pp
     per_parameter = bytes_per_parameter(MIXED, "adamw")
     terms = {name: size * model.params / shards for name, size in per_parameter.items() if size}
     if layout.fsdp > 1:
-        terms["gathered"] = 2 * model.params / model.layers / layout.tp
-    terms["activations"] = checkpoint_bytes(model, group_tokens, checkpoints, layout.tp)
+        gathered = model.layers // layout.pp if layout.pp > 1 else 1
+        terms["gathered"] = 2 * model.params / model.layers * gathered / layout.tp
+    terms["activations"] = checkpoint_bytes(model, in_flight, checkpoints, layout.tp) / layout.pp
     return Budget(terms, shards)
 
 
@@ -231,18 +300,21 @@ def _memory(model: Decoder, layout: Layout, group_tokens: float, checkpoints: in
 
 
 def layouts(model: Decoder, devices: int) -> list[Layout]:
-    """Every ``dp x fsdp x tp = devices`` whose tp divides the heads and the MLP's width.
+    """Every ``dp x fsdp x tp x pp = devices`` whose tp divides the heads and the MLP's width, and
+    whose pp the layers.
 
     >>> from minishard.serving import LLAMA3_70B as llama
     >>> len(layouts(llama, 8)), [str(layout) for layout in layouts(llama, 2)]
-    (10, ['fsdp 2', 'dp 2', 'tp 2'])
+    (20, ['fsdp 2', 'dp 2', 'pp 2', 'tp 2'])
     """
     _checks.count("layouts: devices", devices)
     found = []
     for tp in _divisors(devices):
         if model.heads % tp or model.hidden % tp:
             continue
-        found += [Layout(dp, devices // tp // dp, tp) for dp in _divisors(devices // tp)]
+        for pp in (pp for pp in _divisors(devices // tp) if model.layers % pp == 0):
+            rest = devices // tp // pp
+            found += [Layout(dp, rest // dp, tp, pp) for dp in _divisors(rest)]
     return found
 
 
@@ -269,13 +341,15 @@ class Ranking:
             if kind not in kinds or cost.layout == self.rule:
                 shown.append(cost)
                 kinds.add(kind)
-        lines = [f"  {'layout':26} {'step':>9} {'flips at':>9} {'memory':>9}  verdict"]
+        lines = [f"  {'layout':34} {'step':>9} {'bubble':>6} {'flips at':>9} {'memory':>9}  verdict"]
         for cost in shown:
             flips = "never" if cost.flips_at == math.inf else f"{cost.flips_at:,.0f}"
             mark = "*" if cost is fit[0] else " "
             rule = "  <- the book's X_opt" if cost.layout == self.rule else ""
-            cells = f"{_ms(cost.step_s):>9} {flips:>9} {human_bytes(int(cost.memory.total)):>9}"
-            lines.append(f"{mark} {_with_axes(cost):26} {cells}  {cost.verdict}{rule}")
+            bubble = f"{cost.bubble:.1%}" if cost.layout.pp > 1 else "-"
+            step, memory = human_seconds(cost.step_s), human_bytes(int(cost.memory.total))
+            cells = f"{step:>9} {bubble:>6} {flips:>9} {memory:>9}"
+            lines.append(f"{mark} {_with_axes(cost):34} {cells}  {cost.verdict}{rule}")
         out = [cost for cost in self.costs if not cost.fits]
         rest = [f"{len(fit) - len(shown)} more fit, slower"] if len(fit) > len(shown) else []
         if out:
@@ -285,17 +359,19 @@ class Ranking:
         return "\n".join([*lines, f"  ({'; '.join(rest)})"] if rest else lines)
 
 
-def rank(model: Decoder, tokens: int, devices: int, hardware: Hardware | str) -> Ranking:
-    """``price`` every layout of ``devices``; those that fit first, fastest first (then the one that
-    waits least for its collectives, then the smaller).
+def rank(
+    model: Decoder, tokens: int, devices: int, hardware: Hardware | str, context: int = CONTEXT
+) -> Ranking:
+    """``price`` every layout of ``devices``, of ``tokens`` in sequences of ``context``; those that
+    fit first, fastest first (then the one that waits least for its collectives, then the smaller).
 
     ``rule``: on a torus, the FSDP x TP layout nearest the book's ``optimal_fsdp`` (TP on one axis).
     """
     _checks.count("rank: tokens", tokens, minimum=devices)
     hardware = hardware_named(hardware)
-    costs = [price(model, layout, tokens, hardware) for layout in layouts(model, devices)]
+    costs = [price(model, layout, tokens, hardware, context=context) for layout in layouts(model, devices)]
     costs.sort(key=lambda c: (not c.fits, c.step_s, c.bound, c.memory.total))
-    mixed = [c.layout for c in costs if c.layout.dp == 1 and c.layout.tp > 1]
+    mixed = [c.layout for c in costs if c.layout.dp == c.layout.pp == 1 and c.layout.tp > 1]
     best = optimal_fsdp(tokens, devices, model.hidden, fsdp_axes=max(1, hardware.axes - 1))
     nearest = min(mixed, key=lambda layout: abs(math.log(layout.fsdp / best)), default=None)
     rule = nearest if hardware.topology == "torus" else None
@@ -312,7 +388,12 @@ def _with_axes(cost: LayoutCost) -> str:
     ) or str(cost.layout)
 
 
-def _ms(seconds: float) -> str:
+def human_seconds(seconds: float) -> str:
+    """``human_bytes``'s twin for a step's time: milliseconds under a second.
+
+    >>> human_seconds(0.4576), human_seconds(60.6)
+    ('458 ms', '60.6 s')
+    """
     return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
@@ -326,8 +407,12 @@ __all__ = [
     "layouts",
     "mixed_critical_batch",
     "optimal_fsdp",
+    "pass_collectives",
     "price",
     "rank",
+    "human_seconds",
+    "microbatches",
+    "CONTEXT",
     "train_flops",
     "train_seconds",
 ]

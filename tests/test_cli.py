@@ -462,7 +462,16 @@ def test_explain_compare_size_ranks_llama3_70b_as_the_book_does_without_compilin
     pure = next(row for row in rows if row.startswith("  fsdp 8960 (3 axes)"))  # the best of each kind too
     assert pure.split()[-1] == "x1.8" and "850" in pure
     assert "do not fit" in lines[lines.index(rows[-1]) + 1]
-    assert lines[-1].startswith("runner-up fsdp 1120 x tp 8: a forward pass of 144 ms of matmuls")
+    # Why the runner-up loses, from the ranking's own terms: its collectives, not hidden, cost more
+    best, second = shown[:2]
+    lost = layouts.human_seconds(second.step_s - best.step_s)
+    runner_up = next(line for line in lines if line.startswith("runner-up"))
+    assert runner_up.startswith(f"runner-up fsdp 1120 x tp 8 loses {lost} a step to communication")
+    assert second.waiting_s - best.waiting_s == pytest.approx(second.step_s - best.step_s)
+    # ... and the one faster still, whose replicas each hold a quarter of the model, does not fit
+    assert lines[-1].startswith("faster still, dp 2240 x tp 4") and "does not fit" in lines[-1]
+    days = layouts.train_seconds(serving.LLAMA3_70B, 15e12, 8960, "v5p", 0.4) / 86400  # the book's 44
+    assert any(line.startswith(f"15T tokens: 6.35e+24 FLOPs, {days:.1f} days at 40% MFU") for line in lines)
 
 
 def test_explain_compare_size_says_why_an_equally_fast_runner_up_loses(capsys):
@@ -489,6 +498,19 @@ def test_explain_compare_size_breaks_a_tie_of_equal_sends_by_memory(capsys):
     assert last.startswith("runner-up dp 2 x fsdp 4: as fast, as busy; it holds"), last
 
 
+def test_explain_compare_size_prices_a_token_budget_at_an_mfu(capsys):
+    argv = ["explain", "--compare", "--size", "llama3-8b", "--hardware", "v5e", "--devices", "256"]
+    assert main([*argv, "--batch-size", "1M", "--tokens", "2T", "--mfu", "0.5"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("2T tokens"))
+    days = layouts.train_seconds(serving.LLAMA3_8B, 2e12, 256, "v5e", 0.5) / 86400
+    best = layouts.rank(serving.LLAMA3_8B, 2**20, 256, "v5e").costs[0]
+    at_best = layouts.train_seconds(serving.LLAMA3_8B, 2e12, 256, "v5e", best.mfu) / 86400
+    assert line.startswith(
+        f"2T tokens: {layouts.train_flops(serving.LLAMA3_8B, 2e12):.3g} FLOPs, {days:,.1f} days at 50%"
+    )
+    assert f"{at_best:,.1f} at the {best.mfu:.0%} its step predicts" in line
+
+
 LAYOUT_FLAGS = [
     (["--batch-size", "4M", "--size", "llama9"], "argument --size: invalid choice: 'llama9'"),
     (["--batch-size", "4Q"], "argument --batch-size: expected an integer (or 512K, 4M), got '4Q'"),
@@ -500,6 +522,10 @@ LAYOUT_FLAGS = [
     (["--batch-size", "4M", "--parallel", "fsdp"], "argument --parallel: --compare --size ranks layouts"),
     (["--batch-size", "4M", "--width", "64"], "argument --width: --compare --size ranks layouts"),
     (["--batch-size", "4M", "--memory"], "argument --memory: --compare --size ranks layouts"),
+    (["--batch-size", "4M", "--tokens", "lots"],
+     "argument --tokens: expected a number of tokens (15T, 1.5e12), got 'lots'"),
+    (["--batch-size", "4M", "--tokens", "0"], "argument --tokens: must be a positive number of tokens"),
+    (["--batch-size", "4M", "--mfu", "40"], "argument --mfu: must be above 0 and at most 1 (0.4 is 40%)"),
 ]  # fmt: skip
 
 
@@ -521,6 +547,14 @@ def test_explain_compare_size_refuses_bad_input_in_one_line(flags, message, caps
         (
             ["explain", "--size", "llama3-8b", "--hardware", "v5p"],
             "argument --size: only --decode or --compare takes it",
+        ),
+        (
+            ["explain", "--model", "gpt", "--tokens", "15T"],
+            "argument --tokens: only --compare --size takes it",
+        ),
+        (
+            ["explain", "--decode", "--size", "llama3-8b", "--hardware", "v5e", "--mfu", "0.5"],
+            "argument --mfu: only --compare --size takes it",
         ),
     ],
 )

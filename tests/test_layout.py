@@ -75,7 +75,7 @@ CHAPTERS = {
     "memory": 435,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23 lines)
     "serving": 230,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too
     "precision": 242,
-    "layouts": 340,
+    "layouts": 425,  # issue 46 §3: pp ranked (bubble, microbatches, stage memory: 50), runner-up terms (25)
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)

@@ -18,7 +18,8 @@ from minishard.costs import critical_batch
 from minishard.hardware import HARDWARE
 from minishard.layouts import Layout, price, rank
 from minishard.memory import MIXED, bytes_per_parameter
-from minishard.serving import LLAMA3_70B, SIZES
+from minishard.pipeline import bubble_fraction
+from minishard.serving import LLAMA3_70B, SIZES, decode_critical_batch
 
 POD = 8960  # 16 x 20 x 28 TPU v5p
 BATCH = 4 * 2**20  # "4M tokens": the book's 4 * 1024 * 1024 / 8960 = 468
@@ -153,3 +154,80 @@ def test_fewer_checkpoints_hold_less_and_change_nothing_else() -> None:
     four, one = (price(LLAMA3_70B, Layout(fsdp=2240, tp=4), BATCH, "v5p", checkpoints=n) for n in (4, 1))
     assert four.memory.terms["activations"] == 4 * one.memory.terms["activations"]
     assert four.step_s == one.step_s
+
+
+# -- pipeline parallelism: the chapter's bubble, a stage's share of memory --------------------------------
+SIXTEEN_M = 16 * 2**20  # LLaMA-3's later batches: 4,096 sequences of 4,096
+
+
+def test_a_pipeline_idles_in_the_chapters_bubble_and_its_microbatches_are_whole_sequences() -> None:
+    layout = Layout(fsdp=56, tp=8, pp=20)  # 8,960 chips; each pipeline gets 1,024 / 56 = 18.3 sequences
+    cost = price(LLAMA3_70B, layout, BATCH, "v5p")
+    assert cost.microbatches == 18 == BATCH // 56 // layouts.CONTEXT
+    assert cost.bubble == bubble_fraction(20, 18)  # (p-1)/(m+p-1), pipeline.py's
+    assert cost.step_s == pytest.approx(cost.busy_s / (1 - cost.bubble))
+    assert cost.idle_s == pytest.approx(cost.step_s * cost.bubble)
+    # Longer sequences: fewer of them a pipeline, fewer microbatches, a larger bubble
+    longer = price(LLAMA3_70B, layout, BATCH, "v5p", context=8192)
+    assert longer.microbatches == 9 and longer.bubble > cost.bubble
+    # Without pp there is no bubble, and one microbatch: the whole batch in one pass
+    flat = price(LLAMA3_70B, Layout(fsdp=2240, tp=4), BATCH, "v5p")
+    assert (flat.microbatches, flat.bubble, flat.step_s) == (1, 0.0, flat.busy_s)
+
+
+def test_a_microbatch_keeps_enough_tokens_for_its_matmuls_to_outrun_hbm() -> None:
+    # Sequences of 64 tokens: 164 of them (C / W of HBM, decoding's critical batch) make a microbatch
+    critical = decode_critical_batch("v5p")
+    assert round(critical) == 164
+    layout = Layout(fsdp=64, pp=4)
+    assert layouts.microbatches(layout, BATCH, "v5p", context=64) == int(BATCH / 64 // critical)
+    assert layouts.microbatches(layout, BATCH, "v5p", context=4096) == BATCH // 64 // 4096
+
+
+def test_a_stage_holds_its_share_of_the_weights_and_its_microbatches_in_flight() -> None:
+    piped, flat = (
+        price(LLAMA3_70B, layout, BATCH, "v5p")
+        for layout in (Layout(fsdp=4, tp=8, pp=4), Layout(fsdp=4, tp=8))
+    )
+    assert piped.memory.terms["moments"] == flat.memory.terms["moments"] / 4  # a quarter of the layers
+    # FSDP under pp keeps the stage's gathered layers through its microbatches (torchtitan's default)
+    assert piped.memory.terms["gathered"] == 2 * LLAMA3_70B.params / 4 / 8
+    assert flat.memory.terms["gathered"] == 2 * LLAMA3_70B.params / LLAMA3_70B.layers / 8
+    # ... so its backward pass gathers nothing again: it scatters the gradients alone (as many bytes)
+    assert piped.backward.weights == pytest.approx(piped.forward.weights)
+    assert flat.backward.weights == pytest.approx(2 * flat.forward.weights)  # gathers again, and scatters
+    # 1F1B: the first stage holds p of its m microbatches' checkpoints, of a quarter of the layers
+    m = piped.microbatches
+    assert m == 256 and piped.memory.terms["activations"] == pytest.approx(
+        flat.memory.terms["activations"] * 4 / m / 4
+    )
+
+
+def test_pipeline_stages_take_no_torus_axis_and_divide_the_layers() -> None:
+    assert Layout(fsdp=560, tp=4, pp=4).axes(V5P) == Layout(fsdp=2240, tp=4).axes(V5P)
+    found = layouts.layouts(LLAMA3_70B, POD)
+    assert {layout.pp for layout in found} == {1, 2, 4, 5, 8, 10, 16, 20, 40, 80}  # 80 layers
+    assert {layout.pp for layout in layouts.layouts(SIZES["llama3-405b"], 1024)} == {1, 2}  # 126 layers
+
+
+def test_the_book_s_choice_still_ranks_first_and_the_best_pipeline_loses_to_its_bubble() -> None:
+    ranking = rank(LLAMA3_70B, BATCH, POD, "v5p")
+    best = ranking.costs[0]
+    piped = next(cost for cost in ranking.costs if cost.layout.pp > 1)
+    assert best.layout == ranking.rule == Layout(fsdp=2240, tp=4)  # X_opt's FSDP x TP is no pipeline
+    # 1,024 sequences over 8,960 chips: a pipeline is fed few microbatches, and idles more than
+    # FSDP + TP waits on its collectives (it is compute-bound: it waits on nothing)
+    assert piped.fits and piped.step_s > best.step_s and piped.waiting_s == 0
+    assert piped.idle_s > best.waiting_s and piped.bubble > 0.3
+
+
+def test_pipelines_enter_the_ranking_where_the_whole_batch_does_not_fit() -> None:
+    # LLaMA-3 405B, 16M tokens on 1,024 v5p: every layout without pp holds the whole batch's
+    # checkpoints and none fits; a pipeline's first stage holds p microbatches' and fits.
+    ranking = rank(SIZES["llama3-405b"], SIXTEEN_M, 1024, "v5p")
+    best = ranking.costs[0]
+    assert best.fits and best.layout.pp == 2 and best.bubble < 0.01
+    flat = [cost for cost in ranking.costs if cost.layout.pp == 1]
+    assert not any(cost.fits for cost in flat)
+    fastest = min(flat, key=lambda cost: cost.step_s)
+    assert fastest.step_s < best.step_s and fastest.memory.terms["activations"] > V5P.hbm_bytes

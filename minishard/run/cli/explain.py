@@ -7,7 +7,7 @@ device count works on any machine; a preset's step is then compiled on up to
 style whose own step is the point, such as ``zero``) compiles the step on
 simulated devices and prices it too (``minishard.costs``); ``--compare`` ranks every style and mesh shape
 (for the GPT, the sequence styles too, its attention a ring where "context" splits it);
-with ``--size llama3-70b`` it ranks a named size's dp x fsdp x tp layouts from its shapes,
+with ``--size llama3-70b`` it ranks a named size's dp x fsdp x tp x pp layouts from its shapes,
 compiling nothing (``minishard.layouts``).
 ``--topology v5e:2x4`` compiles the step for a TPU slice with XLA:TPU, ahead of
 time (``minishard.run.topology``), and sets it beside XLA:CPU's program.
@@ -92,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--memory", action="store_true", help="a train step's bytes per device by term; fits?")
     add("--precision", choices=tuple(PRECISIONS), default="fp32", help="with --memory: the step's precision")
     decode.add_arguments(add)
+    layouts.add_arguments(add)
     # each model's flags that change the step priced (the GPT's --context)
     add_model_flags(parser, flag_owners(MODELS.values(), lambda entry: entry.explain_flags))
 
@@ -102,6 +103,7 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     The style's hooks are called in the order ``styles/style.py`` writes, here and in ``run``.
     """
     check_output("--plot", args.plot, PLOT_FORMATS, error)
+    layouts.refuse_budget(args, error)
     decode.check(args, flag_owners(MODELS.values(), lambda entry: entry.explain_flags), error)
     if args.decode:
         return args  # serving is priced from a named size, not from --model's step

@@ -2,28 +2,99 @@
 
 Nothing is built or compiled: the ranking takes the size's shapes (``--size``), the chip's
 numbers (``--hardware``), the chips (``--devices``) and the batch in tokens (``--batch-size``,
-``4M`` being 4 x 1024 x 1024 as the scaling book writes it). It prints the run's size and the
-book's rules, then the fastest layouts that fit, the best of every other kind, and why the
-runner-up loses.
+``4M`` being 4 x 1024 x 1024 as the scaling book writes it). It prints the run's size, the days
+a token budget takes (``--tokens``, each size's paper's by default, at ``--mfu``) and the book's
+rules, then the fastest layouts that fit, the best of every other kind, and why the runner-up
+loses.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Iterable
 
 from minishard import layouts, serving
 from minishard.census import human_bytes
 from minishard.costs import critical_batch
 from minishard.hardware import hardware_named
+from minishard.layouts import human_seconds
 from minishard.run.cli.ignored import STEP_WORK, refuse_ignored
 
-__all__ = ["BINARY", "TOP", "check", "count", "print_ranking"]
+__all__ = [
+    "BINARY",
+    "BUDGET_FLAGS",
+    "DECIMAL",
+    "MFU",
+    "TOP",
+    "TRAINED_ON",
+    "add_arguments",
+    "budget",
+    "check",
+    "count",
+    "fraction",
+    "print_ranking",
+    "refuse_budget",
+]
 
 BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
 """What a count's K, M and G multiply it by: binary, as the scaling book's "4M tokens" are 4 x 1024 x 1024."""
+DECIMAL = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+"""What a token budget's suffix multiplies it by: decimal, as the papers' "15T tokens" are 15e12."""
+TRAINED_ON = {"llama2-13b": 2e12, "llama3-8b": 15e12, "llama3-70b": 15e12, "llama3-405b": 15.6e12}
+"""Tokens each size's paper trained it on: LLaMA 2's 2T, LLaMA 3's "over 15T" (15.6T for 405B)."""
+MFU = 0.4
+"""The share of the chips' peak the token budget is priced at without ``--mfu``: the scaling book's 40%."""
+BUDGET_FLAGS = {"budget": "--tokens", "mfu": "--mfu"}
+"""The flags only ``--compare --size`` reads, by their names in ``args``."""
 TOP = 5
 """The fastest layouts that fit, shown before the best of each other kind."""
+
+
+def add_arguments(add: Callable[..., object]) -> None:
+    """``--tokens`` and ``--mfu``: the run's token budget, priced in days beside the ranking."""
+    add("--tokens", dest="budget", type=budget, help="with --compare --size: tokens to train on (15T)")
+    add("--mfu", type=fraction, help=f"with --compare --size: the budget's share of peak (default {MFU})")
+
+
+def budget(text: str) -> float:
+    """An argparse type for ``--tokens``: a positive number, with K, M, B (or G) or T for ``DECIMAL``'s.
+
+    >>> budget("15T"), budget("1.5e12"), budget("300B")
+    (15000000000000.0, 1500000000000.0, 300000000000.0)
+    """
+    digits, scale = (text[:-1], DECIMAL[text[-1].upper()]) if text[-1:].upper() in DECIMAL else (text, 1)
+    try:
+        value = float(digits) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens (15T, 1.5e12), got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type for ``--mfu``: a share of the peak, above 0 and at most 1.
+
+    >>> fraction("0.4")
+    0.4
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share of the peak (0.4), got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1 (0.4 is 40%), got {text}")
+    return value
+
+
+def refuse_budget(args: argparse.Namespace, error: Callable[[str], object]) -> None:
+    """``--tokens`` and ``--mfu`` price a named size's run: only ``--compare --size`` reads them."""
+    if args.size and args.compare and not args.decode:
+        return
+    for name, flag in BUDGET_FLAGS.items():
+        if getattr(args, name) is not None:
+            error(f"argument {flag}: only --compare --size takes it (the days a token budget takes)")
 
 
 def count(text: str) -> int:
@@ -54,22 +125,25 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
         error("argument --hardware: --compare --size ranks layouts on a chip; add one (e.g. --hardware v5p)")
     if args.batch_size is None:
         error("argument --batch-size: --compare --size needs the batch in tokens (e.g. 4M)")
+    args.context = args.context or layouts.CONTEXT  # a pipeline's microbatches are whole sequences
     tokens, devices, context = args.batch_size, args.devices, args.context
     if tokens < devices:
         error(f"argument --batch-size: {tokens:,} tokens leave some of {devices:,} devices none")
-    if context and tokens % context:
+    if tokens % context:
         error(f"argument --batch-size: {tokens:,} tokens are not whole --context {context} sequences")
+    args.budget, args.mfu = args.budget or TRAINED_ON.get(args.size), args.mfu or MFU
 
 
 def print_ranking(args: argparse.Namespace) -> int:
-    """The size, the book's rules on this chip, the ranked table, and why the runner-up loses."""
+    """The size, its token budget in days, the book's rules on this chip, the ranked table, and
+    why the runner-up loses."""
     model, chip = serving.SIZES[args.size], hardware_named(args.hardware)
     devices, tokens, context = args.devices, args.batch_size, args.context
     flops = layouts.train_flops(model, 1)
     print(f"{args.size}: {model.params / 1e9:.2f}e9 parameters, {flops:.3g} FLOPs a token", end="")
     print(f"; {devices:,} {chip.name}")
-    sequences = f" ({tokens // context:,} sequences of {context:,})" if context else ""
-    print(f"batch {tokens:,} tokens{sequences}: {tokens / devices:,.0f} per device")
+    sequences = f"{tokens // context:,} sequences of {context:,}"
+    print(f"batch {tokens:,} tokens ({sequences}): {tokens / devices:,.0f} per device")
     if chip.topology == "torus":
         fsdp_axes = max(1, chip.axes - 1)  # FSDP + TP: TP on one axis, FSDP on the others
         pure = critical_batch(chip, n_axes=chip.axes)
@@ -79,23 +153,36 @@ def print_ranking(args: argparse.Namespace) -> int:
         print(
             f"  FSDP + TP {mixed:,.0f} (4 a^2 / M_X M_Y F), at X_opt = {optimal:,.0f} (sqrt(B/F M_X/M_Y N))"
         )
-    ranking = layouts.rank(model, tokens, devices, chip)
+    ranking = layouts.rank(model, tokens, devices, chip, context)
     print(ranking.table(TOP))
     print("(* the fastest that fits; flips at: the tokens per device above which it is compute-bound)")
     fit = [cost for cost in ranking.costs if cost.fits]
+    if args.budget:
+        print(_days(args, model, fit[0] if fit else None))
     if len(fit) > 1:
         print(_runner_up(fit[0], fit[1]))
+    if (fastest := min(ranking.costs, key=lambda cost: cost.step_s)) not in fit[:1]:
+        needs, has = human_bytes(int(fastest.memory.total)), human_bytes(int(chip.hbm_bytes))
+        step = human_seconds(fastest.step_s)
+        print(f"faster still, {fastest.layout} ({step}) does not fit: {needs} a device, over {has}")
     return 0
 
 
+def _days(args: argparse.Namespace, model: serving.Decoder, best: layouts.LayoutCost | None) -> str:
+    """The token budget: its FLOPs, its days at ``--mfu``, and at the MFU the fastest layout predicts."""
+    flops, mfu, chips = layouts.train_flops(model, args.budget), args.mfu, args.devices
+    days = layouts.train_seconds(model, args.budget, chips, args.hardware, mfu) / 86400
+    line = f"{args.budget / 1e12:.3g}T tokens: {flops:.3g} FLOPs, {days:,.1f} days at {mfu:.0%} MFU"
+    if best is None:
+        return line
+    predicted = layouts.train_seconds(model, args.budget, chips, args.hardware, best.mfu) / 86400
+    return f"{line}; {predicted:,.1f} at the {best.mfu:.0%} its step predicts (perfect overlap, no stalls)"
+
+
 def _runner_up(best: layouts.LayoutCost, second: layouts.LayoutCost) -> str:
-    """Why the second loses: what each sends in a forward pass (weights, activations) beside its
-    matmuls; when both are as fast, how much of the time their collectives fill, or the memory."""
-
-    def sent(cost: layouts.LayoutCost) -> str:
-        weights, activations = cost.forward.weights * 1e3, cost.forward.activations * 1e3
-        return f"{weights:.3g} + {activations:.3g} = {weights + activations:.3g} ms"
-
+    """Why the second loses, by the term that costs it most: the collectives its matmuls do not hide,
+    or its pipeline's bubble (their matmuls are the same, 6PB/N FLOPs a device); when both are as
+    fast, how much of the time their collectives fill, or the memory."""
     if second.step_s == best.step_s and round(second.bound, 3) > round(best.bound, 3):
         return (
             f"runner-up {second.layout}: as fast, {best.verdict}; its collectives fill {second.bound:.1%} "
@@ -104,7 +191,21 @@ def _runner_up(best: layouts.LayoutCost, second: layouts.LayoutCost) -> str:
     if second.step_s == best.step_s:
         held = [human_bytes(int(cost.memory.total)) for cost in (second, best)]
         return f"runner-up {second.layout}: as fast, as busy; it holds {held[0]} a device, against {held[1]}"
+    lost, ms = human_seconds(second.step_s - best.step_s), human_seconds
+    if second.idle_s - best.idle_s > second.waiting_s - best.waiting_s:
+        bubble = f"{second.bubble:.1%} of the step, {second.microbatches} microbatches"
+        return (
+            f"runner-up {second.layout} loses {lost} a step to its pipeline's bubble: it idles "
+            f"{ms(second.idle_s)} ({bubble}), against {ms(best.idle_s)}"
+        )
     return (
-        f"runner-up {second.layout}: a forward pass of {best.compute_s * 1e3:.3g} ms of matmuls sends "
-        f"{sent(second)} (weights + activations), against {sent(best)}"
+        f"runner-up {second.layout} loses {lost} a step to communication: it waits {ms(second.waiting_s)} "
+        f"on collectives its matmuls do not hide ({_sent(second)}), against {ms(best.waiting_s)} "
+        f"({_sent(best)})"
     )
+
+
+def _sent(cost: layouts.LayoutCost) -> str:
+    """A forward pass's collectives beside its matmuls: of the weights + of the activations."""
+    weights, activations = human_seconds(cost.forward.weights), human_seconds(cost.forward.activations)
+    return f"{weights} + {activations} sent beside {human_seconds(cost.compute_s)} of matmuls a forward pass"
