@@ -48,7 +48,7 @@ from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
 from minishard.run.topology import LoweredOnce, hardware_of, on_cpu_and_tpu, side_by_side, tpu_devices
 from minishard.sharding import Sharded, ShardedFunction, make_mesh
-from minishard.styles import ANY_MODEL, EXPERT, SEQUENCE
+from minishard.styles import ANY_MODEL, EXPERT, SEQUENCE, SPLITS
 
 __all__ = [
     "DESCRIPTION",
@@ -121,9 +121,10 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         error("argument --precision: only with --memory (the step explain prices is float32)")
     if args.memory and args.compare:
         error("argument --memory: one style at a time; drop --compare")
-    if args.memory and args.parallel not in ANY_MODEL:
+    if args.memory and args.parallel not in SPLITS:  # ZeRO's own step: minishard.memory.zero_bytes
         error(
-            f"argument --memory: it predicts {', '.join(ANY_MODEL)}'s step, not --parallel {args.parallel}'s"
+            f"argument --memory: it predicts the step of {', '.join(SPLITS)}, not --parallel "
+            f"{args.parallel}'s own"
         )
     compiles = args.hardware or args.compare or style.compiles or args.topology or args.memory
     if args.batch_size is not None and not compiles:
