@@ -336,13 +336,11 @@ def step_budget(
     mesh: AnyMesh,
     rules: AxisRules | None = None,
     precision: Precision = FP32,
-    activations: float = 0.0,
-    added: Mapping[str, float] | None = None,
+    kept: Mapping[str, float] | None = None,
 ) -> Budget:
-    """Per device: each term of a step on ``args``, ``(model, opt_state, batch)``, from ``Sharded``'s plan.
-
-    Gradients lie as the parameters, twice where replicas all-reduce them; FSDP gathers a weight whole.
-    ``added``: the temporaries a style adds by name (a pipeline's loop buffers, the ring's chunks).
+    """Per device: each term of a step on ``args``, ``(model, opt_state, batch)``, from ``Sharded``'s plan:
+    gradients lie as the parameters, twice where replicas all-reduce them; FSDP gathers a weight whole;
+    ``kept``: the activations, and what a style adds, by name (a pipeline's loop, the ring's chunks).
 
     >>> from minishard import AdamW, mlp
     >>> model, mesh = mlp([8, 16, 4], key=jax.random.key(0)), jax.sharding.AbstractMesh((8,), ("data",))
@@ -350,19 +348,17 @@ def step_budget(
     >>> step_budget(args, mesh, AxisRules(batch="data")).terms
     {'parameters': 848, 'optimizer state': 1700, 'batch': 256, 'gradients': 848, 'reduced gradients': 848}
     """
-    planned = Sharded(cast(Mesh, mesh), rules).plan_inputs(args)
-    shards, (gathered, reduced) = _shard_bytes(planned, args), _replicas_and_gathers(planned, mesh, rules)
-    numbers, whole = shards["model"][0], shards["model"][2]  # parameters per device, in all
+    shards = _shard_bytes(planned := Sharded(cast(Mesh, mesh), rules).plan_inputs(args), args)
+    (numbers, _, whole), (gathered, reduced) = shards["model"], _replicas_and_gathers(planned, mesh, rules)
     terms = {
         "parameters": numbers * itemsize(precision.params),
         "optimizer state": shards["state"][1],
         "master": numbers * itemsize(precision.master),
         "batch": shards["batch"][1],
         "gradients": numbers * (itemsize(precision.grads) + itemsize(precision.accumulated)),
-        "activations": activations,
+        **(kept or {}),
         "reduced gradients": reduced * itemsize(precision.grads),
         "gathered": gathered * itemsize(precision.params),
-        **(added or {}),
     }
     return Budget({name: size for name, size in terms.items() if size}, whole / numbers)
 

@@ -316,10 +316,8 @@ def _gpipe(layers: Any, xs: jax.Array, *, pipeline: Pipeline) -> jax.Array:
         busy, i, j = work(t, stage, m, r)
         x = jnp.where(stage == 0, inputs[i], state)  # stage 0 starts microbatch i (repeat j)
         x = jnp.where(busy, x, 0.0)  # a bubble computes on zeros: NaN * 0 would be NaN in the gradient
-        # The repeat's layers. A slice at the traced j is a new array each tick, which the gradient
-        # keeps per tick (the stage's weights, ticks times over); with one repeat, slice 0 is the same.
-        now = jax.tree.map(lambda a: a[0] if r == 1 else a[jnp.clip(j, 0, r - 1)], layers)
-        y = run_blocks(now, x)
+        # repeat j's layers: slice 0 if r = 1 (at a traced j, a new array each tick, kept per tick by grad)
+        y = run_blocks(jax.tree.map(lambda a: a[0] if r == 1 else a[jnp.clip(j, 0, r - 1)], layers), x)
         outputs = outputs.at[i].set(jnp.where(busy & (stage == p - 1) & (j == r - 1), y, outputs[i]))
         state = jax.lax.ppermute(y, axis, ring_pairs(p))  # the shift
         sent, i_back, j_back = work(t, p - 1, m, r)  # what the last stage sent round to stage 0

@@ -39,12 +39,12 @@ COMPILES_UP_TO = 50_000_000
 def budget(
     args: tuple[Any, Any, Any], mesh: AnyMesh, rules: AxisRules, precision: Precision = memory.FP32
 ) -> Budget:
-    """``memory.step_budget`` of ``(model, opt_state, batch)``, its activations from ``activations``."""
+    """``memory.step_budget`` of ``(model, opt_state, batch)``, what it keeps from ``activations``."""
     model, _, batch = args
-    size = memory.itemsize(precision.params)
     kept, added = activations(model, batch, mesh, rules)
-    in_bytes = {name: numbers * size for name, numbers in added.items()}
-    return memory.step_budget(args, mesh, rules, precision, kept * size, in_bytes)
+    numbers = {"activations": kept, **added}  # in the dtype the step computes in
+    in_bytes = {name: n * memory.itemsize(precision.params) for name, n in numbers.items()}
+    return memory.step_budget(args, mesh, rules, precision, in_bytes)
 
 
 def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> tuple[int, dict[str, int]]:
