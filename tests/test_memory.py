@@ -381,6 +381,7 @@ def test_explain_memory_gives_a_7b_gpt_a_verdict_without_compiling(capsys):
     [
         (["--parallel", "zero"], "argument --memory: it predicts the step of dp, tp, 2d, fsdp, fsdp+tp, pp"),
         (["--compare", "--hardware", "h100"], "argument --memory: one style at a time"),
+        (["--model", "gpt", "--parallel", "pp", "--remat", "full"], "argument --remat: not with a pipeline"),
         (["--model", "gpt", "--heads", "3"], "argument --heads: 3 heads must divide --width 128"),
         (["--model", "gpt", "--parallel", "tp", "--heads", "2"], "argument --heads: 2 heads cannot split"),
     ],

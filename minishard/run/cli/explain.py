@@ -48,7 +48,7 @@ from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
 from minishard.run.topology import LoweredOnce, hardware_of, on_cpu_and_tpu, side_by_side, tpu_devices
 from minishard.sharding import Sharded, ShardedFunction, make_mesh
-from minishard.styles import ANY_MODEL, EXPERT, SEQUENCE, SPLITS
+from minishard.styles import ANY_MODEL, EXPERT, PIPELINED, SEQUENCE, SPLITS
 
 __all__ = [
     "DESCRIPTION",
@@ -137,6 +137,10 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         )
     args.mesh = {"data": args.devices} if args.compare else style.mesh(args.devices)  # "data" may span all
     style.check_explain(args, model, error)  # what was given, before the defaults fill the rest
+    if args.memory and args.parallel in PIPELINED and getattr(args, "remat", None) not in (None, "none"):
+        error(
+            f"argument --remat: not with a pipeline (--parallel {args.parallel}); its blocks keep everything"
+        )
     fill_defaults(args, model, style)  # the model's --batch-size among them (the GPT's: from "data")
     model.check_explain(args, error)
     ways = style.ways(args.mesh)
