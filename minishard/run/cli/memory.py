@@ -73,11 +73,10 @@ def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> tupl
     x = jax.eval_shape(lambda f, ids: f(ids), before, first).shape  # the first block's input
     ends = (lambda m, ids: m.after(m.before(ids))) if stacked else (lambda m, ids: m(ids))
     logits = math.prod(jax.eval_shape(ends, model, first).shape[1:])  # per example: a GPT's, per token
-    added: dict[str, int] = {}
     if hasattr(block, "attention"):
-        one_block, head = _transformer(block, at, leaves, b, x[1], logits, ways, added)
+        one_block, head, added = _transformer(block, at, leaves, b, x[1], logits, ways)
     else:  # a pipeline's MLP: each block a Linear (w -> w) and its Swish
-        width = x[-1]
+        width, added = x[-1], {}
         one_block = lambda examples, _: memory.mlp_activations(examples, (width, width))  # noqa: E731
         head = memory.mlp_activations(b, (leaves["before.layers[0].weight"].shape[0], width, logits))
     if stacked and model.pipeline is not None:  # each stage: its blocks, of every microbatch in flight
@@ -92,10 +91,10 @@ def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> tupl
 
 
 def _transformer(
-    block: Any, at: str, leaves: dict[str, Any], b: int, s: int, logits: int, ways: Any, added: dict[str, int]
-) -> tuple[Callable[[int, str], int], int]:
-    """A transformer's block as a function of its examples and its policy, and what the head keeps, for
-    ``b`` examples of ``s`` tokens on one device; a ring adds its chunks passing by to ``added``."""
+    block: Any, at: str, leaves: dict[str, Any], b: int, s: int, logits: int, ways: Any
+) -> tuple[Callable[[int, str], int], int, dict[str, int]]:
+    """A transformer's block as a function of its examples and its policy, what the head keeps, for
+    ``b`` examples of ``s`` tokens on one device, and what the style adds (a ring: its chunks in flight)."""
     width, heads, head_dim = leaves[at + "attention.query"].shape[-3:]
     _, seq, heads_split, _ = ways("seq", "heads", "kv")
     sp = ways("seq", "embed")[1] // seq  # the residual stream's tokens split further (tp+sp)
@@ -103,8 +102,7 @@ def _transformer(
     moe = block.mlp if isinstance(block.mlp, MoE) else None
     hidden = 0 if moe else leaves[at + "mlp.layers[0].weight"].shape[-1] // ways("seq", "mlp")[2]
     ring = block.attention.core == "ring"
-    if ring:
-        added["ring K/V"] = context.ring_in_flight(b, t, heads, head_dim)
+    added = {"ring K/V": context.ring_in_flight(b, t, heads, head_dim)} if ring else {}
 
     def one_block(examples: int, recompute: str) -> int:
         recompute = "selective" if ring and recompute == "none" else recompute  # the ring keeps no softmax
@@ -116,7 +114,7 @@ def _transformer(
         e_hidden = leaves[at + "mlp.experts.w_in"].shape[-1]
         return kept + moe_activations(examples, t, moe.n_experts, slots, width, e_hidden)
 
-    return one_block, memory.head_activations(b, t, width, logits // seq, sp)
+    return one_block, memory.head_activations(b, t, width, logits // seq, sp), added
 
 
 def _ways(rules: AxisRules, mesh: AnyMesh, axes: tuple[str, ...]) -> tuple[int, ...]:
