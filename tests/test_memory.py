@@ -380,6 +380,7 @@ def test_explain_memory_gives_a_7b_gpt_a_verdict_without_compiling(capsys):
     ("flags", "says"),
     [
         (["--parallel", "zero"], "argument --memory: it predicts the step of dp, tp, 2d, fsdp, fsdp+tp, pp"),
+        (["--model", "gpt", "--parallel", "tp+sp"], "dp+cp, ep, dp+ep, not --parallel tp+sp's"),
         (["--compare", "--hardware", "h100"], "argument --memory: one style at a time"),
         (["--model", "gpt", "--parallel", "pp", "--remat", "full"], "argument --remat: not with a pipeline"),
         (["--model", "gpt", "--heads", "3"], "argument --heads: 3 heads must divide --width 128"),

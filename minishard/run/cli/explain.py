@@ -66,6 +66,9 @@ __all__ = [
 HELP = "print (and --plot) the plan of a default model under a named style"
 DEFAULT_STYLE = "2d"
 """The style without --parallel, for a model whose entry names none."""
+MEMORY_STYLES = tuple(name for name in SPLITS if name != "tp+sp")
+"""What ``--memory`` predicts: every preset but tp+sp (whose attention meets every key, gathered whole:
+scores ``[b, h, t, s]`` where the formula counts ``[b, h, t, t]``), not ZeRO's own step (``zero_bytes``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,10 +124,10 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         error("argument --precision: only with --memory (the step explain prices is float32)")
     if args.memory and args.compare:
         error("argument --memory: one style at a time; drop --compare")
-    if args.memory and args.parallel not in SPLITS:  # ZeRO's own step: minishard.memory.zero_bytes
+    if args.memory and args.parallel not in MEMORY_STYLES:
         error(
-            f"argument --memory: it predicts the step of {', '.join(SPLITS)}, not --parallel "
-            f"{args.parallel}'s own"
+            f"argument --memory: it predicts the step of {', '.join(MEMORY_STYLES)}, not --parallel "
+            f"{args.parallel}'s"
         )
     compiles = args.hardware or args.compare or style.compiles or args.topology or args.memory
     if args.batch_size is not None and not compiles:
