@@ -13,7 +13,8 @@ other ways: all-gather, all-to-all, and Megatron's sequence parallelism):
    of 2p); ``meets`` says which chunks a device's queries meet at each step, ``kind``
    whether a pair is computed, masked (the diagonal) or skipped (all in the future).
 3. **The ring.** ``ring_attention``, p steps; its ``jax.custom_vjp`` sends K, V and their
-   gradients round again, so the backward pass keeps one chunk per device, whatever p.
+   gradients round again, so the backward pass keeps one chunk per device, whatever p
+   (``ring_kept``; ``ring_in_flight``, the chunks passing by).
 4. **What it sends.** ``ring_report`` counts a compiled step's collective-permutes beside
    the formula (``ring_permutes``), and shows the balance of both layouts.
 
@@ -358,6 +359,29 @@ def ring_attention(
     return _ring(q, k, v, axis, causal, layout)
 
 
+def ring_kept(b: int, t: int, heads: int) -> int:
+    """Numbers one ring attention keeps for its backward pass beyond q, k, v and out (``_ring_fwd``'s
+    residuals; a dense block keeps those too): the log-sum-exp of each of the ``b·t`` queries per head.
+    Not the softmax's weights, ``b heads t s``: ``attend_grads`` recomputes them pair by pair, as
+    Korthikanti's selective recomputation does (``minishard.memory.block_activations``).
+
+    >>> ring_kept(b=2, t=16, heads=4)
+    128
+    """
+    return b * t * heads
+
+
+def ring_in_flight(b: int, t: int, heads: int, head_dim: int) -> int:
+    """Numbers passing by while one ring attention's backward pass runs, per device, beside what it
+    kept: K and V, the next K and V, dK and dV and the next ones (``_ring_bwd``'s carry and its two
+    ``ppermute``\\ s), and the dQ being added up: 9 chunks ``[b, t, heads, head_dim]``.
+
+    >>> ring_in_flight(b=1, t=16, heads=2, head_dim=8)   # 9 chunks of 256
+    2304
+    """
+    return 9 * b * t * heads * head_dim
+
+
 # --- 4. what the ring sends, read from a compiled step -----------------------------
 
 
@@ -463,6 +487,8 @@ __all__ = [
     "positions",
     "ring_attention",
     "ring_forward",
+    "ring_in_flight",
+    "ring_kept",
     "ring_permutes",
     "ring_report",
     "scores",

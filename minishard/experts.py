@@ -14,6 +14,7 @@ A dense transformer runs every token through one MLP. A mixture-of-experts (MoE)
 4. **By hand** (``all_to_all_moe``): in ``jax.shard_map``, one ``all_to_all`` sends every
    expert its slots, a second brings the results home. ``expert_report`` reads a compiled
    forward pass: where each expert lives, the all-to-alls against the formula, the drops.
+   ``moe_activations``: what a layer keeps for its backward pass.
 
 The letters: ``G`` groups (the rows of a batch; each routes its own tokens), ``S`` tokens per
 group, ``M`` features, ``E`` experts, ``C`` slots per expert and group, ``H`` hidden units.
@@ -287,6 +288,26 @@ class MoE(Layer):
         return dispatch, combine, MoEStats(aux, balance, z, dropped, jnp.array(experts.size, jnp.int32))
 
 
+def moe_activations(groups: int, tokens: int, experts: int, slots: int, features: int, hidden: int) -> int:
+    """Numbers one ``MoE`` layer keeps for its backward pass, per device, for its ``groups`` of ``tokens``.
+
+    Each device routes its own groups and holds ``experts / D`` experts of every device's slots: the
+    same ``E G C`` slots' numbers either way (``C = slots``, ``capacity``). Autodiff keeps:
+
+    * the router's probabilities, ``G S E``, and ``dispatch`` and ``combine``, ``2 G S E C``;
+    * the slots into the experts and out of them, ``2 E G C M``, the Swish's input and output, ``2 E G C H``.
+
+    Against a dense MLP's ``2 G S H'`` (``H' = k H``, ``moe_mlp``): ``E C ≈ k S · capacity_factor``, so
+    the experts keep ``capacity_factor`` times the dense MLP's, their slots ``2 k S M · capacity_factor``
+    more, and the one-hot tensors grow with ``E``: ``2 S E C`` per group, ``S²`` for a given k and factor.
+
+    >>> moe_activations(groups=2, tokens=6, experts=4, slots=4, features=8, hidden=16)   # 48 + 384 + 1,536
+    1968
+    """
+    router, one_hot = groups * tokens * experts, 2 * groups * tokens * experts * slots
+    return router + one_hot + 2 * experts * groups * slots * (features + hidden)
+
+
 def moe_layers(model: Any) -> tuple[MoE, ...]:
     """Every ``MoE`` in ``model``, first to last (the pytree's order); none in a dense model.
 
@@ -447,6 +468,7 @@ __all__ = [
     "dispatch_and_combine",
     "expert_report",
     "keep",
+    "moe_activations",
     "moe_layers",
     "top_k",
     "with_stats",

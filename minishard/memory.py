@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, cast
 
 import jax
@@ -335,11 +336,11 @@ def step_budget(
     mesh: AnyMesh,
     rules: AxisRules | None = None,
     precision: Precision = FP32,
-    activations: float = 0.0,
+    kept: Mapping[str, float] | None = None,
 ) -> Budget:
-    """Per device: each term of a step on ``args``, ``(model, opt_state, batch)``, from ``Sharded``'s plan.
-
-    Gradients lie as the parameters, twice where replicas all-reduce them; FSDP gathers a weight whole.
+    """Per device: each term of a step on ``args``, ``(model, opt_state, batch)``, from ``Sharded``'s plan:
+    gradients lie as the parameters, twice where replicas all-reduce them; FSDP gathers a weight whole;
+    ``kept``: the activations, and what a style adds, by name (a pipeline's loop, the ring's chunks).
 
     >>> from minishard import AdamW, mlp
     >>> model, mesh = mlp([8, 16, 4], key=jax.random.key(0)), jax.sharding.AbstractMesh((8,), ("data",))
@@ -348,57 +349,59 @@ def step_budget(
     {'parameters': 848, 'optimizer state': 1700, 'batch': 256, 'gradients': 848, 'reduced gradients': 848}
     """
     shards = _shard_bytes(planned := Sharded(cast(Mesh, mesh), rules).plan_inputs(args), args)
-    numbers, whole = shards["model"][0], shards["model"][2]  # parameters per device, in all
+    (numbers, _, whole), (gathered, reduced) = shards["model"], _replicas_and_gathers(planned, mesh, rules)
     terms = {
         "parameters": numbers * itemsize(precision.params),
         "optimizer state": shards["state"][1],
         "master": numbers * itemsize(precision.master),
         "batch": shards["batch"][1],
         "gradients": numbers * (itemsize(precision.grads) + itemsize(precision.accumulated)),
-        "activations": activations,
-        "reduced gradients": numbers * itemsize(precision.grads) if _replicas(planned) else 0,
-        "gathered": shards["model"][3] * itemsize(precision.params) if _gathers(planned) else 0,
+        **(kept or {}),
+        "reduced gradients": reduced * itemsize(precision.grads),
+        "gathered": gathered * itemsize(precision.params),
     }
     return Budget({name: size for name, size in terms.items() if size}, whole / numbers)
 
 
-def _shard_bytes(plan: Plan, args: tuple[Any, ...]) -> dict[str, tuple[int, int, int, int]]:
-    """Per argument of ``(model, opt_state, batch)``: numbers per device, their bytes, numbers in all,
-    and the most numbers one array gains when gathered whole.
+def _shard_bytes(plan: Plan, args: tuple[Any, ...]) -> dict[str, tuple[int, int, int]]:
+    """Per argument of ``(model, opt_state, batch)``: numbers per device, their bytes, numbers in all.
 
     A plan's path starts with the argument's position ("[1].mu.layers[0].weight"); its
     leaves come in the order of the arguments' leaves, whose dtypes give the bytes.
     """
-    found = {kind: [0, 0, 0, 0] for kind in ("model", "state", "batch")}
+    found = {kind: [0, 0, 0] for kind in ("model", "state", "batch")}
     for leaf, array in zip(plan.leaves, jax.tree.leaves(args), strict=True):
         kind, numbers = ("model", "state", "batch")[int(leaf.path[1])], math.prod(leaf.shard_shape)
         found[kind][0] += numbers
         found[kind][1] += numbers * np.dtype(array.dtype).itemsize
         found[kind][2] += math.prod(leaf.shape)
-        found[kind][3] = max(found[kind][3], math.prod(leaf.shape) - numbers)  # the most one gather adds
-    return {kind: (n, size, whole, gather) for kind, (n, size, whole, gather) in found.items()}
+    return {kind: (n, size, whole) for kind, (n, size, whole) in found.items()}
 
 
-def _replicas(plan: Plan) -> bool:
-    """Data parallel replicas: the batch is split over a mesh axis that leaves the parameters whole, so
-    the gradients are all-reduced over it, the sum written beside the summands."""
-    model_axes, batch_axes = _split_axes(plan)
-    return bool(batch_axes - model_axes)
+def _replicas_and_gathers(plan: Plan, mesh: AnyMesh, rules: AxisRules | None) -> tuple[int, int]:
+    """Numbers FSDP gathers whole (the most one weight gains), and the parameters' numbers all-reduced.
 
-
-def _gathers(plan: Plan) -> bool:
-    """FSDP: the parameters are split over a mesh axis the batch is split over too."""
-    model_axes, batch_axes = _split_axes(plan)
-    return bool(batch_axes & model_axes)
-
-
-def _split_axes(plan: Plan) -> tuple[set[str], set[str]]:
-    """The mesh axes that split the parameters, and those that split the batch."""
-    axes: dict[str, set[str]] = {"0": set(), "2": set()}  # the model's, the batch's (argument 0, 2)
+    A parameter whole over a mesh axis that splits the tokens (the batch's axes, and under context
+    parallelism the sequence's) is a data-parallel replica: its gradient is all-reduced, the sum
+    written beside its summands. One split by its own axes over an axis that splits the batch is
+    gathered whole (FSDP), but for a stack of experts split by ``"expert"``: the tokens go to their
+    experts instead (two all-to-alls, ``minishard.experts``).
+    """
+    batch = {axis for leaf in plan.leaves if leaf.path[1] == "2" for axis in _mesh_axes(leaf.spec)}
+    tokens = set(batch)
+    if rules is not None and "seq" in dict(rules.pairs):  # a rule may split the sequence's tokens too
+        tokens |= _mesh_axes(rules.spec(("batch", "seq"), mesh))
+    gathered = reduced = 0
     for leaf in plan.leaves:
-        if leaf.path[1] in axes:
-            axes[leaf.path[1]].update(_mesh_axes(leaf.spec))
-    return axes["0"], axes["2"]
+        if leaf.path[1] != "0":
+            continue
+        numbers = math.prod(leaf.shard_shape)
+        own = _mesh_axes([entry for axis, entry in zip(leaf.logical_axes, leaf.spec) if axis != "expert"])
+        if batch & own:
+            gathered = max(gathered, math.prod(leaf.shape) - numbers)
+        if tokens - _mesh_axes(leaf.spec):
+            reduced += numbers
+    return gathered, reduced
 
 
 def _mesh_axes(spec: Any) -> set[str]:

@@ -15,7 +15,8 @@ module writes that loop in four steps:
    ``stack`` turns a built model's blocks into them: the same function of the same numbers.
 3. **The schedule.** ``work(tick, stage)`` says what a stage does at a tick; ``run_pipeline`` runs
    it, as a ``Pipeline`` (the mesh, the microbatches, the repeats) says.
-4. **Costs.** ``bubble_fraction``; ``pipeline_report`` reads ticks, bytes and memory from the program.
+4. **Costs.** ``bubble_fraction``; ``in_flight``, the microbatches whose activations a stage keeps;
+   ``pipeline_report`` reads ticks, bytes and memory from the program.
 
 >>> schedule(p=2, m=3)      # stage 1 starts a tick late and finishes a tick late: the bubble
 [[0, 1, 2, None], [None, 0, 1, 2]]
@@ -317,7 +318,8 @@ def _gpipe(layers: Any, xs: jax.Array, *, pipeline: Pipeline) -> jax.Array:
         busy, i, j = work(t, stage, m, r)
         x = jnp.where(stage == 0, inputs[i], state)  # stage 0 starts microbatch i (repeat j)
         x = jnp.where(busy, x, 0.0)  # a bubble computes on zeros: NaN * 0 would be NaN in the gradient
-        y = run_blocks(jax.tree.map(lambda a: a[jnp.clip(j, 0, r - 1)], layers), x)
+        # repeat j's layers: slice 0 if r = 1 (at a traced j, a new array each tick, kept per tick by grad)
+        y = run_blocks(jax.tree.map(lambda a: a[0] if r == 1 else a[jnp.clip(j, 0, r - 1)], layers), x)
         outputs = outputs.at[i].set(jnp.where(busy & (stage == p - 1) & (j == r - 1), y, outputs[i]))
         state = jax.lax.ppermute(y, axis, ring_pairs(p))  # the shift
         sent, i_back, j_back = work(t, p - 1, m, r)  # what the last stage sent round to stage 0
@@ -342,6 +344,22 @@ def megatron_bubble(p: int, m: int, r: int = 1) -> float:
     """The bubble over the *ideal* time, as Megatron-LM writes it: ``(p-1)/(r·m)``. Grows past 1."""
     _checks.pipeline_sizes("megatron_bubble", p, m, r)
     return (p - 1) / (r * m)
+
+
+def in_flight(p: int, m: int, r: int = 1) -> float:
+    """Microbatches whose activations, through all of a stage's layers, GPipe keeps for the backward pass.
+
+    ``jax.grad`` of ``run_pipeline``'s loop keeps what every tick computed until the transposed loop
+    runs back over it: ``r·m + p - 1`` ticks, the bubbles' too (they compute on zeros), each through
+    ``1/r`` of a stage's layers. So ``m + (p-1)/r``, and a stage keeps its layers' activations of
+    every microbatch of the batch (``m`` of them) and more: the circular schedule (``r > 1``) keeps
+    less of the bubble. 1F1B (``minishard.pipeline_1f1b``) keeps at most ``2p``, whatever ``m``.
+
+    >>> in_flight(p=4, m=8), in_flight(p=4, m=8, r=2)
+    (11.0, 9.5)
+    """
+    _checks.pipeline_sizes("in_flight", p, m, r)
+    return (r * m + p - 1) / r
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,6 +431,7 @@ __all__ = [
     "bubble_fraction",
     "compiled_ticks",
     "draw",
+    "in_flight",
     "megatron_bubble",
     "microbatched",
     "pipeline_report",

@@ -49,7 +49,7 @@ from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
 from minishard.run.topology import LoweredOnce, hardware_of, on_cpu_and_tpu, side_by_side, tpu_devices
 from minishard.sharding import Sharded, ShardedFunction, make_mesh
-from minishard.styles import ANY_MODEL, EXPERT, SEQUENCE
+from minishard.styles import ANY_MODEL, EXPERT, PIPELINED, SEQUENCE, SPLITS
 
 __all__ = [
     "DESCRIPTION",
@@ -67,6 +67,9 @@ __all__ = [
 HELP = "print (and --plot) the plan of a default model under a named style"
 DEFAULT_STYLE = "2d"
 """The style without --parallel, for a model whose entry names none."""
+MEMORY_STYLES = tuple(name for name in SPLITS if name != "tp+sp")
+"""What ``--memory`` predicts: every preset but tp+sp (whose attention meets every key, gathered whole:
+scores ``[b, h, t, s]`` where the formula counts ``[b, h, t, t]``), not ZeRO's own step (``zero_bytes``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,9 +127,10 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         error("argument --precision: only with --memory (the step explain prices is float32)")
     if args.memory and args.compare:
         error("argument --memory: one style at a time; drop --compare")
-    if args.memory and args.parallel not in ANY_MODEL:
+    if args.memory and args.parallel not in MEMORY_STYLES:
         error(
-            f"argument --memory: it predicts {', '.join(ANY_MODEL)}'s step, not --parallel {args.parallel}'s"
+            f"argument --memory: it predicts the step of {', '.join(MEMORY_STYLES)}, not --parallel "
+            f"{args.parallel}'s"
         )
     compiles = args.hardware or args.compare or style.compiles or args.topology or args.memory
     others = " or ".join(f"--parallel {name}" for name, other in STYLES.items() if other.compiles)
@@ -142,6 +146,10 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         error("argument --microbatches: --memory predicts a step of whole batches; drop --microbatches")
     args.mesh = {"data": args.devices} if args.compare else style.mesh(args.devices)  # "data" may span all
     style.check_explain(args, model, error)  # what was given, before the defaults fill the rest
+    if args.memory and args.parallel in PIPELINED and getattr(args, "remat", None) not in (None, "none"):
+        error(
+            f"argument --remat: not with a pipeline (--parallel {args.parallel}); its blocks keep everything"
+        )
     fill_defaults(args, model, style)  # the model's --batch-size among them (the GPT's: from "data")
     model.check_explain(args, error)
     ways = style.ways(args.mesh)

@@ -11,14 +11,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import jax
+from jax.sharding import Mesh
 
-from minishard import memory, plan
+from minishard import context, memory, pipeline, plan
 from minishard.costs import HARDWARE, Memory
+from minishard.experts import MoE, capacity, moe_activations
 from minishard.memory import Budget, Precision
-from minishard.models.gpt import GPT
+from minishard.pipeline import StackedModel
 from minishard.rules import AnyMesh, AxisRules, ShardingError
 from minishard.run.cli.flags import simulate_devices
 from minishard.run.cli.models import MODELS
@@ -26,7 +29,7 @@ from minishard.run.cli.styles import style_of
 from minishard.run.steps import make_train_step
 from minishard.sharding import Sharded, make_mesh
 
-__all__ = ["COMPILES_UP_TO", "activations", "budget", "predict", "print_memory"]
+__all__ = ["COMPILES_UP_TO", "activations", "budget", "compiled_memory", "predict", "print_memory"]
 
 COMPILES_UP_TO = 50_000_000
 """Parameters up to which ``--memory`` compiles the step here for its compiled column (a model of
@@ -36,18 +39,24 @@ COMPILES_UP_TO = 50_000_000
 def budget(
     args: tuple[Any, Any, Any], mesh: AnyMesh, rules: AxisRules, precision: Precision = memory.FP32
 ) -> Budget:
-    """``memory.step_budget`` of ``(model, opt_state, batch)``, its activations from ``activations``."""
+    """``memory.step_budget`` of ``(model, opt_state, batch)``, what it keeps from ``activations``."""
     model, _, batch = args
-    kept = activations(model, batch, mesh, rules) * memory.itemsize(precision.params)
-    return memory.step_budget(args, mesh, rules, precision, kept)
+    kept, added = activations(model, batch, mesh, rules)
+    numbers = {"activations": kept, **added}  # in the dtype the step computes in
+    in_bytes = {name: n * memory.itemsize(precision.params) for name, n in numbers.items()}
+    return memory.step_budget(args, mesh, rules, precision, in_bytes)
 
 
-def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> int:
-    """Numbers one device keeps for the backward pass: an MLP's, or a transformer's blocks and head.
+def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> tuple[int, dict[str, int]]:
+    """Numbers one device keeps for the backward pass (an MLP's, or a transformer's blocks and head),
+    and what its style adds beside them, by name.
 
     Each size is the whole one over the ways the rules split its *activation's* logical axes
     (``("batch", "seq", "heads", "kv")`` for q, k, v): under ``fsdp`` the weights split over
-    "data", the activations split by the batch, as the ordered rules say.
+    "data", the activations split by the batch, as the ordered rules say. Each style's chapter
+    says what it changes: a pipeline keeps its stage's blocks of ``pipeline.in_flight``
+    microbatches, a ring attention what ``context.ring_kept`` says (and its chunks pass by,
+    ``context.ring_in_flight``), a mixture of experts its slots (``experts.moe_activations``).
     """
     leaves = {leaf.path: leaf for leaf in plan(model, mesh, rules).leaves}
     first = jax.tree.leaves(batch)[0]
@@ -57,17 +66,55 @@ def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> int:
         weights = [leaf for path, leaf in leaves.items() if path.endswith(".weight")]
         axes = [weights[0].logical_axes[0], *[leaf.logical_axes[1] for leaf in weights]]
         sizes = [weights[0].shape[0], *[leaf.shape[1] for leaf in weights]]
-        return memory.mlp_activations(b, tuple(n // ways(axis)[1] for n, axis in zip(sizes, axes)))
-    s = jax.eval_shape(lambda m, x: m.embedding(x), model, first).shape[1]  # tokens per example
-    width, heads, head_dim = leaves["blocks[0].attention.query"].shape
-    hidden = leaves["blocks[0].mlp.layers[0].weight"].shape[1]
+        return memory.mlp_activations(b, tuple(n // ways(axis)[1] for n, axis in zip(sizes, axes))), {}
+    stacked = isinstance(model, StackedModel)  # a pipeline's: its blocks on "stage"
+    block, at = (model.blocks.block, "blocks.block.") if stacked else (model.blocks[0], "blocks[0].")
+    before = model.before if stacked else model.embedding
+    x = jax.eval_shape(lambda f, ids: f(ids), before, first).shape  # the first block's input
+    ends = (lambda m, ids: m.after(m.before(ids))) if stacked else (lambda m, ids: m(ids))
+    logits = math.prod(jax.eval_shape(ends, model, first).shape[1:])  # per example: a GPT's, per token
+    if hasattr(block, "attention"):
+        one_block, head, added = _transformer(block, at, leaves, b, x[1], logits, ways)
+    else:  # a pipeline's MLP: each block a Linear (w -> w) and its Swish
+        width, added = x[-1], {}
+        one_block = lambda examples, _: memory.mlp_activations(examples, (width, width))  # noqa: E731
+        head = memory.mlp_activations(b, (leaves["before.layers[0].weight"].shape[0], width, logits))
+    if stacked and model.pipeline is not None:  # each stage: its blocks, of every microbatch in flight
+        pipe = model.pipeline
+        added["pipeline loop"] = 2 * math.prod(x) // ways()[0]  # its inputs and outputs: the whole batch's
+        in_flight = pipeline.in_flight(pipe.stages, pipe.microbatches, pipe.repeats)
+        blocks = in_flight * (model.blocks.n // pipe.stages) * one_block(b // pipe.microbatches, "none")
+        return int(blocks) + head, added
+    n, policy = (model.blocks.n, "none") if stacked else (len(model.blocks), model.remat)
+    kept, whole = one_block(b, policy), one_block(b, "none")
+    return n * kept + (whole - kept) + head, added  # and one block recomputed at a time
+
+
+def _transformer(
+    block: Any, at: str, leaves: dict[str, Any], b: int, s: int, logits: int, ways: Any
+) -> tuple[Callable[[int, str], int], int, dict[str, int]]:
+    """A transformer's block as a function of its examples and its policy, what the head keeps, for
+    ``b`` examples of ``s`` tokens on one device, and what the style adds (a ring: its chunks in flight)."""
+    width, heads, head_dim = leaves[at + "attention.query"].shape[-3:]
     _, seq, heads_split, _ = ways("seq", "heads", "kv")
-    sp = ways("seq", "embed")[1]  # the residual stream's tokens split (tp+sp)
-    shape = (b, s // seq, width, heads // heads_split, head_dim, hidden // ways("seq", "mlp")[2])
-    kept, whole = (memory.block_activations(*shape, sp=sp // seq, recompute=p) for p in (model.remat, "none"))
-    outputs = leaves["head.weight"].shape[1] * (s if isinstance(model, GPT) else 1)  # per token or image
-    head = memory.head_activations(b, s // seq, width, outputs, sp // seq)
-    return len(model.blocks) * kept + (whole - kept) + head  # and one block recomputed at a time
+    sp = ways("seq", "embed")[1] // seq  # the residual stream's tokens split further (tp+sp)
+    t, heads = s // seq, heads // heads_split  # one device's tokens and heads
+    moe = block.mlp if isinstance(block.mlp, MoE) else None
+    hidden = 0 if moe else leaves[at + "mlp.layers[0].weight"].shape[-1] // ways("seq", "mlp")[2]
+    ring = block.attention.core == "ring"
+    added = {"ring K/V": context.ring_in_flight(b, t, heads, head_dim)} if ring else {}
+
+    def one_block(examples: int, recompute: str) -> int:
+        recompute = "selective" if ring and recompute == "none" else recompute  # the ring keeps no softmax
+        kept = memory.block_activations(examples, t, width, heads, head_dim, hidden, sp, recompute)
+        kept += context.ring_kept(examples, t, heads) if ring and recompute == "selective" else 0
+        if moe is None or recompute in ("full", "names"):  # these recompute the MLP from its input
+            return kept
+        slots = capacity(t, moe.n_experts, moe.k, moe.capacity_factor)
+        e_hidden = leaves[at + "mlp.experts.w_in"].shape[-1]
+        return kept + moe_activations(examples, t, moe.n_experts, slots, width, e_hidden)
+
+    return one_block, memory.head_activations(b, t, width, logits // seq, sp), added
 
 
 def _ways(rules: AxisRules, mesh: AnyMesh, axes: tuple[str, ...]) -> tuple[int, ...]:
@@ -80,16 +127,18 @@ def _ways(rules: AxisRules, mesh: AnyMesh, axes: tuple[str, ...]) -> tuple[int, 
 
 def predict(args: argparse.Namespace) -> tuple[Budget, tuple[Any, Any, Any], dict[str, int], AxisRules]:
     """``explain --memory``'s prediction from its checked flags (``parse_args``), nothing compiled: the
-    budget, the step's ``(model, opt_state, batch)`` as shapes, the style's mesh shape and rules.
+    budget, the step's ``(model, opt_state, batch)`` as shapes, the style's mesh shape and rules. The
+    model is as the style prepares it for the mesh: a pipeline's schedule, said in one line.
 
     Raises ``ShardingError`` where the style's rules cannot split the model.
     """
     model, style = MODELS[args.model], style_of(args.parallel)
     shape, rules = style.mesh(args.devices), style.rules({})
+    mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
     built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
+    built = style.prepare(built, args, cast(Mesh, mesh))  # a pipeline's schedule needs only the mesh's shape
     optimizer = model.compiled_optimizer(args)
     step_args = (built, jax.eval_shape(optimizer.init, built), model.example(args, args.batch_size))
-    mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
     return budget(step_args, mesh, rules, memory.PRECISIONS[args.precision]), step_args, shape, rules
 
 
@@ -102,20 +151,14 @@ def print_memory(args: argparse.Namespace) -> int:
     except ShardingError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    model, precision = MODELS[args.model], memory.PRECISIONS[args.precision]
     count = sum(leaf.size for leaf in jax.tree.leaves(step_args[0]))
     devices = args.topology_devices  # --topology: XLA:TPU compiles it, whatever its size (nothing allocated)
     compiles = devices is not None or (count <= COMPILES_UP_TO and len(jax.devices()) == args.devices)
-    step = make_train_step(
-        model.compiled_optimizer(args),
-        model.task.loss,
-        precision=None if precision == memory.FP32 else precision,
-    )
     on = args.topology or f"{args.devices} devices"
     where = f"under {args.parallel} on {on}, batch {args.batch_size}, {args.precision}"
     print(f"{args.model} ({count:,} parameters) {where}: bytes per device")
     try:
-        compiled = _compiled(step_args, step, shape, rules, devices) if compiles else None
+        compiled = compiled_memory(args, step_args, shape, rules, devices) if compiles else None
     except jax.errors.JaxRuntimeError as error:  # XLA:TPU out of HBM: the compiler's own verdict
         print(f"XLA:TPU refuses it: {str(error).splitlines()[0]}")
         compiles, compiled = True, None
@@ -127,10 +170,21 @@ def print_memory(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compiled(
-    args: tuple[Any, Any, Any], step: Any, shape: dict[str, int], rules: AxisRules, devices: Any
+def compiled_memory(
+    args: argparse.Namespace,
+    step_args: tuple[Any, Any, Any],
+    shape: dict[str, int],
+    rules: AxisRules,
+    devices: Any = None,
 ) -> Memory:
-    """``memory_analysis()`` of the train step as ``train`` compiles it: the model and state donated
-    (on ``devices``: a TPU slice's, or None for the simulated CPU devices)."""
+    """``memory_analysis()`` of the train step of ``predict``'s ``step_args``, as ``train`` compiles it
+    from the same flags: the model and state donated, in ``--precision``; on ``devices`` (a TPU slice's,
+    or simulated CPU devices; None: all of them)."""
+    model, precision = MODELS[args.model], memory.PRECISIONS[args.precision]
+    step = make_train_step(
+        model.compiled_optimizer(args),
+        model.task.loss,
+        precision=None if precision == memory.FP32 else precision,
+    )
     sharded = Sharded(make_mesh(shape, devices=devices), rules, donate_argnums=(0, 1))(step)
-    return Memory.of(sharded.lower(*args).compile())
+    return Memory.of(sharded.lower(*step_args).compile())
