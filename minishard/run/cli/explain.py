@@ -142,7 +142,7 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         ):
             name = "--" + flag.replace("_", "-")
             error(f"argument {name}: only a compiled step takes it; add --hardware (or {others})")
-    if args.microbatches is not None and args.memory:
+    if args.microbatches is not None and args.memory and not style.checks_microbatches:  # a pipeline: its own
         error("argument --microbatches: --memory predicts a step of whole batches; drop --microbatches")
     args.mesh = {"data": args.devices} if args.compare else style.mesh(args.devices)  # "data" may span all
     style.check_explain(args, model, error)  # what was given, before the defaults fill the rest
