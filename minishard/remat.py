@@ -88,7 +88,8 @@ def after_the_gradient(f: Callable[..., Any]) -> Callable[..., Any]:
     schedules (measured: a 4-block GPT kept every block's softmax under ``full``
     as under ``none``). Here the kept values are made to *depend* on the gradient
     (``+ 0 · g``, which no compiler folds away: ``0 · inf`` is not 0), so no
-    compiler can recompute before the gradient arrives.
+    compiler can recompute before the gradient arrives. The price: g's first
+    number lives on one device, so where g is split the tie is a 4-byte all-reduce.
     """
 
     def forward(*args: Any) -> tuple[Any, Any]:

@@ -200,7 +200,7 @@ class Speed:
     unit: str
     peak: float
     source: str = ""  # where the peak comes from
-    hardware: float | None = None  # FLOPs the step runs, recomputation included; None: ``flops``
+    hardware: float = 0.0  # FLOPs the step runs, recomputation included (0: not counted)
 
     @classmethod
     def of_step(
@@ -223,16 +223,20 @@ class Speed:
             f"{self.unit}_per_s": self.items / step_s,
             "mfu": self.flops / step_s / self.peak,
         }
-        if self.hardware is not None and self.hardware != self.flops:  # recomputation: HFU > MFU
+        if self.recomputes:
             rate["hfu"] = self.hardware / step_s / self.peak
         return rate | {"step_flops": self.flops, "peak_flops": self.peak}
+
+    @property
+    def recomputes(self) -> bool:
+        """The step runs more FLOPs than 3 x its forward: ``--remat``'s, and HFU is worth printing. (Without
+        it the hardware runs fewer: no gradient of the first layer's input.)"""
+        return self.hardware > self.flops
 
     def said(self) -> str:
         """``Model FLOPs 5.29 G a step (1,024 tokens); peak 92.1 GFLOP/s (measured: ...)``."""
         peak = f"{self.peak / 1e9:.3g} GFLOP/s ({self.source})"
-        recomputed = (
-            "" if self.hardware in (None, self.flops) else f", {self.hardware / 1e9:.3g} G run (--remat)"
-        )
+        recomputed = f", {self.hardware / 1e9:.3g} G run (--remat)" if self.recomputes else ""
         flops = f"Model FLOPs {self.flops / 1e9:.3g} G a step{recomputed}"
         return f"{flops} ({self.items:,} {self.unit}); peak {peak}"
 
