@@ -6,11 +6,13 @@
   line each, before any example.
 * **The GPT** (issue 46 §2): on every drawn composition, its logits, its loss and every gradient
   equal the dense model's on one device (``assert_sharded_equivalent``), with the pipeline and the
-  ring attached where pp and cp are drawn.
+  ring attached where pp and cp are drawn, and its MLPs mixtures of experts where ep is; a pipeline
+  one tick short inside a composition fails the property.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -25,6 +27,7 @@ from minishard import pipeline as pp
 from minishard.losses import cross_entropy, one_hot
 from minishard.models import gpt
 from minishard.models.attention import SEQUENCE_LAYOUT, sequence_axis
+from minishard.models.transformer import moe_mlp
 from minishard.run.next_token import in_sequence_layout
 from minishard.styles import CONFLICTS, DIMENSIONS, compose, dimensions
 from minishard.testing import Composition, assert_sharded_equivalent, compositions, seeds, split_counts
@@ -44,6 +47,9 @@ WIDTHS = {
 """The GPT's width per logical axis, the batch's included: what ``compositions`` divides."""
 GPT_DIMENSIONS = ("dp", "fsdp", "tp", "sp", "pp", "cp")
 """What the dense GPT takes: the annotated four, a pipeline of its stacked blocks, ring attention."""
+EXPERTS = moe_mlp(8, k=2, capacity_factor=4.0)  # test_compose's: 8 experts, 2 per token, none dropped
+MOE_WIDTHS = {**WIDTHS, "expert": 8, "mlp": WIDTHS["mlp"] // 2}  # each expert half the dense MLP
+"""The MoE GPT's widths: its MLPs are mixtures of ``EXPERTS``."""
 
 
 # --- the strategy ---------------------------------------------------------------------------------
@@ -104,6 +110,11 @@ def test_a_mesh_that_does_not_divide_a_width_is_never_drawn():
             "compositions: no composition of 2 to 3 of dp, tp splits the widths",
         ),
         (lambda: compositions(WIDTHS, devices=16), "devices=16, but this process has only 8"),
+        (lambda: Composition("dp+sp", {"data": 2, "model": 4}), "dp+sp: sp splits the sequence over tp's"),
+        (
+            lambda: Composition("tp+dp", {"model": 4, "data": 2}),
+            "Composition: tp+dp has the mesh axes ('data', 'model') in this order, not ('model', 'data')",
+        ),
     ],
 )
 def test_arguments_the_strategy_cannot_draw_from_are_one_line_each(call, message):
@@ -142,25 +153,26 @@ def sequential(model, batch):
 
 
 @functools.cache
-def dense_gpt() -> gpt.GPT:
+def small_gpt(experts: bool) -> gpt.GPT:
     """The GPT of seed 0, built once; ring attention, which is the dense core where "seq" is whole."""
-    return gpt.GPT(**SMALL, core="ring", key=jax.random.key(0))
+    return gpt.GPT(**SMALL, core="ring", key=jax.random.key(0), **({"mlp": EXPERTS} if experts else {}))
 
 
-def model_for(composition: Composition):
-    """The GPT as ``composition`` runs it: under pp its blocks stacked and pipelined over "stage"."""
-    model = dense_gpt()
+def model_for(composition: Composition, pipeline: type[pp.Pipeline] = pp.Pipeline):
+    """The GPT as ``composition`` runs it: under pp its blocks stacked and pipelined over "stage" (a
+    microbatch per stage), under ep its MLPs mixtures of experts."""
+    model = small_gpt("ep" in composition.dimensions)
     if "pp" not in composition.dimensions:
         return model
     mesh = composition.mesh
-    pipeline = pp.Pipeline(mesh, mesh.shape["stage"], data_axis="data" if "data" in mesh.shape else None)
-    return gpt.as_stacked(model).replace(pipeline=pipeline)
+    data_axis = "data" if "data" in mesh.shape else None
+    return gpt.as_stacked(model).replace(pipeline=pipeline(mesh, mesh.shape["stage"], data_axis=data_axis))
 
 
-def check_gpt(composition: Composition, seed: int) -> None:
+def check_gpt(composition: Composition, seed: int, pipeline: type[pp.Pipeline] = pp.Pipeline) -> None:
     ids = np.random.default_rng(seed).integers(0, SMALL["vocab"], (BATCH, SMALL["context"] + 1))
     batch = {"inputs": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32)}
-    model = model_for(composition)
+    model = model_for(composition, pipeline)
     reference = sequential if "pp" in composition.dimensions else None
     assert_sharded_equivalent(
         logits_loss_and_gradients,
@@ -185,3 +197,37 @@ def test_the_gpt_computes_the_dense_models_logits_and_gradients_on_composed_mesh
 @given(compositions(WIDTHS, GPT_DIMENSIONS, min_dimensions=2), seeds)
 def test_the_gpt_with_its_pipeline_and_ring_is_the_dense_model_on_composed_meshes(composition, seed):
     check_gpt(composition, seed)
+
+
+@pytest.mark.slow  # each composition compiles the GPT's forward and backward twice
+@settings(max_examples=6)
+@given(
+    compositions(MOE_WIDTHS, ("dp", "fsdp", "tp", "sp", "cp", "ep"), min_dimensions=2).filter(
+        lambda composition: "ep" in composition.dimensions
+    ),
+    seeds,
+)
+def test_the_moe_gpt_is_the_dense_model_on_composed_meshes_with_its_experts_split(composition, seed):
+    check_gpt(composition, seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneTickShort(pp.Pipeline):
+    """A broken pipeline: the last microbatch never leaves the last stage (docs/testing.md's)."""
+
+    @property
+    def ticks(self) -> int:
+        return super().ticks - 1
+
+
+@pytest.mark.slow  # one composition, compiled twice
+def test_the_property_fails_on_a_pipeline_one_tick_short_inside_a_composition():
+    @settings(max_examples=2, database=None)
+    @given(compositions(WIDTHS, ("dp", "tp", "pp"), min_dimensions=3), seeds)
+    def broken(composition, seed):
+        check_gpt(composition, seed, pipeline=OneTickShort)
+
+    with pytest.raises(AssertionError, match=r"output \[0\]: sharded != unsharded") as failed:
+        broken()
+    drawn = "Composition('dp+tp+pp', {'data': 2, 'model': 2, 'stage': 2})"  # the call that makes it
+    assert f"composition={drawn}" in "\n".join(failed.value.__notes__), failed.value.__notes__

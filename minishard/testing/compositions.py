@@ -13,7 +13,6 @@ strategy never draws a composition the library refuses, and keeps no table of it
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
@@ -23,7 +22,6 @@ import jax
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, Mesh
 
-from minishard.rules import AxisRules
 from minishard.sharding import make_mesh
 from minishard.styles import DIMENSIONS, LOGICAL_AXES, MESH_AXES, ORDER, dimensions, style_rules
 from minishard.testing.strategies import _factorizations, _multi_device_count, split_counts
@@ -33,21 +31,30 @@ ANNOTATED = ("dp", "fsdp", "tp", "sp")
 them. pp, cp and ep need a chapter's machinery too (a ``Pipeline``, a ring core, MoE layers)."""
 
 
-@dataclasses.dataclass(frozen=True)
 class Composition:
-    """A composed style on a mesh: ``dimensions`` (``("dp", "tp", "pp")``), each over its mesh axis
-    of ``mesh``, and the composed ``rules`` (``minishard.styles.style_rules``)."""
+    """A composed style on a mesh: ``Composition("dp+tp+pp", {"data": 2, "model": 2, "stage": 2})``.
 
-    dimensions: tuple[str, ...]
-    mesh: Mesh
-    rules: AxisRules
+    Its ``dimensions``, each over its mesh axis of ``mesh`` (the first devices), and the composed
+    ``rules`` (``minishard.styles.style_rules``). Its repr is this call: a failing example, as
+    hypothesis prints it, pastes into a test as it is.
+
+    >>> composition = Composition("tp+dp", {"data": 2, "model": 4})
+    >>> composition, composition.dimensions, composition.rules.spec(("batch", "mlp"))
+    (Composition('dp+tp', {'data': 2, 'model': 4}), ('dp', 'tp'), P('data', 'model'))
+    """
+
+    def __init__(self, style: str, shape: Mapping[str, int]) -> None:
+        self.dimensions = dimensions(style)  # a composition the library refuses is refused here
+        if tuple(shape) != (axes := _mesh_axes(self.dimensions)):
+            raise ValueError(f"Composition: {style} has the mesh axes {axes} in this order, not {(*shape,)}")
+        self.mesh, self.rules = _mesh(axes, tuple(shape.values())), style_rules(style)
 
     @property
     def name(self) -> str:
         """The style, as ``--parallel`` spells it: ``"dp+tp+pp"``."""
         return "+".join(self.dimensions)
 
-    def __repr__(self) -> str:  # what a failing example prints: the style and the mesh, not every device
+    def __repr__(self) -> str:
         return f"Composition({self.name!r}, {dict(self.mesh.shape)})"
 
 
@@ -137,17 +144,21 @@ def _composes(chosen: tuple[str, ...]) -> str | None:
 
 def _on_meshes(name: str, widths: Mapping[str, int], devices: int) -> list[Composition]:
     """``name`` on every mesh of ``devices`` devices, each axis at least 2, that splits ``widths`` evenly."""
-    rules, dims = style_rules(name), dimensions(name)
-    axes = tuple(axis for axis in MESH_AXES if axis in {DIMENSIONS[dim] for dim in dims})
+    rules, axes = style_rules(name), _mesh_axes(dimensions(name))
     shapes = [shape for shape in _factorizations(devices, len(axes)) if min(shape) >= 2]
     return [
-        Composition(dims, _mesh(axes, shape), rules)
+        Composition(name, dict(zip(axes, shape)))
         for shape in shapes
         if all(
             width % split_counts((logical,), AbstractMesh(shape, axes), rules)[0] == 0
             for logical, width in widths.items()
         )
     ]
+
+
+def _mesh_axes(dims: tuple[str, ...]) -> tuple[str, ...]:
+    """A mesh axis per dimension (sp rides on tp's), in ``MESH_AXES``' order."""
+    return tuple(axis for axis in MESH_AXES if axis in {DIMENSIONS[dim] for dim in dims})
 
 
 @functools.cache
