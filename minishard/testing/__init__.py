@@ -31,6 +31,8 @@ hypothesis strategies that keep the number of compiled programs small.
   (pipelined == sequential, forward and gradients; a leaking bubble is named);
 * ``attention.py``: ``sequence_layouts`` (meshes, layouts, shapes), ``assert_attention_equivalent``
   (a context-parallel attention == attention on one device; the first wrong token is named);
+* ``compositions.py``: ``compositions``, composed meshes (``Composition``: which dimensions of
+  ``minishard.styles``, how many devices each, the composed rules) a model of given widths takes;
 * ``experts.py``: ``moes``, ``expert_parallels``, ``moe_reference`` (a mixture of experts as a
   loop over tokens) and ``assert_moe_equivalent`` (by hand over a mesh == one device).
 
@@ -51,6 +53,7 @@ from minishard.testing.assertions import assert_sharded_equivalent, assert_split
 from minishard.testing.attention import SequenceLayout, assert_attention_equivalent, sequence_layouts
 from minishard.testing.budgets import Limit, assert_collectives, data_parallel_limits, megatron_limits
 from minishard.testing.builders import LINEAR_AXES, mlps, models
+from minishard.testing.compositions import ANNOTATED, Composition, compositions
 from minishard.testing.experts import assert_moe_equivalent, expert_parallels, moe_reference, moes
 from minishard.testing.layouts import ExpectedLayout, assert_layout
 from minishard.testing.pipelines import assert_pipeline_equivalent, pipelines
@@ -71,9 +74,11 @@ from minishard.testing.strategies import (
 register_profiles()
 
 __all__ = [
+    "ANNOTATED",
     "DEFAULT_CHOICES",
     "LINEAR_AXES",
     "MULTIPLES",
+    "Composition",
     "ExpectedLayout",
     "Limit",
     "SequenceLayout",
@@ -87,6 +92,7 @@ __all__ = [
     "axis_rules",
     "batch_sizes",
     "batches",
+    "compositions",
     "data_parallel_limits",
     "expert_parallels",
     "megatron_limits",
