@@ -261,6 +261,7 @@ CLI_CASES = [
     ("dp+cp", (), None),
     ("dp+ep", ("--experts", "4"), None),
     ("ep", ("--experts", "4"), EXPERTS_KEPT),
+    ("tp+sp", (), MORE_KEPT + "; under tp+sp the sequence's reduce-scatters and all-gathers cut more (0.50)"),
     ("pp", ("--microbatches", "4"), LOOP_KEPT),
     ("dp+pp", ("--microbatches", "4"), LOOP_KEPT),
 ]
@@ -380,7 +381,7 @@ def test_explain_memory_gives_a_7b_gpt_a_verdict_without_compiling(capsys):
     ("flags", "says"),
     [
         (["--parallel", "zero"], "argument --memory: it predicts the step of dp, tp, 2d, fsdp, fsdp+tp, pp"),
-        (["--model", "gpt", "--parallel", "tp+sp"], "dp+cp, ep, dp+ep, not --parallel tp+sp's"),
+        (["--model", "gpt", "--parallel", "dp+tp+pp"], "ep, dp+ep, not --parallel dp+tp+pp's"),
         (["--compare", "--hardware", "h100"], "argument --memory: one style at a time"),
         (["--model", "gpt", "--parallel", "pp", "--remat", "full"], "argument --remat: not with a pipeline"),
         (["--model", "gpt", "--heads", "3"], "argument --heads: 3 heads must divide --width 128"),

@@ -67,9 +67,8 @@ __all__ = [
 HELP = "print (and --plot) the plan of a default model under a named style"
 DEFAULT_STYLE = "2d"
 """The style without --parallel, for a model whose entry names none."""
-MEMORY_STYLES = tuple(name for name in SPLITS if name != "tp+sp")
-"""What ``--memory`` predicts: every preset but tp+sp (whose attention meets every key, gathered whole:
-scores ``[b, h, t, s]`` where the formula counts ``[b, h, t, t]``), not ZeRO's own step (``zero_bytes``)."""
+MEMORY_STYLES = tuple(SPLITS)
+"""What ``--memory`` predicts: every preset, not ZeRO's own step (``memory.zero_bytes`` prices it)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
