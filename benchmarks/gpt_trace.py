@@ -1,15 +1,16 @@
 """Where a GPT step's time goes: a ``--profile`` trace of the default run, read back and drawn.
 
-Runs ``minishard train --model gpt --steps STEPS --profile DIR`` (the default GPT on 8
-simulated devices, steps 2 to 4 traced), reads the trace (``minishard.run.trace_reading``)
-and prints, per traced step: its time on the host (dispatch, then the wait for its loss), the
-dispatch, the host gap before the next step, each device's mean time in collectives (the
-gradients' all-reduce), the least any device spent there (the last to arrive waits for no one),
-and that mean's share of the step. ``--plot`` draws one step (``--step``, default the middle
-one) as a time line, the host over the 8 devices (docs/training.md). ``--trace DIR`` reads a
-trace already written instead of training.
+Runs ``minishard train --model gpt --steps 20 --profile DIR`` (the default GPT on 8
+simulated devices, steps 2 to 4 traced) and prints its mean step time; reads the trace
+(``minishard.run.trace_reading``) and prints, per traced step: its time on the host
+(dispatch, then the wait for its loss), the dispatch, the host gap before the next step,
+each device's mean time in collectives (the gradients' all-reduce), the least any device
+spent there (the last to arrive waits for no one) and that mean's share of the step.
+``--plot`` draws one step (``--step``, default the middle one) as a time line, the host
+over the 8 devices (docs/training.md). ``--trace DIR`` reads a trace already written
+instead of training.
 
-    nice python benchmarks/gpt_trace.py --plot docs/gpt_trace.png
+    python benchmarks/gpt_trace.py --plot docs/gpt_trace.png
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from simulated import FLAG  # noqa: F401  # first: 8 simulated devices before JA
 # isort: split
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -30,9 +32,15 @@ from minishard.run.trace_reading import TracedStep, read_trace
 
 
 def traced(directory: str, steps: int) -> list[TracedStep]:
-    """Train the default GPT for ``steps`` steps, tracing steps 2 to 4 into ``directory``; read them."""
-    if minishard(["train", "--model", "gpt", "--steps", str(steps), "--profile", directory]) != 0:
+    """Train the default GPT for ``steps`` steps, tracing steps 2 to 4 into ``directory``; read them, and
+    say the run's own mean step (its ``--log``: steps 2 to ``steps``, the traced ones among them)."""
+    log = os.path.join(directory, "metrics.jsonl")
+    flags = ["--steps", str(steps), "--profile", directory, "--log", log]
+    if minishard(["train", "--model", "gpt", *flags]) != 0:
         raise SystemExit("minishard train failed")
+    with open(log) as lines:
+        speed = [json.loads(line) for line in lines if '"speed"' in line][-1]["speed"]
+    print(f"\nthe run: {speed['step_s'] * 1e3:.1f} ms a step (steps 2-{steps}), MFU {speed['mfu']:.1%}")
     return read_trace(directory)
 
 
@@ -52,7 +60,7 @@ def table(steps: list[TracedStep]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=6, help="the run's steps (steps 2 to 4 are traced)")
+    parser.add_argument("--steps", type=int, default=20, help="the run's steps (steps 2 to 4 are traced)")
     parser.add_argument("--trace", metavar="DIR", help="read this --profile DIR instead of training")
     parser.add_argument("--step", type=int, help="the step --plot draws (default: the middle traced one)")
     parser.add_argument("--plot", metavar="PNG")

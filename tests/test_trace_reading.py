@@ -4,6 +4,8 @@ device's ops by launch, the collectives; on events made here, and on a tiny GPT'
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,7 +78,7 @@ needs_shakespeare = pytest.mark.skipif(
 
 @needs_shakespeare
 @pytest.mark.slow  # a tiny GPT's compile and five steps
-def test_a_tiny_gpts_trace_has_each_steps_ops_on_all_8_devices_and_their_all_reduce(tmp_path):
+def test_a_tiny_gpts_trace_has_each_steps_ops_on_all_8_devices_and_their_all_reduce(tmp_path, capsys):
     from minishard.run.cli import main
 
     tiny = ["--model", "gpt", "--width", "16", "--depth", "1", "--heads", "2", "--context", "16"]
@@ -91,3 +93,14 @@ def test_a_tiny_gpts_trace_has_each_steps_ops_on_all_8_devices_and_their_all_red
         assert step.gap is not None and step.gap > 0
         assert 0 < step.times()["collective_share"] < 1
     assert len({len(ops) for step in steps[:-1] for ops in step.ops.values()}) == 1  # the same program
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpt_trace  # the benchmark that draws docs/gpt_trace.png, on this trace
+
+    capsys.readouterr()
+    assert gpt_trace.main(["--trace", str(trace), "--plot", str(tmp_path / "trace.png")]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert [row.split()[0] for row in rows[1:4]] == ["2", "3", "4"] and rows[
+        -1
+    ] == f"Wrote {tmp_path}/trace.png"
+    assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
