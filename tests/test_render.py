@@ -4,7 +4,8 @@ import pytest
 
 from minishard.costs import HARDWARE, Candidate, Comparison, Memory, StepCost
 from minishard.memory import Budget
-from minishard.run.render import plot_budgets, plot_comparison, plot_history, terms_of
+from minishard.run.render import plot_budgets, plot_comparison, plot_history, plot_trace, terms_of
+from minishard.run.trace_reading import Span, TracedStep
 
 V5P = HARDWARE["v5p"]
 
@@ -49,3 +50,30 @@ def test_plot_budgets_stacks_every_term_of_every_style(tmp_path):
     plot_budgets({"fp32": {"dp": dp, "fsdp": fsdp}, "bf16": {"dp": dp}}, str(tmp_path / "bars.svg"), "a step")
     drawn = (tmp_path / "bars.svg").read_text()
     assert all(f"<!-- {text} -->" in drawn for text in ("fp32", "bf16", "reduced gradients", "gathered"))
+
+
+def test_plot_trace_draws_the_host_and_a_lane_per_device_with_the_gaps_between_steps(tmp_path):
+    pytest.importorskip("matplotlib")
+
+    def step(number, start, gap):  # µs, as a trace's clock: 100 ms steps, the all-reduce in the middle
+        ops = (Span("fusion.1", start + 5e3, start + 40e3), Span("all-reduce.2", start + 40e3, start + 90e3))
+        calls = (Span("PjitFunction(f)", start, start + 5e3),)
+        return TracedStep(number, Span("train", start, start + 100e3), calls, {0: ops, 1: ops}, gap)
+
+    steps = [step(2, 0, 20e3), step(3, 120e3, 30e3), step(4, 250e3, None)]
+    plot_trace(steps, 3, str(tmp_path / "trace.svg"), "a step")
+    drawn = (tmp_path / "trace.svg").read_text()
+    labels = (
+        "a step",
+        "host (Python)",
+        "device 0",
+        "device 1",
+        "gap",
+        "device: a collective",
+        "ms from step 3",
+    )
+    assert all(f"<!-- {label}" in drawn for label in labels), [
+        label for label in labels if label not in drawn
+    ]
+    assert "20.0 ms" in drawn and "30.0 ms" in drawn  # the host gaps before and after step 3
+    assert "device 2" not in drawn

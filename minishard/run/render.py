@@ -1,6 +1,7 @@
 """Drawing an ``explain`` report: a rich table, HTML for notebooks, a picture of the shards;
-the picture of ``minishard.costs.compare``: compute against communication per layout; and
-a training run's history (``plot_history``): its loss, its metrics and its learning rate.
+the picture of ``minishard.costs.compare``: compute against communication per layout;
+a training run's history (``plot_history``): its loss, its metrics and its learning rate; and
+one traced step (``plot_trace``): the host and every device's ops on one time line.
 
 ``minishard.explain`` builds the report and prints it as text; how it looks
 anywhere else is the workshop's business, kept here so the textbook stays about
@@ -27,6 +28,7 @@ import numpy as np
 from minishard import Report
 from minishard.costs import Comparison
 from minishard.memory import Budget
+from minishard.run.trace_reading import Span, TracedStep
 
 
 def rich_table(report: Report) -> Any:
@@ -233,12 +235,71 @@ def _measure(name: str) -> str:
     return name.split("_", 1)[-1]
 
 
+TRACE_LEGEND = {
+    "host": ("0.82", "host: the step's `train` span (dispatch, then the wait for its loss)"),
+    "dispatch": ("tab:green", "host: dispatching the compiled step (PjitFunction)"),
+    "op": ("tab:blue", "device: an XLA op (a fusion, a matmul)"),
+    "collective": ("tab:red", "device: a collective (the all-reduce: mostly waiting for the others)"),
+}
+"""``plot_trace``'s colours, and what each means in its legend."""
+
+
+def plot_trace(steps: list[TracedStep], number: int, path: str, title: str) -> None:
+    """Step ``number`` of a ``--profile`` trace (``trace_reading.read_trace``) as a time line: the host's
+    lane (each ``train`` span, its dispatch, the gaps between steps) over one lane per device of XLA's
+    ops, collectives in red; the steps before and after it faded, the gaps on either side in view."""
+    import matplotlib  # an optional extra: imported only to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    at = [step.number for step in steps].index(number)
+    step, devices = steps[at], sorted({device for s in steps for device in s.ops}, reverse=True)
+    pad = 0.04 * step.host.length
+    begin = (steps[at - 1].host.end if at else step.host.start) - pad
+    end = (steps[at + 1].host.start if at + 1 < len(steps) else step.host.end) + pad
+
+    def ms(time: float) -> float:  # from the step's start
+        return (time - step.host.start) / 1e3
+
+    def bars(spans: Iterable[Span], lane: float, kind: str, alpha: float, height: float = 0.7) -> None:
+        shown = [(ms(s.start), s.length / 1e3) for s in spans if s.end > begin and s.start < end]
+        ax.broken_barh(shown, (lane - height / 2, height), color=TRACE_LEGEND[kind][0], alpha=alpha, lw=0)
+
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(devices) + 2.2))
+    host = len(devices)  # the top lane
+    for other in steps:
+        alpha = 1.0 if other is step else 0.25
+        bars([other.host], host, "host", alpha, 0.8)
+        bars(other.calls, host, "dispatch", alpha, 0.8)
+        for lane, device in enumerate(devices):
+            ops = other.ops.get(device, ())
+            bars([op for op in ops if not op.collective], lane, "op", alpha)
+            bars([op for op in ops if op.collective], lane, "collective", alpha)
+        if other.gap is not None and begin < other.host.end < end:  # say how long the host gap is
+            middle = ms(other.host.end + other.gap / 2)
+            ax.annotate(f"gap\n{other.gap / 1e3:.1f} ms", (middle, host + 0.45), ha="center", fontsize=7)
+    ax.set(yticks=range(host + 1), yticklabels=[*(f"device {d}" for d in devices), "host (Python)"])
+    ax.set(xlim=(ms(begin), ms(end)), ylim=(-0.6, host + 1.1), xlabel=f"ms from step {number}'s start")
+    handles = [Patch(color=color, label=label) for color, label in TRACE_LEGEND.values()]
+    handles.append(Patch(color=TRACE_LEGEND["op"][0], alpha=0.25, label="the steps before and after"))
+    ax.legend(
+        handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False
+    )
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 __all__ = [
     "device_shards",
     "plot_budgets",
     "plot_comparison",
     "plot_history",
     "plot_report",
+    "plot_trace",
     "report_html",
     "rich_table",
     "show",
