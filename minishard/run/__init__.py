@@ -10,7 +10,9 @@ minishard, not to learn how sharding works:
   steps (``horizon``), on ``resume``'s promises, with ``compiling``'s report; ``errors``;
 * ``checkpoint``: orbax checkpoints with checksums, a lock, and every migration of older ones;
 * ``distributed``, ``launch``: one run over several processes (one per host), or N local ones;
-* ``render``: an ``explain`` report as a rich table, HTML, or a picture; a run's history;
+* ``profiling``: a run's speed (tokens per second, MFU, HFU under recomputation) and its profiler
+  trace; ``trace_reading``: a written trace read back, step by step, device by device;
+* ``render``: an ``explain`` report as a rich table, HTML, or a picture; a run's history, a trace;
 * ``cli``: ``minishard train``, ``minishard explain``, ``minishard launch``; a model is one
   entry of ``cli.models`` (a module of its own there, named for it), a style with a step of its
   own one entry of ``cli.styles`` (likewise).
