@@ -29,12 +29,12 @@ __all__ = [
     "TOP",
     "TRAINED_ON",
     "add_arguments",
-    "budget",
     "check",
     "count",
     "fraction",
     "print_ranking",
     "refuse_budget",
+    "token_count",
 ]
 
 BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -53,14 +53,14 @@ TOP = 5
 
 def add_arguments(add: Callable[..., object]) -> None:
     """``--tokens`` and ``--mfu``: the run's token budget, priced in days beside the ranking."""
-    add("--tokens", dest="budget", type=budget, help="with --compare --size: tokens to train on (15T)")
+    add("--tokens", dest="budget", type=token_count, help="with --compare --size: tokens to train on (15T)")
     add("--mfu", type=fraction, help=f"with --compare --size: the budget's share of peak (default {MFU})")
 
 
-def budget(text: str) -> float:
+def token_count(text: str) -> float:
     """An argparse type for ``--tokens``: a positive number, with K, M, B (or G) or T for ``DECIMAL``'s.
 
-    >>> budget("15T"), budget("1.5e12"), budget("300B")
+    >>> token_count("15T"), token_count("1.5e12"), token_count("300B")
     (15000000000000.0, 1500000000000.0, 300000000000.0)
     """
     digits, scale = (text[:-1], DECIMAL[text[-1].upper()]) if text[-1:].upper() in DECIMAL else (text, 1)
