@@ -20,6 +20,7 @@ over the mesh axis "data".
   Each layer ``all_gather``\\ s its weights just before it runs; ``jax.grad``
   transposes that all-gather into a ``psum_scatter``, so the gradients arrive
   already reduced and split, ready for the split update. No all-reduce at all.
+  (``gathered`` writes that transpose out as ``reduce_scatter``, for the one place it differs.)
 * **Mixed precision** (``compute="bfloat16"``, levels 1 and 2): Megatron-LM's distributed
   optimizer. The weights are held whole in bfloat16; each device keeps a float32 *master* of its
   1/N beside the moments (``Mastered``), differentiates through the cast (float32 gradients),
@@ -75,6 +76,38 @@ def flat_padded(leaf: jax.Array, n: int) -> jax.Array:
 def unpadded(flat: jax.Array, like: Any) -> jax.Array:
     """The inverse: drop the padding and restore ``like``'s shape."""
     return flat[: math.prod(like.shape)].reshape(like.shape)
+
+
+def reduce_scatter(x: jax.Array, axis: str) -> jax.Array:
+    """The sum of the vector ``x`` over ``axis``, each device keeping its 1/N: ``psum_scatter``.
+
+    Across CPU processes JAX's collectives run through gloo, whose reduce-scatter in jaxlib 0.10
+    can return wrong numbers at the end of rank 0's part above 256 KiB (jax-ml/jax#40830; seen
+    here under load). There the sum is an all-reduce and each device slices its part: the same
+    numbers, twice the bytes.
+    """
+    if jax.process_count() == 1 or jax.default_backend() != "cpu":
+        return jax.lax.psum_scatter(x, axis, tiled=True)
+    part = x.size // jax.lax.axis_size(axis)
+    return jax.lax.dynamic_slice_in_dim(jax.lax.psum(x, axis), jax.lax.axis_index(axis) * part, part)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gathered(shard: jax.Array, axis: str) -> jax.Array:
+    """Every device's ``shard`` over ``axis``, end to end (``all_gather``); its gradient is
+    ``reduce_scatter``, the all-gather's transpose, as ``jax.grad`` derives it."""
+    return jax.lax.all_gather(shard, axis, tiled=True)
+
+
+def _gathered_forward(shard: jax.Array, axis: str) -> tuple[jax.Array, None]:
+    return gathered(shard, axis), None
+
+
+def _gathered_backward(axis: str, _: None, grad: jax.Array) -> tuple[jax.Array]:
+    return (reduce_scatter(grad, axis),)
+
+
+gathered.defvjp(_gathered_forward, _gathered_backward)
 
 
 class Mastered(NamedTuple):
@@ -212,8 +245,8 @@ class ZeroStep:
         )
         me = jax.lax.axis_index(self.axis)
 
-        def reduce_scatter(grad: jax.Array) -> jax.Array:  # the sum of my 1/N, from every device
-            return jax.lax.psum_scatter(flat_padded(grad, self.n), self.axis, tiled=True) / self.n
+        def my_sum(grad: jax.Array) -> jax.Array:  # the mean of my 1/N, from every device
+            return reduce_scatter(flat_padded(grad, self.n), self.axis) / self.n
 
         def my_part(param: jax.Array, grad: jax.Array) -> jax.Array:  # the same 1/N of the parameter
             return jax.lax.dynamic_slice_in_dim(flat_padded(param, self.n), me * grad.size, grad.size)
@@ -222,7 +255,7 @@ class ZeroStep:
             whole = jax.lax.all_gather(part.astype(like.dtype), self.axis, tiled=True, to="invarying")
             return unpadded(whole, like)  # cast before the gather: bfloat16 moves 2 bytes a number
 
-        grads = jax.tree.map(reduce_scatter, grads)
+        grads = jax.tree.map(my_sum, grads)
         if isinstance(opt_state, Mastered):  # the optimizer updates my 1/N of the float32 master
             master, inner = opt_state
             params, inner = self.optimizer.update(master, grads, inner, axis_name=self.axis)
@@ -235,17 +268,17 @@ class ZeroStep:
     def _zero3(self, shards: Any, opt_state: Any, batch: Batch) -> Any:
         """Runs on one device: its own examples, 1/N of every parameter and of the velocity."""
 
-        def all_gather(shard: jax.Array, like: jax.Array) -> jax.Array:  # its transpose: psum_scatter
-            return unpadded(jax.lax.all_gather(shard, self.axis, tiled=True), like)
+        def all_gather(shard: jax.Array, like: jax.Array) -> jax.Array:  # its transpose: reduce_scatter
+            return unpadded(gathered(shard, self.axis), like)
 
-        def gathered(layer_shards: Any, like: Any) -> Any:  # one layer, whole, on every device
+        def whole(layer_shards: Any, like: Any) -> Any:  # one layer, whole, on every device
             return jax.tree.map(all_gather, layer_shards, like)
 
         def forward(shards: Any, x: jax.Array) -> jax.Array:
             if not isinstance(shards, Sequential):  # any other model: gather it all at once
-                return gathered(shards, self.shapes)(x)
+                return whole(shards, self.shapes)(x)
             for layer, like in zip(shards, self.shapes):  # one layer's weights whole at a time
-                x = gathered(layer, like)(x)
+                x = whole(layer, like)(x)
             return x
 
         def loss(shards: Any) -> Any:  # the model as a function: the shards, gathered as it runs
@@ -361,4 +394,14 @@ def _one_device(tree: Any) -> int:
     return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in leaves)
 
 
-__all__ = ["Mastered", "ZeroReport", "ZeroStep", "flat_padded", "unpadded", "zero_report", "zero_train_step"]
+__all__ = [
+    "Mastered",
+    "ZeroReport",
+    "ZeroStep",
+    "flat_padded",
+    "gathered",
+    "reduce_scatter",
+    "unpadded",
+    "zero_report",
+    "zero_train_step",
+]
