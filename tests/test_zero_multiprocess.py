@@ -50,7 +50,10 @@ def probe() -> None:
     from minishard.run import distributed
     from minishard.zero import reduce_scatter
 
-    scatters = {"psum_scatter": lambda x, axis: jax.lax.psum_scatter(x, axis, tiled=True), "reduce_scatter": reduce_scatter}
+    scatters = {
+        "psum_scatter": lambda x, axis: jax.lax.psum_scatter(x, axis, tiled=True),
+        "reduce_scatter": reduce_scatter,
+    }
 
     distributed.initialize(timeout=60)
     devices = jax.device_count()
@@ -61,13 +64,15 @@ def probe() -> None:
         rows = (np.arange(shape[-1]) % 1024 + np.indices(shape[:2]).sum(0)[..., None]).astype(np.float32)
         expected = rows.sum(0).reshape(shape[1], group, chunk).transpose(1, 0, 2)  # exact: small integers
         for name, scatter in scatters.items():
-            run = jax.jit(jax.shard_map(lambda x, f=scatter: f(x[0, 0], "data")[None, None],
-                                        mesh=mesh, in_specs=P("data", "rest"), out_specs=P("data", "rest")))  # fmt: skip
+            per_device = lambda x, f=scatter: f(x[0, 0], "data")[None, None]  # noqa: E731
+            run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=blocks.spec, out_specs=blocks.spec))
             errors = []
             for _ in range(REPEATS):
                 out = run(jax.make_array_from_callback(shape, blocks, rows.__getitem__))
                 shards = jax.block_until_ready(out).addressable_shards
-                errors.append(max(float(np.abs(np.asarray(s.data) - expected[s.index]).max()) for s in shards))
+                errors.append(
+                    max(float(np.abs(np.asarray(s.data) - expected[s.index]).max()) for s in shards)
+                )
             print(f"{name} groups of {group}, {kib} KiB: max error {max(errors):g}", flush=True)
 
 
@@ -81,9 +86,13 @@ def test_zeros_reduce_scatter_is_exact_across_two_processes_at_every_chunk_size(
     found = re.findall(r"\[rank (\d)\] (\w+) groups of (\d+), (\d+) KiB: max error (\S+)", run.stdout)
     cases = sorted((name, int(rank), int(group), int(kib)) for rank, name, group, kib, _ in found)
     names = ("psum_scatter", "reduce_scatter")
-    assert cases == sorted((name, rank, *case) for name in names for rank in (0, 1) for case in CASES), run.stdout
-    wrong = {name: [f"rank {rank}, groups of {group}, {kib} KiB: {error}" for rank, named, group, kib, error
-                    in found if named == name and float(error) != 0.0] for name in names}  # fmt: skip
+    assert cases == sorted((name, rank, *case) for name in names for rank in (0, 1) for case in CASES), (
+        run.stdout
+    )
+    wrong = {name: [] for name in names}
+    for rank, name, group, kib, error in found:
+        if float(error) != 0.0:
+            wrong[name].append(f"rank {rank}, groups of {group}, {kib} KiB: {error}")
     print(f"jax.lax.psum_scatter through gloo, wrong: {wrong['psum_scatter'] or 'none'}", file=sys.__stderr__)
     assert not wrong["reduce_scatter"], wrong["reduce_scatter"]
 
