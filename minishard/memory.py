@@ -43,6 +43,7 @@ from minishard.remat import POLICIES
 from minishard.rules import AnyMesh, AxisRules
 from minishard.sharding import Plan, Sharded
 from minishard.tree import cast_floating
+from minishard.zero import Mastered, ZeroStep, held_bytes
 
 # --- 1. bytes per parameter --------------------------------------------------------------------
 
@@ -266,13 +267,16 @@ class Budget:
 
     terms: dict[str, float]
     split: float = 1.0  # the parameters in all over those on one device: how many ways they are split
+    cast_each_step: bool = True  # with a master: the weights computed with are cast from it each step
 
     ARGUMENTS = ("parameters", "optimizer state", "master", "batch")
 
     @property
     def held(self) -> tuple[str, ...]:
-        """The terms a step is called with; with a master copy, the compute copy is made each step."""
-        return tuple(name for name in self.ARGUMENTS if name != "parameters" or "master" not in self.terms)
+        """The terms a step is called with; with a master copy, the compute copy is made each step (but
+        ZeRO's bfloat16 step holds it whole, gathered from the master's shards: ``cast_each_step`` False)."""
+        cast = "master" in self.terms and self.cast_each_step
+        return tuple(name for name in self.ARGUMENTS if name != "parameters" or not cast)
 
     @property
     def arguments(self) -> float:
@@ -363,6 +367,45 @@ def step_budget(
     return Budget({name: size for name, size in terms.items() if size}, whole / numbers)
 
 
+def zero_budget(step: ZeroStep, args: tuple[Any, Any, Any], kept: Mapping[str, float]) -> Budget:
+    """Per device: each term of ``minishard.zero``'s ``step`` on ``args``, ``(model, opt_state, batch)``
+    with the model and state as ``step.placed_shapes`` places them; ``kept``: the activations, by name.
+
+    The arguments are what each device holds: the weights whole in ``step.compute`` (levels 1, 2) or
+    their 1/N, each padded by ``flat_padded`` (level 3); the optimizer's state and the float32 master
+    1/N; the batch 1/N. The gradients are float32: levels 1 and 2 take the whole model's at once,
+    each whole until its reduce-scatter; level 3 one piece's at a time (``ZeroStep.pieces``), and keeps
+    each piece's weights gathered for its backward pass, but the first's of several (its input, the
+    batch, takes no gradient). Every gradient's reduced 1/N waits for the update.
+
+    >>> from minishard import SGD, mlp, zero
+    >>> model = jax.eval_shape(lambda: mlp([8, 16, 4], key=jax.random.key(0)))
+    >>> mesh = jax.sharding.AbstractMesh((8,), ("data",))
+    >>> step = zero.zero_train_step(SGD(0.1, momentum=0.9), mesh, level=3)   # 212 numbers, 27 a device
+    >>> budget = zero_budget(step, (*step.placed_shapes(model), np.zeros((64, 8), np.float32)), {})
+    >>> budget.terms["parameters"], budget.arguments   # and the velocity's 27, the batch's 8 examples
+    (108, 476)
+    >>> budget.terms["gradients"], budget.terms["gathered"]   # the first Linear's whole, the second's
+    (576, 272)
+    """
+    model, state, batch = args
+    master, inner = state if isinstance(state, Mastered) else (None, state)
+    pieces = [sum(leaf.size for leaf in jax.tree.leaves(piece)) * 4 for piece in step.pieces(step.shapes)]
+    gathered = sum(pieces[1:]) or pieces[0]  # the first piece's too, when it is the whole model
+    terms = {
+        "parameters": held_bytes(model),
+        "optimizer state": held_bytes(inner),
+        "master": held_bytes(master),
+        "batch": sum(leaf.size * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(batch)) // step.n,
+        "gradients": max(pieces) if step.level == 3 else sum(pieces),
+        **kept,
+        "reduced gradients": 4 * sum(-(-leaf.size // step.n) for leaf in jax.tree.leaves(step.shapes)),
+        "gathered": gathered if step.level == 3 else 0,
+    }
+    split = step.n if step.level == 3 else 1.0
+    return Budget({name: size for name, size in terms.items() if size}, split, cast_each_step=False)
+
+
 def _shard_bytes(plan: Plan, args: tuple[Any, ...]) -> dict[str, tuple[int, int, int]]:
     """Per argument of ``(model, opt_state, batch)``: numbers per device, their bytes, numbers in all.
 
@@ -430,5 +473,6 @@ __all__ = [
     "korthikanti",
     "mlp_activations",
     "step_budget",
+    "zero_budget",
     "zero_bytes",
 ]
