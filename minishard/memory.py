@@ -368,30 +368,23 @@ def step_budget(
 
 
 def zero_budget(step: ZeroStep, args: tuple[Any, Any, Any], kept: Mapping[str, float]) -> Budget:
-    """Per device: each term of ``minishard.zero``'s ``step`` on ``args``, ``(model, opt_state, batch)``
-    with the model and state as ``step.placed_shapes`` places them; ``kept``: the activations, by name.
+    """Per device: each term of ``minishard.zero``'s ``step`` on ``(model, opt_state, batch)``, placed by
+    ``step.placed_shapes``; ``kept``: the activations. Held: the weights whole in ``step.compute`` (levels
+    1, 2) or 1/N, padded by ``flat_padded`` (3), the state, float32 master and batch 1/N. The float32
+    gradients: levels 1, 2 the whole model's, each whole until its reduce-scatter (to 1/N); level 3 one
+    piece's (``ZeroStep.pieces``), the pieces' weights gathered, but the first's of several (its input,
+    the batch, takes no gradient: the backward pass has no use for them).
 
-    The arguments are what each device holds: the weights whole in ``step.compute`` (levels 1, 2) or
-    their 1/N, each padded by ``flat_padded`` (level 3); the optimizer's state and the float32 master
-    1/N; the batch 1/N. The gradients are float32: levels 1 and 2 take the whole model's at once,
-    each whole until its reduce-scatter; level 3 one piece's at a time (``ZeroStep.pieces``), and keeps
-    each piece's weights gathered for its backward pass, but the first's of several (its input, the
-    batch, takes no gradient). Every gradient's reduced 1/N waits for the update.
-
-    >>> from minishard import SGD, mlp, zero
-    >>> model = jax.eval_shape(lambda: mlp([8, 16, 4], key=jax.random.key(0)))
-    >>> mesh = jax.sharding.AbstractMesh((8,), ("data",))
-    >>> step = zero.zero_train_step(SGD(0.1, momentum=0.9), mesh, level=3)   # 212 numbers, 27 a device
-    >>> budget = zero_budget(step, (*step.placed_shapes(model), np.zeros((64, 8), np.float32)), {})
-    >>> budget.terms["parameters"], budget.arguments   # and the velocity's 27, the batch's 8 examples
-    (108, 476)
-    >>> budget.terms["gradients"], budget.terms["gathered"]   # the first Linear's whole, the second's
-    (576, 272)
+    >>> from minishard import SGD, mlp
+    >>> model = jax.eval_shape(lambda: mlp([8, 16, 4], key=jax.random.key(0)))  # 212 numbers, 27 a device
+    >>> step = ZeroStep(SGD(0.1, momentum=0.9), jax.sharding.AbstractMesh((8,), ("data",)), level=3)
+    >>> terms = zero_budget(step, (*step.placed_shapes(model), np.zeros((64, 8), np.float32)), {}).terms
+    >>> terms["parameters"], terms["gradients"], terms["gathered"]  # 27 floats; the first Linear's, second's
+    (108, 576, 272)
     """
     model, state, batch = args
     master, inner = state if isinstance(state, Mastered) else (None, state)
     pieces = [sum(leaf.size for leaf in jax.tree.leaves(piece)) * 4 for piece in step.pieces(step.shapes)]
-    gathered = sum(pieces[1:]) or pieces[0]  # the first piece's too, when it is the whole model
     terms = {
         "parameters": held_bytes(model),
         "optimizer state": held_bytes(inner),
@@ -400,9 +393,9 @@ def zero_budget(step: ZeroStep, args: tuple[Any, Any, Any], kept: Mapping[str, f
         "gradients": max(pieces) if step.level == 3 else sum(pieces),
         **kept,
         "reduced gradients": 4 * sum(-(-leaf.size // step.n) for leaf in jax.tree.leaves(step.shapes)),
-        "gathered": gathered if step.level == 3 else 0,
+        "gathered": (sum(pieces[1:]) or pieces[0]) if step.level == 3 else 0,  # one piece: all of it
     }
-    split = step.n if step.level == 3 else 1.0
+    split = step.n if step.level == 3 else 1.0  # how many ways the parameters are split
     return Budget({name: size for name, size in terms.items() if size}, split, cast_each_step=False)
 
 
