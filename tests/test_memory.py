@@ -343,9 +343,9 @@ CONVERTED = (
     "f32[512,784] by the dot (transposed) and row-major for the reduce-scatter (3.2 MB, the whole peak)"
 )
 STAND_IN = (
-    "the peak is at the backward pass's start, every activation alive (XLA:CPU keeps 1.3x the formula's) "
-    "and the gathered weights; the whole gradients come after, in the place of what the backward is done "
-    "with, and stand in for the excess; under --remat full there is none to stand in for"
+    "XLA:CPU's peak is at the backward pass's start: what the forward pass left for it (7.4 MB, 1.5x the "
+    "formula's activations) and the gathered weights; the whole gradients come after, in the place of "
+    "what the backward is done with, and stand in for the excess; under --remat full there is none"
 )
 ZERO_CASES = [
     *[(name, level, "float32", (), None) for name in ("mlp", "gpt") for level in (1, 2, 3)],
