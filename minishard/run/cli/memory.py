@@ -4,6 +4,8 @@ The textbook's formulas take one device's sizes; this module reads them from the
 plan of the model at hand (the MLP's layers, a transformer's heads and hidden
 units as the style splits them, the examples the batch gives each device), so
 the prediction needs no compile: ``jax.eval_shape`` and an ``AbstractMesh`` suffice.
+ZeRO's own step (``--parallel zero``) places its arrays itself: its terms come from the
+shapes it places (``zero_step_budget``), its activations from data parallelism's plan.
 """
 
 from __future__ import annotations
