@@ -43,6 +43,7 @@ from minishard.remat import POLICIES
 from minishard.rules import AnyMesh, AxisRules
 from minishard.sharding import Plan, Sharded
 from minishard.tree import cast_floating
+from minishard.zero import Mastered, ZeroStep, held_bytes
 
 # --- 1. bytes per parameter --------------------------------------------------------------------
 
@@ -266,13 +267,16 @@ class Budget:
 
     terms: dict[str, float]
     split: float = 1.0  # the parameters in all over those on one device: how many ways they are split
+    cast_each_step: bool = True  # with a master: the weights computed with are cast from it each step
 
     ARGUMENTS = ("parameters", "optimizer state", "master", "batch")
 
     @property
     def held(self) -> tuple[str, ...]:
-        """The terms a step is called with; with a master copy, the compute copy is made each step."""
-        return tuple(name for name in self.ARGUMENTS if name != "parameters" or "master" not in self.terms)
+        """The terms a step is called with; with a master copy, the compute copy is made each step (but
+        ZeRO's bfloat16 step holds it whole, gathered from the master's shards: ``cast_each_step`` False)."""
+        cast = "master" in self.terms and self.cast_each_step
+        return tuple(name for name in self.ARGUMENTS if name != "parameters" or not cast)
 
     @property
     def arguments(self) -> float:
@@ -363,6 +367,38 @@ def step_budget(
     return Budget({name: size for name, size in terms.items() if size}, whole / numbers)
 
 
+def zero_budget(step: ZeroStep, args: tuple[Any, Any, Any], kept: Mapping[str, float]) -> Budget:
+    """Per device: each term of ``minishard.zero``'s ``step`` on ``(model, opt_state, batch)``, placed by
+    ``step.placed_shapes``; ``kept``: the activations. Held: the weights whole in ``step.compute`` (levels
+    1, 2) or 1/N, padded by ``flat_padded`` (3), the state, float32 master and batch 1/N. The float32
+    gradients: levels 1, 2 the whole model's, each whole until its reduce-scatter (to 1/N); level 3 one
+    piece's (``ZeroStep.pieces``), the pieces' weights gathered, but the first's of several (its input,
+    the batch, takes no gradient: the backward pass has no use for them).
+
+    >>> from minishard import SGD, mlp
+    >>> model = jax.eval_shape(lambda: mlp([8, 16, 4], key=jax.random.key(0)))  # 212 numbers, 27 a device
+    >>> step = ZeroStep(SGD(0.1, momentum=0.9), jax.sharding.AbstractMesh((8,), ("data",)), level=3)
+    >>> terms = zero_budget(step, (*step.placed_shapes(model), np.zeros((64, 8), np.float32)), {}).terms
+    >>> terms["parameters"], terms["gradients"], terms["gathered"]  # 27 floats; the first Linear's, second's
+    (108, 576, 272)
+    """
+    model, state, batch = args
+    master, inner = state if isinstance(state, Mastered) else (None, state)
+    pieces = [sum(leaf.size for leaf in jax.tree.leaves(piece)) * 4 for piece in step.pieces(step.shapes)]
+    terms = {
+        "parameters": held_bytes(model),
+        "optimizer state": held_bytes(inner),
+        "master": held_bytes(master),
+        "batch": sum(leaf.size * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(batch)) // step.n,
+        "gradients": max(pieces) if step.level == 3 else sum(pieces),
+        **kept,
+        "reduced gradients": 4 * sum(-(-leaf.size // step.n) for leaf in jax.tree.leaves(step.shapes)),
+        "gathered": (sum(pieces[1:]) or pieces[0]) if step.level == 3 else 0,  # one piece: all of it
+    }
+    split = step.n if step.level == 3 else 1.0  # how many ways the parameters are split
+    return Budget({name: size for name, size in terms.items() if size}, split, cast_each_step=False)
+
+
 def _shard_bytes(plan: Plan, args: tuple[Any, ...]) -> dict[str, tuple[int, int, int]]:
     """Per argument of ``(model, opt_state, batch)``: numbers per device, their bytes, numbers in all.
 
@@ -430,5 +466,6 @@ __all__ = [
     "korthikanti",
     "mlp_activations",
     "step_budget",
+    "zero_budget",
     "zero_bytes",
 ]

@@ -275,10 +275,8 @@ class ZeroStep:
             return jax.tree.map(all_gather, layer_shards, like)
 
         def forward(shards: Any, x: jax.Array) -> jax.Array:
-            if not isinstance(shards, Sequential):  # any other model: gather it all at once
-                return whole(shards, self.shapes)(x)
-            for layer, like in zip(shards, self.shapes):  # one layer's weights whole at a time
-                x = whole(layer, like)(x)
+            for piece, like in zip(self.pieces(shards), self.pieces(self.shapes)):
+                x = whole(piece, like)(x)  # one piece's weights whole at a time
             return x
 
         def loss(shards: Any) -> Any:  # the model as a function: the shards, gathered as it runs
@@ -288,6 +286,11 @@ class ZeroStep:
         grads = jax.tree.map(lambda g: g / self.n, grads)  # the sum of N means -> the mean
         shards, opt_state = self.optimizer.update(shards, grads, opt_state, axis_name=self.axis)
         return shards, opt_state, *self._mean(loss_value, metrics)
+
+    @staticmethod
+    def pieces(model: Any) -> list[Any]:
+        """What level 3 gathers whole, one at a time: a ``Sequential``'s layers, any other model at once."""
+        return list(model) if isinstance(model, Sequential) else [model]
 
     def _mean(
         self, loss: jax.Array, metrics: tuple[jax.Array, ...]
@@ -383,13 +386,18 @@ def zero_report(step: ZeroStep, args: tuple[Any, ...]) -> ZeroReport:
     state = opt_state._asdict() if hasattr(opt_state, "_asdict") else {"state": opt_state}
     kept = {"parameters": model} | {f"{type(step.optimizer).__name__} {k}": tree for k, tree in state.items()}
     held = tuple(
-        (name, b) for name, tree in kept.items() if (b := _one_device(tree)) > 4
+        (name, b) for name, tree in kept.items() if (b := held_bytes(tree)) > 4
     )  # not a step counter
     return ZeroReport(step.n, collectives(step.lower(*args)), whole, held)
 
 
-def _one_device(tree: Any) -> int:
-    """The bytes of ``tree`` that one device holds (of arrays, or of their shapes and shardings)."""
+def held_bytes(tree: Any) -> int:
+    """The bytes of ``tree`` that one device holds (of arrays, or of their shapes and shardings).
+
+    >>> mesh = jax.sharding.AbstractMesh((8,), ("data",))
+    >>> held_bytes(jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(mesh, P("data"))))
+    32
+    """
     leaves = jax.tree.leaves(tree)
     return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in leaves)
 
@@ -400,6 +408,7 @@ __all__ = [
     "ZeroStep",
     "flat_padded",
     "gathered",
+    "held_bytes",
     "reduce_scatter",
     "unpadded",
     "zero_report",

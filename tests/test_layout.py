@@ -67,12 +67,14 @@ CHAPTERS = {
     "costs": 415,  # issue 49: model_flops (41 lines), MFU's numerator
     "pipeline": 450,  # issue 43: stack, unstack (22 lines), the report (12); #45: in_flight
     "pipeline_1f1b": 80,
-    "zero": 365,  # issue 47: placed_shapes (10 lines); issue 45: compute="bfloat16" (51), Megatron's master
+    "zero": 420,  # issue 47: placed_shapes (10 lines); issue 45: compute="bfloat16" (51), Megatron's master;
+    # reduce_scatter across CPU processes (jax#40830: 407 lines as it landed); #45: pieces, held_bytes (9)
     "context": 500,  # #48: GQA (grouped, 21), merge_across (24: cp decode); #45: ring_kept, ring_in_flight
     "sequence": 200,
     "experts": 478,  # issue 43 §4: with_stats and keep (45 lines), moe_layers (10); #45 moe_activations
     "remat": 150,  # issue 45 §4: the policies, after_the_gradient (XLA:CPU schedules by it), StepFlops
-    "memory": 440,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas
+    "memory": 475,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
+    # §2: zero_budget, ZeRO's own step term by term (31), Budget.cast_each_step (ZeRO holds its bf16 weights)
     "serving": 230,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too
     "precision": 242,
     "layouts": 425,  # issue 46 §3: pp ranked (bubble, microbatches, stage memory: 50), runner-up terms (25)

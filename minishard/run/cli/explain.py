@@ -67,8 +67,8 @@ __all__ = [
 HELP = "print (and --plot) the plan of a default model under a named style"
 DEFAULT_STYLE = "2d"
 """The style without --parallel, for a model whose entry names none."""
-MEMORY_STYLES = tuple(SPLITS)
-"""What ``--memory`` predicts: every preset, not ZeRO's own step (``memory.zero_bytes`` prices it)."""
+MEMORY_STYLES = (*SPLITS, "zero")
+"""What ``--memory`` predicts: every preset, and ZeRO's own step (``memory.zero_budget``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

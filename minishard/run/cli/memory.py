@@ -4,6 +4,8 @@ The textbook's formulas take one device's sizes; this module reads them from the
 plan of the model at hand (the MLP's layers, a transformer's heads and hidden
 units as the style splits them, the examples the batch gives each device), so
 the prediction needs no compile: ``jax.eval_shape`` and an ``AbstractMesh`` suffice.
+ZeRO's own step (``--parallel zero``) places its arrays itself: its terms come from the
+shapes it places (``zero_step_budget``), its activations from data parallelism's plan.
 """
 
 from __future__ import annotations
@@ -26,10 +28,20 @@ from minishard.rules import AnyMesh, AxisRules, ShardingError
 from minishard.run.cli.flags import simulate_devices
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import style_of
+from minishard.run.cli.styles.zero import ZeroStyle
 from minishard.run.steps import make_train_step
 from minishard.sharding import Sharded, make_mesh
+from minishard.zero import ZeroStep
 
-__all__ = ["COMPILES_UP_TO", "activations", "budget", "compiled_memory", "predict", "print_memory"]
+__all__ = [
+    "COMPILES_UP_TO",
+    "activations",
+    "budget",
+    "compiled_memory",
+    "predict",
+    "print_memory",
+    "zero_step_budget",
+]
 
 COMPILES_UP_TO = 50_000_000
 """Parameters up to which ``--memory`` compiles the step here for its compiled column (a model of
@@ -41,10 +53,23 @@ def budget(
 ) -> Budget:
     """``memory.step_budget`` of ``(model, opt_state, batch)``, what it keeps from ``activations``."""
     model, _, batch = args
+    return memory.step_budget(
+        args, mesh, rules, precision, _kept(model, batch, mesh, rules, precision.params)
+    )
+
+
+def zero_step_budget(step: ZeroStep, model: Any, batch: Any, rules: AxisRules) -> Budget:
+    """``memory.zero_budget`` of ZeRO's ``step`` on ``model`` (whole, as built) and ``batch``, placed as the
+    step places them; it keeps the activations of data parallelism (``rules``: dp's), whose batch it splits.
+    """
+    kept = _kept(model, batch, step.mesh, rules, step.compute)
+    return memory.zero_budget(step, (*step.placed_shapes(model), batch), kept)
+
+
+def _kept(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules, dtype: str) -> dict[str, int]:
+    """``activations`` and what the style adds, in bytes of ``dtype``, the one the step computes in."""
     kept, added = activations(model, batch, mesh, rules)
-    numbers = {"activations": kept, **added}  # in the dtype the step computes in
-    in_bytes = {name: n * memory.itemsize(precision.params) for name, n in numbers.items()}
-    return memory.step_budget(args, mesh, rules, precision, in_bytes)
+    return {name: n * memory.itemsize(dtype) for name, n in {"activations": kept, **added}.items()}
 
 
 def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> tuple[int, dict[str, int]]:
@@ -137,8 +162,12 @@ def predict(args: argparse.Namespace) -> tuple[Budget, tuple[Any, Any, Any], dic
     mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
     built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
     built = style.prepare(built, args, cast(Mesh, mesh))  # a pipeline's schedule needs only the mesh's shape
-    optimizer = model.compiled_optimizer(args)
-    step_args = (built, jax.eval_shape(optimizer.init, built), model.example(args, args.batch_size))
+    optimizer, batch = model.compiled_optimizer(args), model.example(args, args.batch_size)
+    if isinstance(style, ZeroStyle):  # ZeRO's own step: the state as it places it
+        step = style.step(optimizer, cast(Mesh, mesh), model.task)
+        step_args = (built, step.placed_shapes(built)[1], batch)
+        return zero_step_budget(step, built, batch, rules), step_args, shape, rules
+    step_args = (built, jax.eval_shape(optimizer.init, built), batch)
     return budget(step_args, mesh, rules, memory.PRECISIONS[args.precision]), step_args, shape, rules
 
 
@@ -178,9 +207,12 @@ def compiled_memory(
     devices: Any = None,
 ) -> Memory:
     """``memory_analysis()`` of the train step of ``predict``'s ``step_args``, as ``train`` compiles it
-    from the same flags: the model and state donated, in ``--precision``; on ``devices`` (a TPU slice's,
-    or simulated CPU devices; None: all of them)."""
-    model, precision = MODELS[args.model], memory.PRECISIONS[args.precision]
+    from the same flags: the model and state donated, in ``--precision`` (ZeRO's step: placed by it); on
+    ``devices`` (a TPU slice's, or simulated CPU devices; None: all of them)."""
+    model, precision, style = MODELS[args.model], memory.PRECISIONS[args.precision], style_of(args.parallel)
+    if isinstance(style, ZeroStyle):  # its own step, placing the model and state itself
+        zero = style.step(model.compiled_optimizer(args), make_mesh(shape, devices=devices), model.task)
+        return Memory.of(zero.lower(*zero.placed_shapes(step_args[0]), step_args[2]).compile())
     step = make_train_step(
         model.compiled_optimizer(args),
         model.task.loss,

@@ -65,6 +65,12 @@ class ZeroStyle(Style):
     def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
         self.check(args, model, error)
         self.whole_batches(args, error)
+        if args.precision != "fp32":  # --memory's: its step computes in float32
+            error(
+                f"argument --precision: {args.precision} casts Sharded's step, and --parallel zero runs "
+                f"ZeRO-{self.LEVEL}'s own in float32 (minishard.zero's bfloat16 keeps the weights whole: "
+                "levels 1 and 2, from Python)"
+            )
         if args.plot and not args.compare:
             error(
                 "argument --plot: --parallel zero has no plan to draw (it splits flat shards); use --compare"
