@@ -192,15 +192,15 @@ def test_the_gpt_computes_the_dense_models_logits_and_gradients_on_composed_mesh
     check_gpt(composition, seed)
 
 
-@pytest.mark.slow  # each composition compiles the GPT's forward and backward twice
-@settings(max_examples=12)
+@pytest.mark.slow  # each composition compiles the GPT's forward and backward twice; test_compose runs all
+@settings(max_examples=6)
 @given(compositions(WIDTHS, GPT_DIMENSIONS, min_dimensions=2), seeds)
 def test_the_gpt_with_its_pipeline_and_ring_is_the_dense_model_on_composed_meshes(composition, seed):
     check_gpt(composition, seed)
 
 
 @pytest.mark.slow  # each composition compiles the GPT's forward and backward twice
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(
     compositions(MOE_WIDTHS, ("dp", "fsdp", "tp", "sp", "cp", "ep"), min_dimensions=2).filter(
         lambda composition: "ep" in composition.dimensions
