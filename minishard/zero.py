@@ -20,7 +20,7 @@ over the mesh axis "data".
   Each layer ``all_gather``\\ s its weights just before it runs; ``jax.grad``
   transposes that all-gather into a ``psum_scatter``, so the gradients arrive
   already reduced and split, ready for the split update. No all-reduce at all.
-  (``gathered`` writes that transpose out as ``reduce_scatter``, for the one place it differs.)
+  (``all_gathered`` writes that transpose out as ``reduce_scatter``, for the one place it differs.)
 * **Mixed precision** (``compute="bfloat16"``, levels 1 and 2): Megatron-LM's distributed
   optimizer. The weights are held whole in bfloat16; each device keeps a float32 *master* of its
   1/N beside the moments (``Mastered``), differentiates through the cast (float32 gradients),
@@ -93,21 +93,21 @@ def reduce_scatter(x: jax.Array, axis: str) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def gathered(shard: jax.Array, axis: str) -> jax.Array:
+def all_gathered(shard: jax.Array, axis: str) -> jax.Array:
     """Every device's ``shard`` over ``axis``, end to end (``all_gather``); its gradient is
     ``reduce_scatter``, the all-gather's transpose, as ``jax.grad`` derives it."""
     return jax.lax.all_gather(shard, axis, tiled=True)
 
 
-def _gathered_forward(shard: jax.Array, axis: str) -> tuple[jax.Array, None]:
-    return gathered(shard, axis), None
+def _all_gathered_forward(shard: jax.Array, axis: str) -> tuple[jax.Array, None]:
+    return all_gathered(shard, axis), None
 
 
-def _gathered_backward(axis: str, _: None, grad: jax.Array) -> tuple[jax.Array]:
+def _all_gathered_backward(axis: str, _: None, grad: jax.Array) -> tuple[jax.Array]:
     return (reduce_scatter(grad, axis),)
 
 
-gathered.defvjp(_gathered_forward, _gathered_backward)
+all_gathered.defvjp(_all_gathered_forward, _all_gathered_backward)
 
 
 class Mastered(NamedTuple):
@@ -269,7 +269,7 @@ class ZeroStep:
         """Runs on one device: its own examples, 1/N of every parameter and of the velocity."""
 
         def all_gather(shard: jax.Array, like: jax.Array) -> jax.Array:  # its transpose: reduce_scatter
-            return unpadded(gathered(shard, self.axis), like)
+            return unpadded(all_gathered(shard, self.axis), like)
 
         def whole(layer_shards: Any, like: Any) -> Any:  # one layer, whole, on every device
             return jax.tree.map(all_gather, layer_shards, like)
@@ -407,7 +407,7 @@ __all__ = [
     "ZeroReport",
     "ZeroStep",
     "flat_padded",
-    "gathered",
+    "all_gathered",
     "held_bytes",
     "reduce_scatter",
     "unpadded",
