@@ -266,7 +266,8 @@ class Budget:
     """
 
     terms: dict[str, float]
-    split: float = 1.0  # the parameters in all over those on one device: how many ways they are split
+    # how many ways each term is split over the devices (a term not named: 1, whole on each)
+    split: Mapping[str, float] = dataclasses.field(default_factory=dict)
     cast_each_step: bool = True  # with a master: the weights computed with are cast from it each step
 
     ARGUMENTS = ("parameters", "optimizer state", "master", "batch")
@@ -316,8 +317,8 @@ class Budget:
             return f"fits on one {hardware.name}: {total} of {hbm}"
         largest = max(self.terms, key=self.terms.__getitem__)
         line = f"does not fit: {total} > {hbm} ({largest} {human_bytes(int(self.terms[largest]))})"
-        state = sum(self.terms.get(name, 0) for name in ZERO_STATE)  # as this style splits it
-        zero3 = self.total - state + state * self.split / devices
+        state = {name: self.terms[name] for name in ZERO_STATE if name in self.terms}  # as this style splits it
+        zero3 = self.total - sum(size * (1 - self.split.get(name, 1) / devices) for name, size in state.items())
         if zero3 > 0.99 * self.total:
             return f"{line}; its state is already split over the {devices} devices"
         return f"{line}; ZeRO-3 over {devices} would need {human_bytes(int(zero3))}"
@@ -364,7 +365,8 @@ def step_budget(
         "reduced gradients": reduced * itemsize(precision.grads),
         "gathered": gathered * itemsize(precision.params),
     }
-    return Budget({name: size for name, size in terms.items() if size}, whole / numbers)
+    split = dict.fromkeys(ZERO_STATE, whole / numbers)  # the state splits as the parameters do
+    return Budget({name: size for name, size in terms.items() if size}, split)
 
 
 def zero_budget(step: ZeroStep, args: tuple[Any, Any, Any], kept: Mapping[str, float]) -> Budget:
@@ -395,8 +397,8 @@ def zero_budget(step: ZeroStep, args: tuple[Any, Any, Any], kept: Mapping[str, f
         "reduced gradients": 4 * sum(-(-leaf.size // step.n) for leaf in jax.tree.leaves(step.shapes)),
         "gathered": (sum(pieces[1:]) or pieces[0]) if step.level == 3 else 0,  # one piece: all of it
     }
-    split = step.n if step.level == 3 else 1.0  # how many ways the parameters are split
-    return Budget({name: size for name, size in terms.items() if size}, split, cast_each_step=False)
+    split = ZERO_STATE if step.level == 3 else ("optimizer state", "master")  # the terms split over n
+    return Budget({name: size for name, size in terms.items() if size}, dict.fromkeys(split, step.n), False)
 
 
 def _shard_bytes(plan: Plan, args: tuple[Any, ...]) -> dict[str, tuple[int, int, int]]:

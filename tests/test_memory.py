@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -12,8 +13,9 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from minishard import SGD, AdamW, Sharded, context, make_mesh, megatron_axes, mlp
 from minishard import memory as mm
-from minishard.census import collectives
+from minishard.census import collectives, human_bytes
 from minishard.costs import Memory
+from minishard.hardware import HARDWARE
 from minishard.losses import classification_loss
 from minishard.memory import FP32, MIXED, Precision, bytes_per_parameter, zero_bytes
 from minishard.models.gpt import GPT
@@ -407,13 +409,16 @@ def test_zeros_levels_split_what_their_stage_splits():
     """Against the same step at level 1: level 3 holds 1/8 of the weights (padded) and gathers the
     pieces; bfloat16 holds the weights in 2 bytes and a float32 master 1/8; nothing compiled."""
 
-    def terms(level: int, compute: str = "float32") -> dict[str, float]:
+    def planned(level: int, compute: str = "float32") -> mm.Budget:
         args = parse_args(["explain", "--model", "gpt", "--memory", "--parallel", "zero"])
         entry, mesh = MODELS["gpt"], jax.sharding.AbstractMesh((ZERO_DEVICES,), ("data",))
         model = jax.eval_shape(lambda: entry.build(args, jax.random.key(0)))
         optimizer, batch = entry.compiled_optimizer(args), entry.example(args, args.batch_size)
         step = zero_train_step(optimizer, mesh, level=level, loss=entry.task.loss, compute=compute)
-        return zero_step_budget(step, model, batch, mesh_rules("dp", ZERO_DEVICES)[1]).terms
+        return zero_step_budget(step, model, batch, mesh_rules("dp", ZERO_DEVICES)[1])
+
+    def terms(level: int, compute: str = "float32") -> dict[str, float]:
+        return planned(level, compute).terms
 
     one, three, bf16 = terms(1), terms(3), terms(1, "bfloat16")
     assert terms(2) == one and terms(2, "bfloat16") == bf16  # level 2 runs level 1's code
@@ -424,6 +429,13 @@ def test_zeros_levels_split_what_their_stage_splits():
     assert "master" not in one and bf16["master"] == 4 * padded
     assert one["gradients"] == three["gradients"] == three["gathered"] == 4 * psi  # the GPT: one piece
     assert "gathered" not in one and bf16["activations"] == one["activations"] / 2 == three["activations"] / 2
+
+    # Too big for a 1 MB chip: ZeRO-3 would split level 1's whole weights and gradients, not its state again
+    tiny = dataclasses.replace(HARDWARE["h100"], hbm_bytes=1e6)
+    level1 = planned(1)
+    zero3 = level1.total - (one["parameters"] + one["gradients"]) * (1 - 1 / ZERO_DEVICES)
+    assert level1.verdict(tiny, ZERO_DEVICES).endswith(f"ZeRO-3 over 8 would need {human_bytes(int(zero3))}")
+    assert planned(3).verdict(tiny, ZERO_DEVICES).endswith("its state is already split over the 8 devices")
 
 
 def test_explain_memory_predicts_zeros_own_step_beside_the_compiled_one(capsys):
