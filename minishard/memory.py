@@ -317,8 +317,9 @@ class Budget:
             return f"fits on one {hardware.name}: {total} of {hbm}"
         largest = max(self.terms, key=self.terms.__getitem__)
         line = f"does not fit: {total} > {hbm} ({largest} {human_bytes(int(self.terms[largest]))})"
-        state = {name: self.terms[name] for name in ZERO_STATE if name in self.terms}  # as this style splits it
-        zero3 = self.total - sum(size * (1 - self.split.get(name, 1) / devices) for name, size in state.items())
+        state = {name: size for name, size in self.terms.items() if name in ZERO_STATE}  # as split here
+        saved = sum(size * (1 - self.split.get(name, 1) / devices) for name, size in state.items())
+        zero3 = self.total - saved  # each term of the state split over every device
         if zero3 > 0.99 * self.total:
             return f"{line}; its state is already split over the {devices} devices"
         return f"{line}; ZeRO-3 over {devices} would need {human_bytes(int(zero3))}"
