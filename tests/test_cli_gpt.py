@@ -200,8 +200,10 @@ def test_the_gpt_defaults_are_nanogpts_cpu_configuration_with_a_batch_near_12():
     )
     assert (args.steps, args.eval_every, args.epochs, args.dataset) == (2000, 250, None, "tiny_shakespeare")
     assert (args.parallel, args.mesh, args.batch_size) == ("dp", {"data": 8}, 16)  # 8 and 16 tie: 16
-    assert parse_args(["train", "--model", "gpt", "--parallel", "2d"]).batch_size == 12  # data=2
+    assert parse_args(["train", "--model", "gpt", "--parallel", "2d"]).batch_size == 16  # 8 devices: as dp
+    assert parse_args(["train", "--model", "gpt", "--parallel", "dp+tp+cp"]).batch_size == 16
     assert parse_args(["train", "--model", "gpt", "--devices", "4"]).batch_size == 12  # data=4
+    assert parse_args(["train", "--model", "gpt", "--devices", "6"]).batch_size == 12  # data=6
     piped = parse_args(["train", "--model", "gpt", "--parallel", "dp+pp"])  # 8 microbatches of 2 rows
     assert (piped.depth, piped.microbatches, piped.batch_size) == (4, 8, 16)
     rate = ms.warmup_cosine_decay(1e-3, 100, 2000, end_value=1e-4)  # a warmup, then a cosine to lr / 10

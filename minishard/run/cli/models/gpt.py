@@ -60,18 +60,21 @@ and with ``--experts`` the share of routings the experts' capacity dropped (``va
 MOE_DEFAULTS = {"top_k": 2, "capacity_factor": 1.25}
 """With ``--experts``: GShard's two experts per token, Switch's 25% slack."""
 NANOGPT_BATCH = 12
-"""nanoGPT's batch for its CPU configuration: the default is the multiple of the data axis nearest it."""
+"""nanoGPT's batch for its CPU configuration: the default is the multiple of the devices nearest it."""
 EVAL_WINDOWS = 64
 """Windows per evaluation batch (rounded to a multiple of the training batch, which splits over "data")."""
 
 
 def nanogpt_batch(args: Args) -> None:
-    """--batch-size, if not given: the multiple of "data" x microbatches nearest 12 (16 on data=8).
+    """--batch-size, if not given: the multiple of the devices nearest 12 (16 on 8 devices), and of
+    what splits the batch ("data" x "expert" x microbatches) where that is not a divisor of them.
 
-    Under ``ep`` and ``dp+ep`` the batch splits over "expert" too: "data" x "expert" x microbatches.
+    Every layout of the same devices then trains on the same tokens a step, the protocol of
+    docs/compose.md's convergence table: ``--parallel dp+tp+cp`` prints ``--parallel dp``'s losses.
     """
     if args.batch_size is None:
-        unit = args.mesh.get("data", 1) * args.mesh.get("expert", 1) * args.microbatches
+        split = args.mesh.get("data", 1) * args.mesh.get("expert", 1) * args.microbatches
+        unit = math.lcm(math.prod(args.mesh.values()), split)
         args.batch_size = unit * max(1, math.floor(NANOGPT_BATCH / unit + 0.5))
 
 
@@ -263,7 +266,7 @@ GPT_ENTRY = ModelEntry(
         "experts": 0,  # dense MLPs
         "steps": 2000,
         "eval_every": 250,
-        "batch_size": None,  # nanogpt_batch: a multiple of the data axis near 12
+        "batch_size": None,  # nanogpt_batch: a multiple of the devices near 12
         "lr": 1e-3,
         "schedule": "cosine",
         "warmup_steps": 100,
