@@ -366,7 +366,7 @@ def step_budget(
         "reduced gradients": reduced * itemsize(precision.grads),
         "gathered": gathered * itemsize(precision.params),
     }
-    split = dict.fromkeys(ZERO_STATE, whole / numbers)  # the state splits as the parameters do
+    split = dict.fromkeys(ZERO_STATE, whole / numbers)
     return Budget({name: size for name, size in terms.items() if size}, split)
 
 
