@@ -50,7 +50,7 @@ from minishard import _checks
 from minishard.census import human_bytes
 from minishard.costs import collective_time, critical_batch
 from minishard.hardware import Hardware, hardware_named
-from minishard.memory import MIXED, ZERO_STATE, Budget, bytes_per_parameter, korthikanti
+from minishard.memory import MIXED, Budget, bytes_per_parameter, korthikanti
 from minishard.pipeline import bubble_fraction
 from minishard.serving import Decoder, decode_critical_batch
 
@@ -293,7 +293,7 @@ def _memory(model: Decoder, layout: Layout, in_flight: float, checkpoints: int) 
         gathered = model.layers // layout.pp if layout.pp > 1 else 1
         terms["gathered"] = 2 * model.params / model.layers * gathered / layout.tp
     terms["activations"] = checkpoint_bytes(model, in_flight, checkpoints, layout.tp) / layout.pp
-    return Budget(terms, dict.fromkeys(ZERO_STATE, shards))
+    return Budget(terms, shards)
 
 
 # --- 3. every layout, ranked ------------------------------------------------------------------------

@@ -266,8 +266,8 @@ class Budget:
     """
 
     terms: dict[str, float]
-    # how many ways each term is split over the devices (a term not named: 1, whole on each)
-    split: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    split: float = 1.0  # the state (``split_terms``) in all over that on one device: the ways it is split
+    split_terms: tuple[str, ...] = ZERO_STATE  # the terms split so: ZeRO-1/2 split only the optimizer's
     cast_each_step: bool = True  # with a master: the weights computed with are cast from it each step
 
     ARGUMENTS = ("parameters", "optimizer state", "master", "batch")
@@ -317,9 +317,9 @@ class Budget:
             return f"fits on one {hardware.name}: {total} of {hbm}"
         largest = max(self.terms, key=self.terms.__getitem__)
         line = f"does not fit: {total} > {hbm} ({largest} {human_bytes(int(self.terms[largest]))})"
-        state = {name: size for name, size in self.terms.items() if name in ZERO_STATE}  # as split here
-        saved = sum(size * (1 - self.split.get(name, 1) / devices) for name, size in state.items())
-        zero3 = self.total - saved  # each term of the state split over every device
+        ways = {name: self.split if name in self.split_terms else 1 for name in ZERO_STATE}  # as split here
+        saved = sum(size * (1 - ways[name] / devices) for name, size in self.terms.items() if name in ways)
+        zero3 = self.total - saved  # the whole state split over every device
         if zero3 > 0.99 * self.total:
             return f"{line}; its state is already split over the {devices} devices"
         return f"{line}; ZeRO-3 over {devices} would need {human_bytes(int(zero3))}"
@@ -366,8 +366,7 @@ def step_budget(
         "reduced gradients": reduced * itemsize(precision.grads),
         "gathered": gathered * itemsize(precision.params),
     }
-    split = dict.fromkeys(ZERO_STATE, whole / numbers)
-    return Budget({name: size for name, size in terms.items() if size}, split)
+    return Budget({name: size for name, size in terms.items() if size}, whole / numbers)
 
 
 def zero_budget(step: ZeroStep, args: tuple[Any, Any, Any], kept: Mapping[str, float]) -> Budget:
@@ -399,7 +398,7 @@ def zero_budget(step: ZeroStep, args: tuple[Any, Any, Any], kept: Mapping[str, f
         "gathered": (sum(pieces[1:]) or pieces[0]) if step.level == 3 else 0,  # one piece: all of it
     }
     split = ZERO_STATE if step.level == 3 else ("optimizer state", "master")  # the terms split over n
-    return Budget({name: size for name, size in terms.items() if size}, dict.fromkeys(split, step.n), False)
+    return Budget({name: size for name, size in terms.items() if size}, step.n, split, cast_each_step=False)
 
 
 def _shard_bytes(plan: Plan, args: tuple[Any, ...]) -> dict[str, tuple[int, int, int]]:
