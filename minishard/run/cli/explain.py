@@ -8,7 +8,8 @@ style whose own step is the point, such as ``zero``) compiles the step on
 simulated devices and prices it too (``minishard.costs``); ``--compare`` ranks every style and mesh shape
 (for the GPT, the sequence styles too, its attention a ring where "context" splits it);
 with ``--size llama3-70b`` it ranks a named size's dp x fsdp x tp x pp layouts from its shapes,
-compiling nothing (``minishard.layouts``).
+compiling nothing (``minishard.layouts``); with ``--size gpt --check`` it then compiles the GPT's
+fastest few and sets the prediction beside the compiled step (``rank_check``).
 ``--topology v5e:2x4`` compiles the step for a TPU slice with XLA:TPU, ahead of
 time (``minishard.run.topology``), and sets it beside XLA:CPU's program.
 """

@@ -15,7 +15,9 @@ follows its "seq" rule.
 The package: ``style`` (``Style``, the hooks), and a module for each style
 with a step of its own, named for it: ``pipeline``, ``zero``, ``context``,
 ``experts``. This module holds what the command line asks of them all:
-``STYLES``, the one place that lists them, and ``--parallel``'s flags and rules.
+``STYLES``, the one place that lists them, ``--parallel``'s flags and rules, and a style's
+train step as ``explain`` compiles it (``style_args``, ``train_step``, ``zero_batch``: ``explain
+--hardware``, ``--compare`` and ``rank_check`` share them).
 
 Any other ``+``-joined dimensions (``minishard.styles.compose``: ``dp+tp+pp``) are a style
 too (``style_of``): the entry of the one chapter among them that has a step or checks of its
