@@ -84,18 +84,21 @@ def composition(layout: Layout) -> tuple[str, dict[str, int]] | str:
 
 
 class Checked(NamedTuple):
-    """One layout, predicted (``layouts.price`` at float32) and compiled: the step priced on the same
-    chip (``costs.step_cost``), parameter bytes per device, and bytes sent per dimension."""
+    """One layout, predicted (``layouts.price`` and ``bytes_sent`` at float32) and compiled: the step
+    priced on the same chip (``costs.step_cost``), parameter bytes per device, bytes sent per dimension
+    (a collective over two mesh axes as ``dp x tp``), and the seconds it took to compile."""
 
     predicted: LayoutCost
+    expected: dict[str, float]
     compiled: StepCost
     parameters: int
     sent: dict[str, float]
     seconds: float
 
 
-def compile_layout(args: argparse.Namespace, cost: LayoutCost, name: str, shape: dict[str, int]) -> Checked:
-    """Compile the GPT's train step under ``name`` on ``shape``, the way ``explain --hardware`` does."""
+def compile_layout(args: argparse.Namespace, layout: Layout, name: str, shape: dict[str, int]) -> Checked:
+    """Compile the GPT's train step of ``layout`` under ``name`` on ``shape``, as ``explain --hardware``
+    does, and price the same step from the size's shapes."""
     entry, style, tokens = MODELS["gpt"], style_of(name), args.batch_size
     gpt = argparse.Namespace(**{**vars(args), "model": "gpt", "batch_size": tokens // args.context})
     own = style_args(gpt, entry, style, shape)  # its defaults, checked: ValueError says why not
@@ -105,7 +108,7 @@ def compile_layout(args: argparse.Namespace, cost: LayoutCost, name: str, shape:
     lowered = Sharded(mesh, rules)(step).lower(*step_args)
     compiled = step_cost(lowered, args.hardware)  # compiles; the census below reuses the program
     sent: dict[str, float] = {}
-    dims = {AXES[dim]: dim for dim in cost.layout.ways()}
+    dims = {AXES[dim]: dim for dim in layout.ways()}
     for kind, nbytes, groups, devices in instructions(as_asked(lowered), mesh):
         axes = [axis.split("(")[0] for axis in groups[0]]
         who = " x ".join(dims.get(axis, axis) for axis in axes)
@@ -113,8 +116,9 @@ def compile_layout(args: argparse.Namespace, cost: LayoutCost, name: str, shape:
     seconds = time.perf_counter() - started
     parameters = explain(step_args[0], mesh, rules).device_bytes
     model, chip, context = serving.SIZES[args.size], args.hardware, args.context
-    predicted = layouts.price(model, cost.layout, tokens, chip, context=context, itemsize=FLOAT32)
-    return Checked(predicted, compiled, parameters, sent, seconds)
+    predicted = layouts.price(model, layout, tokens, chip, context=context, itemsize=FLOAT32)
+    expected = layouts.bytes_sent(model, layout, tokens, FLOAT32)
+    return Checked(predicted, expected, compiled, parameters, sent, seconds)
 
 
 def print_check(args: argparse.Namespace) -> int:
@@ -131,7 +135,7 @@ def print_check(args: argparse.Namespace) -> int:
             print(f"  {cost.layout}: skipped, {built}")
             continue
         try:
-            checked.append(compile_layout(args, cost, *built))
+            checked.append(compile_layout(args, cost.layout, *built))
         except ValueError as why:
             print(f"  {cost.layout}: skipped, --parallel {built[0]} refuses it ({why})")
             continue
@@ -153,9 +157,8 @@ def _table(checked: list[Checked], model: serving.Decoder) -> str:
             ("parameters", FLOAT32 * model.params / shards, row.parameters, _bytes),
             ("memory", row.predicted.memory.total, row.compiled.memory.total, _bytes),
         ]
-        predicted = layouts.bytes_sent(model, layout, row.predicted.tokens * layout.devices, FLOAT32)
-        for who in [*predicted, *(who for who in row.sent if who not in predicted)]:
-            rows.append((f"{who} sends", predicted.get(who, 0.0), row.sent.get(who, 0.0), _bytes))
+        for who in [*row.expected, *(who for who in row.sent if who not in row.expected)]:
+            rows.append((f"{who} sends", row.expected.get(who, 0.0), row.sent.get(who, 0.0), _bytes))
         for i, (what, guess, found, show) in enumerate(rows):
             ratio = f"{found / guess:6.2f}" if guess else f"{'-':>6}"
             name = str(layout) if i == 0 else ""
