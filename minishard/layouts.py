@@ -25,6 +25,8 @@ as the book counts them). (``costs.StepCost`` reads a compiled program and canno
 passes apart: it hides every collective behind the backward pass.) A pipeline's step is that
 busy time over ``1 - bubble``. On a torus each split dimension but pp takes one of the chip's
 axes (``Hardware.axes``), the largest dimension those left; a stage sends to its neighbour.
+Each collective is a ``Send`` record (``sends``): priced in seconds, or counted in bytes per
+dimension (``bytes_sent``), which ``explain --check`` sets beside a compiled step's census.
 Memory per device: the memory chapter's 16 bytes per parameter (mixed precision, AdamW) over
 fsdp x tp x pp, one layer's weights gathered whole (a pipeline's stage: all of its layers,
 kept through its microbatches, as torchtitan does: else FSDP gathers each microbatch again),
