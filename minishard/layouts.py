@@ -25,6 +25,8 @@ as the book counts them). (``costs.StepCost`` reads a compiled program and canno
 passes apart: it hides every collective behind the backward pass.) A pipeline's step is that
 busy time over ``1 - bubble``. On a torus each split dimension but pp takes one of the chip's
 axes (``Hardware.axes``), the largest dimension those left; a stage sends to its neighbour.
+Each collective is a ``Send`` record (``sends``): priced in seconds, or counted in bytes per
+dimension (``bytes_sent``), which ``explain --check`` sets beside a compiled step's census.
 Memory per device: the memory chapter's 16 bytes per parameter (mixed precision, AdamW) over
 fsdp x tp x pp, one layer's weights gathered whole (a pipeline's stage: all of its layers,
 kept through its microbatches, as torchtitan does: else FSDP gathers each microbatch again),
@@ -48,7 +50,7 @@ from typing import NamedTuple
 
 from minishard import _checks
 from minishard.census import human_bytes
-from minishard.costs import collective_time, critical_batch
+from minishard.costs import collective_time, critical_batch, sent_bytes
 from minishard.hardware import Hardware, hardware_named
 from minishard.memory import MIXED, Budget, bytes_per_parameter, korthikanti
 from minishard.pipeline import bubble_fraction
@@ -244,8 +246,10 @@ def price(
     hardware: Hardware | str,
     checkpoints: int = CHECKPOINTS,
     context: int = CONTEXT,
+    itemsize: int = 2,
 ) -> LayoutCost:
-    """One training step of ``tokens`` on ``layout``, from the model's shapes: nothing is compiled.
+    """One training step of ``tokens`` on ``layout``, from the model's shapes: nothing is compiled;
+    its collectives' numbers of ``itemsize`` bytes (bf16; 4 prices a float32 step).
 
     >>> from minishard.serving import LLAMA3_70B
     >>> cost = price(LLAMA3_70B, Layout(fsdp=8960), 4 * 2**20, "v5p")   # pure FSDP on 3 axes
@@ -253,7 +257,7 @@ def price(
     (468, 850)
     """
     hardware = hardware_named(hardware)
-    forward, backward = pass_collectives(model, layout, tokens, hardware)
+    forward, backward = pass_collectives(model, layout, tokens, hardware, itemsize)
     per_device = tokens / layout.devices
     compute = 2 * model.params * per_device / hardware.flops
     m = microbatches(layout, tokens, hardware, context)
@@ -262,25 +266,65 @@ def price(
     return LayoutCost(layout, hardware, per_device, compute, forward, backward, memory, m, bubble)
 
 
-def pass_collectives(
-    model: Decoder, layout: Layout, tokens: int, hardware: Hardware
-) -> tuple[CommSeconds, CommSeconds]:
-    """The seconds of the forward pass's collectives and of the backward pass's, each over its torus axes."""
-    axes, (dp, fsdp, tp, pp) = layout.axes(hardware), (layout.dp, layout.fsdp, layout.tp, layout.pp)
+class Send(NamedTuple):
+    """One collective a step runs for a dimension: in the ``backward`` pass or the forward,
+    ``times`` over, each leaving ``result_bytes`` on a device (what ``census.collectives`` counts)."""
+
+    dimension: str
+    kind: str
+    result_bytes: float
+    backward: bool
+    times: int = 1
+
+
+def sends(model: Decoder, layout: Layout, tokens: float, itemsize: int = 2) -> list[Send]:
+    """The collectives of one step of ``tokens``, by dimension, numbers of ``itemsize`` bytes (bf16)."""
+    dp, fsdp, tp, pp = layout.dp, layout.fsdp, layout.tp, layout.pp
     group = tokens / (dp * fsdp)  # the tokens one tensor-parallel group computes on
-    weights = 2 * model.params / tp / pp  # bf16 bytes of a stage's tensor shard: what FSDP gathers whole
-    stream = 2 * group * model.width * 2 * model.layers / pp  # the bf16 input of a stage's every block
+    weights = itemsize * model.params / tp / pp  # a stage's tensor shard: what FSDP gathers whole
+    stream = itemsize * group * model.width * 2 * model.layers / pp  # the input of a stage's every block
+    hop = itemsize * group * model.width / tp  # a stage's output, split by sp
+    found = [
+        Send("fsdp", "all-gather", weights, backward=False),
+        Send("fsdp", "all-gather", weights, backward=True, times=int(pp == 1)),  # a stage keeps its own
+        Send("fsdp", "reduce-scatter", weights / fsdp, backward=True),
+        Send("dp", "all-reduce", weights / fsdp, backward=True),  # each replica's, once FSDP scattered them
+    ]
+    for backward in (False, True):  # the backward pass: the forward's tensor collectives transposed, twice
+        found += [
+            Send("tp", "all-gather", stream, backward, times=1 + backward),
+            Send("tp", "reduce-scatter", stream / tp, backward, times=1 + backward),
+            Send("pp", "collective-permute", hop, backward),
+        ]
+    return [send for send in found if getattr(layout, send.dimension) > 1 and send.times]
 
-    def send(kind: str, result_bytes: float, over: str) -> float:
-        size = getattr(layout, over)
-        return collective_time(kind, result_bytes, size, hardware, axes.get(over, 1))
 
-    gather, scatter = send("all-gather", weights, "fsdp"), send("reduce-scatter", weights / fsdp, "fsdp")
-    reduce = send("all-reduce", weights / fsdp, "dp")  # each replica's gradients, once FSDP scattered them
-    tensor = send("all-gather", stream, "tp") + send("reduce-scatter", stream / tp, "tp")
-    hop = send("collective-permute", 2 * group * model.width / tp, "pp")  # a stage's output, split by sp
-    regather = gather if pp == 1 else 0.0  # a pipeline's stage keeps its gathered weights for the backward
-    return CommSeconds(gather, tensor + hop), CommSeconds(regather + scatter + reduce, 2 * tensor + hop)
+def bytes_sent(model: Decoder, layout: Layout, tokens: float, itemsize: int = 2) -> dict[str, float]:
+    """Bytes each device sends in one step, by dimension: ``sends`` on rings (``costs.sent_bytes``), as
+    a compiled step's census sums them (float32: dp's all-reduce of the GPT's 3.3 MB of gradients).
+
+    >>> from minishard.serving import GPT
+    >>> bytes_sent(GPT, Layout(dp=8), 1024, itemsize=4)   # 2 x 7/8 x 4 x 816,193
+    {'dp': 5713351.0}
+    """
+    found: dict[str, float] = {}
+    for send in sends(model, layout, tokens, itemsize):
+        sent = send.times * sent_bytes(send.kind, send.result_bytes, getattr(layout, send.dimension))
+        found[send.dimension] = found.get(send.dimension, 0.0) + sent
+    return found
+
+
+def pass_collectives(
+    model: Decoder, layout: Layout, tokens: int, hardware: Hardware, itemsize: int = 2
+) -> tuple[CommSeconds, CommSeconds]:
+    """The seconds of the forward pass's ``sends`` and of the backward pass's, each over its torus
+    axes: dp's and fsdp's of the weights, tp's and pp's of the activations."""
+    axes, seconds = layout.axes(hardware), dict.fromkeys([(0, 0), (0, 1), (1, 0), (1, 1)], 0.0)
+    for send in sends(model, layout, tokens, itemsize):
+        size, n_axes = getattr(layout, send.dimension), axes.get(send.dimension, 1)
+        one = collective_time(send.kind, send.result_bytes, size, hardware, n_axes)
+        seconds[int(send.backward), int(send.dimension in ("dp", "fsdp"))] += send.times * one
+    return CommSeconds(seconds[0, 1], seconds[0, 0]), CommSeconds(seconds[1, 1], seconds[1, 0])
 
 
 def _memory(model: Decoder, layout: Layout, in_flight: float, checkpoints: int) -> Budget:
@@ -403,6 +447,9 @@ __all__ = [
     "LayoutCost",
     "Ranking",
     "CommSeconds",
+    "Send",
+    "bytes_sent",
+    "sends",
     "checkpoint_bytes",
     "layouts",
     "mixed_critical_batch",

@@ -53,6 +53,9 @@ class Decoder:
     """A decoder-only transformer's shapes, as the pricing sees it (the book's names in brackets):
     ``layers`` (L), ``width`` (D), ``heads`` (N), ``kv_heads`` (K; fewer than ``heads`` under
     grouped-query attention), ``head_dim`` (H), ``hidden`` (F, a gated MLP's three matrices), ``vocab`` (V).
+    GPT-2's shape differs in three ways (``GPT``): an MLP of two matrices (``gated=False``), a
+    learned table of ``positions`` (0: rotary, no table), and ``biases`` (each LayerNorm's scale
+    and bias, each MLP matrix's bias and the head's, where LLaMA has an RMSNorm's scale alone).
     """
 
     layers: int
@@ -62,16 +65,23 @@ class Decoder:
     head_dim: int
     hidden: int
     vocab: int
+    gated: bool = True
+    positions: int = 0
+    biases: bool = False
 
     @property
     def params(self) -> int:
-        """The book's count: a gated MLP (3DF), q and out (2DNH), k and v (2DKH) per layer, two embeddings.
+        """The book's count: a gated MLP (3DF), q and out (2DNH), k and v (2DKH) per layer, two embeddings;
+        GPT-2's MLP is 2DF, its position table PD, and its biases 5D + F a layer and 2D + V at the end.
 
-        >>> round(LLAMA2_13B.params / 1e9, 3)
-        13.015
+        >>> round(LLAMA2_13B.params / 1e9, 3), GPT.params   # minishard's GPT: 816,193
+        (13.015, 816193)
         """
-        attention = 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
-        return self.layers * (3 * self.width * self.hidden + attention) + 2 * self.vocab * self.width
+        width, attention = self.width, 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
+        mlp = (3 if self.gated else 2) * width * self.hidden
+        biases = (5 * width + self.hidden, 2 * width + self.vocab) if self.biases else (0, 0)
+        embeddings = (2 * self.vocab + self.positions) * width + biases[1]
+        return self.layers * (mlp + attention + biases[0]) + embeddings
 
     def kv_bytes_per_token(self, precision: str = "bfloat16") -> float:
         """Cache bytes per token of one sequence: ``2 · bytes · K · H · L``.
@@ -92,11 +102,18 @@ LLAMA3_405B = Decoder(
     layers=126, width=16384, heads=128, kv_heads=8, head_dim=128, hidden=53248, vocab=128256
 )
 """LLaMA-3 405B, from the same table."""
+GPT = Decoder(
+    layers=4, width=128, heads=4, kv_heads=4, head_dim=32, hidden=512, vocab=65,
+    gated=False, positions=64, biases=True,
+)
+"""minishard's own default GPT (``minishard.models.gpt``: nanoGPT's CPU shape, tiny_shakespeare's 65
+characters), whose layouts ``explain --compare --size gpt --check`` compiles on 8 devices."""
 SIZES = {
     "llama2-13b": LLAMA2_13B,
     "llama3-8b": LLAMA3_8B,
     "llama3-70b": LLAMA3_70B,
     "llama3-405b": LLAMA3_405B,
+    "gpt": GPT,
 }
 """The named sizes ``minishard explain --size`` prices: serving (``--decode``), training (``--compare``)."""
 
@@ -208,6 +225,7 @@ def latency_throughput(
 
 
 __all__ = [
+    "GPT",
     "LLAMA2_13B",
     "LLAMA3_8B",
     "LLAMA3_70B",

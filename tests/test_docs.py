@@ -146,6 +146,7 @@ def test_printed_output_is_compared_with_the_comment_below_it(tmp_path, capsys):
 
 # over 5 s each
 SLOW_PAGES = {
+    "compose.md",  # --check compiles the GPT's step for two layouts
     "context.md",
     "costs.md",
     "experts.md",

@@ -8,7 +8,8 @@ style whose own step is the point, such as ``zero``) compiles the step on
 simulated devices and prices it too (``minishard.costs``); ``--compare`` ranks every style and mesh shape
 (for the GPT, the sequence styles too, its attention a ring where "context" splits it);
 with ``--size llama3-70b`` it ranks a named size's dp x fsdp x tp x pp layouts from its shapes,
-compiling nothing (``minishard.layouts``).
+compiling nothing (``minishard.layouts``); with ``--size gpt --check`` it then compiles the GPT's
+fastest few and sets the prediction beside the compiled step (``rank_check``).
 ``--topology v5e:2x4`` compiles the step for a TPU slice with XLA:TPU, ahead of
 time (``minishard.run.topology``), and sets it beside XLA:CPU's program.
 """
@@ -17,17 +18,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from minishard.census import collectives, human_bytes, instructions, summary
 from minishard.costs import HARDWARE, Candidate, StepCost, compare, mesh_shapes
 from minishard.memory import PRECISIONS
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
-from minishard.run.cli import decode, layouts, styles
+from minishard.run.cli import decode, layouts, rank_check, styles
 from minishard.run.cli.flags import (
     PLOT_FORMATS,
     Error,
@@ -42,7 +42,7 @@ from minishard.run.cli.flags import (
 )
 from minishard.run.cli.memory import print_memory
 from minishard.run.cli.models import MODELS
-from minishard.run.cli.styles import STYLES, style_of, warn_unused
+from minishard.run.cli.styles import STYLES, style_args, style_of, train_step, warn_unused, zero_batch
 from minishard.run.cli.styles.composed import by_dimension
 from minishard.run.cli.styles.style import Style
 from minishard.run.render import plot_comparison, plot_report, show
@@ -95,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--precision", choices=tuple(PRECISIONS), default="fp32", help="with --memory: the step's precision")
     decode.add_arguments(add)
     layouts.add_arguments(add)
+    rank_check.add_arguments(add)
     # each model's flags that change the step priced (the GPT's --context)
     add_model_flags(parser, flag_owners(MODELS.values(), lambda entry: entry.explain_flags))
 
@@ -106,6 +107,7 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     """
     check_output("--plot", args.plot, PLOT_FORMATS, error)
     layouts.refuse_budget(args, error)
+    rank_check.check(args, error)
     decode.check(args, flag_owners(MODELS.values(), lambda entry: entry.explain_flags), error)
     if args.decode:
         return args  # serving is priced from a named size, not from --model's step
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     if args.decode:
         return decode.print_decode(args)
     if args.size:
-        return layouts.print_ranking(args)
+        return layouts.print_ranking(args) or (rank_check.print_check(args) if args.check else 0)
     model, style = MODELS[args.model], style_of(args.parallel)
     if refused := style.before_explain(args):
         return refused  # before any work: a pipeline's step is compiled below, on devices
@@ -249,13 +251,8 @@ def _compile_and_price(args: argparse.Namespace) -> int:
     style = STYLES["cp"] if sequence else style  # whose build gives its attention the "ring" core
     shape, rules = style.mesh(args.devices), style.rules({})
     mesh = make_mesh(shape, devices=args.topology_devices or first_devices(args))  # a TPU's, or CPU's
-    optimizer = model.compiled_optimizer(args)
-    built = style.prepare(style.build(model, args, jax.random.key(0)), args, mesh)  # a pipeline: its schedule
-    batch = {
-        name: jnp.zeros(like.shape, like.dtype) for name, like in model.example(args, args.batch_size).items()
-    }
-    step = make_train_step(optimizer, model.task.loss, microbatches=style.microbatches(args))
-    step_args = (built, optimizer.init(built), batch)
+    step, optimizer, step_args = train_step(args, model, style, mesh)
+    built, _, batch = step_args
     if args.compare:
         experts = EXPERT if model.expert_count(args) else ()  # a dense model: ep is dp
         ranked_styles = ANY_MODEL + (SEQUENCE if sequence else ()) + experts
@@ -314,21 +311,10 @@ def _own_steps(args: argparse.Namespace, model: Any) -> list[Candidate]:
 
 def _own_step_cost(args: argparse.Namespace, model: Any, style: Style, shape: dict[str, int]) -> StepCost:
     """The style's own step on ``shape``, built with the style's defaults, as ``train`` would run it."""
-    resets = model.stack.resets if model.stack else ()  # the style's defaults: a pipeline's blocks
-    unset = {**dict.fromkeys(resets), "microbatches": None}
-    own = argparse.Namespace(**{**vars(args), **unset, "parallel": style.name, "mesh": shape})
-
-    def refuse(message: str) -> NoReturn:
-        raise ValueError(message)
-
-    style.check_explain(own, model, refuse)
-    fill_defaults(own, model, style)
-    style.check(own, model, refuse)  # with the defaults filled: a pipeline's blocks over its stages
+    own = style_args(args, model, style, shape)
     built = style.build(model, own, jax.random.key(0))
-    batch = {
-        name: jnp.zeros(like.shape, like.dtype) for name, like in model.example(own, own.batch_size).items()
-    }
-    return style.own_step_cost(model, own, built, batch, make_mesh(shape, devices=first_devices(args)))
+    mesh = make_mesh(shape, devices=first_devices(args))
+    return style.own_step_cost(model, own, built, zero_batch(own, model), mesh)
 
 
 def print_report(

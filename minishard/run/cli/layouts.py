@@ -125,7 +125,8 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
         error("argument --hardware: --compare --size ranks layouts on a chip; add one (e.g. --hardware v5p)")
     if args.batch_size is None:
         error("argument --batch-size: --compare --size needs the batch in tokens (e.g. 4M)")
-    args.context = args.context or layouts.CONTEXT  # a pipeline's microbatches are whole sequences
+    # a pipeline's microbatches are whole sequences: of a learned table's positions, or LLaMA's 4,096
+    args.context = args.context or serving.SIZES[args.size].positions or layouts.CONTEXT
     tokens, devices, context = args.batch_size, args.devices, args.context
     if tokens < devices:
         error(f"argument --batch-size: {tokens:,} tokens leave some of {devices:,} devices none")
@@ -140,7 +141,8 @@ def print_ranking(args: argparse.Namespace) -> int:
     model, chip = serving.SIZES[args.size], hardware_named(args.hardware)
     devices, tokens, context = args.devices, args.batch_size, args.context
     flops = layouts.train_flops(model, 1)
-    print(f"{args.size}: {model.params / 1e9:.2f}e9 parameters, {flops:.3g} FLOPs a token", end="")
+    count = f"{model.params / 1e9:.2f}e9" if model.params >= 1e9 else f"{model.params:,}"
+    print(f"{args.size}: {count} parameters, {flops:.3g} FLOPs a token", end="")
     print(f"; {devices:,} {chip.name}")
     sequences = f"{tokens // context:,} sequences of {context:,}"
     print(f"batch {tokens:,} tokens ({sequences}): {tokens / devices:,.0f} per device")

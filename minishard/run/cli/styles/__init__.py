@@ -15,7 +15,9 @@ follows its "seq" rule.
 The package: ``style`` (``Style``, the hooks), and a module for each style
 with a step of its own, named for it: ``pipeline``, ``zero``, ``context``,
 ``experts``. This module holds what the command line asks of them all:
-``STYLES``, the one place that lists them, and ``--parallel``'s flags and rules.
+``STYLES``, the one place that lists them, ``--parallel``'s flags and rules, and a style's
+train step as ``explain`` compiles it (``style_args``, ``train_step``, ``zero_batch``: ``explain
+--hardware``, ``--compare`` and ``rank_check`` share them).
 
 Any other ``+``-joined dimensions (``minishard.styles.compose``: ``dp+tp+pp``) are a style
 too (``style_of``): the entry of the one chapter among them that has a step or checks of its
@@ -32,14 +34,19 @@ import argparse
 import functools
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+import jax
+import jax.numpy as jnp
 
 from minishard.rules import AxisRules
-from minishard.run.cli.flags import at_least
+from minishard.run.cli.flags import at_least, fill_defaults
 from minishard.run.cli.styles.context import ContextStyle
 from minishard.run.cli.styles.experts import ExpertStyle
 from minishard.run.cli.styles.pipeline import PipelineStyle
 from minishard.run.cli.styles.style import Args, Style
 from minishard.run.cli.styles.zero import ZeroStyle
+from minishard.run.steps import make_train_step
 from minishard.styles import DIMENSIONS, EXPERT, PIPELINED, SPLITS, dimensions, rules_for_mesh
 
 __all__ = [
@@ -48,9 +55,12 @@ __all__ = [
     "add_arguments",
     "cli_rules",
     "parallel",
+    "style_args",
     "style_of",
+    "train_step",
     "unused_mesh_axes",
     "warn_unused",
+    "zero_batch",
 ]
 
 
@@ -153,3 +163,34 @@ def _composed(name: str) -> Style:
 def style_of(name: str | None) -> Style:
     """The entry of ``--parallel NAME`` (a named style, or dimensions joined by +), or ``NO_STYLE``."""
     return (STYLES.get(name) or _composed(name)) if name else NO_STYLE
+
+
+def train_step(args: Args, model: Any, style: Style, mesh: Any) -> tuple[Any, Any, tuple[Any, ...]]:
+    """The default model's train step under ``style`` on ``mesh``, its optimizer, and its arguments
+    (the model built, the optimizer's state, a batch of zeros): what ``--hardware`` compiles and prices."""
+    optimizer = model.compiled_optimizer(args)
+    built = style.prepare(style.build(model, args, jax.random.key(0)), args, mesh)  # a pipeline: its schedule
+    step = make_train_step(optimizer, model.task.loss, microbatches=style.microbatches(args))
+    return step, optimizer, (built, optimizer.init(built), zero_batch(args, model))
+
+
+def zero_batch(args: Args, model: Any) -> dict[str, jax.Array]:
+    """A batch of ``--batch-size`` zeros, the model's example's shapes: what a compiled step is priced on."""
+    example = model.example(args, args.batch_size)
+    return {name: jnp.zeros(like.shape, like.dtype) for name, like in example.items()}
+
+
+def style_args(args: Args, model: Any, style: Style, shape: dict[str, int]) -> Args:
+    """``args`` for ``style`` on mesh ``shape``, its defaults filled as ``train`` would run it; a flag it
+    refuses raises ``ValueError`` (the one-line message)."""
+    resets = model.stack.resets if model.stack else ()  # the style's defaults: a pipeline's blocks
+    unset = {**dict.fromkeys(resets), "microbatches": None}
+    own = Args(**{**vars(args), **unset, "parallel": style.name, "mesh": shape})
+
+    def refuse(message: str) -> NoReturn:
+        raise ValueError(message)
+
+    style.check_explain(own, model, refuse)
+    fill_defaults(own, model, style)
+    style.check(own, model, refuse)  # with the defaults filled: a pipeline's blocks over its stages
+    return own

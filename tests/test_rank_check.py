@@ -1,0 +1,125 @@
+"""``explain --compare --size gpt --check``: the ranking's predictions against minishard's compiled GPT step.
+
+The ranking (``minishard.layouts``) prices a step from the model's shapes; ``rank_check`` compiles the
+real train step of a layout (the path of ``explain --model gpt --parallel NAME --hardware``) and reads
+the bytes each dimension's collectives send (``census.instructions``, on rings: ``costs.sent_bytes``).
+Compiles are the cost here (XLA:CPU, 8 simulated devices: 7-15 s each on 2 cores): three layouts,
+compiled once for the module, in the one slow test; the rest compile nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import pytest
+
+from minishard import layouts, serving
+from minishard.costs import collective_time
+from minishard.hardware import HARDWARE
+from minishard.layouts import Layout
+from minishard.models.gpt import GPT
+from minishard.run.cli import main, parse_args, rank_check
+
+GPT_RANKED = ["explain", "--compare", "--size", "gpt", "--hardware", "v5p", "--batch-size", "1K"]
+
+
+def test_the_gpt_size_counts_the_built_gpts_parameters() -> None:
+    model = jax.eval_shape(lambda: GPT(key=jax.random.key(0)))  # the default GPT, no numbers drawn
+    assert serving.GPT.params == sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(model)) == 816_193
+    size = serving.GPT  # and the shapes that price it are the model's
+    assert (size.layers, size.width, size.heads, size.hidden) == (len(model.blocks), 128, 4, 512)
+    tables = model.embedding.tokens.shape[0], model.embedding.positions.shape[0]
+    assert (size.vocab, size.positions) == tables
+
+
+def test_pass_collectives_price_the_same_sends_whose_bytes_the_check_compares() -> None:
+    layout, chip, llama = Layout(fsdp=2, tp=2, pp=2), HARDWARE["v5p"], serving.LLAMA3_8B
+    forward, backward = layouts.pass_collectives(llama, layout, 2**20, chip)
+    axes, priced = layout.axes(chip), 0.0
+    for send in layouts.sends(llama, layout, 2**20):
+        ways, n_axes = getattr(layout, send.dimension), axes.get(send.dimension, 1)
+        priced += send.times * collective_time(send.kind, send.result_bytes, ways, chip, n_axes)
+    assert forward.total + backward.total == pytest.approx(priced)
+    sent = layouts.bytes_sent(llama, layout, 2**20)
+    assert set(sent) == {"fsdp", "tp", "pp"}
+    # fsdp: a stage gathers its weights once (kept for the backward pass) and reduce-scatters their
+    # gradients: each (n-1)/n of a stage's bf16 tensor shard, 2 bytes x P / tp / pp
+    assert sent["fsdp"] == pytest.approx(2 * 0.5 * 2 * llama.params / 4)
+
+
+def test_each_layout_maps_to_the_composition_that_builds_it() -> None:
+    assert rank_check.composition(Layout(dp=8)) == ("dp", {"data": 8})
+    assert rank_check.composition(Layout(fsdp=2, tp=4)) == ("fsdp+tp+sp", {"data": 2, "model": 4})
+    assert rank_check.composition(Layout(tp=2, pp=4)) == ("tp+pp", {"model": 2, "stage": 4})  # no sp: pp
+    assert rank_check.composition(Layout()) == ("dp", {"data": 1})
+    assert "HSDP" in str(rank_check.composition(Layout(dp=2, fsdp=2, tp=2)))
+
+
+CHECK_FLAGS = [
+    (["explain", "--size", "gpt", "--hardware", "v5p", "--batch-size", "1K", "--check"],
+     "argument --check: only with --compare --size gpt"),
+    ([*GPT_RANKED, "--check", "0"], "argument --check: must be at least 1"),
+    (["explain", "--compare", "--size", "llama3-8b", "--hardware", "v5p", "--batch-size", "1M", "--check"],
+     "argument --check: compiles minishard's own GPT (--size gpt), not --size llama3-8b"),
+    ([*GPT_RANKED, "--devices", "16", "--check"], "argument --devices: --check compiles on this process's"),
+    ([*GPT_RANKED, "--context", "32", "--check"], "argument --context: --check compiles the default GPT"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "message"), CHECK_FLAGS, ids=[" ".join(a[-3:]) for a, _ in CHECK_FLAGS])
+def test_check_refuses_bad_input_in_one_line_before_any_compile(argv, message, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled before the flags were checked")
+
+    monkeypatch.setattr(rank_check, "compile_layout", refuse)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and message in err and out == "", err
+
+
+@pytest.fixture(scope="module")
+def checked() -> dict[str, rank_check.Checked]:
+    """dp 8, fsdp 8 and fsdp 2 x tp 4, compiled once for the module (7-15 s each on 2 cores)."""
+    args = parse_args([*GPT_RANKED, "--check", "2"])
+    found = {}
+    for layout in (Layout(dp=8), Layout(fsdp=8), Layout(fsdp=2, tp=4)):
+        built = rank_check.composition(layout)
+        assert not isinstance(built, str)
+        found[str(layout)] = rank_check.compile_layout(args, layout, *built)
+    return found
+
+
+@pytest.mark.slow
+def test_predicted_bytes_per_dimension_against_the_compiled_steps(checked) -> None:
+    def ratio(layout: str, who: str) -> float:
+        return checked[layout].sent[who] / checked[layout].expected[who]
+
+    # dp 8: the gradients' all-reduce, 2 x 7/8 x 4 x 816,193 bytes, is all dp sends (the loss's
+    # scalars ride along): within 0.1%
+    assert set(checked["dp 8"].sent) == {"dp"} and checked["dp 8"].expected == {"dp": 2 * 7 / 8 * 4 * 816_193}
+    assert ratio("dp 8", "dp") == pytest.approx(1, abs=1e-3)
+    # fsdp 8: each weight gathered for the forward pass and again for the backward, its gradient
+    # reduce-scattered, 3 x 7/8 x 4 x 816,193 bytes: within 0.1% (the loss's scalars)
+    assert set(checked["fsdp 8"].sent) == {"fsdp"}
+    assert ratio("fsdp 8", "fsdp") == pytest.approx(1, abs=1e-3)
+    # tp (with sp) sends 1.19x the prediction: beside Megatron's gathers and reduce-scatters of the
+    # residual stream, the gradients of what tp leaves whole (embeddings, head, LayerNorms) are
+    # reduced over "model", and XLA:CPU gathers some weights over it where the stream is as large
+    assert ratio("fsdp 2 x tp 4", "tp") == pytest.approx(1.19, abs=0.05)
+    # fsdp under tp sends 3.57x: XLA:CPU all-reduces each weight's gradient over "data" whole (an
+    # MLP matrix's 262 kB, not its 65 kB tensor shard) where the prediction reduce-scatters the shard
+    assert ratio("fsdp 2 x tp 4", "fsdp") == pytest.approx(3.57, abs=0.2)
+    # parameters per device: dp holds the whole GPT, as predicted; under tp the embeddings, the head
+    # and the LayerNorms stay whole: 7% over P/(fsdp x tp)
+    assert checked["dp 8"].parameters == 4 * serving.GPT.params
+    held = checked["fsdp 2 x tp 4"].parameters / (4 * serving.GPT.params / 8)
+    assert held == pytest.approx(1.07, abs=0.01)
+    # the compiled price is the roofline over XLA's FLOPs and each collective's latency: slower, and
+    # fsdp's many small gathers wait on their hops' latency, 30x the bytes' time the ranking priced
+    for row in checked.values():
+        assert row.compiled.step_s > row.predicted.step_s
+    fsdp = checked["fsdp 8"]
+    assert fsdp.compiled.comm_s > fsdp.compiled.compute_s
+    assert fsdp.compiled.step_s > 10 * fsdp.predicted.step_s
