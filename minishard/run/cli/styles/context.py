@@ -22,7 +22,7 @@ from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.composed import by_dimension
 from minishard.run.cli.styles.style import Args, Style
 from minishard.sharding import ShardedFunction
-from minishard.styles import SPLITS
+from minishard.styles import SPLITS, dimensions
 
 __all__ = ["ContextStyle"]
 
@@ -60,7 +60,10 @@ class ContextStyle(Style):
             )
 
     def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
+        """The model, every attention a ring; under a pipeline (dp+pp+cp) its stacked blocks'."""
         assert model.sequence is not None  # checked with the flags
+        if "pp" in dimensions(self.name) and model.stack is not None:
+            return model.sequence.ring(model.stack.build(args, key))
         return model.sequence.ring(model.build(args, key))
 
     def explain_step(
