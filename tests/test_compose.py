@@ -115,7 +115,8 @@ def test_a_composition_that_cannot_work_is_one_line_naming_the_dimensions(name, 
 
 
 CLI_REFUSED = [
-    (["--parallel", "cp+ep", "--model", "gpt"], "argument --parallel: cp+ep: cp and ep do not compose here"),
+    (["--parallel", "pp+ep", "--model", "gpt"], "argument --parallel: pp+ep: pp and ep do not compose"),
+    (["--parallel", "cp+ep", "--model", "gpt"], "argument --parallel: cp+ep splits a mixture of experts"),
     (["--parallel", "dp+tp+cp"], "argument --parallel: dp+tp+cp splits a sequence, and the MLP has none"),
     (
         ["--parallel", "tp+ep", "--model", "gpt"],
@@ -171,11 +172,11 @@ COMPOSITIONS = [
 def test_the_compositions_of_two_and_three_dimensions_are_these():
     assert [
         *("dp+tp", "dp+pp", "dp+cp", "dp+ep", "fsdp+tp", "fsdp+pp", "fsdp+cp", "fsdp+ep"),
-        *("tp+sp", "tp+pp", "tp+cp", "tp+ep", "pp+cp"),
-        *("dp+tp+sp", "dp+tp+pp", "dp+tp+cp", "dp+tp+ep", "dp+pp+cp"),
-        *("fsdp+tp+sp", "fsdp+tp+pp", "fsdp+tp+cp", "fsdp+tp+ep", "fsdp+pp+cp"),
-        *("tp+sp+pp", "tp+sp+ep", "tp+pp+cp"),
-    ] == COMPOSITIONS  # pp with ep refused, and cp with sp: each says why (REFUSED); cp with ep here only
+        *("tp+sp", "tp+pp", "tp+cp", "tp+ep", "pp+cp", "cp+ep"),
+        *("dp+tp+sp", "dp+tp+pp", "dp+tp+cp", "dp+tp+ep", "dp+pp+cp", "dp+cp+ep"),
+        *("fsdp+tp+sp", "fsdp+tp+pp", "fsdp+tp+cp", "fsdp+tp+ep", "fsdp+pp+cp", "fsdp+cp+ep"),
+        *("tp+sp+pp", "tp+sp+ep", "tp+pp+cp", "tp+cp+ep"),
+    ] == COMPOSITIONS  # pp with ep refused, and cp with sp: each says why (REFUSED)
 
 
 def batch(seed: int) -> dict[str, np.ndarray]:

@@ -115,8 +115,9 @@ NO_STYLE = Style("2d")
 
 CHAPTERS = {"pp": PipelineStyle, "cp": ContextStyle, "ep": ExpertStyle}
 """The dimensions whose style is a chapter's entry of its own; a composition takes its entry."""
-TOGETHER = ({"pp", "cp"},)
-"""The chapters whose first entry takes the other's checks and build: the pipeline the ring's."""
+TOGETHER = ({"pp", "cp"}, {"cp", "ep"})
+"""The chapters whose first entry takes the other's checks (and build): the pipeline the ring's, the
+ring the experts'."""
 
 
 def parallel(text: str) -> str:
