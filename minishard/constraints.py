@@ -85,7 +85,12 @@ class LogicalSharding:
         object.__setattr__(self, "explicit", AxisType.Explicit in self.mesh.axis_types)
 
     def sharding(self, logical_axes: LogicalAxes) -> NamedSharding:
-        return NamedSharding(self.mesh, self.spec(logical_axes))
+        """The rules' sharding; inside a ``shard_map`` (a pipeline's stages), on the mesh as it sees it,
+        without the axes it is manual over: there each device holds its part, a constraint places the rest."""
+        seen = jax.sharding.get_abstract_mesh()  # its own axes Manual; outside one, no axes at all
+        if not seen.manual_axes:
+            return NamedSharding(self.mesh, self.spec(logical_axes))
+        return NamedSharding(seen, _without(self.spec(logical_axes), set(seen.manual_axes)))
 
     def spec(self, logical_axes: LogicalAxes) -> PartitionSpec:
         """The rules' spec, with the batch axis sent where ``Sharded`` sends the batch."""
@@ -109,6 +114,12 @@ class LogicalSharding:
                 _CURRENT.reset(token)
 
         return within
+
+
+def _without(spec: PartitionSpec, manual: set[str]) -> PartitionSpec:
+    """``spec`` without the mesh axes ``manual``."""
+    auto = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in manual) for e in spec]
+    return PartitionSpec(*[None if not e else e[0] if len(e) == 1 else e for e in auto])
 
 
 _CURRENT: contextvars.ContextVar[LogicalSharding | None] = contextvars.ContextVar(

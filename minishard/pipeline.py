@@ -118,24 +118,26 @@ class Stacked(Layer):
         self.block = jax.vmap(make_block)(jax.random.split(key, n))
         self.n = int(n)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return run_blocks(self.block, x)
+    def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
+        return run_blocks(self.block, x, *args)
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
         return {"block": ("stage",)}  # the leading axis of every array in the block: which block
 
 
-def run_blocks(block: Any, x: jax.Array) -> jax.Array:
-    """Apply stacked blocks in order: a ``lax.scan`` over their leading axis."""
-    _checks.blocks_keep_shape(block, x)  # the scan's carry: each block's output is the next one's input
-    return jax.lax.scan(lambda h, one: (one(h), None), x, block)[0]
+def run_blocks(block: Any, x: jax.Array, *args: Any) -> jax.Array:
+    """Apply stacked blocks in order: a ``lax.scan`` over their leading axis. ``args`` go to every
+    block as they are (a GPT's: the tokens' ``positions``, which ring attention reads)."""
+    _checks.blocks_keep_shape(block, x, *args)  # the scan's carry: each block's output is the next's input
+    return jax.lax.scan(lambda h, one: (one(h, *args), None), x, block)[0]
 
 
 class StackedModel(Layer):
     """``after(blocks(before(x)))``, the blocks run sequentially or, with a ``pipeline``, pipelined.
 
     ``before`` and ``after`` (an embedding, a head) run outside the pipeline on
-    every stage; the rules lay them out as for any model.
+    every stage; the rules lay them out as for any model. ``positions``, where given (a GPT's
+    tokens' under cp, dealt out zig-zag), go to ``before`` and to every block, pipelined or not.
     """
 
     param_fields = ("before", "blocks", "after")
@@ -144,10 +146,12 @@ class StackedModel(Layer):
     def __init__(self, before: Any, blocks: Stacked, after: Any, pipeline: Pipeline | None = None) -> None:
         self.before, self.blocks, self.after, self.pipeline = before, blocks, after, pipeline
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = self.before(x)
-        h = self.blocks(h) if self.pipeline is None else run_pipeline(self.blocks, h, self.pipeline)
-        return self.after(h)
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        args = () if positions is None else (positions,)
+        h = self.before(x, *args)
+        if self.pipeline is None:
+            return self.after(self.blocks(h, *args))
+        return self.after(run_pipeline(self.blocks, h, self.pipeline, *args))
 
 
 def stack(before: Any, blocks: Sequence[Layer], after: Any) -> StackedModel:
@@ -198,13 +202,16 @@ def stacked_mlp(sizes: list[int], *, key: jax.Array, activation: str = "swish") 
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
-    """Where and how to pipeline: ``p`` stages on ``mesh[stage_axis]``, ``m`` microbatches, ``r`` repeats."""
+    """Where and how to pipeline: ``p`` stages on ``mesh[stage_axis]``, ``m`` microbatches, ``r`` repeats;
+    the microbatches' rows over ``data_axis``, their tokens over ``sequence_axis`` (cp's "context": the
+    stages then hold their share of the tokens, and ring attention runs on it inside them)."""
 
     mesh: Mesh
     microbatches: int
     repeats: int = 1
     stage_axis: str = "stage"
     data_axis: str | None = None
+    sequence_axis: str | None = None
 
     def __post_init__(self) -> None:
         _checks.pipeline(self)
@@ -276,12 +283,13 @@ def ring_pairs(p: int, shift: int = 1) -> list[tuple[int, int]]:
     return [(d, (d + shift) % p) for d in range(p)]
 
 
-def run_pipeline(blocks: Stacked, x: jax.Array, pipeline: Pipeline) -> jax.Array:
-    """``blocks(x)``, as a pipeline: ``p`` stages, each holding ``r`` sets of ``n / (p·r)`` layers.
+def run_pipeline(blocks: Stacked, x: jax.Array, pipeline: Pipeline, *args: Any) -> jax.Array:
+    """``blocks(x, *args)``, as a pipeline: ``p`` stages, each holding ``r`` sets of ``n / (p·r)`` layers.
 
     Device ``d`` holds sets ``d, d + p, d + 2p, ...``: a microbatch visits every
     device ``r`` times, round a ring. The layers are reordered ``[n] -> [p, r, L]``
-    here; with ``r = 1`` that is free, with ``r > 1`` XLA moves them each step.
+    here; with ``r = 1`` that is free, with ``r > 1`` XLA moves them each step. ``args`` (a GPT's
+    ``[T]`` positions) are the same for every microbatch: each device gets those of the tokens it holds.
     """
     _checks.instance("run_pipeline: blocks", blocks, Stacked, "stack them: Stacked(make_block, n, key=key)")
     p, m, r = pipeline.stages, pipeline.microbatches, pipeline.repeats
@@ -291,22 +299,24 @@ def run_pipeline(blocks: Stacked, x: jax.Array, pipeline: Pipeline) -> jax.Array
     schedule(p, m, r)  # checks m >= p for a circular schedule
     layers = jax.tree.map(lambda a: a.reshape(r, p, -1, *a.shape[1:]).swapaxes(0, 1), blocks.block)
     loop = functools.partial(_gpipe, pipeline=pipeline)
-    x_spec = P(None, pipeline.data_axis)  # [m, B/m, ...]: microbatch rows split over "data", if any
-    stages = P(pipeline.stage_axis)
+    data, tokens = pipeline.data_axis, pipeline.sequence_axis
+    x_spec = P(None, data, tokens)  # [m, B/m, T, ...]: rows over "data", tokens over "context", if any
+    stages, held = P(pipeline.stage_axis), (P(tokens),) * len(args)  # args: each device's tokens'
     # manual over its own axes only: another mesh axis ("model": tp) stays the annotations' inside a stage
-    own = {pipeline.stage_axis} | ({pipeline.data_axis} if pipeline.data_axis else set())
-    run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=(stages, x_spec), out_specs=x_spec, axis_names=own)
-    y = run(layers, split_microbatches(x, m))
+    own = {pipeline.stage_axis} | {axis for axis in (data, tokens) if axis}
+    in_specs = (stages, x_spec, *held)
+    run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=in_specs, out_specs=x_spec, axis_names=own)
+    y = run(layers, split_microbatches(x, m), *args)
     return y.swapaxes(0, 1).reshape(x.shape[0], *y.shape[2:])  # undo the strided split
 
 
-def _gpipe(layers: Any, xs: jax.Array, *, pipeline: Pipeline) -> jax.Array:
+def _gpipe(layers: Any, xs: jax.Array, *args: Any, pipeline: Pipeline) -> jax.Array:
     """One device's program: ``pipeline.ticks`` times, run its layers, pass the result on (``ppermute``)."""
     p, m, r, axis = pipeline.stages, pipeline.microbatches, pipeline.repeats, pipeline.stage_axis
-    data = pipeline.data_axis
+    replicas = tuple(a for a in (pipeline.data_axis, pipeline.sequence_axis) if a)  # other examples, tokens
     stage, layers = jax.lax.axis_index(axis), jax.tree.map(lambda a: a[0], layers)  # [r, L, ...]
-    if data:  # cast once, so that the gradient's psum over "data" (its transpose) runs once, not per tick
-        layers = jax.lax.pcast(layers, data, to="varying")
+    if replicas:  # cast once, so that the gradient's psum over them (its transpose) runs once, not per tick
+        layers = jax.lax.pcast(layers, replicas, to="varying")
     varying = functools.partial(jax.lax.pcast, axis_name=axis, to="varying")  # differs per stage
     # The shift register, the inputs (where stage 0 also parks microbatches coming back round for
     # their next repeat) and the outputs. Bubbles hold NaN, so one that leaks fails the tests; a
@@ -319,7 +329,8 @@ def _gpipe(layers: Any, xs: jax.Array, *, pipeline: Pipeline) -> jax.Array:
         x = jnp.where(stage == 0, inputs[i], state)  # stage 0 starts microbatch i (repeat j)
         x = jnp.where(busy, x, 0.0)  # a bubble computes on zeros: NaN * 0 would be NaN in the gradient
         # repeat j's layers: slice 0 if r = 1 (at a traced j, a new array each tick, kept per tick by grad)
-        y = run_blocks(jax.tree.map(lambda a: a[0] if r == 1 else a[jnp.clip(j, 0, r - 1)], layers), x)
+        here = jax.tree.map(lambda a: a[0] if r == 1 else a[jnp.clip(j, 0, r - 1)], layers)
+        y = run_blocks(here, x, *args)
         outputs = outputs.at[i].set(jnp.where(busy & (stage == p - 1) & (j == r - 1), y, outputs[i]))
         state = jax.lax.ppermute(y, axis, ring_pairs(p))  # the shift
         sent, i_back, j_back = work(t, p - 1, m, r)  # what the last stage sent round to stage 0

@@ -83,12 +83,8 @@ MESH_AXES = ("data", "model", "stage", "context", "expert")
 CONFLICTS: dict[frozenset[str], str] = {
     frozenset({"dp", "fsdp"}): "both split the batch over 'data' (fsdp is dp that also splits the weights)",
     frozenset({"cp", "sp"}): "both split 'seq' (cp over 'context', sp over tp's 'model')",
-    frozenset({"pp", "cp"}): "a pipeline's stages call each block on activations alone "
-    "(pipeline.run_blocks), and ring attention needs their tokens' positions",
     frozenset({"pp", "ep"}): "a pipeline's stages return activations alone "
     "(pipeline.run_blocks), and an MoE's blocks return their routing statistics too",
-    frozenset({"pp", "sp"}): "the pipeline's shard_map is manual over every mesh axis, and JAX refuses "
-    "sp's constraint on the residual stream inside it ('seq' over the Auto axis 'model')",
 }
 """Pairs of dimensions that cannot work together, and why."""
 ALIASES = {"2d": "dp+tp"}

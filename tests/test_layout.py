@@ -65,7 +65,8 @@ PUBLIC = tuple(name for name in ORDER if not name.startswith("_"))
 CHAPTERS = {
     "hardware": 85,
     "costs": 415,  # issue 49: model_flops (41 lines), MFU's numerator
-    "pipeline": 450,  # issue 43: stack, unstack (22 lines), the report (12); #45: in_flight
+    "pipeline": 460,  # issue 43: stack, unstack (22 lines), the report (12); #45: in_flight; #46: positions
+    # through the stages and their tokens over "context" (Pipeline.sequence_axis: pp+cp, 10)
     "pipeline_1f1b": 80,
     "zero": 420,  # issue 47: placed_shapes (10 lines); issue 45: compute="bfloat16" (51), Megatron's master;
     # reduce_scatter across CPU processes (jax#40830: 407 lines as it landed); #45: pieces, held_bytes (9)

@@ -160,13 +160,15 @@ def small_gpt(experts: bool) -> gpt.GPT:
 
 def model_for(composition: Composition, pipeline: type[pp.Pipeline] = pp.Pipeline):
     """The GPT as ``composition`` runs it: under pp its blocks stacked and pipelined over "stage" (a
-    microbatch per stage), under ep its MLPs mixtures of experts."""
+    microbatch per stage; its rows over "data", its tokens over "context", where the mesh has them),
+    under ep its MLPs mixtures of experts."""
     model = small_gpt("ep" in composition.dimensions)
     if "pp" not in composition.dimensions:
         return model
     mesh = composition.mesh
-    data_axis = "data" if "data" in mesh.shape else None
-    return gpt.as_stacked(model).replace(pipeline=pipeline(mesh, mesh.shape["stage"], data_axis=data_axis))
+    data, tokens = (axis if axis in mesh.shape else None for axis in ("data", "context"))
+    piped = pipeline(mesh, mesh.shape["stage"], data_axis=data, sequence_axis=tokens)
+    return gpt.as_stacked(model).replace(pipeline=piped)
 
 
 def check_gpt(composition: Composition, seed: int, pipeline: type[pp.Pipeline] = pp.Pipeline) -> None:

@@ -81,6 +81,8 @@ def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, cau
     if env is None or axis is None or p == 1:
         return context.attention(q, k, v, q_positions, k_positions, causal=causal)
     k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))  # the ring's K/V: MHA's
+    if axis in jax.sharding.get_abstract_mesh().manual_axes:  # in a pipeline's stages: each holds its tokens
+        return context.ring_attention(q, k, v, axis=axis, causal=causal, layout=SEQUENCE_LAYOUT)
     batch_axes = env.spec(activation_axes(4, "seq", "heads", "kv"))[0]
     ring = over_sequence(
         context.ring_attention,

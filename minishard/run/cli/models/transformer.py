@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from minishard.pipeline import StackedModel
 from minishard.remat import POLICIES
 from minishard.run.cli.flags import Error, Flag, at_least
 from minishard.run.cli.models.entry import Args
@@ -52,9 +53,12 @@ def check_depth_stages(args: Args, stages: int, error: Error) -> None:
 
 
 def ring_cores(model: Any) -> Any:
-    """``model`` with every block's attention core ``"ring"`` (``minishard.context``): cp's build."""
-    blocks = tuple(b.replace(attention=b.attention.replace(core="ring")) for b in model.blocks)
-    return model.replace(blocks=blocks)
+    """``model`` with every block's attention core ``"ring"`` (``minishard.context``): cp's build; a
+    pipeline's model (``StackedModel``) has one stacked block."""
+    ring = lambda b: b.replace(attention=b.attention.replace(core="ring"))  # noqa: E731
+    if isinstance(model, StackedModel):
+        return model.replace(blocks=model.blocks.replace(block=ring(model.blocks.block)))
+    return model.replace(blocks=tuple(ring(b) for b in model.blocks))
 
 
 def attention_shape(model: Any) -> tuple[int, int, int]:

@@ -2,7 +2,9 @@
 
 The model's blocks stacked on a "stage" axis (its entry's ``Stacking`` says
 how), the batch in microbatches; ``explain`` compiles one step and prints the
-pipeline's ticks, bubble and sends, read from the compiled loop.
+pipeline's ticks, bubble and sends, read from the compiled loop. Composed with cp
+(``dp+pp+cp``) the stacked blocks attend by ring, each stage holding its share of the
+tokens: the context chapter's checks and build, inside the pipeline.
 
 >>> PipelineStyle("dp+pp").mesh(8)
 {'data': 2, 'stage': 4}
@@ -23,10 +25,11 @@ from minishard.rules import AxisRules
 from minishard.run.cli.flags import Error, first_devices
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.composed import by_dimension
+from minishard.run.cli.styles.context import ContextStyle
 from minishard.run.cli.styles.style import Args, Style
 from minishard.run.steps import make_train_step
 from minishard.sharding import Sharded, make_mesh
-from minishard.styles import SPLITS
+from minishard.styles import SPLITS, dimensions
 
 __all__ = ["PipelineStyle"]
 
@@ -41,6 +44,10 @@ class PipelineStyle(Style):
 
     refuses = (("remat", "none"), ("explicit", False))  # each flag, and its value that asks for nothing
     own_step = checks_microbatches = True
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.ring = ContextStyle(name) if "cp" in dimensions(name) else None  # its checks and build
 
     def fill(self, args: Args, model: ModelEntry) -> None:
         stages = int((getattr(args, "mesh", None) or self.mesh(args.devices)).get("stage", 1))
@@ -60,21 +67,28 @@ class PipelineStyle(Style):
                 error(f"argument --{flag}: not with a pipeline (--parallel {self.name})")
         assert model.stack is not None  # checked above
         model.stack.check(args, args.mesh["stage"], error)
+        if self.ring:
+            self.ring.check(args, model, error)
 
     def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
         if model.stack is None:
             error(f"argument --parallel: the {model.label} has no blocks to stack on 'stage' for a pipeline")
         if model.experts and model.expert_count(args):  # its stages would carry no MoEStats out
             error(f"argument --{model.experts.flag}: not with a pipeline (--parallel {self.name})")
+        if self.ring:
+            self.ring.check_explain(args, model, error)
 
     def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
         assert model.stack is not None  # checked with the flags
-        return model.stack.build(args, key)
+        return self.ring.build(model, args, key) if self.ring else model.stack.build(args, key)
 
     def pipelined(self, model: Any, args: Args, mesh: jax.sharding.Mesh) -> Any:
-        """``model`` with its pipeline on ``mesh``: ``args.microbatches``, the batch over "data" if any."""
-        data_axis = "data" if "data" in mesh.axis_names else None
-        return model.replace(pipeline=pipeline.Pipeline(mesh, args.microbatches, data_axis=data_axis))
+        """``model`` with its pipeline on ``mesh``: ``args.microbatches``, the batch over "data" and its
+        tokens over "context", if the mesh has them."""
+        data, tokens = (axis if axis in mesh.axis_names else None for axis in ("data", "context"))
+        return model.replace(
+            pipeline=pipeline.Pipeline(mesh, args.microbatches, data_axis=data, sequence_axis=tokens)
+        )
 
     def prepare(self, model: Any, args: Args, mesh: jax.sharding.Mesh) -> Any:
         """``model`` with its pipeline on ``mesh``, said in one line."""
