@@ -235,7 +235,9 @@ def test_under_remat_the_gradients_and_the_stats_equal_the_plain_ones_and_no_tra
     assert_same_stats(remat_stats, plain_stats)
     np.testing.assert_allclose(remat_loss, plain_loss, rtol=1e-6)
     for (path, a), b in zip(ms.tree.named_leaves(remat_grads), jax.tree.leaves(plain_grads), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=path)
+        # float32 recomputed in another order: within 1e-6 of the leaf's largest element (an element
+        # of 4e-3 beside 1.3 was 2.4e-7 off under jaxlib 0.10's XLA:CPU)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()), err_msg=path)
     assert float(jnp.abs(plain_grads[0].mlp.router.weight).sum()) > 0  # the aux loss reaches the router
 
 
