@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 import minishard as ms
-from minishard.experts import with_stats
+from minishard.layers import with_stats
 from minishard.models import gpt
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, warmup_cosine_decay

@@ -881,10 +881,10 @@ def stacked(n: Any, key: Any) -> None:
     check_key("Stacked", key)
 
 
-def blocks_keep_shape(block: Any, x: Any, *args: Any) -> None:
-    """Stacked blocks run one after another (a ``lax.scan``): each must keep its input's shape."""
+def blocks_keep_shape(body: Any, block: Any, x: Any) -> None:
+    """Stacked blocks run one after another (a ``lax.scan`` of ``body``): each must keep its input's shape."""
     first = jax.tree.map(lambda a: a[0], block)
-    out = jax.eval_shape(lambda b, h, *a: b(h, *a), first, jax.ShapeDtypeStruct(np.shape(x), x.dtype), *args)
+    out = jax.eval_shape(lambda h, b: body(h, b)[0], jax.ShapeDtypeStruct(np.shape(x), x.dtype), first)
     if (out.shape, out.dtype) != (np.shape(x), x.dtype):
         raise ValueError(
             f"Stacked: a block maps {x.dtype}{list(np.shape(x))} to {out.dtype}{list(out.shape)}; stacked "

@@ -6,7 +6,7 @@ A dense transformer runs every token through one MLP. A mixture-of-experts (MoE)
 
 1. **Routing.** Each token takes its ``k`` best experts, each expert has ``capacity`` slots;
    a routing that finds them full is *dropped*. Two auxiliary losses keep the router honest;
-   ``with_stats(f)`` collects them, and the counts, from every ``MoE`` that ``f`` calls.
+   ``layers.with_stats(f)`` collects them, and the counts, from every ``MoE`` that ``f`` calls.
 2. **Dispatch and combine** (``MoE``): one-hot tensors and dense einsums, the tokens to every
    expert's slots ``[E, G, C, M]``, through the ``Experts`` (stacked on ``"expert"``), and back.
 3. **Expert parallelism by annotation**: a rule ``expert -> "expert"``; one ``constrain`` makes
@@ -20,6 +20,7 @@ The letters: ``G`` groups (the rows of a batch; each routes its own tokens), ``S
 group, ``M`` features, ``E`` experts, ``C`` slots per expert and group, ``H`` hidden units.
 
 >>> moe = MoE(4, k=2, capacity_factor=1.25, features=8, hidden=16, key=jax.random.key(0))
+>>> from minishard.layers import with_stats
 >>> y, stats = with_stats(moe)(jnp.ones((2, 6, 8)))   # 6 equal tokens pick the same 2 experts, 4 slots each
 >>> y.shape, capacity(6, 4, 2, 1.25), int(stats.routed), int(stats.dropped)
 ((2, 6, 8), 4, 24, 8)
@@ -30,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -41,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from minishard import _checks
 from minishard.census import Collective, collectives, summary
 from minishard.constraints import activation_axes, constrain
-from minishard.layers import ACTIVATIONS, Layer, Linear
+from minishard.layers import ACTIVATIONS, Layer, Linear, keep
 from minishard.rules import AxisRules, LogicalAxes
 from minishard.sharding import partition_specs
 
@@ -143,48 +144,6 @@ class MoEStats:
     z_loss: jax.Array
     dropped: jax.Array
     routed: jax.Array
-
-
-# An MoE returns its output alone, as a dense MLP does, and hands its stats to whoever asks for them:
-# Flax's ``sow`` into "intermediates" (MaxText's load-balancing loss), as a function transform.
-_collections: list[list[MoEStats]] = []
-"""The open collections, innermost last. A module global is safe: tracing is one Python thread, and
-``with_stats`` opens and closes its collection inside one trace, so no kept tracer outlives it."""
-
-
-def keep(stats: MoEStats | None) -> None:
-    """Hand ``stats`` to the innermost open collection. With none open (sampling, a plain forward)
-    they are not kept; None (a dense block's, handed on from inside a transformation) is nothing."""
-    if _collections and stats is not None:
-        _collections[-1].append(stats)
-
-
-def with_stats(f: Callable[..., Any]) -> Callable[..., tuple[Any, MoEStats | None]]:
-    """``f`` made to return ``(f(...), stats)``, as ``jax.value_and_grad`` returns a value beside its
-    gradient: the ``MoEStats`` of every ``MoE`` that ``f`` called, added up leaf by leaf in call
-    order (losses and counts), or None when no MoE ran.
-
-    A kept value is a tracer of the trace that made it. A transformation inside ``f`` traces
-    its own function (``jax.checkpoint``, ``lax.scan``, ``vmap``, ``shard_map``, ``jit``): wrap that
-    function, return its stats and ``keep`` them outside (``transformer.apply_blocks`` under remat).
-    Around ``jit``, wrap what it compiles: ``jax.jit(with_stats(f))``.
-
-    >>> moe, x = MoE(4, k=2, features=8, hidden=16, key=jax.random.key(0)), jnp.ones((2, 6, 8))
-    >>> moe(x).shape, int(with_stats(moe)(x)[1].routed)   # called alone: the output alone, as a dense MLP's
-    ((2, 6, 8), 24)
-    >>> int(with_stats(lambda x: moe(moe(x)))(x)[1].routed), with_stats(jnp.sin)(x)[1]   # two MoEs; none
-    (48, None)
-    """
-
-    def run(*args: Any, **kwargs: Any) -> tuple[Any, MoEStats | None]:
-        _collections.append([])
-        try:
-            out = f(*args, **kwargs)
-        finally:
-            kept = _collections.pop()  # closed, even when f raises
-        return out, functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), kept) if kept else None
-
-    return run
 
 
 # --- 2. the layer: dispatch, the experts, combine ---------------------------------------------
@@ -387,6 +346,7 @@ class ExpertReport:
     formula, 2 all-to-alls per MoE layer of one device's slots ``[E, G/D, C, M]``, and the drops.
 
     >>> import minishard as ms
+    >>> from minishard.layers import with_stats
     >>> mesh = ms.make_mesh({"expert": 4}, devices=jax.devices()[:4])
     >>> moe = MoE(8, k=2, features=8, hidden=16, key=jax.random.key(0), parallel=ExpertParallel(mesh))
     >>> moe = ms.shard(moe, mesh, AxisRules(expert="expert", embed=None, mlp=None))
@@ -467,10 +427,8 @@ __all__ = [
     "capacity",
     "dispatch_and_combine",
     "expert_report",
-    "keep",
     "moe_activations",
     "moe_layers",
     "top_k",
-    "with_stats",
     "z_loss",
 ]

@@ -57,8 +57,10 @@ __all__ = [
     "Swish",
     "check_input",
     "check_key",
+    "keep",
     "megatron_axes",
     "mlp",
+    "with_stats",
 ]
 
 _BUILDING = "__building__"  # in a layer's __dict__ only while its __init__ runs
@@ -419,3 +421,47 @@ def megatron_axes(num_linear: int) -> list[LogicalAxes]:
     ]
     axes[-1] = (axes[-1][0], "classes")
     return axes
+
+
+# --- what a layer reports besides its output ------------------------------------------------------
+# A layer returns its output alone and hands what else it measures (an MoE's routing statistics,
+# ``minishard.experts``) to whoever asks: Flax's ``sow`` into "intermediates", as a function transform.
+_collections: list[list[Any]] = []
+"""The open collections, innermost last. A module global is safe: tracing is one Python thread, and
+``with_stats`` opens and closes its collection inside one trace, so no kept tracer outlives it."""
+
+
+def keep(stats: Any) -> None:
+    """Hand ``stats``, a pytree, to the innermost open collection. With none open (sampling, a plain
+    forward) they are not kept; None (a dense block's, handed on from inside a transformation) is nothing."""
+    if _collections and stats is not None:
+        _collections[-1].append(stats)
+
+
+def with_stats(f: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:
+    """``f`` made to return ``(f(...), stats)``, as ``jax.value_and_grad`` returns a value beside its
+    gradient: what every layer that ``f`` called kept, added up leaf by leaf in call order (an MoE's
+    losses and counts), or None when none kept anything.
+
+    A kept value is a tracer of the trace that made it. A transformation inside ``f`` traces
+    its own function (``jax.checkpoint``, ``lax.scan``, ``vmap``, ``shard_map``, ``jit``): wrap that
+    function, return its stats and ``keep`` them outside (``pipeline.run_blocks`` under its scan).
+    Around ``jit``, wrap what it compiles: ``jax.jit(with_stats(f))``.
+
+    >>> def double(x):
+    ...     keep({"calls": 1})
+    ...     return 2 * x
+    >>> y, stats = with_stats(lambda x: double(double(x)))(1.0)
+    >>> y, int(stats["calls"]), with_stats(jnp.sin)(0.0)[1]   # two calls kept; none
+    (4.0, 2, None)
+    """
+
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        _collections.append([])
+        try:
+            out = f(*args, **kwargs)
+        finally:
+            kept = _collections.pop()  # closed, even when f raises
+        return out, functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), kept) if kept else None
+
+    return run

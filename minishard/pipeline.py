@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from minishard import _checks
 from minishard._hlo import collective_instructions
 from minishard.census import bytes_by_mesh_axes, collectives
-from minishard.layers import ACTIVATIONS, Layer, Linear, Sequential
+from minishard.layers import ACTIVATIONS, Layer, Linear, Sequential, keep, with_stats
 from minishard.rules import LogicalAxes
 
 # --- 1. microbatches: gradient accumulation ------------------------------------
@@ -127,9 +127,13 @@ class Stacked(Layer):
 
 def run_blocks(block: Any, x: jax.Array, *args: Any) -> jax.Array:
     """Apply stacked blocks in order: a ``lax.scan`` over their leading axis. ``args`` go to every
-    block as they are (a GPT's: the tokens' ``positions``, which ring attention reads)."""
-    _checks.blocks_keep_shape(block, x, *args)  # the scan's carry: each block's output is the next's input
-    return jax.lax.scan(lambda h, one: (one(h, *args), None), x, block)[0]
+    block as they are (a GPT's: the tokens' ``positions``, which ring attention reads). What the blocks
+    keep (an MoE's statistics, ``layers.with_stats``) leaves the scan as its output, added up, kept."""
+    body = lambda h, one: with_stats(one)(h, *args)  # noqa: E731
+    _checks.blocks_keep_shape(body, block, x)  # the scan's carry: each block's output is the next's input
+    y, stats = jax.lax.scan(body, x, block)
+    keep(jax.tree.map(lambda s: s.sum(0), stats))
+    return y
 
 
 class StackedModel(Layer):
@@ -304,13 +308,14 @@ def run_pipeline(blocks: Stacked, x: jax.Array, pipeline: Pipeline, *args: Any) 
     stages, held = P(pipeline.stage_axis), (P(tokens),) * len(args)  # args: each device's tokens'
     # manual over its own axes only: another mesh axis ("model": tp) stays the annotations' inside a stage
     own = {pipeline.stage_axis} | {axis for axis in (data, tokens) if axis}
-    in_specs = (stages, x_spec, *held)
-    run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=in_specs, out_specs=x_spec, axis_names=own)
-    y = run(layers, split_microbatches(x, m), *args)
+    in_specs, out_specs = (stages, x_spec, *held), (x_spec, P())  # the blocks' stats: the batch's
+    run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=own)
+    y, stats = run(layers, split_microbatches(x, m), *args)
+    keep(stats)
     return y.swapaxes(0, 1).reshape(x.shape[0], *y.shape[2:])  # undo the strided split
 
 
-def _gpipe(layers: Any, xs: jax.Array, *args: Any, pipeline: Pipeline) -> jax.Array:
+def _gpipe(layers: Any, xs: jax.Array, *args: Any, pipeline: Pipeline) -> tuple[jax.Array, Any]:
     """One device's program: ``pipeline.ticks`` times, run its layers, pass the result on (``ppermute``)."""
     p, m, r, axis = pipeline.stages, pipeline.microbatches, pipeline.repeats, pipeline.stage_axis
     replicas = tuple(a for a in (pipeline.data_axis, pipeline.sequence_axis) if a)  # other examples, tokens
@@ -318,9 +323,8 @@ def _gpipe(layers: Any, xs: jax.Array, *args: Any, pipeline: Pipeline) -> jax.Ar
     if replicas:  # cast once, so that the gradient's psum over them (its transpose) runs once, not per tick
         layers = jax.lax.pcast(layers, replicas, to="varying")
     varying = functools.partial(jax.lax.pcast, axis_name=axis, to="varying")  # differs per stage
-    # The shift register, the inputs (where stage 0 also parks microbatches coming back round for
-    # their next repeat) and the outputs. Bubbles hold NaN, so one that leaks fails the tests; a
-    # NaN from full_like, not xs * NaN, whose gradient would be 0 * NaN = NaN.
+    # The shift register, the inputs (stage 0 parks there microbatches back for their next repeat), the
+    # outputs. Bubbles hold NaN, so one that leaks fails the tests (full_like's: xs * NaN's gradient is NaN).
     carry = varying(jnp.full_like(xs[0], jnp.nan)), varying(xs), varying(jnp.full_like(xs, jnp.nan))
 
     def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
@@ -330,16 +334,26 @@ def _gpipe(layers: Any, xs: jax.Array, *args: Any, pipeline: Pipeline) -> jax.Ar
         x = jnp.where(busy, x, 0.0)  # a bubble computes on zeros: NaN * 0 would be NaN in the gradient
         # repeat j's layers: slice 0 if r = 1 (at a traced j, a new array each tick, kept per tick by grad)
         here = jax.tree.map(lambda a: a[0] if r == 1 else a[jnp.clip(j, 0, r - 1)], layers)
-        y = run_blocks(here, x, *args)
+        y, stats = with_stats(run_blocks)(here, x, *args)
         outputs = outputs.at[i].set(jnp.where(busy & (stage == p - 1) & (j == r - 1), y, outputs[i]))
         state = jax.lax.ppermute(y, axis, ring_pairs(p))  # the shift
         sent, i_back, j_back = work(t, p - 1, m, r)  # what the last stage sent round to stage 0
         back = (stage == 0) & sent & (j_back < r - 1)
         inputs = inputs.at[i_back].set(jnp.where(back, state, inputs[i_back]))
-        return (state, inputs, outputs), None
+        return (state, inputs, outputs), jax.tree.map(lambda s: jnp.where(busy, s, 0), stats)  # a bubble's: 0
 
-    (_, _, outputs), _ = jax.lax.scan(tick, carry, jnp.arange(pipeline.ticks))
-    return jax.lax.psum(jnp.where(stage == p - 1, outputs, 0.0), axis)  # the last stage's, to all
+    (_, _, outputs), stats = jax.lax.scan(tick, carry, jnp.arange(pipeline.ticks))
+    outputs = jax.lax.psum(jnp.where(stage == p - 1, outputs, 0.0), axis)  # the last stage's, to all
+    return outputs, jax.tree.map(lambda s: _over_the_batch(s, pipeline, replicas), stats)  # its blocks' stats
+
+
+def _over_the_batch(stat: jax.Array, pipeline: Pipeline, replicas: tuple[str, ...]) -> jax.Array:
+    """A statistic of each tick (``with_stats``), for the batch: each stage's blocks' and microbatch's added
+    up; counts over the replicas too, losses (a microbatch's mean each) averaged, as ``all_to_all_moe``."""
+    total = jax.lax.psum(stat.sum(0), pipeline.stage_axis)
+    if jnp.issubdtype(total.dtype, jnp.integer):
+        return jax.lax.psum(total, replicas)
+    return jax.lax.pmean(total / pipeline.microbatches, replicas)
 
 
 # --- 4. what it costs -----------------------------------------------------------

@@ -83,8 +83,6 @@ MESH_AXES = ("data", "model", "stage", "context", "expert")
 CONFLICTS: dict[frozenset[str], str] = {
     frozenset({"dp", "fsdp"}): "both split the batch over 'data' (fsdp is dp that also splits the weights)",
     frozenset({"cp", "sp"}): "both split 'seq' (cp over 'context', sp over tp's 'model')",
-    frozenset({"pp", "ep"}): "a pipeline's stages return activations alone "
-    "(pipeline.run_blocks), and an MoE's blocks return their routing statistics too",
 }
 """Pairs of dimensions that cannot work together, and why."""
 ALIASES = {"2d": "dp+tp"}

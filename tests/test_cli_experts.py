@@ -26,7 +26,7 @@ BAD = [
     ([*GPT, "--experts", "8", "--parallel", "ep", "--batch-size", "12"], "argument --batch-size: 12 windows do not split over the 8 devices of expert=8; give a multiple of 8"),  # noqa: E501
     ([*GPT, "--experts", "8", "--explicit"], "argument --explicit: not with --experts"),
     ([*GPT, "--experts", "8", "--parallel", "zero"], "argument --experts: not with --parallel zero"),
-    ([*GPT, "--experts", "8", "--parallel", "pp"], "argument --experts: not with a pipeline (--parallel pp)"),
+    ([*GPT, "--experts", "6", "--parallel", "pp+ep"], "argument --experts: 6 experts do not split over expert=4 devices; give a multiple of 4"),  # noqa: E501
     ([*GPT, "--experts", "8", "--parallel", "ep", "--mesh", "data=8"], "argument --mesh: --parallel ep puts the experts on an 'expert' axis; it has none"),  # noqa: E501
 ]  # fmt: skip
 

@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 import minishard as ms
 from minishard.census import as_asked, collectives
 from minishard.costs import HARDWARE, collective_time, compare, cost_report, critical_batch, step_cost
-from minishard.experts import MoE, with_stats
+from minishard.experts import MoE
+from minishard.layers import with_stats
 from minishard.run.steps import make_train_step
 from minishard.styles import ANY_MODEL, EXPERT, mesh_rules
 

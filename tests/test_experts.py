@@ -30,11 +30,10 @@ from minishard.experts import (
     all_to_all_moe,
     balance_loss,
     capacity,
-    keep,
     top_k,
-    with_stats,
     z_loss,
 )
+from minishard.layers import keep, with_stats
 from minishard.models.gpt import GPT
 from minishard.models.transformer import Block, apply_blocks, moe_mlp
 from minishard.rules import ShardingError

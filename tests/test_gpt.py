@@ -18,7 +18,7 @@ import minishard as ms
 from minishard import context as cx
 from minishard import pipeline as pp
 from minishard.constraints import LogicalSharding
-from minishard.experts import with_stats
+from minishard.layers import with_stats
 from minishard.models import gpt
 from minishard.models.attention import ATTENTION_CORES, Attention, KVCache
 from minishard.models.transformer import moe_mlp
@@ -565,8 +565,11 @@ def test_an_moe_gpt_adds_its_routers_losses_and_keeps_the_dense_gpts_active_para
     loss, _ = jax.jit(next_token_loss)(model, batch)
     assert float(loss) == pytest.approx(float(dense_loss + stats.aux_loss), rel=1e-6)
     assert float(stats.aux_loss) > 0 and int(stats.dropped) > 0  # capacity 1.25 on random routers
-    with pytest.raises(ValueError, match="a pipeline carries no MoEStats"):
-        gpt.as_stacked(model)
+    stacked = gpt.as_stacked(model)  # its blocks in a lax.scan: their stats leave it
+    stacked_logits, stacked_stats = jax.jit(lambda m, ids: with_stats(m)(ids))(stacked, batch["inputs"])
+    np.testing.assert_allclose(stacked_logits, logits, rtol=1e-5, atol=1e-5)
+    assert int(stacked_stats.routed) == int(stats.routed)
+    np.testing.assert_allclose(stacked_stats.aux_loss, stats.aux_loss, rtol=1e-5)
 
 
 @pytest.mark.slow  # two sharded programs compile

@@ -65,14 +65,16 @@ PUBLIC = tuple(name for name in ORDER if not name.startswith("_"))
 CHAPTERS = {
     "hardware": 85,
     "costs": 415,  # issue 49: model_flops (41 lines), MFU's numerator
-    "pipeline": 460,  # issue 43: stack, unstack (22 lines), the report (12); #45: in_flight; #46: positions
-    # through the stages and their tokens over "context" (Pipeline.sequence_axis: pp+cp, 10)
+    "pipeline": 475,  # issue 43: stack, unstack (22 lines), the report (12); #45: in_flight; #46: positions
+    # through the stages and their tokens over "context" (Pipeline.sequence_axis: pp+cp, 10); the blocks'
+    # stats out of run_blocks' scan and the pipeline's ticks, over the batch (_over_the_batch: pp+ep, 16)
     "pipeline_1f1b": 80,
     "zero": 420,  # issue 47: placed_shapes (10 lines); issue 45: compute="bfloat16" (51), Megatron's master;
     # reduce_scatter across CPU processes (jax#40830: 407 lines as it landed); #45: pieces, held_bytes (9)
     "context": 500,  # #48: GQA (grouped, 21), merge_across (24: cp decode); #45: ring_kept, ring_in_flight
     "sequence": 200,
-    "experts": 478,  # issue 43 §4: with_stats and keep (45 lines), moe_layers (10); #45 moe_activations
+    "experts": 436,  # issue 43 §4: moe_layers (10); #45 moe_activations; with_stats and keep (44 lines)
+    # moved down to layers (pp+ep: the pipeline carries an MoE's stats out of its stages)
     "remat": 150,  # issue 45 §4: the policies, after_the_gradient (XLA:CPU schedules by it), StepFlops
     "memory": 475,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
     # §2: zero_budget, ZeRO's own step term by term (31), Budget.cast_each_step (ZeRO holds its bf16 weights)
@@ -84,7 +86,7 @@ CHAPTERS = {
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)
-CORE_BUDGET = 2517
+CORE_BUDGET = 2561
 """Lines of the core modules, 2,393 measured (issue 43), then styles' composition (102, issue 46:
 seven dimensions, the one ORDER of their rules, CONFLICTS, ``dimensions`` and ``compose``, the named
 styles made compositions), ``tree.cast_floating`` (7, issue 45), plus a little room: about 2,120 when the
@@ -95,7 +97,8 @@ two rows, their docstring, EXPERT), 5 lines of guards and docstrings, and ``cens
 back from ``_hlo``, where it had gone to fit the old budget; then (issue 43, one home per concept)
 the ``Optimizer`` protocol in optim (11) and ``Batch``, ``Loss`` and ``classification_loss`` in
 losses (23), each once, where zero.py and the workshop had their own; then (issue 45) ``tree.cast_floating``
-(7), jmp's cast to compute, shared by ``memory.Precision`` and ZeRO's bfloat16 step."""
+(7), jmp's cast to compute, shared by ``memory.Precision`` and ZeRO's bfloat16 step; then (issue 46)
+``layers.with_stats`` and ``keep`` (44), down from experts, which the pipeline uses below it."""
 PARSING = ("_hlo",)
 """Private modules whose functions return what they read: parsing machinery, not guards."""
 OUTSIDE = ("run", "models", "testing")

@@ -204,7 +204,7 @@ def test_the_gpt_with_its_pipeline_and_ring_is_the_dense_model_on_composed_meshe
 @pytest.mark.slow  # each composition compiles the GPT's forward and backward twice
 @settings(max_examples=4)
 @given(
-    compositions(MOE_WIDTHS, ("dp", "fsdp", "tp", "sp", "cp", "ep"), min_dimensions=2).filter(
+    compositions(MOE_WIDTHS, ("dp", "fsdp", "tp", "sp", "pp", "cp", "ep"), min_dimensions=2).filter(
         lambda composition: "ep" in composition.dimensions
     ),
     seeds,

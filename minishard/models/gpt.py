@@ -69,7 +69,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from minishard.constraints import activation_axes, as_activation, constrain, output_sharding
-from minishard.experts import moe_layers
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key
 from minishard.models.attention import KVCache
 from minishard.models.transformer import Block, LayerNorm, MLPBuilder, apply_blocks, dense_mlp
@@ -205,11 +204,9 @@ def as_stacked(model: GPT) -> StackedModel:
     """The same GPT with its blocks stacked on a "stage" axis (``minishard.pipeline.stack``), for pp.
 
     The embedding runs before the stack and the last norm and the head after
-    it, outside the pipeline. Same parameters, same function (no remat);
+    it, outside the pipeline. Same parameters, same function (no remat), an MoE GPT's stats too;
     ``minishard.pipeline.unstack`` gives the GPT back (a pipeline's checkpoint decodes so).
     """
-    if moe_layers(model):  # its stages run in a lax.scan, whose trace would keep their stats
-        raise ValueError("as_stacked: a pipeline carries no MoEStats out of its stages; stack a dense GPT")
     return stack(model.embedding, model.blocks, Sequential([model.norm, model.head]))
 
 

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from minishard.constraints import activation_axes, as_activation, constrain, environment
-from minishard.experts import MoE, keep, with_stats
-from minishard.layers import Layer, Sequential, mlp
+from minishard.experts import MoE
+from minishard.layers import Layer, Sequential, keep, mlp, with_stats
 from minishard.models.attention import Attention, KVCache
 from minishard.remat import checkpointed
 from minishard.rules import LogicalAxes

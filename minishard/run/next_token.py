@@ -11,7 +11,7 @@ here, on the run side, as nanoGPT keeps its model file apart from ``train.py``:
   (``minishard.run.steps``) is the GPT's step under every style, ``zero_train_step``'s too;
 * ``next_token_sums``: what an evaluation adds up over a split's padded batches.
 
-Any model is called through ``with_stats`` (``minishard.experts``): a model of ``MoE`` MLPs
+Any model is called through ``with_stats`` (``minishard.layers``): a model of ``MoE`` MLPs
 reports their ``MoEStats`` beside its logits, and the loss adds their auxiliary losses, an
 evaluation the share of routings dropped; a dense one reports None.
 
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from minishard.context import positions as held_positions
-from minishard.experts import with_stats
+from minishard.layers import with_stats
 from minishard.losses import Batch, accuracy, cross_entropy, one_hot
 from minishard.models.attention import SEQUENCE_LAYOUT, sequence_axis
 

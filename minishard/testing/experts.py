@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from minishard.experts import ExpertParallel, MoE, capacity, with_stats
+from minishard.experts import ExpertParallel, MoE, capacity
+from minishard.layers import with_stats
 from minishard.sharding import make_mesh
 from minishard.testing.assertions import _check_tolerances
 from minishard.tree import path_str

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from minishard.experts import moe_layers
 from minishard.models.gpt import GPT, stacked_gpt, stream
-from minishard.models.transformer import moe_mlp
+from minishard.models.transformer import dense_mlp, moe_mlp
 from minishard.optim import AdamW, warmup_cosine_decay
 from minishard.run import text_data
 from minishard.run.cli.flags import Error, Flag, at_least, positive, unit_interval
@@ -110,12 +110,11 @@ def _gpt(args: Args, key: jax.Array, stacked: bool = False) -> Any:
     vocab = text_data.TEXT_DATASET_INFO[args.dataset].vocabulary_size
     shape = (vocab, args.context, args.width, args.depth, args.heads, args.mlp_ratio)
     kv_heads = args.kv_heads  # None (a checkpoint saved before --kv-heads): the heads
-    if stacked:  # a pipeline refuses --experts (PipelineStyle.check_explain)
-        return stacked_gpt(*shape, key=key, kv_heads=kv_heads)
-    if args.experts:  # each expert mlp_ratio x width / k hidden units: the dense GPT's active parameters
-        mlp = moe_mlp(args.experts, args.top_k, args.capacity_factor)
-        return GPT(*shape, key=key, remat=args.remat, mlp=mlp, kv_heads=kv_heads)
-    return GPT(*shape, key=key, remat=args.remat, kv_heads=kv_heads)
+    # with --experts each expert mlp_ratio x width / k hidden units: the dense GPT's active parameters
+    mlp = moe_mlp(args.experts, args.top_k, args.capacity_factor) if args.experts else dense_mlp
+    if stacked:  # a pipeline: no remat (PipelineStyle refuses it)
+        return stacked_gpt(*shape, key=key, kv_heads=kv_heads, mlp=mlp)
+    return GPT(*shape, key=key, remat=args.remat, kv_heads=kv_heads, mlp=mlp)
 
 
 def _fill_gpt(args: Args) -> None:

@@ -125,9 +125,9 @@ NO_STYLE = Style("2d")
 
 CHAPTERS = {"pp": PipelineStyle, "cp": ContextStyle, "ep": ExpertStyle}
 """The dimensions whose style is a chapter's entry of its own; a composition takes its entry."""
-TOGETHER = ({"pp", "cp"}, {"cp", "ep"})
-"""The chapters whose first entry takes the other's checks (and build): the pipeline the ring's, the
-ring the experts'."""
+TOGETHER = ({"pp", "cp"}, {"pp", "ep"}, {"cp", "ep"})
+"""The chapters whose first entry takes the other's checks (and build): the pipeline the ring's and the
+experts', the ring the experts'."""
 
 
 def parallel(text: str) -> str:
@@ -148,9 +148,9 @@ def parallel(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if len(chapters := [dim for dim in dims if dim in CHAPTERS]) > 1 and set(chapters) not in TOGETHER:
-        first, second = chapters[:2]
+        named = f"{', '.join(chapters[:-1])} and {chapters[-1]}"
         raise argparse.ArgumentTypeError(
-            f"{text}: {first} and {second} do not compose here: each is a style with checks and reports of "
+            f"{text}: {named} do not compose here: each is a style with checks and reports of "
             f"its own (minishard/run/cli/styles/), and no style yet has both; these do: "
             + ", ".join("+".join(sorted(pair, key=list(CHAPTERS).index)) for pair in TOGETHER)
         )

@@ -15,7 +15,8 @@ from typing import Any
 
 import jax
 
-from minishard.experts import MoEStats, capacity, expert_report, with_stats
+from minishard.experts import MoEStats, capacity, expert_report
+from minishard.layers import with_stats
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import Error, first_devices
 from minishard.run.cli.models.entry import ModelEntry
