@@ -117,9 +117,13 @@ class LogicalSharding:
 
 
 def _without(spec: PartitionSpec, manual: set[str]) -> PartitionSpec:
-    """``spec`` without the mesh axes ``manual``."""
-    auto = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in manual) for e in spec]
-    return PartitionSpec(*[None if not e else e[0] if len(e) == 1 else e for e in auto])
+    """``spec`` without the mesh axes ``manual``: P(("data", "model")) without "data" is P("model")."""
+    entries = []
+    for entry in spec:  # None, one mesh axis, or a tuple of them
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        auto = tuple(axis for axis in axes if axis not in manual)
+        entries.append(auto[0] if len(auto) == 1 else auto or None)
+    return PartitionSpec(*entries)
 
 
 _CURRENT: contextvars.ContextVar[LogicalSharding | None] = contextvars.ContextVar(

@@ -303,8 +303,8 @@ def bytes_sent(model: Decoder, layout: Layout, tokens: float, itemsize: int = 2)
     """Bytes each device sends in one step, by dimension: ``sends`` on rings (``costs.sent_bytes``), as
     a compiled step's census sums them (float32: dp's all-reduce of the GPT's 3.3 MB of gradients).
 
-    >>> from minishard.serving import GPT
-    >>> bytes_sent(GPT, Layout(dp=8), 1024, itemsize=4)   # 2 x 7/8 x 4 x 816,193
+    >>> from minishard.serving import MINISHARD_GPT
+    >>> bytes_sent(MINISHARD_GPT, Layout(dp=8), 1024, itemsize=4)   # 2 x 7/8 x 4 x 816,193
     {'dp': 5713351.0}
     """
     found: dict[str, float] = {}

@@ -53,7 +53,7 @@ class Decoder:
     """A decoder-only transformer's shapes, as the pricing sees it (the book's names in brackets):
     ``layers`` (L), ``width`` (D), ``heads`` (N), ``kv_heads`` (K; fewer than ``heads`` under
     grouped-query attention), ``head_dim`` (H), ``hidden`` (F, a gated MLP's three matrices), ``vocab`` (V).
-    GPT-2's shape differs in three ways (``GPT``): an MLP of two matrices (``gated=False``), a
+    GPT-2's shape differs in three ways (``MINISHARD_GPT``): an MLP of two matrices (``gated=False``), a
     learned table of ``positions`` (0: rotary, no table), and ``biases`` (each LayerNorm's scale
     and bias, each MLP matrix's bias and the head's, where LLaMA has an RMSNorm's scale alone).
     """
@@ -74,7 +74,7 @@ class Decoder:
         """The book's count: a gated MLP (3DF), q and out (2DNH), k and v (2DKH) per layer, two embeddings;
         GPT-2's MLP is 2DF, its position table PD, and its biases 5D + F a layer and 2D + V at the end.
 
-        >>> round(LLAMA2_13B.params / 1e9, 3), GPT.params   # minishard's GPT: 816,193
+        >>> round(LLAMA2_13B.params / 1e9, 3), MINISHARD_GPT.params   # 816,193
         (13.015, 816193)
         """
         width, attention = self.width, 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
@@ -102,7 +102,7 @@ LLAMA3_405B = Decoder(
     layers=126, width=16384, heads=128, kv_heads=8, head_dim=128, hidden=53248, vocab=128256
 )
 """LLaMA-3 405B, from the same table."""
-GPT = Decoder(
+MINISHARD_GPT = Decoder(
     layers=4, width=128, heads=4, kv_heads=4, head_dim=32, hidden=512, vocab=65,
     gated=False, positions=64, biases=True,
 )
@@ -113,7 +113,7 @@ SIZES = {
     "llama3-8b": LLAMA3_8B,
     "llama3-70b": LLAMA3_70B,
     "llama3-405b": LLAMA3_405B,
-    "gpt": GPT,
+    "gpt": MINISHARD_GPT,
 }
 """The named sizes ``minishard explain --size`` prices: serving (``--decode``), training (``--compare``)."""
 
@@ -225,7 +225,7 @@ def latency_throughput(
 
 
 __all__ = [
-    "GPT",
+    "MINISHARD_GPT",
     "LLAMA2_13B",
     "LLAMA3_8B",
     "LLAMA3_70B",

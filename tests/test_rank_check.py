@@ -26,8 +26,8 @@ GPT_RANKED = ["explain", "--compare", "--size", "gpt", "--hardware", "v5p", "--b
 
 def test_the_gpt_size_counts_the_built_gpts_parameters() -> None:
     model = jax.eval_shape(lambda: GPT(key=jax.random.key(0)))  # the default GPT, no numbers drawn
-    assert serving.GPT.params == sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(model)) == 816_193
-    size = serving.GPT  # and the shapes that price it are the model's
+    size = serving.MINISHARD_GPT  # and the shapes that price it are the model's
+    assert size.params == sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(model)) == 816_193
     assert (size.layers, size.width, size.heads, size.hidden) == (len(model.blocks), 128, 4, 512)
     tables = model.embedding.tokens.shape[0], model.embedding.positions.shape[0]
     assert (size.vocab, size.positions) == tables
@@ -113,8 +113,8 @@ def test_predicted_bytes_per_dimension_against_the_compiled_steps(checked) -> No
     assert ratio("fsdp 2 x tp 4", "fsdp") == pytest.approx(3.57, abs=0.2)
     # parameters per device: dp holds the whole GPT, as predicted; under tp the embeddings, the head
     # and the LayerNorms stay whole: 7% over P/(fsdp x tp)
-    assert checked["dp 8"].parameters == 4 * serving.GPT.params
-    held = checked["fsdp 2 x tp 4"].parameters / (4 * serving.GPT.params / 8)
+    assert checked["dp 8"].parameters == 4 * serving.MINISHARD_GPT.params
+    held = checked["fsdp 2 x tp 4"].parameters / (4 * serving.MINISHARD_GPT.params / 8)
     assert held == pytest.approx(1.07, abs=0.01)
     # the compiled price is the roofline over XLA's FLOPs and each collective's latency: slower, and
     # fsdp's many small gathers wait on their hops' latency, 30x the bytes' time the ranking priced

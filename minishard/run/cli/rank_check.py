@@ -1,7 +1,7 @@
 """``minishard explain --compare --size gpt --check [N]``: the ranking's top layouts, compiled and measured.
 
 ``--compare --size`` ranks layouts from a size's shapes (``minishard.layouts``), nothing compiled.
-For minishard's own GPT (``serving.GPT``) on the process's devices, ``--check N`` compiles the
+For minishard's own GPT (``serving.MINISHARD_GPT``) on the process's devices, ``--check N`` compiles the
 real train step of the N fastest layouts that fit and that a composition builds (each dimension
 its mesh axis: dp and fsdp "data", tp "model", pp "stage"), as ``explain --model gpt --parallel
 NAME`` does, and sets what the ranking predicted beside what XLA compiled: the step's price, the
@@ -59,8 +59,8 @@ def check(args: argparse.Namespace, error: Callable[[str], object]) -> None:
         error("argument --check: only with --compare --size gpt (it compiles the ranking's layouts)")
     if args.size != "gpt":
         error(f"argument --check: compiles minishard's own GPT (--size gpt), not --size {args.size}")
-    if args.context not in (None, serving.GPT.positions):
-        error(f"argument --context: --check compiles the default GPT, of {serving.GPT.positions} positions")
+    if args.context not in (None, positions := serving.MINISHARD_GPT.positions):
+        error(f"argument --context: --check compiles the default GPT, of {positions} positions")
     simulate_devices(args.devices)  # before the backend starts: the count the CLI simulates
     if args.devices != (there := len(jax.devices())):
         error(f"argument --devices: --check compiles on this process's devices, {there}, not {args.devices}")
