@@ -1,6 +1,6 @@
 """Where a GPT step's time goes: a ``--profile`` trace of the default run, read back and drawn.
 
-Runs ``minishard train --model gpt --steps 20 --profile DIR`` (the default GPT on 8
+Runs ``minishard train --model gpt --steps 20 --devices 8 --profile DIR`` (the default GPT on 8
 simulated devices, steps 2 to 4 traced) and prints its mean step time; reads the trace
 (``minishard.run.trace_reading``) and prints, per traced step: its time on the host
 (dispatch, then the wait for its loss), the dispatch, the host gap before the next step,
@@ -35,7 +35,7 @@ def traced(directory: str, steps: int) -> list[TracedStep]:
     """Train the default GPT for ``steps`` steps, tracing steps 2 to 4 into ``directory``; read them, and
     say the run's own mean step (its ``--log``: steps 2 to ``steps``, the traced ones among them)."""
     log = os.path.join(directory, "metrics.jsonl")
-    flags = ["--steps", str(steps), "--profile", directory, "--log", log]
+    flags = ["--steps", str(steps), "--devices", "8", "--profile", directory, "--log", log]
     if minishard(["train", "--model", "gpt", *flags]) != 0:
         raise SystemExit("minishard train failed")
     with open(log) as lines:

@@ -1,6 +1,6 @@
 """The anatomy of a step's memory: the default GPT's bytes per device, term by term, under each style.
 
-What ``minishard explain --model gpt --memory --parallel STYLE --devices 4 [--precision bf16]``
+What ``minishard explain --model gpt --memory --parallel STYLE --devices 4 --batch-size 12 [--precision bf16]``
 predicts (its ``predict``: ``memory.step_budget`` of the step's plan), for every style
 ``--memory`` takes, on 4 devices (the GPT's 4 heads split at most 4 ways), in fp32 and bf16.
 Printed: per precision, a row per term and a column per style, MB per device; ``--plot`` draws
@@ -25,7 +25,17 @@ PRECISIONS = ("fp32", "bf16")
 
 def budgets(precision: str, devices: int = 4) -> dict[str, Budget]:
     """Each style's predicted budget of the default GPT's AdamW step, as ``explain --memory`` makes it."""
-    flags = ["--model", "gpt", "--memory", "--devices", str(devices), "--precision", precision]
+    flags = [
+        "--model",
+        "gpt",
+        "--memory",
+        "--devices",
+        str(devices),
+        "--batch-size",
+        "12",
+        "--precision",
+        precision,
+    ]
     return {style: predict(parse_args(["explain", *flags, "--parallel", style]))[0] for style in ANY_MODEL}
 
 

@@ -6,10 +6,12 @@ checkout's virtual environment, and the same offline data. The clock starts when
 starts (imports, data, compile and evaluations included) and stops at the first evaluation that
 prints ``val loss <= --target``; the run then ends (``--steps`` caps it). The commits run one
 after the other, ``--rounds`` times, alternating, and each row says the load the machine had.
+Last, the newer commit's GPT step on one device (``--devices 1``, 100 steps): the share of the
+measured matmul peak its run prints as MFU for steps 51-100 (issue 49's target: 60%).
 
     python benchmarks/time_to_val.py                       # 03dc224 against HEAD, val loss 1.88
     python benchmarks/time_to_val.py --commits 03dc224 HEAD --rounds 2 --json runs/ttv.json
-    python benchmarks/time_to_val.py --flags --devices 2   # the same, both runs with extra train flags
+    python benchmarks/time_to_val.py --flags --devices 8   # the same, both runs with extra train flags
 
 Needs a git checkout (``git archive``) and ``TFDS_DATA_DIR`` pointing at tiny_shakespeare.
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VAL = re.compile(r"val loss (\d+\.\d+)")
+MFU = re.compile(r"MFU ([\d.]+)%")
 
 
 def exported(commit: str, into: Path) -> Path:
@@ -45,7 +48,7 @@ def exported(commit: str, into: Path) -> Path:
 def time_to_val(tree: Path, target: float, steps: int, flags: list[str]) -> dict[str, object]:
     """Seconds from the process's start to the first ``val loss <= target``; the val losses seen."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    env.pop("XLA_FLAGS", None)  # the run's own: 8 simulated devices, XLA's default optimisation
+    env.pop("XLA_FLAGS", None)  # the run's own: its simulated devices, XLA's default optimisation
     command = [sys.executable, "-m", "minishard", "train", "--model", "gpt", "--steps", str(steps), *flags]
     load = os.getloadavg()[0]
     start = time.perf_counter()
@@ -53,9 +56,12 @@ def time_to_val(tree: Path, target: float, steps: int, flags: list[str]) -> dict
         command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     seen: list[float] = []
+    mfu: list[float] = []  # each record's, where the commit prints it (issue 49 §1 on)
     reached = None
     assert run.stdout is not None
     for line in run.stdout:
+        if found := MFU.search(line):
+            mfu.append(float(found.group(1)))
         if found := VAL.search(line):
             seen.append(float(found.group(1)))
             if float(found.group(1)) <= target:
@@ -63,7 +69,22 @@ def time_to_val(tree: Path, target: float, steps: int, flags: list[str]) -> dict
                 run.terminate()  # the question is answered: the rest of the run is not timed
                 break
     run.wait()
-    return {"seconds": reached, "val_losses": seen, "load_before": load, "load_after": os.getloadavg()[0]}
+    return {
+        "seconds": reached, "val_losses": seen, "mfu_percent": mfu,
+        "load_before": load, "load_after": os.getloadavg()[0],
+    }  # fmt: skip
+
+
+def one_device_mfu(tree: Path, steps: int = 100) -> float | None:
+    """The default GPT's step on one device, as a % of the measured matmul peak: the MFU its run
+    prints for steps ``steps // 2 + 1`` to ``steps`` (the compiling step in the first half)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.pop("XLA_FLAGS", None)
+    flags = ["--devices", "1", "--steps", str(steps), "--eval-every", str(steps // 2)]
+    command = [sys.executable, "-m", "minishard", "train", "--model", "gpt", *flags]
+    out = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True).stdout
+    found = MFU.findall(out)
+    return float(found[-1]) if found else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,16 +113,18 @@ def main(argv: list[str] | None = None) -> int:
                     f"load {result['load_before']:.1f} -> {result['load_after']:.1f})",
                     flush=True,
                 )
+        one_device = one_device_mfu(trees[args.commits[1]])  # the second commit's (the newer)
     best = {c: min((r["seconds"] for r in runs if isinstance(r["seconds"], float)), default=None)
             for c, runs in results.items()}  # fmt: skip
     before, after = (best[c] for c in args.commits)
     if isinstance(before, float) and isinstance(after, float):
         print(f"best of {args.rounds}: {args.commits[0]} {before:.1f} s, {args.commits[1]} {after:.1f} s: "
               f"{before / after:.2f}x")  # fmt: skip
+    if isinstance(one_device, float):
+        print(f"{args.commits[1]}: the GPT step on one device, {one_device:.1f}% of the measured matmul peak")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"target": args.target, "flags": args.flags, "runs": results}, indent=1)
-        )
+        runs = {"target": args.target, "flags": args.flags, "runs": results, "one_device_mfu": one_device}
+        Path(args.json).write_text(json.dumps(runs, indent=1))
     return 0
 
 

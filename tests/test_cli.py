@@ -641,7 +641,7 @@ def test_devices_below_those_simulated_are_the_first_n_said_in_one_line(capsys, 
         ([], "mlp under 2d on 4 devices", "all-reduce  x2"),  # the learner's `explain --devices 4`
         (["--model", "gpt", "--parallel", "tp"], "gpt under tp on 4 devices", "all-reduce  x16"),
         (["--parallel", "zero"], "mlp under zero (ZeRO-3 by hand) on 4 devices", "reduce-scatter  x4"),
-        (["--model", "gpt", "--parallel", "cp"], "gpt under cp on 4 devices, batch 12", "collective-permute"),
+        (["--model", "gpt", "--parallel", "cp"], "gpt under cp on 4 devices, batch 16", "collective-permute"),
         (["--model", "gpt", "--parallel", "dp+cp"], "gpt under dp+cp on 4 devices", "collective-permute"),
         (
             ["--model", "gpt", "--experts", "4", "--parallel", "dp+ep"],

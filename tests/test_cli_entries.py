@@ -267,7 +267,7 @@ def test_a_registered_model_gets_its_defaults_style_and_help(toy, capsys):
     help = " ".join(capsys.readouterr().out.split())
     assert "--context CONTEXT GPT, Toy: characters each prediction sees (its learned positions) " \
         "(default: gpt 64, toy 4)" in help  # fmt: skip
-    assert "--lr LR initial (or peak) learning rate (default: mlp 0.2, vit 0.1, gpt 0.001, toy 0.01)" in help
+    assert "--lr LR initial (or peak) learning rate (default: mlp 0.2, vit 0.1, gpt 0.003, toy 0.01)" in help
 
 
 def test_explain_plans_a_registered_model(toy, capsys):

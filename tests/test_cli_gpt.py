@@ -56,7 +56,10 @@ def test_the_gpt_trains_by_steps_and_its_checkpoint_samples_without_data(tmp_pat
     directory, log, plot = str(tmp_path / "run"), tmp_path / "metrics.jsonl", tmp_path / "curves.png"
     flags = ["--steps", "4", "--eval-every", "2", "--checkpoint-dir", directory]
     assert main(["train", *TINY, *flags, "--log", str(log), "--plot", str(plot)]) == 0
-    lines = records(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert "(2 devices: the GPT's default run: 2 split the batch (an all-reduce a step)" in out  # said why
+    assert "mesh {'data': 2} (2 devices)" in out
+    lines = records(out)
     assert [re.search(rf"· val loss {FLOAT}", line) is not None for line in lines] == [True, True]
     assert re.search(rf"· test loss {FLOAT}$", lines[-1]) and "test loss" not in lines[0]
     val = [float(re.search(rf"val loss {FLOAT}", line)[1]) for line in lines]
@@ -96,7 +99,7 @@ def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys
     resumed, resumed_lines = trained("--resume-from", "4")
     assert_trees_equal(resumed, straight)  # every step's windows a pure function of (seed, step)
     assert resumed_lines == straight_lines[-1:]  # steps 5-6 of the period 4-6: the same losses, val and test
-    others = (("--steps", "8", "6"), ("--lr", "0.002", "0.001"), ("--warmup-steps", "2", "5"))
+    others = (("--steps", "8", "6"), ("--lr", "0.002", "0.003"), ("--warmup-steps", "2", "5"))
     for flag, value, saved in others:
         other = ["--steps", "6", "--checkpoint-dir", directory, "--resume-from", "4", flag, value]
         assert main(["train", *TINY, *other]) == 1  # a cosine that spans 8 steps is another curve
@@ -158,7 +161,7 @@ BAD_FLAGS = [
     (["--schedule", "exponential"], "argument --schedule: the GPT's AdamW warms up, then follows a cosine"),
     (["--dataset", "mnist"], "argument --dataset: the GPT trains on tiny_shakespeare, not mnist"),
     (["--momentum", "0.9"], "argument --momentum: only the MLP and the ViT take it, and --model is gpt"),
-    (["--batch-size", "12"], "argument --batch-size: 12 cannot be split evenly over data=8 devices"),
+    (["--batch-size", "13"], "argument --batch-size: 13 cannot be split evenly over data=2 devices"),
     (["--parallel", "dp+pp", "--depth", "3"], "argument --depth: 3 blocks cannot split over 4 stages"),
     (["--weight-decay", "1.5"], "argument --weight-decay: must be a finite number in [0, 1), got 1.5"),
     (
@@ -190,27 +193,33 @@ def test_a_cut_warmup_is_said_first_and_a_rule_no_array_carries_is_refused(capsy
     ]
 
 
-def test_the_gpt_defaults_are_nanogpts_cpu_configuration_with_a_batch_near_12():
+def test_the_gpt_defaults_are_nanogpts_cpu_configuration_at_its_own_lr_on_2_devices_batch_near_16():
     args = parse_args(["train", "--model", "gpt"])
     shape = (args.depth, args.heads, args.width, args.context, args.mlp_ratio, args.weight_decay)
     assert shape == (4, 4, 128, 64, 4, 0.1) and (args.lr, args.warmup_steps, args.schedule) == (
-        1e-3,
+        3e-3,
         100,
         "cosine",
     )
     assert (args.steps, args.eval_every, args.epochs, args.dataset) == (2000, 250, None, "tiny_shakespeare")
-    assert (args.parallel, args.mesh, args.batch_size) == ("dp", {"data": 8}, 16)  # 8 and 16 tie: 16
-    assert parse_args(["train", "--model", "gpt", "--parallel", "2d"]).batch_size == 16  # 8 devices: as dp
+    assert (args.parallel, args.devices, args.mesh, args.batch_size) == ("dp", 2, {"data": 2}, 16)
+    assert parse_args(["train", "--model", "gpt", "--parallel", "dp"]).devices == 2  # its own style, named
+    assert parse_args(["train", "--model", "gpt", "--devices", "8"]).mesh == {"data": 8}  # the same batch
+    assert parse_args(["train", "--model", "gpt", "--devices", "8"]).batch_size == 16
+    two_d = parse_args(["train", "--model", "gpt", "--parallel", "2d"])  # another style: 8 devices
+    assert (two_d.devices, two_d.batch_size) == (8, 16)
+    assert parse_args(["train", "--model", "gpt", "--mesh", "data=4"]).devices == 8  # --mesh: not its run
     assert parse_args(["train", "--model", "gpt", "--parallel", "dp+tp+cp"]).batch_size == 16
-    assert parse_args(["train", "--model", "gpt", "--devices", "4"]).batch_size == 12  # data=4
-    assert parse_args(["train", "--model", "gpt", "--devices", "6"]).batch_size == 12  # data=6
+    assert parse_args(["train", "--model", "gpt", "--devices", "6"]).batch_size == 18  # data=6: 18 is nearest
+    assert parse_args(["train", "--model", "gpt", "--devices", "3"]).batch_size == 15
+    assert parse_args(["train", "--model", "mlp"]).devices == 8  # the others' default
     piped = parse_args(["train", "--model", "gpt", "--parallel", "dp+pp"])  # 8 microbatches of 2 rows
     assert (piped.depth, piped.microbatches, piped.batch_size) == (4, 8, 16)
-    rate = ms.warmup_cosine_decay(1e-3, 100, 2000, end_value=1e-4)  # a warmup, then a cosine to lr / 10
+    rate = ms.warmup_cosine_decay(3e-3, 100, 2000, end_value=3e-4)  # a warmup, then a cosine to lr / 10
     optimizer = GPT_ENTRY.optimizer(args, 2000)
     steps = np.array([0, 50, 100, 1000, 2000])
     assert np.allclose([optimizer.learning_rate(s) for s in steps], [rate(s) for s in steps])
-    assert float(optimizer.learning_rate(2000)) == pytest.approx(1e-4)
+    assert float(optimizer.learning_rate(2000)) == pytest.approx(3e-4)
 
 
 @pytest.mark.slow  # over 5 s

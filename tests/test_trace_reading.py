@@ -83,7 +83,10 @@ def test_a_tiny_gpts_trace_has_each_steps_ops_on_all_8_devices_and_their_all_red
 
     tiny = ["--model", "gpt", "--width", "16", "--depth", "1", "--heads", "2", "--context", "16"]
     trace = tmp_path / "trace"
-    assert main(["train", *tiny, "--no-download", "--steps", "5", "--profile", str(trace)]) == 0
+    assert (
+        main(["train", *tiny, "--no-download", "--steps", "5", "--devices", "8", "--profile", str(trace)])
+        == 0
+    )
     steps = read_trace(trace)
     assert [step.number for step in steps] == [2, 3, 4]
     for step in steps[:-1]:  # the last may have lost its latest ops: the trace stops at its loss

@@ -174,7 +174,7 @@ def _write_peaks(path: Path, entries: dict[str, dict[str, Any]]) -> str | None:
 
 
 @functools.cache
-def measured_peak(devices: tuple[jax.Device, ...], repeats: int = 5) -> float:
+def measured_peak(devices: tuple[jax.Device, ...], repeats: int = 20) -> float:
     """FLOP/s of ``devices`` each multiplying two ``SIDE`` x ``SIDE`` float32 matrices at once, best of
     ``repeats``: the first call compiles, a loaded machine's slow runs are not the peak."""
     mesh = Mesh(np.array(devices), ("d",))

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from minishard.run.cli.styles.style import Style
 
 __all__ = [
+    "DEFAULT_DEVICES",
     "DEFAULT_MESH",
     "LOG_FORMATS",
     "PLOT_FORMATS",
@@ -60,6 +61,8 @@ __all__ = [
 Error = Callable[[str], NoReturn]
 """A parser's ``error``: prints ``usage`` and ``prog: error: <message>``, exits with status 2."""
 DEFAULT_MESH = "data=2,model=4"
+DEFAULT_DEVICES = 8
+"""``train --devices``'s default, unless the model's default run names its own (``ModelEntry.devices``)."""
 """The mesh without --mesh or --parallel (with --parallel: the style's mesh)."""
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 LOG_FORMATS = (".jsonl", ".json", ".log", ".txt")
@@ -261,6 +264,9 @@ def finish_train(
     style's own refusals, the defaults, then every check (the hooks': ``styles/style.py``).
     """
     refuse_other_models_flags(args, model, models, error)
+    if args.devices is None:  # the default run (the model's style, no --mesh) may have a count of its own
+        default_run = args.parallel == model.style and args.mesh is None
+        args.devices, args.devices_reason = model.devices if default_run else (DEFAULT_DEVICES, "")
     style.finish(args, error)
     if args.mesh is None:  # decided from the parsed values: --mesh given (in any spelling) always wins
         args.mesh = style.mesh(args.devices) if args.parallel else mesh(DEFAULT_MESH)

@@ -119,6 +119,7 @@ class ModelEntry:
     sequence: SequenceSplit | None = None  # None: it has no sequence to split, so no cp, dp+cp
     experts: ExpertSplit | None = None  # None: it has no experts, so ep and dp+ep have none to split
     stream: Callable[..., Iterator[list[int]]] | None = None  # decoding (``minishard sample``), gpt's
+    devices: tuple[int, str] = (8, "")  # its default run's --devices (its own style, no --mesh), and why
 
     def expert_count(self, args: Args) -> int:
         """Experts per layer in this run: 0 for dense MLPs, or a model that takes no experts."""
