@@ -1,7 +1,7 @@
 """The anatomy of a step's memory: the default GPT's bytes per device, term by term, under each style.
 
-What ``minishard explain --model gpt --memory --parallel STYLE --devices 4 --batch-size 12 [--precision bf16]``
-predicts (its ``predict``: ``memory.step_budget`` of the step's plan), for every style
+What ``minishard explain --model gpt --memory --parallel STYLE --devices 4 --batch-size 12
+[--precision bf16]`` predicts (its ``predict``: ``memory.step_budget`` of the step's plan), for every style
 ``--memory`` takes, on 4 devices (the GPT's 4 heads split at most 4 ways), in fp32 and bf16.
 Printed: per precision, a row per term and a column per style, MB per device; ``--plot`` draws
 one stacked bar per style (docs/memory.md). Nothing is compiled: it runs in seconds.
