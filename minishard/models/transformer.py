@@ -170,8 +170,9 @@ def _gradient_once(x: jax.Array) -> jax.Array:
     The stream's gradient is a chain of cheap elementwise ops (the residual adds, the LayerNorms'
     backward) that XLA:CPU copies into every fusion reading it: each block's weight gradients
     recomputed the chain from the loss down (12.6% of a step's op time). XLA does not copy an
-    expensive op, a divide, into several fusions, so the chain is computed once: the default GPT's step 54-59 ms -> 46-49 ms on 2
-    devices, 82 -> 69 ms on 1, losses and parameters bit-identical (docs/benchmarks.md).
+    expensive op, a divide, into several fusions, so the chain is computed once: the default
+    GPT's step 54-59 ms -> 46-49 ms on 2 devices, 82 -> 69 ms on 1, losses and parameters
+    bit-identical (docs/benchmarks.md).
     """
     return x
 
