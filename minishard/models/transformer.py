@@ -158,12 +158,12 @@ def residual_stream(x: jax.Array) -> jax.Array:
     Elsewhere XLA's propagation places the stream, and ``x`` is left as it is.
     """
     env, stream = environment(), activation_axes(3, "seq", "embed")
-    if env is None or (*env.spec(stream), None, None)[1] is None:
-        return _gradient_once(x)  # no rule splits "seq" here
-    return _gradient_once(constrain(x, stream))
+    if env is None or (*env.spec(stream), None, None)[1] is None:  # no rule splits "seq" here
+        return x if env and any(env.spec((axis,))[0] for axis in ("heads", "mlp")) else _gradient_once(x)
+    return constrain(x, stream)
 
 
-@jax.custom_jvp
+@jax.custom_vjp
 def _gradient_once(x: jax.Array) -> jax.Array:
     """``x``, its gradient divided by 1: the same numbers, computed once instead of once per reader.
 
@@ -172,15 +172,21 @@ def _gradient_once(x: jax.Array) -> jax.Array:
     recomputed the chain from the loss down (12.6% of a step's op time). XLA does not copy an
     expensive op, a divide, into several fusions, so the chain is computed once: the default
     GPT's step 54-59 ms -> 46-49 ms on 2 devices, 82 -> 69 ms on 1, losses and parameters
-    bit-identical (docs/benchmarks.md).
+    bit-identical (docs/benchmarks.md). Not under tensor parallelism: there the gradient is a
+    partial sum, and the divide would move its all-reduce.
     """
     return x
 
 
-@_gradient_once.defjvp
-def _divided_tangent(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    (x,), (tangent,) = primals, tangents
-    return x, tangent / (x * 0 + 1)  # 1, but not a constant XLA could fold: its transpose divides too
+def _keep_nothing(x: jax.Array) -> tuple[jax.Array, None]:
+    return x, None
+
+
+def _divided_by_one(_: None, gradient: jax.Array) -> tuple[jax.Array]:
+    return (gradient / (gradient * 0 + 1),)  # 1, but not a constant XLA could fold away
+
+
+_gradient_once.defvjp(_keep_nothing, _divided_by_one)
 
 
 def _call_block(block: Block, x: jax.Array, positions: jax.Array | None) -> jax.Array:
