@@ -589,3 +589,32 @@ def test_an_moe_gpt_under_expert_parallelism_equals_it_on_one_device(style):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=path)
     forward = ms.Sharded(mesh, rules)(lambda m, ids: with_stats(m)(ids)).lower(model, batch["inputs"])
     assert ms.collectives(forward)["all-to-all"].count == 2 * SMALL["depth"]  # tokens out and home, per block
+
+
+def test_the_residual_streams_gradient_is_divided_by_one_except_under_tensor_parallelism(
+    monkeypatch,
+):
+    from minishard.models import transformer
+
+    model, batch = small_gpt(), small_batch()
+
+    def loss(model):
+        return next_token_loss(model, batch)[0]
+
+    def barriers(function):  # the residual_stream calls that divide their gradient by 1
+        fresh = lambda m: function(m)  # noqa: E731  # a new function: jax caches a trace per function
+        return str(jax.make_jaxpr(fresh)(model)).count("custom_vjp_call")
+
+    once = jax.jit(jax.grad(loss))(model)
+    assert barriers(loss) == 3 * SMALL["depth"]  # three residual_stream calls a block
+    monkeypatch.setattr(transformer, "_gradient_once", lambda x: x)  # the plain stream
+    assert barriers(loss) == 0
+    plain = jax.jit(jax.grad(loss))(model)
+    for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(plain), strict=True):
+        # dividing by 1 is exact; the fusions around it sum in another order (2.8e-9 off here)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
+    monkeypatch.undo()
+    for style, on in (("dp", True), ("dp+pp", True), ("fsdp", False), ("tp", False), ("tp+sp", False)):
+        shape, rules = mesh_rules(style, 8)
+        env = LogicalSharding(ms.make_mesh(shape), rules)
+        assert barriers(env.wrap(loss)) == (3 * SMALL["depth"] if on else 0), style

@@ -171,9 +171,10 @@ def _gradient_once(x: jax.Array) -> jax.Array:
     backward) that XLA:CPU copies into every fusion reading it: each block's weight gradients
     recomputed the chain from the loss down (12.6% of a step's op time). XLA does not copy an
     expensive op, a divide, into several fusions, so the chain is computed once: the default
-    GPT's step 54-59 ms -> 46-49 ms on 2 devices, 82 -> 69 ms on 1, losses and parameters
-    bit-identical (docs/benchmarks.md). Not under tensor parallelism: there the gradient is a
-    partial sum, and the divide would move its all-reduce.
+    GPT's step 54-59 ms -> 46-49 ms on 2 devices, 82 -> 69 ms on 1, the same numbers to float32's
+    rounding (the fusions around the divide may sum in another order; docs/benchmarks.md). Not
+    where a rule splits the heads or the hidden units (tp, fsdp): there the gradient can be a
+    partial sum, and the divide would move its collectives.
     """
     return x
 
