@@ -155,11 +155,13 @@ def residual_stream(x: jax.Array) -> jax.Array:
     Under ``tp+sp`` ("seq" over "model", after heads and hidden units) the LayerNorms and
     residual adds then run on 1/p of the tokens, and each all-reduce of the heads' or hidden
     units' partial sums becomes a reduce-scatter and an all-gather (``minishard.sequence``).
-    Elsewhere XLA's propagation places the stream, and ``x`` is left as it is.
+    Elsewhere XLA's propagation places the stream, and, unless a rule splits the heads or the
+    hidden units, its gradient is computed once (``_gradient_once``).
     """
     env, stream = environment(), activation_axes(3, "seq", "embed")
     if env is None or (*env.spec(stream), None, None)[1] is None:  # no rule splits "seq" here
-        return x if env and any(env.spec((axis,))[0] for axis in ("heads", "mlp")) else _gradient_once(x)
+        split_inside = env is not None and any(env.spec((axis,))[0] for axis in ("heads", "mlp"))
+        return x if split_inside else _gradient_once(x)
     return constrain(x, stream)
 
 

@@ -61,9 +61,9 @@ __all__ = [
 Error = Callable[[str], NoReturn]
 """A parser's ``error``: prints ``usage`` and ``prog: error: <message>``, exits with status 2."""
 DEFAULT_MESH = "data=2,model=4"
+"""The mesh without --mesh or --parallel (with --parallel: the style's mesh)."""
 DEFAULT_DEVICES = 8
 """``train --devices``'s default, unless the model's default run names its own (``ModelEntry.devices``)."""
-"""The mesh without --mesh or --parallel (with --parallel: the style's mesh)."""
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 LOG_FORMATS = (".jsonl", ".json", ".log", ".txt")
 

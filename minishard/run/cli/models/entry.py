@@ -95,7 +95,8 @@ class ModelEntry:
     of its flags that change the step ``explain`` prices, ``check_explain`` checks
     them (explain takes no training flags). What a style may change, the styles
     ask here: ``stack`` (pp), ``sequence`` (cp), ``experts`` (ep), and ``sample``
-    asks ``stream``. Every checkpoint keeps ``saved(args)`` and the ``Splits``'
+    asks ``stream``. ``devices`` is its default run's device count (its own style, no
+    ``--mesh``) and the reason ``train`` prints. Every checkpoint keeps ``saved(args)`` and the ``Splits``'
     ``info``: what ``sample`` needs to rebuild the model without its data.
     """
 
