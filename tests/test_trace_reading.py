@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from minishard.run.trace_reading import Span, TracedStep, read_trace, traced_steps
@@ -107,3 +109,21 @@ def test_a_tiny_gpts_trace_has_each_steps_ops_on_all_8_devices_and_their_all_red
         -1
     ] == f"Wrote {tmp_path}/trace.png"
     assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpt_ops_classes_a_compiled_programs_ops_and_finds_its_dots() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpt_ops  # the benchmark behind docs/benchmarks.md's one-device ceiling
+
+    def program(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return jnp.tanh(x @ w), jnp.sum(jnp.exp(x), axis=0), x.T
+
+    x, w = jnp.ones((32, 8)), jnp.ones((8, 16))
+    hlo = jax.jit(program).lower(x, w).compile().as_text()
+    kinds = gpt_ops.op_kinds(hlo)
+    # tanh(x @ w): a matmul, then elementwise; sum(exp(x)): a reduction; x.T: a copy
+    assert set(kinds.values()) == {"matmul", "elementwise", "reduction", "data movement"}
+    (dot,) = gpt_ops.dots(hlo)
+    assert dot == ((32, 8), (8, 16), (((1,), (0,)), ((), ())))
+    flops, seconds = gpt_ops.alone(dot, repeats=1)
+    assert flops == 2 * 32 * 8 * 16 and seconds > 0
