@@ -97,7 +97,8 @@ def dots(hlo: str) -> list[Dot]:
 
 
 def alone(dot: Dot, repeats: int = 5) -> tuple[float, float]:
-    """One dot on its own: its FLOPs and its best time, seconds (``calls`` back to back, dispatch hidden)."""
+    """One dot on its own: its FLOPs and its best time in seconds (20 calls back to back: their dispatch
+    hides behind the work, as a step's ops do)."""
     lhs_shape, rhs_shape, numbers = dot
     lhs, rhs = jnp.ones(lhs_shape), jnp.ones(rhs_shape)
     multiply = jax.jit(lambda a, b: jax.lax.dot_general(a, b, numbers))
