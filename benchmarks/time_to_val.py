@@ -76,9 +76,10 @@ def time_to_val(tree: Path, target: float, steps: int, flags: list[str]) -> dict
 
 
 def one_device_mfu(tree: Path, steps: int = 100) -> float | None:
-    """The default GPT's step on one device, as a % of the measured matmul peak: the MFU its run
-    prints for steps ``steps // 2 + 1`` to ``steps`` (the compiling step in the first half)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    """The default GPT's step on one device, as a % of the matmul peak measured in the same run: the
+    MFU it prints for steps ``steps // 2 + 1`` to ``steps`` (the compiling step in the first half)."""
+    # the peak measured in this run, not read from the user's cache: a cached one may be a slow minute's
+    env = {**os.environ, "PYTHONPATH": str(tree), "MINISHARD_CACHE_DIR": str(tree)}
     env.pop("XLA_FLAGS", None)
     flags = ["--devices", "1", "--steps", str(steps), "--eval-every", str(steps // 2)]
     command = [sys.executable, "-m", "minishard", "train", "--model", "gpt", *flags]
