@@ -23,7 +23,7 @@ import jax
 from minishard import pipeline
 from minishard.experts import MoE
 from minishard.optim import Optimizer
-from minishard.run.cli.flags import Error, Flag
+from minishard.run.cli.flags import DEFAULT_DEVICES, Error, Flag
 from minishard.run.data import EvalData, TrainingData
 from minishard.run.steps import Task
 
@@ -96,8 +96,8 @@ class ModelEntry:
     them (explain takes no training flags). What a style may change, the styles
     ask here: ``stack`` (pp), ``sequence`` (cp), ``experts`` (ep), and ``sample``
     asks ``stream``. ``devices`` is its default run's device count (its own style, no
-    ``--mesh``) and the reason ``train`` prints. Every checkpoint keeps ``saved(args)`` and the ``Splits``'
-    ``info``: what ``sample`` needs to rebuild the model without its data.
+    ``--mesh``) and the reason ``train`` prints. Every checkpoint keeps ``saved(args)``
+    and the ``Splits``' ``info``: what ``sample`` needs to rebuild the model without its data.
     """
 
     name: str
@@ -120,7 +120,7 @@ class ModelEntry:
     sequence: SequenceSplit | None = None  # None: it has no sequence to split, so no cp, dp+cp
     experts: ExpertSplit | None = None  # None: it has no experts, so ep and dp+ep have none to split
     stream: Callable[..., Iterator[list[int]]] | None = None  # decoding (``minishard sample``), gpt's
-    devices: tuple[int, str] = (8, "")  # its default run's --devices (its own style, no --mesh), and why
+    devices: tuple[int, str] = (DEFAULT_DEVICES, "")  # its default run's --devices, and why (none: the CLI's)
 
     def expert_count(self, args: Args) -> int:
         """Experts per layer in this run: 0 for dense MLPs, or a model that takes no experts."""
