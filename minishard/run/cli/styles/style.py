@@ -35,7 +35,6 @@ Their calling order, the one place it is written (``flags.finish_train``, ``trai
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -46,14 +45,11 @@ from minishard.costs import StepCost
 from minishard.optim import Optimizer
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import Error
-from minishard.run.cli.models.entry import ModelEntry
+from minishard.run.cli.models.entry import Args, ModelEntry  # Args: the parsed flags, one home
 from minishard.sharding import ShardedFunction
 from minishard.styles import mesh_rules, style_rules
 
 __all__ = ["Args", "Style"]
-
-
-Args = argparse.Namespace
 
 
 class Style:
