@@ -1,6 +1,7 @@
 """The CPU's measured matmul peak, cached on disk (``minishard.run.profiling``): measured once per
-machine, measured again on request or when the cache is unreadable, and a cache that cannot be
-written never stops a run. The measurement itself is stubbed: these tests are about the cache."""
+machine, measured again on request (the higher kept) or when the cache is unreadable, and a cache
+that cannot be written never stops a run. The measurement itself is stubbed: these tests are about
+the cache."""
 
 from __future__ import annotations
 
@@ -61,13 +62,28 @@ def test_the_key_names_what_the_peak_depends_on(monkeypatch):
     assert peak_key(devices(4)) != key  # a slower compiler's peak is not the default's
 
 
-def test_the_environment_variable_measures_again_and_replaces_the_entry(measured, monkeypatch, tmp_path):
+def test_the_environment_variable_measures_again_and_a_higher_peak_replaces_the_entry(measured, monkeypatch, tmp_path):
     cached_peak(devices())
     monkeypatch.setenv(MEASURE_AGAIN, "1")
     flops, said = cached_peak(devices())
     assert flops == 2e9 and said.startswith("measured again: a 512² matmul on each device; cached in")
     monkeypatch.setenv(MEASURE_AGAIN, "0")  # 0 is off
     assert cached_peak(devices())[0] == 2e9 and len(measured) == 2
+
+
+def test_a_peak_measured_again_on_a_busy_machine_keeps_the_cached_higher_one(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINISHARD_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(MEASURE_AGAIN, raising=False)
+    runs = iter([3e9, 1e9])  # a quiet minute's peak, then a busy one's
+    monkeypatch.setattr(profiling, "measured_peak", lambda devices: next(runs))
+    cached_peak(devices())
+    entry = json.loads((tmp_path / PEAK_CACHE).read_text())[peak_key(devices())]
+    monkeypatch.setenv(MEASURE_AGAIN, "1")
+    flops, said = cached_peak(devices())
+    assert flops == 3e9
+    kept = f"kept the higher, {entry['measured']}'s in {tmp_path / PEAK_CACHE}"
+    assert said == f"measured again: a 512² matmul on each device at 1 GFLOP/s, {kept}"
+    assert json.loads((tmp_path / PEAK_CACHE).read_text())[peak_key(devices())] == entry
 
 
 @pytest.mark.parametrize(
