@@ -62,7 +62,7 @@ def test_the_key_names_what_the_peak_depends_on(monkeypatch):
     assert peak_key(devices(4)) != key  # a slower compiler's peak is not the default's
 
 
-def test_the_environment_variable_measures_again_and_a_higher_peak_replaces_the_entry(measured, monkeypatch, tmp_path):
+def test_measured_again_a_higher_peak_replaces_the_entry(measured, monkeypatch, tmp_path):
     cached_peak(devices())
     monkeypatch.setenv(MEASURE_AGAIN, "1")
     flops, said = cached_peak(devices())
