@@ -144,3 +144,27 @@ def test_memory_styles_draws_explain_memorys_prediction_per_style(tmp_path, caps
     for style, step in bf16.items():  # bf16: the float32 weights are the master, the step's copy half of them
         assert step.terms["master"] == fp32[style].terms["parameters"] == 2 * step.terms["parameters"]
     assert capsys.readouterr().out.count("total") == 2
+
+
+def test_the_pytorch_reference_is_the_default_gpt_in_shape_parameters_and_flops(monkeypatch, capsys):
+    import jax
+    import torch_gpt  # the reference issue 49 names; PyTorch itself is not a dependency
+
+    from minishard.costs import model_flops
+    from minishard.models.gpt import GPT
+    from minishard.run.cli.models import MODELS
+    from minishard.run.next_token import next_token_loss
+
+    flags = MODELS["gpt"].defaults
+    ours = {"context": torch_gpt.CONTEXT, "width": torch_gpt.WIDTH, "depth": torch_gpt.DEPTH}
+    ours |= {"heads": torch_gpt.HEADS, "lr": torch_gpt.LR, "weight_decay": torch_gpt.DECAY}
+    assert {name: flags[name] for name in ours} == ours
+    assert flags["mlp_ratio"] * flags["width"] == torch_gpt.MLP
+    gpt = GPT(torch_gpt.VOCAB, flags["context"], key=jax.random.key(0))
+    assert sum(leaf.size for leaf in jax.tree.leaves(gpt)) == torch_gpt.PARAMETERS
+    window = jax.ShapeDtypeStruct((torch_gpt.BATCH, torch_gpt.CONTEXT), "int32")
+    assert model_flops(next_token_loss, gpt, {"inputs": window, "targets": window}) == torch_gpt.model_flops()
+    monkeypatch.setitem(sys.modules, "torch", None)  # as without PyTorch: one line, no traceback
+    assert torch_gpt.main([]) == 2
+    said = capsys.readouterr().err
+    assert said == "error: PyTorch is not installed (not a minishard dependency): pip install torch\n"
