@@ -16,8 +16,9 @@ Each prints its step (best and median of ``--rounds`` rounds of ``--steps``), to
 MFU: the model FLOPs (6 x the matrices' weights x tokens + the attention's 12 x layers x width x
 context x tokens, as ``minishard.costs.model_flops`` counts them: 5.29 GFLOP a step) over the step,
 over the peak. The peak is PyTorch's own 512² float32 matmul, best of 50, measured as
-``minishard.run.profiling.measured_peak`` measures JAX's; ``--peak GFLOPS`` divides by another
-(say, the peak a minishard run printed, to compare the two on one scale).
+``minishard.run.profiling.measured_peak`` measures JAX's, before and after the steps, the higher
+kept; ``--peak GFLOPS`` divides by another (say, the peak a minishard run printed, to compare the
+two on one scale).
 
 PyTorch is not one of minishard's dependencies; install it beside them to run this:
 
