@@ -62,6 +62,7 @@ def build(torch: ModuleType, attention: str) -> Any:
             super().__init__()
             self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
             self.out = nn.Linear(WIDTH, WIDTH, bias=False)
+            self.register_buffer("causal", torch.ones(CONTEXT, CONTEXT, dtype=torch.bool).tril())  # nanoGPT's
 
         def forward(self, x):
             b, t, _ = x.shape
@@ -70,8 +71,7 @@ def build(torch: ModuleType, attention: str) -> Any:
                 mixed = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
                 scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-                mask = torch.ones(t, t, dtype=torch.bool).tril()
-                mixed = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+                mixed = scores.masked_fill(~self.causal[:t, :t], float("-inf")).softmax(-1) @ v
             return self.out(mixed.transpose(1, 2).reshape(b, t, WIDTH))
 
     class Block(nn.Module):
@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--peak", type=float, help="GFLOP/s to divide by (default: PyTorch's 512² matmul)")
     args = parser.parse_args(argv)
+    given = {"--steps": args.steps, "--rounds": args.rounds, "--peak": args.peak}
+    for flag, value in given.items():
+        if value is not None and value <= 0:
+            parser.error(f"argument {flag}: must be positive, got {value}")
     try:
         import torch
     except ImportError:

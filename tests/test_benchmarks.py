@@ -164,6 +164,9 @@ def test_the_pytorch_reference_is_the_default_gpt_in_shape_parameters_and_flops(
     assert sum(leaf.size for leaf in jax.tree.leaves(gpt)) == torch_gpt.PARAMETERS
     window = jax.ShapeDtypeStruct((torch_gpt.BATCH, torch_gpt.CONTEXT), "int32")
     assert model_flops(next_token_loss, gpt, {"inputs": window, "targets": window}) == torch_gpt.model_flops()
+    with pytest.raises(SystemExit):  # a flag that cannot work: one line before any step
+        torch_gpt.main(["--peak", "0"])
+    assert capsys.readouterr().err.endswith("error: argument --peak: must be positive, got 0.0\n")
     monkeypatch.setitem(sys.modules, "torch", None)  # as without PyTorch: one line, no traceback
     assert torch_gpt.main([]) == 2
     said = capsys.readouterr().err

@@ -7,7 +7,7 @@ step runs, the recomputed forward too (``remat.step_flops``). An accelerator's p
 entry (``minishard.hardware``, bf16). A CPU's is *measured*: the best of a few
 runs of a 512 x 512 float32 matmul on every device at once, once per machine:
 ``cached_peak`` keeps it in ``cache_directory()``, by what it depends on
-(``peak_key``), and ``MINISHARD_MEASURE_PEAK=1`` measures it again.
+(``peak_key``), and ``MINISHARD_MEASURE_PEAK=1`` measures it again, keeping the higher.
 Simulated devices (``--devices 8``) are threads sharing the same cores, so
 their measured peak is the cores', split 8 ways, and MFU says what share of
 *the machine* the step used, wherever its simulated devices wait on each other.
