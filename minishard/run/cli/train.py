@@ -13,7 +13,6 @@ before anything asks for devices.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import difflib
 import math
 import os
@@ -261,8 +260,6 @@ def train_on_mesh(args: argparse.Namespace) -> int:
     mesh = make_mesh(args.mesh, devices=devices, explicit=args.explicit)
     rules = cli_rules(args, mesh.axis_names)
     check_batch_split(Sharded(mesh, rules).batch_sharding, args.batch_size)
-    # The data loads while the model builds (TensorFlow's 3.7 s import beside XLA's compiles): 1.8 s sooner
-    loading = concurrent.futures.ThreadPoolExecutor(1).submit(model.data, args)
     built = style.prepare(style.build(model, args, jax.random.key(args.seed)), args, mesh)
     if refused := _check_rule_names(args, built, mesh, rules):
         return refused
@@ -270,7 +267,10 @@ def train_on_mesh(args: argparse.Namespace) -> int:
         warn_unused(args.mesh, rules)
     print(f"Rules: {rules}")
     show(explain(built, mesh, rules))  # plans every parameter: a rule that cannot work fails here
-    splits = loading.result()  # its error, if any, raised here
+    # The data loads after the build, on this thread, never beside it: TFDS's imports swap
+    # builtins.__import__ for the whole process (etils' lazy_imports), so an import JAX made meanwhile
+    # came back a LazyModule (issue 59: 4 of 55 runs died so).
+    splits = model.data(args)
     optimizer = model.optimizer(
         args, Horizon.of(args.epochs, args.steps, args.eval_every, splits.train).total
     )
