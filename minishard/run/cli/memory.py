@@ -25,7 +25,7 @@ from minishard.experts import MoE, capacity, moe_activations
 from minishard.memory import Budget, Precision
 from minishard.pipeline import StackedModel
 from minishard.rules import AnyMesh, AxisRules, ShardingError
-from minishard.run.cli.flags import simulate_devices
+from minishard.run.cli.accelerators import simulate_devices
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import style_of
 from minishard.run.cli.styles.zero import ZeroStyle
