@@ -67,6 +67,15 @@ def _read_mnist_once(name, split, prepare, data_dir, download):
 data._read = _read_mnist_once
 
 
+def pytest_ignore_collect(collection_path, config):
+    """``-m tpu`` on a chip collects only the files that hold such tests: the others build 8-device
+    meshes as they import, and a one-chip machine has one device."""
+    asked = config.getoption("markexpr", "") or ""
+    if "tpu" not in asked or "not tpu" in asked or collection_path.suffix != ".py":
+        return None
+    return "pytest.mark.tpu" not in collection_path.read_text()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``tpu`` run on a TPU chip (``make test-tpu``, docs/tpu.md) and skip in one line
     elsewhere: CI has none. Looking starts JAX's backends, after the XLA_FLAGS above."""

@@ -97,7 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--topology", help="compile for this TPU slice with XLA:TPU, ahead of time (v5e:2x4: 8 devices)")
     add("--memory", action="store_true", help="a train step's bytes per device by term; fits?")
-    add("--precision", choices=tuple(PRECISIONS), default="fp32", help="with --memory: the step's precision")
+    add(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default="fp32",
+        help="with --memory or --hardware: the step's precision, as train --precision runs it",
+    )
     decode.add_arguments(add)
     layouts.add_arguments(add)
     rank_check.add_arguments(add)
@@ -131,8 +136,8 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     args.parallel = args.parallel or model.style or DEFAULT_STYLE
     style = style_of(args.parallel)
     args.topology_devices = _topology(args, style, error) if args.topology else None
-    if args.precision != "fp32" and not args.memory:
-        error("argument --precision: only with --memory (the step explain prices is float32)")
+    if args.precision != "fp32" and not (args.memory or args.hardware):
+        error("argument --precision: only with --memory or --hardware (a step compiled in it)")
     if args.memory and args.compare:
         error("argument --memory: one style at a time; drop --compare")
     if args.memory and args.parallel not in MEMORY_STYLES:
