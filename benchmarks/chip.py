@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,25 +52,44 @@ SIZES = {
 SMOKE = {"gpt tiny": ["--model", "gpt", "--depth", "1", "--width", "32", "--heads", "2", "--context", "16"]}
 
 
-def measure(name: str, flags: list[str], precision: str, steps: int, rounds: int) -> dict[str, Any]:
-    """One size in one precision: measured against predicted, time and memory."""
+def compiled_step(flags: list[str], precision: str) -> tuple[Any, ...]:
+    """``train``'s step for ``flags`` in ``precision`` on the first device, compiled, and what it needs:
+    ``(compiled, built, state, batch, budget, shapes, mesh, entry, compile_s)``."""
     args = parse_args(["explain", "--memory", "--devices", "1", "--precision", precision, *flags])
     budget, (shapes, _, batch_shapes), shape, rules = predict(args)
-    model_entry = MODELS[args.model]
-    device = jax.devices()[0]
-    mesh = make_mesh(shape, devices=[device])
-    optimizer = model_entry.compiled_optimizer(args)
-    built = model_entry.build(args, jax.random.key(0))
+    entry = MODELS[args.model]
+    mesh = make_mesh(shape, devices=jax.devices()[:1])
+    optimizer = entry.compiled_optimizer(args)
+    built = entry.build(args, jax.random.key(0))
     batch = {
         name: jnp.asarray(np.random.default_rng(0).integers(0, 2, like.shape), like.dtype)
         for name, like in batch_shapes.items()
     }
-    step = make_train_step(optimizer, model_entry.task.loss, 1, memory.PRECISIONS[precision])
+    step = make_train_step(optimizer, entry.task.loss, 1, memory.PRECISIONS[precision])
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))(step)
     state = optimizer.init(built)
     started = time.perf_counter()
     compiled = sharded.lower(built, state, batch).compile()
     compile_s = time.perf_counter() - started
+    return compiled, built, state, batch, budget, shapes, mesh, entry, compile_s
+
+
+def step_on_chip(flags: list[str], precision: str) -> Callable[[], None]:
+    """One step of ``compiled_step``'s, waited for, each call (the model and state carried along)."""
+    compiled, built, state, batch, *_ = compiled_step(flags, precision)
+    carried = [built, state]
+
+    def run() -> None:
+        carried[0], carried[1], *_ = jax.block_until_ready(compiled(*carried, batch))
+
+    return run
+
+
+def measure(name: str, flags: list[str], precision: str, steps: int, rounds: int) -> dict[str, Any]:
+    """One size in one precision: measured against predicted, time and memory."""
+    compiled, built, state, batch, budget, shapes, mesh, entry, compile_s = compiled_step(flags, precision)
+    device = jax.devices()[0]
+    model_entry = entry
     built, state, *_ = jax.block_until_ready(compiled(built, state, batch))
     means = []
     for _ in range(rounds):
