@@ -147,3 +147,36 @@ def test_on_the_chip_float32_at_default_precision_agrees_to_about_3_digits():
     default = a @ b
     relative = float(jnp.max(jnp.abs(default - exact)) / jnp.max(jnp.abs(exact)))
     assert 1e-5 < relative < 1e-2, relative  # a bf16 pass: not float32's 7 digits, about 3
+
+
+def chip_benchmark():
+    """benchmarks/chip.py, imported by name as the benchmarks import each other."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import chip
+
+    return chip
+
+
+@pytest.mark.slow  # compiles and runs a tiny GPT's step twice (fp32, bf16) on the CPU
+def test_the_chip_benchmark_runs_off_a_chip(tmp_path):
+    chip = chip_benchmark()
+    row = chip.measure("gpt tiny", chip.SMOKE["gpt tiny"], "bf16", steps=2, rounds=1)
+    assert row["compiled_memory"]["arguments"] == row["predicted_arguments"]  # the held bytes, exactly
+    assert row["measured_step_s"] > 0 and row["predicted_step_s"] > 0
+    assert row["predicted_step_s"] == row["compute_s"] < row["hbm_s"]  # XLA:CPU's bytes: shown, not priced
+
+
+@pytest.mark.tpu
+def test_on_the_chip_the_roofline_meets_gpt2_small_s_step_within_25_percent():
+    """docs/tpu.md: at 12 x 768, context 1,024, batch 16 the step is HBM-bound and XLA:TPU's bytes
+    price it (measured 231 ms fp32, 206 ms bf16; predicted 229 and 184)."""
+    chip = chip_benchmark()
+    flags = chip.SIZES["gpt 12x768 ctx1024 b16"]
+    for precision in ("fp32", "bf16"):
+        row = chip.measure("gpt-2 small", flags, precision, steps=5, rounds=1)
+        ratio = row["predicted_step_s"] / row["measured_step_s"]
+        assert 0.75 <= ratio <= 1.25, (precision, row["predicted_step_s"], row["measured_step_s"])
+        assert row["compiled_memory"]["arguments"] == row["predicted_arguments"]
