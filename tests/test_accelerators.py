@@ -179,4 +179,5 @@ def test_on_the_chip_the_roofline_meets_gpt2_small_s_step_within_25_percent():
         row = chip.measure("gpt-2 small", flags, precision, steps=5, rounds=1)
         ratio = row["predicted_step_s"] / row["measured_step_s"]
         assert 0.75 <= ratio <= 1.25, (precision, row["predicted_step_s"], row["measured_step_s"])
-        assert row["compiled_memory"]["arguments"] == row["predicted_arguments"]
+        # XLA:TPU pads small arrays to its (8, 128) tiles: 1031.3 MB held where the arrays are 1031.0 MB
+        assert row["compiled_memory"]["arguments"] == pytest.approx(row["predicted_arguments"], rel=1e-3)
