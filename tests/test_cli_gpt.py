@@ -27,7 +27,7 @@ from minishard.models.gpt import GPT, as_stacked, stream
 from minishard.pipeline import unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli import main, parse_args
-from minishard.run.cli.models.gpt import GPT_ENTRY
+from minishard.run.cli.models.gpt import DERIVED_BATCH_LIMIT, GPT_ENTRY
 from minishard.run.cli.sample import continuation, restore, sample
 from minishard.run.text_data import Vocabulary
 
@@ -179,6 +179,24 @@ def test_bad_gpt_flags_are_one_line_before_any_work(flags, message, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err, err
     assert err.strip().splitlines()[-1].startswith("minishard train: error:")
+
+
+def test_microbatches_that_make_the_default_batch_far_larger_are_refused_naming_both_flags(capsys):
+    """lcm(2 devices, 2 x M microbatches): the default batch grows with M; up to 8x the 16 it is taken."""
+    most = DERIVED_BATCH_LIMIT * 16 // 2  # microbatches of one window per device: 64, a batch of 128
+    assert parse_args(["train", "--model", "gpt", "--microbatches", str(most)]).batch_size == 2 * most
+    given = parse_args(["train", "--model", "gpt", "--microbatches", "1000000", "--batch-size", "2000000"])
+    assert given.batch_size == 2_000_000  # asked for: the user's to give
+    for microbatches in (most + 1, 1_000_000):
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", "--model", "gpt", "--microbatches", str(microbatches)])
+        batch = math.lcm(2, 2 * microbatches)
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"minishard train: error: argument --microbatches: {microbatches} microbatches make the default "
+            f"batch {batch:,} windows, {batch / 16:,.0f}x the 16 without them (at most 8x); give fewer "
+            "--microbatches, or --batch-size"
+        )
 
 
 def test_a_cut_warmup_is_said_first_and_a_rule_no_array_carries_is_refused(capsys):
