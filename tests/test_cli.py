@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import time
 import types
 
@@ -307,6 +308,27 @@ def test_ctrl_c_says_which_checkpoint_is_the_latest(tmp_path, capsys, monkeypatc
         err
         == f"interrupted; the latest checkpoint is step 300 in {tmp_path / 'ckpt'}: continue with --resume"
     )
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_saying_the_latest_checkpoint_and_exits_143(
+    tmp_path, capsys, monkeypatch
+):
+    """What a scheduler sends on preemption: a real SIGTERM to this process, mid-run."""
+    (tmp_path / "ckpt" / "30").mkdir(parents=True)
+
+    def preempted(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises within the sleep
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr("minishard.run.cli.train.train_on_mesh", preempted)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["train", "--checkpoint-dir", str(tmp_path / "ckpt")]) == 143
+    assert capsys.readouterr().err.strip() == (
+        f"terminated (SIGTERM); the latest checkpoint is step 30 in {tmp_path / 'ckpt'}: "
+        "continue with --resume"
+    )
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the run's alone
 
 
 @needs_mnist

@@ -147,6 +147,27 @@ def test_ctrl_c_while_the_gpt_s_data_loads_exits_130_not_a_segfault():
     assert err.strip().splitlines()[-1] == "interrupted", err
 
 
+@needs_shakespeare
+@pytest.mark.slow  # a process of its own, trained until its first checkpoint
+def test_sigterm_mid_run_says_the_latest_checkpoint_as_ctrl_c_does_and_exits_143(tmp_path):
+    """A scheduler's preemption: one line of its own, not XLA's C++ stack dump of the signal."""
+    directory = tmp_path / "run"
+    flags = ["--steps", "100000", "--checkpoint-dir", str(directory), "--checkpoint-every", "5"]
+    argv = [sys.executable, "-m", "minishard", "train", *TINY, *flags]
+    trainer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not any(p.name.isdigit() for p in directory.glob("*")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    trainer.send_signal(signal.SIGTERM)
+    _, err = trainer.communicate(timeout=120)
+    latest = max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    assert trainer.returncode == 143, (trainer.returncode, err[-2000:])
+    assert err.strip().splitlines()[-1] == (
+        f"terminated (SIGTERM); the latest checkpoint is step {latest} in {directory}: continue with --resume"
+    )
+    assert "SIGTERM received" not in err and "Traceback" not in err
+
+
 BAD_FLAGS = [
     (["--context", "60000"], "argument --context: 60000 characters and the next one do not fit"),
     (["--heads", "3"], "argument --heads: 3 heads must divide --width 128"),

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = parse_args(argv)
     status = COMMANDS[args.subcommand].run(args)  # launch: N processes of this same main (train ...)
-    if status == 130 and argv is None:
+    if status in (130, 143) and argv is None:  # Ctrl-C, or SIGTERM (run.errors.Terminated)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
