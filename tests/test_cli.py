@@ -116,7 +116,8 @@ BAD_FLAGS = [
     (["--parallel", "dp+pp", "--explicit"], "argument --explicit: not with a pipeline (--parallel dp+pp)"),
     (
         ["--parallel", "pp", "--mesh", "data=8"],
-        "argument --mesh: --parallel pp puts stacked blocks on a 'stage'",
+        "argument --mesh: --parallel pp splits stage over 'stage', and --mesh data=8 has no such axis; give "
+        "its mesh (stage=8), or a --parallel for these axes",
     ),
     (
         ["--parallel", "dp+pp", "--microbatches", "3"],

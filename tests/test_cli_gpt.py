@@ -178,6 +178,11 @@ BAD_FLAGS = [
         "argument --kv-heads: 2 key and value heads cannot split over model=4 devices (they split as the "
         "heads do); give a multiple of 4, or fewer --devices",
     ),
+    (
+        ["--mesh", "model=8", "--parallel", "dp"],  # not "4 heads cannot split over model=8"
+        "argument --mesh: --parallel dp splits batch over 'data', and --mesh model=8 has no such axis; give "
+        "its mesh (data=8), or a --parallel for these axes",
+    ),
     (["--epochs", "2"], "argument --epochs: the GPT trains by steps; give --steps"),
     (["--schedule", "exponential"], "argument --schedule: the GPT's AdamW warms up, then follows a cosine"),
     (["--dataset", "mnist"], "argument --dataset: the GPT trains on tiny_shakespeare, not mnist"),
