@@ -28,7 +28,7 @@ from minishard.pipeline import unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli import main, parse_args
 from minishard.run.cli.models.gpt import DERIVED_BATCH_LIMIT, GPT_ENTRY
-from minishard.run.cli.sample import continuation, restore, sample
+from minishard.run.cli.sample import MOST_BATCH, continuation, restore, sample
 from minishard.run.text_data import Vocabulary
 
 needs_shakespeare = pytest.mark.skipif(
@@ -348,27 +348,60 @@ def test_sample_refuses_a_zero_checkpoint_in_one_line_as_docs_gpt_md_says(tmp_pa
     )
 
 
+def _flags_only_checkpoint(directory, flags):
+    """A GPT's checkpoint metadata (its flags), without the training: what ``sample``'s checks read."""
+    info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": "\n !ABab"}
+    with Checkpointer(directory) as checkpointer:
+        checkpointer.save(3, {"w": jax.numpy.ones(2)}, {"info": info | {"flags": flags}})
+    return ["sample", "--checkpoint-dir", str(directory), "--prompt", "Ab"]
+
+
 @pytest.mark.parametrize(
-    ("parallel", "flags", "line"),
+    ("parallel", "flags", "line", "fits"),
     [
-        ("tp", {"heads": 8, "kv_heads": 2}, "tp splits 2 key and value heads over 8 devices: uneven"),
-        ("cp", {"context": 12}, "cp splits the cache's 12 positions over 8 context devices: uneven"),
-        ("dp+cp", {"context": 6}, "dp+cp splits the cache's 6 positions over 4 context devices: uneven"),
+        ("tp", {"heads": 8, "kv_heads": 2}, "tp splits 2 key and value heads over 8 devices: uneven", 2),
+        ("tp", {}, "tp splits 4 heads over 8 devices: uneven", 4),  # the default GPT's 4 heads
+        ("cp", {"context": 12}, "cp splits the cache's 12 positions over 8 context devices: uneven", 6),
+        ("dp+cp", {"context": 6}, "dp+cp splits the cache's 6 positions over 4 context devices: uneven", 3),
     ],
 )
-def test_sample_refuses_a_style_that_cannot_split_the_cache_in_one_line(
-    tmp_path, capsys, parallel, flags, line
+def test_sample_refuses_a_style_that_cannot_split_the_cache_naming_the_devices_that_can(
+    tmp_path, capsys, parallel, flags, line, fits
 ):
-    info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": "\n !ABab"}
-    with Checkpointer(tmp_path) as checkpointer:  # a GPT's flags, without the training
-        checkpointer.save(3, {"w": jax.numpy.ones(2)}, {"info": info | {"flags": flags}})
+    """The way out: the most of the first devices that split it and the batch (dp+cp on 6: data=2 would
+    not split 1 sequence), as train and explain take the first N."""
+    sample_ = [*_flags_only_checkpoint(tmp_path, flags), "--parallel", parallel]
     with pytest.raises(SystemExit) as exit_:
-        main(["sample", "--checkpoint-dir", str(tmp_path), "--prompt", "Ab", "--parallel", parallel])
+        main(sample_)
     assert exit_.value.code == 2
-    assert (
-        capsys.readouterr().err.strip().splitlines()[-1]
-        == f"minishard sample: error: argument --parallel: {line}"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"minishard sample: error: argument --parallel: {line}; give --devices {fits} (the first {fits} "
+        "decode it)"
     )
+    assert parse_args([*sample_, "--devices", str(fits)]).decode_devices == jax.devices()[:fits]
+    for more in range(fits + 1, 8):  # none between it and all 8 would do
+        with pytest.raises(SystemExit):
+            parse_args([*sample_, "--devices", str(more)])
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--batch", "100000"], "argument --batch: 100,000 continuations print only once all are drawn, "
+         "each step 100,000 characters (minutes of silence); give at most 1,024"),
+        (["--devices", "4"], "argument --devices: only with --parallel (without it, one device decodes)"),
+        (["--parallel", "dp", "--devices", "9"], "argument --devices: 9 asked, there are 8"),
+    ],
+)  # fmt: skip
+def test_sample_refuses_a_batch_that_would_print_nothing_for_minutes_and_devices_it_cannot_use(
+    tmp_path, capsys, flags, line
+):
+    with pytest.raises(SystemExit) as exit_:
+        main([*_flags_only_checkpoint(tmp_path, {}), *flags])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"minishard sample: error: {line}"
+    assert parse_args([*_flags_only_checkpoint(tmp_path, {}), "--batch", str(MOST_BATCH)]).batch == MOST_BATCH
 
 
 @pytest.mark.parametrize("broken", ["meta missing", "meta half-written", "meta changed", "an empty step"])
