@@ -454,12 +454,21 @@ def test_explain_prices_the_gpt_step_at_six_n_tokens_plus_attention(capsys):
 
 @needs_shakespeare
 @pytest.mark.slow  # a tiny GPT's five steps, three of them traced
-def test_profile_traces_the_chosen_steps_and_the_mfu_is_the_model_flops_over_the_step_time(tmp_path, capsys):
+def test_profile_traces_the_chosen_steps_and_the_mfu_is_the_model_flops_over_the_step_time(
+    tmp_path, capsys, monkeypatch
+):
     import gzip
 
     from minishard.costs import model_flops
     from minishard.run.next_token import next_token_loss
 
+    flush, stop_trace = 2.0, jax.profiler.stop_trace
+
+    def slow_stop_trace():  # a trace written to a slow disk: 22 s of a period here, once
+        stop_trace()
+        time.sleep(flush)
+
+    monkeypatch.setattr(jax.profiler, "stop_trace", slow_stop_trace)
     trace, log = tmp_path / "trace", tmp_path / "metrics.jsonl"
     assert main(["train", *TINY, "--steps", "5", "--profile", str(trace), "--log", str(log)]) == 0
     out = capsys.readouterr().out
@@ -476,8 +485,12 @@ def test_profile_traces_the_chosen_steps_and_the_mfu_is_the_model_flops_over_the
     gpt = GPT(65, 16, 16, 1, 2, 4, key=jax.random.key(0))
     window = jax.ShapeDtypeStruct((16, 16), np.int32)
     assert speed["step_flops"] == model_flops(next_token_loss, gpt, {"inputs": window, "targets": window})
+    assert speed["step_s"] < flush / 4  # the 4 timed steps' mean: the flush is none of theirs
+    assert record["trace_seconds"] >= flush  # said apart (with the real start and flush), out of "seconds"
     line = next(line for line in out.splitlines() if line.startswith("Step 5 "))
-    assert re.search(rf" s \({speed['tokens_per_s']:,.0f} tokens/s, MFU [\d.e-]+%\) · loss", line), line
+    tokens = f"{speed['tokens_per_s']:,.0f} tokens/s"
+    writing = f"{record['trace_seconds']:.2f} s writing the --profile trace"
+    assert re.search(rf" s \({tokens}, MFU [\d.e-]+%\) \(\+{writing}\) · loss", line), line
 
 
 @needs_shakespeare

@@ -337,6 +337,9 @@ class Profile:
     directory: str
     first: int = 2  # step 1 compiles: a trace of it would be mostly the compiler
     last: int = 4
+    seconds: float = 0.0
+    """Spent starting the trace and writing it out (seconds of a GPT's period), not in any step:
+    ``fit`` takes them out of the period's time and says them apart (``taken``)."""
 
     @contextlib.contextmanager
     def step(self, number: int, log: Callable[[str], None]) -> Iterator[None]:
@@ -344,10 +347,19 @@ class Profile:
         if not self.first <= number <= self.last:
             yield
             return
+        started = time.perf_counter()
         if number == self.first:
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+        self.seconds += time.perf_counter() - started
         with jax.profiler.StepTraceAnnotation("train", step_num=number):
             yield
+        started = time.perf_counter()
         if number == self.last:
             jax.profiler.stop_trace()
             log(f"Wrote a trace of steps {self.first}-{self.last} to {self.directory} (open it in Perfetto)")
+        self.seconds += time.perf_counter() - started
+
+    def taken(self) -> float:
+        """The tracing's seconds since the last call: those of the period that ends."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
