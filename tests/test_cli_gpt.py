@@ -519,6 +519,15 @@ def test_under_remat_each_line_gives_the_hfu_of_the_flops_the_step_runs(tmp_path
         (["--steps", "3", "--profile-steps", "2:5"], "argument --profile-steps: 2:5 is not a range"),
         (["--steps", "9", "--profile-steps", "4:2"], "argument --profile-steps: 4:2 is not a range"),
         (["--steps", "9", "--profile-steps", "two"], "expected FIRST:LAST step numbers"),
+        (  # argparse alone took "-1:3" for a flag: "expected one argument"
+            ["--steps", "9", "--profile-steps", "-1:3"],
+            "argument --profile-steps: -1:3 is not a range (FIRST:LAST, FIRST <= LAST) of the run's "
+            "steps 1..9",
+        ),
+        (
+            ["--steps", "9", "--profile-steps", "2:3:4"],
+            "expected FIRST:LAST step numbers (e.g. 2:4), got '2:3:4'",
+        ),
     ],
 )
 def test_profile_refuses_steps_outside_the_run_in_one_line(tmp_path, capsys, flags, message):

@@ -273,10 +273,12 @@ def format_speed(speed: dict[str, float]) -> str:
 
 def step_range(text: str) -> tuple[int, int]:
     """``--profile-steps``'s type: ``FIRST:LAST``, two step numbers, ``2:4``."""
-    first, colon, last = text.partition(":")
-    if not (colon and first.strip().isdigit() and last.strip().isdigit()):
-        raise argparse.ArgumentTypeError(f"expected FIRST:LAST step numbers (e.g. 2:4), got {text!r}")
-    return int(first), int(last)
+    first, _, last = text.partition(":")
+    try:  # a number below 1 is profile_problem's to refuse: steps count from 1
+        return int(first), int(last)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected FIRST:LAST step numbers (e.g. 2:4), got {text!r}")
 
 
 def profile_problem(directory: str, first: int, last: int, total: int | None) -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -72,8 +73,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
         command.add_arguments(sub)
         errors[name] = sub.error  # "minishard train: error: ...", as argparse words its own
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_dashed_values(sys.argv[1:] if argv is None else argv))
     return COMMANDS[args.subcommand].check(args, errors[args.subcommand])
+
+
+def _dashed_values(argv: Sequence[str]) -> list[str]:
+    """``--profile-steps -1:3`` -> ``--profile-steps=-1:3``: argparse takes a value that starts with a
+    dash and a digit, but is no plain number, for a flag ("expected one argument"); joined, the flag's
+    own check says what is wrong with it."""
+    joined: list[str] = []
+    for word in argv:
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and re.match(r"-\d", word):
+            joined[-1] += "=" + word
+        else:
+            joined.append(word)
+    return joined
 
 
 def main(argv: Sequence[str] | None = None) -> int:
