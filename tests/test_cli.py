@@ -215,6 +215,13 @@ def test_ctrl_c_before_the_checkpoint_directory_exists_is_one_line(tmp_path, cap
     assert capsys.readouterr().err.strip() == f"interrupted: no checkpoint was written in {missing}"
 
 
+def test_without_parallel_any_mesh_is_taken_with_the_rules_for_its_axes():
+    """Style.check_mesh holds a named style to its axes; without one, the mesh's own rules are used."""
+    for shape in ({"data": 8}, {"model": 8}, {"x": 8}):
+        given = ",".join(f"{name}={size}" for name, size in shape.items())
+        assert parse_args(["train", "--mesh", given]).mesh == shape
+
+
 def test_a_mesh_axis_no_rule_uses_is_found_from_the_rules():
     args = parse_args(["train", "--parallel", "fsdp", "--mesh", "data=2,model=4"])
     assert unused_mesh_axes(args.mesh, cli_rules(args, list(args.mesh))) == ["model"]

@@ -183,6 +183,10 @@ BAD_FLAGS = [
         "argument --mesh: --parallel dp splits batch over 'data', and --mesh model=8 has no such axis; give "
         "its mesh (data=8), or a --parallel for these axes",
     ),
+    (
+        ["--mesh", "model=8"],
+        "argument --mesh: --parallel dp (the gpt's default) splits batch over 'data', and --mesh model=8",
+    ),
     (["--epochs", "2"], "argument --epochs: the GPT trains by steps; give --steps"),
     (["--schedule", "exponential"], "argument --schedule: the GPT's AdamW warms up, then follows a cosine"),
     (["--dataset", "mnist"], "argument --dataset: the GPT trains on tiny_shakespeare, not mnist"),

@@ -83,7 +83,8 @@ def _dashed_values(argv: Sequence[str]) -> list[str]:
     own check says what is wrong with it."""
     joined: list[str] = []
     for word in argv:
-        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and re.match(r"-\d", word):
+        flag = joined[-1] if joined else ""
+        if flag.startswith("--") and flag != "--" and "=" not in flag and re.match(r"-\d", word):
             joined[-1] += "=" + word
         else:
             joined.append(word)
@@ -94,8 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``minishard`` console script: ``train``, ``explain``, ``sample`` or ``launch``, as parsed.
 
     Every failure reaches the user as one ``error:`` line (``--debug`` shows the
-    traceback); Ctrl-C stops with one line that says where to resume from, and
-    the program (``argv`` None: the command line's) exits 130 there and then:
+    traceback); Ctrl-C (and ``train``'s SIGTERM) stops with one line that says where to resume
+    from, and the program (``argv`` None: the command line's) exits 130 (143) there and then:
     Ctrl-C inside TensorFlow's data load leaves threads that crash the
     interpreter's teardown (a segfault, exit -11, 4-8 s into a GPT run).
     """

@@ -198,6 +198,7 @@ def _add_process_flags(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     """Every flag together, before any work (``flags.finish_train``); the errors are argparse's."""
     model = MODELS[args.model]
+    args.parallel_default = args.parallel is None and model.style is not None  # said by Style.check_mesh
     args.parallel = args.parallel or model.style
     if args.precision != "fp32" and style_of(args.parallel).own_step:
         error(

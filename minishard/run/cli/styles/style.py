@@ -77,7 +77,10 @@ class Style:
 
     def check_mesh(self, args: Args, error: Error) -> None:
         """``train --mesh``: every mesh axis the style's rules split over is on it (dp on model=8
-        names that conflict, not the model's heads, which would not split over "model")."""
+        names that conflict, not the model's heads, which would not split over "model"). Without
+        --parallel the rules are the mesh's own (``cli_rules``): nothing to check."""
+        if args.parallel is None:
+            return
         splits: dict[str, list[str]] = {}  # mesh axis -> the logical axes split over it
         for logical, target in self.rules(args.rules).pairs:
             for axis in as_mesh_axes(target):
@@ -88,9 +91,10 @@ class Style:
                 f"{name}={size}" for name, size in self.mesh(math.prod(args.mesh.values())).items()
             )
             what = "; ".join(f"{', '.join(dict.fromkeys(splits[axis]))} over {axis!r}" for axis in missing)
+            default = f" (the {args.model}'s default)" if getattr(args, "parallel_default", False) else ""
             error(
-                f"argument --mesh: --parallel {self.name} splits {what}, and --mesh {given} has no such "
-                f"axis; give its mesh ({own}), or a --parallel for these axes"
+                f"argument --mesh: --parallel {self.name}{default} splits {what}, and --mesh {given} has no "
+                f"such axis; give its mesh ({own}), or a --parallel for these axes"
             )
 
     # -- the flags -----------------------------------------------------------------------------------
