@@ -19,7 +19,7 @@ from minishard.census import bytes_by_mesh_axes, collectives, human_bytes
 from minishard.constraints import constrain
 from minishard.models import gpt
 from minishard.run.cli import main, parse_args
-from minishard.run.cli.explain import SENDS_UP_TO
+from minishard.run.cli.accelerators import SENDS_UP_TO
 from minishard.run.next_token import next_token_loss
 from minishard.run.steps import make_train_step
 from minishard.run.topology import (

@@ -171,7 +171,7 @@ def on_cpu_and_tpu(step: ShardedFunction, args: Sequence[Any]) -> list[CompiledS
     """``step`` (a ``Sharded`` function on a topology's mesh) compiled twice: by XLA:CPU, on as many
     simulated CPU devices in a mesh of the same shape, and by XLA:TPU, as it is."""
     config = step.config
-    cpu_mesh = make_mesh(dict(config.mesh.shape), devices=jax.devices()[: config.mesh.size])
+    cpu_mesh = make_mesh(dict(config.mesh.shape), devices=jax.devices("cpu")[: config.mesh.size])
     on_cpu = Sharded(cpu_mesh, config.rules, config.batch_axis)(step.fn)
     return [compile_for(on_cpu.lower(*args)), compile_for(step.lower(*args))]
 
