@@ -64,16 +64,18 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, what a scheduler sends to preempt a job, raised where Ctrl-C raises ``KeyboardInterrupt``:
-    the run stops as Ctrl-C stops it, saying where to resume from, and exits 143 (128 + 15), not 130."""
+    """SIGTERM, what a scheduler sends to preempt a job, raised where Ctrl-C raises
+    ``KeyboardInterrupt``: the run stops as Ctrl-C stops it, saying where to resume from, and
+    exits 143 (128 + 15), not 130."""
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Within it, SIGTERM raises ``Terminated`` in the main thread; the previous handler comes back after.
+    """Within it, SIGTERM raises ``Terminated`` in the main thread; the previous handler after.
 
     Installed before JAX starts its backend, it also keeps XLA's own handler (a C++ stack dump of
-    8-21 lines, then death) from being installed. Off the main thread (no handler can be set) it does nothing.
+    8-21 lines, then death) from being installed. Off the main thread (no handler can be set)
+    it does nothing.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -95,9 +97,11 @@ def exit_status(stop: KeyboardInterrupt) -> int:
 
 
 def stopped(stop: KeyboardInterrupt, directory: str | None) -> str:
-    """``"terminated (SIGTERM); the latest checkpoint is step 300 in runs/x: continue with --resume"``.
+    """``"terminated (SIGTERM); the latest checkpoint is step 300 in runs/x: continue with
+    --resume"``.
 
-    Read from the directory listing: the stop may come before it exists (in the data load, the compile).
+    Read from the directory listing: the stop may come before it exists (the data load, the
+    compile).
     """
     said = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
     if not directory:
@@ -108,4 +112,5 @@ def stopped(stop: KeyboardInterrupt, directory: str | None) -> str:
         steps = []
     if not steps:
         return f"{said}: no checkpoint was written in {directory}"
-    return f"{said}; the latest checkpoint is step {steps[-1]} in {directory}: continue with --resume"
+    latest = f"the latest checkpoint is step {steps[-1]} in {directory}"
+    return f"{said}; {latest}: continue with --resume"

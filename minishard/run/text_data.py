@@ -105,12 +105,14 @@ def _check_ids(ids: np.ndarray, vocabulary: Vocabulary | None, name: str) -> Non
     would be dealt out as windows and fail in the model's embedding, far from here."""
     if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
         got = f"shape {np.shape(ids)}, dtype {getattr(ids, 'dtype', type(ids).__name__)}"
-        raise ValueError(f"TextDataset: the {name} must be a 1-d numpy array of integer ids, got {got}")
+        wanted = "a 1-d numpy array of integer ids"
+        raise ValueError(f"TextDataset: the {name} must be {wanted}, got {got}")
     most = len(vocabulary) - 1 if vocabulary is not None else None
     if ids.size and (ids.min() < 0 or (most is not None and ids.max() > most)):
         allowed = f"0 to {most} (its vocabulary)" if most is not None else "0 up"
         raise ValueError(
-            f"TextDataset: the {name}'s ids run from {ids.min()} to {ids.max()}; a character's id is "
+            f"TextDataset: the {name}'s ids run from {ids.min()} to {ids.max()}; a character's id "
+            "is "
             f"{allowed}"
         )
 

@@ -109,7 +109,8 @@ def _parse(topology: str) -> tuple[str, str]:
     if (axes := TORUS_AXES[generation]) != len(sizes := shape.split("x")):
         example = "x".join(["2"] * axes)
         raise ValueError(
-            f"topology {topology!r}: a {generation} slice is a {axes}-d torus of chips, not {len(sizes)}-d; "
+            f"topology {topology!r}: a {generation} slice is a {axes}-d torus of chips, "
+            f"not {len(sizes)}-d; "
             f"write {axes} sizes, e.g. {generation}:{example}"
         )
     return generation, shape

@@ -304,7 +304,7 @@ class _Loop:
             measured = [float(value) for value in values]
         else:
             with self.profile.step(run.step + 1, self.say.log) if self.profile else contextlib.nullcontext():
-                started = time.perf_counter()  # the step alone: a trace's start and flush are not its time
+                started = time.perf_counter()  # the step alone: not a trace's start and flush
                 run.model, run.opt_state, *values = step(run.model, run.opt_state, batch)
                 # float() waits: on simulated devices XLA:CPU must not queue collectives unboundedly
                 measured = [float(value) for value in values]
@@ -321,7 +321,7 @@ class _Loop:
     def end_period(self, start: int, stop: int, started: float) -> None:
         """Record the period (its sums cover all its steps, resumed or not), evaluate, and start the next."""
         run = self.run
-        traced = self.profile.taken() if self.profile else 0.0  # said apart: writing a trace is no step
+        traced = self.profile.taken() if self.profile else 0.0  # said apart: a trace is no step
         record: dict[str, Any] = {
             **self.horizon.label(stop),
             "seconds": time.perf_counter() - started - traced,

@@ -78,9 +78,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _dashed_values(argv: Sequence[str]) -> list[str]:
-    """``--profile-steps -1:3`` -> ``--profile-steps=-1:3``: argparse takes a value that starts with a
-    dash and a digit, but is no plain number, for a flag ("expected one argument"); joined, the flag's
-    own check says what is wrong with it."""
+    """``--profile-steps -1:3`` -> ``--profile-steps=-1:3``: argparse takes a value that
+    starts with a dash and a digit, but is no plain number, for a flag ("expected one
+    argument"); joined, the flag's own check says what is wrong with it."""
     joined: list[str] = []
     for word in argv:
         flag = joined[-1] if joined else ""

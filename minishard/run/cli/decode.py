@@ -72,7 +72,7 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
                 error(f"argument {flag}: only {takers} takes it")
         return
     why = "--decode prices serving a --size, not a train step"
-    model_flags = [name for name in model_flags if name != "kv_heads"]  # the size's, grouped: priced
+    model_flags = [name for name in model_flags if name != "kv_heads"]  # grouped: priced
     refuse_ignored(args, ("compare", *STEP_WORK), model_flags, why, error)
     if args.hardware is None:
         error("argument --hardware: --decode prices serving on a chip; add one (e.g. --hardware v5e)")
@@ -94,8 +94,8 @@ def _grouped(args: argparse.Namespace, error: Callable[[str], object]) -> servin
         return size
     if size.heads % kv_heads:
         error(
-            f"argument --kv-heads: {kv_heads} must divide {args.size}'s {size.heads} heads (each group of "
-            "heads / kv-heads query heads shares one key and value head)"
+            f"argument --kv-heads: {kv_heads} must divide {args.size}'s {size.heads} heads "
+            "(each group of heads / kv-heads query heads shares one key and value head)"
         )
     return dataclasses.replace(size, kv_heads=kv_heads)
 

@@ -142,7 +142,8 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         error(f"argument {flag}: --compare ranks every style, each as it trains by default; drop {flag}")
     args.parallel = args.parallel or model.style or DEFAULT_STYLE
     style = style_of(args.parallel)
-    args.topology_devices = check_topology(args, given, error) if args.topology is not None else None
+    topology = args.topology is not None
+    args.topology_devices = check_topology(args, given, error) if topology else None
     if args.precision != "fp32" and not (args.memory or args.hardware):
         error("argument --precision: only with --memory or --hardware (a step compiled in it)")
     if args.memory and args.compare:

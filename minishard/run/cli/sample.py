@@ -136,17 +136,16 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     flags = {**entry.defaults, **info.get("flags", {})}
     devices = _devices(args, error)
     if args.parallel != "none" and (uneven := _uneven(args.parallel, flags, len(devices))):
-        fits = next(
-            n for n in range(len(devices) - 1, 0, -1) if _decodes(args.parallel, flags, args.batch, n)
-        )
+        fewer = range(len(devices) - 1, 0, -1)
+        fits = next(n for n in fewer if _decodes(args.parallel, flags, args.batch, n))
         error(f"argument --parallel: {uneven}; give --devices {fits} (the first {fits} decode it)")
     shape = mesh_rules(args.parallel, len(devices))[0] if args.parallel != "none" else {}
     if args.batch % shape.get("data", 1):
         error(f"argument --batch: {args.batch} sequences must split evenly over {shape['data']} data devices")
     if args.batch > MOST_BATCH and not args.explain:
         error(
-            f"argument --batch: {args.batch:,} continuations print only once all are drawn, each step "
-            f"{args.batch:,} characters (minutes of silence); give at most {MOST_BATCH:,}"
+            f"argument --batch: {args.batch:,} continuations print only once all are drawn, "
+            f"each step {args.batch:,} characters (minutes of silence); give at most {MOST_BATCH:,}"
         )
     args.decode_devices = devices
     args.info = info
@@ -168,7 +167,7 @@ def _devices(args: argparse.Namespace, error: Error) -> list[jax.Device]:
 
 
 def _uneven(parallel: str, flags: dict[str, Any], count: int) -> str | None:
-    """Why ``parallel`` on ``count`` devices cannot split the model's heads or its cache; None if it can."""
+    """Why ``parallel`` on ``count`` devices cannot split the heads or the cache; None if it can."""
     try:
         shape = mesh_rules(parallel, count)[0]
     except ValueError as e:  # no mesh of the style on that many devices
@@ -179,15 +178,17 @@ def _uneven(parallel: str, flags: dict[str, Any], count: int) -> str | None:
             return f"{parallel} splits {split} {what} over {shape['model']} devices: uneven"
     if (context := int(flags["context"])) % shape.get("context", 1):
         return (
-            f"{parallel} splits the cache's {context} positions over {shape['context']} context devices: "
-            "uneven"
+            f"{parallel} splits the cache's {context} positions over {shape['context']} context "
+            "devices: uneven"
         )
     return None
 
 
 def _decodes(parallel: str, flags: dict[str, Any], batch: int, count: int) -> bool:
-    """Whether ``count`` devices split the model, its cache and ``batch`` sequences under ``parallel``."""
-    return not _uneven(parallel, flags, count) and batch % mesh_rules(parallel, count)[0].get("data", 1) == 0
+    """Whether ``count`` devices split the model, its cache and ``batch`` sequences under
+    ``parallel``."""
+    data = mesh_rules(parallel, count)[0].get("data", 1)
+    return not _uneven(parallel, flags, count) and batch % data == 0
 
 
 def _say(line: str) -> None:
@@ -265,7 +266,7 @@ def restore(directory: str, step: int, info: dict[str, Any]) -> Any:
 
 
 def placed(model: Any, parallel: str, devices: list[jax.Device] | None = None) -> Any:
-    """``model`` on ``devices`` (default: all), its weights placed by the style ``parallel``'s rules."""
+    """``model`` on ``devices`` (default: all), its weights placed by ``parallel``'s rules."""
     devices = devices or jax.devices()
     shape, rules = mesh_rules(parallel, len(devices))
     return shard(model, make_mesh(shape, devices=devices), rules)

@@ -1,4 +1,4 @@
-"""``explain --topology v5e:2x4``: the TPU slice's flags, checked before JAX starts, and its XLA:CPU twin.
+"""``explain --topology v5e:2x4``: the slice's flags, checked before JAX starts; its XLA:CPU twin.
 
 The slice's chips are the step's devices and price it, so a ``--devices`` or ``--hardware``
 of another count or chip is refused; XLA:CPU compiles the same step on as many simulated
@@ -21,7 +21,7 @@ __all__ = ["check_topology", "cpu_twin"]
 
 
 def check_topology(args: argparse.Namespace, given: bool, error: Error) -> list[jax.Device]:
-    """--topology: its devices, whose count is --devices and whose chips price the step (--hardware).
+    """--topology: its devices, whose count is --devices and whose chips price the step.
 
     XLA:CPU's twin of the step (``on_cpu_and_tpu``) needs as many simulated devices: asked for here,
     before JAX starts, up to ``SENDS_UP_TO`` (``cpu_twin`` says when there is none).
@@ -49,7 +49,7 @@ def check_topology(args: argparse.Namespace, given: bool, error: Error) -> list[
     except ValueError as refused_topology:
         error(f"argument --topology: {refused_topology}")
     args.devices, args.hardware = len(devices), generation
-    args.chosen_devices = devices  # every mesh of this command: the topology's (accelerators.first_devices)
+    args.chosen_devices = devices  # every mesh of this command: the topology's (first_devices)
     return devices
 
 
@@ -59,8 +59,8 @@ def cpu_twin(args: argparse.Namespace, style: Style) -> bool:
     if style.own_step:  # its model is built on the topology's mesh
         why = "a step of its own has no XLA:CPU twin here"
     elif args.devices > SENDS_UP_TO:
-        why = f"XLA:CPU's twin is compiled on up to {SENDS_UP_TO} simulated devices (minutes beyond)"
-    elif args.devices > (there := len(jax.devices("cpu"))):  # a machine with chips has CPU devices too
+        why = f"XLA:CPU's twin is compiled on up to {SENDS_UP_TO} simulated devices (minutes more)"
+    elif args.devices > (there := len(jax.devices("cpu"))):  # CPU's, also where JAX finds chips
         why = f"XLA:CPU's twin needs {args.devices} simulated devices, XLA_FLAGS set {there}"
     else:
         return True

@@ -35,7 +35,13 @@ from minishard.run.cli.styles import cli_rules, style_of, warn_unused
 from minishard.run.cli.styles.style import Style
 from minishard.run.compiling import enable_compilation_cache
 from minishard.run.data import check_batch_split
-from minishard.run.errors import CheckpointError, TrainingError, exit_status, sigterm_as_interrupt, stopped
+from minishard.run.errors import (
+    CheckpointError,
+    TrainingError,
+    exit_status,
+    sigterm_as_interrupt,
+    stopped,
+)
 from minishard.run.horizon import Horizon
 from minishard.run.profiling import Profile, add_profile_flags, check_profile_flags
 from minishard.run.render import plot_history, show
@@ -198,7 +204,7 @@ def _add_process_flags(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     """Every flag together, before any work (``flags.finish_train``); the errors are argparse's."""
     model = MODELS[args.model]
-    args.parallel_default = args.parallel is None and model.style is not None  # said by Style.check_mesh
+    args.parallel_default = args.parallel is None and model.style is not None  # Style.check_mesh
     args.parallel = args.parallel or model.style
     if args.precision != "fp32" and style_of(args.parallel).own_step:
         error(
@@ -229,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                 return train_on_mesh(args)
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (errors.Terminated)
         print(f"\n{stopped(stop, args.checkpoint_dir)}", file=sys.stderr)
-        return distributed.leave(exit_status(stop))  # with several processes: exit now, the others cannot
+        return distributed.leave(exit_status(stop))  # several processes: exit now, for all
     except Exception as error:
         if args.debug:
             raise

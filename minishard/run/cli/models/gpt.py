@@ -92,15 +92,16 @@ DERIVED_BATCH_LIMIT = 8
 
 
 def check_derived_batch(args: Args, error: Error) -> None:
-    """A default batch that --microbatches made far larger than the default is refused, naming both."""
+    """A default batch that --microbatches made far larger is refused, naming both flags."""
     if getattr(args, "batch_derived", None) is None:
         return
     plain = _nearest_default(args, 1)
     if args.batch_derived > DERIVED_BATCH_LIMIT * plain:
         error(
             f"argument --microbatches: {args.microbatches} microbatches make the default batch "
-            f"{args.batch_derived:,} windows, {args.batch_derived / plain:,.0f}x the {plain} without them "
-            f"(at most {DERIVED_BATCH_LIMIT}x); give fewer --microbatches, or --batch-size"
+            f"{args.batch_derived:,} windows, {args.batch_derived / plain:,.0f}x the {plain} "
+            f"without them (at most {DERIVED_BATCH_LIMIT}x); give fewer --microbatches, or "
+            "--batch-size"
         )
 
 

@@ -18,7 +18,7 @@ Their calling order, the one place it is written (``flags.finish_train``, ``trai
 ``explain.check``, ``explain.run`` and ``explain._own_steps`` follow it)::
 
     parse      parsed (every style's defaults)
-    train      finish -> mesh (unless --mesh) -> check_mesh -> fill -> check (the model's checks first)
+    train      finish -> mesh (unless --mesh) -> check_mesh -> fill -> check (the model's first)
                -> rules -> build -> prepare -> make_step, microbatches (fit's arguments)
     explain    mesh -> check_explain -> fill -> ways (the batch split)
                -> before_explain (0, or the exit status of a refusal)
@@ -90,11 +90,13 @@ class Style:
             own = ",".join(
                 f"{name}={size}" for name, size in self.mesh(math.prod(args.mesh.values())).items()
             )
-            what = "; ".join(f"{', '.join(dict.fromkeys(splits[axis]))} over {axis!r}" for axis in missing)
-            default = f" (the {args.model}'s default)" if getattr(args, "parallel_default", False) else ""
+            split = {axis: ", ".join(dict.fromkeys(splits[axis])) for axis in missing}
+            what = "; ".join(f"{logical} over {axis!r}" for axis, logical in split.items())
+            defaulted = getattr(args, "parallel_default", False)
+            default = f" (the {args.model}'s default)" if defaulted else ""
             error(
-                f"argument --mesh: --parallel {self.name}{default} splits {what}, and --mesh {given} has no "
-                f"such axis; give its mesh ({own}), or a --parallel for these axes"
+                f"argument --mesh: --parallel {self.name}{default} splits {what}, and --mesh "
+                f"{given} has no such axis; give its mesh ({own}), or a --parallel for these axes"
             )
 
     # -- the flags -----------------------------------------------------------------------------------
