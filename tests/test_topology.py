@@ -3,6 +3,7 @@
 libtpu is installed by the dev extra, so these run on every machine; nothing runs on a TPU.
 """
 
+import argparse
 import importlib.util
 import os
 import re
@@ -20,6 +21,8 @@ from minishard.constraints import constrain
 from minishard.models import gpt
 from minishard.run.cli import main, parse_args
 from minishard.run.cli.accelerators import SENDS_UP_TO
+from minishard.run.cli.styles import style_of
+from minishard.run.cli.tpu_slice import cpu_twin
 from minishard.run.next_token import next_token_loss
 from minishard.run.steps import make_train_step
 from minishard.run.topology import (
@@ -114,6 +117,25 @@ def test_a_topology_agreeing_with_devices_and_hardware_is_taken(capsys):
     assert (args.devices, args.hardware, len(args.topology_devices)) == (8, "v5e", 8)
 
 
+@pytest.mark.parametrize(
+    ("topology", "style", "why"),
+    [
+        ("v5e:2x4", "fsdp", None),  # XLA:CPU's twin beside it
+        ("v5e:4x4", "fsdp", "XLA:CPU's twin needs 16 simulated devices, XLA_FLAGS set 8"),
+        ("v5e:16x16", "fsdp", "XLA:CPU's twin is compiled on up to 64 simulated devices (minutes more)"),
+        ("v5e:2x4", "zero", "a step of its own has no XLA:CPU twin here"),
+    ],
+)
+def test_a_topology_s_step_has_a_cpu_twin_where_xla_cpu_can_compile_it_else_the_reason_first(
+    capsys, topology, style, why
+):
+    args = argparse.Namespace(topology=topology, devices=chip_count(topology))
+    assert cpu_twin(args, style_of(style)) is (why is None)
+    said = f"(compiled by XLA:TPU for {topology} alone: {why})\n" if why else ""
+    assert capsys.readouterr().out == said
+
+
+@pytest.mark.slow  # 4-6 s: the MLP's step compiled by XLA:TPU for 16 chips
 def test_more_chips_than_simulated_devices_compile_for_xla_tpu_alone_said_first(capsys):
     """v5e:4x4's 16 chips on the suite's 8 CPU devices: XLA:CPU has no twin (make_mesh failed, after the
     XLA:TPU compile); 256 chips: none above SENDS_UP_TO, where XLA:CPU would compile for minutes."""
