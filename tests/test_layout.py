@@ -63,7 +63,7 @@ A new chapter goes at the end: add it here and to ``CHAPTERS``."""
 PUBLIC = tuple(name for name in ORDER if not name.startswith("_"))
 """The reading path: what the README, the package docstring and docs/index.md name, in this order."""
 CHAPTERS = {
-    "hardware": 85,
+    "hardware": 120,  # issue 63: two levels (NVLink and InfiniBand, ICI and DCN), each figure's source (35)
     "costs": 415,  # issue 49: model_flops (41 lines), MFU's numerator
     "pipeline": 475,  # issue 43: stack, unstack (22 lines), the report (12); #45: in_flight; #46: positions
     # through the stages and their tokens over "context" (Pipeline.sequence_axis: pp+cp, 10); the blocks'
@@ -81,8 +81,11 @@ CHAPTERS = {
     "serving": 245,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too; GPT-2's
     # shape (gated, positions, biases) and minishard's own GPT as a size (14), which --check compiles
     "precision": 242,
-    "layouts": 465,  # issue 46 §3: pp ranked (bubble, microbatches, stage memory: 50), runner-up terms (25);
-    # each dimension's collectives as records, Send (sends, bytes_sent: 38), which --check compiles against
+    # issue 46 §3: pp ranked (bubble, microbatches, stage memory: 50), runner-up terms (25);
+    # each dimension's collectives as records, Send (sends, bytes_sent: 38), which --check compiles against;
+    # issue 63: attention's FLOPs and recomputed layer (layer_bytes: 25), cp ranked and a split sequence's
+    # K/V (_sequence_sends: 35), PLACEMENT on a two-level network (Layout.inner: 20), shares said (15)
+    "layouts": 600,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)

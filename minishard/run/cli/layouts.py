@@ -140,9 +140,9 @@ def print_ranking(args: argparse.Namespace) -> int:
     why the runner-up loses."""
     model, chip = serving.SIZES[args.size], hardware_named(args.hardware)
     devices, tokens, context = args.devices, args.batch_size, args.context
-    flops = layouts.train_flops(model, 1)
+    flops = layouts.train_flops(model, 1, context)
     count = f"{model.params / 1e9:.2f}e9" if model.params >= 1e9 else f"{model.params:,}"
-    print(f"{args.size}: {count} parameters, {flops:.3g} FLOPs a token", end="")
+    print(f"{args.size}: {count} parameters, {flops:.3g} FLOPs a token (attention's at {context:,})", end="")
     print(f"; {devices:,} {chip.name}")
     sequences = f"{tokens // context:,} sequences of {context:,}"
     print(f"batch {tokens:,} tokens ({sequences}): {tokens / devices:,.0f} per device")
@@ -157,7 +157,9 @@ def print_ranking(args: argparse.Namespace) -> int:
         )
     ranking = layouts.rank(model, tokens, devices, chip, context)
     print(ranking.table(TOP))
-    print("(* the fastest that fits; flips at: the tokens per device above which it is compute-bound)")
+    print("(* the fastest that fits; flips at: the tokens per device above which it is compute-bound;")
+    print(" [...]: a data shard (dp x fsdp) holds part of a sequence, its keys and values gathered as")
+    print(" cp's are, or an uneven share of them, priced as the average: the largest share waits longer)")
     fit = [cost for cost in ranking.costs if cost.fits]
     if args.budget:
         print(_days(args, model, fit[0] if fit else None))
@@ -172,12 +174,13 @@ def print_ranking(args: argparse.Namespace) -> int:
 
 def _days(args: argparse.Namespace, model: serving.Decoder, best: layouts.LayoutCost | None) -> str:
     """The token budget: its FLOPs, its days at ``--mfu``, and at the MFU the fastest layout predicts."""
-    flops, mfu, chips = layouts.train_flops(model, args.budget), args.mfu, args.devices
-    days = layouts.train_seconds(model, args.budget, chips, args.hardware, mfu) / 86400
+    flops, mfu, chips = layouts.train_flops(model, args.budget, args.context), args.mfu, args.devices
+    days = layouts.train_seconds(model, args.budget, chips, args.hardware, mfu, args.context) / 86400
     line = f"{args.budget / 1e12:.3g}T tokens: {flops:.3g} FLOPs, {days:,.1f} days at {mfu:.0%} MFU"
     if best is None:
         return line
-    predicted = layouts.train_seconds(model, args.budget, chips, args.hardware, best.mfu) / 86400
+    seconds = layouts.train_seconds(model, args.budget, chips, args.hardware, best.mfu, args.context)
+    predicted = seconds / 86400
     return f"{line}; {predicted:,.1f} at the {best.mfu:.0%} its step predicts (perfect overlap, no stalls)"
 
 
