@@ -368,23 +368,24 @@ def sends(model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, cont
 
 def _sequence_sends(model: Decoder, layout: Layout, tokens: float, itemsize: int, context: int) -> list[Send]:
     """The keys and values a split sequence gathers: over cp, and over the data shards that share a
-    sequence where dp x fsdp exceeds the sequences (the book's "sequence parallelism" under FSDP)."""
+    sequence where dp x fsdp exceeds the sequences (the book's "sequence parallelism" under FSDP).
+    Each device gathers them whole; the backward pass scatters their gradients, a 1/n each."""
     kv = 2 * itemsize * model.kv_heads * model.head_dim / min(layout.tp, model.kv_heads)  # a token's K and V
     layers = model.layers / layout.pp
-    whole = tokens / (layout.dp * layout.fsdp)  # the tokens of a cp group: every shard gathers them all
-    found = [Send("cp", kind, kv * whole * layers, backward) for kind, backward in _GATHER_SCATTER]
     shards = layout.dp * layout.fsdp
+    found = _gather_scatter("cp", kv * tokens / shards * layers, layout.cp)  # a shard's tokens, gathered
     if context and shards * context > tokens:  # fewer sequences than data shards: they split them
         sharing = math.ceil(shards * context / tokens)
         outer = "dp" if layout.dp > 1 else "fsdp"  # the outer of the two: PLACEMENT's order
-        found += [
-            Send(outer, kind, kv * context * layers / layout.cp, backward, over=sharing)
-            for kind, backward in _GATHER_SCATTER
-        ]
+        found += _gather_scatter(outer, kv * context * layers, sharing, over=sharing)
     return found
 
 
-_GATHER_SCATTER = (("all-gather", False), ("reduce-scatter", True))
+def _gather_scatter(dimension: str, gathered: float, ways: int, over: int = 0) -> list[Send]:
+    return [
+        Send(dimension, "all-gather", gathered, backward=False, over=over),
+        Send(dimension, "reduce-scatter", gathered / ways, backward=True, over=over),
+    ]
 
 
 def bytes_sent(

@@ -240,3 +240,89 @@ def test_pipelines_enter_the_ranking_where_the_whole_batch_does_not_fit() -> Non
     assert not any(cost.fits for cost in flat)
     fastest = min(flat, key=lambda cost: cost.step_s)
     assert fastest.step_s < best.step_s and fastest.memory.terms["activations"] > V5P.hbm_bytes
+
+
+# -- issue 63: the sequence in the step, context parallelism, the network's two levels ---------------
+H100_RUN = (SIZES["llama3-405b"], SIXTEEN_M, 16384, "h100")  # Meta's 405B: 16M tokens on 16,384 H100
+
+
+def test_attention_adds_palms_12_l_t_n_h_a_token() -> None:
+    llama = SIZES["llama3-405b"]
+    per_token = 12 * llama.layers * 8192 * llama.heads * llama.head_dim
+    assert layouts.train_flops(llama, 1, 8192) - layouts.train_flops(llama, 1) == per_token
+    # the step's forward pass is a third of them, per device
+    cost = price(llama, Layout(dp=2, fsdp=128, tp=16, pp=2, cp=2), SIXTEEN_M, "h100", context=8192)
+    assert cost.compute_s * 3 * HARDWARE["h100"].flops == pytest.approx(
+        layouts.train_flops(llama, SIXTEEN_M / 16384, 8192)
+    )
+
+
+def test_a_longer_sequence_steps_slower_for_405b_on_16384_h100() -> None:
+    model, tokens, devices, chip = H100_RUN
+    short, long = (rank(model, tokens, devices, chip, context=t).costs[0] for t in (4096, 8192))
+    assert long.step_s > short.step_s  # 3.35 s against 3.17 s: attention's FLOPs double
+    layout = Layout(fsdp=1024, tp=16)
+    at = {t: price(model, layout, tokens, chip, context=t) for t in (4096, 8192)}
+    attention = 12 * model.layers * 4096 * model.heads * model.head_dim  # the extra FLOPs a token
+    assert (at[8192].compute_s - at[4096].compute_s) * 3 * HARDWARE["h100"].flops == pytest.approx(
+        attention * tokens / devices
+    )
+
+
+def test_without_a_fused_kernel_the_recomputed_layer_keeps_every_heads_scores() -> None:
+    model, tokens, _, chip = H100_RUN
+    layout = Layout(fsdp=1024, tp=16)
+    held = {
+        (t, fused): price(model, layout, tokens, chip, context=t, fused=fused).memory.terms
+        for t in (4096, 8192)
+        for fused in (True, False)
+    }
+    held = {key: terms["recomputed layer"] for key, terms in held.items()}
+    assert held[4096, True] == held[8192, True]  # FlashAttention: 34 sbh, whatever the sequence
+    shard = tokens / 1024  # one FSDP shard's tokens, split over tp 16
+    scores = 5 * model.heads * 4096 * shard / 16  # Korthikanti's 5as/h, in bytes, doubled with T
+    assert held[8192, False] - held[4096, False] == pytest.approx(scores)
+    assert held[4096, False] - held[4096, True] == pytest.approx(scores)
+
+
+def test_context_parallelism_gathers_each_layers_keys_and_values() -> None:
+    llama, tokens = SIZES["llama3-8b"], 2**20
+    sent = layouts.bytes_sent(llama, Layout(fsdp=4, cp=2), tokens, context=8192)
+    kv = 2 * 2 * llama.kv_heads * llama.head_dim  # a token's K and V, bf16
+    gathered = kv * tokens / 4 * llama.layers  # every token of an FSDP shard, each layer
+    assert sent["cp"] == pytest.approx(2 * gathered / 2)  # all-gather, reduce-scatter: (p-1)/p of it
+    assert all(layout.cp == 1 for layout in layouts.layouts(llama, 8))  # no sequence, no cp
+    assert {layout.cp for layout in layouts.layouts(llama, 8, context=8192)} == {1, 2, 4, 8}
+
+
+def test_a_long_sequence_brings_context_parallelism_in() -> None:
+    model, tokens, devices, chip = H100_RUN
+    assert rank(model, tokens, devices, chip, context=131072).costs[0].layout.cp > 1  # 128 sequences
+
+
+def test_dimensions_sit_innermost_first_tp_cp_pp_fsdp_dp() -> None:
+    layout = Layout(dp=2, fsdp=4, tp=8, pp=16, cp=2)
+    assert [layout.inner(name) for name in layouts.PLACEMENT] == [1, 8, 16, 256, 1024]
+
+
+def test_a_data_split_beyond_the_sequences_gathers_their_keys_and_values_and_says_so() -> None:
+    # issue 59: 4M tokens of 4,096 (1,024 sequences) over 1,048,576 v5p: dp 16384 holds a 16th of one
+    llama, tokens = LLAMA3_70B, BATCH
+    split = price(llama, Layout(dp=16384, tp=64), tokens, "v5p")
+    whole = price(llama, Layout(dp=1024, tp=64), tokens // 1024 * 1024, "v5p")
+    shared = [send for send in layouts.sends(llama, split.layout, tokens, context=4096) if send.over]
+    assert {(send.dimension, send.over) for send in shared} == {("dp", 16)}
+    assert not any(send.over for send in layouts.sends(llama, whole.layout, tokens, context=4096))
+    assert split.shard_sequences == 1 / 16
+    ranking = rank(llama, tokens, 1000003, "v5p")  # a prime count: fsdp 1000003, 4 tokens a device
+    row = ranking.table().splitlines()[1]
+    assert row.startswith("* fsdp 1000003") and row.endswith(f"[a sequence over {1000003 / 1024:.3g} shards]")
+
+
+def test_an_uneven_share_of_the_sequences_is_said() -> None:
+    # issue 59: 64 sequences over 7 devices
+    best = rank(SIZES["llama3-8b"], 64 * 4096, 7, "h100").costs[0]
+    assert best.layout == Layout(fsdp=7)
+    assert best.shard_sequences == 64 / 7
+    row = rank(SIZES["llama3-8b"], 64 * 4096, 7, "h100").table().splitlines()[1]
+    assert row.startswith("* fsdp 7") and row.endswith(f"[uneven: {64 / 7:.3g} sequences a shard]")

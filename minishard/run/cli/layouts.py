@@ -41,8 +41,11 @@ BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
 """What a count's K, M and G multiply it by: binary, as the scaling book's "4M tokens" are 4 x 1024 x 1024."""
 DECIMAL = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 """What a token budget's suffix multiplies it by: decimal, as the papers' "15T tokens" are 15e12."""
-TRAINED_ON = {"llama2-13b": 2e12, "llama3-8b": 15e12, "llama3-70b": 15e12, "llama3-405b": 15.6e12}
-"""Tokens each size's paper trained it on: LLaMA 2's 2T, LLaMA 3's "over 15T" (15.6T for 405B)."""
+TRAINED_ON = {
+    "llama2-13b": 2e12, "llama3-8b": 15e12, "llama3-70b": 15e12, "llama3-405b": 15.6e12, "palm-540b": 780e9,
+}  # fmt: skip
+"""Tokens each size's paper trained it on: LLaMA 2's 2T, LLaMA 3's "over 15T" (15.6T for 405B),
+PaLM's 780B (Megatron's 1T was a benchmark, trained on none)."""
 MFU = 0.4
 """The share of the chips' peak the token budget is priced at without ``--mfu``: the scaling book's 40%."""
 BUDGET_FLAGS = {"budget": "--tokens", "mfu": "--mfu"}
