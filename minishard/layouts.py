@@ -313,10 +313,10 @@ def price(
     (468, 850)
     """
     hardware = hardware_named(hardware)
-    forward, backward = pass_collectives(model, layout, tokens, hardware, itemsize, context)
+    m = microbatches(layout, tokens, hardware, context)
+    forward, backward = pass_collectives(model, layout, tokens, hardware, itemsize, context, m)
     per_device = tokens / layout.devices
     compute = train_flops(model, per_device, context) / 3 / hardware.flops  # the forward pass's third
-    m = microbatches(layout, tokens, hardware, context)
     microbatch = tokens / (layout.dp * layout.fsdp) / m  # a pipeline's, or all of a shard's tokens
     memory = _memory(model, layout, microbatch, min(m, layout.pp), checkpoints, (context, fused))
     sequences = tokens / context if context else 0.0
@@ -340,16 +340,20 @@ class Send(NamedTuple):
         return self.over or getattr(layout, self.dimension)
 
 
-def sends(model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0) -> list[Send]:
+def sends(
+    model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0, microbatches: int = 1
+) -> list[Send]:
     """The collectives of one step of ``tokens`` in sequences of ``context``, by dimension, numbers
-    of ``itemsize`` bytes (bf16). A sequence split over devices (cp, or a data split over more shards
-    than there are sequences) gathers each layer's keys and values in the forward pass and
-    reduce-scatters their gradients in the backward (Llama 3's all-gather context parallelism)."""
+    of ``itemsize`` bytes (bf16); a split sequence's keys and values (``_sequence_sends``). A
+    pipeline of ``microbatches`` sends as ``minishard.pipeline`` compiles: a microbatch every one
+    of its m + p - 1 ticks, the bubble's too, and an all-reduce over the stages that hands the last
+    stage's output to every stage, each pass."""
     dp, fsdp, tp, pp, cp = layout.dp, layout.fsdp, layout.tp, layout.pp, layout.cp
     group = tokens / (dp * fsdp * cp)  # the tokens one tensor-parallel group computes on
     weights = itemsize * model.params / tp / pp  # a stage's tensor shard: what FSDP gathers whole
     stream = itemsize * group * model.width * 2 * model.layers / pp  # the input of a stage's every block
     hop = itemsize * group * model.width / tp  # a stage's output, split by sp
+    ticks = (microbatches + pp - 1) / microbatches  # the loop's ticks over its microbatches
     found = [
         Send("fsdp", "all-gather", weights, backward=False),
         Send("fsdp", "all-gather", weights, backward=True, times=int(pp == 1)),  # a stage keeps its own
@@ -360,16 +364,18 @@ def sends(model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, cont
         found += [
             Send("tp", "all-gather", stream, backward, times=1 + backward),
             Send("tp", "reduce-scatter", stream / tp, backward, times=1 + backward),
-            Send("pp", "collective-permute", hop, backward),
+            Send("pp", "collective-permute", hop * ticks, backward),
+            Send("pp", "all-reduce", hop, backward),  # the last stage's output, to every stage
         ]
     found += _sequence_sends(model, layout, tokens, itemsize, context)
     return [send for send in found if send.devices(layout) > 1 and send.times]
 
 
 def _sequence_sends(model: Decoder, layout: Layout, tokens: float, itemsize: int, context: int) -> list[Send]:
-    """The keys and values a split sequence gathers: over cp, and over the data shards that share a
-    sequence where dp x fsdp exceeds the sequences (the book's "sequence parallelism" under FSDP).
-    Each device gathers them whole; the backward pass scatters their gradients, a 1/n each."""
+    """The keys and values a split sequence gathers, each layer (Llama 3's all-gather context
+    parallelism): over cp, and over the data shards that share a sequence where dp x fsdp exceeds
+    the sequences (the book's "sequence parallelism" under FSDP). Each device gathers them whole
+    in the forward pass; the backward pass reduce-scatters their gradients, a 1/n each."""
     kv = 2 * itemsize * model.kv_heads * model.head_dim / min(layout.tp, model.kv_heads)  # a token's K and V
     layers = model.layers / layout.pp
     shards = layout.dp * layout.fsdp
@@ -389,7 +395,7 @@ def _gather_scatter(dimension: str, gathered: float, ways: int, over: int = 0) -
 
 
 def bytes_sent(
-    model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0
+    model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0, microbatches: int = 1
 ) -> dict[str, float]:
     """Bytes each device sends in one step, by dimension: ``sends`` on rings (``costs.sent_bytes``), as
     a compiled step's census sums them (float32: dp's all-reduce of the GPT's 3.3 MB of gradients).
@@ -399,20 +405,26 @@ def bytes_sent(
     {'dp': 5713351.0}
     """
     found: dict[str, float] = {}
-    for send in sends(model, layout, tokens, itemsize, context):
+    for send in sends(model, layout, tokens, itemsize, context, microbatches):
         sent = send.times * sent_bytes(send.kind, send.result_bytes, send.devices(layout))
         found[send.dimension] = found.get(send.dimension, 0.0) + sent
     return found
 
 
 def pass_collectives(
-    model: Decoder, layout: Layout, tokens: int, hardware: Hardware, itemsize: int = 2, context: int = 0
+    model: Decoder,
+    layout: Layout,
+    tokens: int,
+    hardware: Hardware,
+    itemsize: int = 2,
+    context: int = 0,
+    microbatches: int = 1,
 ) -> tuple[CommSeconds, CommSeconds]:
     """The seconds of the forward pass's ``sends`` and of the backward pass's, each over its torus
     axes and its network level (``Layout.inner``): dp's and fsdp's of the weights (but the keys and
     values of a split sequence), tp's, cp's and pp's of the activations."""
     axes, seconds = layout.axes(hardware), dict.fromkeys([(0, 0), (0, 1), (1, 0), (1, 1)], 0.0)
-    for send in sends(model, layout, tokens, itemsize, context):
+    for send in sends(model, layout, tokens, itemsize, context, microbatches):
         n_axes, inner = axes.get(send.dimension, 1), layout.inner(send.dimension)
         one = collective_time(send.kind, send.result_bytes, send.devices(layout), hardware, n_axes, inner)
         of_weights = send.dimension in ("dp", "fsdp") and not send.over
@@ -551,7 +563,7 @@ def _shares(cost: LayoutCost) -> str:
         return ""
     if share < 1:
         return f"  [a sequence over {1 / share:.3g} shards]"
-    return f"  [uneven: {share:,.3g} sequences a shard]"
+    return f"  [uneven: {share:,.4g} sequences a shard]"
 
 
 def _with_axes(cost: LayoutCost) -> str:

@@ -114,7 +114,7 @@ vocabulary. Its input and output embeddings are one matrix, which ``params`` cou
 MEGATRON_1T = Decoder(
     layers=128, width=25600, heads=160, kv_heads=160, head_dim=160, hidden=4 * 25600, vocab=51200,
     gated=False, positions=2048, biases=True,
-)  # fmt: skip
+)
 """The GPT of 1 trillion parameters Narayanan et al. 2021 (Megatron-LM, Table 1) ran on 3,072 A100:
 GPT-2's shape, a 51,200-token vocabulary and sequences of 2,048."""
 SIZES = {

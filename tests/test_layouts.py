@@ -325,4 +325,14 @@ def test_an_uneven_share_of_the_sequences_is_said() -> None:
     assert best.layout == Layout(fsdp=7)
     assert best.shard_sequences == 64 / 7
     row = rank(SIZES["llama3-8b"], 64 * 4096, 7, "h100").table().splitlines()[1]
-    assert row.startswith("* fsdp 7") and row.endswith(f"[uneven: {64 / 7:.3g} sequences a shard]")
+    assert row.startswith("* fsdp 7") and row.endswith(f"[uneven: {64 / 7:.4g} sequences a shard]")
+
+
+def test_a_pipeline_sends_a_microbatch_every_tick_and_hands_its_output_to_every_stage() -> None:
+    layout, tokens = Layout(fsdp=4, pp=4), 2**20
+    hop = 2 * tokens / 4 * LLAMA3_70B.width  # a shard's residual stream, bf16
+    for m in (1, 8, 64):
+        ticks = (m + 4 - 1) / m  # the bubble's ticks send too
+        permute, reduce = ticks * hop, 2 * 3 / 4 * hop  # each pass: a permute, an all-reduce over 4
+        sent = layouts.bytes_sent(LLAMA3_70B, layout, tokens, microbatches=m)["pp"]
+        assert sent == pytest.approx(2 * (permute + reduce))

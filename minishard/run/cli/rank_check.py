@@ -117,7 +117,8 @@ def compile_layout(args: argparse.Namespace, layout: Layout, name: str, shape: d
     parameters = explain(step_args[0], mesh, rules).device_bytes
     model, chip, context = serving.SIZES[args.size], args.hardware, args.context
     predicted = layouts.price(model, layout, tokens, chip, context=context, itemsize=FLOAT32)
-    expected = layouts.bytes_sent(model, layout, tokens, FLOAT32, context)
+    m = getattr(own, "microbatches", None) or 1  # the compiled pipeline's, which its sends follow
+    expected = layouts.bytes_sent(model, layout, tokens, FLOAT32, context, m)
     return Checked(predicted, expected, compiled, parameters, sent, seconds)
 
 
