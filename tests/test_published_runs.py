@@ -10,7 +10,7 @@ Sources (each number checked with the search tool; what it could not confirm is 
   256-way FSDP split of a pod is §4's, which the stored pages did not quote.
 * Megatron-LM 1T: Narayanan et al. 2021: 3072 A100, "502 petaFLOP/s", "52% of theoretical
   peak", vocabulary 51,200, sequences of 2,048; its shape (128 layers, 25,600 wide, 160 heads)
-  and split (tp 8, pp 64, batch 3,072) are Table 1's, which the stored pages did not quote.
+  and split (tp 8, pp 64, batch 3,072 sequences) are Table 1's, which the stored pages did not quote.
 """
 
 from __future__ import annotations
