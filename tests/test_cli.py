@@ -530,6 +530,20 @@ def test_explain_compare_size_says_where_a_given_layout_ranks(capsys):
     assert capsys.readouterr().out.splitlines()[-1].endswith(f"ranks 1 of the {len(fit):,} that fit")
 
 
+def test_explain_compare_size_without_a_fused_kernel_keeps_the_scores(capsys):
+    # issue 63: at 128K a sequence, every head's T x T scores no longer fit the fused kernel's choice
+    argv = ["explain", "--compare", "--size", "llama3-405b", "--hardware", "h100", "--devices", "16384",
+            "--batch-size", "16M", "--context", "131072"]  # fmt: skip
+    firsts = []
+    for flags in ([], ["--unfused-attention"]):
+        assert main([*argv, *flags]) == 0
+        firsts.append(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("* ")))
+    run = (serving.LLAMA3_405B, 16 * 2**20, 16384, "h100", 131072)
+    fused, unfused = (layouts.rank(*run, fused=kernel).costs[0] for kernel in (True, False))
+    assert firsts[0].startswith(f"* {fused.layout}") and firsts[1].startswith(f"* {unfused.layout}")
+    assert unfused.layout != fused.layout and unfused.step_s > fused.step_s
+
+
 LAYOUT_FLAGS = [
     (["--batch-size", "4M", "--size", "llama9"], "argument --size: invalid choice: 'llama9'"),
     (["--batch-size", "4Q"], "argument --batch-size: expected an integer (or 512K, 4M), got '4Q'"),
@@ -588,6 +602,10 @@ def test_explain_compare_size_refuses_bad_input_in_one_line(flags, message, caps
         (
             ["explain", "--model", "gpt", "--layout", "tp=2"],
             "argument --layout: only --compare --size takes it (where a layout ranks)",
+        ),
+        (
+            ["explain", "--model", "gpt", "--unfused-attention"],
+            "argument --unfused-attention: only --compare --size takes it (the memory of attention's scores)",
         ),
     ],
 )

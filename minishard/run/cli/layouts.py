@@ -48,8 +48,13 @@ TRAINED_ON["palm-540b"] = 780e9
 PaLM's 780B (Megatron's 1T was a benchmark, trained on none)."""
 MFU = 0.4
 """The share of the chips' peak the token budget is priced at without ``--mfu``: the scaling book's 40%."""
-BUDGET_FLAGS = {"budget": "--tokens", "mfu": "--mfu", "layout": "--layout"}
-"""The flags only ``--compare --size`` reads, by their names in ``args``."""
+BUDGET_FLAGS = {
+    "budget": ("--tokens", "the days a token budget takes"),
+    "mfu": ("--mfu", "the days a token budget takes"),
+    "layout": ("--layout", "where a layout ranks"),
+    "unfused": ("--unfused-attention", "the memory of attention's scores"),
+}
+"""The flags only ``--compare --size`` reads, by their names in ``args``: the flag, what it prices."""
 TOP = 5
 """The fastest layouts that fit, shown before the best of each other kind."""
 
@@ -59,6 +64,13 @@ def add_arguments(add: Callable[..., object]) -> None:
     add("--tokens", dest="budget", type=token_count, help="with --compare --size: tokens to train on (15T)")
     add("--mfu", type=fraction, help=f"with --compare --size: the budget's share of peak (default {MFU})")
     add("--layout", type=layout_spec, help="with --compare --size: price it, say its rank (tp=8,pp=16)")
+    add(
+        "--unfused-attention",
+        dest="unfused",
+        action="store_const",
+        const=True,
+        help="with --compare --size: attention keeps its T x T scores (no FlashAttention)",
+    )
 
 
 def token_count(text: str) -> float:
@@ -113,8 +125,7 @@ def refuse_budget(args: argparse.Namespace, error: Callable[[str], object]) -> N
     reads them."""
     if args.size and args.compare and not args.decode:
         return
-    for name, flag in BUDGET_FLAGS.items():
-        what = "where a layout ranks" if name == "layout" else "the days a token budget takes"
+    for name, (flag, what) in BUDGET_FLAGS.items():
         if getattr(args, name) is not None:
             error(f"argument {flag}: only --compare --size takes it ({what})")
 
@@ -195,7 +206,7 @@ def print_ranking(args: argparse.Namespace) -> int:
         print(
             f"  FSDP + TP {mixed:,.0f} (4 a^2 / M_X M_Y F), at X_opt = {optimal:,.0f} (sqrt(B/F M_X/M_Y N))"
         )
-    ranking = layouts.rank(model, tokens, devices, chip, context)
+    ranking = layouts.rank(model, tokens, devices, chip, context, fused=not args.unfused)
     print(ranking.table(TOP))
     print("(* the fastest that fits; flips at: the tokens per device above which it is compute-bound;")
     print(" [...]: a data shard (dp x fsdp) holds part of a sequence, its keys and values gathered as")
@@ -206,7 +217,8 @@ def print_ranking(args: argparse.Namespace) -> int:
     if len(fit) > 1:
         print(_runner_up(fit[0], fit[1]))
     if args.layout is not None:
-        print(_placed(layouts.price(model, args.layout, tokens, chip, context=context), fit))
+        layout = layouts.price(model, args.layout, tokens, chip, context=context, fused=not args.unfused)
+        print(_placed(layout, fit))
     if (fastest := min(ranking.costs, key=lambda cost: cost.step_s)) not in fit[:1]:
         needs, has = human_bytes(int(fastest.memory.total)), human_bytes(int(chip.hbm_bytes))
         step = human_seconds(fastest.step_s)
