@@ -953,3 +953,13 @@ def batch_splits(where: str, batch: Any, n: int, axis: str) -> None:
                 f"{where}: a batch of {rows} examples does not split over the {n} devices of axis {axis!r}; "
                 f"each device takes its own examples, so the batch must be a multiple of {n}"
             )
+
+
+# -- hardware ------------------------------------------------------------------------------------
+def scale_out(name: str, bandwidth: Any, devices: int, node: int) -> None:
+    """A group wider than the fast level needs the slow level's figure: no silent NVLink or ICI speed."""
+    if bandwidth is None:
+        raise ValueError(
+            f"{name}: {devices:,} devices span more than a node of {node}, and it has no scale_out "
+            f"bandwidth beyond one; give Hardware(scale_out=bytes/s per device)"
+        )

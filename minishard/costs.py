@@ -63,10 +63,10 @@ _SHARE: dict[str, Callable[[int], tuple[float, float]]] = {
 
 
 def collective_time(
-    kind: str, nbytes: float, devices: int, hardware: Hardware | str, n_axes: float = 1
+    kind: str, nbytes: float, devices: int, hardware: Hardware | str, n_axes: float = 1, inner: int = 1
 ) -> float:
-    """Seconds for one collective over ``devices`` (along ``n_axes`` mesh axes), whose result on one
-    device is ``nbytes``.
+    """Seconds for one collective over ``devices`` (along ``n_axes`` mesh axes, each ``inner``
+    devices apart: ``Hardware.bandwidth``), whose result on one device is ``nbytes``.
 
     ``nbytes`` is what ``minishard.collectives`` reports: for an all-gather the
     gathered array, for a reduce-scatter or an all-to-all one device's 1/n of it.
@@ -80,7 +80,8 @@ def collective_time(
     share = torus if hardware.topology == "torus" else switch
     hops = 1 if kind == "collective-permute" else devices / 2 if hardware.topology == "torus" else devices - 1
     floor = hops * hardware.latency * (2 if kind == "all-reduce" else 1)
-    return max(floor, _whole(kind, nbytes, devices) * share / hardware.bandwidth(devices, n_axes))
+    width = hardware.bandwidth(devices, n_axes, inner, point_to_point=kind == "collective-permute")
+    return max(floor, _whole(kind, nbytes, devices) * share / width)
 
 
 def sent_bytes(kind: str, result_bytes: float, p: int) -> float:

@@ -4,15 +4,26 @@ A table of data, and the one rule of its links: over how many devices a
 collective runs at which bandwidth W (``Hardware.bandwidth``), which every
 formula of ``minishard.costs`` divides by.
 
-Sources. TPUs: the scaling book's TPU chapter (jax-ml/scaling-book, ``tpus.md``):
-its chip table (HBM capacity and bandwidth, bf16 FLOP/s) and its ICI table
-(bidirectional bandwidth per link), about 1 µs per ICI hop from its sharding
-chapter, and its torus: TPU v4 and v5p link each chip to 6 neighbours (a 3D torus,
-3 axes), v5e and v6e to 4 (2D). GPUs: its GPU chapter (``gpus.md``): the FLOPs-and-bandwidth and memory
-tables, and the node table: 18 NVLink 4 links x 25 GB/s = 450 GB/s of egress per
-H100 or H200, 900 GB/s per B200 (NVLink 5), and 400 GB/s per GPU into the
-InfiniBand fat tree beyond a node of 8. The GPU per-hop latency is an
-assumption (the book's ICI figure); NCCL's small messages take longer.
+Every network here has two levels. GPUs: NVLink inside a node of 8, behind one switch; InfiniBand
+across nodes, one NIC per GPU. TPUs: ICI inside a slice (a torus of up to a pod's chips); DCN
+across slices (multislice), through each host. A dimension whose devices sit inside one node or
+slice runs at the fast level's W; one that spans nodes runs at its devices' NICs: as many of them
+as the dimension has devices in one node (the scaling book's "the cost of the outer reduction is
+reduced by a factor of the number of nodes spanned by the inner axis").
+
+Sources, every figure in bytes/s per device (tests/test_hardware.py quotes each sentence).
+TPUs: the scaling book's TPU chapter (jax-ml/scaling-book, ``tpus.md``): its chip table (HBM
+capacity and bandwidth, bf16 FLOP/s, pod size, host size), its ICI table (bidirectional bandwidth
+per link), "DCN bandwidth is typically around 2.5e10 bytes / second per host" (a v5p host holds
+4 chips, a v5e or v6e host 8); about 1 µs per ICI hop from its sharding chapter; its torus:
+TPU v4 and v5p link each chip to 6 neighbours (3 axes), v5e and v6e to 4 (2). GPUs: its GPU
+chapter (``gpus.md``): the FLOPs-and-bandwidth and memory tables; 18 NVLink 4 links x 25 GB/s =
+450 GB/s of egress per H100 (NVLink 5: 900 GB/s per B200; NVLink 3, 12 links: 300 GB/s per A100);
+and beyond the node "8 400Gbps CX7 NICs (one per GPU)": 400 Gb/s = 50 GB/s per GPU, 400 GB/s a
+node. The A100's is the DGX A100's (ServeTheHome on NVIDIA's Hot Chips 32 SuperPOD talk: "a
+1:1 GPU to NIC ratio", "2x 200Gbps HDR IB adapters for two GPUs"): 25 GB/s per GPU. The H200 and
+B200 are taken to sit on the H100's network (the book's node table gives the B200 400e9 a node).
+The GPU per-hop latency is an assumption (the book's ICI figure); NCCL's small messages take longer.
 
 >>> HARDWARE["v5p"].flops / HARDWARE["v5p"].link_bandwidth  # the ICI arithmetic intensity
 2550.0
@@ -22,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from minishard import _checks
+
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -29,9 +42,11 @@ class Hardware:
     FLOP/s), ``hbm_bandwidth`` (bytes/s), ``hbm_bytes``. ``link_bandwidth`` is the
     W the collective formulas divide by: on a TPU torus the *bidirectional*
     bandwidth along one axis (a ring sends both ways), on a GPU the NVLink egress
-    of one GPU into its switch. ``node``: GPUs behind one NVLink switch, beyond
-    which ``scale_out`` (InfiniBand, per GPU) applies. ``latency``: per hop. ``axes``: the torus's
-    dimensions, each a ring a mesh axis can take (a switch has one).
+    of one GPU into its switch. ``node``: the devices of the fast level (GPUs behind one
+    NVLink switch, TPUs of one ICI slice), beyond which ``scale_out`` applies: bytes/s of
+    *one device's* share of the slow level (a GPU's InfiniBand NIC, a TPU's of its host's DCN).
+    ``latency``: per hop. ``axes``: the torus's dimensions, each a ring a mesh axis can take
+    (a switch has one).
     """
 
     name: str
@@ -45,17 +60,26 @@ class Hardware:
     scale_out: float | None = None
     axes: int = 1
 
-    def bandwidth(self, devices: int, n_axes: float = 1) -> float:
-        """W over ``devices`` spanning ``n_axes`` mesh axes: a torus gets one link per axis; a switch
-        gives each GPU its NVLink egress, and beyond a node of ``node`` GPUs the scale-out network's.
+    def bandwidth(
+        self, devices: int, n_axes: float = 1, inner: int = 1, point_to_point: bool = False
+    ) -> float:
+        """W over ``devices`` spanning ``n_axes`` mesh axes, each ``inner`` devices apart (the
+        product of the dimensions placed inside this one): a torus gets one link per axis, a switch
+        each GPU's NVLink egress, while the group sits in one ``node``. Beyond it, each of the
+        group's devices in one node sends through its own NIC: ``scale_out`` times those devices
+        (a ring over nodes, the book's node egress, 400 GB/s for 8 H100), no more than the fast
+        level gives; a ``point_to_point`` send (a pipeline's) has its own NIC alone.
 
-        >>> HARDWARE["v5p"].bandwidth(16, n_axes=2), HARDWARE["h100"].bandwidth(16)
-        (360000000000.0, 400000000000.0)
+        >>> h100 = HARDWARE["h100"]
+        >>> h100.bandwidth(8), h100.bandwidth(16), h100.bandwidth(16, inner=8)   # NVLink; 8 NICs; 1
+        (450000000000.0, 400000000000.0, 50000000000.0)
         """
-        if self.topology == "torus":
-            return self.link_bandwidth * n_axes
-        beyond_node = self.node is not None and devices > self.node and self.scale_out is not None
-        return self.scale_out if beyond_node else self.link_bandwidth  # type: ignore[return-value]
+        fast = self.link_bandwidth * n_axes if self.topology == "torus" else self.link_bandwidth
+        if self.node is None or devices * inner <= self.node:
+            return fast
+        _checks.scale_out(self.name, self.scale_out, devices * inner, self.node)
+        per_node = 1 if point_to_point else max(1, self.node // inner)  # the group's devices in a node
+        return min(fast, self.scale_out * per_node)  # type: ignore[operator]
 
     def peak(self, dtype: str = "bfloat16") -> float:
         """The matmul peak for operands of ``dtype``: ``flops`` for bf16 and fp16. float32 at JAX's
@@ -69,14 +93,28 @@ class Hardware:
         return self.flops / 2 if dtype == "float32" and on_tensor_cores else self.flops
 
 
+HOST_DCN = 2.5e10
+"""DCN bytes/s of one TPU host, the TPU chapter's; a v4 or v5p host holds 4 chips, a v5e or v6e 8."""
+NIC = {"ConnectX-7": 400e9 / 8, "HDR": 200e9 / 8}
+"""Bytes/s of one GPU's InfiniBand NIC: 400 Gb/s (NDR, an H100's ConnectX-7), 200 Gb/s (an A100's HDR)."""
+
 HARDWARE = {
-    "v4p": Hardware("TPU v4p", 2.75e14, 1.2e12, 32e9, 9e10, "torus", axes=3),
-    "v5e": Hardware("TPU v5e", 1.97e14, 8.1e11, 16e9, 9e10, "torus", axes=2),
-    "v5p": Hardware("TPU v5p", 4.59e14, 2.8e12, 96e9, 1.8e11, "torus", axes=3),
-    "v6e": Hardware("TPU v6e", 9.20e14, 1.6e12, 32e9, 1.8e11, "torus", axes=2),
-    "h100": Hardware("H100", 9.9e14, 3.35e12, 80e9, 450e9, "switch", node=8, scale_out=400e9),
-    "h200": Hardware("H200", 9.9e14, 4.8e12, 141e9, 450e9, "switch", node=8, scale_out=400e9),
-    "b200": Hardware("B200", 2.25e15, 8.0e12, 192e9, 900e9, "switch", node=8, scale_out=400e9),
+    "v4p": Hardware(
+        "TPU v4p", 2.75e14, 1.2e12, 32e9, 9e10, "torus", axes=3, node=16**3, scale_out=HOST_DCN / 4
+    ),
+    "v5e": Hardware(
+        "TPU v5e", 1.97e14, 8.1e11, 16e9, 9e10, "torus", axes=2, node=16**2, scale_out=HOST_DCN / 8
+    ),
+    "v5p": Hardware(
+        "TPU v5p", 4.59e14, 2.8e12, 96e9, 1.8e11, "torus", axes=3, node=16 * 20 * 28, scale_out=HOST_DCN / 4
+    ),
+    "v6e": Hardware(
+        "TPU v6e", 9.20e14, 1.6e12, 32e9, 1.8e11, "torus", axes=2, node=16**2, scale_out=HOST_DCN / 8
+    ),
+    "a100": Hardware("A100", 3.12e14, 2.0e12, 80e9, 300e9, "switch", node=8, scale_out=NIC["HDR"]),
+    "h100": Hardware("H100", 9.9e14, 3.35e12, 80e9, 450e9, "switch", node=8, scale_out=NIC["ConnectX-7"]),
+    "h200": Hardware("H200", 9.9e14, 4.8e12, 141e9, 450e9, "switch", node=8, scale_out=NIC["ConnectX-7"]),
+    "b200": Hardware("B200", 2.25e15, 8.0e12, 192e9, 900e9, "switch", node=8, scale_out=NIC["ConnectX-7"]),
 }
 
 
@@ -116,4 +154,4 @@ def hardware_named(hardware: Hardware | str) -> Hardware:
     return HARDWARE[hardware]
 
 
-__all__ = ["DEVICE_KINDS", "HARDWARE", "Hardware", "chip_of", "hardware_named"]
+__all__ = ["DEVICE_KINDS", "HARDWARE", "HOST_DCN", "NIC", "Hardware", "chip_of", "hardware_named"]

@@ -3,7 +3,7 @@
 ``minishard.costs`` prices a step that XLA compiled. A LLaMA-3 run on thousands of chips cannot
 be compiled here, but its step is simple enough to price from the model's shapes alone, as
 the scaling book does (``training.md``, and its walk-through, ``applied-training.md``).
-A layout splits the N devices four ways, ``dp x fsdp x tp x pp = N``, each dimension a mesh axis:
+A layout splits the N devices five ways, ``dp x fsdp x tp x pp x cp = N``, each a mesh axis:
 
 * **dp**: replicas, each holding every weight of its share, all-reduce the gradients;
 * **fsdp**: splits the weights and the optimizer state too (ZeRO-3, the parameters flattened,
@@ -14,13 +14,17 @@ A layout splits the N devices four ways, ``dp x fsdp x tp x pp = N``, each dimen
 * **pp**: splits the layers into stages (``minishard.pipeline``): each device gathers, holds and
   updates only its stage's weights, and sends one residual stream a step to the next stage, but
   idles in the pipeline's bubble, ``pipeline.bubble_fraction``: fewest where the microbatches are
-  many, and each must keep enough tokens for its matmuls to outrun HBM (``microbatches``).
+  many, and each must keep enough tokens for its matmuls to outrun HBM (``microbatches``);
+* **cp**: splits each sequence (Llama 3's context parallelism): each layer gathers the keys and
+  values of the whole sequence, and reduce-scatters their gradients: bytes that grow with the
+  batch but not with the heads (grouped-query attention's few K/V heads make them small).
 
 Per device, with b = B / N tokens and P parameters, a forward pass does F = 2Pb FLOPs and the
-backward pass 2F (the book's 6P per token). Each pass hides its own collectives behind its own
-matmuls, so ``step = max(F, sent forward) + max(2F, sent backward)``: the forward pass sends the
-FSDP gathers and the tensor collectives, the backward pass the gathers again, the
-reduce-scatters, the all-reduce and the tensor collectives transposed (twice the forward's,
+backward pass 2F (the book's 6P per token), and attention's ``12 L T N H`` a token in
+sequences of T (``train_flops``; the book leaves it out: ``context=0``). Each pass hides its own
+collectives behind its own matmuls, so ``step = max(F, sent forward) + max(2F, sent backward)``:
+the forward pass sends the FSDP gathers and the tensor collectives, the backward pass the gathers
+again, the reduce-scatters, the all-reduce and the tensor collectives transposed (twice the forward's,
 as the book counts them). (``costs.StepCost`` reads a compiled program and cannot tell the
 passes apart: it hides every collective behind the backward pass.) A pipeline's step is that
 busy time over ``1 - bubble``. On a torus each split dimension but pp takes one of the chip's
@@ -32,14 +36,17 @@ fsdp x tp x pp, one layer's weights gathered whole (a pipeline's stage: all of i
 kept through its microbatches, as torchtitan does: else FSDP gathers each microbatch again),
 and the activations the backward pass needs: the residual stream, ``CHECKPOINTS`` times per
 layer (``memory.korthikanti`` fully recomputed), of the whole batch, or of the ``p`` microbatches
-a pipeline's first stage holds at once when it runs 1F1B (``pipeline_1f1b``; GPipe's bubble).
+a pipeline's first stage holds at once when it runs 1F1B (``pipeline_1f1b``; GPipe's bubble),
+and the one layer recomputed from them, whose T x T scores grow with the sequence unless a
+fused kernel keeps none (``layer_bytes``). On a two-level network (NVLink and InfiniBand, ICI
+and DCN) each dimension runs on the level ``PLACEMENT`` puts it (``Layout.inner``).
 
 >>> from minishard.serving import LLAMA3_70B as llama
 >>> round(optimal_fsdp(4 * 2**20, 8960, llama.hidden))   # the book's X_opt: 1,618 from 4.19e6 tokens
 1619
->>> best = rank(llama, 4 * 2**20, 8960, "v5p").costs[0]
+>>> best = rank(llama, 4 * 2**20, 8960, "v5p").costs[0]   # sequences of 4,096
 >>> str(best.layout), best.verdict
-('fsdp 2240 x tp 4', 'communication-bound by x1.1')
+('fsdp 2240 x tp 4', 'compute-bound')
 """
 
 from __future__ import annotations
@@ -64,19 +71,27 @@ CONTEXT = 4096
 # --- 1. a run's size, and the book's rules ----------------------------------------------------------
 
 
-def train_flops(model: Decoder, tokens: float) -> float:
-    """``6 P tokens``: per parameter and token, 2 FLOPs forward and 4 backward (attention's own left out).
+def train_flops(model: Decoder, tokens: float, context: int = 0) -> float:
+    """``6 P tokens``, per parameter and token 2 FLOPs forward and 4 backward, plus attention's
+    ``12 L T N H`` a token in sequences of ``context`` = T (0: attention left out, as the book's 6P).
+
+    Attention's two matmuls, q·kᵀ and the scores times v, take ``2 T N H`` FLOPs each a token
+    and layer forward, three times that with the backward: PaLM's count (Chowdhery et al. 2022,
+    Appendix B: "6N + 12LHQT"), with no halving for the causal mask, as MFU is reported.
 
     >>> from minishard.serving import LLAMA3_70B
-    >>> f"{train_flops(LLAMA3_70B, 1):.3g}"   # the book's 6 x 70e9 = 4.2e11 per token
-    '4.23e+11'
+    >>> f"{train_flops(LLAMA3_70B, 1):.3g}", f"{train_flops(LLAMA3_70B, 1, context=4096):.3g}"
+    ('4.23e+11', '4.56e+11')
     """
-    return 6 * model.params * tokens
+    attention = 12 * model.layers * context * model.heads * model.head_dim
+    return (6 * model.params + attention) * tokens
 
 
-def train_seconds(model: Decoder, tokens: float, chips: int, hardware: Hardware | str, mfu: float) -> float:
+def train_seconds(
+    model: Decoder, tokens: float, chips: int, hardware: Hardware | str, mfu: float, context: int = 0
+) -> float:
     """Seconds to train on ``tokens`` with ``chips`` at ``mfu`` of their peak FLOP/s."""
-    return train_flops(model, tokens) / (chips * hardware_named(hardware).flops * mfu)
+    return train_flops(model, tokens, context) / (chips * hardware_named(hardware).flops * mfu)
 
 
 def mixed_critical_batch(
@@ -110,26 +125,59 @@ def checkpoint_bytes(model: Decoder, tokens: float, per_layer: int = CHECKPOINTS
     return per_layer * model.layers * tokens * one_token
 
 
+def layer_bytes(model: Decoder, tokens: float, context: int, fused: bool = True) -> float:
+    """Bytes of one layer's activations, recomputed in the backward pass from its checkpoint, for
+    ``tokens`` in sequences of ``context``: Korthikanti's ``sbh(34 + 5as/h)`` (Table 2), whose
+    ``5as/h`` are the T x T scores (softmax, its dropout mask and output) of every head. A fused
+    attention kernel (FlashAttention) keeps none of them: ``34sbh`` alone, whatever the sequence.
+
+    >>> from minishard.serving import LLAMA3_8B
+    >>> [round(layer_bytes(LLAMA3_8B, 8192, t, fused=False) / 2**30, 2) for t in (4096, 8192)]
+    [6.06, 11.06]
+    >>> round(layer_bytes(LLAMA3_8B, 8192, 8192) / 2**30, 2)
+    1.06
+    """
+    scores = 0 if fused else 5 * model.heads * context
+    return tokens * (34 * model.width + scores)
+
+
 # --- 2. one layout, priced ------------------------------------------------------------------------
+
+
+PLACEMENT = ("tp", "cp", "pp", "fsdp", "dp")
+"""The dimensions from the innermost (nearest devices) out: Llama 3's "[TP, CP, PP, DP]" (Dubey
+et al. 2024, §3.3.2), fsdp inside dp as HSDP shards inside a node's replica. tp's collectives,
+the most and largest, stay inside a node; dp's, once a step, cross the slow level."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """``dp x fsdp x tp x pp`` devices: data-parallel replicas, FSDP shards, tensor-parallel shards,
-    pipeline stages."""
+    """``dp x fsdp x tp x pp x cp`` devices: data-parallel replicas, FSDP shards, tensor-parallel
+    shards, pipeline stages, context-parallel shards of each sequence."""
 
     dp: int = 1
     fsdp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     @property
     def devices(self) -> int:
-        return self.dp * self.fsdp * self.tp * self.pp
+        return self.dp * self.fsdp * self.tp * self.pp * self.cp
 
     def ways(self) -> dict[str, int]:
         """The split dimensions and their sizes."""
         return {name: size for name, size in dataclasses.asdict(self).items() if size > 1}
+
+    def inner(self, dimension: str) -> int:
+        """The devices between two neighbours of ``dimension``: the dimensions ``PLACEMENT`` puts
+        inside it. On a two-level network it decides the level each runs on (``Hardware.bandwidth``).
+
+        >>> Layout(dp=4, fsdp=256, tp=8).inner("tp"), Layout(dp=4, fsdp=256, tp=8).inner("dp")
+        (1, 2048)
+        """
+        inside = PLACEMENT[: PLACEMENT.index(dimension)]
+        return math.prod(getattr(self, name) for name in inside)
 
     def axes(self, hardware: Hardware) -> dict[str, float]:
         """The torus axes each dimension's collectives run over: one each, the largest takes those
@@ -177,6 +225,12 @@ class LayoutCost:
     memory: Budget
     microbatches: int = 1
     bubble: float = 0.0
+    sequences: float = 0.0  # the batch's: each data shard's share of them, ``shard_sequences``
+
+    @property
+    def shard_sequences(self) -> float:
+        """Sequences each data shard (dp x fsdp) computes on: below 1, the shards split sequences."""
+        return self.sequences / (self.layout.dp * self.layout.fsdp)
 
     @property
     def busy_s(self) -> float:
@@ -247,43 +301,59 @@ def price(
     checkpoints: int = CHECKPOINTS,
     context: int = CONTEXT,
     itemsize: int = 2,
+    fused: bool = True,
 ) -> LayoutCost:
-    """One training step of ``tokens`` on ``layout``, from the model's shapes: nothing is compiled;
-    its collectives' numbers of ``itemsize`` bytes (bf16; 4 prices a float32 step).
+    """One training step of ``tokens`` in sequences of ``context`` on ``layout``, from the model's
+    shapes: nothing is compiled; its collectives' numbers of ``itemsize`` bytes (bf16; 4 prices a
+    float32 step); ``fused``: attention keeps no T x T scores (``layer_bytes``).
 
     >>> from minishard.serving import LLAMA3_70B
-    >>> cost = price(LLAMA3_70B, Layout(fsdp=8960), 4 * 2**20, "v5p")   # pure FSDP on 3 axes
-    >>> round(cost.tokens), round(cost.flips_at)   # the book: 468 per chip, 850 needed
+    >>> cost = price(LLAMA3_70B, Layout(fsdp=8960), 4 * 2**20, "v5p", context=0)  # pure FSDP, 3 axes
+    >>> round(cost.tokens), round(cost.flips_at)   # the book (6P a token): 468 per chip, 850 needed
     (468, 850)
     """
     hardware = hardware_named(hardware)
-    forward, backward = pass_collectives(model, layout, tokens, hardware, itemsize)
-    per_device = tokens / layout.devices
-    compute = 2 * model.params * per_device / hardware.flops
     m = microbatches(layout, tokens, hardware, context)
-    in_flight = tokens / (layout.dp * layout.fsdp) * min(m, layout.pp) / m  # a pipeline's, or all its tokens
-    memory, bubble = _memory(model, layout, in_flight, checkpoints), bubble_fraction(layout.pp, m)
-    return LayoutCost(layout, hardware, per_device, compute, forward, backward, memory, m, bubble)
+    forward, backward = pass_collectives(model, layout, tokens, hardware, itemsize, context, m)
+    per_device = tokens / layout.devices
+    compute = train_flops(model, per_device, context) / 3 / hardware.flops  # the forward pass's third
+    microbatch = tokens / (layout.dp * layout.fsdp) / m  # a pipeline's, or all of a shard's tokens
+    memory = _memory(model, layout, microbatch, min(m, layout.pp), checkpoints, (context, fused))
+    sequences = tokens / context if context else 0.0
+    bubble = bubble_fraction(layout.pp, m)
+    return LayoutCost(layout, hardware, per_device, compute, forward, backward, memory, m, bubble, sequences)
 
 
 class Send(NamedTuple):
     """One collective a step runs for a dimension: in the ``backward`` pass or the forward,
-    ``times`` over, each leaving ``result_bytes`` on a device (what ``census.collectives`` counts)."""
+    ``times`` over, each leaving ``result_bytes`` on a device (what ``census.collectives`` counts);
+    ``over``: the devices it runs among, where fewer than the dimension's (0: all of them)."""
 
     dimension: str
     kind: str
     result_bytes: float
     backward: bool
     times: int = 1
+    over: int = 0
+
+    def devices(self, layout: Layout) -> int:
+        return self.over or getattr(layout, self.dimension)
 
 
-def sends(model: Decoder, layout: Layout, tokens: float, itemsize: int = 2) -> list[Send]:
-    """The collectives of one step of ``tokens``, by dimension, numbers of ``itemsize`` bytes (bf16)."""
-    dp, fsdp, tp, pp = layout.dp, layout.fsdp, layout.tp, layout.pp
-    group = tokens / (dp * fsdp)  # the tokens one tensor-parallel group computes on
+def sends(
+    model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0, microbatches: int = 1
+) -> list[Send]:
+    """The collectives of one step of ``tokens`` in sequences of ``context``, by dimension, numbers
+    of ``itemsize`` bytes (bf16); a split sequence's keys and values (``_sequence_sends``). A
+    pipeline of ``microbatches`` sends as ``minishard.pipeline`` compiles: a microbatch every one
+    of its m + p - 1 ticks, the bubble's too, and an all-reduce over the stages that hands the last
+    stage's output to every stage, each pass."""
+    dp, fsdp, tp, pp, cp = layout.dp, layout.fsdp, layout.tp, layout.pp, layout.cp
+    group = tokens / (dp * fsdp * cp)  # the tokens one tensor-parallel group computes on
     weights = itemsize * model.params / tp / pp  # a stage's tensor shard: what FSDP gathers whole
     stream = itemsize * group * model.width * 2 * model.layers / pp  # the input of a stage's every block
     hop = itemsize * group * model.width / tp  # a stage's output, split by sp
+    ticks = (microbatches + pp - 1) / microbatches  # the loop's ticks over its microbatches
     found = [
         Send("fsdp", "all-gather", weights, backward=False),
         Send("fsdp", "all-gather", weights, backward=True, times=int(pp == 1)),  # a stage keeps its own
@@ -294,12 +364,39 @@ def sends(model: Decoder, layout: Layout, tokens: float, itemsize: int = 2) -> l
         found += [
             Send("tp", "all-gather", stream, backward, times=1 + backward),
             Send("tp", "reduce-scatter", stream / tp, backward, times=1 + backward),
-            Send("pp", "collective-permute", hop, backward),
+            Send("pp", "collective-permute", hop * ticks, backward),
+            Send("pp", "all-reduce", hop, backward),  # the last stage's output, to every stage
         ]
-    return [send for send in found if getattr(layout, send.dimension) > 1 and send.times]
+    found += _sequence_sends(model, layout, tokens, itemsize, context)
+    return [send for send in found if send.devices(layout) > 1 and send.times]
 
 
-def bytes_sent(model: Decoder, layout: Layout, tokens: float, itemsize: int = 2) -> dict[str, float]:
+def _sequence_sends(model: Decoder, layout: Layout, tokens: float, itemsize: int, context: int) -> list[Send]:
+    """The keys and values a split sequence gathers, each layer (Llama 3's all-gather context
+    parallelism): over cp, and over the data shards that share a sequence where dp x fsdp exceeds
+    the sequences (the book's "sequence parallelism" under FSDP). Each device gathers them whole
+    in the forward pass; the backward pass reduce-scatters their gradients, a 1/n each."""
+    kv = 2 * itemsize * model.kv_heads * model.head_dim / min(layout.tp, model.kv_heads)  # a token's K and V
+    layers = model.layers / layout.pp
+    shards = layout.dp * layout.fsdp
+    found = _gather_scatter("cp", kv * tokens / shards * layers, layout.cp)  # a shard's tokens, gathered
+    if context and shards * context > tokens:  # fewer sequences than data shards: they split them
+        sharing = math.ceil(shards * context / tokens)
+        outer = "dp" if layout.dp > 1 else "fsdp"  # the outer of the two: PLACEMENT's order
+        found += _gather_scatter(outer, kv * context * layers, sharing, over=sharing)
+    return found
+
+
+def _gather_scatter(dimension: str, gathered: float, ways: int, over: int = 0) -> list[Send]:
+    return [
+        Send(dimension, "all-gather", gathered, backward=False, over=over),
+        Send(dimension, "reduce-scatter", gathered / ways, backward=True, over=over),
+    ]
+
+
+def bytes_sent(
+    model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0, microbatches: int = 1
+) -> dict[str, float]:
     """Bytes each device sends in one step, by dimension: ``sends`` on rings (``costs.sent_bytes``), as
     a compiled step's census sums them (float32: dp's all-reduce of the GPT's 3.3 MB of gradients).
 
@@ -308,48 +405,68 @@ def bytes_sent(model: Decoder, layout: Layout, tokens: float, itemsize: int = 2)
     {'dp': 5713351.0}
     """
     found: dict[str, float] = {}
-    for send in sends(model, layout, tokens, itemsize):
-        sent = send.times * sent_bytes(send.kind, send.result_bytes, getattr(layout, send.dimension))
+    for send in sends(model, layout, tokens, itemsize, context, microbatches):
+        sent = send.times * sent_bytes(send.kind, send.result_bytes, send.devices(layout))
         found[send.dimension] = found.get(send.dimension, 0.0) + sent
     return found
 
 
 def pass_collectives(
-    model: Decoder, layout: Layout, tokens: int, hardware: Hardware, itemsize: int = 2
+    model: Decoder,
+    layout: Layout,
+    tokens: int,
+    hardware: Hardware,
+    itemsize: int = 2,
+    context: int = 0,
+    microbatches: int = 1,
 ) -> tuple[CommSeconds, CommSeconds]:
     """The seconds of the forward pass's ``sends`` and of the backward pass's, each over its torus
-    axes: dp's and fsdp's of the weights, tp's and pp's of the activations."""
+    axes and its network level (``Layout.inner``): dp's and fsdp's of the weights (but the keys and
+    values of a split sequence), tp's, cp's and pp's of the activations."""
     axes, seconds = layout.axes(hardware), dict.fromkeys([(0, 0), (0, 1), (1, 0), (1, 1)], 0.0)
-    for send in sends(model, layout, tokens, itemsize):
-        size, n_axes = getattr(layout, send.dimension), axes.get(send.dimension, 1)
-        one = collective_time(send.kind, send.result_bytes, size, hardware, n_axes)
-        seconds[int(send.backward), int(send.dimension in ("dp", "fsdp"))] += send.times * one
+    for send in sends(model, layout, tokens, itemsize, context, microbatches):
+        n_axes, inner = axes.get(send.dimension, 1), layout.inner(send.dimension)
+        one = collective_time(send.kind, send.result_bytes, send.devices(layout), hardware, n_axes, inner)
+        of_weights = send.dimension in ("dp", "fsdp") and not send.over
+        seconds[int(send.backward), int(of_weights)] += send.times * one
     return CommSeconds(seconds[0, 1], seconds[0, 0]), CommSeconds(seconds[1, 1], seconds[1, 0])
 
 
-def _memory(model: Decoder, layout: Layout, in_flight: float, checkpoints: int) -> Budget:
+def _memory(
+    model: Decoder,
+    layout: Layout,
+    microbatch: float,
+    held: int,
+    checkpoints: int,
+    attention: tuple[int, bool],
+) -> Budget:
     """Per device: the per-parameter terms over fsdp x tp x pp, a gathered layer (a stage's layers,
-    under pp), the checkpoints of a stage's layers for the ``in_flight`` tokens it holds."""
+    under pp), the checkpoints of a stage's layers for the ``held`` microbatches it keeps, and the
+    one layer the backward pass recomputes from its checkpoint for one microbatch (``layer_bytes``
+    of ``attention``'s context and kernel), split over tp and cp."""
     shards = layout.fsdp * layout.tp * layout.pp
     per_parameter = bytes_per_parameter(MIXED, "adamw")
     terms = {name: size * model.params / shards for name, size in per_parameter.items() if size}
     if layout.fsdp > 1:
         gathered = model.layers // layout.pp if layout.pp > 1 else 1
         terms["gathered"] = 2 * model.params / model.layers * gathered / layout.tp
-    terms["activations"] = checkpoint_bytes(model, in_flight, checkpoints, layout.tp) / layout.pp
+    kept = checkpoint_bytes(model, microbatch * held, checkpoints, layout.tp) / layout.pp / layout.cp
+    terms["activations"] = kept
+    if attention[0]:
+        terms["recomputed layer"] = layer_bytes(model, microbatch, *attention) / layout.tp / layout.cp
     return Budget(terms, shards)
 
 
 # --- 3. every layout, ranked ------------------------------------------------------------------------
 
 
-def layouts(model: Decoder, devices: int) -> list[Layout]:
-    """Every ``dp x fsdp x tp x pp = devices`` whose tp divides the heads and the MLP's width, and
-    whose pp the layers.
+def layouts(model: Decoder, devices: int, context: int = 0) -> list[Layout]:
+    """Every ``dp x fsdp x tp x pp x cp = devices`` whose tp divides the heads and the MLP's width,
+    whose pp the layers, and whose cp the ``context`` (0: no cp).
 
     >>> from minishard.serving import LLAMA3_70B as llama
-    >>> len(layouts(llama, 8)), [str(layout) for layout in layouts(llama, 2)]
-    (20, ['fsdp 2', 'dp 2', 'pp 2', 'tp 2'])
+    >>> len(layouts(llama, 8)), [str(layout) for layout in layouts(llama, 2, context=4096)]
+    (20, ['fsdp 2', 'dp 2', 'cp 2', 'pp 2', 'tp 2'])
     """
     _checks.count("layouts: devices", devices)
     found = []
@@ -357,13 +474,15 @@ def layouts(model: Decoder, devices: int) -> list[Layout]:
         if model.heads % tp or model.hidden % tp:
             continue
         for pp in (pp for pp in _divisors(devices // tp) if model.layers % pp == 0):
-            rest = devices // tp // pp
-            found += [Layout(dp, rest // dp, tp, pp) for dp in _divisors(rest)]
+            for cp in _divisors(math.gcd(devices // tp // pp, context or 1)):  # cp divides the sequence
+                rest = devices // tp // pp // cp
+                found += [Layout(dp, rest // dp, tp, pp, cp) for dp in _divisors(rest)]
     return found
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,12 +495,12 @@ class Ranking:
     rule: Layout | None
 
     def table(self, top: int = 5) -> str:
-        """The ``top`` fastest that fit, then the best of each other set of dimensions (and the book's
-        pick) wherever they rank, and a line for the rest."""
+        """The ``top`` fastest that fit, then the best of each other set of dimensions, with or without
+        cp (and the book's pick) wherever they rank, and a line for the rest."""
         fit = [cost for cost in self.costs if cost.fits]
-        shown, kinds = fit[:top], {tuple(cost.layout.ways()) for cost in fit[:top]}
+        shown, kinds = fit[:top], {_kind(cost.layout) for cost in fit[:top]}
         for cost in fit[top:]:
-            kind = tuple(cost.layout.ways())
+            kind = _kind(cost.layout)
             if kind not in kinds or cost.layout == self.rule:
                 shown.append(cost)
                 kinds.add(kind)
@@ -393,7 +512,7 @@ class Ranking:
             bubble = f"{cost.bubble:.1%}" if cost.layout.pp > 1 else "-"
             step, memory = human_seconds(cost.step_s), human_bytes(int(cost.memory.total))
             cells = f"{step:>9} {bubble:>6} {flips:>9} {memory:>9}"
-            lines.append(f"{mark} {_with_axes(cost):34} {cells}  {cost.verdict}{rule}")
+            lines.append(f"{mark} {_with_axes(cost):34} {cells}  {cost.verdict}{rule}{_shares(cost)}")
         out = [cost for cost in self.costs if not cost.fits]
         rest = [f"{len(fit) - len(shown)} more fit, slower"] if len(fit) > len(shown) else []
         if out:
@@ -404,22 +523,47 @@ class Ranking:
 
 
 def rank(
-    model: Decoder, tokens: int, devices: int, hardware: Hardware | str, context: int = CONTEXT
+    model: Decoder,
+    tokens: int,
+    devices: int,
+    hardware: Hardware | str,
+    context: int = CONTEXT,
+    fused: bool = True,
 ) -> Ranking:
-    """``price`` every layout of ``devices``, of ``tokens`` in sequences of ``context``; those that
-    fit first, fastest first (then the one that waits least for its collectives, then the smaller).
+    """``price`` every layout of ``devices``, of ``tokens`` in sequences of ``context`` (``fused``:
+    attention keeps no scores); those that fit first, fastest first (then the one that waits least
+    for its collectives, then the smaller).
 
     ``rule``: on a torus, the FSDP x TP layout nearest the book's ``optimal_fsdp`` (TP on one axis).
     """
     _checks.count("rank: tokens", tokens, minimum=devices)
     hardware = hardware_named(hardware)
-    costs = [price(model, layout, tokens, hardware, context=context) for layout in layouts(model, devices)]
+    costs = [
+        price(model, layout, tokens, hardware, context=context, fused=fused)
+        for layout in layouts(model, devices, context)
+    ]
     costs.sort(key=lambda c: (not c.fits, c.step_s, c.bound, c.memory.total))
-    mixed = [c.layout for c in costs if c.layout.dp == c.layout.pp == 1 and c.layout.tp > 1]
+    mixed = [c.layout for c in costs if c.layout.dp == c.layout.pp == c.layout.cp == 1 and c.layout.tp > 1]
     best = optimal_fsdp(tokens, devices, model.hidden, fsdp_axes=max(1, hardware.axes - 1))
     nearest = min(mixed, key=lambda layout: abs(math.log(layout.fsdp / best)), default=None)
     rule = nearest if hardware.topology == "torus" else None
     return Ranking(model, tokens, tuple(costs), rule)
+
+
+def _kind(layout: Layout) -> tuple[str, ...]:
+    """The dimensions a table shows the best of, cp aside: a sequence's split rides on any of them."""
+    return tuple(name for name in layout.ways() if name != "cp")
+
+
+def _shares(cost: LayoutCost) -> str:
+    """What a data shard holds where it is not whole sequences: part of one (priced: their keys and
+    values gathered, ``sends``), or an uneven share (priced at the average, which the largest exceeds)."""
+    share = cost.shard_sequences
+    if not share or share == int(share):
+        return ""
+    if share < 1:
+        return f"  [a sequence over {1 / share:.3g} shards]"
+    return f"  [uneven: {share:,.4g} sequences a shard]"
 
 
 def _with_axes(cost: LayoutCost) -> str:

@@ -108,11 +108,22 @@ MINISHARD_GPT = Decoder(
 )
 """minishard's own default GPT (``minishard.models.gpt``: nanoGPT's CPU shape, tiny_shakespeare's 65
 characters), whose layouts ``explain --compare --size gpt --check`` compiles on 8 devices."""
+PALM_540B = Decoder(layers=118, width=18432, heads=48, kv_heads=1, head_dim=256, hidden=73728, vocab=256000)
+"""PaLM 540B (Chowdhery et al. 2022, Table 1): SwiGLU, multi-query attention (one K/V head), a 256k
+vocabulary. Its input and output embeddings are one matrix, which ``params`` counts twice (+4.7e9)."""
+MEGATRON_1T = Decoder(
+    layers=128, width=25600, heads=160, kv_heads=160, head_dim=160, hidden=4 * 25600, vocab=51200,
+    gated=False, positions=2048, biases=True,
+)
+"""The GPT of 1 trillion parameters Narayanan et al. 2021 (Megatron-LM, Table 1) ran on 3,072 A100:
+GPT-2's shape, a 51,200-token vocabulary and sequences of 2,048."""
 SIZES = {
     "llama2-13b": LLAMA2_13B,
     "llama3-8b": LLAMA3_8B,
     "llama3-70b": LLAMA3_70B,
     "llama3-405b": LLAMA3_405B,
+    "palm-540b": PALM_540B,
+    "megatron-1t": MEGATRON_1T,
     "gpt": MINISHARD_GPT,
 }
 """The named sizes ``minishard explain --size`` prices: serving (``--decode``), training (``--compare``)."""
@@ -231,6 +242,8 @@ __all__ = [
     "LLAMA3_70B",
     "LLAMA3_405B",
     "SIZES",
+    "PALM_540B",
+    "MEGATRON_1T",
     "FORMATS",
     "Decoder",
     "Point",

@@ -63,7 +63,9 @@ A new chapter goes at the end: add it here and to ``CHAPTERS``."""
 PUBLIC = tuple(name for name in ORDER if not name.startswith("_"))
 """The reading path: what the README, the package docstring and docs/index.md name, in this order."""
 CHAPTERS = {
-    "hardware": 125,  # issue 60: DEVICE_KINDS and chip_of (the chip JAX names), peak(dtype): 38 lines
+    # issue 63: two levels (NVLink and InfiniBand, ICI and DCN), each figure's source (35); issue 60:
+    # DEVICE_KINDS and chip_of (the chip JAX names), peak(dtype): 38 lines
+    "hardware": 160,
     # issue 49: model_flops (41 lines), MFU's numerator; issue 60: the roofline (chip_s, compiled_for_a_chip)
     "costs": 440,
     "pipeline": 475,  # issue 43: stack, unstack (22 lines), the report (12); #45: in_flight; #46: positions
@@ -79,11 +81,15 @@ CHAPTERS = {
     "remat": 150,  # issue 45 §4: the policies, after_the_gradient (XLA:CPU schedules by it), StepFlops
     "memory": 475,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
     # §2: zero_budget, ZeRO's own step term by term (31), Budget.cast_each_step (ZeRO holds its bf16 weights)
-    "serving": 245,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too; GPT-2's
-    # shape (gated, positions, biases) and minishard's own GPT as a size (14), which --check compiles
+    "serving": 260,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too; GPT-2's
+    # shape (gated, positions, biases) and minishard's own GPT as a size (14), which --check compiles;
+    # issue 63: PaLM 540B and Megatron's 1T, the published runs' shapes (12)
     "precision": 242,
-    "layouts": 465,  # issue 46 §3: pp ranked (bubble, microbatches, stage memory: 50), runner-up terms (25);
-    # each dimension's collectives as records, Send (sends, bytes_sent: 38), which --check compiles against
+    # issue 46 §3: pp ranked (bubble, microbatches, stage memory: 50), runner-up terms (25);
+    # each dimension's collectives as records, Send (sends, bytes_sent: 38), which --check compiles against;
+    # issue 63: attention's FLOPs and recomputed layer (layer_bytes: 25), cp ranked and a split sequence's
+    # K/V (_sequence_sends: 35), PLACEMENT on a two-level network (Layout.inner: 20), shares said (15)
+    "layouts": 625,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)

@@ -32,6 +32,7 @@ __all__ = [
     "check",
     "count",
     "fraction",
+    "layout_spec",
     "print_ranking",
     "refuse_budget",
     "token_count",
@@ -42,11 +43,18 @@ BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
 DECIMAL = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 """What a token budget's suffix multiplies it by: decimal, as the papers' "15T tokens" are 15e12."""
 TRAINED_ON = {"llama2-13b": 2e12, "llama3-8b": 15e12, "llama3-70b": 15e12, "llama3-405b": 15.6e12}
-"""Tokens each size's paper trained it on: LLaMA 2's 2T, LLaMA 3's "over 15T" (15.6T for 405B)."""
+TRAINED_ON["palm-540b"] = 780e9
+"""Tokens each size's paper trained it on: LLaMA 2's 2T, LLaMA 3's "over 15T" (15.6T for 405B),
+PaLM's 780B (Megatron's 1T was a benchmark, trained on none)."""
 MFU = 0.4
 """The share of the chips' peak the token budget is priced at without ``--mfu``: the scaling book's 40%."""
-BUDGET_FLAGS = {"budget": "--tokens", "mfu": "--mfu"}
-"""The flags only ``--compare --size`` reads, by their names in ``args``."""
+BUDGET_FLAGS = {
+    "budget": ("--tokens", "the days a token budget takes"),
+    "mfu": ("--mfu", "the days a token budget takes"),
+    "layout": ("--layout", "where a layout ranks"),
+    "unfused": ("--unfused-attention", "the memory of attention's scores"),
+}
+"""The flags only ``--compare --size`` reads, by their names in ``args``: the flag, what it prices."""
 TOP = 5
 """The fastest layouts that fit, shown before the best of each other kind."""
 
@@ -55,6 +63,14 @@ def add_arguments(add: Callable[..., object]) -> None:
     """``--tokens`` and ``--mfu``: the run's token budget, priced in days beside the ranking."""
     add("--tokens", dest="budget", type=token_count, help="with --compare --size: tokens to train on (15T)")
     add("--mfu", type=fraction, help=f"with --compare --size: the budget's share of peak (default {MFU})")
+    add("--layout", type=layout_spec, help="with --compare --size: price it, say its rank (tp=8,pp=16)")
+    add(
+        "--unfused-attention",
+        dest="unfused",
+        action="store_const",
+        const=True,
+        help="with --compare --size: attention keeps its T x T scores (no FlashAttention)",
+    )
 
 
 def token_count(text: str) -> float:
@@ -73,6 +89,22 @@ def token_count(text: str) -> float:
     return value
 
 
+def layout_spec(text: str) -> layouts.Layout:
+    """An argparse type for ``--layout``: ``name=ways`` pairs of ``layouts.PLACEMENT``'s dimensions.
+
+    >>> str(layout_spec("dp=128,tp=8,pp=16"))
+    'dp 128 x tp 8 x pp 16'
+    """
+    ways: dict[str, int] = {}
+    for pair in text.split(","):
+        name, _, size = pair.partition("=")
+        if name.strip() not in layouts.PLACEMENT or not size.strip().isdigit() or int(size) < 1:
+            dims = ", ".join(layouts.PLACEMENT)
+            raise argparse.ArgumentTypeError(f"expected name=ways pairs of {dims} (tp=8,pp=16), got {pair!r}")
+        ways[name.strip()] = int(size)
+    return layouts.Layout(**ways)
+
+
 def fraction(text: str) -> float:
     """An argparse type for ``--mfu``: a share of the peak, above 0 and at most 1.
 
@@ -89,12 +121,13 @@ def fraction(text: str) -> float:
 
 
 def refuse_budget(args: argparse.Namespace, error: Callable[[str], object]) -> None:
-    """``--tokens`` and ``--mfu`` price a named size's run: only ``--compare --size`` reads them."""
+    """``--tokens``, ``--mfu`` and ``--layout`` price a named size's run: only ``--compare --size``
+    reads them."""
     if args.size and args.compare and not args.decode:
         return
-    for name, flag in BUDGET_FLAGS.items():
+    for name, (flag, what) in BUDGET_FLAGS.items():
         if getattr(args, name) is not None:
-            error(f"argument {flag}: only --compare --size takes it (the days a token budget takes)")
+            error(f"argument {flag}: only --compare --size takes it ({what})")
 
 
 def count(text: str) -> int:
@@ -132,7 +165,25 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
         error(f"argument --batch-size: {tokens:,} tokens leave some of {devices:,} devices none")
     if tokens % context:
         error(f"argument --batch-size: {tokens:,} tokens are not whole --context {context} sequences")
+    if args.layout is not None:
+        _check_layout(args.layout, serving.SIZES[args.size], args, error)
     args.budget, args.mfu = args.budget or TRAINED_ON.get(args.size), args.mfu or MFU
+
+
+def _check_layout(
+    layout: layouts.Layout, model: serving.Decoder, args: argparse.Namespace, error: Callable[[str], object]
+) -> None:
+    """``--layout`` splits what the size can split: its devices, heads, layers and sequence."""
+    size, tp, pp, cp = args.size, layout.tp, layout.pp, layout.cp
+    why = {
+        f"its {layout.devices:,} devices are not --devices {args.devices:,}": layout.devices != args.devices,
+        f"tp {tp} does not divide {size}'s {model.heads} heads": bool(model.heads % tp),
+        f"tp {tp} does not divide {size}'s MLP of {model.hidden:,}": bool(model.hidden % tp),
+        f"pp {pp} does not divide {size}'s {model.layers} layers": bool(model.layers % pp),
+        f"cp {cp} does not divide the --context {args.context:,} sequence": bool(args.context % cp),
+    }
+    for reason in (reason for reason, wrong in why.items() if wrong):
+        error(f"argument --layout: {layout}: {reason}")
 
 
 def print_ranking(args: argparse.Namespace) -> int:
@@ -140,9 +191,9 @@ def print_ranking(args: argparse.Namespace) -> int:
     why the runner-up loses."""
     model, chip = serving.SIZES[args.size], hardware_named(args.hardware)
     devices, tokens, context = args.devices, args.batch_size, args.context
-    flops = layouts.train_flops(model, 1)
+    flops = layouts.train_flops(model, 1, context)
     count = f"{model.params / 1e9:.2f}e9" if model.params >= 1e9 else f"{model.params:,}"
-    print(f"{args.size}: {count} parameters, {flops:.3g} FLOPs a token", end="")
+    print(f"{args.size}: {count} parameters, {flops:.3g} FLOPs a token (attention's at {context:,})", end="")
     print(f"; {devices:,} {chip.name}")
     sequences = f"{tokens // context:,} sequences of {context:,}"
     print(f"batch {tokens:,} tokens ({sequences}): {tokens / devices:,.0f} per device")
@@ -155,14 +206,19 @@ def print_ranking(args: argparse.Namespace) -> int:
         print(
             f"  FSDP + TP {mixed:,.0f} (4 a^2 / M_X M_Y F), at X_opt = {optimal:,.0f} (sqrt(B/F M_X/M_Y N))"
         )
-    ranking = layouts.rank(model, tokens, devices, chip, context)
+    ranking = layouts.rank(model, tokens, devices, chip, context, fused=not args.unfused)
     print(ranking.table(TOP))
-    print("(* the fastest that fits; flips at: the tokens per device above which it is compute-bound)")
+    print("(* the fastest that fits; flips at: the tokens per device above which it is compute-bound;")
+    print(" [...]: a data shard (dp x fsdp) holds part of a sequence, its keys and values gathered as")
+    print(" cp's are, or an uneven share of them, priced as the average: the largest share waits longer)")
     fit = [cost for cost in ranking.costs if cost.fits]
     if args.budget:
         print(_days(args, model, fit[0] if fit else None))
     if len(fit) > 1:
         print(_runner_up(fit[0], fit[1]))
+    if args.layout is not None:
+        layout = layouts.price(model, args.layout, tokens, chip, context=context, fused=not args.unfused)
+        print(_placed(layout, fit))
     if (fastest := min(ranking.costs, key=lambda cost: cost.step_s)) not in fit[:1]:
         needs, has = human_bytes(int(fastest.memory.total)), human_bytes(int(chip.hbm_bytes))
         step = human_seconds(fastest.step_s)
@@ -172,13 +228,24 @@ def print_ranking(args: argparse.Namespace) -> int:
 
 def _days(args: argparse.Namespace, model: serving.Decoder, best: layouts.LayoutCost | None) -> str:
     """The token budget: its FLOPs, its days at ``--mfu``, and at the MFU the fastest layout predicts."""
-    flops, mfu, chips = layouts.train_flops(model, args.budget), args.mfu, args.devices
-    days = layouts.train_seconds(model, args.budget, chips, args.hardware, mfu) / 86400
+    flops, mfu, chips = layouts.train_flops(model, args.budget, args.context), args.mfu, args.devices
+    days = layouts.train_seconds(model, args.budget, chips, args.hardware, mfu, args.context) / 86400
     line = f"{args.budget / 1e12:.3g}T tokens: {flops:.3g} FLOPs, {days:,.1f} days at {mfu:.0%} MFU"
     if best is None:
         return line
-    predicted = layouts.train_seconds(model, args.budget, chips, args.hardware, best.mfu) / 86400
+    seconds = layouts.train_seconds(model, args.budget, chips, args.hardware, best.mfu, args.context)
+    predicted = seconds / 86400
     return f"{line}; {predicted:,.1f} at the {best.mfu:.0%} its step predicts (perfect overlap, no stalls)"
+
+
+def _placed(cost: layouts.LayoutCost, fit: list[layouts.LayoutCost]) -> str:
+    """Where ``--layout`` ranks among those that fit, or what it would need to."""
+    step, line = human_seconds(cost.step_s), f"--layout {cost.layout}"
+    if not cost.fits:
+        needs, has = human_bytes(int(cost.memory.total)), human_bytes(int(cost.hardware.hbm_bytes))
+        return f"{line}: {step}, {cost.verdict}, but does not fit: {needs} a device, over {has}"
+    place = 1 + sum(other.step_s < cost.step_s for other in fit)
+    return f"{line}: {step}, {cost.mfu:.0%} MFU, {cost.verdict}: ranks {place:,} of the {len(fit):,} that fit"
 
 
 def _runner_up(best: layouts.LayoutCost, second: layouts.LayoutCost) -> str:

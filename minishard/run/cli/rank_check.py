@@ -37,7 +37,7 @@ CHECKED = 3
 """Layouts ``--check`` compiles without a count."""
 FLOAT32 = 4
 """Bytes a number of the compiled step: ``explain`` compiles the GPT's float32 step."""
-AXES = {"dp": "data", "fsdp": "data", "tp": "model", "pp": "stage"}
+AXES = {"dp": "data", "fsdp": "data", "tp": "model", "pp": "stage", "cp": "context"}
 """The mesh axis each dimension of a layout takes (``minishard.styles.DIMENSIONS``)."""
 
 
@@ -118,7 +118,8 @@ def compile_layout(args: argparse.Namespace, layout: Layout, name: str, shape: d
     parameters = explain(step_args[0], mesh, rules).device_bytes
     model, chip, context = serving.SIZES[args.size], args.hardware, args.context
     predicted = layouts.price(model, layout, tokens, chip, context=context, itemsize=FLOAT32)
-    expected = layouts.bytes_sent(model, layout, tokens, FLOAT32)
+    m = getattr(own, "microbatches", None) or 1  # the compiled pipeline's, which its sends follow
+    expected = layouts.bytes_sent(model, layout, tokens, FLOAT32, context, m)
     return Checked(predicted, expected, compiled, parameters, sent, seconds)
 
 
