@@ -124,7 +124,7 @@ def assert_sharded_equivalent(
 
 
 def _nan_where_numbers(got: Any, want: Any) -> str | None:
-    """Where the sharded run has NaN and the reference numbers, what that usually is; None if nowhere.
+    """Where the sharded run has NaN and the reference numbers, what that usually is (or None).
     numpy would say only "nan location mismatch"; a pipeline fills its bubbles with NaN."""
     got, want = np.asarray(got), np.asarray(want)
     if got.shape != want.shape or not np.issubdtype(got.dtype, np.inexact):
@@ -132,9 +132,9 @@ def _nan_where_numbers(got: Any, want: Any) -> str | None:
     if not (leaked := int((np.isnan(got) & ~np.isnan(want)).sum())):
         return None
     return (
-        f"{leaked} NaN where the unsharded run has numbers: a pipeline's bubble leaked into the result? "
-        "(minishard.pipeline fills bubbles with NaN; assert_pipeline_equivalent(..., rules=) names the "
-        "pipeline)"
+        f"{leaked} NaN where the unsharded run has numbers: a pipeline's bubble leaked into the "
+        "result? (minishard.pipeline fills bubbles with NaN; assert_pipeline_equivalent(..., "
+        "rules=) names the pipeline)"
     )
 
 

@@ -136,9 +136,8 @@ def assert_pipeline_equivalent(
             f"{type(model).__name__}; stack its blocks (minishard.pipeline.Stacked, stacked_mlp)"
         )
     _check_tolerances("assert_pipeline_equivalent", rtol, atol)
-    pipelined = (
-        functools.partial(_value_and_grads, pipeline=pipeline) if rules is None else _sharded(pipeline, rules)
-    )
+    alone = functools.partial(_value_and_grads, pipeline=pipeline)
+    pipelined = alone if rules is None else _sharded(pipeline, rules)
     got = jax.block_until_ready(pipelined(model, x))
     want = jax.block_until_ready(_value_and_grads(model, x, None))
     for (path, a), b in zip(
@@ -191,8 +190,8 @@ def _value_and_grads(model: Any, x: Any, pipeline: Pipeline | None) -> Any:
 
 @cached
 def _sharded(pipeline: Pipeline, rules: AxisRules) -> Any:
-    """``_value_and_grads`` with ``pipeline`` under ``Sharded(pipeline.mesh, rules)``, kept across examples:
-    a new ``Sharded(...)(fn)`` jits a new function, which would compile again for every example."""
+    """``_value_and_grads`` with ``pipeline`` under ``Sharded(pipeline.mesh, rules)``, one per pair:
+    a new ``Sharded(...)(fn)`` jits a new function, which compiles again for every example."""
 
     def value_and_grads(model: Any, x: Any) -> Any:
         return _value_and_grads(model, x, pipeline)

@@ -193,8 +193,9 @@ def print_memory(args: argparse.Namespace) -> int:
         print(f"XLA:TPU refuses it: {str(error).splitlines()[0]}")
         compiles, compiled = True, None
     print(predicted.table(compiled))
-    on_cpu = devices is None  # XLA:CPU's step, not a TPU slice's
-    if on_cpu and (note := gathered_early(predicted, compiled, step_args[0], shape, rules, args.precision)):
+    note = gathered_early(predicted, compiled, step_args[0], shape, rules, args.precision)
+    on_cpu = devices is None and jax.devices()[0].platform == "cpu"  # XLA:CPU's step, not a chip's
+    if note and on_cpu:
         print(note)
     if not compiles:
         print(f"(not compiled here: {count:,} parameters on {args.devices} devices; predicted only)")
@@ -211,7 +212,7 @@ def gathered_early(
     rules: AxisRules,
     precision: str,
 ) -> str | None:
-    """Under FSDP, where XLA:CPU's temporaries exceed the formula's by more than 15%, why (one line).
+    """Under FSDP, where XLA:CPU's temporaries exceed the formula's by over 15%, why (one line).
 
     The formula gathers one weight whole at a time (``gathered``). XLA:CPU runs each all-gather as
     soon as its shard is there, from the start, and keeps the weight whole to its last use in the
@@ -231,15 +232,16 @@ def gathered_early(
         gathered += math.prod(leaf.shard_shape) * ways if ways > 1 else 0
     copies = "; in bf16 it keeps float32 copies of activations too" if precision != "fp32" else ""
     return (
-        f"(XLA:CPU gathers each weight ahead of its use and keeps it whole to the backward pass, in "
-        f"float32: {human_bytes(4 * gathered)} where 'gathered' holds one, and --remat cannot lower "
-        f"that{copies}: docs/memory.md)"
+        "(XLA:CPU gathers each weight ahead of its use and keeps it whole to the backward pass, "
+        f"in float32: {human_bytes(4 * gathered)} where 'gathered' holds one, and --remat "
+        f"cannot lower that{copies}: docs/memory.md)"
     )
 
 
 def _axes(spec: Any) -> set[str]:
     """The mesh axes a ``PartitionSpec`` names."""
-    return {axis for entry in spec if entry for axis in ((entry,) if isinstance(entry, str) else entry)}
+    entries = [(entry,) if isinstance(entry, str) else entry for entry in spec if entry]
+    return {axis for entry in entries for axis in entry}
 
 
 def compiled_memory(
