@@ -25,7 +25,7 @@ from minishard.costs import HARDWARE, Memory
 from minishard.experts import MoE, capacity, moe_activations
 from minishard.memory import Budget, Precision
 from minishard.pipeline import StackedModel
-from minishard.rules import AnyMesh, AxisRules, ShardingError
+from minishard.rules import AnyMesh, AxisRules, ShardingError, as_mesh_axes
 from minishard.run.cli.flags import simulate_devices
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import style_of
@@ -225,10 +225,12 @@ def gathered_early(
     if compiled.temporaries <= 1.15 * predicted.temporaries:
         return None
     mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
-    batch = _axes(rules.spec(("batch",), mesh))  # fsdp splits the weights over the batch's axes
+    batch_spec = rules.spec(("batch",), mesh)  # fsdp splits the weights over the batch's axes
+    batch = {axis for entry in batch_spec for axis in as_mesh_axes(entry)}
     gathered = 0  # every weight's numbers on one device once gathered over the batch's axes
     for leaf in plan(model, mesh, rules).leaves:
-        ways = math.prod(shape[axis] for axis in batch & _axes(leaf.spec))
+        split = {axis for entry in leaf.spec for axis in as_mesh_axes(entry)}
+        ways = math.prod(shape[axis] for axis in batch & split)
         gathered += math.prod(leaf.shard_shape) * ways if ways > 1 else 0
     copies = "; in bf16 it keeps float32 copies of activations too" if precision != "fp32" else ""
     return (
@@ -236,12 +238,6 @@ def gathered_early(
         f"in float32: {human_bytes(4 * gathered)} where 'gathered' holds one, and --remat "
         f"cannot lower that{copies}: docs/memory.md)"
     )
-
-
-def _axes(spec: Any) -> set[str]:
-    """The mesh axes a ``PartitionSpec`` names."""
-    entries = [(entry,) if isinstance(entry, str) else entry for entry in spec if entry]
-    return {axis for entry in entries for axis in entry}
 
 
 def compiled_memory(
