@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 export TFDS_DATA_DIR ?= $(abspath ../shared/data/tensorflow_datasets)
 export HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-tpu lint bench clean
 
 # Re-install only when pyproject.toml changed since the last install.
 $(STAMP): pyproject.toml
@@ -34,3 +34,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# On a machine with a TPU chip (docs/tpu.md): the tests marked `tpu`, in one process (one program at a
+# time may hold the chip), with the machine's own JAX; elsewhere they skip in one line each.
+test-tpu:
+	python3 -m pytest -p no:xdist -p no:cacheprovider -m tpu tests

@@ -11,10 +11,14 @@ Scale Your Model" (jax-ml/scaling-book) applied to *your* step:
   reduce-scatter then an all-gather), all-to-all V / 4W on a bidirectional TPU
   ring; behind an NVLink switch (GPU chapter) times the ring factor (n - 1) / n,
   and an all-to-all V (n - 1) / (n² W). Never below the hops' latency (~1 µs each);
+* HBM: bytes accessed / HBM bandwidth, and one chip's step is the longer of the two,
+  T_chip = max(T_compute, T_HBM) (the roofline), where the bytes are *the chip's* program's:
+  XLA:TPU's count after fusion. XLA:CPU's counts every operand of its unfused ops (2-3x the
+  chip's here), so a CPU-compiled step is priced by its compute alone, its HBM line shown;
 * the step: gradients' collectives hide behind the backward pass (2/3 of a
   training step's FLOPs), not the forward pass, as in the training chapter:
-  T = T_compute / 3 + max(2/3 T_compute, T_comms); communication-bound by x k
-  when T_comms = k · 2/3 T_compute with k > 1;
+  T = T_chip / 3 + max(2/3 T_chip, T_comms); communication-bound by x k
+  when T_comms = k · 2/3 T_chip with k > 1;
 * a ring (context parallelism) sends each K/V chunk behind one step's attention of it: hidden
   while seq·q_heads/(kv_heads·|CP|), MaxText's intensity, is large enough (``ring_bound``);
 * the flip: data parallelism and FSDP send weights, whose bytes do not grow with the
@@ -172,26 +176,35 @@ class StepCost:
     memory: Memory
     batch: float | None = None
     overlap: float = BACKWARD
+    chips_bytes: bool = False  # bytes_accessed counted from the chip's own program (XLA:TPU's)
 
     compute_s = property(lambda self: self.flops / self.hardware.flops)
     hbm_s = property(lambda self: self.bytes_accessed / self.hardware.hbm_bandwidth)
     comm_s = property(lambda self: sum(seconds for _, _, seconds in self.communication))
 
     @property
+    def chip_s(self) -> float:
+        """One chip's work, collectives aside: the roofline, the longer of the matmuls and the HBM
+        traffic; the matmuls alone where the bytes are not the chip's (XLA:CPU's count)."""
+        return max(self.compute_s, self.hbm_s) if self.chips_bytes else self.compute_s
+
+    @property
     def step_s(self) -> float:
         """Forward pass, then the backward pass and the communication overlapped."""
-        hidden = self.overlap * self.compute_s
-        return self.compute_s - hidden + max(hidden, self.comm_s)
+        hidden = self.overlap * self.chip_s
+        return self.chip_s - hidden + max(hidden, self.comm_s)
 
     @property
     def bound(self) -> float:
-        """k = communication / the compute it can hide behind: > 1 means communication-bound."""
-        hidden = self.overlap * self.compute_s
+        """k = communication / the chip's work it can hide behind: > 1 means communication-bound."""
+        hidden = self.overlap * self.chip_s
         return self.comm_s / hidden if hidden else math.inf if self.comm_s else 0.0
 
     @property
     def verdict(self) -> str:
-        return "compute-bound" if self.bound <= 1 else f"communication-bound by x{self.bound:.1f}"
+        if self.bound > 1:
+            return f"communication-bound by x{self.bound:.1f}"
+        return "HBM-bound" if self.chip_s > self.compute_s else "compute-bound"
 
     @property
     def flip_batch(self) -> float | None:
@@ -204,11 +217,12 @@ class StepCost:
         hw, mem, size = self.hardware, self.memory, human_bytes
         sent = ", ".join(f"{kind} {size(n)} {_time(s)}" for kind, n, s in self.communication) or "none"
         flip = f"; flips at {self.flip_batch:,.0f} examples per device" if self.flip_batch else ""
+        counted = "XLA:TPU's count" if self.chips_bytes else "XLA:CPU's count: not the chip's, not priced"
         lines = [
             f"predicted step on {hw.name}" + (f", {self.batch:g} examples per device" if self.batch else ""),
             f"  compute        {_time(self.compute_s):>9}  {self.flops:.3g} FLOP at {hw.flops:.3g} FLOP/s",
             f"  communication  {_time(self.comm_s):>9}  {sent}",
-            f"  HBM traffic    {_time(self.hbm_s):>9}  {size(int(self.bytes_accessed))} (XLA's count)",
+            f"  HBM traffic    {_time(self.hbm_s):>9}  {size(int(self.bytes_accessed))} ({counted})",
             f"  step           {_time(self.step_s):>9}  {self.verdict}{flip}",
             f"  memory/device  {size(mem.total)} of {size(int(hw.hbm_bytes))}: arguments "
             f"{size(mem.arguments)}, outputs {size(mem.outputs)}, temporaries {size(mem.temporaries)}",
@@ -242,7 +256,15 @@ def step_cost(
     flops = float(analysis.get("flops", 0.0)) + repeated_dot_flops(text)  # a loop's body runs n times
     accessed = float(analysis.get("bytes accessed", 0.0))
     communication = _communication(text, mesh, hardware)
-    return StepCost(hardware, flops, accessed, communication, Memory.of(compiled), batch, overlap)
+    chips = compiled_for_a_chip(compiled)
+    return StepCost(hardware, flops, accessed, communication, Memory.of(compiled), batch, overlap, chips)
+
+
+def compiled_for_a_chip(compiled: jax.stages.Compiled) -> bool:
+    """Whether XLA compiled ``compiled`` for an accelerator (a TPU's program, ahead of time or on one):
+    then its ``bytes accessed`` are the chip's HBM traffic."""
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    return any(device.platform != "cpu" for sharding in shardings for device in sharding.device_set)
 
 
 def cost_report(
@@ -401,6 +423,7 @@ __all__ = [
     "Memory",
     "StepCost",
     "collective_time",
+    "compiled_for_a_chip",
     "compare",
     "cost_report",
     "critical_batch",

@@ -57,6 +57,17 @@ class Hardware:
         beyond_node = self.node is not None and devices > self.node and self.scale_out is not None
         return self.scale_out if beyond_node else self.link_bandwidth  # type: ignore[return-value]
 
+    def peak(self, dtype: str = "bfloat16") -> float:
+        """The matmul peak for operands of ``dtype``: ``flops`` for bf16 and fp16. float32 at JAX's
+        default precision: a TPU's MXU runs it as one bf16 pass (the same peak; about 3 digits agree),
+        a GPU's tensor cores as TF32, at half the bf16 rate.
+
+        >>> HARDWARE["v5e"].peak("float32") / 1e12, HARDWARE["h100"].peak("float32") / 1e12
+        (197.0, 495.0)
+        """
+        on_tensor_cores = self.topology == "switch"  # the GPUs here: NVLink switches, TF32 for float32
+        return self.flops / 2 if dtype == "float32" and on_tensor_cores else self.flops
+
 
 HARDWARE = {
     "v4p": Hardware("TPU v4p", 2.75e14, 1.2e12, 32e9, 9e10, "torus", axes=3),
@@ -69,6 +80,33 @@ HARDWARE = {
 }
 
 
+DEVICE_KINDS = {
+    "TPU v4": "v4p",
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+    "NVIDIA H100 80GB HBM3": "h100",
+    "NVIDIA H200": "h200",
+    "NVIDIA B200": "b200",
+}
+"""``jax.Device.device_kind`` as real chips report it, to the entry of ``HARDWARE`` it is. The TPU
+strings are Pallas's own (``jax/_src/pallas/mosaic/tpu_info.py``: "TPU v5 lite" is a v5e, "TPU v5"
+a v5p, "TPU v6 lite" a v6e); the GPUs' are NVIDIA's product names (an H100 SXM: "80GB HBM3")."""
+
+
+def chip_of(device_kind: str) -> Hardware | None:
+    """The entry of the chip JAX names ``device_kind``; None for a chip the table does not hold.
+
+    >>> chip_of("TPU v5 lite").name, chip_of("NVIDIA A100-SXM4-80GB")
+    ('TPU v5e', None)
+    """
+    name = DEVICE_KINDS.get(device_kind)
+    return HARDWARE[name] if name else None
+
+
 def hardware_named(hardware: Hardware | str) -> Hardware:
     """``hardware`` itself, or the entry of ``HARDWARE`` it names; an unknown name lists the known ones."""
     if isinstance(hardware, Hardware):
@@ -78,4 +116,4 @@ def hardware_named(hardware: Hardware | str) -> Hardware:
     return HARDWARE[hardware]
 
 
-__all__ = ["HARDWARE", "Hardware", "hardware_named"]
+__all__ = ["DEVICE_KINDS", "HARDWARE", "Hardware", "chip_of", "hardware_named"]

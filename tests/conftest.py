@@ -31,6 +31,7 @@ os.environ.setdefault("MINISHARD_CACHE_DIR", tempfile.mkdtemp(prefix="minishard-
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from minishard.run import data, tfds_reading  # noqa: E402
@@ -64,3 +65,26 @@ def _read_mnist_once(name, split, prepare, data_dir, download):
 
 
 data._read = _read_mnist_once
+
+
+def pytest_ignore_collect(collection_path, config):
+    """``-m tpu`` on a chip collects only the files that hold such tests: the others build 8-device
+    meshes as they import, and a one-chip machine has one device."""
+    asked = config.getoption("markexpr", "") or ""
+    if "tpu" not in asked or "not tpu" in asked or collection_path.suffix != ".py":
+        return None
+    return "pytest.mark.tpu" not in collection_path.read_text()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``tpu`` run on a TPU chip (``make test-tpu``, docs/tpu.md) and skip in one line
+    elsewhere: CI has none. Looking starts JAX's backends, after the XLA_FLAGS above."""
+    marked = [item for item in items if "tpu" in item.keywords]
+    if not marked:
+        return
+    import jax
+
+    if jax.default_backend() != "tpu":
+        skip = pytest.mark.skip(reason="needs a TPU chip (make test-tpu on one; docs/tpu.md)")
+        for item in marked:
+            item.add_marker(skip)

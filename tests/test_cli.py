@@ -1,18 +1,24 @@
 """minishard.run.cli: ``minishard train`` on the real (offline) MNIST, and its argument checks."""
 
+import dataclasses
 import json
 import os
 import re
+import time
+import types
 
 import jax
 import pytest
+from etils import epy
 
 from minishard import layouts, serving
 from minishard.census import human_bytes
 from minishard.run.cli import layouts as layouts_cli
 from minishard.run.cli import main, parse_args
+from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import cli_rules, unused_mesh_axes
 from minishard.run.errors import TrainingError
+from minishard.run.tfds_reading import DataError
 
 needs_mnist = pytest.mark.skipif(
     not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "mnist")),
@@ -238,6 +244,34 @@ def test_a_rule_for_a_logical_axis_no_array_carries_is_refused_naming_the_neares
         "'mlp'?); its logical axes are batch, classes, embed, mlp"
     ]
     assert main([*mlp, "--rules", "mlp=model,embed=none"]) == 1  # names it carries: on to the data
+
+
+def test_no_import_of_the_build_meets_tfds_s_lazy_imports(tmp_path, capsys, monkeypatch):
+    """TFDS's import holds etils' ``lazy_imports``, which swaps ``builtins.__import__`` for the whole
+    process: an import anywhere else meanwhile comes back a LazyModule (issue 59's random crash). The
+    data here holds it for 0.5 s, as a slow TFDS import would; the build imports a module no one has."""
+    fresh = f"fresh_{os.getpid()}_{len(os.listdir(tmp_path))}"
+    (tmp_path / f"{fresh}.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    imported = []
+    entry = MODELS["mlp"]
+
+    def build(args, key):
+        time.sleep(0.2)  # a data load beside the build would be inside its lazy_imports by now
+        namespace: dict = {}
+        exec(f"import {fresh} as module", namespace)  # an import statement: builtins.__import__
+        imported.append(namespace["module"])
+        return entry.build(args, key)
+
+    def data(args):
+        with epy.lazy_imports():  # as tensorflow_datasets/__init__.py does
+            time.sleep(0.5)
+        raise DataError("no data in this test")
+
+    monkeypatch.setitem(MODELS, "mlp", dataclasses.replace(entry, build=build, data=data))
+    assert main(["train", "--layers", "784,16,10", "--mesh", "data=2,model=4"]) == 1
+    assert "error: no data in this test" in capsys.readouterr().err
+    assert [type(module) for module in imported] == [types.ModuleType], imported
 
 
 def test_a_mesh_that_does_not_fit_the_devices_stops_before_data(capsys, monkeypatch):

@@ -687,7 +687,7 @@ def test_a_bf16_steps_arguments_hold_the_master_and_its_activations_halve():
             ["train", "--precision", "bf16", "--parallel", "zero"],
             "argument --precision: bf16 casts Sharded's step",
         ),
-        (["explain", "--precision", "bf16"], "argument --precision: only with --memory"),
+        (["explain", "--precision", "bf16"], "argument --precision: only with --memory or --hardware"),
     ],
 )
 def test_precision_refuses_what_it_cannot_honour_in_one_line(command, says, capsys):

@@ -40,7 +40,7 @@ import jaxlib
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from minishard.hardware import HARDWARE
+from minishard.hardware import chip_of
 from minishard.remat import step_flops
 from minishard.run.errors import TrainingError
 
@@ -70,15 +70,21 @@ MEASURE_AGAIN = "MINISHARD_MEASURE_PEAK"
 higher of the two: a busy machine only ever lowers a measured peak, never raises it."""
 
 
-def peak_flops(devices: Sequence[jax.Device]) -> tuple[float, str]:
-    """The peak FLOP/s of ``devices`` together, and where the number comes from."""
-    kind = devices[0].device_kind.lower()
-    for name, hardware in HARDWARE.items():
-        if devices[0].platform != "cpu" and name in kind:
-            return hardware.flops * len(devices), f"{len(devices)} x {hardware.name}'s bf16 peak"
-    local = tuple(d for d in devices if d.process_index == jax.process_index())
-    flops, source = cached_peak(local)
-    return flops * len(devices) / len(local), source
+def peak_flops(devices: Sequence[jax.Device], dtype: str = "float32") -> tuple[float | None, str]:
+    """The peak FLOP/s of ``devices`` together for matmuls in ``dtype``, and where it comes from.
+
+    An accelerator's is its table entry (``chip_of`` its ``device_kind``); one the table lacks
+    has none (None: no MFU, never a guess); a CPU's is measured.
+    """
+    first = devices[0]
+    if first.platform == "cpu":
+        local = tuple(d for d in devices if d.process_index == jax.process_index())
+        flops, source = cached_peak(local)
+        return flops * len(devices) / len(local), source
+    if (chip := chip_of(first.device_kind)) is None:
+        return None, f"{first.device_kind!r} is not in minishard.hardware.DEVICE_KINDS: no MFU"
+    computes = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, "float32 at JAX's default precision")
+    return chip.peak(dtype) * len(devices), f"{len(devices)} x {chip.name}'s peak, {computes}"
 
 
 def cache_directory() -> Path:
@@ -200,31 +206,37 @@ class Speed:
     flops: float
     items: int
     unit: str
-    peak: float
+    peak: float | None  # None: an accelerator minishard.hardware does not hold, so no MFU
     source: str = ""  # where the peak comes from
     hardware: float = 0.0  # FLOPs the step runs, recomputation included (0: not counted)
 
     @classmethod
     def of_step(
-        cls, loss: Callable[..., Any], model: Any, batch: Any, unit: str, devices: Sequence[jax.Device]
+        cls,
+        loss: Callable[..., Any],
+        model: Any,
+        batch: Any,
+        unit: str,
+        devices: Sequence[jax.Device],
+        computes_in: str = "float32",
     ) -> Speed:
-        """Training ``model`` with ``loss`` on batches like ``batch`` (tokens: ``[B, T]``) on ``devices``."""
+        """Training ``model`` with ``loss`` on batches like ``batch`` (tokens: ``[B, T]``) on ``devices``,
+        its matmuls in ``computes_in`` (a precision policy's compute dtype: the peak is that dtype's)."""
         # shapes without their layouts: the model's FLOPs do not depend on them (and an Explicit
         # mesh's shardings would ask for the mesh the step is traced under)
         shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (model, batch))
         first = next(iter(batch.values())).shape
         items = first[0] * (first[1] if unit == "tokens" else 1)
         flops = step_flops(loss, *shapes)
-        return cls(flops.model, items, unit, *peak_flops(devices), hardware=flops.hardware)
+        return cls(flops.model, items, unit, *peak_flops(devices, computes_in), hardware=flops.hardware)
 
     def of(self, steps: int, seconds: float) -> dict[str, float]:
         """``steps`` steps in ``seconds``: the mean step time, items per second, MFU, and what it divides."""
         step_s = seconds / steps
-        rate = {
-            "step_s": step_s,
-            f"{self.unit}_per_s": self.items / step_s,
-            "mfu": self.flops / step_s / self.peak,
-        }
+        rate = {"step_s": step_s, f"{self.unit}_per_s": self.items / step_s}
+        if self.peak is None:  # a chip the table does not hold: no MFU rather than a guessed peak
+            return rate | {"step_flops": self.flops}
+        rate["mfu"] = self.flops / step_s / self.peak
         if self.recomputes:
             rate["hfu"] = self.hardware / step_s / self.peak
         return rate | {"step_flops": self.flops, "peak_flops": self.peak}
@@ -237,17 +249,26 @@ class Speed:
 
     def said(self) -> str:
         """``Model FLOPs 5.29 G a step (1,024 tokens); peak 92.1 GFLOP/s (measured: ...)``."""
-        peak = f"{self.peak / 1e9:.3g} GFLOP/s ({self.source})"
+        peak = f"{self.peak / 1e9:.3g} GFLOP/s ({self.source})" if self.peak else f"unknown ({self.source})"
         recomputed = f", {self.hardware / 1e9:.3g} G run (--remat)" if self.recomputes else ""
         flops = f"Model FLOPs {self.flops / 1e9:.3g} G a step{recomputed}"
         return f"{flops} ({self.items:,} {self.unit}); peak {peak}"
 
 
 def format_speed(speed: dict[str, float]) -> str:
-    """``10,240 tokens/s, MFU 60%``, and ``, HFU 75%`` under recomputation: a record's ``speed``."""
+    """``10,240 tokens/s, MFU 60%``, and ``, HFU 75%`` under recomputation: a record's ``speed``.
+
+    A share above 100% is never printed: the step beat the peak, so the peak is wrong (a CPU's
+    measured in a busy minute), and the line says so instead.
+
+    >>> format_speed({"tokens_per_s": 1000.0, "mfu": 1.5})
+    '1,000 tokens/s, MFU unknown (the step beat the peak: see the peak line)'
+    """
     rates = [f"{n:,.0f} {name.removesuffix('_per_s')}/s" for name, n in speed.items() if "_per_s" in name]
-    hfu = [f"HFU {speed['hfu'] * 100:.3g}%"] if "hfu" in speed else []
-    return ", ".join([*rates, f"MFU {speed['mfu'] * 100:.3g}%", *hfu])
+    shares = [(name.upper(), speed[name]) for name in ("mfu", "hfu") if name in speed]
+    if any(share > 1 for _, share in shares):
+        return ", ".join([*rates, "MFU unknown (the step beat the peak: see the peak line)"])
+    return ", ".join([*rates, *(f"{name} {share * 100:.3g}%" for name, share in shares)])
 
 
 def step_range(text: str) -> tuple[int, int]:

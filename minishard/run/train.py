@@ -128,7 +128,9 @@ def fit(
         metrics = open_files.enter_context(open(metrics_log, "a")) if metrics_log else None
         say = Say(log, metrics, log_every, progress)
         saving = checkpointer, checkpoint_every, info
-        loop = _Loop(run, horizon, train_data, train_step, sharding, measure, *saving, say, task, profile)
+        loop = _Loop(
+            run, horizon, train_data, train_step, sharding, measure, *saving, say, task, profile, precision
+        )
         if checkpointer is not None and (resume or resume_from is not None):
             loop.resume(resume_from)
         loop.train()
@@ -250,6 +252,7 @@ class _Loop:
     say: Say
     task: Task  # what the loss is, and what a batch is counted in
     profile: Profile | None
+    precision: Precision | None  # its compute dtype is the one whose peak MFU divides by
     speed: Speed | None = None
     # The checkpoints after the step this run resumed from: another future, which its next save drops.
     abandoned: list[int] = dataclasses.field(default_factory=list)
@@ -293,9 +296,9 @@ class _Loop:
             compiled = step.lower(run.model, run.opt_state, batch).compile()  # cached: free
             self.say.log(compile_summary(events, compiled))
             devices = list(self.sharding.mesh.devices.flat)
-            self.speed = Speed.of_step(
-                self.task.loss, unscheduled(run.whole_model()), batch, self.task.unit, devices
-            )
+            computes_in = self.precision.params if self.precision else "float32"
+            model = unscheduled(run.whole_model())
+            self.speed = Speed.of_step(self.task.loss, model, batch, self.task.unit, devices, computes_in)
             self.say.log(self.speed.said())
             run.compiled = True
             measured = [float(value) for value in values]

@@ -19,7 +19,7 @@ from minishard import serving
 from minishard.census import human_bytes
 from minishard.hardware import hardware_named
 from minishard.models.gpt import GPT
-from minishard.run.cli.flags import first_devices
+from minishard.run.cli.accelerators import first_devices
 from minishard.run.cli.ignored import STEP_WORK, refuse_ignored
 from minishard.run.cli.sample import DECODE_STYLES, decoder, explained
 from minishard.styles import mesh_rules

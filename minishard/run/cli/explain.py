@@ -28,17 +28,17 @@ from minishard.memory import PRECISIONS
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
 from minishard.run.cli import decode, layouts, rank_check, styles
+from minishard.run.cli.accelerators import SIMULATE, first_devices, fit_devices, simulate_devices
 from minishard.run.cli.flags import (
+    DEFAULT_DEVICES,
     PLOT_FORMATS,
     Error,
     add_model_flags,
     at_least,
     check_output,
     fill_defaults,
-    first_devices,
     flag_owners,
     refuse_other_models_flags,
-    simulate_devices,
 )
 from minishard.run.cli.memory import print_memory
 from minishard.run.cli.models import MODELS
@@ -76,7 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", choices=list(MODELS), default="mlp", help="(default %(default)s)")
     styles.add_arguments(parser, help=f"(default: the model's, else {DEFAULT_STYLE})")
-    add("--devices", type=at_least(1), default=8, help="(default %(default)s)")
+    add(
+        "--devices",
+        type=at_least(1),
+        help=f"the devices a plan or a price is for (default {DEFAULT_DEVICES}); a step compiled on a "
+        f"machine with chips is compiled on them (default: all; {SIMULATE} simulates instead)",
+    )
     add("--plot", help=f"draw which devices hold each shard of each parameter ({', '.join(PLOT_FORMATS)})")
     add("--hardware", choices=list(HARDWARE), help="price the train step on this accelerator")
     add(
@@ -92,7 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--topology", help="compile for this TPU slice with XLA:TPU, ahead of time (v5e:2x4: 8 devices)")
     add("--memory", action="store_true", help="a train step's bytes per device by term; fits?")
-    add("--precision", choices=tuple(PRECISIONS), default="fp32", help="with --memory: the step's precision")
+    add(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default="fp32",
+        help="with --memory or --hardware: the step's precision, as train --precision runs it",
+    )
     decode.add_arguments(add)
     layouts.add_arguments(add)
     rank_check.add_arguments(add)
@@ -105,6 +115,8 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
 
     The style's hooks are called in the order ``styles/style.py`` writes, here and in ``run``.
     """
+    given = args.devices is not None  # a compiled step on a machine with chips: all of them (fit_devices)
+    args.devices = args.devices if given else DEFAULT_DEVICES
     check_output("--plot", args.plot, PLOT_FORMATS, error)
     layouts.refuse_budget(args, error)
     rank_check.check(args, error)
@@ -124,8 +136,8 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     args.parallel = args.parallel or model.style or DEFAULT_STYLE
     style = style_of(args.parallel)
     args.topology_devices = _topology(args, style, error) if args.topology else None
-    if args.precision != "fp32" and not args.memory:
-        error("argument --precision: only with --memory (the step explain prices is float32)")
+    if args.precision != "fp32" and not (args.memory or args.hardware):
+        error("argument --precision: only with --memory or --hardware (a step compiled in it)")
     if args.memory and args.compare:
         error("argument --memory: one style at a time; drop --compare")
     if args.memory and args.parallel not in MEMORY_STYLES:
@@ -145,6 +157,8 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
             error(f"argument {name}: only a compiled step takes it; add --hardware (or {others})")
     if args.microbatches is not None and args.memory and not style.checks_microbatches:  # a pipeline: its own
         error("argument --microbatches: --memory predicts a step of whole batches; drop --microbatches")
+    if compiles and not args.topology:
+        fit_devices(args, given, error)
     args.mesh = {"data": args.devices} if args.compare else style.mesh(args.devices)  # "data" may span all
     style.check_explain(args, model, error)  # what was given, before the defaults fill the rest
     if args.memory and args.parallel in PIPELINED and getattr(args, "remat", None) not in (None, "none"):

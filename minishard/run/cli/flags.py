@@ -16,14 +16,13 @@ import argparse
 import dataclasses
 import math
 import os
-import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
-
 from minishard.run import distributed
+from minishard.run.cli.accelerators import fit_devices
+from minishard.styles import mesh_rules
 
 if TYPE_CHECKING:
     from minishard.run.cli.models.entry import ModelEntry
@@ -43,7 +42,6 @@ __all__ = [
     "default_text",
     "fill_defaults",
     "finish_train",
-    "first_devices",
     "flag_owners",
     "integer",
     "mesh",
@@ -53,7 +51,6 @@ __all__ = [
     "refuse_other_models_flags",
     "rules",
     "seconds",
-    "simulate_devices",
     "sizes",
     "unit_interval",
 ]
@@ -61,7 +58,8 @@ __all__ = [
 Error = Callable[[str], NoReturn]
 """A parser's ``error``: prints ``usage`` and ``prog: error: <message>``, exits with status 2."""
 DEFAULT_MESH = "data=2,model=4"
-"""The mesh without --mesh or --parallel (with --parallel: the style's mesh)."""
+"""The mesh without --mesh or --parallel on 8 devices: the 2d style's (on N devices, ``mesh_rules("2d", N)``;
+with --parallel: the style's mesh)."""
 DEFAULT_DEVICES = 8
 """``train --devices``'s default, unless the model's default run names its own (``ModelEntry.devices``)."""
 PLOT_FORMATS = (".png", ".pdf", ".svg")
@@ -215,31 +213,6 @@ def default_text(name: str, models: Iterable[ModelEntry]) -> str:
     )
 
 
-def simulate_devices(count: int) -> None:
-    """``--devices``: ask XLA for ``count`` CPU devices; must run before JAX initialises its backend.
-
-    A device count already in ``XLA_FLAGS`` wins (the user set it on purpose); ``train`` says so.
-    """
-    current = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in current:
-        os.environ["XLA_FLAGS"] = f"{current} --xla_force_host_platform_device_count={count}".strip()
-
-
-def first_devices(args: argparse.Namespace) -> list[jax.Device] | None:
-    """``--devices N``: the first N devices (simulated if none are yet), said once per command if there are
-    more (docs/testing.md's ``XLA_FLAGS`` set 8); more than there are: an ``error:`` line, and None."""
-    if (chosen := getattr(args, "chosen_devices", None)) is not None:
-        return list(chosen)
-    simulate_devices(args.devices)
-    if (count := args.devices) > len(found := jax.devices()):  # the backend starts here, after XLA_FLAGS
-        print(f"error: argument --devices: {count} asked, there are {len(found)}", file=sys.stderr)
-        return None
-    if count < len(found):
-        print(f"Using the first {count} of the {len(found)} devices (--devices {count})")
-    args.chosen_devices = found[:count]
-    return list(args.chosen_devices)
-
-
 def check_output(flag: str, path: str | None, formats: Sequence[str], error: Error) -> None:
     """A file to write at the end: its format, and that its directory takes a file, checked at the start."""
     if path is None:
@@ -264,12 +237,14 @@ def finish_train(
     style's own refusals, the defaults, then every check (the hooks': ``styles/style.py``).
     """
     refuse_other_models_flags(args, model, models, error)
-    if args.devices is None:  # the default run (the model's style, no --mesh) may have a count of its own
+    given = args.devices is not None
+    if not given:  # the default run (the model's style, no --mesh) may have a count of its own
         default_run = args.parallel == model.style and args.mesh is None
         args.devices, args.devices_reason = model.devices if default_run else (DEFAULT_DEVICES, "")
+    fit_devices(args, given, error)  # on a machine with chips: no more than there are
     style.finish(args, error)
     if args.mesh is None:  # decided from the parsed values: --mesh given (in any spelling) always wins
-        args.mesh = style.mesh(args.devices) if args.parallel else mesh(DEFAULT_MESH)
+        args.mesh = style.mesh(args.devices) if args.parallel else mesh_rules("2d", args.devices)[0]
     args.rules = args.rules or {}
     args.resume = args.resume or args.resume_from is not None
     warmup_given = args.warmup_steps is not None

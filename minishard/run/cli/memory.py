@@ -26,7 +26,7 @@ from minishard.experts import MoE, capacity, moe_activations
 from minishard.memory import Budget, Precision
 from minishard.pipeline import StackedModel
 from minishard.rules import AnyMesh, AxisRules, ShardingError, as_mesh_axes
-from minishard.run.cli.flags import simulate_devices
+from minishard.run.cli.accelerators import simulate_devices
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import style_of
 from minishard.run.cli.styles.zero import ZeroStyle
@@ -183,7 +183,9 @@ def print_memory(args: argparse.Namespace) -> int:
         return 1
     count = sum(leaf.size for leaf in jax.tree.leaves(step_args[0]))
     devices = args.topology_devices  # --topology: XLA:TPU compiles it, whatever its size (nothing allocated)
-    compiles = devices is not None or (count <= COMPILES_UP_TO and len(jax.devices()) == args.devices)
+    here = len(jax.devices()) == args.devices
+    on_chips = jax.devices()[0].platform != "cpu"  # a chip's compiler: any size, nothing is allocated
+    compiles = devices is not None or (here and (on_chips or count <= COMPILES_UP_TO))
     on = args.topology or f"{args.devices} devices"
     where = f"under {args.parallel} on {on}, batch {args.batch_size}, {args.precision}"
     print(f"{args.model} ({count:,} parameters) {where}: bytes per device")

@@ -25,7 +25,8 @@ from minishard.census import as_asked, human_bytes, instructions
 from minishard.costs import StepCost, sent_bytes, step_cost
 from minishard.layouts import Layout, LayoutCost, human_seconds
 from minishard.report import explain
-from minishard.run.cli.flags import at_least, simulate_devices
+from minishard.run.cli.accelerators import simulate_devices
+from minishard.run.cli.flags import at_least
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import style_args, style_of, train_step
 from minishard.sharding import Sharded, make_mesh

@@ -13,10 +13,7 @@ before anything asks for devices.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import difflib
-import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,14 +28,8 @@ from minishard.report import explain
 from minishard.rules import ShardingError
 from minishard.run import distributed
 from minishard.run.cli import flags, styles
-from minishard.run.cli.flags import (
-    Error,
-    at_least,
-    default_text,
-    finish_train,
-    first_devices,
-    simulate_devices,
-)
+from minishard.run.cli.accelerators import SIMULATE, run_devices, simulate_devices
+from minishard.run.cli.flags import Error, at_least, default_text, finish_train
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry, Splits
 from minishard.run.cli.styles import cli_rules, style_of, warn_unused
@@ -136,7 +127,10 @@ def _add_mesh_flags(parser: argparse.ArgumentParser) -> None:
         help="logical=mesh rules, e.g. mlp=model (default: the 2d style's, on the axes of --mesh)",
     )
     own = "".join(f"; the {e.label}'s default run {e.devices[0]}" for e in MODELS.values() if e.devices[1])
-    devices = f"CPU devices to simulate without an accelerator (default {flags.DEFAULT_DEVICES}{own})"
+    devices = (
+        f"without an accelerator, the CPU devices to simulate (default {flags.DEFAULT_DEVICES}{own}); "
+        f"on a machine with chips, how many of them (default: all; {SIMULATE} simulates instead)"
+    )
     add("--devices", type=at_least(1), help=devices)
     add("--seed", type=at_least(0))
 
@@ -254,15 +248,13 @@ def train_on_mesh(args: argparse.Namespace) -> int:
     resume = dict(resume=args.resume, resume_from=args.resume_from, overwrite=args.overwrite)
     if args.checkpoint_dir:  # another run's checkpoints, a read-only disk, a missing step: before any work
         check_checkpoint_dir(args.checkpoint_dir, **resume)
-    if (devices := _devices(args)) is None:
+    if (devices := run_devices(args)) is None:
         return 2
     if args.compile_cache:
         enable_compilation_cache(args.compile_cache)
     mesh = make_mesh(args.mesh, devices=devices, explicit=args.explicit)
     rules = cli_rules(args, mesh.axis_names)
     check_batch_split(Sharded(mesh, rules).batch_sharding, args.batch_size)
-    # The data loads while the model builds (TensorFlow's 3.7 s import beside XLA's compiles): 1.8 s sooner
-    loading = concurrent.futures.ThreadPoolExecutor(1).submit(model.data, args)
     built = style.prepare(style.build(model, args, jax.random.key(args.seed)), args, mesh)
     if refused := _check_rule_names(args, built, mesh, rules):
         return refused
@@ -270,7 +262,10 @@ def train_on_mesh(args: argparse.Namespace) -> int:
         warn_unused(args.mesh, rules)
     print(f"Rules: {rules}")
     show(explain(built, mesh, rules))  # plans every parameter: a rule that cannot work fails here
-    splits = loading.result()  # its error, if any, raised here
+    # The data loads after the build, on this thread, never beside it: TFDS's imports swap
+    # builtins.__import__ for the whole process (etils' lazy_imports), so an import JAX made meanwhile
+    # came back a LazyModule (issue 59: 4 of 55 runs died so).
+    splits = model.data(args)
     optimizer = model.optimizer(
         args, Horizon.of(args.epochs, args.steps, args.eval_every, splits.train).total
     )
@@ -281,32 +276,6 @@ def train_on_mesh(args: argparse.Namespace) -> int:
         plot_history(history, args.plot, optimizer.learning_rate)
         print(f"Wrote {args.plot}")
     return 0
-
-
-def _devices(args: argparse.Namespace) -> list[jax.Device] | None:
-    """The devices the run uses, said; None (one ``error:`` line) if the mesh does not fit them.
-
-    One process takes the first ``--devices`` of those there are (``first_devices``), as ``explain`` does.
-    """
-    devices = jax.devices()  # with several processes: the devices of all of them
-    if jax.process_count() > 1:
-        print(f"{jax.process_count()} processes x {jax.local_device_count()} devices: {len(devices)} in all")
-    elif devices[0].platform == "cpu":
-        print(f"No accelerator: simulating {len(devices)} CPU devices (XLA_FLAGS={os.environ['XLA_FLAGS']})")
-        if reason := getattr(args, "devices_reason", ""):  # the model's default run chose its count
-            print(f"({args.devices} devices: {reason}; --devices N for another count)")
-        if len(devices) < args.devices:
-            print(f"(XLA_FLAGS already set the device count, so --devices {args.devices} is not used)")
-    if jax.process_count() == 1 and args.devices < len(devices):
-        devices = first_devices(args) or devices
-    if (needed := math.prod(args.mesh.values())) != len(devices):
-        axes = ",".join(f"{name}={size}" for name, size in args.mesh.items())
-        print(
-            f"error: argument --mesh: {axes} needs {needed} devices, there are {len(devices)}",
-            file=sys.stderr,
-        )
-        return None
-    return devices
 
 
 def _check_rule_names(args: argparse.Namespace, built: Any, mesh: jax.sharding.Mesh, rules: Any) -> int:

@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 import jax
 import jax.numpy as jnp
 
+from minishard.memory import PRECISIONS
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import at_least, fill_defaults
 from minishard.run.cli.styles.context import ContextStyle
@@ -171,10 +172,12 @@ def style_of(name: str | None) -> Style:
 
 def train_step(args: Args, model: Any, style: Style, mesh: Any) -> tuple[Any, Any, tuple[Any, ...]]:
     """The default model's train step under ``style`` on ``mesh``, its optimizer, and its arguments
-    (the model built, the optimizer's state, a batch of zeros): what ``--hardware`` compiles and prices."""
+    (the model built, the optimizer's state, a batch of zeros): what ``--hardware`` compiles and prices,
+    in ``--precision``'s policy where the command has one (a bf16 step priced as it trains)."""
     optimizer = model.compiled_optimizer(args)
     built = style.prepare(style.build(model, args, jax.random.key(0)), args, mesh)  # a pipeline: its schedule
-    step = make_train_step(optimizer, model.task.loss, microbatches=style.microbatches(args))
+    precision = PRECISIONS[getattr(args, "precision", None) or "fp32"]
+    step = make_train_step(optimizer, model.task.loss, style.microbatches(args), precision)
     return step, optimizer, (built, optimizer.init(built), zero_batch(args, model))
 
 

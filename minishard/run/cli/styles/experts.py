@@ -18,7 +18,8 @@ import jax
 from minishard.experts import MoEStats, capacity, expert_report
 from minishard.layers import with_stats
 from minishard.rules import AxisRules
-from minishard.run.cli.flags import Error, first_devices
+from minishard.run.cli.accelerators import first_devices
+from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.style import Args, Style
 from minishard.sharding import Sharded, make_mesh, shard

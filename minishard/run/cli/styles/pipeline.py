@@ -25,7 +25,8 @@ from minishard import pipeline
 from minishard.census import instructions
 from minishard.costs import StepCost, cost_report
 from minishard.rules import AxisRules
-from minishard.run.cli.flags import Error, first_devices
+from minishard.run.cli.accelerators import first_devices
+from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.composed import by_dimension
 from minishard.run.cli.styles.context import ContextStyle

@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 
 from minishard.costs import StepCost, cost_report
 from minishard.optim import Optimizer
-from minishard.run.cli.flags import Error, first_devices
+from minishard.run.cli.accelerators import first_devices
+from minishard.run.cli.flags import Error
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.style import Args, Style
