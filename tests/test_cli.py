@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import time
 import types
 
@@ -115,7 +116,8 @@ BAD_FLAGS = [
     (["--parallel", "dp+pp", "--explicit"], "argument --explicit: not with a pipeline (--parallel dp+pp)"),
     (
         ["--parallel", "pp", "--mesh", "data=8"],
-        "argument --mesh: --parallel pp puts stacked blocks on a 'stage'",
+        "argument --mesh: --parallel pp splits stage over 'stage', and --mesh data=8 has no such axis; give "
+        "its mesh (stage=8), or a --parallel for these axes",
     ),
     (
         ["--parallel", "dp+pp", "--microbatches", "3"],
@@ -213,6 +215,13 @@ def test_ctrl_c_before_the_checkpoint_directory_exists_is_one_line(tmp_path, cap
     assert capsys.readouterr().err.strip() == f"interrupted: no checkpoint was written in {missing}"
 
 
+def test_without_parallel_any_mesh_is_taken_with_the_rules_for_its_axes():
+    """Style.check_mesh holds a named style to its axes; without one, the mesh's own rules are used."""
+    for shape in ({"data": 8}, {"model": 8}, {"x": 8}):
+        given = ",".join(f"{name}={size}" for name, size in shape.items())
+        assert parse_args(["train", "--mesh", given]).mesh == shape
+
+
 def test_a_mesh_axis_no_rule_uses_is_found_from_the_rules():
     args = parse_args(["train", "--parallel", "fsdp", "--mesh", "data=2,model=4"])
     assert unused_mesh_axes(args.mesh, cli_rules(args, list(args.mesh))) == ["model"]
@@ -307,6 +316,27 @@ def test_ctrl_c_says_which_checkpoint_is_the_latest(tmp_path, capsys, monkeypatc
         err
         == f"interrupted; the latest checkpoint is step 300 in {tmp_path / 'ckpt'}: continue with --resume"
     )
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_saying_the_latest_checkpoint_and_exits_143(
+    tmp_path, capsys, monkeypatch
+):
+    """What a scheduler sends on preemption: a real SIGTERM to this process, mid-run."""
+    (tmp_path / "ckpt" / "30").mkdir(parents=True)
+
+    def preempted(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises within the sleep
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr("minishard.run.cli.train.train_on_mesh", preempted)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["train", "--checkpoint-dir", str(tmp_path / "ckpt")]) == 143
+    assert capsys.readouterr().err.strip() == (
+        f"terminated (SIGTERM); the latest checkpoint is step 30 in {tmp_path / 'ckpt'}: "
+        "continue with --resume"
+    )
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the run's alone
 
 
 @needs_mnist

@@ -27,7 +27,7 @@ BAD = [
     ([*GPT, "--experts", "8", "--explicit"], "argument --explicit: not with --experts"),
     ([*GPT, "--experts", "8", "--parallel", "zero"], "argument --experts: not with --parallel zero"),
     ([*GPT, "--experts", "6", "--parallel", "pp+ep"], "argument --experts: 6 experts do not split over expert=4 devices; give a multiple of 4"),  # noqa: E501
-    ([*GPT, "--experts", "8", "--parallel", "ep", "--mesh", "data=8"], "argument --mesh: --parallel ep puts the experts on an 'expert' axis; it has none"),  # noqa: E501
+    ([*GPT, "--experts", "8", "--parallel", "ep", "--mesh", "data=8"], "argument --mesh: --parallel ep splits expert, batch over 'expert', and --mesh data=8 has no such axis"),  # noqa: E501
 ]  # fmt: skip
 
 

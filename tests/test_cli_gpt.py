@@ -27,8 +27,8 @@ from minishard.models.gpt import GPT, as_stacked, stream
 from minishard.pipeline import unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli import main, parse_args
-from minishard.run.cli.models.gpt import GPT_ENTRY
-from minishard.run.cli.sample import continuation, restore, sample
+from minishard.run.cli.models.gpt import DERIVED_BATCH_LIMIT, GPT_ENTRY
+from minishard.run.cli.sample import MOST_BATCH, continuation, restore, sample
 from minishard.run.text_data import Vocabulary
 
 needs_shakespeare = pytest.mark.skipif(
@@ -147,6 +147,27 @@ def test_ctrl_c_while_the_gpt_s_data_loads_exits_130_not_a_segfault():
     assert err.strip().splitlines()[-1] == "interrupted", err
 
 
+@needs_shakespeare
+@pytest.mark.slow  # a process of its own, trained until its first checkpoint
+def test_sigterm_mid_run_says_the_latest_checkpoint_as_ctrl_c_does_and_exits_143(tmp_path):
+    """A scheduler's preemption: one line of its own, not XLA's C++ stack dump of the signal."""
+    directory = tmp_path / "run"
+    flags = ["--steps", "100000", "--checkpoint-dir", str(directory), "--checkpoint-every", "5"]
+    argv = [sys.executable, "-m", "minishard", "train", *TINY, *flags]
+    trainer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not any(p.name.isdigit() for p in directory.glob("*")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    trainer.send_signal(signal.SIGTERM)
+    _, err = trainer.communicate(timeout=120)
+    latest = max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    assert trainer.returncode == 143, (trainer.returncode, err[-2000:])
+    assert err.strip().splitlines()[-1] == (
+        f"terminated (SIGTERM); the latest checkpoint is step {latest} in {directory}: continue with --resume"
+    )
+    assert "SIGTERM received" not in err and "Traceback" not in err
+
+
 BAD_FLAGS = [
     (["--context", "60000"], "argument --context: 60000 characters and the next one do not fit"),
     (["--heads", "3"], "argument --heads: 3 heads must divide --width 128"),
@@ -156,6 +177,15 @@ BAD_FLAGS = [
         ["--parallel", "2d", "--kv-heads", "2"],
         "argument --kv-heads: 2 key and value heads cannot split over model=4 devices (they split as the "
         "heads do); give a multiple of 4, or fewer --devices",
+    ),
+    (
+        ["--mesh", "model=8", "--parallel", "dp"],  # not "4 heads cannot split over model=8"
+        "argument --mesh: --parallel dp splits batch over 'data', and --mesh model=8 has no such axis; give "
+        "its mesh (data=8), or a --parallel for these axes",
+    ),
+    (
+        ["--mesh", "model=8"],
+        "argument --mesh: --parallel dp (the gpt's default) splits batch over 'data', and --mesh model=8",
     ),
     (["--epochs", "2"], "argument --epochs: the GPT trains by steps; give --steps"),
     (["--schedule", "exponential"], "argument --schedule: the GPT's AdamW warms up, then follows a cosine"),
@@ -179,6 +209,24 @@ def test_bad_gpt_flags_are_one_line_before_any_work(flags, message, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err, err
     assert err.strip().splitlines()[-1].startswith("minishard train: error:")
+
+
+def test_microbatches_that_make_the_default_batch_far_larger_are_refused_naming_both_flags(capsys):
+    """lcm(2 devices, 2 x M microbatches): the default batch grows with M; up to 8x the 16 it is taken."""
+    most = DERIVED_BATCH_LIMIT * 16 // 2  # microbatches of one window per device: 64, a batch of 128
+    assert parse_args(["train", "--model", "gpt", "--microbatches", str(most)]).batch_size == 2 * most
+    given = parse_args(["train", "--model", "gpt", "--microbatches", "1000000", "--batch-size", "2000000"])
+    assert given.batch_size == 2_000_000  # asked for: the user's to give
+    for microbatches in (most + 1, 1_000_000):
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", "--model", "gpt", "--microbatches", str(microbatches)])
+        batch = math.lcm(2, 2 * microbatches)
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"minishard train: error: argument --microbatches: {microbatches} microbatches make the default "
+            f"batch {batch:,} windows, {batch / 16:,.0f}x the 16 without them (at most 8x); give fewer "
+            "--microbatches, or --batch-size"
+        )
 
 
 def test_a_cut_warmup_is_said_first_and_a_rule_no_array_carries_is_refused(capsys):
@@ -304,27 +352,60 @@ def test_sample_refuses_a_zero_checkpoint_in_one_line_as_docs_gpt_md_says(tmp_pa
     )
 
 
+def _flags_only_checkpoint(directory, flags):
+    """A GPT's checkpoint metadata (its flags), without the training: what ``sample``'s checks read."""
+    info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": "\n !ABab"}
+    with Checkpointer(directory) as checkpointer:
+        checkpointer.save(3, {"w": jax.numpy.ones(2)}, {"info": info | {"flags": flags}})
+    return ["sample", "--checkpoint-dir", str(directory), "--prompt", "Ab"]
+
+
 @pytest.mark.parametrize(
-    ("parallel", "flags", "line"),
+    ("parallel", "flags", "line", "fits"),
     [
-        ("tp", {"heads": 8, "kv_heads": 2}, "tp splits 2 key and value heads over 8 devices: uneven"),
-        ("cp", {"context": 12}, "cp splits the cache's 12 positions over 8 context devices: uneven"),
-        ("dp+cp", {"context": 6}, "dp+cp splits the cache's 6 positions over 4 context devices: uneven"),
+        ("tp", {"heads": 8, "kv_heads": 2}, "tp splits 2 key and value heads over 8 devices: uneven", 2),
+        ("tp", {}, "tp splits 4 heads over 8 devices: uneven", 4),  # the default GPT's 4 heads
+        ("cp", {"context": 12}, "cp splits the cache's 12 positions over 8 context devices: uneven", 6),
+        ("dp+cp", {"context": 6}, "dp+cp splits the cache's 6 positions over 4 context devices: uneven", 3),
     ],
 )
-def test_sample_refuses_a_style_that_cannot_split_the_cache_in_one_line(
-    tmp_path, capsys, parallel, flags, line
+def test_sample_refuses_a_style_that_cannot_split_the_cache_naming_the_devices_that_can(
+    tmp_path, capsys, parallel, flags, line, fits
 ):
-    info = {"model": "gpt", "dataset": "tiny_shakespeare", "parallel": "dp", "vocabulary": "\n !ABab"}
-    with Checkpointer(tmp_path) as checkpointer:  # a GPT's flags, without the training
-        checkpointer.save(3, {"w": jax.numpy.ones(2)}, {"info": info | {"flags": flags}})
+    """The way out: the most of the first devices that split it and the batch (dp+cp on 6: data=2 would
+    not split 1 sequence), as train and explain take the first N."""
+    sample_ = [*_flags_only_checkpoint(tmp_path, flags), "--parallel", parallel]
     with pytest.raises(SystemExit) as exit_:
-        main(["sample", "--checkpoint-dir", str(tmp_path), "--prompt", "Ab", "--parallel", parallel])
+        main(sample_)
     assert exit_.value.code == 2
-    assert (
-        capsys.readouterr().err.strip().splitlines()[-1]
-        == f"minishard sample: error: argument --parallel: {line}"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"minishard sample: error: argument --parallel: {line}; give --devices {fits} (the first {fits} "
+        "decode it)"
     )
+    assert parse_args([*sample_, "--devices", str(fits)]).decode_devices == jax.devices()[:fits]
+    for more in range(fits + 1, 8):  # none between it and all 8 would do
+        with pytest.raises(SystemExit):
+            parse_args([*sample_, "--devices", str(more)])
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--batch", "100000"], "argument --batch: 100,000 continuations print only once all are drawn, "
+         "each step 100,000 characters (minutes of silence); give at most 1,024"),
+        (["--devices", "4"], "argument --devices: only with --parallel (without it, one device decodes)"),
+        (["--parallel", "dp", "--devices", "9"], "argument --devices: 9 asked, there are 8"),
+    ],
+)  # fmt: skip
+def test_sample_refuses_a_batch_that_would_print_nothing_for_minutes_and_devices_it_cannot_use(
+    tmp_path, capsys, flags, line
+):
+    with pytest.raises(SystemExit) as exit_:
+        main([*_flags_only_checkpoint(tmp_path, {}), *flags])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"minishard sample: error: {line}"
+    assert parse_args([*_flags_only_checkpoint(tmp_path, {}), "--batch", str(MOST_BATCH)]).batch == MOST_BATCH
 
 
 @pytest.mark.parametrize("broken", ["meta missing", "meta half-written", "meta changed", "an empty step"])
@@ -377,12 +458,21 @@ def test_explain_prices_the_gpt_step_at_six_n_tokens_plus_attention(capsys):
 
 @needs_shakespeare
 @pytest.mark.slow  # a tiny GPT's five steps, three of them traced
-def test_profile_traces_the_chosen_steps_and_the_mfu_is_the_model_flops_over_the_step_time(tmp_path, capsys):
+def test_profile_traces_the_chosen_steps_and_the_mfu_is_the_model_flops_over_the_step_time(
+    tmp_path, capsys, monkeypatch
+):
     import gzip
 
     from minishard.costs import model_flops
     from minishard.run.next_token import next_token_loss
 
+    flush, stop_trace = 2.0, jax.profiler.stop_trace
+
+    def slow_stop_trace():  # a trace written to a slow disk: 22 s of a period here, once
+        stop_trace()
+        time.sleep(flush)
+
+    monkeypatch.setattr(jax.profiler, "stop_trace", slow_stop_trace)
     trace, log = tmp_path / "trace", tmp_path / "metrics.jsonl"
     assert main(["train", *TINY, "--steps", "5", "--profile", str(trace), "--log", str(log)]) == 0
     out = capsys.readouterr().out
@@ -399,8 +489,12 @@ def test_profile_traces_the_chosen_steps_and_the_mfu_is_the_model_flops_over_the
     gpt = GPT(65, 16, 16, 1, 2, 4, key=jax.random.key(0))
     window = jax.ShapeDtypeStruct((16, 16), np.int32)
     assert speed["step_flops"] == model_flops(next_token_loss, gpt, {"inputs": window, "targets": window})
+    assert speed["step_s"] < flush / 4  # the 4 timed steps' mean: the flush is none of theirs
+    assert record["trace_seconds"] >= flush  # said apart (with the real start and flush), out of "seconds"
     line = next(line for line in out.splitlines() if line.startswith("Step 5 "))
-    assert re.search(rf" s \({speed['tokens_per_s']:,.0f} tokens/s, MFU [\d.e-]+%\) · loss", line), line
+    tokens = f"{speed['tokens_per_s']:,.0f} tokens/s"
+    writing = f"{record['trace_seconds']:.2f} s writing the --profile trace"
+    assert re.search(rf" s \({tokens}, MFU [\d.e-]+%\) \(\+{writing}\) · loss", line), line
 
 
 @needs_shakespeare
@@ -429,6 +523,15 @@ def test_under_remat_each_line_gives_the_hfu_of_the_flops_the_step_runs(tmp_path
         (["--steps", "3", "--profile-steps", "2:5"], "argument --profile-steps: 2:5 is not a range"),
         (["--steps", "9", "--profile-steps", "4:2"], "argument --profile-steps: 4:2 is not a range"),
         (["--steps", "9", "--profile-steps", "two"], "expected FIRST:LAST step numbers"),
+        (  # argparse alone took "-1:3" for a flag: "expected one argument"
+            ["--steps", "9", "--profile-steps", "-1:3"],
+            "argument --profile-steps: -1:3 is not a range (FIRST:LAST, FIRST <= LAST) of the run's "
+            "steps 1..9",
+        ),
+        (
+            ["--steps", "9", "--profile-steps", "2:3:4"],
+            "expected FIRST:LAST step numbers (e.g. 2:4), got '2:3:4'",
+        ),
     ],
 )
 def test_profile_refuses_steps_outside_the_run_in_one_line(tmp_path, capsys, flags, message):

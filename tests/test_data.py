@@ -292,6 +292,38 @@ def test_a_text_of_batch_size_0_is_refused_by_name():
     assert str(caught.value) == "TextDataset: batch_size must be a positive int, got 0"
 
 
+def test_an_empty_vocabulary_is_refused_when_built_not_at_its_first_encode():
+    with pytest.raises(ValueError) as caught:  # an IndexError of numpy's, at encode, before
+        text_data.Vocabulary("")
+    assert str(caught.value) == "Vocabulary: no characters; a model reads and writes at least one"
+    assert text_data.Vocabulary("a").encode("a").tolist() == [0]
+
+
+NOT_IDS = "the text must be a 1-d numpy array of integer ids, got shape"
+
+
+@pytest.mark.parametrize(
+    ("ids", "options", "message"),
+    [
+        (np.arange(10) + 0.5, {}, f"{NOT_IDS} (10,), dtype float64"),
+        (list(range(10)), {}, f"{NOT_IDS} (10,), dtype list"),
+        (np.zeros((2, 5), np.int32), {}, f"{NOT_IDS} (2, 5), dtype int32"),
+        (np.arange(-1, 9), {}, "the text's ids run from -1 to 8; a character's id is 0 up"),
+        (np.arange(10), {"vocabulary": text_data.Vocabulary("abc")}, "the text's ids run from 0 to 9; a "
+         "character's id is 0 to 2 (its vocabulary)"),
+    ],
+)  # fmt: skip
+def test_a_text_of_other_than_integer_ids_of_its_vocabulary_is_refused_by_name(ids, options, message):
+    """Float ids were dealt out as float windows, to fail in the model's embedding."""
+    with pytest.raises(ValueError) as caught:
+        text_data.TextDataset(ids, context=3, batch_size=2, **options)
+    assert str(caught.value) == "TextDataset: " + message
+    vocabulary = text_data.Vocabulary("0123456789")
+    assert (
+        text_data.TextDataset(np.arange(10), 3, 2, vocabulary=vocabulary).batch(0)["inputs"].dtype.kind == "i"
+    )
+
+
 def numbered_text(n=100, context=4, batch_size=4, **options):
     """A text whose character ids are their positions, so a window shows where it was cut."""
     return text_data.TextDataset(np.arange(n, dtype=np.int32), context, batch_size, **options)

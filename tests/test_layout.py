@@ -64,7 +64,8 @@ PUBLIC = tuple(name for name in ORDER if not name.startswith("_"))
 """The reading path: what the README, the package docstring and docs/index.md name, in this order."""
 CHAPTERS = {
     "hardware": 125,  # issue 60: DEVICE_KINDS and chip_of (the chip JAX names), peak(dtype): 38 lines
-    "costs": 415,  # issue 49: model_flops (41 lines), MFU's numerator
+    # issue 49: model_flops (41 lines), MFU's numerator; issue 60: the roofline (chip_s, compiled_for_a_chip)
+    "costs": 440,
     "pipeline": 475,  # issue 43: stack, unstack (22 lines), the report (12); #45: in_flight; #46: positions
     # through the stages and their tokens over "context" (Pipeline.sequence_axis: pp+cp, 10); the blocks'
     # stats out of run_blocks' scan and the pipeline's ticks, over the batch (_over_the_batch: pp+ep, 16)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from minishard import serving
-from minishard.hardware import HARDWARE
+from minishard.hardware import HARDWARE, hardware_named
 from minishard.models.gpt import GPT
 from minishard.run.cli import decode, main
 from minishard.run.cli.sample import decoder, per_device
@@ -128,6 +128,23 @@ def test_explain_decode_prints_the_roofline_from_serving(capsys):
     assert "15 sequences fit" in out and "prefill of 8,192 tokens: 135.3 ms" in out
 
 
+def test_explain_decode_kv_heads_prices_grouped_query_serving_as_the_replaced_size(capsys):
+    """docs/serving.md's ``dataclasses.replace(serving.LLAMA2_13B, kv_heads=8)``, from the command line."""
+    flags = ["explain", "--decode", "--size", "llama2-13b", "--hardware", "v5e", "--devices", "8"]
+    assert main([*flags, "--kv-heads", "8"]) == 0
+    out = capsys.readouterr().out
+    grouped = dataclasses.replace(serving.LLAMA2_13B, kv_heads=8)
+    chip, llama = hardware_named("v5e"), serving.LLAMA2_13B
+    fits = serving.cache_fits(grouped.params, grouped.kv_bytes_per_token() * 8192, 8, chip, "bfloat16")
+    assert out.splitlines()[0] == (
+        f"llama2-13b with 8 KV heads ({grouped.params / 1e9:.2f}e9 parameters) on 8 TPU v5e, bfloat16"
+    )
+    assert f"{grouped.kv_bytes_per_token():,.0f} B per token" in out and f"{fits} sequences fit" in out
+    assert fits > serving.cache_fits(llama.params, llama.kv_bytes_per_token() * 8192, 8, chip, "bfloat16")
+    assert main([*flags, "--kv-heads", "40"]) == 0  # its own count: the size as it is
+    assert capsys.readouterr().out.startswith("llama2-13b (13.02e9 parameters)")
+
+
 def test_explain_decode_in_int8_halves_the_batch_and_the_cache(capsys):
     flags = ["explain", "--decode", "--hardware", "v5e", "--quantize", "int8", "--context", "4096"]
     assert main(flags) == 0
@@ -213,6 +230,14 @@ def test_under_dp_xla_reads_the_weights_and_the_cache_and_the_stacked_qkv_copy_a
             "argument --devices: cp splits the miniature's 64 cached positions over context=48 devices",
         ),
         (["--decode", "--hardware", "v5e", "--width", "64"], "argument --width: --decode prices"),
+        (
+            ["--decode", "--hardware", "v5e", "--size", "llama2-13b", "--kv-heads", "7"],
+            "argument --kv-heads: 7 must divide llama2-13b's 40 heads",
+        ),
+        (
+            ["--decode", "--hardware", "v5e", "--size", "llama2-13b", "--kv-heads", "4", "--parallel", "tp"],
+            "argument --parallel: tp splits llama2-13b's 4 KV heads over model=8 devices: uneven",
+        ),
         (
             ["--size", "llama2-13b", "--hardware", "v5e"],
             "argument --size: only --decode or --compare takes it",

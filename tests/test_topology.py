@@ -3,6 +3,7 @@
 libtpu is installed by the dev extra, so these run on every machine; nothing runs on a TPU.
 """
 
+import argparse
 import importlib.util
 import os
 import re
@@ -18,11 +19,15 @@ import minishard as ms
 from minishard.census import bytes_by_mesh_axes, collectives, human_bytes
 from minishard.constraints import constrain
 from minishard.models import gpt
-from minishard.run.cli import main
+from minishard.run.cli import main, parse_args
+from minishard.run.cli.accelerators import SENDS_UP_TO
+from minishard.run.cli.styles import style_of
+from minishard.run.cli.tpu_slice import cpu_twin
 from minishard.run.next_token import next_token_loss
 from minishard.run.steps import make_train_step
 from minishard.run.topology import (
     INSTALL,
+    chip_count,
     compile_for,
     hardware_of,
     on_cpu_and_tpu,
@@ -83,6 +88,74 @@ def test_explain_refuses_a_bad_topology_in_one_line_before_any_work(capsys):
     assert exit_.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == "minishard explain: error: argument --topology: " + UNKNOWN
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--topology", "v5e:2x4x2"], "argument --topology: topology 'v5e:2x4x2': a v5e slice is a 2-d "
+         "torus of chips, not 3-d; write 2 sizes, e.g. v5e:2x2"),
+        (["--topology", "v5p:2x4"], "argument --topology: topology 'v5p:2x4': a v5p slice is a 3-d "
+         "torus of chips, not 2-d; write 3 sizes, e.g. v5p:2x2x2"),
+        (["--topology", ""], "argument --topology: topology '': write GENERATION:SHAPE, e.g. v5e:2x4 or "
+         "v5p:2x2x2"),
+        (["--topology", TOPOLOGY, "--devices", "4"], f"argument --devices: --topology {TOPOLOGY} is 8 "
+         "chips, the step's devices; drop --devices (or give a topology of that many chips)"),
+        (["--topology", TOPOLOGY, "--hardware", "h100"], f"argument --hardware: --topology {TOPOLOGY}'s "
+         "chips are v5e, not h100; drop --hardware (the topology's chips price its step)"),
+    ],
+)  # fmt: skip
+def test_a_topology_that_conflicts_or_names_no_slice_is_refused_in_one_line(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", *flags])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "minishard explain: error: " + message
+
+
+def test_a_topology_agreeing_with_devices_and_hardware_is_taken(capsys):
+    args = parse_args(["explain", "--topology", TOPOLOGY, "--devices", "8", "--hardware", "v5e"])
+    assert (args.devices, args.hardware, len(args.topology_devices)) == (8, "v5e", 8)
+
+
+@pytest.mark.parametrize(
+    ("topology", "style", "why"),
+    [
+        ("v5e:2x4", "fsdp", None),  # XLA:CPU's twin beside it
+        ("v5e:4x4", "fsdp", "XLA:CPU's twin needs 16 simulated devices, XLA_FLAGS set 8"),
+        ("v5e:16x16", "fsdp", "XLA:CPU's twin is compiled on up to 64 simulated devices (minutes more)"),
+        ("v5e:2x4", "zero", "a step of its own has no XLA:CPU twin here"),
+    ],
+)
+def test_a_topology_s_step_has_a_cpu_twin_where_xla_cpu_can_compile_it_else_the_reason_first(
+    capsys, topology, style, why
+):
+    args = argparse.Namespace(topology=topology, devices=chip_count(topology))
+    assert cpu_twin(args, style_of(style)) is (why is None)
+    said = f"(compiled by XLA:TPU for {topology} alone: {why})\n" if why else ""
+    assert capsys.readouterr().out == said
+
+
+@pytest.mark.slow  # 4-6 s: the MLP's step compiled by XLA:TPU for 16 chips
+def test_more_chips_than_simulated_devices_compile_for_xla_tpu_alone_said_first(capsys):
+    """v5e:4x4's 16 chips on the suite's 8 CPU devices: XLA:CPU has no twin (make_mesh failed, after the
+    XLA:TPU compile); 256 chips: none above SENDS_UP_TO, where XLA:CPU would compile for minutes."""
+    assert len(jax.devices()) == 8 < chip_count("v5e:4x4") <= SENDS_UP_TO < chip_count("v5e:16x16")
+    assert main(["explain", "--topology", "v5e:4x4"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == (
+        "(compiled by XLA:TPU for v5e:4x4 alone: XLA:CPU's twin needs 16 simulated devices, XLA_FLAGS set 8)"
+    )
+
+
+@pytest.mark.slow  # 6-10 s: a fresh JAX, the step compiled by both compilers
+def test_explain_on_a_topology_simulates_the_cpu_devices_its_twin_needs():
+    """docs/tpu.md's command without the suite's XLA_FLAGS: explain asks for the slice's 8 CPU devices."""
+    flags = " ".join(flag for flag in os.environ["XLA_FLAGS"].split() if "device_count" not in flag)
+    env = {**os.environ, "XLA_FLAGS": flags}
+    command = [sys.executable, "-m", "minishard", "explain", "--parallel", "fsdp", "--topology", TOPOLOGY]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "One step, per device, compiled by XLA:CPU (8 simulated devices) and XLA:TPU:" in done.stdout
 
 
 class PinnedLinear(ms.Linear):

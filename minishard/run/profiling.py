@@ -273,10 +273,12 @@ def format_speed(speed: dict[str, float]) -> str:
 
 def step_range(text: str) -> tuple[int, int]:
     """``--profile-steps``'s type: ``FIRST:LAST``, two step numbers, ``2:4``."""
-    first, colon, last = text.partition(":")
-    if not (colon and first.strip().isdigit() and last.strip().isdigit()):
-        raise argparse.ArgumentTypeError(f"expected FIRST:LAST step numbers (e.g. 2:4), got {text!r}")
-    return int(first), int(last)
+    first, _, last = text.partition(":")
+    try:  # a number below 1 is profile_problem's to refuse: steps count from 1
+        return int(first), int(last)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected FIRST:LAST step numbers (e.g. 2:4), got {text!r}")
 
 
 def profile_problem(directory: str, first: int, last: int, total: int | None) -> str | None:
@@ -337,6 +339,9 @@ class Profile:
     directory: str
     first: int = 2  # step 1 compiles: a trace of it would be mostly the compiler
     last: int = 4
+    seconds: float = 0.0
+    """Spent starting the trace and writing it out (seconds of a GPT's period), not in any step:
+    ``fit`` takes them out of the period's time and says them apart (``taken``)."""
 
     @contextlib.contextmanager
     def step(self, number: int, log: Callable[[str], None]) -> Iterator[None]:
@@ -344,10 +349,19 @@ class Profile:
         if not self.first <= number <= self.last:
             yield
             return
+        started = time.perf_counter()
         if number == self.first:
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+        self.seconds += time.perf_counter() - started
         with jax.profiler.StepTraceAnnotation("train", step_num=number):
             yield
+        started = time.perf_counter()
         if number == self.last:
             jax.profiler.stop_trace()
             log(f"Wrote a trace of steps {self.first}-{self.last} to {self.directory} (open it in Perfetto)")
+        self.seconds += time.perf_counter() - started
+
+    def taken(self) -> float:
+        """The tracing's seconds since the last call: those of the period that ends."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds

@@ -28,6 +28,7 @@ import numpy as np
 from minishard import Report
 from minishard.costs import Comparison
 from minishard.memory import Budget
+from minishard.run.saying import BOOKKEEPING
 from minishard.run.trace_reading import Span, TracedStep
 
 
@@ -190,8 +191,6 @@ def plot_budgets(panels: dict[str, dict[str, Budget]], path: str, title: str) ->
     plt.close(fig)
 
 
-BOOKKEEPING = ("epoch", "step", "seconds", "steps", "loss_curve", "speed")
-"""The fields of a ``fit`` record that are not metrics."""
 TITLES = {"loss": "loss", "acc": "accuracy"}
 
 

@@ -11,7 +11,7 @@ from typing import IO, Any
 from minishard.losses import Batch
 from minishard.run.profiling import format_speed
 
-__all__ = ["Say", "format_epoch"]
+__all__ = ["BOOKKEEPING", "Say", "format_epoch"]
 
 
 @dataclasses.dataclass
@@ -45,6 +45,10 @@ class Say:
                 bar.advance(task)
 
 
+BOOKKEEPING = ("epoch", "step", "seconds", "trace_seconds", "steps", "loss_curve", "speed")
+"""The fields of a ``fit`` record that are not metrics (``trace_seconds``: --profile's, apart)."""
+
+
 def format_epoch(record: dict[str, Any]) -> str:
     """``Epoch 1 in 2.31 s (20,563 examples/s, MFU 3.1%) · loss 0.412 · train acc 0.951 · test acc 0.948``;
     by steps ``Step 500 in ...``. The speed is the period's steps but a compiling one (``fit``)."""
@@ -52,7 +56,9 @@ def format_epoch(record: dict[str, Any]) -> str:
     line += f" in {record['seconds']:.2f} s" + (
         f" ({format_speed(record['speed'])})" if "speed" in record else ""
     )
+    if "trace_seconds" in record:  # --profile's start and flush, not the steps'
+        line += f" (+{record['trace_seconds']:.2f} s writing the --profile trace)"
     for name, value in record.items():
-        if name not in ("epoch", "step", "seconds", "steps", "loss_curve", "speed"):
+        if name not in BOOKKEEPING:
             line += f" · {name.replace('_', ' ')} {value:.3f}"
     return line

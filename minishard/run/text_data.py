@@ -63,6 +63,8 @@ class Vocabulary:
                 "Vocabulary: characters must be a str of distinct characters in sorted order, got "
                 f"{chars!r:.80}; build one with Vocabulary.of(text)"
             )
+        if not chars:  # encode would index an empty table
+            raise ValueError("Vocabulary: no characters; a model reads and writes at least one")
 
     @classmethod
     def of(cls, text: str) -> Vocabulary:
@@ -96,6 +98,23 @@ class Vocabulary:
 
 def _code_points(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le"), np.uint32)
+
+
+def _check_ids(ids: np.ndarray, vocabulary: Vocabulary | None, name: str) -> None:
+    """A text is a 1-d array of integer ids, each a character of its vocabulary (from 0): float ids
+    would be dealt out as windows and fail in the model's embedding, far from here."""
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        got = f"shape {np.shape(ids)}, dtype {getattr(ids, 'dtype', type(ids).__name__)}"
+        wanted = "a 1-d numpy array of integer ids"
+        raise ValueError(f"TextDataset: the {name} must be {wanted}, got {got}")
+    most = len(vocabulary) - 1 if vocabulary is not None else None
+    if ids.size and (ids.min() < 0 or (most is not None and ids.max() > most)):
+        allowed = f"0 to {most} (its vocabulary)" if most is not None else "0 up"
+        raise ValueError(
+            f"TextDataset: the {name}'s ids run from {ids.min()} to {ids.max()}; a character's id "
+            "is "
+            f"{allowed}"
+        )
 
 
 class TextDataset:
@@ -134,6 +153,7 @@ class TextDataset:
         process_index: int | None = None,
         process_count: int | None = None,
     ) -> None:
+        _check_ids(ids, vocabulary, name)
         if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context < len(ids):
             raise ValueError(
                 f"context {context!r}: the {name} has {len(ids):,} characters, so a window of context + 1 "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +37,8 @@ __all__ = [
     "INSTALL",
     "CompiledStep",
     "LoweredOnce",
+    "TORUS_AXES",
+    "chip_count",
     "compile_for",
     "hardware_of",
     "on_cpu_and_tpu",
@@ -46,6 +49,9 @@ __all__ = [
 
 GENERATIONS = {"v4": "v4p", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e"}
 """The TPU generations a topology may name, each with its entry of ``minishard.hardware.HARDWARE``."""
+TORUS_AXES = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
+"""Each generation's chips are a torus of this many axes (v5e and v6e: 2-d slices; v4 and v5p: 3-d);
+XLA:TPU would accept a shape of another rank, and describe a slice that is not sold."""
 INSTALL = "pip install 'minishard[tpu]'"
 _OPCODE = re.compile(  # `%name = SHAPE opcode(%first_operand, ...`
     r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*.*?\s(?P<op>[a-z][\w\-]*)\((?P<operand>%[\w.\-]+)?"
@@ -81,6 +87,11 @@ def tpu_devices(topology: str) -> list[jax.Device]:
     return list(description.devices)
 
 
+def chip_count(topology: str) -> int:
+    """The chips of a topology, read from its name before JAX starts: ``"v5e:2x4"`` -> 8."""
+    return math.prod(int(n) for n in _parse(topology)[1].split("x"))
+
+
 def hardware_of(topology: str) -> str:
     """The ``HARDWARE`` entry a topology's chips are priced with: ``"v5e:2x4"`` -> ``"v5e"``."""
     return GENERATIONS[_parse(topology)[0]]
@@ -94,7 +105,15 @@ def _parse(topology: str) -> tuple[str, str]:
     if found["generation"] not in GENERATIONS:
         known = ", ".join(GENERATIONS)
         raise ValueError(f"topology {topology!r}: unknown TPU generation {found['generation']!r} ({known})")
-    return found["generation"], found["shape"]
+    generation, shape = found["generation"], found["shape"]
+    if (axes := TORUS_AXES[generation]) != len(sizes := shape.split("x")):
+        example = "x".join(["2"] * axes)
+        raise ValueError(
+            f"topology {topology!r}: a {generation} slice is a {axes}-d torus of chips, "
+            f"not {len(sizes)}-d; "
+            f"write {axes} sizes, e.g. {generation}:{example}"
+        )
+    return generation, shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +172,7 @@ def on_cpu_and_tpu(step: ShardedFunction, args: Sequence[Any]) -> list[CompiledS
     """``step`` (a ``Sharded`` function on a topology's mesh) compiled twice: by XLA:CPU, on as many
     simulated CPU devices in a mesh of the same shape, and by XLA:TPU, as it is."""
     config = step.config
-    cpu_mesh = make_mesh(dict(config.mesh.shape), devices=jax.devices()[: config.mesh.size])
+    cpu_mesh = make_mesh(dict(config.mesh.shape), devices=jax.devices("cpu")[: config.mesh.size])
     on_cpu = Sharded(cpu_mesh, config.rules, config.batch_axis)(step.fn)
     return [compile_for(on_cpu.lower(*args)), compile_for(step.lower(*args))]
 

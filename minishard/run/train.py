@@ -303,12 +303,12 @@ class _Loop:
             run.compiled = True
             measured = [float(value) for value in values]
         else:
-            started = time.perf_counter()
             with self.profile.step(run.step + 1, self.say.log) if self.profile else contextlib.nullcontext():
+                started = time.perf_counter()  # the step alone: not a trace's start and flush
                 run.model, run.opt_state, *values = step(run.model, run.opt_state, batch)
                 # float() waits: on simulated devices XLA:CPU must not queue collectives unboundedly
                 measured = [float(value) for value in values]
-            run.timed = (run.timed[0] + 1, run.timed[1] + time.perf_counter() - started)
+                run.timed = (run.timed[0] + 1, run.timed[1] + time.perf_counter() - started)
         run.step += 1
         run.sums = [total + value for total, value in zip(run.sums, measured)]
         return measured[0]
@@ -321,7 +321,12 @@ class _Loop:
     def end_period(self, start: int, stop: int, started: float) -> None:
         """Record the period (its sums cover all its steps, resumed or not), evaluate, and start the next."""
         run = self.run
-        record: dict[str, Any] = {**self.horizon.label(stop), "seconds": time.perf_counter() - started}
+        traced = self.profile.taken() if self.profile else 0.0  # said apart: a trace is no step
+        record: dict[str, Any] = {
+            **self.horizon.label(stop),
+            "seconds": time.perf_counter() - started - traced,
+        }
+        record |= {"trace_seconds": traced} if traced else {}
         record |= run.means(stop - start)
         record |= {"steps": stop - start, "loss_curve": run.curve}  # [step, loss] every log_every steps
         record |= self.rate() | self.measure(run.whole_model(), stop == self.horizon.total)

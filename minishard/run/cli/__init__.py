@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -72,22 +73,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
         command.add_arguments(sub)
         errors[name] = sub.error  # "minishard train: error: ...", as argparse words its own
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_dashed_values(sys.argv[1:] if argv is None else argv))
     return COMMANDS[args.subcommand].check(args, errors[args.subcommand])
+
+
+def _dashed_values(argv: Sequence[str]) -> list[str]:
+    """``--profile-steps -1:3`` -> ``--profile-steps=-1:3``: argparse takes a value that
+    starts with a dash and a digit, but is no plain number, for a flag ("expected one
+    argument"); joined, the flag's own check says what is wrong with it."""
+    joined: list[str] = []
+    for word in argv:
+        flag = joined[-1] if joined else ""
+        if flag.startswith("--") and flag != "--" and "=" not in flag and re.match(r"-\d", word):
+            joined[-1] += "=" + word
+        else:
+            joined.append(word)
+    return joined
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``minishard`` console script: ``train``, ``explain``, ``sample`` or ``launch``, as parsed.
 
     Every failure reaches the user as one ``error:`` line (``--debug`` shows the
-    traceback); Ctrl-C stops with one line that says where to resume from, and
-    the program (``argv`` None: the command line's) exits 130 there and then:
+    traceback); Ctrl-C (and ``train``'s SIGTERM) stops with one line that says where to resume
+    from, and the program (``argv`` None: the command line's) exits 130 (143) there and then:
     Ctrl-C inside TensorFlow's data load leaves threads that crash the
     interpreter's teardown (a segfault, exit -11, 4-8 s into a GPT run).
     """
     args = parse_args(argv)
     status = COMMANDS[args.subcommand].run(args)  # launch: N processes of this same main (train ...)
-    if status == 130 and argv is None:
+    if status in (130, 143) and argv is None:  # Ctrl-C, or SIGTERM (run.errors.Terminated)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

@@ -25,8 +25,20 @@ import jax
 
 from minishard.run import distributed
 
-__all__ = ["SIMULATE", "accelerators", "first_devices", "fit_devices", "run_devices", "simulate_devices"]
+__all__ = [
+    "SENDS_UP_TO",
+    "SIMULATE",
+    "accelerators",
+    "first_devices",
+    "fit_devices",
+    "run_devices",
+    "simulate_devices",
+]
 
+SENDS_UP_TO = 64
+"""Without ``--hardware``, ``explain`` compiles a preset's step on up to this many simulated
+devices to show what it sends, and a topology's XLA:CPU twin on as many (XLA:CPU compiles for
+minutes beyond); above, the plan alone, or XLA:TPU's program alone, said in one line."""
 SIMULATE = "JAX_PLATFORMS=cpu"
 """What keeps JAX off a machine's chips, so ``--devices N`` simulates N CPU devices there too."""
 

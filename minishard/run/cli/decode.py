@@ -1,6 +1,7 @@
 """``minishard explain --decode``: serving a named model size, priced on a chip (``minishard.serving``).
 
-Nothing is built or compiled: the roofline takes the size's shapes (``--size``), the
+Nothing is built or compiled: the roofline takes the size's shapes (``--size``, its key and
+value heads ``--kv-heads`` if given: grouped-query attention), the
 chip's numbers (``--hardware``), the chips (``--devices``), the context (``--context``)
 and the largest batch (``--batch-size``), and prints prefill, a decode step, the cache
 that fits beside the weights, and latency against throughput for batch 1 ... B.
@@ -11,6 +12,7 @@ on ``--devices`` simulated devices and prints what it sends (``sample.explained`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import jax
@@ -70,10 +72,12 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
                 error(f"argument {flag}: only {takers} takes it")
         return
     why = "--decode prices serving a --size, not a train step"
+    model_flags = [name for name in model_flags if name != "kv_heads"]  # grouped: priced
     refuse_ignored(args, ("compare", *STEP_WORK), model_flags, why, error)
     if args.hardware is None:
         error("argument --hardware: --decode prices serving on a chip; add one (e.g. --hardware v5e)")
     args.size = args.size or next(iter(serving.SIZES))
+    args.decoder = _grouped(args, error)
     args.serve_format = args.serve_format or "bfloat16"
     args.context = args.context or DEFAULT_CONTEXT
     largest = int(serving.decode_critical_batch(args.hardware, args.serve_format) // 8 * 8)
@@ -82,13 +86,27 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
         _check_census(args, error)
 
 
+def _grouped(args: argparse.Namespace, error: Callable[[str], object]) -> serving.Decoder:
+    """--size's shapes, its key and value heads --kv-heads if given: grouped-query serving, priced
+    (``dataclasses.replace(serving.LLAMA2_13B, kv_heads=8)`` from Python)."""
+    size, kv_heads = serving.SIZES[args.size], getattr(args, "kv_heads", None)
+    if kv_heads is None:
+        return size
+    if size.heads % kv_heads:
+        error(
+            f"argument --kv-heads: {kv_heads} must divide {args.size}'s {size.heads} heads "
+            "(each group of heads / kv-heads query heads shares one key and value head)"
+        )
+    return dataclasses.replace(size, kv_heads=kv_heads)
+
+
 def _check_census(args: argparse.Namespace, error: Callable[[str], object]) -> None:
     """--parallel with --decode: a style decoding is sharded under, its "model" axis splitting the heads."""
     if args.parallel not in DECODE_STYLES:
         styles = ", ".join(DECODE_STYLES)
         error(f"argument --parallel: --decode compiles a decode step under {styles}, not {args.parallel}")
     shape = mesh_rules(args.parallel, args.devices)[0]
-    size, ways, context = serving.SIZES[args.size], shape.get("model", 1), MINIATURE["context"]
+    size, ways, context = args.decoder, shape.get("model", 1), MINIATURE["context"]
     if context % shape.get("context", 1):
         error(
             f"argument --devices: {args.parallel} splits the miniature's {context} cached positions over "
@@ -114,12 +132,16 @@ def batches(largest: int) -> tuple[int, ...]:
 
 def print_decode(args: argparse.Namespace) -> int:
     """The size's prefill, decode steps, cache and latency-throughput table on ``--devices`` chips."""
-    model, chips, chip = serving.SIZES[args.size], args.devices, hardware_named(args.hardware)
+    model, chips, chip = args.decoder, args.devices, hardware_named(args.hardware)
     weights = model.params * serving.number_bytes(args.serve_format)
     per_token = model.kv_bytes_per_token(args.serve_format)
     cache = per_token * args.context
     fits = serving.cache_fits(model.params, cache, chips, chip, args.serve_format)
-    print(f"{args.size} ({model.params / 1e9:.2f}e9 parameters) on {chips} {chip.name}, {args.serve_format}")
+    grouped = f" with {model.kv_heads} KV heads" if model != serving.SIZES[args.size] else ""
+    print(
+        f"{args.size}{grouped} ({model.params / 1e9:.2f}e9 parameters) on {chips} {chip.name}, "
+        f"{args.serve_format}"
+    )
     print(
         f"weights {human_bytes(int(weights))}; KV cache {per_token:,.0f} B per token, "
         f"{human_bytes(int(cache))} per {args.context:,}-token sequence; "
@@ -151,7 +173,7 @@ def print_census(args: argparse.Namespace) -> int:
     ``--parallel``: what each token sends, beside the roofline (bytes scale with width and batch)."""
     if (devices := first_devices(args)) is None:
         return 2
-    size, (head_dim, depth, context) = serving.SIZES[args.size], MINIATURE.values()
+    size, (head_dim, depth, context) = args.decoder, MINIATURE.values()
     width, key = size.heads * head_dim, jax.random.key(0)
     model = jax.eval_shape(
         lambda: GPT(

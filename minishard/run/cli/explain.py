@@ -3,7 +3,7 @@
 Nothing is trained. Without ``--hardware`` nothing is even allocated: the
 model is built by ``jax.eval_shape`` and planned on an ``AbstractMesh``, so any
 device count works on any machine; a preset's step is then compiled on up to
-``SENDS_UP_TO`` simulated devices, to show what it sends. ``--hardware`` (or a
+``accelerators.SENDS_UP_TO`` simulated devices, to show what it sends. ``--hardware`` (or a
 style whose own step is the point, such as ``zero``) compiles the step on
 simulated devices and prices it too (``minishard.costs``); ``--compare`` ranks every style and mesh shape
 (for the GPT, the sequence styles too, its attention a ring where "context" splits it);
@@ -28,7 +28,13 @@ from minishard.memory import PRECISIONS
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
 from minishard.run.cli import decode, layouts, rank_check, styles
-from minishard.run.cli.accelerators import SIMULATE, first_devices, fit_devices, simulate_devices
+from minishard.run.cli.accelerators import (
+    SENDS_UP_TO,
+    SIMULATE,
+    first_devices,
+    fit_devices,
+    simulate_devices,
+)
 from minishard.run.cli.flags import (
     DEFAULT_DEVICES,
     PLOT_FORMATS,
@@ -45,16 +51,16 @@ from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import STYLES, style_args, style_of, train_step, warn_unused, zero_batch
 from minishard.run.cli.styles.composed import by_dimension
 from minishard.run.cli.styles.style import Style
+from minishard.run.cli.tpu_slice import check_topology, cpu_twin
 from minishard.run.render import plot_comparison, plot_report, show
 from minishard.run.steps import make_train_step
-from minishard.run.topology import LoweredOnce, hardware_of, on_cpu_and_tpu, side_by_side, tpu_devices
+from minishard.run.topology import LoweredOnce, on_cpu_and_tpu, side_by_side
 from minishard.sharding import Sharded, ShardedFunction, make_mesh
 from minishard.styles import ANY_MODEL, EXPERT, PIPELINED, SEQUENCE, SPLITS
 
 __all__ = [
     "DESCRIPTION",
     "HELP",
-    "SENDS_UP_TO",
     "add_arguments",
     "check",
     "print_priced_step",
@@ -80,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--devices",
         type=at_least(1),
         help=f"the devices a plan or a price is for (default {DEFAULT_DEVICES}); a step compiled on a "
-        f"machine with chips is compiled on them (default: all; {SIMULATE} simulates instead)",
+        f"machine with chips is compiled on them (default: all; {SIMULATE} simulates instead); "
+        "--topology: its chips",
     )
     add("--plot", help=f"draw which devices hold each shard of each parameter ({', '.join(PLOT_FORMATS)})")
     add("--hardware", choices=list(HARDWARE), help="price the train step on this accelerator")
@@ -135,7 +142,8 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         error(f"argument {flag}: --compare ranks every style, each as it trains by default; drop {flag}")
     args.parallel = args.parallel or model.style or DEFAULT_STYLE
     style = style_of(args.parallel)
-    args.topology_devices = _topology(args, style, error) if args.topology else None
+    topology = args.topology is not None
+    args.topology_devices = check_topology(args, given, error) if topology else None
     if args.precision != "fp32" and not (args.memory or args.hardware):
         error("argument --precision: only with --memory or --hardware (a step compiled in it)")
     if args.memory and args.compare:
@@ -210,11 +218,6 @@ def run(args: argparse.Namespace) -> int:
     return style.after_plan(args, model, rules)
 
 
-SENDS_UP_TO = 64
-"""Without ``--hardware``, ``explain`` compiles a preset's step on up to this many simulated devices to
-show what it sends (XLA:CPU compiles for minutes beyond); above, the plan alone, said in one line."""
-
-
 def print_sends(args: argparse.Namespace, model: Any, style: Style, rules: AxisRules) -> None:
     """What the compiled step sends, as ``--hardware`` shows it without the price: on the first
     ``--devices`` devices, if there are that many, and the batch splits over "data"."""
@@ -281,9 +284,7 @@ def _compile_and_price(args: argparse.Namespace) -> int:
         return 0
     # one jit: the style's census, explain's and the price share it (on a topology, one lowering too)
     sharded = (LoweredOnce if args.topology else ShardedFunction)(step, Sharded(mesh, rules))
-    programs = on_cpu_and_tpu(sharded, step_args) if args.topology and not style.own_step else []
-    if args.topology and style.own_step:  # its model is built on the topology's mesh: no CPU twin
-        print(f"(compiled by XLA:TPU for {args.topology} alone: a step of its own has no XLA:CPU twin here)")
+    programs = on_cpu_and_tpu(sharded, step_args) if args.topology and cpu_twin(args, style) else []
     if (status := style.explain_step(args, model, sharded, optimizer, built, batch)) is not None:
         return status
     report = explain(built, mesh, rules, sharded, step_args, args.hardware)
@@ -294,19 +295,6 @@ def _compile_and_price(args: argparse.Namespace) -> int:
         print(f"One step, per device, compiled by XLA:CPU ({args.devices} simulated devices) and XLA:TPU:")
         print(side_by_side(programs))
     return style.after_plan(args, model, rules)  # a pipeline: the ticks, permutes and bubble priced above
-
-
-def _topology(args: argparse.Namespace, style: Style, error: Error) -> list[jax.Device]:
-    """--topology: its devices, whose count is --devices and whose chips price the step (--hardware)."""
-    if args.compare:
-        error("argument --topology: compiles the step of one style, not --compare")
-    try:
-        devices = tpu_devices(args.topology)
-    except ValueError as refused_topology:
-        error(f"argument --topology: {refused_topology}")
-    args.devices, args.hardware = len(devices), args.hardware or hardware_of(args.topology)
-    args.chosen_devices = devices  # every mesh of this command: the topology's (flags.first_devices)
-    return devices
 
 
 def _own_steps(args: argparse.Namespace, model: Any) -> list[Candidate]:

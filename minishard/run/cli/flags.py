@@ -246,6 +246,7 @@ def finish_train(
     if args.mesh is None:  # decided from the parsed values: --mesh given (in any spelling) always wins
         args.mesh = style.mesh(args.devices) if args.parallel else mesh_rules("2d", args.devices)[0]
     args.rules = args.rules or {}
+    style.check_mesh(args, error)  # before the model's checks: dp on model=8 is no fault of --heads
     args.resume = args.resume or args.resume_from is not None
     warmup_given = args.warmup_steps is not None
     fill_defaults(args, model, style)

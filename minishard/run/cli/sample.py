@@ -52,6 +52,7 @@ from minishard.styles import mesh_rules
 __all__ = [
     "DECODE_STYLES",
     "HELP",
+    "MOST_BATCH",
     "Stream",
     "add_arguments",
     "check",
@@ -95,6 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="N continuations of the prompt at once, the n-th drawn with seed + n (default %(default)s)",
     )
+    add(
+        "--devices",
+        type=at_least(1),
+        help="with --parallel: decode on the first N devices (default: all of them)",
+    )
     add("--explain", action="store_true", help="print one decode step's collectives and bytes, not text")
     add("--debug", action="store_true", help="show the full traceback of an unexpected error")
 
@@ -127,24 +133,62 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         Vocabulary(info["vocabulary"]).encode(args.prompt)
     except ValueError as e:
         error(f"argument --prompt: {e}")
-    shape = mesh_rules(args.parallel, len(jax.devices()))[0] if args.parallel != "none" else {}
     flags = {**entry.defaults, **info.get("flags", {})}
-    heads = int(flags["heads"])
-    for count, what in ((heads, "heads"), (int(flags["kv_heads"] or heads), "key and value heads")):
-        if count % shape.get("model", 1):
-            error(
-                f"argument --parallel: {args.parallel} splits {count} {what} over {shape['model']} devices: "
-                "uneven"
-            )
-    if (context := int(flags["context"])) % shape.get("context", 1):
-        error(
-            f"argument --parallel: {args.parallel} splits the cache's {context} positions over "
-            f"{shape['context']} context devices: uneven"
-        )
+    devices = _devices(args, error)
+    if args.parallel != "none" and (uneven := _uneven(args.parallel, flags, len(devices))):
+        fewer = range(len(devices) - 1, 0, -1)
+        fits = next(n for n in fewer if _decodes(args.parallel, flags, args.batch, n))
+        error(f"argument --parallel: {uneven}; give --devices {fits} (the first {fits} decode it)")
+    shape = mesh_rules(args.parallel, len(devices))[0] if args.parallel != "none" else {}
     if args.batch % shape.get("data", 1):
         error(f"argument --batch: {args.batch} sequences must split evenly over {shape['data']} data devices")
+    if args.batch > MOST_BATCH and not args.explain:
+        error(
+            f"argument --batch: {args.batch:,} continuations print only once all are drawn, "
+            f"each step {args.batch:,} characters (minutes of silence); give at most {MOST_BATCH:,}"
+        )
+    args.decode_devices = devices
     args.info = info
     return args
+
+
+MOST_BATCH = 1024
+"""``--batch``'s most: the texts print when all are drawn (100,000 printed nothing for minutes)."""
+
+
+def _devices(args: argparse.Namespace, error: Error) -> list[jax.Device]:
+    """``--devices N``: the first N devices (only with ``--parallel``); all of them without it."""
+    there = jax.devices()
+    if args.devices is not None and args.parallel == "none":
+        error("argument --devices: only with --parallel (without it, one device decodes)")
+    if (args.devices or 0) > len(there):
+        error(f"argument --devices: {args.devices} asked, there are {len(there)}")
+    return there[: args.devices or len(there)]
+
+
+def _uneven(parallel: str, flags: dict[str, Any], count: int) -> str | None:
+    """Why ``parallel`` on ``count`` devices cannot split the heads or the cache; None if it can."""
+    try:
+        shape = mesh_rules(parallel, count)[0]
+    except ValueError as e:  # no mesh of the style on that many devices
+        return str(e)
+    heads = int(flags["heads"])
+    for split, what in ((heads, "heads"), (int(flags["kv_heads"] or heads), "key and value heads")):
+        if split % shape.get("model", 1):
+            return f"{parallel} splits {split} {what} over {shape['model']} devices: uneven"
+    if (context := int(flags["context"])) % shape.get("context", 1):
+        return (
+            f"{parallel} splits the cache's {context} positions over {shape['context']} context "
+            "devices: uneven"
+        )
+    return None
+
+
+def _decodes(parallel: str, flags: dict[str, Any], batch: int, count: int) -> bool:
+    """Whether ``count`` devices split the model, its cache and ``batch`` sequences under
+    ``parallel``."""
+    data = mesh_rules(parallel, count)[0].get("data", 1)
+    return not _uneven(parallel, flags, count) and batch % data == 0
 
 
 def _say(line: str) -> None:
@@ -158,12 +202,13 @@ def run(args: argparse.Namespace) -> int:
         entry, vocabulary = MODELS[args.info["model"]], Vocabulary(args.info["vocabulary"])
         assert entry.stream is not None  # checked with the flags
         model = restore(args.checkpoint_dir, args.step, args.info)
+        devices = args.decode_devices  # --devices N: the first N
+        if args.parallel != "none":
+            model = placed(model, args.parallel, devices)
         if args.explain:
-            model = model if args.parallel == "none" else placed(model, args.parallel)
-            print(explained(model, decoder(args.parallel), args.batch, args.parallel))
+            print(explained(model, decoder(args.parallel, devices), args.batch, args.parallel))
             return 0
         if args.parallel != "none" or args.batch > 1:
-            model = model if args.parallel == "none" else placed(model, args.parallel)
             drawn_rows = entry.stream(
                 model,
                 vocabulary.encode(args.prompt),
@@ -171,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
                 temperature=args.temperature,
                 seed=args.seed,
                 batch=args.batch,
-                step=decoder(args.parallel),
+                step=decoder(args.parallel, devices),
             )
             texts = [args.prompt] * args.batch
             for ids in drawn_rows:
@@ -220,10 +265,11 @@ def restore(directory: str, step: int, info: dict[str, Any]) -> Any:
     return model
 
 
-def placed(model: Any, parallel: str) -> Any:
-    """``model`` on every device, its weights placed by the style ``parallel``'s rules."""
-    shape, rules = mesh_rules(parallel, len(jax.devices()))
-    return shard(model, make_mesh(shape), rules)
+def placed(model: Any, parallel: str, devices: list[jax.Device] | None = None) -> Any:
+    """``model`` on ``devices`` (default: all), its weights placed by ``parallel``'s rules."""
+    devices = devices or jax.devices()
+    shape, rules = mesh_rules(parallel, len(devices))
+    return shard(model, make_mesh(shape, devices=devices), rules)
 
 
 def decoder(parallel: str, devices: list[jax.Device] | None = None) -> Callable[..., Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
-from pathlib import Path
 from typing import Any
 
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
@@ -36,7 +35,13 @@ from minishard.run.cli.styles import cli_rules, style_of, warn_unused
 from minishard.run.cli.styles.style import Style
 from minishard.run.compiling import enable_compilation_cache
 from minishard.run.data import check_batch_split
-from minishard.run.errors import CheckpointError, TrainingError
+from minishard.run.errors import (
+    CheckpointError,
+    TrainingError,
+    exit_status,
+    sigterm_as_interrupt,
+    stopped,
+)
 from minishard.run.horizon import Horizon
 from minishard.run.profiling import Profile, add_profile_flags, check_profile_flags
 from minishard.run.render import plot_history, show
@@ -199,6 +204,7 @@ def _add_process_flags(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     """Every flag together, before any work (``flags.finish_train``); the errors are argparse's."""
     model = MODELS[args.model]
+    args.parallel_default = args.parallel is None and model.style is not None  # Style.check_mesh
     args.parallel = args.parallel or model.style
     if args.precision != "fp32" and style_of(args.parallel).own_step:
         error(
@@ -220,15 +226,16 @@ def run(args: argparse.Namespace) -> int:
             f"{args.steps} for a cosine after the warmup",
             file=sys.stderr,
         )
-    try:
+    try:  # a scheduler's SIGTERM (preemption) stops the run as Ctrl-C does, saying where to resume
         # Join the run that the flags or the environment describe (nothing to do for one process).
         place = args.coordinator, args.num_processes, args.process_id
-        distributed.initialize(*place, timeout=args.init_timeout)
-        with distributed.print_on_main_only():  # process 0 speaks for the run
-            return train_on_mesh(args)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted{_latest_checkpoint(args.checkpoint_dir)}", file=sys.stderr)
-        return distributed.leave(130)  # with several processes: exit now, the others cannot go on
+        with sigterm_as_interrupt():
+            distributed.initialize(*place, timeout=args.init_timeout)
+            with distributed.print_on_main_only():  # process 0 speaks for the run
+                return train_on_mesh(args)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (errors.Terminated)
+        print(f"\n{stopped(stop, args.checkpoint_dir)}", file=sys.stderr)
+        return distributed.leave(exit_status(stop))  # several processes: exit now, for all
     except Exception as error:
         if args.debug:
             raise
@@ -349,19 +356,3 @@ def _schedule(args: argparse.Namespace) -> dict[str, Any]:
         return {**flags, "--warmup-steps": args.warmup_steps, length[0]: length[1]}
     decay = ("decay_rate", "decay_steps", "staircase")
     return {**flags, **{f"--{name.replace('_', '-')}": getattr(args, name, None) for name in decay}}
-
-
-def _latest_checkpoint(directory: str | None) -> str:
-    """``"; the latest checkpoint is step 300 in runs/x: ..."``, read from the directory listing.
-
-    Ctrl-C may come before the directory exists (during the data load or the compile).
-    """
-    if not directory:
-        return ""
-    try:
-        steps = sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit())
-    except OSError:  # not created yet (or unreadable): nothing was written there
-        steps = []
-    if not steps:
-        return f": no checkpoint was written in {directory}"
-    return f"; the latest checkpoint is step {steps[-1]} in {directory}: continue with --resume"

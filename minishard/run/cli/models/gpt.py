@@ -37,6 +37,7 @@ from minishard.run.next_token import next_token_loss, next_token_sums
 from minishard.run.steps import Task
 
 __all__ = [
+    "DERIVED_BATCH_LIMIT",
     "EVAL_WINDOWS",
     "GPT_BATCH",
     "GPT_ENTRY",
@@ -46,6 +47,7 @@ __all__ = [
     "TEXT_EXPERTS",
     "TEXT_SEQUENCE",
     "adamw",
+    "check_derived_batch",
     "check_moe",
     "default_batch",
     "gpt_splits",
@@ -74,9 +76,33 @@ def default_batch(args: Args) -> None:
     docs/compose.md's convergence table: ``--parallel dp+tp+cp`` prints ``--parallel dp``'s losses.
     """
     if args.batch_size is None:
-        split = args.mesh.get("data", 1) * args.mesh.get("expert", 1) * args.microbatches
-        unit = math.lcm(math.prod(args.mesh.values()), split)
-        args.batch_size = unit * max(1, math.floor(GPT_BATCH / unit + 0.5))
+        args.batch_size = _nearest_default(args, args.microbatches)
+        args.batch_derived = args.batch_size  # check_derived_batch: a far larger one is refused
+
+
+def _nearest_default(args: Args, microbatches: int) -> int:
+    split = args.mesh.get("data", 1) * args.mesh.get("expert", 1) * microbatches
+    unit = math.lcm(math.prod(args.mesh.values()), split)
+    return unit * max(1, math.floor(GPT_BATCH / unit + 0.5))
+
+
+DERIVED_BATCH_LIMIT = 8
+"""A batch not given may be at most this many times the devices' own default (``--microbatches 1``):
+``--microbatches 1000000`` would otherwise train on 2,000,000 windows a step, unasked."""
+
+
+def check_derived_batch(args: Args, error: Error) -> None:
+    """A default batch that --microbatches made far larger is refused, naming both flags."""
+    if getattr(args, "batch_derived", None) is None:
+        return
+    plain = _nearest_default(args, 1)
+    if args.batch_derived > DERIVED_BATCH_LIMIT * plain:
+        error(
+            f"argument --microbatches: {args.microbatches} microbatches make the default batch "
+            f"{args.batch_derived:,} windows, {args.batch_derived / plain:,.0f}x the {plain} "
+            f"without them (at most {DERIVED_BATCH_LIMIT}x); give fewer --microbatches, or "
+            "--batch-size"
+        )
 
 
 def adamw(args: Args, total_steps: int) -> AdamW:
@@ -174,6 +200,7 @@ def _check_gpt_shape(args: Args, error: Error) -> None:
         )
     _check_kv_heads(args.heads, args.kv_heads, ways, error)
     check_moe(args, error)
+    check_derived_batch(args, error)
 
 
 def _check_kv_heads(heads: int, kv_heads: int, ways: int, error: Error) -> None:

@@ -39,11 +39,7 @@ class ExpertStyle(Style):
         return int(mesh.get("data", 1) * mesh.get("expert", 1))  # the batch over "data" x "expert"
 
     def check(self, args: Args, model: ModelEntry, error: Error) -> None:
-        if "expert" not in args.mesh:
-            error(
-                f"argument --mesh: --parallel {self.name} puts the experts on an 'expert' axis; it has none"
-            )
-        self.check_explain(args, model, error)
+        self.check_explain(args, model, error)  # its "expert" axis is on --mesh: Style.check_mesh
 
     def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
         """A model with experts; the experts over "expert", the batch over "data" x "expert"."""

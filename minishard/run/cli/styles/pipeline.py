@@ -67,10 +67,6 @@ class PipelineStyle(Style):
     def check(self, args: Args, model: ModelEntry, error: Error) -> None:
         """Its blocks split over the stages (the model's entry says how)."""
         self.check_explain(args, model, error)
-        if "stage" not in args.mesh:
-            error(
-                f"argument --mesh: --parallel {self.name} puts stacked blocks on a 'stage' axis; it has none"
-            )
         for flag, nothing in self.refuses:
             if getattr(args, flag, None) not in (None, nothing):
                 error(f"argument --{flag}: not with a pipeline (--parallel {self.name})")

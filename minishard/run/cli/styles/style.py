@@ -9,7 +9,7 @@ model: it asks the model's entry (``ModelEntry``: ``stack``, ``sequence``, ``exp
 
 The hooks, by the question they answer:
 
-* mesh and rules: ``mesh``, ``ways``, ``rules``;
+* mesh and rules: ``mesh``, ``ways``, ``rules``, ``check_mesh``;
 * the flags: ``parsed``, ``finish``, ``fill``, ``check``, ``check_explain``, ``checks_microbatches``;
 * build and step: ``build``, ``prepare``, ``make_step``, ``microbatches``, ``own_step``, ``own_step_cost``;
 * what ``explain`` shows: ``compiles``, ``before_explain``, ``explain_step``, ``after_plan``.
@@ -18,7 +18,7 @@ Their calling order, the one place it is written (``flags.finish_train``, ``trai
 ``explain.check``, ``explain.run`` and ``explain._own_steps`` follow it)::
 
     parse      parsed (every style's defaults)
-    train      finish -> mesh (unless --mesh) -> fill -> check (the model's checks before it)
+    train      finish -> mesh (unless --mesh) -> check_mesh -> fill -> check (the model's first)
                -> rules -> build -> prepare -> make_step, microbatches (fit's arguments)
     explain    mesh -> check_explain -> fill -> ways (the batch split)
                -> before_explain (0, or the exit status of a refusal)
@@ -35,6 +35,7 @@ Their calling order, the one place it is written (``flags.finish_train``, ``trai
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -43,7 +44,7 @@ from jax.sharding import Mesh
 
 from minishard.costs import StepCost
 from minishard.optim import Optimizer
-from minishard.rules import AxisRules
+from minishard.rules import AxisRules, as_mesh_axes
 from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import Args, ModelEntry  # Args: the parsed flags, one home
 from minishard.sharding import ShardedFunction
@@ -73,6 +74,30 @@ class Style:
 
     def rules(self, overrides: Mapping[str, Any]) -> AxisRules:
         return style_rules(self.like, overrides)
+
+    def check_mesh(self, args: Args, error: Error) -> None:
+        """``train --mesh``: every mesh axis the style's rules split over is on it (dp on model=8
+        names that conflict, not the model's heads, which would not split over "model"). Without
+        --parallel the rules are the mesh's own (``cli_rules``): nothing to check."""
+        if args.parallel is None:
+            return
+        splits: dict[str, list[str]] = {}  # mesh axis -> the logical axes split over it
+        for logical, target in self.rules(args.rules).pairs:
+            for axis in as_mesh_axes(target):
+                splits.setdefault(axis, []).append(logical)
+        if missing := [axis for axis in splits if axis not in args.mesh]:
+            given = ",".join(f"{name}={size}" for name, size in args.mesh.items())
+            own = ",".join(
+                f"{name}={size}" for name, size in self.mesh(math.prod(args.mesh.values())).items()
+            )
+            split = {axis: ", ".join(dict.fromkeys(splits[axis])) for axis in missing}
+            what = "; ".join(f"{logical} over {axis!r}" for axis, logical in split.items())
+            defaulted = getattr(args, "parallel_default", False)
+            default = f" (the {args.model}'s default)" if defaulted else ""
+            error(
+                f"argument --mesh: --parallel {self.name}{default} splits {what}, and --mesh "
+                f"{given} has no such axis; give its mesh ({own}), or a --parallel for these axes"
+            )
 
     # -- the flags -----------------------------------------------------------------------------------
     parsed: ClassVar[Mapping[str, Any]] = {}
