@@ -21,7 +21,7 @@ from minishard.memory import FP32, MIXED, Precision, bytes_per_parameter, zero_b
 from minishard.models.gpt import GPT
 from minishard.models.vit import ViT
 from minishard.run.cli import main, parse_args
-from minishard.run.cli.memory import budget, compiled_memory, predict, zero_step_budget
+from minishard.run.cli.memory import budget, compiled_memory, gathered_early, predict, zero_step_budget
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.gpt import NEXT_CHARACTER
 from minishard.run.next_token import next_token_loss
@@ -194,22 +194,53 @@ def predicted_and_compiled(name: str, style: str, precision: str = "fp32") -> tu
     return budget(args, mesh, rules, cast), Memory.of(compiled)
 
 
+@dataclasses.dataclass(frozen=True)
+class Gap:
+    """A known gap between the formula and XLA:CPU's temporaries: predicted / compiled measured at
+    ``ratio`` (docs/memory.md's tables), for the reason ``why``. ``check`` holds the ratio within 15% of
+    it, as the formula's own cases are held within 15% of 1: a model that moves further fails (tp's
+    activations made 4x too large on purpose: the MLP's 1.28 became 2.23, and 7 more cases failed)."""
+
+    ratio: float
+    why: str
+
+    def check(self, case: str, predicted: mm.Budget, compiled: Memory) -> None:
+        ratio = predicted.temporaries / compiled.temporaries
+        print(f"{case}: predicted / compiled temporaries {ratio:.2f}, documented {self.ratio}")
+        says = f"{case}: {ratio:.2f}, documented {self.ratio}: {self.why}\n{predicted.table(compiled)}"
+        assert 0.85 * self.ratio <= ratio <= 1.15 * self.ratio, says
+
+
 MORE_KEPT = (
     "where collectives run inside the blocks (all-reduces where heads split, all-gathers under fsdp) they "
     "cut XLA:CPU's fusions: each LayerNorm's intermediates (x - mean, the normalised x and its scaled copy; "
     "4 sbh per norm among JAX's residuals against the 2 a fused norm keeps) stay materialised: 5.3 sbh "
     "more per GPT block under tp over 4"
 )
-CASES = [
+GATHERED_EARLY = (
+    "under fsdp XLA:CPU runs each all-gather as soon as its shard is there and keeps the weight whole to "
+    "its last use in the backward pass, in float32: at the peak the blocks' weights are whole at once "
+    "(4.7 MB of them for the GPT in bf16), where the formula gathers one (0.11 MB); bf16 halves the "
+    "formula's activations and gathered weight, not XLA:CPU's float32 weights"
+)
+FSDP_KEPT = MORE_KEPT + "; " + GATHERED_EARLY
+MLP_TP_FUSED = "no gradient is all-reduced, so XLA fuses each into its update: they are never all alive"
+CASES = [  # (model, style, the known gap: predicted / compiled as docs/memory.md's table, and why)
     ("mlp", "dp", None),
     ("vit", "dp", None),
     ("gpt", "dp", None),
     ("mlp", "2d", None),
     ("mlp", "fsdp", None),
     ("mlp", "fsdp+tp", None),
-    ("mlp", "tp", "no gradient is all-reduced, so XLA fuses each into its update: they are never all alive"),
-    *[(name, style, MORE_KEPT) for name in ("vit", "gpt") for style in ("tp", "2d", "fsdp+tp")],
-    *[(name, "fsdp", MORE_KEPT) for name in ("vit", "gpt")],
+    ("mlp", "tp", Gap(1.28, MLP_TP_FUSED)),
+    ("vit", "tp", Gap(0.54, MORE_KEPT)),
+    ("vit", "2d", Gap(0.68, MORE_KEPT)),
+    ("vit", "fsdp+tp", Gap(0.57, FSDP_KEPT)),
+    ("gpt", "tp", Gap(0.57, MORE_KEPT)),
+    ("gpt", "2d", Gap(0.73, MORE_KEPT)),
+    ("gpt", "fsdp+tp", Gap(0.59, FSDP_KEPT)),
+    ("vit", "fsdp", Gap(0.57, FSDP_KEPT)),
+    ("gpt", "fsdp", Gap(0.57, FSDP_KEPT)),
 ]
 
 
@@ -228,15 +259,9 @@ def test_predicted_arguments_are_the_compilers_to_the_byte(name, style):
 @pytest.mark.parametrize(
     ("name", "style"),
     [
-        pytest.param(
-            name,
-            style,
-            marks=[
-                *(() if (name, style) == ("mlp", "dp") else (pytest.mark.slow,)),
-                *(() if why is None else (pytest.mark.xfail(strict=True, reason=why),)),
-            ],
-        )
-        for name, style, why in CASES
+        pytest.param(name, style, marks=() if (name, style) == ("mlp", "dp") else pytest.mark.slow)
+        for name, style, gap in CASES
+        if gap is None
     ],
 )
 def test_predicted_temporaries_are_the_compilers_within_15_percent(name, style):
@@ -244,6 +269,12 @@ def test_predicted_temporaries_are_the_compilers_within_15_percent(name, style):
     ratio = predicted.temporaries / compiled.temporaries
     print(f"{name} {style}: predicted / compiled temporaries {ratio:.2f}")
     assert 0.85 <= ratio <= 1.15, predicted.table(compiled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "style", "gap"), [case for case in CASES if case[2] is not None])
+def test_where_xla_keeps_otherwise_predicted_temporaries_are_off_by_the_documented_ratio(name, style, gap):
+    gap.check(f"{name} {style}", *predicted_and_compiled(name, style))
 
 
 # The hand-written chapters' styles of the GPT, as explain --memory builds and compiles them: its
@@ -259,14 +290,15 @@ EXPERTS_KEPT = (
     "each layer's experts keep JAX's residuals of their Swish, 4 E G C H numbers against the formula's 2 "
     "(5.2 MB of the 6 MB); under dp+ep, and dp with the same experts, the formula holds (0.92, 1.09)"
 )
-CLI_CASES = [
+SP_KEPT = MORE_KEPT + "; under tp+sp the sequence's reduce-scatters and all-gathers cut more"
+CLI_CASES = [  # (style, flags, the known gap as docs/memory.md's table of the chapters' styles says)
     ("cp", (), None),
     ("dp+cp", (), None),
     ("dp+ep", ("--experts", "4"), None),
-    ("ep", ("--experts", "4"), EXPERTS_KEPT),
-    ("tp+sp", (), MORE_KEPT + "; under tp+sp the sequence's reduce-scatters and all-gathers cut more (0.50)"),
-    ("pp", ("--microbatches", "4"), LOOP_KEPT),
-    ("dp+pp", ("--microbatches", "4"), LOOP_KEPT),
+    ("ep", ("--experts", "4"), Gap(0.75, EXPERTS_KEPT)),
+    ("tp+sp", (), Gap(0.50, SP_KEPT)),
+    ("pp", ("--microbatches", "4"), Gap(0.56, LOOP_KEPT)),
+    ("dp+pp", ("--microbatches", "4"), Gap(0.52, LOOP_KEPT)),
 ]
 
 
@@ -301,17 +333,19 @@ def test_the_chapters_styles_predicted_arguments_are_the_compilers_to_the_byte(s
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("style", "flags"),
-    [
-        pytest.param(style, flags, marks=() if why is None else pytest.mark.xfail(strict=True, reason=why))
-        for style, flags, why in CLI_CASES
-    ],
+    ("style", "flags"), [(style, flags) for style, flags, gap in CLI_CASES if gap is None]
 )
 def test_the_chapters_styles_predicted_temporaries_are_the_compilers_within_15_percent(style, flags):
     predicted, compiled = predicted_and_compiled_by_cli(style, flags)
     ratio = predicted.temporaries / compiled.temporaries
     print(f"gpt {style}: predicted / compiled temporaries {ratio:.2f}")
     assert 0.85 <= ratio <= 1.15, predicted.table(compiled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("style", "flags", "gap"), [case for case in CLI_CASES if case[2] is not None])
+def test_where_xla_keeps_otherwise_the_chapters_styles_are_off_by_the_documented_ratio(style, flags, gap):
+    gap.check(f"gpt {style}", *predicted_and_compiled_by_cli(style, flags))
 
 
 def test_each_style_adds_its_own_terms_as_its_chapter_counts_them():
@@ -351,8 +385,9 @@ STAND_IN = (
 )
 ZERO_CASES = [  # level 2 runs level 1's code (minishard.zero), and zero_budget prices them alike
     *[(name, level, "float32", (), None) for name in ("mlp", "gpt") for level in (1, 3)],
-    *[(name, 1, "bfloat16", (), CONVERTED) for name in ("mlp", "gpt")],
-    ("gpt", 3, "float32", ("--remat", "full"), STAND_IN),
+    ("mlp", 1, "bfloat16", (), Gap(0.59, CONVERTED)),  # docs/memory.md's table of ZeRO
+    ("gpt", 1, "bfloat16", (), Gap(0.83, CONVERTED)),
+    ("gpt", 3, "float32", ("--remat", "full"), Gap(1.50, STAND_IN)),
 ]
 
 
@@ -376,12 +411,9 @@ def zero_predicted_and_compiled(
     return predicted, Memory.of(compiled.lower(*compiled.placed_shapes(model), batch).compile())
 
 
-def _zero_marks(name: str, level: int, compute: str, why: str | None = None) -> list[Any]:
+def _zero_marks(name: str, level: int, compute: str) -> Any:
     quick = (name, level, compute) == ("mlp", 3, "float32")  # what explain --memory --parallel zero runs
-    return [
-        *(() if quick else (pytest.mark.slow,)),
-        *(() if why is None else (pytest.mark.xfail(strict=True, reason=why),)),
-    ]
+    return () if quick else pytest.mark.slow
 
 
 @pytest.mark.parametrize(
@@ -396,13 +428,24 @@ def test_zeros_predicted_arguments_are_the_compilers_to_the_byte(name, level, co
 
 @pytest.mark.parametrize(
     ("name", "level", "compute", "flags"),
-    [pytest.param(*case[:4], marks=_zero_marks(*case[:3], case[4])) for case in ZERO_CASES],
+    [pytest.param(*case[:4], marks=_zero_marks(*case[:3])) for case in ZERO_CASES if case[4] is None],
 )
 def test_zeros_predicted_temporaries_are_the_compilers_within_15_percent(name, level, compute, flags):
     predicted, compiled = zero_predicted_and_compiled(name, level, compute, flags)
     ratio = predicted.temporaries / compiled.temporaries
     print(f"{name} ZeRO-{level} {compute} {' '.join(flags)}: predicted / compiled temporaries {ratio:.2f}")
     assert 0.85 <= ratio <= 1.15, predicted.table(compiled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "level", "compute", "flags", "gap"), [case for case in ZERO_CASES if case[4] is not None]
+)
+def test_where_xla_keeps_otherwise_zeros_temporaries_are_off_by_the_documented_ratio(
+    name, level, compute, flags, gap
+):
+    case = f"{name} ZeRO-{level} {compute} {' '.join(flags)}"
+    gap.check(case, *zero_predicted_and_compiled(name, level, compute, flags))
 
 
 def test_zeros_levels_split_what_their_stage_splits():
@@ -552,6 +595,53 @@ def test_the_gpt_under_fsdp_computes_on_its_own_examples():
     table's (embed over data) and every device computed the whole batch, 2.5x dp's temporaries."""
     fsdp, dp = (predicted_and_compiled("gpt", style)[1].temporaries for style in ("fsdp", "dp"))
     assert fsdp < 1.25 * dp
+
+
+@functools.cache
+def explained_fsdp_bf16(*flags: str) -> tuple[mm.Budget, Memory, Any, dict[str, int], Any]:
+    """``explain --model gpt --memory --parallel fsdp --precision bf16`` on 8 devices, batch 16."""
+    argv = ["explain", "--model", "gpt", "--memory", "--parallel", "fsdp", "--precision", "bf16", *flags]
+    args = parse_args(argv)
+    predicted, step_args, shape, rules = predict(args)
+    return predicted, compiled_memory(args, step_args, shape, rules), step_args[0], shape, rules
+
+
+@pytest.mark.slow  # three compiles of the GPT's fsdp step on 8 devices
+def test_under_fsdp_xla_cpu_keeps_every_weight_gathered_so_recomputation_leaves_its_peak():
+    """docs/memory.md: the bf16 gap is its documented 0.35; the compiled temporaries hold at least the
+    formula's, less its one gathered weight, plus every weight whole in float32; --remat full and dots,
+    whose activations the formula tells apart 2.5 times, compile to the same temporaries, to 5%."""
+    none, full, dots = (
+        explained_fsdp_bf16(*flags) for flags in ((), ("--remat", "full"), ("--remat", "dots"))
+    )
+    Gap(0.35, GATHERED_EARLY).check("gpt fsdp bf16", none[0], none[1])
+    weights = 4 * sum(leaf.size for leaf in jax.tree.leaves(none[2]))  # every weight whole, float32
+    for predicted, compiled, *_ in (none, full, dots):
+        assert compiled.temporaries >= predicted.temporaries - predicted.terms["gathered"] + weights
+    assert full[0].terms["activations"] < dots[0].terms["activations"] / 2
+    assert full[1].temporaries == pytest.approx(dots[1].temporaries, rel=0.05)
+    note = gathered_early(*none[:2], *none[2:], "bf16")
+    assert note == (
+        f"(XLA:CPU gathers each weight ahead of its use and keeps it whole to the backward pass, in float32: "
+        f"{human_bytes(weights)} where 'gathered' holds one, and --remat cannot lower that; in bf16 it "
+        "keeps float32 copies of activations too: docs/memory.md)"
+    )
+
+
+def test_explain_memory_explains_gathered_weights_only_where_the_gap_appears():
+    """The line comes under FSDP (a 'gathered' term) where the compiled temporaries exceed the predicted
+    ones by more than 15%; nothing compiled here."""
+    args = parse_args(["explain", "--model", "gpt", "--memory", "--parallel", "fsdp", "--devices", "8"])
+    predicted, step_args, shape, rules = predict(args)
+    near, far = (Memory(0, 0, int(predicted.temporaries * ratio)) for ratio in (1.15, 2))
+    assert gathered_early(predicted, near, step_args[0], shape, rules, "fp32") is None
+    assert gathered_early(predicted, None, step_args[0], shape, rules, "fp32") is None  # not compiled
+    assert "3.3 MB where 'gathered' holds one" in gathered_early(
+        predicted, far, step_args[0], shape, rules, "fp32"
+    )
+    dp = parse_args(["explain", "--model", "gpt", "--memory", "--parallel", "dp", "--devices", "8"])
+    predicted, step_args, shape, rules = predict(dp)
+    assert gathered_early(predicted, far, step_args[0], shape, rules, "fp32") is None  # nothing gathered
 
 
 # --- mixed precision ------------------------------------------------------------------------------

@@ -156,6 +156,10 @@ def test_explain_decode_parallel_compiles_a_miniatures_decode_step_and_reads_wha
     # llama3-70b's 64 heads and 8 KV heads at head_dim 8 (width 512), 2 blocks, batch 8 (--devices).
     flags = ["explain", "--decode", "--size", "llama3-70b", "--hardware", "v5e", "--devices", "8"]
     sent, (heads, head_dim, width) = {}, (64, 8, 512)
+    # XLA's bytes accessed over params + B·KV, measured (docs/serving.md): what grows with the sequences
+    # a device decodes (activations between fusions, the cache's copies) is more where it holds more
+    xla_over_predicted = {"tp": 1.70, "dp": 1.25, "2d": 1.39, "cp": 1.35, "dp+cp": 1.30}
+    heads_split = {"tp": 8, "2d": 4}  # the model axis
     for style in ("tp", "dp", "2d", "cp", "dp+cp"):
         assert main([*flags, "--parallel", style]) == 0
         census = capsys.readouterr().out.split("one decode step, batch 8, ")[1].splitlines()
@@ -165,7 +169,12 @@ def test_explain_decode_parallel_compiles_a_miniatures_decode_step_and_reads_wha
         # K, V; blocks, B, T, KV heads, D, f32: every style keeps an eighth of it on each device
         # (tp its KV head, dp its sequence, 2d a half of the sequences' 2 heads, cp its 8 positions)
         assert cached == 2 * 2 * 8 * decode.MINIATURE["context"] * 8 * 8 * 4 // 8
-        assert predicted == params + cached <= accessed <= 2.5 * predicted  # docs/serving.md: why above
+        # the floor: params + B·KV, and Attention.project's stack of the q, k, v weights copied every step
+        # (read and written: 2 x), 64 + 2 x 8 heads of head_dim 8 per block, the heads split over model
+        stack = 2 * 4 * 2 * width * (heads + 2 * 8) * head_dim // heads_split.get(style, 1)
+        assert predicted == params + cached and predicted + stack <= accessed
+        ratio, documented = accessed / predicted, xla_over_predicted[style]
+        assert 0.85 * documented <= ratio <= 1.15 * documented, f"{style}: XLA {ratio:.2f}x, not {documented}"
     # Per block, an all-reduce of the B x width activations after attention and one after the MLP;
     # 2d reduces each "data" half's 4 sequences over model=4: half the bytes.
     assert sent["tp"] == f"all-reduce: 4 x, {4 * 8 * width * 4:,} B per device over model"

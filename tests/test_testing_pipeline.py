@@ -20,6 +20,7 @@ from testing_fixtures import compilations
 import minishard as ms
 from minishard import pipeline as pp
 from minishard.models.vit import stacked_vit
+from minishard.testing import assert_sharded_equivalent, assert_split
 from minishard.testing.pipelines import assert_pipeline_equivalent, pipelines
 
 WIDTH = 4
@@ -118,13 +119,14 @@ def test_a_correct_pipelined_transformer_passes_whatever_float32_rounding_does()
     assert_pipeline_equivalent(model, images, pp.Pipeline(MESH2, microbatches=4))
 
 
-def test_a_bubble_that_leaks_is_named_as_a_leak():
-    @dataclasses.dataclass(frozen=True)
-    class OneTickShort(pp.Pipeline):  # the last microbatch never reaches the end
-        @property
-        def ticks(self):
-            return super().ticks - 1
+@dataclasses.dataclass(frozen=True)
+class OneTickShort(pp.Pipeline):  # the last microbatch never reaches the end
+    @property
+    def ticks(self):
+        return super().ticks - 1
 
+
+def test_a_bubble_that_leaks_is_named_as_a_leak():
     plan = OneTickShort(ms.make_mesh({"stage": 2}, devices=jax.devices()[:2]), microbatches=2)
     with pytest.raises(
         AssertionError, match=r"^output: \d+ NaN where the sequential run has numbers: a bubble leaked"
@@ -157,3 +159,54 @@ def test_assert_pipeline_equivalent_refuses_a_model_that_is_not_stacked():
         TypeError, match=r"^assert_pipeline_equivalent: model must be a StackedModel or Stacked"
     ):
         assert_pipeline_equivalent(plain, X, pp.Pipeline(MESH2, microbatches=2))
+
+
+# Tensor parallelism inside the pipeline: Megatron MLP blocks, "mlp" over "model", the blocks over "stage".
+TP_IN_PP = ms.AxisRules(batch=None, stage="stage", embed=None, mlp="model")
+STAGE_AND_MODEL = ms.make_mesh({"stage": 2, "model": 2}, devices=jax.devices()[:4])
+
+
+def megatron_blocks():
+    axes = [("embed", "mlp"), ("mlp", "embed")]
+    return pp.Stacked(
+        lambda key: ms.mlp([WIDTH, 4 * WIDTH, WIDTH], key=key, axes=axes), 4, key=jax.random.key(3)
+    )
+
+
+def test_tp_inside_pp_takes_the_rules_and_a_leaked_bubble_names_the_pipeline_on_its_mesh():
+    blocks = megatron_blocks()
+    assert_split(blocks, STAGE_AND_MODEL, over="model", rules=TP_IN_PP, at_least=3)  # tp splits
+    plan = pp.Pipeline(STAGE_AND_MODEL, microbatches=2)
+    out = assert_pipeline_equivalent(blocks, X, plan, rules=TP_IN_PP)
+    np.testing.assert_allclose(out, blocks(X), rtol=1e-5, atol=1e-6)
+    with pytest.raises(
+        AssertionError,
+        match=r"^output: \d+ NaN where the sequential run has numbers: a bubble leaked \(stages 2, "
+        r"microbatches 2, repeats 1, on mesh \{'stage': 2, 'model': 2\} under the rules\)",
+    ):
+        assert_pipeline_equivalent(blocks, X, OneTickShort(STAGE_AND_MODEL, microbatches=2), rules=TP_IN_PP)
+
+
+def test_the_rules_lay_out_the_pipelined_run():
+    """A rule naming a mesh axis the pipeline's mesh lacks is refused: the rules are used, not ignored."""
+    plan, nowhere = pp.Pipeline(STAGE_AND_MODEL, microbatches=2), ms.AxisRules(mlp="expert")
+    with pytest.raises(ValueError, match="expert"):
+        assert_pipeline_equivalent(megatron_blocks(), X, plan, rules=nowhere)
+
+
+def test_a_bubble_leaked_through_assert_sharded_equivalent_is_named_not_a_nan_location_mismatch():
+    short = OneTickShort(STAGE_AND_MODEL, microbatches=2)
+
+    def pipelined(blocks, x):
+        return pp.run_pipeline(blocks, x, short)
+
+    def sequential(blocks, x):
+        return blocks(x)
+
+    with pytest.raises(
+        AssertionError,
+        match=r"sharded != unsharded: \d+ NaN where the unsharded run has numbers: a pipeline's bubble",
+    ):
+        assert_sharded_equivalent(
+            pipelined, megatron_blocks(), X, mesh=STAGE_AND_MODEL, rules=TP_IN_PP, reference=sequential
+        )

@@ -228,10 +228,14 @@ def test_explain_on_a_topology_prints_xla_tpus_report_and_both_programs(capsys):
     out = capsys.readouterr().out
     report, programs = out.split("compiled by XLA:CPU (8 simulated devices) and XLA:TPU:\n")
     assert "predicted step on TPU v5e, 512 examples per device" in report  # the slice's chips price it
-    assert re.search(r"\n  reduce-scatter +x1  213.0 kB  over \('data',\)\n", report)  # XLA:TPU's census
+    # the first weight's gradient, 784 x 512 float32, reduce-scattered: each chip its 784 / 8 = 98 rows,
+    # padded to XLA:TPU's tile of 8 rows: 104
+    rows_per_chip = -(-(784 // 8) // 8) * 8
+    scattered = human_bytes(rows_per_chip * 512 * 4)
+    assert re.search(rf"\n  reduce-scatter +x1  {scattered}  over \('data',\)\n", report)  # XLA:TPU's census
     rows = {line.split()[0]: line for line in programs.splitlines()}
     assert rows["reduce-scatter"].split()[1] == "-"  # XLA:CPU all-reduces the gradient whole
-    assert rows["reduce-scatter"].split()[2:] == ["x1", "213.0", "kB", "over", "data"]  # 98 rows padded: 104
+    assert rows["reduce-scatter"].split()[2:] == ["x1", *scattered.split(), "over", "data"]
 
 
 @pytest.mark.slow  # 9 s: ZeRO-3's shard_map step compiled by XLA:TPU

@@ -28,7 +28,8 @@ hypothesis strategies that keep the number of compiled programs small.
 * ``budgets.py``: ``Limit``, ``assert_collectives``, ``data_parallel_limits``, ``megatron_limits``;
 * ``profiles.py``: the ``"minishard"`` hypothesis profiles (``register_profiles``);
 * ``pipelines.py``: ``pipelines`` that fit a stacked model, ``assert_pipeline_equivalent``
-  (pipelined == sequential, forward and gradients; a leaking bubble is named);
+  (pipelined == sequential, forward and gradients; ``rules=`` for tp inside pp; a leaking
+  bubble is named);
 * ``attention.py``: ``sequence_layouts`` (meshes, layouts, shapes), ``assert_attention_equivalent``
   (a context-parallel attention == attention on one device; the first wrong token is named);
 * ``compositions.py``: ``compositions``, composed meshes (``Composition``: which dimensions of

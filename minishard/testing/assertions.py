@@ -115,10 +115,27 @@ def assert_sharded_equivalent(
     leaves = zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree_util.tree_leaves(expected), declared)
     for (path, got), want, spec in leaves:
         where = f"output {path_str(path)}"
+        if leaked := _nan_where_numbers(got, want):
+            raise AssertionError(f"{where}: sharded != unsharded: {leaked}")
         np.testing.assert_allclose(got, want, rtol, atol, err_msg=f"{where}: sharded != unsharded")
         if spec is not None and not NamedSharding(mesh, spec).is_equivalent_to(got.sharding, got.ndim):
             raise AssertionError(f"{where}: has sharding {got.sharding}, but Sharded declared {spec}")
     return actual
+
+
+def _nan_where_numbers(got: Any, want: Any) -> str | None:
+    """Where the sharded run has NaN and the reference numbers, what that usually is (or None).
+    numpy would say only "nan location mismatch"; a pipeline fills its bubbles with NaN."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape or not np.issubdtype(got.dtype, np.inexact):
+        return None  # assert_allclose says what differs
+    if not (leaked := int((np.isnan(got) & ~np.isnan(want)).sum())):
+        return None
+    return (
+        f"{leaked} NaN where the unsharded run has numbers: a pipeline's bubble leaked into the "
+        "result? (minishard.pipeline fills bubbles with NaN; assert_pipeline_equivalent(..., "
+        "rules=) names the pipeline)"
+    )
 
 
 @cached

@@ -21,7 +21,9 @@ import numpy as np
 from hypothesis import strategies as st
 
 from minishard.pipeline import Pipeline, Stacked, StackedModel, run_pipeline
-from minishard.sharding import make_mesh
+from minishard.rules import AxisRules
+from minishard.sharding import Sharded, make_mesh
+from minishard.testing._cache import cached
 from minishard.testing.assertions import _check_tolerances
 from minishard.tree import path_str
 
@@ -86,12 +88,23 @@ def _stage_mesh(p: int, stage_axis: str) -> Any:
 
 
 def assert_pipeline_equivalent(
-    model: StackedModel | Stacked, x: Any, pipeline: Pipeline, *, rtol: float = 1e-5, atol: float = 0.0
+    model: StackedModel | Stacked,
+    x: Any,
+    pipeline: Pipeline,
+    *,
+    rules: AxisRules | None = None,
+    rtol: float = 1e-5,
+    atol: float = 0.0,
 ) -> Any:
     """The pipelined ``model(x)`` and its gradients equal the sequential ones; returns the pipelined output.
 
     ``model``: a ``StackedModel`` (run with ``pipeline``, and with none) or bare
     ``Stacked`` blocks (``run_pipeline(blocks, x, pipeline)`` against ``blocks(x)``).
+    With ``rules``, the pipelined run is ``Sharded(pipeline.mesh, rules)``'s, every array
+    laid out by them: tensor parallelism inside the pipeline, say, on a mesh
+    ``{"stage": 2, "model": 2}`` with ``mlp="model"``. The sequential run stays on one
+    device. Without rules only the pipeline splits anything.
+
     The gradients are those of the loss ``mean(sin(output))``, with respect to
     every parameter and to ``x``: averaged, as a training loss is, and through
     ``sin`` so that each output element gets its own cotangent (a microbatch
@@ -123,7 +136,9 @@ def assert_pipeline_equivalent(
             f"{type(model).__name__}; stack its blocks (minishard.pipeline.Stacked, stacked_mlp)"
         )
     _check_tolerances("assert_pipeline_equivalent", rtol, atol)
-    got = jax.block_until_ready(_value_and_grads(model, x, pipeline))
+    alone = functools.partial(_value_and_grads, pipeline=pipeline)
+    pipelined = alone if rules is None else _sharded(pipeline, rules)
+    got = jax.block_until_ready(pipelined(model, x))
     want = jax.block_until_ready(_value_and_grads(model, x, None))
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want), strict=True
@@ -131,10 +146,11 @@ def assert_pipeline_equivalent(
         where, a, b = _named(path_str(path)), np.asarray(a), np.asarray(b)
         leaked = np.isnan(a) & ~np.isnan(b)
         if leaked.any():
+            on = "" if rules is None else f", on mesh {dict(pipeline.mesh.shape)} under the rules"
             raise AssertionError(
                 f"{where}: {int(leaked.sum())} NaN where the sequential run has numbers: a bubble leaked "
                 f"(stages {pipeline.stages}, microbatches {pipeline.microbatches}, "
-                f"repeats {pipeline.repeats})"
+                f"repeats {pipeline.repeats}{on})"
             )
         largest = float(np.nanmax(np.abs(b), initial=0.0))
         np.testing.assert_allclose(
@@ -170,6 +186,17 @@ def _value_and_grads(model: Any, x: Any, pipeline: Pipeline | None) -> Any:
 
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(model, x)
     return y, grads
+
+
+@cached
+def _sharded(pipeline: Pipeline, rules: AxisRules) -> Any:
+    """``_value_and_grads`` with ``pipeline`` under ``Sharded(pipeline.mesh, rules)``, one per pair:
+    a new ``Sharded(...)(fn)`` jits a new function, which compiles again for every example."""
+
+    def value_and_grads(model: Any, x: Any) -> Any:
+        return _value_and_grads(model, x, pipeline)
+
+    return Sharded(pipeline.mesh, rules)(value_and_grads)
 
 
 def _run(model: Any, x: Any, pipeline: Pipeline | None) -> Any:
