@@ -61,12 +61,14 @@ class LossScale(NamedTuple):
 
     @classmethod
     def start(cls, scale: float = INITIAL) -> LossScale:
+        _checks.loss_scale_start(scale)
         return cls(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32))
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """One boolean: is every number of every array in ``tree`` finite (no inf, no NaN)?"""
-    return jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]).all()
+    """One boolean: is every number of every array in ``tree`` finite (no inf, no NaN)? A tree without
+    arrays has none that is not: ``True``, as ``jmp.all_finite`` says."""
+    return jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)] + [True]).all()
 
 
 def adjust(
@@ -86,6 +88,8 @@ def adjust(
     1.0 0
     1.0 1
     """
+    _checks.loss_scale("adjust", period, factor, floor)
+    _checks.scalar_bool("adjust: finite", finite)
     doubled = jnp.where(jnp.isfinite(state.scale * factor), state.scale * factor, state.scale)
     grown = jnp.where(state.good == period - 1, doubled, state.scale)
     scale = jnp.where(finite, grown, jnp.maximum(floor, state.scale / factor))
@@ -117,9 +121,9 @@ class LossScaled:
     def __init__(
         self, optimizer: Optimizer, initial: float = INITIAL, period: int = PERIOD, factor: float = FACTOR
     ) -> None:
+        _checks.optimizer("LossScaled: optimizer", optimizer)
         _checks.positive("LossScaled: initial", initial)
-        _checks.count("LossScaled: period", period)
-        _checks.positive("LossScaled: factor", factor)
+        _checks.loss_scale("LossScaled", period, factor, FLOOR)
         self.optimizer, self.initial, self.period, self.factor = optimizer, initial, period, factor
         self.learning_rate = optimizer.learning_rate
 
@@ -130,6 +134,7 @@ class LossScaled:
         self, params: Any, grads: Any, state: LossScaledState, *, axis_name: str | None = None
     ) -> tuple[Any, LossScaledState]:
         """One step on the gradients of the scaled loss, or none where they overflowed."""
+        _checks.loss_scaled_state("LossScaled.update", state, LossScaledState)
         unscaled = jax.tree.map(lambda g: g * (1 / state.loss_scale.scale), grads)
         finite = all_finite(unscaled)
         stepped = self.optimizer.update(params, unscaled, state.inner, axis_name=axis_name)

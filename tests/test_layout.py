@@ -80,7 +80,7 @@ CHAPTERS = {
     # §2: zero_budget, ZeRO's own step term by term (31), Budget.cast_each_step (ZeRO holds its bf16 weights)
     "serving": 245,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too; GPT-2's
     # shape (gated, positions, biases) and minishard's own GPT as a size (14), which --check compiles
-    "precision": 242,
+    "precision": 246,  # issue 59: the loss scale's guards, one line each where they act (4 lines)
     "layouts": 465,  # issue 46 §3: pp ranked (bubble, microbatches, stage memory: 50), runner-up terms (25);
     # each dimension's collectives as records, Send (sends, bytes_sent: 38), which --check compiles against
 }
