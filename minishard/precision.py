@@ -14,7 +14,7 @@ costs in numbers and in bytes sent:
    float32's 8 exponent bits and needs none of it.
 2. **Where the cast sits under FSDP.** Cast each weight's shard to bfloat16, and
    the all-gather moves 2 bytes a number; gather the float32 weight first, and 4
-   (levanter#426). ``partitioned`` reads a step's collectives as XLA's SPMD
+   (levanter#426). ``census.as_asked`` reads a step's collectives as XLA's SPMD
    partitioner wrote them, before XLA:CPU widens bfloat16 ones to float32.
 3. **In which dtype gradients are reduced.** Differentiated through the cast,
    a gradient leaves the backward pass in the compute dtype, and the partitioner
@@ -30,11 +30,8 @@ costs in numbers and in bytes sent:
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -164,21 +161,6 @@ def gathered(tree: Any) -> Any:
     return jax.tree.map(lambda x: constrain(x, (None,) * jnp.ndim(x)), tree)
 
 
-def partitioned(lowered: jax.stages.Lowered) -> str:
-    """``lowered``'s program as XLA's SPMD partitioner wrote it: its collectives in the dtypes the step
-    sends. Feed it to ``census.collectives(text, mesh)``.
-
-    XLA:CPU computes no bfloat16: a later pass (``float-normalization-bf16``) widens
-    every bfloat16 collective to float32 between two converts, so the final CPU
-    program moves 4 bytes a number where a GPU or TPU moves 2. The partitioner's
-    output, dumped as it compiles, is what an accelerator would send.
-    """
-    with tempfile.TemporaryDirectory() as folder:
-        lowered.compile({"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        (path,) = glob.glob(f"{folder}/*after_spmd-partitioning*")
-        return Path(path).read_text()
-
-
 # --- 3. in which dtype gradients are reduced ------------------------------------------------
 
 
@@ -238,7 +220,6 @@ __all__ = [
     "adjust",
     "all_finite",
     "gathered",
-    "partitioned",
     "reduced_in",
     "replicas",
     "scaled",

@@ -16,7 +16,7 @@ import pytest
 from minishard import SGD, AdamW, Sharded, make_mesh, megatron_axes, mlp
 from minishard import memory as mm
 from minishard import precision as mp
-from minishard.census import collectives
+from minishard.census import as_asked, collectives
 from minishard.losses import classification_loss
 from minishard.run.cli import main
 from minishard.run.steps import make_train_step
@@ -221,14 +221,14 @@ def test_an_fp32_checkpoint_resumed_in_fp16_names_the_precision_in_one_line(tmp_
 
 
 def _compiled_collectives(style: str, loss, precision=None):
-    """The collectives of the default MLP's SGD step under ``style`` on 4 devices, as partitioned."""
+    """The collectives of the default MLP's SGD step under ``style`` on 4 devices, in the dtypes sent."""
     shape, rules = mesh_rules(style, 4)
     mesh = make_mesh(shape, devices=jax.devices()[:4])
     model, optimizer = mlp([784, 512, 10], key=jax.random.key(0), axes=megatron_axes(2)), SGD(0.1)
     batch = {"image": jnp.zeros((32, 784)), "label": jnp.zeros(32, jnp.int32)}
     step = make_train_step(optimizer, loss, precision=precision)
     lowered = Sharded(mesh, rules)(step).lower(model, optimizer.init(model), batch)
-    return collectives(mp.partitioned(lowered), mesh)
+    return collectives(as_asked(lowered), mesh)
 
 
 WEIGHTS = 784 * 512 + 512 + 512 * 10 + 10  # the MLP's numbers
