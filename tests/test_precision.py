@@ -324,3 +324,47 @@ def test_explain_memory_prices_the_fp16_step_train_runs(capsys):
     for term in ("arguments", "temporaries", "total"):
         (row,) = [line for line in out.splitlines() if line.startswith(term)]
         assert re.fullmatch(rf"{term} +[\d.]+ [kM]?B +[\d.]+ [kM]?B \(\d\.\d\dx\)", row), row
+
+
+# --- comparing steps in a precision policy (minishard.testing.precision) ----------------------------
+
+
+def _gpt_step_gradients(precision, style=None, rows=32):
+    """The small GPT's SGD(1.0) step, what it moved each weight by: unsharded, or ``style`` on 8
+    devices; on the first ``rows`` of the batch (fewer: a replica that forgot the others')."""
+    from minishard.models.gpt import GPT
+    from minishard.run.next_token import next_token_loss
+
+    model = GPT(vocab=65, context=16, width=64, depth=2, heads=4, key=jax.random.key(0))
+    windows = jax.random.randint(jax.random.key(1), (32, 16), 0, 65)[:rows]
+    sgd = SGD(1.0)
+    step = make_train_step(sgd, next_token_loss, precision=precision)
+    if style is not None:
+        shape, rules = mesh_rules(style, 8)
+        step = Sharded(make_mesh(shape, devices=jax.devices()[:8]), rules)(step)
+    new = (step if style else jax.jit(step))(model, sgd.init(model), {"inputs": windows, "targets": windows})[
+        0
+    ]
+    return jax.tree.map(lambda after, before: np.float64(before) - np.float64(after), new, model)
+
+
+@pytest.mark.slow  # 4 compiles of a small GPT: about 15 s
+def test_a_bf16_step_sharded_is_within_its_tolerance_and_fp32_or_broken_steps_are_not():
+    from minishard.testing.precision import assert_close_in
+
+    unsharded = _gpt_step_gradients(mm.BF16)
+    assert_close_in("bfloat16", _gpt_step_gradients(mm.BF16, "dp"), unsharded, replicas=8)
+    with pytest.raises(AssertionError, match=r"assert_close_in: .* float32 over 1 replicas allows 1\.43e-06"):
+        assert_close_in("float32", unsharded, _gpt_step_gradients(None))  # bfloat16 where fp32 was asked
+    with pytest.raises(AssertionError, match=r"assert_close_in: .* bfloat16 over 8 replicas allows 0\.117"):
+        assert_close_in("bfloat16", _gpt_step_gradients(mm.BF16, rows=4), unsharded, replicas=8)  # 1 of 8
+
+
+def test_the_step_tolerance_is_epsilons_of_the_compute_dtype():
+    from minishard.testing.precision import ROUNDINGS, step_tolerance
+
+    assert step_tolerance("bfloat16") == 2.0**-7 * ROUNDINGS
+    assert step_tolerance("float16", replicas=4) == 2.0**-10 * (ROUNDINGS + 2)  # one rounding per halving
+    assert step_tolerance("float32", replicas=3) == 2.0**-23 * (ROUNDINGS + 2)
+    with pytest.raises(ValueError, match="step_tolerance: replicas must be a positive int, got 0"):
+        step_tolerance("bfloat16", replicas=0)
