@@ -217,6 +217,22 @@ def test_an_fp32_checkpoint_resumed_in_fp16_names_the_precision_in_one_line(tmp_
     )
 
 
+@pytest.mark.skipif(
+    not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "tiny_shakespeare")),
+    reason="needs tiny_shakespeare prepared by tfds: set TFDS_DATA_DIR (make test does)",
+)
+@pytest.mark.slow  # a GPT step in fp16, its checkpoint, decoding: about 20 s
+def test_a_gpt_trained_in_fp16_samples_from_its_checkpoint(tmp_path, capsys):
+    """The checkpoint's optimizer state carries the loss scale: sample rebuilds it (it was refused:
+    "checkpoint has none" of opt_state.inner)."""
+    tiny = ["--model", "gpt", "--width", "16", "--depth", "1", "--heads", "2", "--context", "16"]
+    directory = str(tmp_path / "run")
+    assert main(["train", *tiny, "--steps", "1", "--precision", "fp16", "--checkpoint-dir", directory]) == 0
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint-dir", directory, "--prompt", "RO", "--tokens", "5"]) == 0
+    assert len(capsys.readouterr().out.rstrip("\n")) == len("RO") + 5
+
+
 # --- 2. where the cast sits under FSDP, and 3. the gradients' reduction ----------------------------
 
 
