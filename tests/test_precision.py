@@ -370,9 +370,9 @@ def test_a_bf16_step_sharded_is_within_its_tolerance_and_fp32_or_broken_steps_ar
 
     unsharded = _gpt_step_gradients(mm.BF16)
     assert_close_in("bfloat16", _gpt_step_gradients(mm.BF16, "dp"), unsharded, replicas=8)
-    with pytest.raises(AssertionError, match=r"assert_close_in: .* float32 over 1 replicas allows 1\.43e-06"):
+    with pytest.raises(AssertionError, match=r"assert_close_in: .* float32 over 1 replicas allows 3\.81e-06"):
         assert_close_in("float32", unsharded, _gpt_step_gradients(None))  # bfloat16 where fp32 was asked
-    with pytest.raises(AssertionError, match=r"assert_close_in: .* bfloat16 over 8 replicas allows 0\.117"):
+    with pytest.raises(AssertionError, match=r"assert_close_in: .* bfloat16 over 8 replicas allows 0\.273"):
         assert_close_in("bfloat16", _gpt_step_gradients(mm.BF16, rows=4), unsharded, replicas=8)  # 1 of 8
 
 
