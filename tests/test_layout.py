@@ -345,10 +345,12 @@ ONE_HOME = (
     "Layout",
     "Program",
     "price",
+    "as_asked",
 )
 """Names the package defines once (a class, a function or an assignment): a second definition of one
 of these concepts under the same name is a second meaning of it (issue 43; ``Layout``, ``Program`` and
-``price`` had two or three)."""
+``price`` had two or three; issue 59: ``census.as_asked`` and ``precision.partitioned`` both gave what
+an accelerator sends, and ``as_asked`` is now the one)."""
 
 
 def definitions(name: str) -> list[str]:
