@@ -8,11 +8,11 @@ asked to communicate (XLA:CPU widens bf16 collectives to f32).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterator
 
-import jax
 import numpy as np
 
 from minishard.rules import AnyMesh
@@ -283,41 +283,30 @@ def _ints(text: str | None) -> list[int]:
     return [int(i) for i in _INTS.findall(text or "")]
 
 
-# Bytes in the dtype the program asked for.
-# XLA:CPU widens bf16 collectives to f32 (a bf16 psum compiles to an f32 all-reduce
-# between two converts), so the compiled CPU program moves twice the bytes a GPU or
-# TPU would. The lowered StableHLO still holds what the program asked for.
-
-_STABLEHLO_COLLECTIVE = re.compile(r'"?stablehlo\.(?:all_reduce|all_gather|reduce_scatter|all_to_all)"?')
-_TENSOR_FLOAT = re.compile(r"tensor<(?:[\d?]+x)*(f64|f32|bf16|f16|f8\w*)>")
-FLOAT_BITS = {"f64": 64, "f32": 32, "bf16": 16, "f16": 16}
+# Bytes in the dtypes the program sends. XLA:CPU widens bf16 collectives to f32 (a
+# bf16 psum compiles to an f32 all-reduce between two converts); the SPMD partitioner,
+# which inserted them, wrote each in the dtype the program sends.
 
 
-def asked_float(lowered: jax.stages.Lowered) -> str | None:
-    """The widest float type the program asks to communicate: ``"bf16"``, ``"f32"``, ...; None if none.
+def narrowed(text: str, partitioned: str) -> str:
+    """``text`` (a compiled program) with each collective's f32 arrays written in the dtype the SPMD
+    partitioner gave the collective of that kind and shape (``partitioned``, its output), in order:
+    XLA may have combined several into one tuple since, but keeps their shapes."""
+    asked: dict[tuple[str, str], list[str]] = {}
+    for _, inserted in located(partitioned):
+        for dtype, dims in _ARRAY.findall(inserted["shape"]):
+            asked.setdefault((inserted["kind"], dims), []).append(dtype)
 
-    Read from the collectives of the lowered StableHLO (``shard_map`` programs
-    write them there); a ``jax.jit`` program with shardings has none before XLA's
-    partitioner runs, so its floating-point arguments answer instead.
-    """
-    lines = lowered.as_text().splitlines()
-    found = [
-        t
-        for i, line in enumerate(lines)
-        if _STABLEHLO_COLLECTIVE.search(line)
-        for t in _TENSOR_FLOAT.findall(" ".join(lines[i : i + 12]))
-    ]
-    if not found:  # the partitioner will insert the collectives: they carry the arguments' floats
-        dtypes = {np.dtype(a.dtype) for a in jax.tree.leaves(lowered.in_avals) if hasattr(a, "dtype")}
-        floats = [d for d in dtypes if jax.numpy.issubdtype(d, jax.numpy.floating) and d.itemsize > 1]
-        found = [{2: "bf16", 4: "f32", 8: "f64"}[d.itemsize] for d in floats]
-    return max(found, key=lambda t: FLOAT_BITS.get(t, 8), default=None)
-
-
-def narrowed(text: str, asked: str) -> str:
-    """``text`` with every collective's f32 result written as ``asked`` (``"bf16"``)."""
     lines = text.splitlines()
     for i, line in enumerate(lines):
-        if match := _INSTRUCTION.match(stripped := _COMMENT.sub("", line)):  # narrow the result only
-            lines[i] = stripped.replace(match["shape"], match["shape"].replace("f32[", f"{asked}["), 1)
+        if compiled := _INSTRUCTION.match(stripped := _COMMENT.sub("", line)):
+            shape = _ARRAY.sub(functools.partial(_written, asked, compiled["kind"]), compiled["shape"])
+            lines[i] = stripped.replace(compiled["shape"], shape, 1)
     return "\n".join(lines)
+
+
+def _written(asked: dict[tuple[str, str], list[str]], kind: str, array: re.Match[str]) -> str:
+    """One f32 array of a ``kind`` collective, in the next dtype the partitioner asked for its shape."""
+    dtype, dims = array.groups()
+    pending = asked.get((kind, dims))
+    return f"{pending.pop(0)}[{dims}]" if dtype == "f32" and pending else array[0]

@@ -48,13 +48,16 @@ an all-reduce about twice that (a reduce-scatter followed by an all-gather).
 from __future__ import annotations
 
 import dataclasses
+import glob
+import tempfile
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
 
 from minishard import _hlo
-from minishard._hlo import FLOAT_BITS, KINDS, asked_float, narrowed
+from minishard._hlo import KINDS, narrowed
 from minishard.rules import AnyMesh
 
 # --- 1. what a program sends ---------------------------------------------------
@@ -199,18 +202,21 @@ def mesh_of(compiled: jax.stages.Compiled) -> AnyMesh | None:
     return next((s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)), None)
 
 
-# --- 2. bytes in the dtype the program asked for --------------------------------
-# XLA:CPU widens bf16 collectives to f32 (a bf16 psum compiles to an f32 all-reduce
-# between two converts), so the compiled CPU program moves twice the bytes a GPU or
-# TPU would. ``as_asked(lowered)`` rewrites them in the float type the lowered
-# StableHLO asked for; ``collectives(as_asked(lowered), mesh)`` counts those bytes.
+# --- 2. bytes in the dtypes the program sends -----------------------------------
+# XLA:CPU computes no bfloat16: a late pass (``float-normalization-bf16``) widens
+# every bf16 collective to f32 between two converts, so the compiled CPU program
+# moves twice the bytes a GPU or TPU would. XLA's SPMD partitioner, which inserts
+# the collectives, wrote each in the dtype the program sends: ``as_asked(lowered)``
+# is the compiled program with its collectives in those dtypes, and
+# ``collectives(as_asked(lowered), mesh)`` counts the bytes an accelerator would move.
 
 
 def as_asked(lowered: jax.stages.Lowered) -> str:
-    """The compiled HLO text, with each f32 collective written in the float type the program asked for.
+    """The compiled HLO text, each collective in the dtype XLA's SPMD partitioner wrote for it.
 
-    Feed it to ``collectives`` or ``instructions`` (with ``mesh=``) to count the
-    bytes a GPU or TPU would move. A program that asked for f32 comes back unchanged.
+    Feed it to ``collectives`` or ``instructions`` (with ``mesh=``) to count the bytes a
+    GPU or TPU would move, each collective in its own dtype (bfloat16 weights gathered,
+    float32 gradients reduced). A float32 program comes back as it compiled.
 
     >>> mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     >>> psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
@@ -219,11 +225,10 @@ def as_asked(lowered: jax.stages.Lowered) -> str:
     >>> collectives(lowered)["all-reduce"].bytes, collectives(as_asked(lowered), mesh)["all-reduce"].bytes
     (4096, 2048)
     """
-    text = lowered.compile().as_text() or ""
-    asked = asked_float(lowered)
-    if asked is None or FLOAT_BITS.get(asked, 32) >= 32:
-        return text
-    return narrowed(text, asked)
+    with tempfile.TemporaryDirectory() as folder:  # the partitioner's output, dumped as the program compiles
+        text = lowered.compile({"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"}).as_text()
+        dumped = sorted(glob.glob(f"{folder}/*after_spmd-partitioning*"))
+        return narrowed(text or "", Path(dumped[0]).read_text()) if dumped else text or ""  # 1 device: none
 
 
 __all__ = [

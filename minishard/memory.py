@@ -66,6 +66,7 @@ class Precision:
     def __post_init__(self) -> None:
         for name, dtype in dataclasses.asdict(self).items():
             _checks.one_of(f"Precision: {name}", dtype, (*DTYPES, None) if name in OPTIONAL else DTYPES)
+        _checks.copies_as_wide(dataclasses.asdict(self))
 
     def compute(self, tree: Any) -> Any:
         """``tree`` as the step computes with it: every floating array in ``params``'s dtype (jmp's

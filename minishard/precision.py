@@ -14,7 +14,7 @@ costs in numbers and in bytes sent:
    float32's 8 exponent bits and needs none of it.
 2. **Where the cast sits under FSDP.** Cast each weight's shard to bfloat16, and
    the all-gather moves 2 bytes a number; gather the float32 weight first, and 4
-   (levanter#426). ``partitioned`` reads a step's collectives as XLA's SPMD
+   (levanter#426). ``census.as_asked`` reads a step's collectives as XLA's SPMD
    partitioner wrote them, before XLA:CPU widens bfloat16 ones to float32.
 3. **In which dtype gradients are reduced.** Differentiated through the cast,
    a gradient leaves the backward pass in the compute dtype, and the partitioner
@@ -30,11 +30,8 @@ costs in numbers and in bytes sent:
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -61,12 +58,14 @@ class LossScale(NamedTuple):
 
     @classmethod
     def start(cls, scale: float = INITIAL) -> LossScale:
+        _checks.loss_scale_start(scale)
         return cls(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32))
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """One boolean: is every number of every array in ``tree`` finite (no inf, no NaN)?"""
-    return jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]).all()
+    """One boolean: is every number of every array in ``tree`` finite (no inf, no NaN)? A tree without
+    arrays has none that is not: ``True``, as ``jmp.all_finite`` says."""
+    return jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)] + [True]).all()
 
 
 def adjust(
@@ -86,6 +85,8 @@ def adjust(
     1.0 0
     1.0 1
     """
+    _checks.loss_scale("adjust", period, factor, floor)
+    _checks.scalar_bool("adjust: finite", finite)
     doubled = jnp.where(jnp.isfinite(state.scale * factor), state.scale * factor, state.scale)
     grown = jnp.where(state.good == period - 1, doubled, state.scale)
     scale = jnp.where(finite, grown, jnp.maximum(floor, state.scale / factor))
@@ -117,9 +118,9 @@ class LossScaled:
     def __init__(
         self, optimizer: Optimizer, initial: float = INITIAL, period: int = PERIOD, factor: float = FACTOR
     ) -> None:
+        _checks.optimizer("LossScaled: optimizer", optimizer)
         _checks.positive("LossScaled: initial", initial)
-        _checks.count("LossScaled: period", period)
-        _checks.positive("LossScaled: factor", factor)
+        _checks.loss_scale("LossScaled", period, factor, FLOOR)
         self.optimizer, self.initial, self.period, self.factor = optimizer, initial, period, factor
         self.learning_rate = optimizer.learning_rate
 
@@ -130,6 +131,7 @@ class LossScaled:
         self, params: Any, grads: Any, state: LossScaledState, *, axis_name: str | None = None
     ) -> tuple[Any, LossScaledState]:
         """One step on the gradients of the scaled loss, or none where they overflowed."""
+        _checks.loss_scaled_state("LossScaled.update", state, LossScaledState)
         unscaled = jax.tree.map(lambda g: g * (1 / state.loss_scale.scale), grads)
         finite = all_finite(unscaled)
         stepped = self.optimizer.update(params, unscaled, state.inner, axis_name=axis_name)
@@ -157,21 +159,6 @@ def gathered(tree: Any) -> Any:
     """Every array of ``tree`` constrained whole on each device: FSDP's all-gather, said out loud
     (inside ``Sharded``; elsewhere ``tree``). Cast after it, the gather moves float32."""
     return jax.tree.map(lambda x: constrain(x, (None,) * jnp.ndim(x)), tree)
-
-
-def partitioned(lowered: jax.stages.Lowered) -> str:
-    """``lowered``'s program as XLA's SPMD partitioner wrote it: its collectives in the dtypes the step
-    sends. Feed it to ``census.collectives(text, mesh)``.
-
-    XLA:CPU computes no bfloat16: a later pass (``float-normalization-bf16``) widens
-    every bfloat16 collective to float32 between two converts, so the final CPU
-    program moves 4 bytes a number where a GPU or TPU moves 2. The partitioner's
-    output, dumped as it compiles, is what an accelerator would send.
-    """
-    with tempfile.TemporaryDirectory() as folder:
-        lowered.compile({"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        (path,) = glob.glob(f"{folder}/*after_spmd-partitioning*")
-        return Path(path).read_text()
 
 
 # --- 3. in which dtype gradients are reduced ------------------------------------------------
@@ -233,7 +220,6 @@ __all__ = [
     "adjust",
     "all_finite",
     "gathered",
-    "partitioned",
     "reduced_in",
     "replicas",
     "scaled",

@@ -655,14 +655,36 @@ def test_a_bf16_step_computes_in_bfloat16_on_the_float32_master():
     windows = jax.random.randint(jax.random.key(1), (4, 16), 0, 65)
     args = (model, optimizer.init(model), {"inputs": windows, "targets": windows})
     bf16 = make_train_step(optimizer, next_token_loss, precision=mm.BF16)
-    program = str(jax.make_jaxpr(bf16)(*args))
-    assert "bf16[4,16,2,16]" in program and "dot_general" in program  # q, k, v in bfloat16
+    # Every matrix product multiplies bfloat16 by bfloat16, forward and backward, but attention's scores
+    # and their weighted sum: float32 by design (context.scores), each with a [4, 2, 16, 16] operand or
+    # result (the scores, or their gradient).
+    products = _products(jax.make_jaxpr(bf16)(*args).jaxpr)
+    scores = (4, 2, 16, 16)  # [batch, heads, query, key]
+    assert {dtypes for dtypes, shapes in products if scores not in shapes} == {("bfloat16", "bfloat16")}
+    assert {dtypes for dtypes, shapes in products if scores in shapes} == {("float32", "float32")}
+    fp32 = _products(jax.make_jaxpr(make_train_step(optimizer, next_token_loss))(*args).jaxpr)
+    assert len(products) == len(fp32) and {dtypes for dtypes, _ in fp32} == {("float32", "float32")}
     (new, _, loss, _), (_, _, reference, _) = (
         jax.jit(bf16)(*args),
         jax.jit(make_train_step(optimizer, next_token_loss))(*args),
     )
     assert {leaf.dtype for leaf in jax.tree.leaves(new)} == {jnp.dtype("float32")}  # the master stays
     assert loss.dtype == jnp.float32 and abs(float(loss) - float(reference)) < 0.02
+
+
+def _products(jaxpr: Any) -> list[tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]]:
+    """Each ``dot_general`` of ``jaxpr`` and of the programs inside it: its operands' dtypes, and the
+    shapes of its operands and result."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            shapes = tuple(v.aval.shape for v in (*eqn.invars, *eqn.outvars))
+            found.append((tuple(str(v.aval.dtype) for v in eqn.invars), shapes))
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, list | tuple) else [param]:
+                if isinstance(inner, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
+                    found += _products(getattr(inner, "jaxpr", inner))
+    return found
 
 
 @pytest.mark.slow

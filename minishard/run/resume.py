@@ -31,6 +31,7 @@ except ImportError:
 
 __all__ = [
     "another_setting",
+    "changed_setting",
     "check_checkpoint_dir",
     "check_meta",
     "kept",
@@ -145,8 +146,8 @@ def check_meta(
             raise ValueError(f"field {name!r} is {meta.get(name)!r}, not a {kind.__name__}")
     signature = signatures[0]
     if "model" in meta and meta["model"] not in signatures:  # older checkpoints did not store it
-        if differs := setting_difference(meta, info):
-            raise ResumeError(another_setting(directory, differs))
+        if why := changed_setting(directory, meta, info):
+            raise ResumeError(why)
         raise ResumeError(
             f"the checkpoint in {directory} was saved from another model:\n"
             f"  checkpoint: {_around_difference(meta['model'], signature)}\n"
@@ -159,6 +160,21 @@ def check_meta(
             f"the checkpoint in {directory} was saved with data order {saved}, but this run has "
             f"{dict(data_order)}; resume with the same --seed and --batch-size, or start afresh"
         )
+
+
+def changed_setting(directory: Any, meta: dict[str, Any], info: Mapping[str, Any] | None) -> str:
+    """Why a checkpoint's arrays are not this run's, when a saved setting says it: another ``--precision``
+    (fp16's optimizer state carries a loss scale), another style or model flag; "" when none does."""
+    saved = meta.get("info") if isinstance(meta.get("info"), dict) else None
+    was, now = (saved or {}).get("precision"), (info or {}).get("precision")
+    if was and now and was != now:  # older checkpoints kept none
+        return (
+            f"the checkpoint in {directory} was saved with --precision {was}; this run asks for {now}, "
+            f"and only fp16's optimizer state carries a loss scale: resume with --precision {was}, or "
+            "start afresh"
+        )
+    differs = setting_difference(meta, info)
+    return another_setting(directory, differs) if differs else ""
 
 
 def setting_difference(meta: dict[str, Any], info: Mapping[str, Any] | None) -> str:

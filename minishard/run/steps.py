@@ -115,6 +115,12 @@ FP16_UNSCALED = (
 )
 
 
+def loss_scaled_for(precision: Precision | None, optimizer: Optimizer) -> Optimizer:
+    """``optimizer`` as a step in ``precision`` needs it: behind a ``LossScaled`` where it computes in
+    float16 (``train --precision fp16``; ``explain --memory`` prices that step), else as it is."""
+    return LossScaled(optimizer) if precision and precision.params == "float16" else optimizer
+
+
 def _computed(loss: Loss, precision: Precision, model: Any, batch: Batch) -> tuple[jax.Array, Any]:
     """``loss`` on the precision's copies: differentiated, the gradients return in the master's dtype."""
     return loss(precision.compute(model), precision.compute(batch))

@@ -53,14 +53,13 @@ from minishard.run.errors import CheckpointMismatchError, NonFiniteLossError, No
 from minishard.run.horizon import Horizon, check_counts
 from minishard.run.profiling import Profile, Speed, check_profile
 from minishard.run.resume import (
-    another_setting,
+    changed_setting,
     check_checkpoint_dir,
     check_meta,
     kept,
     name_later,
     open_checkpointer,
     restore,
-    setting_difference,
 )
 from minishard.run.saying import Say, format_epoch
 from minishard.run.steps import CLASSIFICATION, Task, evaluate, make_train_step
@@ -365,8 +364,8 @@ class _Loop:
             found = restore(self.checkpointer, run.state(), step, check, self.say.log)
         except CheckpointMismatchError as error:  # other arrays: name the setting that built them, if saved
             meta = self.checkpointer.read_meta(step)[1]
-            if differs := setting_difference(meta, self.info):
-                raise ResumeError(another_setting(directory, differs)) from None
+            if why := changed_setting(directory, meta, self.info):
+                raise ResumeError(why) from None
             raise error from None
         if found is None:
             return

@@ -35,7 +35,9 @@ hypothesis strategies that keep the number of compiled programs small.
 * ``compositions.py``: ``compositions``, composed meshes (``Composition``: which dimensions of
   ``minishard.styles``, how many devices each, the composed rules) a model of given widths takes;
 * ``experts.py``: ``moes``, ``expert_parallels``, ``moe_reference`` (a mixture of experts as a
-  loop over tokens) and ``assert_moe_equivalent`` (by hand over a mesh == one device).
+  loop over tokens) and ``assert_moe_equivalent`` (by hand over a mesh == one device);
+* ``precision.py``: ``step_tolerance`` (a precision policy's tolerance, from its compute dtype's
+  epsilon and the replicas' sum) and ``assert_close_in`` (two runs of a step, leaf by leaf).
 
 hypothesis is a development dependency (``pip install hypothesis``), so
 ``import minishard`` never imports this package; import it yourself.
@@ -58,6 +60,7 @@ from minishard.testing.compositions import ANNOTATED, Composition, compositions
 from minishard.testing.experts import assert_moe_equivalent, expert_parallels, moe_reference, moes
 from minishard.testing.layouts import ExpectedLayout, assert_layout
 from minishard.testing.pipelines import assert_pipeline_equivalent, pipelines
+from minishard.testing.precision import ROUNDINGS, assert_close_in, step_tolerance
 from minishard.testing.profiles import register_profiles
 from minishard.testing.strategies import (
     DEFAULT_CHOICES,
@@ -79,11 +82,13 @@ __all__ = [
     "DEFAULT_CHOICES",
     "LINEAR_AXES",
     "MULTIPLES",
+    "ROUNDINGS",
     "Composition",
     "ExpectedLayout",
     "Limit",
     "SequenceLayout",
     "assert_attention_equivalent",
+    "assert_close_in",
     "assert_collectives",
     "assert_layout",
     "assert_moe_equivalent",
@@ -108,5 +113,6 @@ __all__ = [
     "sequence_layouts",
     "split_counts",
     "splittable_widths",
+    "step_tolerance",
     "width_units",
 ]

@@ -30,7 +30,7 @@ from minishard.run.cli.accelerators import simulate_devices
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import style_of
 from minishard.run.cli.styles.zero import ZeroStyle
-from minishard.run.steps import make_train_step
+from minishard.run.steps import loss_scaled_for, make_train_step
 from minishard.sharding import Sharded, make_mesh
 from minishard.zero import ZeroStep
 
@@ -163,13 +163,15 @@ def predict(args: argparse.Namespace) -> tuple[Budget, tuple[Any, Any, Any], dic
     mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
     built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
     built = style.prepare(built, args, cast(Mesh, mesh))  # a pipeline's schedule needs only the mesh's shape
-    optimizer, batch = model.compiled_optimizer(args), model.example(args, args.batch_size)
+    precision = memory.PRECISIONS[args.precision]
+    optimizer = loss_scaled_for(precision, model.compiled_optimizer(args))  # as train runs it
+    batch = model.example(args, args.batch_size)
     if isinstance(style, ZeroStyle):  # ZeRO's own step: the state as it places it
         step = style.step(optimizer, cast(Mesh, mesh), model.task)
         step_args = (built, step.placed_shapes(built)[1], batch)
         return zero_step_budget(step, built, batch, rules), step_args, shape, rules
     step_args = (built, jax.eval_shape(optimizer.init, built), batch)
-    return budget(step_args, mesh, rules, memory.PRECISIONS[args.precision]), step_args, shape, rules
+    return budget(step_args, mesh, rules, precision), step_args, shape, rules
 
 
 def print_memory(args: argparse.Namespace) -> int:
@@ -257,7 +259,7 @@ def compiled_memory(
         zero = style.step(model.compiled_optimizer(args), make_mesh(shape, devices=devices), model.task)
         return Memory.of(zero.lower(*zero.placed_shapes(step_args[0]), step_args[2]).compile())
     step = make_train_step(
-        model.compiled_optimizer(args),
+        loss_scaled_for(precision, model.compiled_optimizer(args)),  # fp16: as train runs it
         model.task.loss,
         precision=None if precision == memory.FP32 else precision,
     )

@@ -39,12 +39,14 @@ import jax
 import jax.numpy as jnp
 
 from minishard.census import collectives
+from minishard.memory import PRECISIONS
 from minishard.pipeline import StackedModel, unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli.flags import Error, at_least, positive
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import style_of
 from minishard.run.errors import CheckpointError
+from minishard.run.steps import loss_scaled_for
 from minishard.run.text_data import Vocabulary
 from minishard.sharding import Sharded, make_mesh, shard
 from minishard.styles import mesh_rules
@@ -248,7 +250,8 @@ def restore(directory: str, step: int, info: dict[str, Any]) -> Any:
     """
     entry, style = MODELS[info["model"]], style_of(info["parallel"])
     settings = argparse.Namespace(**{**entry.defaults, **info["flags"]}, dataset=info["dataset"])
-    optimizer = entry.compiled_optimizer(settings)
+    precision = PRECISIONS[info.get("precision", "fp32")]  # fp16's state carries its loss scale
+    optimizer = loss_scaled_for(precision, entry.compiled_optimizer(settings))
 
     def state() -> dict[str, Any]:
         built = style.build(entry, settings, jax.random.key(0))

@@ -22,7 +22,6 @@ import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first
 from minishard.constraints import DEFAULT_BATCH_AXIS
 from minishard.memory import PRECISIONS
 from minishard.optim import Optimizer
-from minishard.precision import LossScaled
 from minishard.report import explain
 from minishard.rules import ShardingError
 from minishard.run import distributed
@@ -46,6 +45,7 @@ from minishard.run.horizon import Horizon
 from minishard.run.profiling import Profile, add_profile_flags, check_profile_flags
 from minishard.run.render import plot_history, show
 from minishard.run.resume import check_checkpoint_dir
+from minishard.run.steps import loss_scaled_for
 from minishard.run.tfds_reading import DataError
 from minishard.run.train import fit
 from minishard.sharding import Sharded, make_mesh, plan
@@ -276,8 +276,7 @@ def train_on_mesh(args: argparse.Namespace) -> int:
     optimizer = model.optimizer(
         args, Horizon.of(args.epochs, args.steps, args.eval_every, splits.train).total
     )
-    if args.precision == "fp16":  # float16's 5 exponent bits: the loss is scaled, overflows skipped
-        optimizer = LossScaled(optimizer)
+    optimizer = loss_scaled_for(PRECISIONS[args.precision], optimizer)  # fp16: the loss scaled
     history = _fit(args, model, style, built, optimizer, splits, mesh, rules)
     if args.plot and history and distributed.is_main_process():
         plot_history(history, args.plot, optimizer.learning_rate)
@@ -332,8 +331,9 @@ def _fit(
         resume=args.resume,
         resume_from=args.resume_from,
         overwrite=args.overwrite,
-        # what `sample` needs to rebuild the model, without data; the schedule a resume must follow
-        info={**model.saved(args), **splits.info, "schedule": _schedule(args)},
+        # what `sample` needs to rebuild the model, without data; the schedule a resume must follow;
+        # the precision a refused resume names (fp16's state carries a loss scale)
+        info={**model.saved(args), **splits.info, "schedule": _schedule(args), "precision": args.precision},
         make_step=style.make_step(args, mesh),  # None: fit's own Sharded step
         metrics_log=args.log if distributed.is_main_process() else None,  # one writer per file
         log_every=20,
