@@ -15,7 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import minishard as ms
 from minishard import context, flash
+from minishard.models.gpt import GPT
+from minishard.run.next_token import next_token_loss
+from minishard.styles import mesh_rules
 
 
 @functools.cache
@@ -127,3 +131,34 @@ def test_bad_input_is_one_line_naming_the_argument_and_what_would_work():
         "run it here (slowly, as the tests do), or use minishard.context.attention"
     )
     assert all("\n" not in error(**bad) for bad in ({"block_q": 24}, {"interpret": False}))
+
+
+def gpt_loss_and_grads(model, batch):  # module level: Sharded caches compiled code per function
+    return jax.value_and_grad(next_token_loss, has_aux=True)(model, batch)
+
+
+@pytest.mark.slow  # the kernels interpreted, in three programs
+def test_the_gpt_with_the_flash_core_has_the_dense_loss_and_gradients_whole_and_sharded():
+    ids = np.random.default_rng(0).integers(0, 11, (4, 17)).astype(np.int32)
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+    sizes = dict(vocab=11, context=16, width=32, depth=1, heads=4, kv_heads=2)  # grouped: K/V repeated
+
+    def model(core):
+        return GPT(**sizes, core=core, key=jax.random.key(0))
+
+    (want, _), want_grads = gpt_loss_and_grads(model("dense"), batch)
+    runs = {"whole": gpt_loss_and_grads}
+    for style in ("dp", "tp"):
+        shape, rules = mesh_rules(style, 2)
+        runs[style] = ms.Sharded(ms.make_mesh(shape, devices=jax.devices()[:2]), rules)(gpt_loss_and_grads)
+    for style, run in runs.items():
+        (loss, _), grads = jax.block_until_ready(run(model("flash-interpreted"), batch))
+        assert float(loss) == pytest.approx(float(want), rel=1e-5), style
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_flash_core_refuses_a_backend_it_cannot_run_on():
+    model = GPT(vocab=11, context=16, width=32, depth=1, heads=2, core="flash", key=jax.random.key(0))
+    with pytest.raises(ValueError, match="runs on a TPU, and this device is a cpu; pass interpret=True"):
+        model(jnp.zeros((1, 16), jnp.int32))
