@@ -957,8 +957,8 @@ def batch_splits(where: str, batch: Any, n: int, axis: str) -> None:
 
 def flash(q: Any, k: Any, v: Any, blocks: Any, interpret: bool, row_tile: int, score_tile: int) -> None:
     """The flash kernel's inputs: q, k, v of one ``[batch, seq, heads, head_dim]`` shape, blocks that
-    tile the sequence (divisors of it, multiples of the TPU's 8 sublanes or the whole), tiles that fit
-    VMEM, and a TPU to run on (or the interpreter)."""
+    tile the sequence (divisors of it, multiples of the TPU's 8 sublanes or the whole; on a TPU query
+    blocks of 128 lanes), tiles that fit VMEM, and a TPU to run on (or the interpreter)."""
     qkv("flash_attention", q, k, v, grouped=False)
     if jnp.shape(q) != jnp.shape(k):
         raise ValueError(f"flash_attention: q {jnp.shape(q)} and k {jnp.shape(k)}: one sequence, one shape")
@@ -972,6 +972,13 @@ def flash(q: Any, k: Any, v: Any, blocks: Any, interpret: bool, row_tile: int, s
                 f"{', '.join(map(str, fits[-4:]))}"
             )
     flash_tiles(blocks, head_dim, jnp.dtype(q.dtype).itemsize, row_tile, score_tile)
+    if not interpret and blocks[0] % 128 and blocks[0] != seq_len:
+        fits = [n for n in range(128, min(seq_len, 1024) + 1, 128) if seq_len % n == 0] or [seq_len]
+        raise ValueError(
+            f"flash_attention: block_q={blocks[0]}: on a TPU the backward pass lays a query block's lse "
+            f"along the 128 lanes, so block_q is a multiple of 128 or the whole sequence ({seq_len}): "
+            f"{', '.join(map(str, fits[-4:]))} (the interpreter takes any multiple of 8)"
+        )
     device = getattr(jax.config, "jax_default_device", None) or jax.devices()[0]  # where it would run
     platform = getattr(device, "platform", str(device))
     if not interpret and platform != "tpu":

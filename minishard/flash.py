@@ -54,7 +54,7 @@ ROW_TILE_BYTES = 2**20
 """The largest ``[block, head_dim]`` tile: the backward pass holds six, and their float32 sums."""
 Blocks = tuple[int, int]  # (block_q, block_k)
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a·bᵀ: contract both tiles' last axis (head_dim)
-CONTRACT_FIRST = (((0,), (0,)), ((), ()))  # aᵀ·b: contract both tiles' first axis (the queries)
+F32 = {"preferred_element_type": jnp.float32}  # the matrix unit's sums in float32, whatever goes in
 
 # --- 1. the grid: which steps run, and which tiles they copy ------------------------------------
 
@@ -105,15 +105,22 @@ def _when_runs(step: Any, q_block: Any, k_block: Any, blocks: Blocks, causal: bo
 # --- 2. the forward kernel: one step of the grid --------------------------------------------------
 
 
-def tile_scores(q: jax.Array, k: jax.Array, at: tuple[Any, Any], blocks: Blocks, masked: bool) -> Any:
-    """``q·kᵀ`` of one tile, ``[block_q, block_k]``, float32 out of the matrix unit whatever goes in (q
-    comes scaled by ``1/sqrt(head_dim)``); ``masked``: the future of each query at ``MASK_VALUE``."""
-    s = jax.lax.dot_general(q, k, CONTRACT_LAST, preferred_element_type=jnp.float32)
+def tile_scores(
+    q: Any, k: Any, at: tuple[Any, Any], blocks: Blocks, masked: bool, keys_major: bool = False
+) -> Any:
+    """``q·kᵀ`` of tile ``at = (i, j)``, ``[block_q, block_k]``, float32 out of the matrix unit whatever
+    goes in (q comes scaled by ``1/sqrt(head_dim)``); ``keys_major``: ``k·qᵀ``, its transpose, computed
+    as such. ``masked``: the future of each query at ``MASK_VALUE``."""
+    s = (
+        jax.lax.dot_general(k, q, CONTRACT_LAST, **F32)
+        if keys_major
+        else jax.lax.dot_general(q, k, CONTRACT_LAST, **F32)
+    )
     if not masked:
         return s
-    rows = at[0] * blocks[0] + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
-    cols = at[1] * blocks[1] + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    return jnp.where(cols <= rows, s, context.MASK_VALUE)
+    queries = at[0] * blocks[0] + jax.lax.broadcasted_iota(jnp.int32, s.shape, int(keys_major))
+    keys = at[1] * blocks[1] + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1 - int(keys_major))
+    return jnp.where(keys <= queries, s, context.MASK_VALUE)
 
 
 def _forward_step(refs: Any, blocks: Blocks, masked: bool) -> None:
@@ -123,9 +130,9 @@ def _forward_step(refs: Any, blocks: Blocks, masked: bool) -> None:
     top = jnp.max(s, axis=1, keepdims=True)  # [block_q, 1]: no exponential overflows
     weights = jnp.exp(s - top)
     total = jnp.sum(weights, axis=1, keepdims=True)
-    values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
+    values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **F32)  # the tile's out, times total
     w_sum, w_tile, lse = context.merge_weights(lse_sum[...], top + jnp.log(total))
-    out_sum[...] = w_sum * out_sum[...] + w_tile * (values / total)
+    out_sum[...] = w_sum * out_sum[...] + (w_tile / total) * values  # divides [block_q, 1], not values
     lse_sum[...] = lse
 
 
@@ -153,12 +160,14 @@ def forward_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 # --- 3. the backward kernels: dq over the key blocks, dk and dv over the query blocks ---------------
 
 
-def tile_grads(tiles: Any, at: tuple[Any, Any], blocks: Blocks, masked: bool) -> tuple[Any, Any]:
+def tile_grads(tiles: Any, at: Any, blocks: Blocks, masked: bool, keys_major: bool = False) -> Any:
     """One tile's weights ``w = exp(s - lse)``, recomputed, and the scores' gradient
-    ``ds = w·(dp - delta)``, as ``context.attend_grads`` (q already scaled, so no ``1/sqrt(d)``)."""
+    ``ds = w·(dp - delta)``, as ``context.attend_grads`` (q already scaled, so no ``1/sqrt(d)``).
+    ``keys_major``: both transposed, ``[block_k, block_q]``, and lse and delta rows of the queries."""
     q, k, v, g, lse, delta = tiles
-    w = jnp.exp(tile_scores(q, k, at, blocks, masked) - lse)  # [block_q, block_k]
-    dp = jax.lax.dot_general(g, v, CONTRACT_LAST, preferred_element_type=jnp.float32)  # g·vᵀ
+    w = jnp.exp(tile_scores(q, k, at, blocks, masked, keys_major) - lse)
+    pair = (v, g) if keys_major else (g, v)
+    dp = jax.lax.dot_general(*pair, CONTRACT_LAST, **F32)  # g·vᵀ, the weights' gradient (or its ᵀ)
     return w, w * (dp - delta)
 
 
@@ -167,7 +176,7 @@ def _dq_step(refs: Any, blocks: Blocks, masked: bool) -> None:
     k_ref, dq_sum = refs[1], refs[-1]
     tiles = [ref[...] for ref in refs[:6]]
     _, ds = tile_grads(tiles, (pl.program_id(1), pl.program_id(2)), blocks, masked)
-    dq_sum[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32)
+    dq_sum[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], **F32)
 
 
 def dq_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
@@ -189,17 +198,14 @@ def dq_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 
 
 def _dkv_step(refs: Any, blocks: Blocks, masked: bool) -> None:
-    """dv += wᵀ·g and dk += dsᵀ·q for one tile (the queries contracted)."""
+    """dv += wᵀ·g and dk += dsᵀ·q for one tile, its ``wᵀ`` and ``dsᵀ`` computed keys major: no
+    transpose of a tile, and lse and delta come as rows, dense along the 128 lanes."""
     q_ref, g_ref, dk_sum, dv_sum = refs[0], refs[3], refs[-2], refs[-1]
     tiles = [ref[...] for ref in refs[:6]]
-    w, ds = tile_grads(tiles, (pl.program_id(2), pl.program_id(1)), blocks, masked)  # keys major
-    dv_sum[...] += _dot_first(w.astype(g_ref.dtype), g_ref[...])
-    dk_sum[...] += _dot_first(ds.astype(q_ref.dtype), q_ref[...])
-
-
-def _dot_first(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``aᵀ·b`` on the matrix unit, the sum in float32."""
-    return jax.lax.dot_general(a, b, CONTRACT_FIRST, preferred_element_type=jnp.float32)
+    at = (pl.program_id(2), pl.program_id(1))  # (i, j): this grid runs keys major
+    w_t, ds_t = tile_grads(tiles, at, blocks, masked, keys_major=True)  # [block_k, block_q]
+    dv_sum[...] += jnp.dot(w_t.astype(g_ref.dtype), g_ref[...], **F32)
+    dk_sum[...] += jnp.dot(ds_t.astype(q_ref.dtype), q_ref[...], **F32)
 
 
 def dkv_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
@@ -240,10 +246,14 @@ def _pallas(kernel: Any, grid: Any, tiles: Any, outs: Any, scratch: Any, interpr
     )
 
 
-def _tiles(blocks: Blocks, head_dim: int, rows_at: Any, keys_at: Any) -> tuple[Any, Any, Any]:
-    """``BlockSpec``\\ s of a query block's rows, of its lse (or delta), and of a key block's rows."""
+def _tiles(blocks: Blocks, head_dim: int, rows_at: Any, keys_at: Any, lanes: bool = False) -> Any:
+    """``BlockSpec``\\ s of a query block's rows, of its lse (or delta: ``[block_q, 1]``, or with
+    ``lanes`` ``[1, block_q]``), and of a key block's rows."""
     rows = pl.BlockSpec((None, blocks[0], head_dim), lambda b, *step: (b, rows_at(*step), 0))
-    per_row = pl.BlockSpec((None, blocks[0], 1), lambda b, *step: (b, rows_at(*step), 0))
+    per_row = pl.BlockSpec(
+        (None, 1, blocks[0]) if lanes else (None, blocks[0], 1),
+        lambda b, *step: (b, 0, rows_at(*step)) if lanes else (b, rows_at(*step), 0),
+    )
     keys = pl.BlockSpec((None, blocks[1], head_dim), lambda b, *step: (b, keys_at(*step), 0))
     return rows, per_row, keys
 
@@ -277,10 +287,11 @@ def _dq(operands: Any, blocks: Blocks, causal: bool, interpret: bool) -> Any:
 
 
 def _dkv(operands: Any, blocks: Blocks, causal: bool, interpret: bool) -> Any:
-    """dk and dv ``[rows, T, d]`` on the grid ``(rows, j, i)``: the query blocks innermost."""
+    """dk and dv ``[rows, T, d]`` on the grid ``(rows, j, i)``: the query blocks innermost, their lse
+    and delta ``[rows, 1, T]``, a new tile at each step: dense, 4 bytes a query, not 128 lanes' 512."""
     q, k = operands[:2]
     rows_at = functools.partial(query_tile, blocks=blocks, causal=causal)
-    rows, per_row, keys = _tiles(blocks, q.shape[2], rows_at, lambda j, i: j)
+    rows, per_row, keys = _tiles(blocks, q.shape[2], rows_at, lambda j, i: j, lanes=True)
     grid = (q.shape[0], k.shape[1] // blocks[1], q.shape[1] // blocks[0])
     kernel = functools.partial(dkv_kernel, blocks=blocks, causal=causal)
     outs = [(jax.ShapeDtypeStruct(k.shape, k.dtype), keys)] * 2
@@ -298,9 +309,9 @@ def _flash_bwd(blocks: Blocks, causal: bool, interpret: bool, residuals: Any, g:
     per query (``context.attend_grads``' step 3) is one XLA reduction, before them."""
     q, k, v, out, lse = residuals
     delta = jnp.sum(g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    operands = (q, k, v, g.astype(q.dtype), lse, delta)
-    dk, dv = _dkv(operands, blocks, causal, interpret)
-    return _dq(operands, blocks, causal, interpret), dk, dv
+    tiles = (q, k, v, g.astype(q.dtype))
+    dk, dv = _dkv((*tiles, lse.swapaxes(1, 2), delta.swapaxes(1, 2)), blocks, causal, interpret)  # rows
+    return _dq((*tiles, lse, delta), blocks, causal, interpret), dk, dv
 
 
 _flash = jax.custom_vjp(lambda *args: _flash_fwd(*args)[0], nondiff_argnums=(3, 4, 5))

@@ -126,6 +126,11 @@ def test_bad_input_is_one_line_naming_the_argument_and_what_would_work():
     assert error(shape=(1, 512, 1, 1024), block_q=512, block_k=512).startswith(
         "flash_attention: head_dim 1024 makes [512, 1024] tiles of 2 MiB"
     )
+    assert error(block_q=32, interpret=False) == (
+        "flash_attention: block_q=32: on a TPU the backward pass lays a query block's lse along the 128 "
+        "lanes, so block_q is a multiple of 128 or the whole sequence (64): 64 (the interpreter takes any "
+        "multiple of 8)"
+    )
     assert error(interpret=False) == (
         "flash_attention: the Pallas kernel runs on a TPU, and this device is a cpu; pass interpret=True to "
         "run it here (slowly, as the tests do), or use minishard.context.attention"
