@@ -53,6 +53,7 @@ them in VMEM beside its q, k, v tiles, and XLA:TPU gives a kernel 16 MiB of it (
 ROW_TILE_BYTES = 2**20
 """The largest ``[block, head_dim]`` tile: the backward pass holds six, and their float32 sums."""
 Blocks = tuple[int, int]  # (block_q, block_k)
+Shape = tuple[Blocks, int, int]  # (blocks, heads side by side in an array row, head_dim)
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a·bᵀ: contract both tiles' last axis (head_dim)
 F32 = {"preferred_element_type": jnp.float32}  # the matrix unit's sums in float32, whatever goes in
 
@@ -246,72 +247,77 @@ def _pallas(kernel: Any, grid: Any, tiles: Any, outs: Any, scratch: Any, interpr
     )
 
 
-def _tiles(blocks: Blocks, head_dim: int, rows_at: Any, keys_at: Any, lanes: bool = False) -> Any:
+def _tiles(shape: Shape, rows_at: Any, keys_at: Any, lanes: bool = False) -> Any:
     """``BlockSpec``\\ s of a query block's rows, of its lse (or delta: ``[block_q, 1]``, or with
-    ``lanes`` ``[1, block_q]``), and of a key block's rows."""
-    rows = pl.BlockSpec((None, blocks[0], head_dim), lambda b, *step: (b, rows_at(*step), 0))
+    ``lanes`` ``[1, block_q]``), and of a key block's rows. Grid row ``r`` is head ``r % heads`` of
+    array row ``r // heads``: its ``head_dim`` lanes of ``heads · head_dim``."""
+    (block_q, block_k), heads, head_dim = shape
+    rows = pl.BlockSpec((None, block_q, head_dim), lambda r, *at: (r // heads, rows_at(*at), r % heads))
     per_row = pl.BlockSpec(
-        (None, 1, blocks[0]) if lanes else (None, blocks[0], 1),
-        lambda b, *step: (b, 0, rows_at(*step)) if lanes else (b, rows_at(*step), 0),
+        (None, 1, block_q) if lanes else (None, block_q, 1),
+        lambda r, *at: (r, 0, rows_at(*at)) if lanes else (r, rows_at(*at), 0),
     )
-    keys = pl.BlockSpec((None, blocks[1], head_dim), lambda b, *step: (b, keys_at(*step), 0))
+    keys = pl.BlockSpec((None, block_k, head_dim), lambda r, *at: (r // heads, keys_at(*at), r % heads))
     return rows, per_row, keys
 
 
-def _forward(q: Any, k: Any, v: Any, blocks: Blocks, causal: bool, interpret: bool) -> Any:
-    """``out [rows, T, d]`` and ``lse [rows, T, 1]`` (rows: batch·heads) on the grid ``(rows, i, j)``."""
+def _forward(q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
+    """``out`` (q's layout) and ``lse [rows, T, 1]`` (rows: batch·heads) on the grid ``(rows, i, j)``."""
+    blocks, heads, head_dim = shape
     keys_at = functools.partial(key_tile, blocks=blocks, causal=causal)
-    rows, per_row, keys = _tiles(blocks, q.shape[2], lambda i, j: i, keys_at)
-    grid = (q.shape[0], q.shape[1] // blocks[0], k.shape[1] // blocks[1])
-    outs = [(jax.ShapeDtypeStruct(q.shape, q.dtype), rows), (_per_row(q), per_row)]
-    scratch = [(blocks[0], q.shape[2]), (blocks[0], 1)]
+    rows, per_row, keys = _tiles(shape, lambda i, j: i, keys_at)
+    grid = (q.shape[0] * heads, q.shape[1] // blocks[0], k.shape[1] // blocks[1])
+    outs = [(jax.ShapeDtypeStruct(q.shape, q.dtype), rows), (_per_row(q, heads), per_row)]
+    scratch = [(blocks[0], head_dim), (blocks[0], 1)]
     kernel = functools.partial(forward_kernel, blocks=blocks, causal=causal)
     return _pallas(kernel, grid, [rows, keys, keys], outs, scratch, interpret)(q, k, v)
 
 
-def _per_row(q: Any) -> jax.ShapeDtypeStruct:
-    """One float32 per query: lse, delta."""
-    return jax.ShapeDtypeStruct((*q.shape[:2], 1), jnp.float32)
+def _per_row(q: Any, heads: int) -> jax.ShapeDtypeStruct:
+    """One float32 per query and head: lse, delta."""
+    return jax.ShapeDtypeStruct((q.shape[0] * heads, q.shape[1], 1), jnp.float32)
 
 
-def _dq(operands: Any, blocks: Blocks, causal: bool, interpret: bool) -> Any:
-    """dq ``[rows, T, d]`` on the forward's grid ``(rows, i, j)``: the key blocks innermost."""
-    q, k = operands[:2]
+def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
+    """dq (q's layout) on the forward's grid ``(rows, i, j)``: the key blocks innermost."""
+    (q, k), (blocks, heads, head_dim) = operands[:2], shape
     keys_at = functools.partial(key_tile, blocks=blocks, causal=causal)
-    rows, per_row, keys = _tiles(blocks, q.shape[2], lambda i, j: i, keys_at)
-    grid = (q.shape[0], q.shape[1] // blocks[0], k.shape[1] // blocks[1])
+    rows, per_row, keys = _tiles(shape, lambda i, j: i, keys_at)
+    grid = (q.shape[0] * heads, q.shape[1] // blocks[0], k.shape[1] // blocks[1])
     kernel = functools.partial(dq_kernel, blocks=blocks, causal=causal)
     outs = [(jax.ShapeDtypeStruct(q.shape, q.dtype), rows)]
     tiles = [rows, keys, keys, rows, per_row, per_row]
-    return _pallas(kernel, grid, tiles, outs, [(blocks[0], q.shape[2])], interpret)(*operands)[0]
+    return _pallas(kernel, grid, tiles, outs, [(blocks[0], head_dim)], interpret)(*operands)[0]
 
 
-def _dkv(operands: Any, blocks: Blocks, causal: bool, interpret: bool) -> Any:
-    """dk and dv ``[rows, T, d]`` on the grid ``(rows, j, i)``: the query blocks innermost, their lse
-    and delta ``[rows, 1, T]``, a new tile at each step: dense, 4 bytes a query, not 128 lanes' 512."""
-    q, k = operands[:2]
+def _dkv(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
+    """dk and dv (k's layout) on the grid ``(rows, j, i)``: the query blocks innermost, their lse and
+    delta ``[rows, 1, T]``, a new tile at each step: dense, 4 bytes a query, not 128 lanes' 512."""
+    (q, k), (blocks, heads, head_dim) = operands[:2], shape
     rows_at = functools.partial(query_tile, blocks=blocks, causal=causal)
-    rows, per_row, keys = _tiles(blocks, q.shape[2], rows_at, lambda j, i: j, lanes=True)
-    grid = (q.shape[0], k.shape[1] // blocks[1], q.shape[1] // blocks[0])
+    rows, per_row, keys = _tiles(shape, rows_at, lambda j, i: j, lanes=True)
+    grid = (q.shape[0] * heads, k.shape[1] // blocks[1], q.shape[1] // blocks[0])
     kernel = functools.partial(dkv_kernel, blocks=blocks, causal=causal)
     outs = [(jax.ShapeDtypeStruct(k.shape, k.dtype), keys)] * 2
     tiles = [rows, keys, keys, rows, per_row, per_row]
-    return _pallas(kernel, grid, tiles, outs, [(blocks[1], q.shape[2])] * 2, interpret)(*operands)
+    return _pallas(kernel, grid, tiles, outs, [(blocks[1], head_dim)] * 2, interpret)(*operands)
 
 
-def _flash_fwd(q: Any, k: Any, v: Any, blocks: Blocks, causal: bool, interpret: bool) -> Any:
-    out, lse = _forward(q, k, v, blocks, causal, interpret)
+def _flash_fwd(q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
+    out, lse = _forward(q, k, v, shape, causal, interpret)
     return out, (q, k, v, out, lse)  # what the backward pass keeps: no weights, one lse per query
 
 
-def _flash_bwd(blocks: Blocks, causal: bool, interpret: bool, residuals: Any, g: Any) -> Any:
+def _flash_bwd(shape: Shape, causal: bool, interpret: bool, residuals: Any, g: Any) -> Any:
     """Two grids: dq summed over the key blocks, dk and dv over the query blocks. ``delta = Σ g·out``
-    per query (``context.attend_grads``' step 3) is one XLA reduction, before them."""
+    per query and head (``context.attend_grads``' step 3) is one XLA reduction, before them."""
     q, k, v, out, lse = residuals
-    delta = jnp.sum(g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    rows, seq_len, heads = q.shape[0], q.shape[1], shape[1]
+    per_head = (g.astype(jnp.float32) * out.astype(jnp.float32)).reshape(rows, seq_len, heads, -1)
+    delta = per_head.sum(-1).swapaxes(1, 2).reshape(rows * heads, seq_len, 1)  # as lse: [rows, T, 1]
     tiles = (q, k, v, g.astype(q.dtype))
-    dk, dv = _dkv((*tiles, lse.swapaxes(1, 2), delta.swapaxes(1, 2)), blocks, causal, interpret)  # rows
-    return _dq((*tiles, lse, delta), blocks, causal, interpret), dk, dv
+    dk, dv = _dkv((*tiles, lse.swapaxes(1, 2), delta.swapaxes(1, 2)), shape, causal, interpret)  # rows
+    return _dq((*tiles, lse, delta), shape, causal, interpret), dk, dv
 
 
 _flash = jax.custom_vjp(lambda *args: _flash_fwd(*args)[0], nondiff_argnums=(3, 4, 5))
@@ -331,22 +337,30 @@ def flash_attention(
     """``context.attention(q, k, v, causal=causal)`` by the kernels: ``[batch, seq, heads, head_dim]``
     arrays, the tokens in order (the mask is the index's), blocks of ``BLOCK`` capped at T.
 
-    The kernels tile ``[batch·heads, T, head_dim]`` arrays: the heads go before the tokens, and the
-    queries are scaled by ``1/sqrt(head_dim)`` on the way, one XLA copy that fuses both.
+    A tile's lanes are ``head_dim`` wide: a multiple of 128 (the TPU's lanes), each head is a tile
+    of the arrays as they are, ``[batch, T, heads · head_dim]``, no copy; narrower, the heads go
+    before the tokens first, ``[batch · heads, T, head_dim]``, one XLA copy there and one back.
     ``interpret``: run in Pallas's TPU interpreter, on any backend (the tests do, on CPU).
     """
     blocks = (block_q or min(BLOCK, q.shape[1]), block_k or min(BLOCK, q.shape[1]))
     _checks.flash(q, k, v, blocks, interpret, ROW_TILE_BYTES, SCORE_TILE_BYTES)  # tiles that fit VMEM
     b, t, h, d = q.shape
-    heads_major = lambda x: x.swapaxes(1, 2).reshape(b * h, t, d)  # noqa: E731
-    scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)
-    out = _flash(heads_major(scaled), heads_major(k), heads_major(v), blocks, causal, interpret)
-    return out.reshape(b, h, t, d).swapaxes(1, 2)
+    side_by_side = d % 128 == 0  # each head a tile of the lanes as it lies
+    lay = (
+        (lambda x: x.reshape(b, t, h * d))
+        if side_by_side
+        else (lambda x: x.swapaxes(1, 2).reshape(b * h, t, d))
+    )
+    scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)  # fused into the copy, if any
+    shape = (blocks, h if side_by_side else 1, d)
+    out = _flash(lay(scaled), lay(k), lay(v), shape, causal, interpret)
+    return out.reshape(b, t, h, d) if side_by_side else out.reshape(b, h, t, d).swapaxes(1, 2)
 
 
 __all__ = [
     "BLOCK",
     "Blocks",
+    "Shape",
     "ROW_TILE_BYTES",
     "SCORE_TILE_BYTES",
     "causal_share",
