@@ -344,17 +344,26 @@ def flash_attention(
     """
     blocks = (block_q or min(BLOCK, q.shape[1]), block_k or min(BLOCK, q.shape[1]))
     _checks.flash(q, k, v, blocks, interpret, ROW_TILE_BYTES, SCORE_TILE_BYTES)  # tiles that fit VMEM
-    b, t, h, d = q.shape
-    side_by_side = d % 128 == 0  # each head a tile of the lanes as it lies
-    lay = (
-        (lambda x: x.reshape(b, t, h * d))
-        if side_by_side
-        else (lambda x: x.swapaxes(1, 2).reshape(b * h, t, d))
-    )
-    scaled = (q.astype(jnp.float32) * d**-0.5).astype(q.dtype)  # fused into the copy, if any
-    shape = (blocks, h if side_by_side else 1, d)
-    out = _flash(lay(scaled), lay(k), lay(v), shape, causal, interpret)
-    return out.reshape(b, t, h, d) if side_by_side else out.reshape(b, h, t, d).swapaxes(1, 2)
+    heads, head_dim = q.shape[2:]
+    side_by_side = head_dim % 128 == 0  # each head a tile of the lanes as it lies
+    scaled = (q.astype(jnp.float32) * head_dim**-0.5).astype(q.dtype)  # fused into the copy, if any
+    shape = (blocks, heads if side_by_side else 1, head_dim)
+    out = _flash(*(laid(x, side_by_side) for x in (scaled, k, v)), shape, causal, interpret)
+    return laid(out, side_by_side, like=q)
+
+
+def laid(x: Any, side_by_side: bool, like: Any = None) -> Any:
+    """``[batch, T, heads, head_dim]`` as the kernels tile it: ``[batch, T, heads · head_dim]`` side by
+    side (a reshape, free), else ``[batch · heads, T, head_dim]`` (a copy); ``like``: back to its shape.
+
+    >>> laid(jnp.zeros((2, 16, 3, 64)), side_by_side=False).shape
+    (6, 16, 64)
+    """
+    if like is not None:
+        b, t, h, d = like.shape
+        return x.reshape(b, t, h, d) if side_by_side else x.reshape(b, h, t, d).swapaxes(1, 2)
+    b, t, h, d = x.shape
+    return x.reshape(b, t, h * d) if side_by_side else x.swapaxes(1, 2).reshape(b * h, t, d)
 
 
 __all__ = [
@@ -370,6 +379,7 @@ __all__ = [
     "flash_attention",
     "forward_kernel",
     "key_tile",
+    "laid",
     "query_tile",
     "runs",
     "tile_grads",
