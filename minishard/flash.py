@@ -1,30 +1,31 @@
 """Flash attention by hand: causal attention as a Pallas kernel for a TPU, forward and backward.
 
-``context.attention`` is three XLA operations: the scores ``q·kᵀ``, a softmax, the weighted sum of
-the values. Between them the scores live in HBM, the chip's main memory: ``[batch, heads, T, T]``
-numbers, 3 GiB of float32 at batch 16, 12 heads and T = 2,048, written, read back, and kept for the
-backward pass. A *kernel* is a program for the chip's core that says where each number lives; this
-one never writes the scores anywhere:
+``context.attention`` is three XLA operations: the scores ``q·kᵀ``, a softmax, the weighted sum
+of the values. Between them the scores live in HBM, the chip's main memory: ``[batch, heads, T,
+T]`` numbers, 3 GiB of float32 at batch 16, 12 heads and T = 2,048, written, read back, and kept
+for the backward pass. A *kernel* is a program for the chip's core that says where each number
+lives; this one never writes the scores anywhere:
 
-1. **Tiles in VMEM.** A TPU core computes out of its own small memory, VMEM (tens of MiB beside the
-   matrix unit). The kernel runs on a *grid* of steps ``(batch·heads, query block i, key block j)``;
-   before each step Pallas copies one tile of queries ``[block_q, head_dim]`` and one of keys and of
-   values ``[block_k, head_dim]`` from HBM into VMEM (the ``BlockSpec``\\ s say which), and the step
-   computes their ``[block_q, block_k]`` scores there. The queries' running result waits in VMEM
-   *scratch* across the key blocks and leaves for HBM once, after the last: only q, k, v, the output
-   and one log-sum-exp per query ever touch HBM. The full ``T x T`` scores never exist.
+1. **Tiles in VMEM.** A TPU core computes out of its own small memory, VMEM (tens of MiB beside
+   the matrix unit). The kernel runs on a *grid* of steps ``(batch·heads, query block i, key
+   block j)``; before each step Pallas copies one tile of queries ``[block_q, head_dim]`` and one
+   of keys and of values ``[block_k, head_dim]`` from HBM into VMEM (the ``BlockSpec``\\ s say
+   which), and the step computes their ``[block_q, block_k]`` scores there. The queries' running
+   result waits in VMEM *scratch* across the key blocks and leaves for HBM once, after the last:
+   only q, k, v, the output and one log-sum-exp per query ever touch HBM. The full ``T x T``
+   scores never exist.
 2. **The online softmax.** A key block's attention is a partial softmax, ``(out, lse)``; it joins
    the running one as ``context.merge`` joins two devices' in the ring, by the one home of that
-   arithmetic, ``context.merge_weights``. The backward pass keeps only ``lse``, and recomputes each
-   tile's weights from it (``context.attend_grads``'s steps, tile by tile).
-3. **The causal skip.** A key block whose first key comes after a query block's last query is all
-   future: its step does nothing (``pl.when``), and its ``BlockSpec`` names a block already in VMEM,
-   so not even the copy happens. Of ``n x n`` square blocks ``n(n+1)/2`` run, about half the FLOPs at
-   long T (``causal_share``); XLA's attention computes every score, then masks half of them.
+   arithmetic, ``context.merge_weights``. The backward pass keeps only ``lse``, and recomputes
+   each tile's weights from it (``context.attend_grads``'s steps, tile by tile).
+3. **The causal skip.** A key block whose first key comes after a query block's last query is
+   all future: its step does nothing (``pl.when``), and its ``BlockSpec`` names a block already
+   in VMEM, so not even the copy happens. Of ``n x n`` square blocks ``n(n+1)/2`` run, about half
+   the FLOPs at long T (``causal_share``); XLA's attention computes every score, then masks half.
 
 >>> causal_share(seq_len=4096, block_q=512, block_k=512)   # 36 of 64 blocks run
 0.5625
->>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 256, 2, 64))   # [batch, seq, heads, head_dim]
+>>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 256, 2, 64))   # [batch, T, heads, d]
 >>> out = flash_attention(q, k, v, causal=True, block_q=128, block_k=128, interpret=True)
 >>> bool(jnp.allclose(out, context.attention(q, k, v, causal=True), atol=1e-5))
 True
@@ -48,14 +49,16 @@ from minishard import _checks, context
 BLOCK = 512
 """The default block of queries and of keys, capped at T: large tiles keep the matrix unit fed."""
 SCORE_TILE_BYTES = 4 * 2**20
-"""The largest float32 score tile, ``block_q x block_k x 4`` bytes: the backward pass holds three of
-them in VMEM beside its q, k, v tiles, and XLA:TPU gives a kernel 16 MiB of it (v5e; 8 MiB failed)."""
+"""The largest float32 score tile, ``block_q x block_k x 4`` bytes: the backward pass holds three
+of them in VMEM beside its q, k, v tiles, and XLA:TPU gives a kernel 16 MiB of it (v5e; 8 MiB
+failed to compile)."""
 ROW_TILE_BYTES = 2**20
 """The largest ``[block, head_dim]`` tile: the backward pass holds six, and their float32 sums."""
 Blocks = tuple[int, int]  # (block_q, block_k)
 Shape = tuple[Blocks, int, int]  # (blocks, heads side by side in an array row, head_dim)
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a·bᵀ: contract both tiles' last axis (head_dim)
 F32 = {"preferred_element_type": jnp.float32}  # the matrix unit's sums in float32, whatever goes in
+SEMANTICS = ("parallel", "parallel", "arbitrary")  # the last grid axis sums into scratch: in order
 
 # --- 1. the grid: which steps run, and which tiles they copy ------------------------------------
 
@@ -73,7 +76,7 @@ def crosses(q_block: Any, k_block: Any, blocks: Blocks) -> Any:
 
 
 def causal_share(seq_len: int, block_q: int, block_k: int) -> float:
-    """The share of the grid's steps a causal kernel runs: ``(n + 1) / 2n`` for ``n`` square blocks."""
+    """The share of the grid's steps a causal kernel runs: ``(n + 1) / 2n`` of n square blocks."""
     blocks = (block_q, block_k)
     steps = [(i, j) for i in range(seq_len // block_q) for j in range(seq_len // block_k)]
     return sum(bool(runs(i, j, blocks, True)) for i, j in steps) / len(steps)
@@ -109,9 +112,9 @@ def _when_runs(step: Any, q_block: Any, k_block: Any, blocks: Blocks, causal: bo
 def tile_scores(
     q: Any, k: Any, at: tuple[Any, Any], blocks: Blocks, masked: bool, keys_major: bool = False
 ) -> Any:
-    """``q·kᵀ`` of tile ``at = (i, j)``, ``[block_q, block_k]``, float32 out of the matrix unit whatever
-    goes in (q comes scaled by ``1/sqrt(head_dim)``); ``keys_major``: ``k·qᵀ``, its transpose, computed
-    as such. ``masked``: the future of each query at ``MASK_VALUE``."""
+    """``q·kᵀ`` of tile ``at = (i, j)``, ``[block_q, block_k]``, float32 out of the matrix unit
+    whatever goes in (q comes scaled by ``1/sqrt(head_dim)``); ``keys_major``: ``k·qᵀ``, its
+    transpose, computed as such. ``masked``: the future of each query at ``MASK_VALUE``."""
     s = (
         jax.lax.dot_general(k, q, CONTRACT_LAST, **F32)
         if keys_major
@@ -133,7 +136,7 @@ def _forward_step(refs: Any, blocks: Blocks, masked: bool) -> None:
     total = jnp.sum(weights, axis=1, keepdims=True)
     values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **F32)  # the tile's out, times total
     w_sum, w_tile, lse = context.merge_weights(lse_sum[...], top + jnp.log(total))
-    out_sum[...] = w_sum * out_sum[...] + (w_tile / total) * values  # divides [block_q, 1], not values
+    out_sum[...] = w_sum * out_sum[...] + (w_tile / total) * values  # divides [block_q, 1] only
     lse_sum[...] = lse
 
 
@@ -158,17 +161,17 @@ def forward_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
         lse_ref[...] = lse_sum[...]
 
 
-# --- 3. the backward kernels: dq over the key blocks, dk and dv over the query blocks ---------------
+# --- 3. the backward kernels: dq over the key blocks, dk and dv over the query blocks --------
 
 
 def tile_grads(tiles: Any, at: Any, blocks: Blocks, masked: bool, keys_major: bool = False) -> Any:
     """One tile's weights ``w = exp(s - lse)``, recomputed, and the scores' gradient
     ``ds = w·(dp - delta)``, as ``context.attend_grads`` (q already scaled, so no ``1/sqrt(d)``).
-    ``keys_major``: both transposed, ``[block_k, block_q]``, and lse and delta rows of the queries."""
+    ``keys_major``: both transposed, ``[block_k, block_q]``; lse and delta rows of the queries."""
     q, k, v, g, lse, delta = tiles
     w = jnp.exp(tile_scores(q, k, at, blocks, masked, keys_major) - lse)
     pair = (v, g) if keys_major else (g, v)
-    dp = jax.lax.dot_general(*pair, CONTRACT_LAST, **F32)  # g·vᵀ, the weights' gradient (or its ᵀ)
+    dp = jax.lax.dot_general(*pair, CONTRACT_LAST, **F32)  # g·vᵀ: the weights' gradient (or ᵀ)
     return w, w * (dp - delta)
 
 
@@ -199,7 +202,7 @@ def dq_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 
 
 def _dkv_step(refs: Any, blocks: Blocks, masked: bool) -> None:
-    """dv += wᵀ·g and dk += dsᵀ·q for one tile, its ``wᵀ`` and ``dsᵀ`` computed keys major: no
+    """dv += wᵀ·g and dk += dsᵀ·q for one tile, ``wᵀ`` and ``dsᵀ`` computed keys major: no
     transpose of a tile, and lse and delta come as rows, dense along the 128 lanes."""
     q_ref, g_ref, dk_sum, dv_sum = refs[0], refs[3], refs[-2], refs[-1]
     tiles = [ref[...] for ref in refs[:6]]
@@ -210,9 +213,9 @@ def _dkv_step(refs: Any, blocks: Blocks, masked: bool) -> None:
 
 
 def dkv_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
-    """Step ``(row, j, i)``: dk and dv of key block j, summed over the query blocks i in VMEM scratch.
+    """Step ``(row, j, i)``: dk and dv of key block j, summed over the query blocks i in scratch.
 
-    ``refs``: the tiles of q, k, v, g, lse, delta; of dk and dv (the outputs); their scratch sums."""
+    ``refs``: the tiles of q, k, v, g, lse, delta; of dk and dv (the outputs); their sums."""
     dk_ref, dv_ref, dk_sum, dv_sum = refs[-4:]
     j, i = pl.program_id(1), pl.program_id(2)
 
@@ -233,8 +236,8 @@ def dkv_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 
 
 def _pallas(kernel: Any, grid: Any, tiles: Any, outs: Any, scratch: Any, interpret: bool) -> Any:
-    """``kernel`` over ``grid``: ``tiles`` the inputs' ``BlockSpec``\\ s, ``outs`` ``(array, tile)`` per
-    output, ``scratch`` the float32 VMEM shapes that live across the grid's last axis (its sum)."""
+    """``kernel`` over ``grid``: ``tiles`` the inputs' ``BlockSpec``\\ s, ``outs`` ``(array, tile)``
+    per output, ``scratch`` the float32 VMEM shapes that live across the grid's last axis."""
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -242,27 +245,32 @@ def _pallas(kernel: Any, grid: Any, tiles: Any, outs: Any, scratch: Any, interpr
         out_specs=[tile for _, tile in outs],
         out_shape=[array for array, _ in outs],
         scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=SEMANTICS),
         interpret=pltpu.InterpretParams() if interpret else False,
     )
 
 
 def _tiles(shape: Shape, rows_at: Any, keys_at: Any, lanes: bool = False) -> Any:
     """``BlockSpec``\\ s of a query block's rows, of its lse (or delta: ``[block_q, 1]``, or with
-    ``lanes`` ``[1, block_q]``), and of a key block's rows. Grid row ``r`` is head ``r % heads`` of
-    array row ``r // heads``: its ``head_dim`` lanes of ``heads · head_dim``."""
+    ``lanes`` ``[1, block_q]``), and of a key block's rows, in arrays of ``heads`` side by side."""
     (block_q, block_k), heads, head_dim = shape
-    rows = pl.BlockSpec((None, block_q, head_dim), lambda r, *at: (r // heads, rows_at(*at), r % heads))
+    rows = pl.BlockSpec((None, block_q, head_dim), lambda r, *at: _row(r, rows_at(*at), heads))
     per_row = pl.BlockSpec(
         (None, 1, block_q) if lanes else (None, block_q, 1),
         lambda r, *at: (r, 0, rows_at(*at)) if lanes else (r, rows_at(*at), 0),
     )
-    keys = pl.BlockSpec((None, block_k, head_dim), lambda r, *at: (r // heads, keys_at(*at), r % heads))
+    keys = pl.BlockSpec((None, block_k, head_dim), lambda r, *at: _row(r, keys_at(*at), heads))
     return rows, per_row, keys
 
 
+def _row(r: Any, block: Any, heads: int) -> tuple[Any, Any, Any]:
+    """Grid row ``r``'s tile in an array of ``heads`` heads side by side: row ``r // heads``, head
+    ``r % heads`` (its ``head_dim`` lanes), sequence block ``block``."""
+    return r // heads, block, r % heads
+
+
 def _forward(q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
-    """``out`` (q's layout) and ``lse [rows, T, 1]`` (rows: batch·heads) on the grid ``(rows, i, j)``."""
+    """``out`` (q's layout) and ``lse [rows, T, 1]`` (rows: batch·heads), grid ``(rows, i, j)``."""
     blocks, heads, head_dim = shape
     keys_at = functools.partial(key_tile, blocks=blocks, causal=causal)
     rows, per_row, keys = _tiles(shape, lambda i, j: i, keys_at)
@@ -291,7 +299,7 @@ def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
 
 
 def _dkv(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
-    """dk and dv (k's layout) on the grid ``(rows, j, i)``: the query blocks innermost, their lse and
+    """dk and dv (k's layout) on the grid ``(rows, j, i)``: the query blocks innermost, their lse,
     delta ``[rows, 1, T]``, a new tile at each step: dense, 4 bytes a query, not 128 lanes' 512."""
     (q, k), (blocks, heads, head_dim) = operands[:2], shape
     rows_at = functools.partial(query_tile, blocks=blocks, causal=causal)
@@ -309,14 +317,15 @@ def _flash_fwd(q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bo
 
 
 def _flash_bwd(shape: Shape, causal: bool, interpret: bool, residuals: Any, g: Any) -> Any:
-    """Two grids: dq summed over the key blocks, dk and dv over the query blocks. ``delta = Σ g·out``
-    per query and head (``context.attend_grads``' step 3) is one XLA reduction, before them."""
+    """Two grids: dq summed over the key blocks, dk and dv over the query blocks. ``delta =
+    Σ g·out`` per query and head (``context.attend_grads``' step 3): one XLA reduction, before."""
     q, k, v, out, lse = residuals
     rows, seq_len, heads = q.shape[0], q.shape[1], shape[1]
     per_head = (g.astype(jnp.float32) * out.astype(jnp.float32)).reshape(rows, seq_len, heads, -1)
-    delta = per_head.sum(-1).swapaxes(1, 2).reshape(rows * heads, seq_len, 1)  # as lse: [rows, T, 1]
+    delta = per_head.sum(-1).swapaxes(1, 2).reshape(rows * heads, seq_len, 1)  # as lse is laid
     tiles = (q, k, v, g.astype(q.dtype))
-    dk, dv = _dkv((*tiles, lse.swapaxes(1, 2), delta.swapaxes(1, 2)), shape, causal, interpret)  # rows
+    along_lanes = (lse.swapaxes(1, 2), delta.swapaxes(1, 2))  # [rows, 1, T]
+    dk, dv = _dkv((*tiles, *along_lanes), shape, causal, interpret)
     return _dq((*tiles, lse, delta), shape, causal, interpret), dk, dv
 
 
@@ -334,7 +343,7 @@ def flash_attention(
     block_k: int | None = None,
     interpret: bool = False,
 ) -> Any:
-    """``context.attention(q, k, v, causal=causal)`` by the kernels: ``[batch, seq, heads, head_dim]``
+    """``context.attention(q, k, v, causal=causal)`` by the kernels: ``[batch, T, heads, head_dim]``
     arrays, the tokens in order (the mask is the index's), blocks of ``BLOCK`` capped at T.
 
     A tile's lanes are ``head_dim`` wide: a multiple of 128 (the TPU's lanes), each head is a tile
@@ -343,7 +352,7 @@ def flash_attention(
     ``interpret``: run in Pallas's TPU interpreter, on any backend (the tests do, on CPU).
     """
     blocks = (block_q or min(BLOCK, q.shape[1]), block_k or min(BLOCK, q.shape[1]))
-    _checks.flash(q, k, v, blocks, interpret, ROW_TILE_BYTES, SCORE_TILE_BYTES)  # tiles that fit VMEM
+    _checks.flash(q, k, v, blocks, interpret, ROW_TILE_BYTES, SCORE_TILE_BYTES)  # fit VMEM, a TPU
     heads, head_dim = q.shape[2:]
     side_by_side = head_dim % 128 == 0  # each head a tile of the lanes as it lies
     scaled = (q.astype(jnp.float32) * head_dim**-0.5).astype(q.dtype)  # fused into the copy, if any
@@ -353,8 +362,9 @@ def flash_attention(
 
 
 def laid(x: Any, side_by_side: bool, like: Any = None) -> Any:
-    """``[batch, T, heads, head_dim]`` as the kernels tile it: ``[batch, T, heads · head_dim]`` side by
-    side (a reshape, free), else ``[batch · heads, T, head_dim]`` (a copy); ``like``: back to its shape.
+    """``[batch, T, heads, head_dim]`` as the kernels tile it: ``[batch, T, heads · head_dim]``
+    side by side (a reshape, free), else ``[batch · heads, T, head_dim]`` (a copy); ``like``: back
+    to its shape.
 
     >>> laid(jnp.zeros((2, 16, 3, 64)), side_by_side=False).shape
     (6, 16, 64)
