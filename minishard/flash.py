@@ -37,7 +37,7 @@ way. On the chip the tiles go in as they come (bf16 into the matrix unit, float3
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,8 @@ Blocks = tuple[int, int]  # (block_q, block_k)
 Shape = tuple[Blocks, int, int]  # (blocks, heads side by side in an array row, head_dim)
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a·bᵀ: contract both tiles' last axis (head_dim)
 F32 = {"preferred_element_type": jnp.float32}  # the matrix unit's sums in float32, whatever goes in
-SEMANTICS = ("parallel", "parallel", "arbitrary")  # the last grid axis sums into scratch: in order
+SEMANTICS: tuple[Literal["parallel", "arbitrary"], ...] = ("parallel", "parallel", "arbitrary")
+"""How the grid's axes run: the last sums into scratch, in order; the others in any order."""
 
 # --- 1. the grid: which steps run, and which tiles they copy ------------------------------------
 
