@@ -91,10 +91,10 @@ def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) ->
 
 
 def merge_weights(lse1: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``merge``'s arithmetic: each part's weight in the whole, ``e^(lse_i - lse)``, and the whole's
-    ``lse``; the one home of the online softmax, which ``minishard.flash``'s kernel runs tile by tile.
+    """``merge``'s arithmetic: each part's weight in the whole, ``e^(lse_i - lse)``, and the
+    whole's ``lse``; the one home of the online softmax, which ``minishard.flash`` runs by tiles.
 
-    >>> [round(float(x), 3) for x in merge_weights(jnp.log(1.0), jnp.log(3.0))]   # denominators 1 and 3
+    >>> [round(float(x), 3) for x in merge_weights(jnp.log(1.0), jnp.log(3.0))]   # sums 1 and 3
     [0.25, 0.75, 1.386]
     """
     lse = jnp.logaddexp(lse1, lse2)

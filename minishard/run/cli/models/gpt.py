@@ -67,8 +67,8 @@ GPT_BATCH = 16
 """nanoGPT's CPU batch, 12, rounded up to a multiple of 8 devices: the default is the multiple of the
 devices (and of what splits the batch) nearest it, 16 on 1, 2, 4 or 8 devices."""
 FLASH_FROM = 1024
-"""``--attention auto``'s threshold: on a TPU, the Pallas kernel (``minishard.flash``) from this context
-on, XLA's attention below it, where issue 61's table has XLA's faster (3.1 ms against 5.1 at 256)."""
+"""``--attention auto``'s threshold: on a TPU, the Pallas kernel (``minishard.flash``) from this
+context on, XLA's attention below it, where issue 61's table has XLA's faster (at 256)."""
 EVAL_WINDOWS = 64
 """Windows per evaluation batch (rounded to a multiple of the training batch, which splits over "data")."""
 
@@ -143,19 +143,20 @@ def _fill_gpt(args: Args) -> None:
 
 
 def _attention_core(args: Args) -> str:
-    """--attention, decided where the devices are known (the model's build): ``auto`` picks the Pallas
-    kernel on a TPU from ``FLASH_FROM`` tokens on, else dense, and a note says which, once."""
-    asked, backend = getattr(args, "attention", "dense"), jax.default_backend()  # absent: an old checkpoint
+    """--attention, decided where the devices are known (the model's build): ``auto`` picks the
+    Pallas kernel on a TPU from ``FLASH_FROM`` tokens on, else dense; a note says which, once."""
+    asked = getattr(args, "attention", "dense")  # absent: a checkpoint saved before --attention
+    backend = jax.default_backend()
     if asked == "flash" and backend != "tpu":
         raise TrainingError(
-            f"argument --attention: flash runs its Pallas kernel on a TPU, and this backend is {backend}; "
-            "use dense here (auto picks it)"
+            "argument --attention: flash runs its Pallas kernel on a TPU, and this backend is "
+            f"{backend}; use dense here (auto picks it)"
         )
     if asked == "auto":
         args.attention = "flash" if backend == "tpu" and args.context >= FLASH_FROM else "dense"
         print(
-            f"note: --attention auto: {args.attention} (a context of {args.context} on {backend}; the kernel "
-            f"from {FLASH_FROM} tokens on a TPU)",
+            f"note: --attention auto: {args.attention} (a context of {args.context} on {backend}; "
+            f"the kernel from {FLASH_FROM} tokens on a TPU)",
             file=sys.stderr,
         )
     return str(args.attention) if asked == "auto" else asked
@@ -235,12 +236,13 @@ def _check_gpt(args: Args, error: Error) -> None:
 
 
 def _check_flash_blocks(context: int, error: Error) -> None:
-    """The kernel's blocks, of up to ``flash.BLOCK`` tokens, tile the context (its TPU: at the build)."""
+    """The kernel's blocks, of up to ``flash.BLOCK`` tokens, tile the context (the TPU: built)."""
     block = min(flash.BLOCK, context)
     if context % block or (block % 8 and block != context):
         error(
-            f"argument --attention: flash tiles --context into blocks of {flash.BLOCK} tokens (a shorter "
-            f"context whole, a multiple of 8); {context} is neither: give a multiple of {flash.BLOCK}"
+            f"argument --attention: flash tiles --context into blocks of {flash.BLOCK} tokens (a "
+            f"shorter context whole, a multiple of 8); {context} is neither: give a multiple of "
+            f"{flash.BLOCK}"
         )
 
 
@@ -290,8 +292,8 @@ GPT_ENTRY = ModelEntry(
         ),
         "weight_decay": Flag("AdamW's decoupled weight decay of the matrices, in [0, 1)", type=unit_interval),
         "attention": Flag(
-            "the attention core: dense (XLA's), flash (minishard.flash's Pallas kernel, on a TPU), or auto "
-            f"(flash on a TPU from a context of {FLASH_FROM}, else dense; a note says which)",
+            "the attention core: dense (XLA's), flash (minishard.flash's Pallas kernel, on a TPU), "
+            f"or auto (flash on a TPU from a context of {FLASH_FROM}, else dense; said)",
             choices=("dense", "flash", "auto"),
         ),
         **MOE_FLAGS,
