@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import SingleDeviceSharding
 
 import minishard as ms
 from minishard import context, flash
 from minishard.models.gpt import GPT
 from minishard.run.next_token import next_token_loss
+from minishard.run.topology import tpu_devices
 from minishard.styles import mesh_rules
 
 
@@ -168,3 +170,18 @@ def test_the_flash_core_refuses_a_backend_it_cannot_run_on():
     model = GPT(vocab=11, context=16, width=32, depth=1, heads=2, core="flash", key=jax.random.key(0))
     with pytest.raises(ValueError, match="runs on a TPU, and this device is a cpu; pass interpret=True"):
         model(jnp.zeros((1, 16), jnp.int32))
+
+
+@pytest.mark.slow  # XLA:TPU compiles three kernels
+@pytest.mark.parametrize("head_dim", [64, 128])  # heads first, and side by side
+def test_the_kernels_compile_for_a_tpu_as_mosaic_kernels(head_dim):
+    """Nothing runs: XLA:TPU (libtpu) compiles the forward and backward for one v5e chip, here."""
+    (chip,) = tpu_devices("v5e:1x1")
+    x = jax.ShapeDtypeStruct((2, 1024, 2, head_dim), jnp.bfloat16, sharding=SingleDeviceSharding(chip))
+
+    def loss(q, k, v):
+        return jnp.sum(flash.flash_attention(q, k, v, causal=True, block_q=512, block_k=256))
+
+    with jax.default_device(chip):  # Pallas lowers for the default device's TPU generation
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile().as_text()
+    assert hlo.count('custom_call_target="tpu_custom_call"') == 3  # forward, dk and dv, dq
