@@ -19,6 +19,7 @@ idea, and imports only the ones before it.
 * ``pipeline_1f1b``: its appendix, 1F1B by hand (a forward and a backward per tick);
 * ``zero``: ZeRO by hand with ``shard_map``: the minimum bytes for data parallelism;
 * ``context``: ring attention by hand (online softmax across devices, a backward ring, zig-zag);
+* ``flash``: flash attention by hand, a Pallas kernel for a TPU (tiles in VMEM, the causal skip);
 * ``sequence``: the sequence split by one collective each (all-gather, all-to-all, Megatron's);
 * ``experts``: a mixture of experts, and expert parallelism by hand: two ``all_to_all`` collectives per layer;
 * ``remat``: recomputation: what each ``jax.checkpoint`` policy keeps for the backward pass, and the

@@ -86,8 +86,19 @@ def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) ->
     True
     """
     _checks.partials(out1, lse1, out2, lse2)  # the same queries: outputs of one shape, an lse per row
+    w1, w2, lse = merge_weights(lse1, lse2)
+    return w1[..., None] * out1 + w2[..., None] * out2, lse
+
+
+def merge_weights(lse1: jax.Array, lse2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``merge``'s arithmetic: each part's weight in the whole, ``e^(lse_i - lse)``, and the
+    whole's ``lse``; the one home of the online softmax, which ``minishard.flash`` runs by tiles.
+
+    >>> [round(float(x), 3) for x in merge_weights(jnp.log(1.0), jnp.log(3.0))]   # sums 1 and 3
+    [0.25, 0.75, 1.386]
+    """
     lse = jnp.logaddexp(lse1, lse2)
-    return jnp.exp(lse1 - lse)[..., None] * out1 + jnp.exp(lse2 - lse)[..., None] * out2, lse
+    return jnp.exp(lse1 - lse), jnp.exp(lse2 - lse), lse
 
 
 def merge_across(out: jax.Array, lse: jax.Array, axis: str) -> Partial:
@@ -481,6 +492,7 @@ __all__ = [
     "meets",
     "merge",
     "merge_across",
+    "merge_weights",
     "needed",
     "pair_kinds",
     "permute",

@@ -171,3 +171,19 @@ def test_the_pytorch_reference_is_the_default_gpt_in_shape_parameters_and_flops(
     assert torch_gpt.main([]) == 2
     said = capsys.readouterr().err
     assert said == "error: PyTorch is not installed (not a minishard dependency): pip install torch\n"
+
+
+@pytest.mark.slow
+def test_flash_smoke_times_every_contender_and_agrees_with_xla(tmp_path):
+    """benchmarks/flash.py --smoke: the Pallas kernels interpreted on tiny shapes, JSON rows per contender."""
+    out, script = tmp_path / "flash.json", ROOT / "benchmarks" / "flash.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--repeat", "1", "--json", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    names = {row["contender"] for row in rows}
+    assert {"XLA dot_product_attention", "JAX flash, default blocks", "minishard 128x128"} <= names
+    assert all(row["ms"] > 0 and row["error"] < 2e-2 for row in rows)  # bf16: about 0.4% a rounding
+    assert "| contender |" in done.stdout

@@ -6,6 +6,7 @@ tiny_shakespeare; the default run (nanoGPT's CPU configuration, val loss <= 1.88
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
@@ -27,7 +28,8 @@ from minishard.models.gpt import GPT, as_stacked, stream
 from minishard.pipeline import unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli import main, parse_args
-from minishard.run.cli.models.gpt import DERIVED_BATCH_LIMIT, GPT_ENTRY
+from minishard.run.cli.models import gpt as gpt_entry
+from minishard.run.cli.models.gpt import DERIVED_BATCH_LIMIT, FLASH_FROM, GPT_ENTRY
 from minishard.run.cli.sample import MOST_BATCH, continuation, restore, sample
 from minishard.run.text_data import Vocabulary
 
@@ -194,6 +196,11 @@ BAD_FLAGS = [
     (["--batch-size", "13"], "argument --batch-size: 13 cannot be split evenly over data=2 devices"),
     (["--parallel", "dp+pp", "--depth", "3"], "argument --depth: 3 blocks cannot split over 4 stages"),
     (["--weight-decay", "1.5"], "argument --weight-decay: must be a finite number in [0, 1), got 1.5"),
+    (
+        ["--attention", "flash", "--context", "600"],
+        "argument --attention: flash tiles --context into blocks of 512 tokens (a shorter context whole, a "
+        "multiple of 8); 600 is neither: give a multiple of 512",
+    ),
     (
         ["--steps", "50", "--warmup-steps", "50"],
         "argument --warmup-steps: 50 warmup steps do not end within --steps 50 (the learning rate would only "
@@ -589,3 +596,26 @@ def test_sample_sharded_prints_the_same_texts_as_on_one_device_row_b_as_seed_b(t
         with pytest.raises(SystemExit):
             main([*flags, *bad])
         assert capsys.readouterr().err.strip().splitlines()[-1] == f"minishard sample: error: {line}"
+
+
+def test_the_flash_kernel_asked_for_off_a_tpu_is_one_error_line(capsys):
+    assert main(["train", *TINY, "--steps", "1", "--attention", "flash"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: argument --attention: flash runs its Pallas kernel on a TPU, and this backend is cpu; use "
+        "dense here (auto picks it)"
+    )
+
+
+@pytest.mark.parametrize(("backend", "context", "core"), [("cpu", 2048, "dense"), ("tpu", 256, "dense"),
+                                                         ("tpu", FLASH_FROM, "flash")])  # fmt: skip
+def test_auto_attention_picks_the_kernel_on_a_tpu_from_flash_from_tokens_and_says_so(
+    backend, context, core, monkeypatch, capsys
+):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    args = argparse.Namespace(attention="auto", context=context)
+    assert gpt_entry._attention_core(args) == core == args.attention
+    assert capsys.readouterr().err == (
+        f"note: --attention auto: {core} (a context of {context} on {backend}; the kernel from "
+        f"{FLASH_FROM} tokens on a TPU)\n"
+    )
+    assert gpt_entry._attention_core(args) == core and capsys.readouterr().err == ""  # decided: said once

@@ -154,8 +154,10 @@ def test_the_gpt_refuses_bad_input_before_any_work():
         small_gpt()(jnp.zeros((2, 17), jnp.int32))
     with pytest.raises(ValueError, match=r"character ids \[B, T\]"):
         small_gpt()(jnp.zeros((2, 16)))  # floats, not ids
-    with pytest.raises(ValueError, match="unknown core 'flash'; choose from dense, ring"):
-        Attention(8, 2, key=jax.random.key(0), core="flash")
+    with pytest.raises(
+        ValueError, match="unknown core 'sparse'; choose from dense, ring, flash, flash-interpreted"
+    ):
+        Attention(8, 2, key=jax.random.key(0), core="sparse")
     with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0"):
         gpt.generate(small_gpt(), np.array([1]), 3, temperature=0)
     with pytest.raises(ValueError, match=r"tokens must be an int >= 0, got 2\.5"):

@@ -49,6 +49,7 @@ ORDER = (
     "pipeline_1f1b",
     "zero",
     "context",
+    "flash",
     "sequence",
     "experts",
     "remat",
@@ -74,7 +75,9 @@ CHAPTERS = {
     "pipeline_1f1b": 80,
     "zero": 420,  # issue 47: placed_shapes (10 lines); issue 45: compute="bfloat16" (51), Megatron's master;
     # reduce_scatter across CPU processes (jax#40830: 407 lines as it landed); #45: pieces, held_bytes (9)
-    "context": 500,  # #48: GQA (grouped, 21), merge_across (24: cp decode); #45: ring_kept, ring_in_flight
+    "context": 512,  # #48: GQA (grouped, 21), merge_across (24: cp decode); #45: ring_kept, ring_in_flight;
+    # #61: merge_weights (11), the online softmax's one home, which the flash kernel shares
+    "flash": 410,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397)
     "sequence": 200,
     "experts": 436,  # issue 43 §4: moe_layers (10); #45 moe_activations; with_stats and keep (44 lines)
     # moved down to layers (pp+ep: the pipeline carries an MoE's stats out of its stages)

@@ -8,6 +8,7 @@
   tokens (context parallelism deals them out zig-zag) or keeps them in a cache passes
   their positions, and the same mask stays right;
 * ``ring_core``: ring attention (``minishard.context``) over the devices the rules give "seq";
+* ``flash_core``: flash attention, the Pallas kernel for a TPU (``minishard.flash``), in order;
 * ``KVCache``: one block's keys and values, a pytree ``Sharded`` lays out like the heads;
 * ``Attention``: the projections around the core, heads as a dimension of
   their own. Its static field ``core`` names the core in ``ATTENTION_CORES``,
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from minishard import context
+from minishard import context, flash
 from minishard.constraints import activation_axes, environment, output_sharding
 from minishard.layers import Layer, check_key
 from minishard.remat import ATTENTION, QKV
@@ -95,7 +96,44 @@ def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, cau
     return ring(q, k, v)
 
 
-ATTENTION_CORES: dict[str, AttentionCore] = {"dense": context.attention, "ring": ring_core}
+def flash_core(
+    q: Any,
+    k: Any,
+    v: Any,
+    q_positions: Any,
+    k_positions: Any,
+    *,
+    causal: bool,
+    interpret: bool = False,
+) -> jax.Array:
+    """``minishard.flash.flash_attention``, the Pallas kernel, on a TPU (``interpret``: in Pallas's
+    TPU interpreter, anywhere: the ``"flash-interpreted"`` core, the tests' on CPU).
+
+    The kernel's mask is the index's: the tokens must be in order, at ``0 .. T - 1`` (a training
+    window; a split sequence attends by ring, a cache by ``cached_attention``), so the positions go
+    unread. Where ``Sharded`` lays the batch and heads out over devices, each device runs the kernel
+    on its own (a ``shard_map``: XLA cannot split a kernel). Grouped K/V heads go in repeated.
+    """
+    del q_positions, k_positions  # in order: the kernel's causal skip reads the index
+    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+    attend = functools.partial(flash.flash_attention, causal=causal, interpret=interpret)
+    env = environment()
+    if env is None or jax.sharding.get_abstract_mesh().manual_axes:  # whole, or inside a shard_map
+        return attend(q, k, v)
+    spec = env.spec(activation_axes(4, "seq", "heads", "kv"))  # [batch, seq, heads, head_dim]
+    if spec[1:2] not in ((), (None,)):
+        raise ValueError(f"Attention: core 'flash' and 'seq' split over {spec[1]}: use 'ring'")
+    # check_vma off: a kernel's outputs do not say how they vary over the mesh (each device its own)
+    on_each = jax.shard_map(attend, mesh=env.mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    return on_each(q, k, v)
+
+
+ATTENTION_CORES: dict[str, AttentionCore] = {
+    "dense": context.attention,
+    "ring": ring_core,
+    "flash": flash_core,
+    "flash-interpreted": functools.partial(flash_core, interpret=True),
+}
 """The cores ``Attention(core=...)`` can name."""
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from minishard import flash
 from minishard.experts import moe_layers
 from minishard.models.gpt import GPT, stacked_gpt, stream
 from minishard.models.transformer import dense_mlp, moe_mlp
@@ -33,12 +35,14 @@ from minishard.run.cli.models.transformer import (
     depth_over_stages,
     ring_cores,
 )
+from minishard.run.errors import TrainingError
 from minishard.run.next_token import next_token_loss, next_token_sums
 from minishard.run.steps import Task
 
 __all__ = [
     "DERIVED_BATCH_LIMIT",
     "EVAL_WINDOWS",
+    "FLASH_FROM",
     "GPT_BATCH",
     "GPT_ENTRY",
     "MOE_DEFAULTS",
@@ -64,6 +68,9 @@ MOE_DEFAULTS = {"top_k": 2, "capacity_factor": 1.25}
 GPT_BATCH = 16
 """nanoGPT's CPU batch, 12, rounded up to a multiple of 8 devices: the default is the multiple of the
 devices (and of what splits the batch) nearest it, 16 on 1, 2, 4 or 8 devices."""
+FLASH_FROM = 1024
+"""``--attention auto``'s threshold: on a TPU, the Pallas kernel (``minishard.flash``) from this
+context on, XLA's attention below it, where issue 61's table has XLA's faster (at 256)."""
 EVAL_WINDOWS = 64
 """Windows per evaluation batch (rounded to a multiple of the training batch, which splits over "data")."""
 
@@ -139,9 +146,10 @@ def _gpt(args: Args, key: jax.Array, stacked: bool = False) -> Any:
     kv_heads = args.kv_heads  # None (a checkpoint saved before --kv-heads): the heads
     # with --experts each expert mlp_ratio x width / k hidden units: the dense GPT's active parameters
     mlp = moe_mlp(args.experts, args.top_k, args.capacity_factor) if args.experts else dense_mlp
+    core = _attention_core(args)
     if stacked:  # a pipeline: no remat (PipelineStyle refuses it)
-        return stacked_gpt(*shape, key=key, kv_heads=kv_heads, mlp=mlp)
-    return GPT(*shape, key=key, remat=args.remat, kv_heads=kv_heads, mlp=mlp)
+        return stacked_gpt(*shape, key=key, kv_heads=kv_heads, mlp=mlp, core=core)
+    return GPT(*shape, key=key, remat=args.remat, kv_heads=kv_heads, mlp=mlp, core=core)
 
 
 def _fill_gpt(args: Args) -> None:
@@ -158,6 +166,26 @@ def _fill_gpt(args: Args) -> None:
         args.capacity_factor = _capped(
             "capacity-factor", MOE_DEFAULTS["capacity_factor"], args.experts / args.top_k, args
         )
+
+
+def _attention_core(args: Args) -> str:
+    """--attention, decided where the devices are known (the model's build): ``auto`` picks the
+    Pallas kernel on a TPU from ``FLASH_FROM`` tokens on, else dense; a note says which, once."""
+    asked = getattr(args, "attention", "dense")  # absent: a checkpoint saved before --attention
+    backend = jax.default_backend()
+    if asked == "flash" and backend != "tpu":
+        raise TrainingError(
+            "argument --attention: flash runs its Pallas kernel on a TPU, and this backend is "
+            f"{backend}; use dense here (auto picks it)"
+        )
+    if asked == "auto":
+        args.attention = "flash" if backend == "tpu" and args.context >= FLASH_FROM else "dense"
+        print(
+            f"note: --attention auto: {args.attention} (a context of {args.context} on {backend}; "
+            f"the kernel from {FLASH_FROM} tokens on a TPU)",
+            file=sys.stderr,
+        )
+    return str(args.attention) if asked == "auto" else asked
 
 
 def _capped(flag: str, default: float, most: float, args: Args) -> float:
@@ -225,10 +253,23 @@ def _check_gpt(args: Args, error: Error) -> None:
             f"argument --context: {args.context} characters and the next one do not fit {args.dataset}'s "
             f"validation split of {held_out:,}; give at most {held_out - 1:,}"
         )
+    if getattr(args, "attention", "dense") == "flash":
+        _check_flash_blocks(args.context, error)
     if args.schedule != "cosine":
         error(
             f"argument --schedule: the GPT's AdamW warms up, then follows a cosine to lr/10; "
             f"{args.schedule} is the SGD models' schedule"
+        )
+
+
+def _check_flash_blocks(context: int, error: Error) -> None:
+    """The kernel's blocks, of up to ``flash.BLOCK`` tokens, tile the context (the TPU: built)."""
+    block = min(flash.BLOCK, context)
+    if context % block or (block % 8 and block != context):
+        error(
+            f"argument --attention: flash tiles --context into blocks of {flash.BLOCK} tokens (a "
+            f"shorter context whole, a multiple of 8); {context} is neither: give a multiple of "
+            f"{flash.BLOCK}"
         )
 
 
@@ -277,6 +318,11 @@ GPT_ENTRY = ModelEntry(
             type=at_least(1),
         ),
         "weight_decay": Flag("AdamW's decoupled weight decay of the matrices, in [0, 1)", type=unit_interval),
+        "attention": Flag(
+            "the attention core: dense (XLA's), flash (minishard.flash's Pallas kernel, on a TPU), "
+            f"or auto (flash on a TPU from a context of {FLASH_FROM}, else dense; said)",
+            choices=("dense", "flash", "auto"),
+        ),
         **MOE_FLAGS,
     },
     # nanoGPT's CPU configuration (its README): val loss 1.88 after 2,000 steps, at lr 1e-3 for its 10.7 M
@@ -291,6 +337,7 @@ GPT_ENTRY = ModelEntry(
         "context": 64,
         "kv_heads": None,  # _fill_gpt: --heads
         "weight_decay": 0.1,
+        "attention": "dense",
         "experts": 0,  # dense MLPs
         "steps": 2000,
         "eval_every": 250,

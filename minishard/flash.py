@@ -1,0 +1,398 @@
+"""Flash attention by hand: causal attention as a Pallas kernel for a TPU, forward and backward.
+
+``context.attention`` is three XLA operations: the scores ``q·kᵀ``, a softmax, the weighted sum
+of the values. Between them the scores live in HBM, the chip's main memory: ``[batch, heads, T,
+T]`` numbers, 3 GiB of float32 at batch 16, 12 heads and T = 2,048, written, read back, and kept
+for the backward pass. A *kernel* is a program for the chip's core that says where each number
+lives; this one never writes the scores anywhere:
+
+1. **Tiles in VMEM.** A TPU core computes out of its own small memory, VMEM (tens of MiB beside
+   the matrix unit). The kernel runs on a *grid* of steps ``(batch·heads, query block i, key
+   block j)``; before each step Pallas copies one tile of queries ``[block_q, head_dim]`` and one
+   of keys and of values ``[block_k, head_dim]`` from HBM into VMEM (the ``BlockSpec``\\ s say
+   which), and the step computes their ``[block_q, block_k]`` scores there. The queries' running
+   result waits in VMEM *scratch* across the key blocks and leaves for HBM once, after the last:
+   only q, k, v, the output and one log-sum-exp per query ever touch HBM. The full ``T x T``
+   scores never exist.
+2. **The online softmax.** A key block's attention is a partial softmax, ``(out, lse)``; it joins
+   the running one as ``context.merge`` joins two devices' in the ring, by the one home of that
+   arithmetic, ``context.merge_weights``. The backward pass keeps only ``lse``, and recomputes
+   each tile's weights from it (``context.attend_grads``'s steps, tile by tile).
+3. **The causal skip.** A key block whose first key comes after a query block's last query is
+   all future: its step does nothing (``pl.when``), and its ``BlockSpec`` names a block already
+   in VMEM, so not even the copy happens. Of ``n x n`` square blocks ``n(n+1)/2`` run, about half
+   the FLOPs at long T (``causal_share``); XLA's attention computes every score, then masks half.
+
+>>> causal_share(seq_len=4096, block_q=512, block_k=512)   # 36 of 64 blocks run
+0.5625
+>>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 256, 2, 64))   # [batch, T, heads, d]
+>>> out = flash_attention(q, k, v, causal=True, block_q=128, block_k=128, interpret=True)
+>>> bool(jnp.allclose(out, context.attention(q, k, v, causal=True), atol=1e-5))
+True
+
+On a CPU, ``interpret=True`` runs the same kernel in Pallas's TPU interpreter (slowly): the tests'
+way. On the chip the tiles go in as they come (bf16 into the matrix unit, float32 out).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from minishard import _checks, context
+
+BLOCK = 512
+"""The default block of queries and of keys, capped at T: large tiles keep the matrix unit fed."""
+SCORE_TILE_BYTES = 4 * 2**20
+"""The largest float32 score tile, ``block_q x block_k x 4`` bytes: the backward pass holds three
+of them in VMEM beside its q, k, v tiles, and XLA:TPU gives a kernel 16 MiB of it (v5e; 8 MiB
+failed to compile)."""
+ROW_TILE_BYTES = 2**20
+"""The largest ``[block, head_dim]`` tile: the backward pass holds six, and their float32 sums."""
+Blocks = tuple[int, int]  # (block_q, block_k)
+Shape = tuple[Blocks, int, int]  # (blocks, heads side by side in an array row, head_dim)
+CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a·bᵀ: contract both tiles' last axis (head_dim)
+F32 = {"preferred_element_type": jnp.float32}  # the matrix unit's sums in float32, whatever goes in
+SEMANTICS: tuple[Literal["parallel", "arbitrary"], ...] = ("parallel", "parallel", "arbitrary")
+"""How the grid's axes run: the last sums into scratch, in order; the others in any order."""
+
+# --- 1. the grid: which steps run, and which tiles they copy ------------------------------------
+
+
+def runs(q_block: Any, k_block: Any, blocks: Blocks, causal: bool) -> Any:
+    """A step runs unless the mask is causal and its first key comes after its last query."""
+    block_q, block_k = blocks
+    return k_block * block_k <= (q_block + 1) * block_q - 1 if causal else True
+
+
+def crosses(q_block: Any, k_block: Any, blocks: Blocks) -> Any:
+    """The step's tile crosses the diagonal: some of its keys come after some of its queries."""
+    block_q, block_k = blocks
+    return (k_block + 1) * block_k - 1 > q_block * block_q
+
+
+def causal_share(seq_len: int, block_q: int, block_k: int) -> float:
+    """The share of the grid's steps a causal kernel runs: ``(n + 1) / 2n`` of n square blocks."""
+    blocks = (block_q, block_k)
+    steps = [(i, j) for i in range(seq_len // block_q) for j in range(seq_len // block_k)]
+    return sum(bool(runs(i, j, blocks, True)) for i, j in steps) / len(steps)
+
+
+def key_tile(q_block: Any, k_block: Any, blocks: Blocks, causal: bool) -> Any:
+    """The key block step ``(i, j)`` copies: past the last that runs, that one again. Pallas copies
+    a tile only when its index changes, so a skipped step costs no copy either."""
+    last_run = jax.lax.div((q_block + 1) * blocks[0] - 1, blocks[1])
+    return jnp.minimum(k_block, last_run) if causal else k_block
+
+
+def query_tile(k_block: Any, q_block: Any, blocks: Blocks, causal: bool) -> Any:
+    """The backward pass's mirror: the query block keys ``j`` copy, never one before the first that
+    sees them (the dk, dv grid runs the queries innermost, from 0)."""
+    first_run = jax.lax.div(k_block * blocks[1], blocks[0])
+    return jnp.maximum(q_block, first_run) if causal else q_block
+
+
+def _when_runs(step: Any, q_block: Any, k_block: Any, blocks: Blocks, causal: bool) -> None:
+    """``step(masked)`` if tile ``(i, j)`` runs: masked only where it crosses the diagonal."""
+    if not causal:
+        return step(False)
+    crossing = crosses(q_block, k_block, blocks)
+    pl.when(runs(q_block, k_block, blocks, causal) & crossing)(lambda: step(True))
+    pl.when(runs(q_block, k_block, blocks, causal) & ~crossing)(lambda: step(False))
+    return None
+
+
+# --- 2. the forward kernel: one step of the grid --------------------------------------------------
+
+
+def tile_scores(
+    q: Any, k: Any, at: tuple[Any, Any], blocks: Blocks, masked: bool, keys_major: bool = False
+) -> Any:
+    """``q·kᵀ`` of tile ``at = (i, j)``, ``[block_q, block_k]``, float32 out of the matrix unit
+    whatever goes in (q comes scaled by ``1/sqrt(head_dim)``); ``keys_major``: ``k·qᵀ``, its
+    transpose, computed as such. ``masked``: the future of each query at ``MASK_VALUE``."""
+    s = (
+        jax.lax.dot_general(k, q, CONTRACT_LAST, **F32)
+        if keys_major
+        else jax.lax.dot_general(q, k, CONTRACT_LAST, **F32)
+    )
+    if not masked:
+        return s
+    queries = at[0] * blocks[0] + jax.lax.broadcasted_iota(jnp.int32, s.shape, int(keys_major))
+    keys = at[1] * blocks[1] + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1 - int(keys_major))
+    return jnp.where(keys <= queries, s, context.MASK_VALUE)
+
+
+def _forward_step(refs: Any, blocks: Blocks, masked: bool) -> None:
+    """One tile's partial softmax ``(out, lse)``, merged into the running one in VMEM scratch."""
+    q_ref, k_ref, v_ref, _, _, out_sum, lse_sum = refs
+    s = tile_scores(q_ref[...], k_ref[...], (pl.program_id(1), pl.program_id(2)), blocks, masked)
+    top = jnp.max(s, axis=1, keepdims=True)  # [block_q, 1]: no exponential overflows
+    weights = jnp.exp(s - top)
+    total = jnp.sum(weights, axis=1, keepdims=True)
+    values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **F32)  # the tile's out, times total
+    w_sum, w_tile, lse = context.merge_weights(lse_sum[...], top + jnp.log(total))
+    out_sum[...] = w_sum * out_sum[...] + (w_tile / total) * values  # divides [block_q, 1] only
+    lse_sum[...] = lse
+
+
+def forward_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
+    """Step ``(row, i, j)``: start the running softmax at ``j = 0``, merge tile ``(i, j)`` in if it
+    runs, and after the last key block write ``out`` and ``lse`` to HBM.
+
+    ``refs``: the tiles of q, k, v (inputs), of out and lse (outputs), and the scratch sums."""
+    out_ref, lse_ref, out_sum, lse_sum = refs[3:]
+    i, j = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(j == 0)
+    def _start() -> None:
+        out_sum[...] = jnp.zeros_like(out_sum)
+        lse_sum[...] = jnp.full_like(lse_sum, -jnp.inf)  # nothing seen: weight e^(-inf - lse) = 0
+
+    _when_runs(functools.partial(_forward_step, refs, blocks), i, j, blocks, causal)
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _finish() -> None:
+        out_ref[...] = out_sum[...].astype(out_ref.dtype)
+        lse_ref[...] = lse_sum[...]
+
+
+# --- 3. the backward kernels: dq over the key blocks, dk and dv over the query blocks --------
+
+
+def tile_grads(tiles: Any, at: Any, blocks: Blocks, masked: bool, keys_major: bool = False) -> Any:
+    """One tile's weights ``w = exp(s - lse)``, recomputed, and the scores' gradient
+    ``ds = w·(dp - delta)``, as ``context.attend_grads`` (q already scaled, so no ``1/sqrt(d)``).
+    ``keys_major``: both transposed, ``[block_k, block_q]``; lse and delta rows of the queries."""
+    q, k, v, g, lse, delta = tiles
+    w = jnp.exp(tile_scores(q, k, at, blocks, masked, keys_major) - lse)
+    pair = (v, g) if keys_major else (g, v)
+    dp = jax.lax.dot_general(*pair, CONTRACT_LAST, **F32)  # g·vᵀ: the weights' gradient (or ᵀ)
+    return w, w * (dp - delta)
+
+
+def _dq_step(refs: Any, blocks: Blocks, masked: bool) -> None:
+    """dq += ds·k for one tile."""
+    k_ref, dq_sum = refs[1], refs[-1]
+    tiles = [ref[...] for ref in refs[:6]]
+    _, ds = tile_grads(tiles, (pl.program_id(1), pl.program_id(2)), blocks, masked)
+    dq_sum[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], **F32)
+
+
+def dq_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
+    """Step ``(row, i, j)``: dq of query block i, summed over the key blocks j in VMEM scratch.
+
+    ``refs``: the tiles of q, k, v, g, lse, delta; of dq (the output); the scratch sum."""
+    dq_ref, dq_sum = refs[-2:]
+    i, j = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(j == 0)
+    def _start() -> None:
+        dq_sum[...] = jnp.zeros_like(dq_sum)
+
+    _when_runs(functools.partial(_dq_step, refs, blocks), i, j, blocks, causal)
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _finish() -> None:
+        dq_ref[...] = dq_sum[...].astype(dq_ref.dtype)
+
+
+def _dkv_step(refs: Any, blocks: Blocks, masked: bool) -> None:
+    """dv += wᵀ·g and dk += dsᵀ·q for one tile, ``wᵀ`` and ``dsᵀ`` computed keys major: no
+    transpose of a tile, and lse and delta come as rows, dense along the 128 lanes."""
+    q_ref, g_ref, dk_sum, dv_sum = refs[0], refs[3], refs[-2], refs[-1]
+    tiles = [ref[...] for ref in refs[:6]]
+    at = (pl.program_id(2), pl.program_id(1))  # (i, j): this grid runs keys major
+    w_t, ds_t = tile_grads(tiles, at, blocks, masked, keys_major=True)  # [block_k, block_q]
+    dv_sum[...] += jnp.dot(w_t.astype(g_ref.dtype), g_ref[...], **F32)
+    dk_sum[...] += jnp.dot(ds_t.astype(q_ref.dtype), q_ref[...], **F32)
+
+
+def dkv_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
+    """Step ``(row, j, i)``: dk and dv of key block j, summed over the query blocks i in scratch.
+
+    ``refs``: the tiles of q, k, v, g, lse, delta; of dk and dv (the outputs); their sums."""
+    dk_ref, dv_ref, dk_sum, dv_sum = refs[-4:]
+    j, i = pl.program_id(1), pl.program_id(2)
+
+    @pl.when(i == 0)
+    def _start() -> None:
+        dk_sum[...] = jnp.zeros_like(dk_sum)
+        dv_sum[...] = jnp.zeros_like(dv_sum)
+
+    _when_runs(functools.partial(_dkv_step, refs, blocks), i, j, blocks, causal)
+
+    @pl.when(i == pl.num_programs(2) - 1)
+    def _finish() -> None:
+        dk_ref[...] = dk_sum[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_sum[...].astype(dv_ref.dtype)
+
+
+# --- 4. the kernels called: tiles of HBM arrays, and the custom VJP ------------------------------
+
+
+def _pallas(kernel: Any, grid: Any, tiles: Any, outs: Any, scratch: Any, interpret: bool) -> Any:
+    """``kernel`` over ``grid``: ``tiles`` the inputs' ``BlockSpec``\\ s, ``outs`` ``(array, tile)``
+    per output, ``scratch`` the float32 VMEM shapes that live across the grid's last axis."""
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=tiles,
+        out_specs=[tile for _, tile in outs],
+        out_shape=[array for array, _ in outs],
+        scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=SEMANTICS),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )
+
+
+def _tiles(shape: Shape, rows_at: Any, keys_at: Any, lanes: bool = False) -> Any:
+    """``BlockSpec``\\ s of a query block's rows, of its lse (or delta: ``[block_q, 1]``, or with
+    ``lanes`` ``[1, block_q]``), and of a key block's rows, in arrays of ``heads`` side by side."""
+    (block_q, block_k), heads, head_dim = shape
+    rows = pl.BlockSpec((None, block_q, head_dim), lambda r, *at: _row(r, rows_at(*at), heads))
+    per_row = pl.BlockSpec(
+        (None, 1, block_q) if lanes else (None, block_q, 1),
+        lambda r, *at: (r, 0, rows_at(*at)) if lanes else (r, rows_at(*at), 0),
+    )
+    keys = pl.BlockSpec((None, block_k, head_dim), lambda r, *at: _row(r, keys_at(*at), heads))
+    return rows, per_row, keys
+
+
+def _row(r: Any, block: Any, heads: int) -> tuple[Any, Any, Any]:
+    """Grid row ``r``'s tile in an array of ``heads`` heads side by side: row ``r // heads``, head
+    ``r % heads`` (its ``head_dim`` lanes), sequence block ``block``."""
+    return r // heads, block, r % heads
+
+
+def _forward(q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
+    """``out`` (q's layout) and ``lse [rows, T, 1]`` (rows: batch·heads), grid ``(rows, i, j)``."""
+    blocks, heads, head_dim = shape
+    keys_at = functools.partial(key_tile, blocks=blocks, causal=causal)
+    rows, per_row, keys = _tiles(shape, lambda i, j: i, keys_at)
+    grid = (q.shape[0] * heads, q.shape[1] // blocks[0], k.shape[1] // blocks[1])
+    outs = [(jax.ShapeDtypeStruct(q.shape, q.dtype), rows), (_per_row(q, heads), per_row)]
+    scratch = [(blocks[0], head_dim), (blocks[0], 1)]
+    kernel = functools.partial(forward_kernel, blocks=blocks, causal=causal)
+    return _pallas(kernel, grid, [rows, keys, keys], outs, scratch, interpret)(q, k, v)
+
+
+def _per_row(q: Any, heads: int) -> jax.ShapeDtypeStruct:
+    """One float32 per query and head: lse, delta."""
+    return jax.ShapeDtypeStruct((q.shape[0] * heads, q.shape[1], 1), jnp.float32)
+
+
+def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
+    """dq (q's layout) on the forward's grid ``(rows, i, j)``: the key blocks innermost."""
+    (q, k), (blocks, heads, head_dim) = operands[:2], shape
+    keys_at = functools.partial(key_tile, blocks=blocks, causal=causal)
+    rows, per_row, keys = _tiles(shape, lambda i, j: i, keys_at)
+    grid = (q.shape[0] * heads, q.shape[1] // blocks[0], k.shape[1] // blocks[1])
+    kernel = functools.partial(dq_kernel, blocks=blocks, causal=causal)
+    outs = [(jax.ShapeDtypeStruct(q.shape, q.dtype), rows)]
+    tiles = [rows, keys, keys, rows, per_row, per_row]
+    return _pallas(kernel, grid, tiles, outs, [(blocks[0], head_dim)], interpret)(*operands)[0]
+
+
+def _dkv(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
+    """dk and dv (k's layout) on the grid ``(rows, j, i)``: the query blocks innermost, their lse,
+    delta ``[rows, 1, T]``, a new tile at each step: dense, 4 bytes a query, not 128 lanes' 512."""
+    (q, k), (blocks, heads, head_dim) = operands[:2], shape
+    rows_at = functools.partial(query_tile, blocks=blocks, causal=causal)
+    rows, per_row, keys = _tiles(shape, rows_at, lambda j, i: j, lanes=True)
+    grid = (q.shape[0] * heads, k.shape[1] // blocks[1], q.shape[1] // blocks[0])
+    kernel = functools.partial(dkv_kernel, blocks=blocks, causal=causal)
+    outs = [(jax.ShapeDtypeStruct(k.shape, k.dtype), keys)] * 2
+    tiles = [rows, keys, keys, rows, per_row, per_row]
+    return _pallas(kernel, grid, tiles, outs, [(blocks[1], head_dim)] * 2, interpret)(*operands)
+
+
+def _flash_fwd(q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
+    out, lse = _forward(q, k, v, shape, causal, interpret)
+    return out, (q, k, v, out, lse)  # what the backward pass keeps: no weights, one lse per query
+
+
+def _flash_bwd(shape: Shape, causal: bool, interpret: bool, residuals: Any, g: Any) -> Any:
+    """Two grids: dq summed over the key blocks, dk and dv over the query blocks. ``delta =
+    Σ g·out`` per query and head (``context.attend_grads``' step 3): one XLA reduction, before."""
+    q, k, v, out, lse = residuals
+    rows, seq_len, heads = q.shape[0], q.shape[1], shape[1]
+    per_head = (g.astype(jnp.float32) * out.astype(jnp.float32)).reshape(rows, seq_len, heads, -1)
+    delta = per_head.sum(-1).swapaxes(1, 2).reshape(rows * heads, seq_len, 1)  # as lse is laid
+    tiles = (q, k, v, g.astype(q.dtype))
+    along_lanes = (lse.swapaxes(1, 2), delta.swapaxes(1, 2))  # [rows, 1, T]
+    dk, dv = _dkv((*tiles, *along_lanes), shape, causal, interpret)
+    return _dq((*tiles, lse, delta), shape, causal, interpret), dk, dv
+
+
+_flash = jax.custom_vjp(lambda *args: _flash_fwd(*args)[0], nondiff_argnums=(3, 4, 5))
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret: bool = False,
+) -> Any:
+    """``context.attention(q, k, v, causal=causal)`` by the kernels: ``[batch, T, heads, head_dim]``
+    arrays, the tokens in order (the mask is the index's), blocks of ``BLOCK`` capped at T.
+
+    A tile's lanes are ``head_dim`` wide: a multiple of 128 (the TPU's lanes), each head is a tile
+    of the arrays as they are, ``[batch, T, heads · head_dim]``, no copy; narrower, the heads go
+    before the tokens first, ``[batch · heads, T, head_dim]``, one XLA copy there and one back.
+    ``interpret``: run in Pallas's TPU interpreter, on any backend (the tests do, on CPU).
+    """
+    blocks = (block_q or min(BLOCK, q.shape[1]), block_k or min(BLOCK, q.shape[1]))
+    _checks.flash(q, k, v, blocks, interpret, ROW_TILE_BYTES, SCORE_TILE_BYTES)  # fit VMEM, a TPU
+    heads, head_dim = q.shape[2:]
+    side_by_side = head_dim % 128 == 0  # each head a tile of the lanes as it lies
+    scaled = (q.astype(jnp.float32) * head_dim**-0.5).astype(q.dtype)  # fused into the copy, if any
+    shape = (blocks, heads if side_by_side else 1, head_dim)
+    out = _flash(*(laid(x, side_by_side) for x in (scaled, k, v)), shape, causal, interpret)
+    return laid(out, side_by_side, like=q)
+
+
+def laid(x: Any, side_by_side: bool, like: Any = None) -> Any:
+    """``[batch, T, heads, head_dim]`` as the kernels tile it: ``[batch, T, heads · head_dim]``
+    side by side (a reshape, free), else ``[batch · heads, T, head_dim]`` (a copy); ``like``: back
+    to its shape.
+
+    >>> laid(jnp.zeros((2, 16, 3, 64)), side_by_side=False).shape
+    (6, 16, 64)
+    """
+    if like is not None:
+        b, t, h, d = like.shape
+        return x.reshape(b, t, h, d) if side_by_side else x.reshape(b, h, t, d).swapaxes(1, 2)
+    b, t, h, d = x.shape
+    return x.reshape(b, t, h * d) if side_by_side else x.swapaxes(1, 2).reshape(b * h, t, d)
+
+
+__all__ = [
+    "BLOCK",
+    "Blocks",
+    "Shape",
+    "ROW_TILE_BYTES",
+    "SCORE_TILE_BYTES",
+    "causal_share",
+    "crosses",
+    "dkv_kernel",
+    "dq_kernel",
+    "flash_attention",
+    "forward_kernel",
+    "key_tile",
+    "laid",
+    "query_tile",
+    "runs",
+    "tile_grads",
+    "tile_scores",
+]
