@@ -199,3 +199,25 @@ def test_the_kernels_compile_for_a_tpu_as_mosaic_kernels(head_dim):
     with jax.default_device(chip):  # Pallas lowers for the default device's TPU generation
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile().as_text()
     assert hlo.count('custom_call_target="tpu_custom_call"') == 3  # forward, dk and dv, dq
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize(("context_length", "head_dim"), [(1024, 64), (1024, 128), (4096, 128)])
+def test_on_the_chip_the_kernel_is_attention_at_the_chips_precision(context_length, head_dim):
+    """The compiled kernel (no interpreter) against ``context.attention`` computed at float32's full
+    precision on the MXU: bf16 inputs, each value and gradient within bf16's rounding of the largest."""
+    q, k, v, g = jax.random.normal(jax.random.key(0), (4, 2, context_length, 4, head_dim), jnp.bfloat16)
+
+    def grads(fn):
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * g), argnums=(0, 1, 2)))
+
+    kernel = functools.partial(flash.flash_attention, causal=True)
+    with jax.default_matmul_precision("highest"):
+        oracle = functools.partial(context.attention, causal=True)
+        wide = [x.astype(jnp.float32) for x in (q, k, v)]
+        want = [jax.jit(oracle)(*wide), *grads(oracle)(*wide)]
+    got = [jax.jit(kernel)(q, k, v), *grads(kernel)(q, k, v)]
+    for name, mine, exact in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        scale = float(jnp.max(jnp.abs(exact)))
+        worst = float(jnp.max(jnp.abs(mine.astype(jnp.float32) - exact))) / scale
+        assert worst < 2e-2, (name, worst)  # bf16 keeps 8 bits: 0.4% a value, sums of them more
