@@ -65,7 +65,10 @@ def fit_devices(args: argparse.Namespace, given: bool, error: Callable[[str], No
     """On a machine with chips: a run without ``--devices`` (``given`` False) takes the chips there are,
     and ``--devices N`` beyond them is refused, naming the switch that simulates N CPU devices."""
     place = (getattr(args, name, None) for name in ("coordinator", "num_processes", "process_id"))
-    if distributed.detect(*place).multiprocess:  # its devices are counted after it joins
+    try:
+        if distributed.detect(*place).multiprocess:  # its devices are counted after it joins
+            return
+    except distributed.DistributedError:  # half a description: the process flags' check says which half
         return
     if not (chips := accelerators(args.devices)):
         return
