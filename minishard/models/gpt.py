@@ -129,7 +129,9 @@ class GPT(Layer):
     block's MLP, ``remat`` names the recomputation policy of each block (``minishard.remat``). ``kv_heads``
     (by default ``heads``) fewer than ``heads`` is grouped-query attention: each
     group of ``heads / kv_heads`` query heads shares one key and value head, and
-    the cache keeps ``kv_heads`` heads (``minishard.models.attention.Attention``).
+    the cache keeps ``kv_heads`` heads (``minishard.models.attention.Attention``). ``dropout`` (static)
+    is the rate of nanoGPT's dropout, drawn only in a call given the step's ``key``: a training step's
+    (``minishard.models.dropout``); evaluation and decoding pass none.
 
     >>> import jax
     >>> model = GPT(vocab=5, context=8, width=16, depth=2, heads=2, key=jax.random.key(0))
