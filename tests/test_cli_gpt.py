@@ -236,6 +236,11 @@ BAD_FLAGS = [
         "drop; give a style without cp",
     ),
     (
+        ["--dropout", "0.2", "--attention", "flash"],
+        "argument --dropout: 0.2 with --attention flash, whose kernel never forms the attention weights to "
+        "drop; give --attention dense (auto picks it with --dropout)",
+    ),
+    (
         ["--dropout", "0.2", "--microbatches", "2"],
         "argument --dropout: 0.2 with --parallel dp and --microbatches 2: masks are drawn per batch; give 1",
     ),
