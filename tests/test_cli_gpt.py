@@ -667,3 +667,13 @@ def test_auto_attention_picks_the_kernel_on_a_tpu_from_flash_from_tokens_and_say
         f"{FLASH_FROM} tokens on a TPU)\n"
     )
     assert gpt_entry._attention_core(args) == core and capsys.readouterr().err == ""  # decided: said once
+
+
+def test_auto_attention_picks_the_dense_core_on_a_tpu_with_dropout_and_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    args = argparse.Namespace(attention="auto", context=FLASH_FROM, dropout=0.2)  # the kernel's length
+    assert gpt_entry._attention_core(args) == "dense" == args.attention  # flash never forms the weights
+    assert capsys.readouterr().err == (
+        f"note: --attention auto: dense (a context of {FLASH_FROM} on tpu; the kernel from {FLASH_FROM} "
+        "tokens on a TPU, without --dropout)\n"
+    )
