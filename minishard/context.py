@@ -45,6 +45,7 @@ CHUNKS = {"in-order": 1, "zigzag": 2}
 """The layouts of a sequence over the devices, and how many chunks each device holds."""
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)  # a masked score: weight exp(MASK_VALUE - lse) is 0, no NaN
 Partial = tuple[jax.Array, jax.Array]  # (out, lse): attention over some of the keys
+Dropped = Callable[[jax.Array], jax.Array] | None  # what becomes of the softmax's weights (dropout), or None
 
 # --- 1. attention in pieces: the online softmax ------------------------------------
 
@@ -61,16 +62,19 @@ def scores(q: jax.Array, k: jax.Array, q_pos: Any, k_pos: Any, causal: bool) -> 
     return jnp.where(visible(q_pos, k_pos)[None, None], s, MASK_VALUE) if causal else s
 
 
-def attend(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, *, causal: bool = False) -> Partial:
+def attend(
+    q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, *, causal: bool = False, dropped: Dropped = None
+) -> Partial:
     """Attention of the queries over *these* keys only: ``(out [b, q, h, d], lse [b, q, h])``, float32.
 
     ``lse``, the log of the softmax's denominator, is all a later ``merge`` needs of the scores.
+    ``dropped``: a function of the weights ``[b, h, q, k]`` (a model's dropout, in training), or None.
     """
     s = scores(q, k, q_pos, k_pos, causal)
     lse = jax.nn.logsumexp(s, axis=-1)  # [b, h, q]
-    return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32)), lse.swapaxes(
-        1, 2
-    )
+    weights = jnp.exp(s - lse[..., None])  # the softmax, [b, h, q, k]
+    weights = weights if dropped is None else dropped(weights)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v.astype(jnp.float32)), lse.swapaxes(1, 2)
 
 
 def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) -> Partial:
@@ -479,6 +483,7 @@ def ring_report(
 
 __all__ = [
     "CHUNKS",
+    "Dropped",
     "MASK_VALUE",
     "Partial",
     "RingReport",

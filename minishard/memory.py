@@ -197,7 +197,7 @@ def block_activations(
 
     With ``heads head_dim = h``, r = hidden / h: ``sbh(8 + 2r + as/h)``, for r = 4
     ``sbh(16 + as/h)`` numbers, in 16-bit bytes ``sbh(32 + 2as/h)`` against the paper's
-    ``sbh(34 + 5as/h)``: minishard has no dropout, so no mask after attention and after the
+    ``sbh(34 + 5as/h)``: no dropout by default (``--dropout 0``), so no mask after attention and after the
     MLP (``2sbh``), and none on the softmax's output, nor its output (``3as²b``). Split over t:
     the norms stay whole without ``sp`` (the paper's 10 is 4 + 4 + its 2 masks).
     The paper's ``"selective"`` drops the softmax's ``b heads s²``; remat's policies: ``kept_by_policy``.

@@ -126,6 +126,29 @@ def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys
 
 
 @needs_shakespeare
+@pytest.mark.slow  # three short runs, each compiling its steps
+def test_a_resumed_gpt_run_with_dropout_ends_bit_identical_and_keeps_its_rate(tmp_path, capsys):
+    def trained(path, *flags):
+        directory = str(path)
+        common = ["--steps", "6", "--eval-every", "3", "--checkpoint-dir", directory]
+        assert main(["train", *TINY, *common, *flags]) == 0
+        with Checkpointer(directory, read_only=True) as checkpointer:
+            step, meta = checkpointer.read_meta()
+        model = jax.device_get(restore(directory, step, meta["info"]))
+        return model, meta["info"]["flags"]["dropout"], records(capsys.readouterr().out)
+
+    # the masks' keys come from (seed, step), the step from the optimizer's state: nothing else to save
+    straight, rate, straight_lines = trained(tmp_path / "run", "--dropout", "0.2", "--checkpoint-every", "2")
+    resumed, _, resumed_lines = trained(tmp_path / "run", "--dropout", "0.2", "--resume-from", "4")
+    assert_trees_equal(resumed, straight)
+    assert resumed_lines == straight_lines[-1:] and rate == 0.2 and straight.dropout == 0.2  # sample: none
+    undropped, _, _ = trained(tmp_path / "none")  # the same run at --dropout 0 ends elsewhere
+    assert not np.array_equal(undropped.head.weight, straight.head.weight)
+    assert main(["train", *TINY, "--steps", "6", "--checkpoint-dir", str(tmp_path / "run"), "--resume"]) == 1
+    assert "was saved under --dropout 0.2, this run --dropout 0.0," in capsys.readouterr().err
+
+
+@needs_shakespeare
 @pytest.mark.slow  # a process of its own: imports JAX and TensorFlow
 def test_ctrl_c_while_the_gpt_s_data_loads_exits_130_not_a_segfault():
     argv = [sys.executable, "-m", "minishard", "train", *TINY, "--steps", "2", "--warmup-steps", "1"]
@@ -196,6 +219,31 @@ BAD_FLAGS = [
     (["--batch-size", "13"], "argument --batch-size: 13 cannot be split evenly over data=2 devices"),
     (["--parallel", "dp+pp", "--depth", "3"], "argument --depth: 3 blocks cannot split over 4 stages"),
     (["--weight-decay", "1.5"], "argument --weight-decay: must be a finite number in [0, 1), got 1.5"),
+    (["--dropout", "1"], "argument --dropout: must be a finite number in [0, 1), got 1"),
+    (["--dropout", "-0.1"], "argument --dropout: must be a finite number in [0, 1), got -0.1"),
+    (
+        ["--dropout", "0.2", "--parallel", "zero"],
+        "argument --dropout: 0.2 with --parallel zero, which runs a step of its own that draws no masks; "
+        "give dp, fsdp, tp, 2d or tp+sp",
+    ),
+    (
+        ["--dropout", "0.2", "--parallel", "dp+pp"],
+        "argument --dropout: 0.2 with --parallel dp+pp, which runs",
+    ),
+    (
+        ["--dropout", "0.2", "--parallel", "dp+cp"],
+        "argument --dropout: 0.2 with --parallel dp+cp: ring attention never holds the attention weights to "
+        "drop; give a style without cp",
+    ),
+    (
+        ["--dropout", "0.2", "--attention", "flash"],
+        "argument --dropout: 0.2 with --attention flash, whose kernel never forms the attention weights to "
+        "drop; give --attention dense (auto picks it with --dropout)",
+    ),
+    (
+        ["--dropout", "0.2", "--microbatches", "2"],
+        "argument --dropout: 0.2 with --parallel dp and --microbatches 2: masks are drawn per batch; give 1",
+    ),
     (
         ["--attention", "flash", "--context", "600"],
         "argument --attention: flash tiles --context into blocks of 512 tokens (a shorter context whole, a "
@@ -619,3 +667,13 @@ def test_auto_attention_picks_the_kernel_on_a_tpu_from_flash_from_tokens_and_say
         f"{FLASH_FROM} tokens on a TPU)\n"
     )
     assert gpt_entry._attention_core(args) == core and capsys.readouterr().err == ""  # decided: said once
+
+
+def test_auto_attention_picks_the_dense_core_on_a_tpu_with_dropout_and_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    args = argparse.Namespace(attention="auto", context=FLASH_FROM, dropout=0.2)  # the kernel's length
+    assert gpt_entry._attention_core(args) == "dense" == args.attention  # flash never forms the weights
+    assert capsys.readouterr().err == (
+        f"note: --attention auto: dense (a context of {FLASH_FROM} on tpu; the kernel from {FLASH_FROM} "
+        "tokens on a TPU, without --dropout)\n"
+    )

@@ -75,8 +75,9 @@ CHAPTERS = {
     "pipeline_1f1b": 80,
     "zero": 420,  # issue 47: placed_shapes (10 lines); issue 45: compute="bfloat16" (51), Megatron's master;
     # reduce_scatter across CPU processes (jax#40830: 407 lines as it landed); #45: pieces, held_bytes (9)
-    "context": 512,  # #48: GQA (grouped, 21), merge_across (24: cp decode); #45: ring_kept, ring_in_flight;
-    # #61: merge_weights (11), the online softmax's one home, which the flash kernel shares
+    "context": 517,  # #48: GQA (grouped, 21), merge_across (24: cp decode); #45: ring_kept, ring_in_flight;
+    # #61: merge_weights (11), the online softmax's one home, which the flash kernel shares; attend's
+    # `dropped` (5), the one softmax a model's dropout of the attention weights reaches
     "flash": 410,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397)
     "sequence": 200,
     "experts": 436,  # issue 43 §4: moe_layers (10); #45 moe_activations; with_stats and keep (44 lines)
@@ -262,8 +263,9 @@ def test_fit_reads_in_sixty_lines():
     tree = ast.parse((PACKAGE / "run" / "train.py").read_text())
     (fit,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "fit"]
     # 62: issue 60's precision handed to the loop (the peak MFU divides by is its compute dtype's);
-    # issue 62 asks for fit's settings as one object, which would bring it back under 60
-    assert fit.end_lineno - fit.lineno + 1 <= 62
+    # issue 62 asks for fit's settings as one object, which would bring it back under 60;
+    # 64: issue 61's seed, for a model's dropout (its argument, its line in the docstring)
+    assert fit.end_lineno - fit.lineno + 1 <= 64
 
 
 # -- the inner wall ------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ public API lacks, the API grows. The textbook never imports it.
 
 * ``attention``: the attention core (a pure function of positions), ring attention's core,
   KVCache and Attention;
+* ``dropout``: nanoGPT's dropout, its mask drawn on the global shape from keys a learner can follow
+  (step, layer, place);
 * ``transformer``: what every transformer here is built from around attention: LayerNorm,
   the MLP, Block;
 * ``vit``: a Vision Transformer whose heads and MLP hidden units split like the

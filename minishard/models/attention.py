@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from minishard import context, flash
 from minishard.constraints import activation_axes, environment, output_sharding
 from minishard.layers import Layer, check_key
+from minishard.models.dropout import dropout as drop
 from minishard.remat import ATTENTION, QKV
 from minishard.rules import LogicalAxes, MeshAxes
 from minishard.sequence import over_sequence
@@ -262,11 +263,22 @@ class Attention(Layer):
         self.value = normal(v_key, (width, kv_heads, head_dim)) / math.sqrt(width)
         self.out = normal(out_key, (heads, head_dim, width)) / math.sqrt(width)
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """``[B, T, width]`` -> ``[B, T, width]``; ``positions`` ``[T]`` default to ``0 .. T - 1``."""
+    def __call__(
+        self, x: jax.Array, positions: jax.Array | None = None, *, dropout: float = 0.0, key: Any = None
+    ) -> jax.Array:
+        """``[B, T, width]`` -> ``[B, T, width]``; ``positions`` ``[T]`` default to ``0 .. T - 1``.
+        With a ``key`` (training), the softmax's weights are dropped at rate ``dropout``."""
         positions = jnp.arange(x.shape[1]) if positions is None else positions
         q, k, v = checkpoint_name(self.project(x), QKV)  # what remat's "names" policy saves
-        mixed = ATTENTION_CORES[self.core](q, k, v, positions, positions, causal=self.causal)
+        if key is None:
+            mixed = ATTENTION_CORES[self.core](q, k, v, positions, positions, causal=self.causal)
+        elif self.core != "dense":  # only the dense core forms the weights: not a ring's or flash's tiles
+            raise ValueError(f"Attention: core {self.core!r} cannot drop attention weights; use 'dense'")
+        else:  # nanoGPT's attention dropout: the softmax's weights, where context.attend makes them
+            k, v = (jnp.repeat(x, self.heads // self.kv_heads, axis=2) for x in (k, v))  # one per query head
+            dropped = functools.partial(drop, rate=dropout, key=key)
+            out, _ = context.attend(q, k, v, positions, positions, causal=self.causal, dropped=dropped)
+            mixed = out.astype(q.dtype)
         return checkpoint_name(self.combine(mixed), ATTENTION)
 
     def cached(self, x: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:

@@ -71,6 +71,7 @@ import numpy as np
 from minishard.constraints import activation_axes, as_activation, constrain, output_sharding
 from minishard.layers import Layer, Linear, Sequential, check_input, check_key
 from minishard.models.attention import KVCache
+from minishard.models.dropout import EMBEDDINGS, dropout, key_at
 from minishard.models.transformer import Block, LayerNorm, MLPBuilder, apply_blocks, dense_mlp
 from minishard.pipeline import StackedModel, stack
 from minishard.remat import POLICIES
@@ -128,7 +129,9 @@ class GPT(Layer):
     block's MLP, ``remat`` names the recomputation policy of each block (``minishard.remat``). ``kv_heads``
     (by default ``heads``) fewer than ``heads`` is grouped-query attention: each
     group of ``heads / kv_heads`` query heads shares one key and value head, and
-    the cache keeps ``kv_heads`` heads (``minishard.models.attention.Attention``).
+    the cache keeps ``kv_heads`` heads (``minishard.models.attention.Attention``). ``dropout`` (static)
+    is the rate of nanoGPT's dropout, drawn only in a call given the step's ``key``: a training step's
+    (``minishard.models.dropout``); evaluation and decoding pass none.
 
     >>> import jax
     >>> model = GPT(vocab=5, context=8, width=16, depth=2, heads=2, key=jax.random.key(0))
@@ -137,7 +140,7 @@ class GPT(Layer):
     """
 
     param_fields = ("embedding", "blocks", "norm", "head")
-    static_fields = ("remat",)
+    static_fields = ("remat", "dropout")
 
     def __init__(
         self,
@@ -153,10 +156,13 @@ class GPT(Layer):
         core: str = "dense",
         mlp: MLPBuilder = dense_mlp,
         kv_heads: int | None = None,
+        dropout: float = 0.0,
     ) -> None:
         check_key("GPT", key)
         if remat not in POLICIES:
             raise ValueError(f"GPT: remat must be a policy of {', '.join(POLICIES)}, got {remat!r}")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"GPT: dropout must be a rate in [0, 1), got {dropout!r}")
         kv_heads = heads if kv_heads is None else kv_heads
         sizes = {"vocab": vocab, "context": context, "width": width, "depth": depth, "heads": heads}
         for name, size in (sizes | {"mlp_ratio": mlp_ratio, "kv_heads": kv_heads}).items():
@@ -171,12 +177,16 @@ class GPT(Layer):
         self.norm = LayerNorm(width)
         self.head = Linear(width, vocab, key=keys[1], scale=width**-0.5, axes=("embed", "vocab"))
         self.remat = remat  # a policy of minishard.remat.POLICIES
+        self.dropout = float(dropout)  # the rate of every dropout in training (minishard.models.dropout)
 
-    def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, ids: jax.Array, positions: jax.Array | None = None, *, key: Any = None) -> jax.Array:
+        """Logits of ``ids``; given the step's ``key`` (training), with dropout at rate ``self.dropout``."""
+        key = key if self.dropout else None  # dropout 0: no random op in the program, whatever the key
         # The tokens' states as the rules lay out activations: left to XLA, the gather would take the
         # table's layout (under fsdp "embed" over "data") and every device compute the whole batch.
         x = constrain(self.embedding(ids, positions), activation_axes(3, "seq", "embed"))
-        x = apply_blocks(self.blocks, x, positions, remat=self.remat)
+        x = dropout(x, self.dropout, key_at(key, EMBEDDINGS))
+        x = apply_blocks(self.blocks, x, positions, remat=self.remat, dropout=self.dropout, key=key)
         return self.head(self.norm(x))
 
     def decode(
@@ -207,6 +217,10 @@ def as_stacked(model: GPT) -> StackedModel:
     it, outside the pipeline. Same parameters, same function (no remat), an MoE GPT's stats too;
     ``minishard.pipeline.unstack`` gives the GPT back (a pipeline's checkpoint decodes so).
     """
+    if model.dropout:  # a pipeline's stages call the blocks without a key
+        raise ValueError(
+            f"as_stacked: a pipeline draws no dropout masks; give a GPT of dropout 0, not {model.dropout}"
+        )
     return stack(model.embedding, model.blocks, Sequential([model.norm, model.head]))
 
 

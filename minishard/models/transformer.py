@@ -29,6 +29,7 @@ True
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,8 @@ from minishard.constraints import activation_axes, as_activation, constrain, env
 from minishard.experts import MoE
 from minishard.layers import Layer, Sequential, keep, mlp, with_stats
 from minishard.models.attention import Attention, KVCache
+from minishard.models.dropout import PLACES, key_at
+from minishard.models.dropout import dropout as drop
 from minishard.remat import checkpointed
 from minishard.rules import LogicalAxes
 
@@ -134,19 +137,26 @@ class Block(Layer):
         self.attention = Attention(width, heads, key=k_attention, causal=causal, core=core, kv_heads=kv_heads)
         self.mlp: Any = mlp(width, hidden, key=k_mlp)
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array | None = None, *, dropout: float = 0.0, key: Any = None
+    ) -> jax.Array:
+        """With a ``key`` (training): dropout on the attention weights and on each branch before its add,
+        each place's key ``key_at(key, PLACES[place])`` (``minishard.models.dropout``)."""
         x = residual_stream(x)
-        x = residual_stream(x + self.attention(self.norm1(x), positions))
-        return residual_stream(self.residual_mlp(x))
+        weights, out = (key_at(key, PLACES[place]) for place in ("attention weights", "attention out"))
+        attended = self.attention(self.norm1(x), positions, dropout=dropout, key=weights)
+        x = residual_stream(x + drop(attended, dropout, out))
+        return residual_stream(self.residual_mlp(x, dropout, key_at(key, PLACES["mlp out"])))
 
     def cached(self, x: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """The block on new tokens only, their keys and values added to ``cache``."""
         mixed, cache = self.attention.cached(self.norm1(x), positions, cache)
         return self.residual_mlp(x + mixed), cache
 
-    def residual_mlp(self, x: jax.Array) -> jax.Array:
-        """``x + mlp(norm(x))``: a dropped routing adds nothing, the token keeps its residual."""
-        return x + self.mlp(self.norm2(x))
+    def residual_mlp(self, x: jax.Array, dropout: float = 0.0, key: Any = None) -> jax.Array:
+        """``x + mlp(norm(x))``: a dropped routing adds nothing, the token keeps its residual. With a
+        ``key``, the MLP's output dropped at rate ``dropout`` before the add."""
+        return x + drop(self.mlp(self.norm2(x)), dropout, key)
 
 
 def residual_stream(x: jax.Array) -> jax.Array:
@@ -192,18 +202,20 @@ def _divided_by_one(_: None, gradient: jax.Array) -> tuple[jax.Array]:
 _gradient_once.defvjp(_keep_nothing, _divided_by_one)
 
 
-def _call_block(block: Block, x: jax.Array, positions: jax.Array | None) -> jax.Array:
-    """A block as a function of (parameters, input): the form ``jax.checkpoint`` wraps."""
-    return block(x, positions)
+def _call_block(block: Block, x: jax.Array, positions: jax.Array | None, key: Any, dropout: float) -> Any:
+    """A block as a function of (parameters, input, key): the form ``jax.checkpoint`` wraps (the rate,
+    a Python float, stays out of its arguments: bound by ``functools.partial``)."""
+    return block(x, positions, dropout=dropout, key=key)
 
 
-def _remat_block(policy: str) -> Callable[[Block, jax.Array, jax.Array | None], jax.Array]:
+def _remat_block(policy: str, dropout: float) -> Callable[..., jax.Array]:
     """``_call_block`` under ``jax.checkpoint`` with ``policy``; its MoEStats (None if dense) handed on
-    to the open collection (``jax.checkpoint`` traces the block on its own: they leave it as an output)."""
-    block_with_stats = checkpointed(with_stats(_call_block), policy)
+    to the open collection (``jax.checkpoint`` traces the block on its own: they leave it as an output).
+    Recomputed, a block draws its masks again from the same key: the same masks."""
+    block_with_stats = checkpointed(with_stats(functools.partial(_call_block, dropout=dropout)), policy)
 
-    def call(block: Block, x: jax.Array, positions: jax.Array | None) -> jax.Array:
-        x, stats = block_with_stats(block, x, positions)
+    def call(block: Block, x: jax.Array, positions: jax.Array | None, key: Any) -> jax.Array:
+        x, stats = block_with_stats(block, x, positions, key)
         keep(stats)
         return x
 
@@ -211,12 +223,21 @@ def _remat_block(policy: str) -> Callable[[Block, jax.Array, jax.Array | None], 
 
 
 def apply_blocks(
-    blocks: tuple[Block, ...], x: jax.Array, positions: jax.Array | None = None, *, remat: str = "none"
+    blocks: tuple[Block, ...],
+    x: jax.Array,
+    positions: jax.Array | None = None,
+    *,
+    remat: str = "none",
+    dropout: float = 0.0,
+    key: Any = None,
 ) -> jax.Array:
-    """The blocks in order, each under the recomputation policy ``remat`` (``minishard.remat.POLICIES``)."""
-    call = _call_block if remat == "none" else _remat_block(remat)
-    for block in blocks:  # a loop over layers (unrolled by jit), never over examples
-        x = call(block, x, positions)
+    """The blocks in order, each under the recomputation policy ``remat`` (``minishard.remat.POLICIES``);
+    with a ``key`` (training), block i drops at rate ``dropout`` with ``key_at(key, i + 1)``."""
+    call: Callable[..., jax.Array] = functools.partial(_call_block, dropout=dropout)
+    if remat != "none":
+        call = _remat_block(remat, dropout)
+    for layer, block in enumerate(blocks, start=1):  # a loop over layers (unrolled by jit), never examples
+        x = call(block, x, positions, key_at(key, layer))
     return x
 
 

@@ -41,7 +41,7 @@ from minishard.models.attention import SEQUENCE_LAYOUT, sequence_axis
 __all__ = ["in_sequence_layout", "next_token_loss", "next_token_sums"]
 
 
-def in_sequence_layout(model: Any, batch: Batch) -> tuple[Callable[[jax.Array], Any], Batch]:
+def in_sequence_layout(model: Any, batch: Batch) -> tuple[Callable[..., Any], Batch]:
     """``model`` and ``batch`` as the devices hold the sequence, where the rules split attention's "seq".
 
     Over p devices, every ``[B, T]`` array of the batch is dealt out in ``SEQUENCE_LAYOUT``
@@ -57,12 +57,14 @@ def in_sequence_layout(model: Any, batch: Batch) -> tuple[Callable[[jax.Array], 
     return functools.partial(model, positions=order), dealt
 
 
-def next_token_loss(model: Any, batch: Batch) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+def next_token_loss(model: Any, batch: Batch, key: Any = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Cross-entropy of every next token (nats per token), and the fraction guessed right: a ``Loss``.
 
     A GPT of MoE MLPs (``transformer.moe_mlp``) adds their auxiliary losses, ``stats.aux_loss``.
+    ``key``: the step's, given by a train step that draws dropout (``make_train_step(..., seed=)``).
     """
     held, batch = in_sequence_layout(model, batch)
+    held = held if key is None else functools.partial(held, key=key)
     logits, stats = with_stats(held)(batch["inputs"])
     loss = cross_entropy(logits, one_hot(batch["targets"], logits.shape[-1]))
     return loss if stats is None else loss + stats.aux_loss, (accuracy(logits, batch["targets"]),)

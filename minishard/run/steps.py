@@ -31,7 +31,7 @@ from minishard.losses import Batch, Loss, classification_loss
 from minishard.memory import Precision
 from minishard.optim import Optimizer
 from minishard.pipeline import microbatched
-from minishard.precision import LossScaled, reduced_in, scaled
+from minishard.precision import LossScaled, LossScaledState, reduced_in, scaled
 from minishard.run.data import to_global
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "classification_sums",
     "evaluate",
     "make_train_step",
+    "step_key",
 ]
 
 
@@ -74,6 +75,7 @@ def make_train_step(
     loss: Loss = classification_loss,
     microbatches: int = 1,
     precision: Precision | None = None,
+    seed: int | None = None,
 ) -> Callable[..., Any]:
     """One optimizer step on one batch; pure, so ``Sharded``/``jax.jit`` can compile it.
 
@@ -85,6 +87,7 @@ def make_train_step(
     Where its gradients' dtype is not the compute dtype, the step reduces them itself, in their
     dtype (``precision.reduced_in``). A ``precision.LossScaled`` optimizer (fp16) scales the loss
     by its state's scale before ``grad``, and skips the update where the gradients overflow.
+    ``seed`` (a model with dropout): the loss is given ``key=step_key(seed, opt_state)``, the step's own.
     """
     if precision is not None:
         loss = functools.partial(_computed, loss, precision)
@@ -93,9 +96,13 @@ def make_train_step(
     scaling = isinstance(optimizer, LossScaled)
     if precision and precision.params == "float16" and not scaling:
         raise ValueError(FP16_UNSCALED)
+    if seed is not None and microbatches > 1:  # each microbatch would draw the same masks, of its shape
+        raise ValueError("make_train_step: a seed (dropout) draws one mask per batch; give microbatches=1")
 
     def value_and_grad(opt_state: Any) -> Callable[..., Any]:
-        fn = scaled(loss, opt_state.loss_scale.scale) if scaling else loss
+        keyed: Callable[..., Any] = loss  # a loss that draws dropout (the GPT's) takes the step's key
+        fn = keyed if seed is None else functools.partial(keyed, key=step_key(seed, opt_state))
+        fn = scaled(fn, opt_state.loss_scale.scale) if scaling else fn
         grad = microbatched(fn, microbatches) if microbatches > 1 else jax.value_and_grad(fn, has_aux=True)
         return grad if reduce is None else reduced_in(reduce, grad)
 
@@ -121,9 +128,23 @@ def loss_scaled_for(precision: Precision | None, optimizer: Optimizer) -> Optimi
     return LossScaled(optimizer) if precision and precision.params == "float16" else optimizer
 
 
-def _computed(loss: Loss, precision: Precision, model: Any, batch: Batch) -> tuple[jax.Array, Any]:
+def step_key(seed: int, opt_state: Any) -> jax.Array:
+    """The step's key, ``fold_in(key(seed), step)``: the step number read from the optimizer's state.
+
+    Why there, not in the batch: a batch's arrays split over "data" (a key is one scalar) and into
+    microbatches, and the state's step is already replicated, saved and restored: a resumed run draws
+    the keys a straight one does, and nothing random is stored. (fp16's ``LossScaled``: its inner
+    optimizer's step, which a skipped update does not advance: the retry draws the same masks.)
+    """
+    counted = opt_state.inner if isinstance(opt_state, LossScaledState) else opt_state
+    return jax.random.fold_in(jax.random.key(seed), counted.step)
+
+
+def _computed(
+    loss: Loss, precision: Precision, model: Any, batch: Batch, **options: Any
+) -> tuple[jax.Array, Any]:
     """``loss`` on the precision's copies: differentiated, the gradients return in the master's dtype."""
-    return loss(precision.compute(model), precision.compute(batch))
+    return loss(precision.compute(model), precision.compute(batch), **options)
 
 
 def evaluate(

@@ -100,6 +100,7 @@ def fit(
     make_step: Callable[[Any], Any] | None = None,
     precision: Precision | None = None,
     profile: Profile | None = None,
+    seed: int | None = None,
 ) -> tuple[Any, Any, History]:
     """Train ``model`` for ``epochs`` epochs or ``steps`` steps in all: ``(model, opt_state, history)``.
 
@@ -111,14 +112,15 @@ def fit(
     that step; another run's checkpoints are refused unless ``overwrite``. A non-finite loss, or one
     ``DIVERGED`` times the run's first, stops training before anything bad is saved. ``microbatches > 1``
     accumulates gradients, ``precision`` casts each step (``memory.BF16``); ``make_step(optimizer)`` builds
-    another step (``minishard.zero``'s); ``profile`` traces steps. ``fit`` trains a copy of ``model``.
+    another step (``minishard.zero``'s); ``profile`` traces steps; ``seed`` (a model with dropout): each
+    step's loss gets the key ``steps.step_key(seed, opt_state)``. ``fit`` trains a copy of ``model``.
     """
     check_checkpoint_dir(checkpoint_dir, resume=resume, resume_from=resume_from, overwrite=overwrite)
     check_counts(keep=keep, log_every=log_every, checkpoint_every=checkpoint_every, microbatches=microbatches)
     horizon = Horizon.of(epochs, steps, eval_every, train_data)
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
-    step = make_train_step(optimizer, task.loss, microbatches, precision)
-    train_step = make_step(optimizer) if make_step else sharded(step)
+    step = make_train_step(optimizer, task.loss, microbatches, precision, seed)
+    train_step = _own_step(make_step, optimizer, seed) if make_step else sharded(step)
     run = _Run.start(model, optimizer, mesh, rules, train_step, task.metrics)
     sharding = sharded.batch_sharding
     measure = _evaluator(Sharded(mesh, rules)(task.evaluate), eval_data, test_data, sharding)
@@ -134,6 +136,13 @@ def fit(
             loop.resume(resume_from)
         loop.train()
     return run.whole_model(), run.opt_state, run.history
+
+
+def _own_step(make_step: Callable[[Any], Any], optimizer: Optimizer, seed: int | None) -> Any:
+    """A style's own step (``minishard.zero``'s): it draws no dropout, so a seed for one is refused."""
+    if seed is not None:
+        raise ValueError("fit: a seed draws dropout in fit's own step; make_step's draws none")
+    return make_step(optimizer)
 
 
 def _evaluator(

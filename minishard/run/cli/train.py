@@ -49,6 +49,7 @@ from minishard.run.steps import loss_scaled_for
 from minishard.run.tfds_reading import DataError
 from minishard.run.train import fit
 from minishard.sharding import Sharded, make_mesh, plan
+from minishard.styles import dimensions
 
 __all__ = ["EXPECTED_ERRORS", "HELP", "add_arguments", "check", "run", "train_on_mesh"]
 
@@ -213,7 +214,21 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
         )
     args = finish_train(args, error, model, style_of(args.parallel), MODELS.values())
     check_profile_flags(args, error)
+    if getattr(args, "dropout", None):
+        _check_dropout(args, style_of(args.parallel), error)
     return args
+
+
+def _check_dropout(args: argparse.Namespace, style: Style, error: Error) -> None:
+    """--dropout's masks are drawn in fit's own step (its key from the step), on whole batches, in the
+    dense attention core: refused where any of the three is not there, before any work."""
+    where = f"argument --dropout: {args.dropout:g} with --parallel {args.parallel}"
+    if style.own_step:
+        error(f"{where}, which runs a step of its own that draws no masks; give dp, fsdp, tp, 2d or tp+sp")
+    if "cp" in dimensions(args.parallel):
+        error(f"{where}: ring attention never holds the attention weights to drop; give a style without cp")
+    if style.microbatches(args) > 1:
+        error(f"{where} and --microbatches {args.microbatches}: masks are drawn per batch; give 1")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -340,6 +355,7 @@ def _fit(
         microbatches=style.microbatches(args),
         precision=None if args.precision == "fp32" else PRECISIONS[args.precision],
         profile=Profile(args.profile, *args.profile_steps) if args.profile else None,
+        seed=args.seed if getattr(args, "dropout", None) else None,  # dropout's keys: from the run's seed
     )
     return history
 

@@ -147,9 +147,10 @@ def _gpt(args: Args, key: jax.Array, stacked: bool = False) -> Any:
     # with --experts each expert mlp_ratio x width / k hidden units: the dense GPT's active parameters
     mlp = moe_mlp(args.experts, args.top_k, args.capacity_factor) if args.experts else dense_mlp
     core = _attention_core(args)
-    if stacked:  # a pipeline: no remat (PipelineStyle refuses it)
+    if stacked:  # a pipeline: no remat (PipelineStyle refuses it), no dropout (train refuses it)
         return stacked_gpt(*shape, key=key, kv_heads=kv_heads, mlp=mlp, core=core)
-    return GPT(*shape, key=key, remat=args.remat, kv_heads=kv_heads, mlp=mlp, core=core)
+    dropout = getattr(args, "dropout", None) or 0.0  # a checkpoint saved before --dropout: none
+    return GPT(*shape, key=key, remat=args.remat, kv_heads=kv_heads, mlp=mlp, core=core, dropout=dropout)
 
 
 def _fill_gpt(args: Args) -> None:
@@ -179,10 +180,13 @@ def _attention_core(args: Args) -> str:
             f"{backend}; use dense here (auto picks it)"
         )
     if asked == "auto":
-        args.attention = "flash" if backend == "tpu" and args.context >= FLASH_FROM else "dense"
+        dropout = getattr(args, "dropout", None)  # the kernel never forms the weights dropout drops
+        args.attention = (
+            "flash" if backend == "tpu" and args.context >= FLASH_FROM and not dropout else "dense"
+        )
         print(
             f"note: --attention auto: {args.attention} (a context of {args.context} on {backend}; "
-            f"the kernel from {FLASH_FROM} tokens on a TPU)",
+            f"the kernel from {FLASH_FROM} tokens on a TPU{', without --dropout' if dropout else ''})",
             file=sys.stderr,
         )
     return str(args.attention) if asked == "auto" else asked
@@ -255,6 +259,11 @@ def _check_gpt(args: Args, error: Error) -> None:
         )
     if getattr(args, "attention", "dense") == "flash":
         _check_flash_blocks(args.context, error)
+        if args.dropout:
+            error(
+                f"argument --dropout: {args.dropout:g} with --attention flash, whose kernel never forms "
+                "the attention weights to drop; give --attention dense (auto picks it with --dropout)"
+            )
     if args.schedule != "cosine":
         error(
             f"argument --schedule: the GPT's AdamW warms up, then follows a cosine to lr/10; "
@@ -323,6 +332,11 @@ GPT_ENTRY = ModelEntry(
             f"or auto (flash on a TPU from a context of {FLASH_FROM}, else dense; said)",
             choices=("dense", "flash", "auto"),
         ),
+        "dropout": Flag(
+            "in training, the share of the embeddings, attention weights and residual branches zeroed "
+            "(nanoGPT's places; a mask per step, layer and place), in [0, 1)",
+            type=unit_interval,
+        ),
         **MOE_FLAGS,
     },
     # nanoGPT's CPU configuration (its README): val loss 1.88 after 2,000 steps, at lr 1e-3 for its 10.7 M
@@ -338,6 +352,7 @@ GPT_ENTRY = ModelEntry(
         "kv_heads": None,  # _fill_gpt: --heads
         "weight_decay": 0.1,
         "attention": "dense",
+        "dropout": 0.0,  # nanoGPT's CPU run has none; its shakespeare-char recipe 0.2
         "experts": 0,  # dense MLPs
         "steps": 2000,
         "eval_every": 250,
