@@ -696,3 +696,4 @@ def test_after_a_failed_save_orbax_s_orphaned_futures_stay_out_of_view_and_nothi
             assert len(caplog.records) == 1
     finally:
         asyncio_log.filters[:] = before
+

@@ -47,6 +47,7 @@ from minishard.memory import Precision
 from minishard.optim import Optimizer
 from minishard.pipeline import StackedModel
 from minishard.rules import AxisRules
+from minishard.run.checkpoint.migrations import before_dropout
 from minishard.run.compiling import compile_events, compile_summary
 from minishard.run.data import EvalData, TrainingData, to_global
 from minishard.run.errors import CheckpointMismatchError, NonFiniteLossError, NonFiniteStateError, ResumeError
@@ -366,7 +367,7 @@ class _Loop:
 
         def check(saved: int, meta: dict[str, Any]) -> None:
             horizon.since(meta, saved)
-            signatures = run.signature, run.signature_before
+            signatures = run.signature, run.signature_before, before_dropout(run.signature)
             check_meta(meta, self.data.data_order, signatures, directory, self.info)
 
         try:

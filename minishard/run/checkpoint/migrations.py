@@ -18,12 +18,22 @@ import jax
 from minishard.optim import SGDState
 from minishard.tree import path_str
 
-__all__ = ["older_name", "sgd_steps"]
+__all__ = ["before_dropout", "older_name", "sgd_steps"]
 
 
 def older_name(name: str) -> str:
     """minishard 0.1 stored ``SGDState.velocity`` as ``momentum``: the name to look for instead."""
     return re.sub(r"(^|\.)velocity(?=\.|\[|$)", r"\1momentum", name)
+
+
+def before_dropout(signature: str) -> str:
+    """Before issue 61 a GPT kept no dropout rate (a static field since): the structure its checkpoints
+    saved, for this run's at rate 0 (another rate never matches: that run drops, theirs did not).
+
+    >>> before_dropout("PyTreeDef(CustomNode(GPT[('none', 0.0)], [*]))")
+    "PyTreeDef(CustomNode(GPT[('none',)], [*]))"
+    """
+    return re.sub(r"GPT\[\('(\w+)', 0\.0\)\]", r"GPT[('\1',)]", signature)
 
 
 def sgd_steps(target: Any) -> set[str]:
