@@ -697,3 +697,31 @@ def test_after_a_failed_save_orbax_s_orphaned_futures_stay_out_of_view_and_nothi
     finally:
         asyncio_log.filters[:] = before
 
+
+SAVED_BEFORE_DROPOUT = (  # the "model" a checkpoint of GPT(depth=2) stored at 1486590, before issue 61
+    "PyTreeDef(CustomNode(GPT[('none',)], [CustomNode(Embedding[()], [*, *]), (CustomNode(Block"
+    "[()], [CustomNode(LayerNorm[(128, 1e-06)], [*, *]), CustomNode(Attention[(128, 4, 4, True,"
+    " 'dense')], [*, *, *, *]), CustomNode(LayerNorm[(128, 1e-06)], [*, *]), CustomNode(Sequent"
+    "ial[()], [(CustomNode(Linear[(128, 512, ('embed', 'mlp'))], [*, *]), CustomNode(Swish[()],"
+    " []), CustomNode(Linear[(512, 128, ('mlp', 'embed'))], [*, *]))])]), CustomNode(Block[()],"
+    " [CustomNode(LayerNorm[(128, 1e-06)], [*, *]), CustomNode(Attention[(128, 4, 4, True, 'den"
+    "se')], [*, *, *, *]), CustomNode(LayerNorm[(128, 1e-06)], [*, *]), CustomNode(Sequential[("
+    ")], [(CustomNode(Linear[(128, 512, ('embed', 'mlp'))], [*, *]), CustomNode(Swish[()], []),"
+    " CustomNode(Linear[(512, 128, ('mlp', 'embed'))], [*, *]))])])), CustomNode(LayerNorm[(128"
+    ", 1e-06)], [*, *]), CustomNode(Linear[(128, 65, ('embed', 'vocab'))], [*, *])]))"
+)
+
+
+def test_a_gpt_checkpoint_saved_before_dropout_is_this_gpt_at_rate_0_and_no_other():
+    from minishard.models.gpt import GPT
+    from minishard.run.checkpoint.migrations import before_dropout
+
+    def structure(**kwargs):
+        return str(
+            jax.tree_util.tree_structure(
+                jax.eval_shape(lambda: GPT(depth=2, key=jax.random.key(0), **kwargs))
+            )
+        )
+
+    assert structure() != SAVED_BEFORE_DROPOUT == before_dropout(structure())
+    assert before_dropout(structure(dropout=0.2)) != SAVED_BEFORE_DROPOUT  # a dropping run is another model
