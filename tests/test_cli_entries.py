@@ -192,6 +192,7 @@ def test_a_registered_model_trains_by_steps_with_its_own_task_optimizer_and_data
         "dataset": "toy_text",
         "flags": flags,
         "parallel": "dp",
+        "precision": "fp32",  # what a resume under another --precision is refused by name for
         "vocabulary": VOCABULARY,
         # the learning-rate flags a resume must repeat: the task's own optimizer, none of them given
         "schedule": {

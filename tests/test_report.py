@@ -81,7 +81,7 @@ def test_explain_with_hardware_prices_the_step():
     assert report.cost.verdict in text and "collectives of train_step:" in text
     with pytest.raises(TypeError, match="hardware= prices a step; give the step and its args too"):
         explain(model, mesh, RULES_2D, hardware="v5p")
-    with pytest.raises(ValueError, match="unknown hardware 'v9': one of v4p, v5e, v5p, v6e, h100"):
+    with pytest.raises(ValueError, match="unknown hardware 'v9': one of v4p, v5e, v5p, v6e, a100, h100"):
         explain(model, mesh, RULES_2D, step=sharded, args=args, hardware="v9")
 
 
