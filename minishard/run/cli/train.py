@@ -124,7 +124,8 @@ def _add_mesh_flags(parser: argparse.ArgumentParser) -> None:
     add(
         "--mesh",
         type=flags.mesh,
-        help=f"mesh axes, e.g. data=2,model=4 (default: --parallel's, else {flags.DEFAULT_MESH})",
+        help=f"mesh axes, e.g. data=2,model=4 (default: --parallel's, else the 2d style's on the "
+        f"devices: {flags.DEFAULT_MESH} on {flags.DEFAULT_DEVICES})",
     )
     add("--explicit", action="store_true", help="Explicit mesh axes: shardings are part of array types")
     add(
