@@ -218,7 +218,8 @@ class StepCost:
         hw, mem, size = self.hardware, self.memory, human_bytes
         sent = ", ".join(f"{kind} {size(n)} {_time(s)}" for kind, n, s in self.communication) or "none"
         flip = f"; flips at {self.flip_batch:,.0f} examples per device" if self.flip_batch else ""
-        counted = "XLA:TPU's count" if self.chips_bytes else "XLA:CPU's count: not the chip's, not priced"
+        not_the_chips = "XLA:CPU's count: not the chip's, not priced"
+        counted = "XLA:TPU's count" if self.chips_bytes else not_the_chips
         lines = [
             f"predicted step on {hw.name}" + (f", {self.batch:g} examples per device" if self.batch else ""),
             f"  compute        {_time(self.compute_s):>9}  {self.flops:.3g} FLOP at {hw.flops:.3g} FLOP/s",

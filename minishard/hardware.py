@@ -82,14 +82,14 @@ class Hardware:
         return min(fast, self.scale_out * per_node)  # type: ignore[operator]
 
     def peak(self, dtype: str = "bfloat16") -> float:
-        """The matmul peak for operands of ``dtype``: ``flops`` for bf16 and fp16. float32 at JAX's
-        default precision: a TPU's MXU runs it as one bf16 pass (the same peak; about 3 digits agree),
-        a GPU's tensor cores as TF32, at half the bf16 rate.
+        """The matmul peak for operands of ``dtype``: ``flops`` for bf16 and fp16. float32 at
+        JAX's default precision: a TPU's MXU runs it as one bf16 pass (the same peak; about 3
+        digits agree), a GPU's tensor cores as TF32, at half the bf16 rate.
 
         >>> HARDWARE["v5e"].peak("float32") / 1e12, HARDWARE["h100"].peak("float32") / 1e12
         (197.0, 495.0)
         """
-        on_tensor_cores = self.topology == "switch"  # the GPUs here: NVLink switches, TF32 for float32
+        on_tensor_cores = self.topology == "switch"  # the GPUs here (NVLink): TF32 for float32
         return self.flops / 2 if dtype == "float32" and on_tensor_cores else self.flops
 
 
