@@ -85,6 +85,26 @@ def test_the_gpt_trains_by_steps_and_its_checkpoint_samples_without_data(tmp_pat
 
 
 @needs_shakespeare
+@pytest.mark.slow  # two short runs and a sample
+def test_a_scanned_gpt_trains_to_the_looped_gpts_losses_and_its_checkpoint_samples_as_one(tmp_path, capsys):
+    """--scan stacks the blocks and runs them as one lax.scan: the same function of the same numbers."""
+    flags = ["--depth", "3", "--steps", "4", "--eval-every", "2"]
+    looped, scanned = (str(tmp_path / name) for name in ("looped", "scanned"))
+    assert main(["train", *TINY, *flags, "--checkpoint-dir", looped]) == 0
+    want = records(capsys.readouterr().out)
+    assert main(["train", *TINY, *flags, "--scan", "--checkpoint-dir", scanned]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.block.attention.query" in out  # the plan names the stacked blocks
+    assert records(out) == want
+    sample = ["sample", "--prompt", "ROMEO:", "--tokens", "20", "--seed", "0"]
+    texts = []
+    for directory in (looped, scanned):
+        assert main([*sample, "--checkpoint-dir", directory]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]  # the scanned checkpoint unstacks into the looped GPT
+
+
+@needs_shakespeare
 @pytest.mark.slow  # two short runs, each compiling its steps
 def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys):
     directory = str(tmp_path / "run")
@@ -219,6 +239,8 @@ BAD_FLAGS = [
     (["--batch-size", "13"], "argument --batch-size: 13 cannot be split evenly over data=2 devices"),
     (["--parallel", "dp+pp", "--depth", "3"], "argument --depth: 3 blocks cannot split over 4 stages"),
     (["--weight-decay", "1.5"], "argument --weight-decay: must be a finite number in [0, 1), got 1.5"),
+    (["--scan", "--remat", "full"], "argument --scan: a scan of stacked blocks takes no --remat"),
+    (["--scan", "--dropout", "0.1"], "argument --scan: a scan of stacked blocks takes no --dropout"),
     (["--dropout", "1"], "argument --dropout: must be a finite number in [0, 1), got 1"),
     (["--dropout", "-0.1"], "argument --dropout: must be a finite number in [0, 1), got -0.1"),
     (

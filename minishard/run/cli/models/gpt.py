@@ -140,14 +140,14 @@ def gpt_splits(args: Args) -> Splits:
 
 
 def _gpt(args: Args, key: jax.Array, stacked: bool = False) -> Any:
-    """``GPT`` (or, for a pipeline, ``stacked_gpt``) over --dataset's characters."""
+    """``GPT`` (or, for a pipeline or --scan, ``stacked_gpt``) over --dataset's characters."""
     vocab = text_data.TEXT_DATASET_INFO[args.dataset].vocabulary_size
     shape = (vocab, args.context, args.width, args.depth, args.heads, args.mlp_ratio)
     kv_heads = args.kv_heads  # None (a checkpoint saved before --kv-heads): the heads
     # with --experts each expert mlp_ratio x width / k hidden units: the dense GPT's active parameters
     mlp = moe_mlp(args.experts, args.top_k, args.capacity_factor) if args.experts else dense_mlp
     core = _attention_core(args)
-    if stacked:  # a pipeline: no remat (PipelineStyle refuses it), no dropout (train refuses it)
+    if stacked or getattr(args, "scan", False):  # no remat, no dropout: both refused with them
         return stacked_gpt(*shape, key=key, kv_heads=kv_heads, mlp=mlp, core=core)
     dropout = getattr(args, "dropout", None) or 0.0  # a checkpoint saved before --dropout: none
     return GPT(*shape, key=key, remat=args.remat, kv_heads=kv_heads, mlp=mlp, core=core, dropout=dropout)
@@ -264,6 +264,12 @@ def _check_gpt(args: Args, error: Error) -> None:
                 f"argument --dropout: {args.dropout:g} with --attention flash, whose kernel never forms "
                 "the attention weights to drop; give --attention dense (auto picks it with --dropout)"
             )
+    scan_refuses = {"--remat": args.remat != "none", "--dropout": bool(args.dropout)}
+    if getattr(args, "scan", False) and (refused := [flag for flag, on in scan_refuses.items() if on]):
+        error(
+            f"argument --scan: a scan of stacked blocks takes no {refused[0]} (no step key or policy "
+            "reaches its body); drop one of them"
+        )
     if args.schedule != "cosine":
         error(
             f"argument --schedule: the GPT's AdamW warms up, then follows a cosine to lr/10; "
@@ -332,6 +338,11 @@ GPT_ENTRY = ModelEntry(
             f"or auto (flash on a TPU from a context of {FLASH_FROM}, else dense; said)",
             choices=("dense", "flash", "auto"),
         ),
+        "scan": Flag(
+            "stack the blocks and run them as one jax.lax.scan: a deep GPT compiles in about the time "
+            "of one block (pipelines stack theirs anyway)",
+            action="store_true",
+        ),
         "dropout": Flag(
             "in training, the share of the embeddings, attention weights and residual branches zeroed "
             "(nanoGPT's places; a mask per step, layer and place), in [0, 1)",
@@ -353,6 +364,7 @@ GPT_ENTRY = ModelEntry(
         "weight_decay": 0.1,
         "attention": "dense",
         "dropout": 0.0,  # nanoGPT's CPU run has none; its shakespeare-char recipe 0.2
+        "scan": False,  # the blocks a Python loop: the one a learner reads first
         "experts": 0,  # dense MLPs
         "steps": 2000,
         "eval_every": 250,
