@@ -135,7 +135,7 @@ def test_on_the_chip_the_readme_s_gpt_trains_with_an_mfu_in_0_to_100_percent(cap
     flags = ["--depth", "2", "--width", "128", "--heads", "4", "--context", "64", "--steps", "30"]
     assert main(["train", "--model", "gpt", *flags, "--eval-every", "15", "--precision", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert "Running on the 1 TPU v5 lite chip here" in out or "Running on" in out
+    assert f"Running on the {jax.device_count()} {jax.devices()[0].device_kind} chip" in out  # said
     shares = [float(line.split("MFU ")[1].split("%")[0]) for line in out.splitlines() if "MFU " in line]
     assert shares and all(0 < share <= 100 for share in shares), out
 
