@@ -21,7 +21,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,9 +52,22 @@ SIZES = {
 SMOKE = {"gpt tiny": ["--model", "gpt", "--depth", "1", "--width", "32", "--heads", "2", "--context", "16"]}
 
 
-def compiled_step(flags: list[str], precision: str) -> tuple[Any, ...]:
-    """``train``'s step for ``flags`` in ``precision`` on the first device, compiled, and what it needs:
-    ``(compiled, built, state, batch, budget, shapes, mesh, entry, compile_s)``."""
+class CompiledStep(NamedTuple):
+    """``train``'s step compiled on one device, what it is called with, and what was predicted of it."""
+
+    compiled: Any
+    built: Any  # the model
+    state: Any  # the optimizer's
+    batch: dict[str, jax.Array]
+    budget: Any  # memory.budget's prediction (explain --memory's)
+    shapes: Any  # the model as shapes
+    mesh: Any
+    entry: Any  # the model's CLI entry: its loss and unit
+    compile_s: float
+
+
+def compiled_step(flags: list[str], precision: str) -> CompiledStep:
+    """``train``'s step for ``flags`` in ``precision`` on the first device, compiled, and what it needs."""
     args = parse_args(["explain", "--memory", "--devices", "1", "--precision", precision, *flags])
     budget, (shapes, _, batch_shapes), shape, rules = predict(args)
     entry = MODELS[args.model]
@@ -71,26 +84,29 @@ def compiled_step(flags: list[str], precision: str) -> tuple[Any, ...]:
     started = time.perf_counter()
     compiled = sharded.lower(built, state, batch).compile()
     compile_s = time.perf_counter() - started
-    return compiled, built, state, batch, budget, shapes, mesh, entry, compile_s
+    return CompiledStep(compiled, built, state, batch, budget, shapes, mesh, entry, compile_s)
 
 
 def step_on_chip(flags: list[str], precision: str) -> Callable[[], None]:
     """One step of ``compiled_step``'s, waited for, each call (the model and state carried along)."""
-    compiled, built, state, batch, *_ = compiled_step(flags, precision)
-    carried = [built, state]
+    step = compiled_step(flags, precision)
+    carried = [step.built, step.state]
 
     def run() -> None:
-        carried[0], carried[1], *_ = jax.block_until_ready(compiled(*carried, batch))
+        carried[0], carried[1], *_ = jax.block_until_ready(step.compiled(*carried, step.batch))
 
     return run
 
 
 def measure(name: str, flags: list[str], precision: str, steps: int, rounds: int) -> dict[str, Any]:
     """One size in one precision: measured against predicted, time and memory."""
-    compiled, built, state, batch, budget, shapes, mesh, entry, compile_s = compiled_step(flags, precision)
+    step = compiled_step(flags, precision)
+    compiled, batch, budget = step.compiled, step.batch, step.budget
     device = jax.devices()[0]
-    model_entry = entry
-    built, state, *_ = jax.block_until_ready(compiled(built, state, batch))
+    if (chip := chip_of(device.device_kind)) is None and device.platform != "cpu":
+        raise SystemExit(f"{device.device_kind!r} is not in minishard.hardware.DEVICE_KINDS: no roofline")
+    chip = chip or HARDWARE["v5e"]  # off a chip (--smoke): priced as a v5e, only to run the script
+    built, state, *_ = jax.block_until_ready(compiled(step.built, step.state, batch))
     means = []
     for _ in range(rounds):
         started = time.perf_counter()
@@ -98,19 +114,18 @@ def measure(name: str, flags: list[str], precision: str, steps: int, rounds: int
             built, state, *_ = jax.block_until_ready(compiled(built, state, batch))
         means.append((time.perf_counter() - started) / steps)
     measured = min(means)
-    chip = chip_of(device.device_kind) or HARDWARE["v5e"]
-    cost = step_cost(compiled, chip, mesh=mesh)
+    cost = step_cost(compiled, chip, mesh=step.mesh)
     computes_in = memory.PRECISIONS[precision].params
-    speed = Speed.of_step(model_entry.task.loss, built, batch, model_entry.task.unit, [device], computes_in)
+    speed = Speed.of_step(step.entry.task.loss, built, batch, step.entry.task.unit, [device], computes_in)
     compiled_memory = Memory.of(compiled)
     stats = device.memory_stats() or {}
     return {
         "size": name,
         "precision": precision,
-        "parameters": int(sum(leaf.size for leaf in jax.tree.leaves(shapes))),
+        "parameters": int(sum(leaf.size for leaf in jax.tree.leaves(step.shapes))),
         "measured_step_s": measured,
         "rounds_s": means,
-        "compile_s": compile_s,
+        "compile_s": step.compile_s,
         "predicted_step_s": cost.step_s,
         "roofline_s": max(cost.compute_s, cost.hbm_s) + cost.comm_s,
         "compute_s": cost.compute_s,
