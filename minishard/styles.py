@@ -45,22 +45,107 @@ no style is named: the ``2d`` style, minus the mesh axes the mesh lacks.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from minishard import _checks
 from minishard.rules import AxisRules, MeshAxes
 
-# --- 1. the dimensions, and the one order their rules take --------------------------------------
+# --- 1. the dimensions, each a rule, and the one order their splits take ----------------------------
 
-DIMENSIONS: dict[str, str] = {
-    "dp": "data",
-    "fsdp": "data",
-    "tp": "model",
-    "sp": "model",  # rides on tp's axis
-    "pp": "stage",
-    "cp": "context",
-    "ep": "expert",
+
+class Dimension(NamedTuple):
+    """One dimension of parallelism as data: what composing it with others needs to know.
+
+    * ``axis``: the mesh axis it splits over (sp rides on tp's "model");
+    * ``what``: what it splits, in words; ``splits``: the logical axes, in its own order of
+      preference (``ORDER`` interleaves every dimension's);
+    * ``needs``: the dimension whose axis it rides on, which must be there too (sp: tp);
+    * ``excludes``: the dimensions it cannot run with, each with why;
+    * ``step``: the chapter whose step it needs beyond its rules (``None``: its rules are all):
+      the pipeline's schedule, the context chapter's ring, the experts' routing;
+    * ``inside``: the dimensions with a step of their own that it can run inside (cp and ep inside
+      pp's stages, ep inside cp's ring): the outer one's step carries its checks and build;
+    * ``sends``: the collectives it adds to a step, by kind;
+    * ``shards_weights``: whether it splits every device's share of the parameters (and of the
+      optimizer's state that mirrors them): the memory term it changes.
+
+    >>> DIMENSIONS["sp"].axis, DIMENSIONS["sp"].needs, DIMENSIONS["ep"].inside
+    ('model', 'tp', ('pp', 'cp'))
+    """
+
+    name: str
+    axis: str
+    what: str
+    splits: tuple[str, ...]
+    needs: str | None = None
+    excludes: Mapping[str, str] = {}
+    step: str | None = None
+    inside: tuple[str, ...] = ()
+    sends: tuple[str, ...] = ()
+    shards_weights: bool = False
+
+
+DIMENSIONS: dict[str, Dimension] = {
+    dim.name: dim
+    for dim in (
+        Dimension("dp", "data", "the batch", ("batch",), sends=("all-reduce",)),
+        Dimension(
+            "fsdp",
+            "data",
+            "the batch, and every weight",
+            ("batch", "embed", "mlp", "heads"),
+            excludes={"dp": "both split the batch over 'data' (fsdp is dp that also splits the weights)"},
+            sends=("all-gather", "reduce-scatter"),
+            shards_weights=True,
+        ),
+        Dimension(
+            "tp",
+            "model",
+            "MLP hidden units and attention heads",
+            ("mlp", "heads"),
+            sends=("all-reduce",),
+            shards_weights=True,
+        ),
+        Dimension(
+            "sp",
+            "model",
+            "the sequence",
+            ("seq",),
+            needs="tp",
+            excludes={"cp": "both split 'seq' (cp over 'context', sp over tp's 'model')"},
+            sends=("all-gather", "reduce-scatter"),  # in place of tp's all-reduces
+        ),
+        Dimension(
+            "pp",
+            "stage",
+            "the stacked blocks",
+            ("stage",),
+            step="pipeline",
+            sends=("collective-permute", "all-reduce"),
+            shards_weights=True,
+        ),
+        Dimension(
+            "cp",
+            "context",
+            "the sequence",
+            ("seq",),
+            step="context",
+            inside=("pp",),
+            sends=("collective-permute",),
+        ),
+        Dimension(
+            "ep",
+            "expert",
+            "a mixture's experts, and the batch",
+            ("expert", "batch"),
+            step="experts",
+            inside=("pp", "cp"),
+            sends=("all-to-all",),
+            shards_weights=True,
+        ),
+    )
 }
-"""Each dimension of parallelism and the mesh axis it splits over."""
+"""Every dimension of parallelism, by name: its rule."""
 ORDER: tuple[tuple[str, str], ...] = (
     ("ep", "expert"),  # an MoE's slots [E, G, C, M]: the experts claim "expert" before the groups
     ("dp", "batch"),  # the batch next, so an activation's embed (fsdp's) falls back to whole
@@ -76,15 +161,18 @@ ORDER: tuple[tuple[str, str], ...] = (
     ("sp", "seq"),  # after tp's heads: attention's [batch, seq, heads, kv] keeps its sequence whole
 )
 """Every dimension's splits ``(dimension, logical axis)``, each over the dimension's mesh axis, in
-the order a composition's rules take them. A logical axis keeps the rule of the first dimension
-that splits it; the batch, which several split, goes over all of their mesh axes at once."""
+the order a composition's rules take them: each dimension's ``splits`` in its own order,
+interleaved. A logical axis keeps the rule of the first dimension that splits it; the batch, which
+several split, goes over all of their mesh axes at once."""
 MESH_AXES = ("data", "model", "stage", "context", "expert")
 """The mesh axes of the dimensions, in the order a composed mesh lists them."""
 CONFLICTS: dict[frozenset[str], str] = {
-    frozenset({"dp", "fsdp"}): "both split the batch over 'data' (fsdp is dp that also splits the weights)",
-    frozenset({"cp", "sp"}): "both split 'seq' (cp over 'context', sp over tp's 'model')",
+    frozenset({dim.name, other}): why for dim in DIMENSIONS.values() for other, why in dim.excludes.items()
 }
-"""Pairs of dimensions that cannot work together, and why."""
+"""Pairs of dimensions that cannot work together, and why: each rule's ``excludes``."""
+MAX_STEPS = 2
+"""Dimensions with a step of their own that one composition holds at most: one outer step that
+carries one other inside it (pp+cp, pp+ep, cp+ep); no step carries a pair yet."""
 ALIASES = {"2d": "dp+tp"}
 """Named styles that are other names for dimensions: ``2d`` is dp+tp."""
 
@@ -99,8 +187,8 @@ def dimensions(name: str) -> tuple[str, ...]:
     given = ALIASES.get(name, name).split("+")
     if len(given) == 1 and name not in DIMENSIONS:
         raise ValueError(
-            f"unknown parallel style {name!r}; choose from {', '.join(SPLITS)}, or dimensions joined by + "
-            f"from {', '.join(DIMENSIONS)}"
+            f"unknown parallel style {name!r}; choose from {', '.join(SPLITS)}, or dimensions joined "
+            f"by + from {', '.join(DIMENSIONS)}"
         )
     for dim in given:
         if dim not in DIMENSIONS:
@@ -111,9 +199,44 @@ def dimensions(name: str) -> tuple[str, ...]:
         if pair <= set(given):
             first, second = sorted(pair, key=given.index)
             raise ValueError(f"{name}: {first} and {second} do not compose: {why}")
-    if "sp" in given and "tp" not in given:
-        raise ValueError(f"{name}: sp splits the sequence over tp's 'model' axis, and there is no tp; add tp")
+    for rule in (DIMENSIONS[dim] for dim in given):
+        if rule.needs and rule.needs not in given:
+            axis = DIMENSIONS[rule.needs].axis
+            raise ValueError(
+                f"{name}: {rule.name} splits {rule.what} over {rule.needs}'s {axis!r} axis, "
+                f"and there is no {rule.needs}; add {rule.needs}"
+            )
     return tuple(dim for dim in DIMENSIONS if dim in given)
+
+
+def steps(name: str) -> tuple[str, ...]:
+    """The dimensions of ``name`` with a step of their own, the outermost first: each later one
+    runs inside the first, whose rule's ``inside`` it names. A composition no rule nests is
+    refused in one line.
+
+    >>> steps("dp+tp+pp"), steps("ep+cp"), steps("dp+tp")
+    (('pp',), ('cp', 'ep'), ())
+    """
+    own = [dim for dim in dimensions(name) if DIMENSIONS[dim].step]
+    outer = next((dim for dim in own if all(dim in DIMENSIONS[d].inside for d in own if d != dim)), None)
+    if len(own) > MAX_STEPS or (own and outer is None):
+        nests = [f"{outside}+{dim.name}" for dim in DIMENSIONS.values() for outside in dim.inside]
+        named = f"{', '.join(own[:-1])} and {own[-1]}"
+        raise ValueError(
+            f"{name}: {named} do not compose here: each is a step of its own, and one step carries "
+            f"{MAX_STEPS - 1} other at most, inside it; these do: {', '.join(nests)}"
+        )
+    return (outer, *(dim for dim in own if dim != outer)) if outer else ()
+
+
+def batch_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes the batch of ``name`` splits over: those of its dimensions that split "batch".
+
+    >>> batch_axes("dp+ep+pp"), batch_axes("tp")
+    (('data', 'expert'), ())
+    """
+    found = [DIMENSIONS[dim].axis for dim in dimensions(name) if "batch" in DIMENSIONS[dim].splits]
+    return tuple(dict.fromkeys(found))
 
 
 def compose(name: str) -> tuple[tuple[str, MeshAxes], ...]:
@@ -128,7 +251,7 @@ def compose(name: str) -> tuple[tuple[str, MeshAxes], ...]:
     (('expert', 'expert'), ('batch', ('data', 'expert')), ('batch', 'data'))
     """
     dims = dimensions(name)
-    rows = [(dim, logical, DIMENSIONS[dim]) for dim, logical in ORDER if dim in dims]
+    rows = [(dim, logical, DIMENSIONS[dim].axis) for dim, logical in ORDER if dim in dims]
     batch = tuple(mesh_axis for _, logical, mesh_axis in rows if logical == "batch")
     splits: list[tuple[str, MeshAxes]] = []
     owner: dict[str, str] = {}  # logical axis -> the dimension whose rule it keeps
@@ -173,7 +296,7 @@ def mesh_rules(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
     """
     rules = style_rules(name)
     _checks.count("mesh_rules: devices", devices)
-    axes = [axis for axis in MESH_AXES if axis in {DIMENSIONS[dim] for dim in dimensions(name)}]
+    axes = [axis for axis in MESH_AXES if axis in {DIMENSIONS[dim].axis for dim in dimensions(name)}]
     shape, left = {}, devices
     for axis in axes[:-1]:
         shape[axis] = 2 if left % 2 == 0 else 1
@@ -215,6 +338,10 @@ def rules_for_mesh(mesh_axes: Sequence[str], overrides: Mapping[str, MeshAxes] =
 
 __all__ = [
     "ALIASES",
+    "Dimension",
+    "MAX_STEPS",
+    "batch_axes",
+    "steps",
     "CONFLICTS",
     "DIMENSIONS",
     "MESH_AXES",

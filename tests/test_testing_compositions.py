@@ -64,7 +64,7 @@ def test_the_strategy_draws_only_what_the_library_composes_two_and_three_dimensi
         name, dims, mesh = composition.name, composition.dimensions, composition.mesh
         assert dimensions(name) == dims and compose(name)  # the library takes it: no exception
         assert not any(pair <= set(dims) for pair in CONFLICTS), name
-        axes = list(dict.fromkeys(DIMENSIONS[dim] for dim in dims))  # an axis each, sp on tp's
+        axes = list(dict.fromkeys(DIMENSIONS[dim].axis for dim in dims))  # an axis each, sp on tp's
         assert list(mesh.shape) == axes and math.prod(mesh.shape.values()) == 8, (name, mesh.shape)
         assert min(mesh.shape.values()) >= 2, (name, mesh.shape)  # a 1-wide axis splits nothing
         for logical, width in WIDTHS.items():

@@ -158,7 +158,7 @@ def _on_meshes(name: str, widths: Mapping[str, int], devices: int) -> list[Compo
 
 def _mesh_axes(dims: tuple[str, ...]) -> tuple[str, ...]:
     """A mesh axis per dimension (sp rides on tp's), in ``MESH_AXES``' order."""
-    return tuple(axis for axis in MESH_AXES if axis in {DIMENSIONS[dim] for dim in dims})
+    return tuple(axis for axis in MESH_AXES if axis in {DIMENSIONS[dim].axis for dim in dims})
 
 
 @functools.cache

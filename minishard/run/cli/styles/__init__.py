@@ -19,10 +19,12 @@ with a step of its own, named for it: ``pipeline``, ``zero``, ``context``,
 train step as ``explain`` compiles it (``style_args``, ``train_step``, ``zero_batch``: ``explain
 --hardware``, ``--compare`` and ``rank_check`` share them).
 
-Any other ``+``-joined dimensions (``minishard.styles.compose``: ``dp+tp+pp``) are a style
-too (``style_of``): the entry of the one chapter among them that has a step or checks of its
-own (``pp``: the pipeline's, ``cp``: the ring's, ``ep``: the experts'), on the composed mesh
-and rules; the annotated dimensions (dp, fsdp, tp, sp) need nothing more.
+Every ``+``-joined set of dimensions (``minishard.styles.compose``: ``dp+tp+pp``) is a style
+too (``style_of``), derived from the dimensions' rules (``minishard.styles.DIMENSIONS``), never
+written per pair: a dimension whose rule names a ``step`` (pp: the pipeline's, cp: the ring's,
+ep: the experts') brings that chapter's entry (``STEPS``); the outermost (``styles.steps``) is the
+style, on the composed mesh and rules, and carries the others inside it (``Style.inner``: their
+checks and build). The annotated dimensions (dp, fsdp, tp, sp) need nothing more.
 
 >>> STYLES["zero"].mesh(8), STYLES["dp+pp"].mesh(8), style_of("fsdp+tp+pp").mesh(8)
 ({'data': 8}, {'data': 2, 'stage': 4}, {'data': 2, 'model': 2, 'stage': 2})
@@ -48,7 +50,7 @@ from minishard.run.cli.styles.pipeline import PipelineStyle
 from minishard.run.cli.styles.style import Args, Style
 from minishard.run.cli.styles.zero import ZeroStyle
 from minishard.run.steps import make_train_step
-from minishard.styles import DIMENSIONS, EXPERT, PIPELINED, SPLITS, dimensions, rules_for_mesh
+from minishard.styles import DIMENSIONS, SPLITS, rules_for_mesh, steps
 
 __all__ = [
     "NO_STYLE",
@@ -113,26 +115,13 @@ def warn_unused(mesh: Mapping[str, int], rules: AxisRules) -> None:
         )
 
 
-STYLES: dict[str, Style] = {
-    **{name: PipelineStyle(name) if name in PIPELINED else Style(name) for name in SPLITS},
-    **{name: ExpertStyle(name) for name in EXPERT},
-    "zero": ZeroStyle("zero", like="dp"),
-    **{name: ContextStyle(name) for name in ("cp", "dp+cp")},
-}
-"""``--parallel``'s choices: each of ``minishard.styles``, ZeRO by hand, the ring, the experts."""
-NO_STYLE = Style("2d")
-"""Without --parallel: the mesh data=2,model=4 (or --mesh), with the rules for its axes (``cli_rules``)."""
-
-
-CHAPTERS = {"pp": PipelineStyle, "cp": ContextStyle, "ep": ExpertStyle}
-"""The dimensions whose style is a chapter's entry of its own; a composition takes its entry."""
-TOGETHER = ({"pp", "cp"}, {"pp", "ep"}, {"cp", "ep"})
-"""The chapters whose first entry takes the other's checks (and build): the pipeline the ring's and the
-experts', the ring the experts'."""
+STEPS: dict[str, type[Style]] = {"pipeline": PipelineStyle, "context": ContextStyle, "experts": ExpertStyle}
+"""The entry of each chapter whose step a dimension needs (``styles.Dimension.step``)."""
 
 
 def parallel(text: str) -> str:
-    """``--parallel``: a style of ``STYLES``, or dimensions joined by + that compose (one chapter at most).
+    """``--parallel``: a style of ``STYLES``, or dimensions joined by + that compose: their rules
+    (``minishard.styles.DIMENSIONS``) nest their steps (``styles.steps``).
 
     >>> parallel("tp+dp+pp")
     'tp+dp+pp'
@@ -145,24 +134,30 @@ def parallel(text: str) -> str:
             f"from {', '.join(DIMENSIONS)}"
         )
     try:
-        dims = dimensions(text)
+        steps(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if len(chapters := [dim for dim in dims if dim in CHAPTERS]) > 1 and set(chapters) not in TOGETHER:
-        named = f"{', '.join(chapters[:-1])} and {chapters[-1]}"
-        raise argparse.ArgumentTypeError(
-            f"{text}: {named} do not compose here: each is a style with checks and reports of "
-            f"its own (minishard/run/cli/styles/), and no style yet has both; these do: "
-            + ", ".join("+".join(sorted(pair, key=list(CHAPTERS).index)) for pair in TOGETHER)
-        )
     return text
 
 
 @functools.cache
 def _composed(name: str) -> Style:
-    """The style of dimensions joined by +: the entry of its chapter (if any), on its mesh and rules."""
-    chapter = next((dim for dim in dimensions(name) if dim in CHAPTERS), None)
-    return CHAPTERS[chapter](name) if chapter else Style(name)
+    """The style of dimensions joined by +, derived from their rules: the entry of the outermost
+    step (if any) on its mesh and rules, carrying the entries of the steps inside it."""
+    nested = steps(name)
+    if not nested:
+        return Style(name)
+    outer, *inner = (STEPS[str(DIMENSIONS[dim].step)] for dim in nested)  # each has a step
+    return outer(name, inner=tuple(entry(name) for entry in inner))
+
+
+STYLES: dict[str, Style] = {
+    **{name: _composed(name) for name in SPLITS},
+    "zero": ZeroStyle("zero", like="dp"),
+}
+"""``--parallel``'s choices: each of ``minishard.styles``, ZeRO by hand, the ring, the experts."""
+NO_STYLE = Style("2d")
+"""Without --parallel: the mesh data=2,model=4 (or --mesh), with the rules for its axes (``cli_rules``)."""
 
 
 def style_of(name: str | None) -> Style:

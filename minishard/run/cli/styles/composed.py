@@ -24,7 +24,8 @@ def by_dimension(name: str, sent: Iterable[Sent]) -> str:
     """The collectives ``sent`` (``census.instructions`` of a compiled step), summed per dimension of
     ``name`` and kind, in mesh-axis order; a collective over several axes names each (``dp x tp``)."""
     dims = dimensions(name)
-    owners = {DIMENSIONS[dim]: "+".join(d for d in dims if DIMENSIONS[d] == DIMENSIONS[dim]) for dim in dims}
+    axis = {dim: DIMENSIONS[dim].axis for dim in dims}
+    owners = {axis[dim]: "+".join(d for d in dims if axis[d] == axis[dim]) for dim in dims}
     found: dict[tuple[int, str, str], tuple[int, int]] = {}
     for kind, nbytes, groups, _ in sent:
         axes = [axis.split("(")[0] for axis in groups[0]] if len(groups) == 1 else ["?"]

@@ -1,5 +1,5 @@
 """``ContextStyle``: ``--parallel cp`` and ``dp+cp``, a model's attention a ring (docs/context.md);
-composed with ep (``dp+cp+ep``), the experts' checks too.
+composed with ep (``dp+cp+ep``) it carries the experts' entry inside it (``Style.inner``).
 
 The sequence over "context": a model with a sequence (its entry's ``SequenceSplit``)
 has its attention cores made rings (``minishard.context``), and ``explain`` compiles the
@@ -11,10 +11,7 @@ step to count the ring's collective-permutes against the formula and show its ba
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
-
-import jax
 
 from minishard import context
 from minishard.census import instructions
@@ -22,10 +19,9 @@ from minishard.optim import Optimizer
 from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.composed import by_dimension
-from minishard.run.cli.styles.experts import ExpertStyle
 from minishard.run.cli.styles.style import Args, Style
 from minishard.sharding import ShardedFunction
-from minishard.styles import SPLITS, dimensions
+from minishard.styles import SPLITS
 
 __all__ = ["ContextStyle"]
 
@@ -40,13 +36,6 @@ class ContextStyle(Style):
 
     compiles = True
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.experts = ExpertStyle(name) if "ep" in dimensions(name) else None  # cp+ep: their checks too
-
-    def ways(self, mesh: Mapping[str, int]) -> int:
-        return self.experts.ways(mesh) if self.experts else super().ways(mesh)
-
     def finish(self, args: Args, error: Error) -> None:
         if args.explicit:
             error(
@@ -55,13 +44,11 @@ class ContextStyle(Style):
 
     def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
         self._check_context(args, model, self.mesh(args.devices), error)
-        if self.experts:
-            self.experts.check_explain(args, model, error)
+        super().check_explain(args, model, error)
 
     def check(self, args: Args, model: ModelEntry, error: Error) -> None:
         self._check_context(args, model, args.mesh, error)  # --mesh's "context" devices, as it runs
-        if self.experts:
-            self.experts.check(args, model, error)
+        super().check(args, model, error)
 
     def _check_context(self, args: Args, model: ModelEntry, mesh: dict[str, int], error: Error) -> None:
         if model.sequence is None:
@@ -73,12 +60,10 @@ class ContextStyle(Style):
                 f"(context={p} devices)"
             )
 
-    def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
-        """The model, every attention a ring; under a pipeline (dp+pp+cp) its stacked blocks'."""
+    def adapt(self, built: Any, model: ModelEntry) -> Any:
+        """The model, every attention a ring; inside a pipeline (dp+pp+cp) its stacked blocks'."""
         assert model.sequence is not None  # checked with the flags
-        if "pp" in dimensions(self.name) and model.stack is not None:
-            return model.sequence.ring(model.stack.build(args, key))
-        return model.sequence.ring(model.build(args, key))
+        return model.sequence.ring(built)
 
     def explain_step(
         self,

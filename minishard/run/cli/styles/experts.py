@@ -10,7 +10,6 @@ one forward pass's all-to-alls against the formula, the routings it drops.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -34,9 +33,6 @@ class ExpertStyle(Style):
     home, two all-to-alls per block forward. ``explain`` shows where each expert lives, those
     all-to-alls against the formula, and the routings one batch drops.
     """
-
-    def ways(self, mesh: Mapping[str, int]) -> int:
-        return int(mesh.get("data", 1) * mesh.get("expert", 1))  # the batch over "data" x "expert"
 
     def check(self, args: Args, model: ModelEntry, error: Error) -> None:
         self.check_explain(args, model, error)  # its "expert" axis is on --mesh: Style.check_mesh

@@ -2,11 +2,11 @@
 
 The model's blocks stacked on a "stage" axis (its entry's ``Stacking`` says
 how), the batch in microbatches; ``explain`` compiles one step and prints the
-pipeline's ticks, bubble and sends, read from the compiled loop. Composed with cp
-(``dp+pp+cp``) the stacked blocks attend by ring, each stage holding its share of the
-tokens: the context chapter's checks and build, inside the pipeline. Composed with ep
-(``dp+pp+ep``) the stacked blocks are mixtures of experts, each microbatch's rows over
-"expert" too: the experts chapter's checks; their statistics leave the stages (``run_blocks``).
+pipeline's ticks, bubble and sends, read from the compiled loop. Composed with cp or ep, their
+entries run inside it (``Style.inner``, from the dimensions' rules): with cp (``dp+pp+cp``) the
+stacked blocks attend by ring, each stage holding its share of the tokens; with ep (``dp+pp+ep``)
+they are mixtures of experts, each microbatch's rows over "expert" too, their statistics
+leaving the stages (``run_blocks``).
 
 >>> PipelineStyle("dp+pp").mesh(8)
 {'data': 2, 'stage': 4}
@@ -15,7 +15,6 @@ tokens: the context chapter's checks and build, inside the pipeline. Composed wi
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -29,12 +28,10 @@ from minishard.run.cli.accelerators import first_devices
 from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles.composed import by_dimension
-from minishard.run.cli.styles.context import ContextStyle
-from minishard.run.cli.styles.experts import ExpertStyle
 from minishard.run.cli.styles.style import Args, Style
 from minishard.run.steps import make_train_step
 from minishard.sharding import Sharded, make_mesh
-from minishard.styles import SPLITS, dimensions
+from minishard.styles import SPLITS, batch_axes
 
 __all__ = ["PipelineStyle"]
 
@@ -50,14 +47,6 @@ class PipelineStyle(Style):
     refuses = (("remat", "none"), ("explicit", False))  # each flag, and its value that asks for nothing
     own_step = checks_microbatches = True
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.ring = ContextStyle(name) if "cp" in dimensions(name) else None  # its checks and build
-        self.experts = ExpertStyle(name) if "ep" in dimensions(name) else None  # its checks
-
-    def ways(self, mesh: Mapping[str, int]) -> int:
-        return self.experts.ways(mesh) if self.experts else super().ways(mesh)
-
     def fill(self, args: Args, model: ModelEntry) -> None:
         stages = int((getattr(args, "mesh", None) or self.mesh(args.devices)).get("stage", 1))
         args.microbatches = args.microbatches or 2 * stages
@@ -72,32 +61,30 @@ class PipelineStyle(Style):
                 error(f"argument --{flag}: not with a pipeline (--parallel {self.name})")
         assert model.stack is not None  # checked above
         model.stack.check(args, args.mesh["stage"], error)
-        if self.ring:
-            self.ring.check(args, model, error)
-        if self.experts:
-            self.experts.check(args, model, error)
+        super().check(args, model, error)
 
     def check_microbatches(self, args: Args, error: Error) -> None:
-        """Each microbatch's rows split over "data", and with experts over "expert" too."""
+        """Each microbatch's rows split over "data", and over every other axis that splits the batch
+        (with experts, "expert")."""
         super().check_microbatches(args, error)
-        if self.experts and args.batch_size % (split := args.microbatches * self.ways(args.mesh)):
+        axes = batch_axes(self.name)
+        split = args.microbatches * self.ways(args.mesh)
+        if set(axes) - {"data"} and args.batch_size % split:
             error(
                 f"argument --microbatches: --batch-size {args.batch_size} does not split into "
-                f"{args.microbatches} microbatches over the {split // args.microbatches} devices of data "
-                f"x expert ({args.batch_size} is not a multiple of {split})"
+                f"{args.microbatches} microbatches over the {split // args.microbatches} devices of "
+                f"{' x '.join(axes)} ({args.batch_size} is not a multiple of {split})"
             )
 
     def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
         if model.stack is None:
             error(f"argument --parallel: the {model.label} has no blocks to stack on 'stage' for a pipeline")
-        if self.ring:
-            self.ring.check_explain(args, model, error)
-        if self.experts:
-            self.experts.check_explain(args, model, error)
+        super().check_explain(args, model, error)
 
-    def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
+    def built(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
+        """The model's blocks stacked (its entry's ``Stacking``)."""
         assert model.stack is not None  # checked with the flags
-        return self.ring.build(model, args, key) if self.ring else model.stack.build(args, key)
+        return model.stack.build(args, key)
 
     def pipelined(self, model: Any, args: Args, mesh: jax.sharding.Mesh) -> Any:
         """``model`` with its pipeline on ``mesh``: ``args.microbatches``, the batch over "data" and its

@@ -11,7 +11,8 @@ The hooks, by the question they answer:
 
 * mesh and rules: ``mesh``, ``ways``, ``rules``, ``check_mesh``;
 * the flags: ``parsed``, ``finish``, ``fill``, ``check``, ``check_explain``, ``checks_microbatches``;
-* build and step: ``build``, ``prepare``, ``make_step``, ``microbatches``, ``own_step``, ``own_step_cost``;
+* build and step: ``build`` (``built``, ``adapt``), ``prepare``, ``make_step``, ``microbatches``,
+  ``own_step``, ``own_step_cost``;
 * what ``explain`` shows: ``compiles``, ``before_explain``, ``explain_step``, ``after_plan``.
 
 Their calling order, the one place it is written (``flags.finish_train``, ``train.run``,
@@ -48,7 +49,7 @@ from minishard.rules import AxisRules, as_mesh_axes
 from minishard.run.cli.flags import Error
 from minishard.run.cli.models.entry import Args, ModelEntry  # Args: the parsed flags, one home
 from minishard.sharding import ShardedFunction
-from minishard.styles import mesh_rules, style_rules
+from minishard.styles import batch_axes, mesh_rules, style_rules
 
 __all__ = ["Args", "Style"]
 
@@ -61,16 +62,18 @@ class Style:
     subclasses this and overrides some.
     """
 
-    def __init__(self, name: str, like: str | None = None) -> None:
-        self.name, self.like = name, like or name  # the style (minishard.styles) whose mesh and rules it uses
+    def __init__(self, name: str, like: str | None = None, inner: tuple[Style, ...] = ()) -> None:
+        self.name = name
+        self.like = like or name  # the style (minishard.styles) whose mesh and rules it uses
+        self.inner = inner  # the steps inside this one's (styles.steps): checked and built after it
 
     # -- mesh and rules ------------------------------------------------------------------------------
     def mesh(self, devices: int) -> dict[str, int]:
         return mesh_rules(self.like, devices)[0]
 
     def ways(self, mesh: Mapping[str, int]) -> int:
-        """The devices a batch splits over."""
-        return int(mesh.get("data", 1))
+        """The devices a batch splits over: the mesh axes of the dimensions whose rules split it."""
+        return math.prod(int(mesh.get(axis, 1)) for axis in batch_axes(self.like))
 
     def rules(self, overrides: Mapping[str, Any]) -> AxisRules:
         return style_rules(self.like, overrides)
@@ -114,10 +117,14 @@ class Style:
         args.microbatches = args.microbatches or 1
 
     def check(self, args: Args, model: ModelEntry, error: Error) -> None:
-        """``train``'s flags as the style needs them, with everything filled in."""
+        """``train``'s flags as the style needs them, with everything filled in; then the inner steps'."""
+        for step in self.inner:
+            step.check(args, model, error)
 
     def check_explain(self, args: Args, model: ModelEntry, error: Error) -> None:
-        """``explain``'s flags as the style needs them."""
+        """``explain``'s flags as the style needs them; then the inner steps'."""
+        for step in self.inner:
+            step.check_explain(args, model, error)
 
     def check_microbatches(self, args: Args, error: Error) -> None:
         """Each microbatch (of accumulation, or of a pipeline) splits evenly over "data" too."""
@@ -133,7 +140,20 @@ class Style:
     """Whether it trains a step of its own (``own_step_cost`` prices it), not ``fit``'s ``Sharded`` one."""
 
     def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
+        """The model as this style's step builds it (``built``), then changed by each step inside it,
+        and by its own (``adapt``): a ring's attention in a pipeline's stacked blocks."""
+        built = self.built(model, args, key)
+        for step in (*self.inner, self):
+            built = step.adapt(built, model)
+        return built
+
+    def built(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
+        """The model as this style's step takes it: the model's own build (a pipeline: its blocks stacked)."""
         return model.build(args, key)
+
+    def adapt(self, built: Any, model: ModelEntry) -> Any:
+        """What this dimension's step changes in a model built by any (the ring: its attention)."""
+        return built
 
     def prepare(self, built: Any, args: Args, mesh: jax.sharding.Mesh) -> Any:
         """The built model, made ready for its mesh (a pipeline's schedule)."""
