@@ -917,6 +917,14 @@ def collective(kind: Any, nbytes: Any, devices: Any, kinds: Sequence[str]) -> No
     count("collective_time: devices", devices)
 
 
+def layout_sizes(sizes: Mapping[str, Any], dimensions: Sequence[str]) -> None:
+    """A layout's sizes: each a dimension it splits (``layouts.RANKED``), each a positive int."""
+    for name, size in sizes.items():
+        if name not in dimensions:
+            raise ValueError(f"Layout: unknown dimension {name!r}; a layout splits {', '.join(dimensions)}")
+        count(f"Layout: {name}", size)
+
+
 def optional_count(where: str, value: Any) -> None:
     """None, or a positive int."""
     if value is not None:

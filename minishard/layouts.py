@@ -62,6 +62,7 @@ from minishard.hardware import Hardware, hardware_named
 from minishard.memory import MIXED, Budget, bytes_per_parameter, korthikanti
 from minishard.pipeline import bubble_fraction
 from minishard.serving import Decoder, decode_critical_batch
+from minishard.styles import DIMENSIONS, MESH_AXES
 
 CHECKPOINTS = 4
 """Residual streams each layer keeps for the backward pass: the book's "checkpoint 4 times per layer"."""
@@ -84,7 +85,7 @@ def train_flops(model: Decoder, tokens: float, context: int = 0) -> float:
     ('4.23e+11', '4.56e+11')
     """
     attention = 12 * model.layers * context * model.heads * model.head_dim
-    return (6 * model.params + attention) * tokens
+    return (6 * model.active_params + attention) * tokens
 
 
 def train_seconds(
@@ -144,30 +145,58 @@ def layer_bytes(model: Decoder, tokens: float, context: int, fused: bool = True)
 # --- 2. one layout, priced ------------------------------------------------------------------------
 
 
-PLACEMENT = ("tp", "cp", "pp", "fsdp", "dp")
+RANKED = tuple(name for name, rule in DIMENSIONS.items() if rule.needs is None)
+"""The dimensions a layout splits chips over: every rule of ``styles.DIMENSIONS`` but those that ride
+on another's axis (sp on tp's: the ranking's tp is Megatron's with the sequence split between blocks)."""
+PLACEMENT = ("tp", "cp", "ep", "pp", "fsdp", "dp")
 """The dimensions from the innermost (nearest devices) out: Llama 3's "[TP, CP, PP, DP]" (Dubey
-et al. 2024, §3.3.2), fsdp inside dp as HSDP shards inside a node's replica. tp's collectives,
-the most and largest, stay inside a node; dp's, once a step, cross the slow level."""
+et al. 2024, §3.3.2), fsdp inside dp as HSDP shards inside a node's replica, ep inside pp as
+Megatron-Core's default order puts it ("tp-cp-ep-dp-pp"). tp's collectives, the most and largest,
+stay inside a node; dp's, once a step, cross the slow level."""
 
 
-@dataclasses.dataclass(frozen=True)
 class Layout:
-    """``dp x fsdp x tp x pp x cp`` devices: data-parallel replicas, FSDP shards, tensor-parallel
-    shards, pipeline stages, context-parallel shards of each sequence."""
+    """How N devices split over the dimensions, each a rule of ``styles.DIMENSIONS``: a mapping
+    dimension -> devices, ``dp x fsdp x tp x pp x cp x ep``; a dimension it does not name is 1.
+    The ranking prices it; ``mesh`` and ``style`` are the same split as ``train --parallel`` runs it.
 
-    dp: int = 1
-    fsdp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
+    >>> layout = Layout(fsdp=4, tp=2)
+    >>> layout["tp"], layout["pp"], layout.devices, layout.mesh()
+    (2, 1, 8, {'data': 4, 'model': 2})
+    """
+
+    def __init__(self, **sizes: int) -> None:
+        _checks.layout_sizes(sizes, RANKED)
+        self.sizes = {name: sizes[name] for name in RANKED if sizes.get(name, 1) > 1}  # the rules' order
+
+    def __getitem__(self, dimension: str) -> int:
+        return self.sizes.get(dimension, 1)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.sizes == other.sizes
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.sizes.items()))
+
+    def __repr__(self) -> str:
+        return f"Layout({', '.join(f'{name}={size}' for name, size in self.sizes.items())})"
 
     @property
     def devices(self) -> int:
-        return self.dp * self.fsdp * self.tp * self.pp * self.cp
+        return math.prod(self.sizes.values())
 
     def ways(self) -> dict[str, int]:
         """The split dimensions and their sizes."""
-        return {name: size for name, size in dataclasses.asdict(self).items() if size > 1}
+        return dict(self.sizes)
+
+    def mesh(self) -> dict[str, int]:
+        """The mesh this split trains on: each dimension's devices on its rule's axis (dp and fsdp
+        share "data"), in ``styles.MESH_AXES``' order."""
+        found: dict[str, int] = {}
+        for name, size in self.sizes.items():
+            axis = DIMENSIONS[name].axis
+            found[axis] = found.get(axis, 1) * size
+        return {axis: found[axis] for axis in MESH_AXES if axis in found}
 
     def inner(self, dimension: str) -> int:
         """The devices between two neighbours of ``dimension``: the dimensions ``PLACEMENT`` puts
@@ -177,7 +206,7 @@ class Layout:
         (1, 2048)
         """
         inside = PLACEMENT[: PLACEMENT.index(dimension)]
-        return math.prod(getattr(self, name) for name in inside)
+        return math.prod(self[name] for name in inside)
 
     def axes(self, hardware: Hardware) -> dict[str, float]:
         """The torus axes each dimension's collectives run over: one each, the largest takes those
@@ -229,8 +258,8 @@ class LayoutCost:
 
     @property
     def shard_sequences(self) -> float:
-        """Sequences each data shard (dp x fsdp) computes on: below 1, the shards split sequences."""
-        return self.sequences / (self.layout.dp * self.layout.fsdp)
+        """Sequences each data shard (dp x fsdp x ep) computes on: below 1, the shards split sequences."""
+        return self.sequences / data_shards(self.layout)
 
     @property
     def busy_s(self) -> float:
@@ -280,6 +309,15 @@ class LayoutCost:
         return self.memory.total <= self.hardware.hbm_bytes
 
 
+def data_shards(layout: Layout) -> int:
+    """The devices that split the batch: the dimensions whose rules split "batch" (dp, fsdp, ep).
+
+    >>> data_shards(Layout(dp=2, fsdp=4, tp=8, ep=2))
+    16
+    """
+    return math.prod(layout[name] for name in RANKED if "batch" in DIMENSIONS[name].splits)
+
+
 def microbatches(layout: Layout, tokens: float, hardware: Hardware | str, context: int = CONTEXT) -> int:
     """The most microbatches a pipeline's tokens split into (1 without pp): each whole sequences
     of ``context``, and at least ``serving.decode_critical_batch`` tokens, below which a matmul
@@ -288,9 +326,9 @@ def microbatches(layout: Layout, tokens: float, hardware: Hardware | str, contex
     >>> microbatches(Layout(fsdp=56, tp=8, pp=20), 4 * 2**20, "v5p")   # 18 sequences a pipeline
     18
     """
-    group = tokens / (layout.dp * layout.fsdp)  # the tokens one pipeline of tensor-parallel stages computes
+    group = tokens / data_shards(layout)  # the tokens one pipeline of tensor-parallel stages computes
     smallest = max(context, decode_critical_batch(hardware))  # decoding's sequences are a token each
-    return max(1, int(group // smallest)) if layout.pp > 1 else 1
+    return max(1, int(group // smallest)) if layout["pp"] > 1 else 1
 
 
 def price(
@@ -314,20 +352,52 @@ def price(
     """
     hardware = hardware_named(hardware)
     m = microbatches(layout, tokens, hardware, context)
-    forward, backward = pass_collectives(model, layout, tokens, hardware, itemsize, context, m)
+    passes = pass_collectives(model, layout, tokens, hardware, itemsize, context, m)  # forward, backward
     per_device = tokens / layout.devices
     compute = train_flops(model, per_device, context) / 3 / hardware.flops  # the forward pass's third
-    microbatch = tokens / (layout.dp * layout.fsdp) / m  # a pipeline's, or all of a shard's tokens
-    memory = _memory(model, layout, microbatch, min(m, layout.pp), checkpoints, (context, fused))
+    microbatch = tokens / data_shards(layout) / m  # a pipeline's, or all of a shard's tokens
+    memory = _memory(model, layout, microbatch, min(m, layout["pp"]), checkpoints, (context, fused))
     sequences = tokens / context if context else 0.0
-    bubble = bubble_fraction(layout.pp, m)
-    return LayoutCost(layout, hardware, per_device, compute, forward, backward, memory, m, bubble, sequences)
+    bubble = bubble_fraction(layout["pp"], m)
+    return LayoutCost(layout, hardware, per_device, compute, *passes, memory, m, bubble, sequences)
+
+
+class Step(NamedTuple):
+    """One training step as the ranking sizes its collectives: ``tokens`` in sequences of
+    ``context`` (0: none) on ``layout``, numbers of ``itemsize`` bytes (bf16), a pipeline's
+    ``microbatches``."""
+
+    model: Decoder
+    layout: Layout
+    tokens: float
+    itemsize: int = 2
+    context: int = 0
+    microbatches: int = 1
+
+    @property
+    def group(self) -> float:
+        """The tokens one tensor-parallel group computes on: a data shard's, a cp shard of them."""
+        return self.tokens / (data_shards(self.layout) * self.layout["cp"])
+
+    @property
+    def weights(self) -> float:
+        """Bytes of a stage's tensor shard of the weights, its experts' ep shard: what FSDP gathers."""
+        model, layout = self.model, self.layout
+        held = model.params - model.expert_params + model.expert_params / layout["ep"]
+        return self.itemsize * held / layout["tp"] / layout["pp"]
+
+    @property
+    def dense_weights(self) -> float:
+        """Of ``weights``, those outside the experts: what every ep shard holds whole."""
+        dense = self.model.params - self.model.expert_params
+        return self.itemsize * dense / self.layout["tp"] / self.layout["pp"]
 
 
 class Send(NamedTuple):
     """One collective a step runs for a dimension: in the ``backward`` pass or the forward,
     ``times`` over, each leaving ``result_bytes`` on a device (what ``census.collectives`` counts);
-    ``over``: the devices it runs among, where fewer than the dimension's (0: all of them)."""
+    ``over``: the devices it runs among, where fewer than the dimension's (0: all of them);
+    ``of_weights``: its bytes are the weights' (whatever the batch), not the activations'."""
 
     dimension: str
     kind: str
@@ -335,54 +405,69 @@ class Send(NamedTuple):
     backward: bool
     times: int = 1
     over: int = 0
+    of_weights: bool = False
 
     def devices(self, layout: Layout) -> int:
-        return self.over or getattr(layout, self.dimension)
+        return self.over or layout[self.dimension]
 
 
-def sends(
-    model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0, microbatches: int = 1
-) -> list[Send]:
-    """The collectives of one step of ``tokens`` in sequences of ``context``, by dimension, numbers
-    of ``itemsize`` bytes (bf16); a split sequence's keys and values (``_sequence_sends``). A
-    pipeline of ``microbatches`` sends as ``minishard.pipeline`` compiles: a microbatch every one
-    of its m + p - 1 ticks, the bubble's too, and an all-reduce over the stages that hands the last
-    stage's output to every stage, each pass."""
-    dp, fsdp, tp, pp, cp = layout.dp, layout.fsdp, layout.tp, layout.pp, layout.cp
-    group = tokens / (dp * fsdp * cp)  # the tokens one tensor-parallel group computes on
-    weights = itemsize * model.params / tp / pp  # a stage's tensor shard: what FSDP gathers whole
-    stream = itemsize * group * model.width * 2 * model.layers / pp  # the input of a stage's every block
-    hop = itemsize * group * model.width / tp  # a stage's output, split by sp
-    ticks = (microbatches + pp - 1) / microbatches  # the loop's ticks over its microbatches
-    found = [
-        Send("fsdp", "all-gather", weights, backward=False),
-        Send("fsdp", "all-gather", weights, backward=True, times=int(pp == 1)),  # a stage keeps its own
-        Send("fsdp", "reduce-scatter", weights / fsdp, backward=True),
-        Send("dp", "all-reduce", weights / fsdp, backward=True),  # each replica's, once FSDP scattered them
+def _fsdp_sends(step: Step) -> list[Send]:
+    """FSDP gathers a stage's weights each pass (a pipeline's stage keeps its own through the
+    backward pass) and reduce-scatters their gradients."""
+    weights, whole = step.weights, int(step.layout["pp"] == 1)
+    return [
+        Send("fsdp", "all-gather", weights, backward=False, of_weights=True),
+        Send("fsdp", "all-gather", weights, backward=True, times=whole, of_weights=True),
+        Send("fsdp", "reduce-scatter", weights / step.layout["fsdp"], backward=True, of_weights=True),
     ]
-    for backward in (False, True):  # the backward pass: the forward's tensor collectives transposed, twice
+
+
+def _dp_sends(step: Step) -> list[Send]:
+    """Each replica's gradients all-reduced, once FSDP scattered them."""
+    shard = step.weights / step.layout["fsdp"]
+    return [Send("dp", "all-reduce", shard, backward=True, of_weights=True)]
+
+
+def _tp_sends(step: Step) -> list[Send]:
+    """Megatron's with the sequence split between blocks: each block gathers its input's tokens and
+    reduce-scatters its output; the backward pass the forward's transposed, twice."""
+    stream = step.itemsize * step.group * step.model.width * 2 * step.model.layers / step.layout["pp"]
+    found = []
+    for backward in (False, True):
         found += [
             Send("tp", "all-gather", stream, backward, times=1 + backward),
-            Send("tp", "reduce-scatter", stream / tp, backward, times=1 + backward),
+            Send("tp", "reduce-scatter", stream / step.layout["tp"], backward, times=1 + backward),
+        ]
+    return found
+
+
+def _pp_sends(step: Step) -> list[Send]:
+    """As ``minishard.pipeline`` compiles: a microbatch every one of its m + p - 1 ticks, the bubble's
+    too, and an all-reduce over the stages that hands the last stage's output to every stage, each pass."""
+    hop = step.itemsize * step.group * step.model.width / step.layout["tp"]  # a stage's output, split by sp
+    ticks = (step.microbatches + step.layout["pp"] - 1) / step.microbatches
+    found = []
+    for backward in (False, True):
+        found += [
             Send("pp", "collective-permute", hop * ticks, backward),
             Send("pp", "all-reduce", hop, backward),  # the last stage's output, to every stage
         ]
-    found += _sequence_sends(model, layout, tokens, itemsize, context)
-    return [send for send in found if send.devices(layout) > 1 and send.times]
+    return found
 
 
-def _sequence_sends(model: Decoder, layout: Layout, tokens: float, itemsize: int, context: int) -> list[Send]:
+def _cp_sends(step: Step) -> list[Send]:
     """The keys and values a split sequence gathers, each layer (Llama 3's all-gather context
-    parallelism): over cp, and over the data shards that share a sequence where dp x fsdp exceeds
-    the sequences (the book's "sequence parallelism" under FSDP). Each device gathers them whole
+    parallelism): over cp, and over the data shards that share a sequence where they exceed the
+    sequences (the book's "sequence parallelism" under FSDP). Each device gathers them whole
     in the forward pass; the backward pass reduce-scatters their gradients, a 1/n each."""
-    kv = 2 * itemsize * model.kv_heads * model.head_dim / min(layout.tp, model.kv_heads)  # a token's K and V
-    layers = model.layers / layout.pp
-    shards = layout.dp * layout.fsdp
-    found = _gather_scatter("cp", kv * tokens / shards * layers, layout.cp)  # a shard's tokens, gathered
+    model, layout, tokens, context = step.model, step.layout, step.tokens, step.context
+    kv = 2 * step.itemsize * model.kv_heads * model.head_dim / min(layout["tp"], model.kv_heads)
+    layers = model.layers / layout["pp"]
+    shards = data_shards(layout)
+    found = _gather_scatter("cp", kv * tokens / shards * layers, layout["cp"])  # a shard's tokens
     if context and shards * context > tokens:  # fewer sequences than data shards: they split them
         sharing = math.ceil(shards * context / tokens)
-        outer = "dp" if layout.dp > 1 else "fsdp"  # the outer of the two: PLACEMENT's order
+        outer = next(name for name in ("dp", "fsdp", "ep") if layout[name] > 1)  # PLACEMENT's outermost
         found += _gather_scatter(outer, kv * context * layers, sharing, over=sharing)
     return found
 
@@ -392,6 +477,43 @@ def _gather_scatter(dimension: str, gathered: float, ways: int, over: int = 0) -
         Send(dimension, "all-gather", gathered, backward=False, over=over),
         Send(dimension, "reduce-scatter", gathered / ways, backward=True, over=over),
     ]
+
+
+def _ep_sends(step: Step) -> list[Send]:
+    """Each MoE layer sends every token to its ``top_k`` experts and the results home (two all-to-alls
+    a layer forward, their transposes backward: ``minishard.experts``), a token split by sp between
+    blocks; the weights outside the experts, whole on each ep shard, all-reduce their gradients."""
+    model, layout = step.model, step.layout
+    routed = step.itemsize * step.group / layout["tp"] * model.top_k * model.width
+    layers = 2 * model.layers // layout["pp"]
+    shard = step.dense_weights / layout["fsdp"]
+    return [
+        Send("ep", "all-to-all", routed, backward=False, times=layers),
+        Send("ep", "all-to-all", routed, backward=True, times=layers),
+        Send("ep", "all-reduce", shard, backward=True, of_weights=True),
+    ]
+
+
+SENDS = {"fsdp": _fsdp_sends, "dp": _dp_sends, "tp": _tp_sends, "pp": _pp_sends, "cp": _cp_sends}
+SENDS["ep"] = _ep_sends
+"""Each dimension's collectives and their bytes, from one ``Step``: the weights' first, then the
+activations'. A new dimension adds its own here (its rule, ``styles.Dimension``, names their kinds)."""
+
+
+def sends(
+    model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0, microbatches: int = 1
+) -> list[Send]:
+    """The collectives of one step of ``tokens`` in sequences of ``context``, by dimension (``SENDS``),
+    numbers of ``itemsize`` bytes (bf16), a pipeline of ``microbatches``; those among more than one
+    device.
+
+    >>> from minishard.serving import MINISHARD_GPT
+    >>> [send.kind for send in sends(MINISHARD_GPT, Layout(fsdp=8), 1024)]
+    ['all-gather', 'all-gather', 'reduce-scatter']
+    """
+    step = Step(model, layout, tokens, itemsize, context, microbatches)
+    found = [send for sends_of in SENDS.values() for send in sends_of(step)]
+    return [send for send in found if send.devices(layout) > 1 and send.times]
 
 
 def bytes_sent(
@@ -421,15 +543,16 @@ def pass_collectives(
     microbatches: int = 1,
 ) -> tuple[CommSeconds, CommSeconds]:
     """The seconds of the forward pass's ``sends`` and of the backward pass's, each over its torus
-    axes and its network level (``Layout.inner``): dp's and fsdp's of the weights (but the keys and
-    values of a split sequence), tp's, cp's and pp's of the activations."""
-    axes, seconds = layout.axes(hardware), dict.fromkeys([(0, 0), (0, 1), (1, 0), (1, 1)], 0.0)
+    axes and its network level (``Layout.inner``), split into the weights' and the activations'."""
+    axes = layout.axes(hardware)
+    seconds = dict.fromkeys([(0, 0), (0, 1), (1, 0), (1, 1)], 0.0)
     for send in sends(model, layout, tokens, itemsize, context, microbatches):
         n_axes, inner = axes.get(send.dimension, 1), layout.inner(send.dimension)
         one = collective_time(send.kind, send.result_bytes, send.devices(layout), hardware, n_axes, inner)
-        of_weights = send.dimension in ("dp", "fsdp") and not send.over
-        seconds[int(send.backward), int(of_weights)] += send.times * one
-    return CommSeconds(seconds[0, 1], seconds[0, 0]), CommSeconds(seconds[1, 1], seconds[1, 0])
+        seconds[int(send.backward), int(send.of_weights)] += send.times * one
+    forward = CommSeconds(weights=seconds[0, 1], activations=seconds[0, 0])
+    backward = CommSeconds(weights=seconds[1, 1], activations=seconds[1, 0])
+    return forward, backward
 
 
 def _memory(
@@ -440,29 +563,33 @@ def _memory(
     checkpoints: int,
     attention: tuple[int, bool],
 ) -> Budget:
-    """Per device: the per-parameter terms over fsdp x tp x pp, a gathered layer (a stage's layers,
-    under pp), the checkpoints of a stage's layers for the ``held`` microbatches it keeps, and the
-    one layer the backward pass recomputes from its checkpoint for one microbatch (``layer_bytes``
-    of ``attention``'s context and kernel), split over tp and cp."""
-    shards = layout.fsdp * layout.tp * layout.pp
+    """Per device: the per-parameter terms over the dimensions whose rules split the weights
+    (fsdp x tp x pp; a mixture's experts over ep too), a gathered layer (a stage's layers, under
+    pp), the checkpoints of a stage's layers for the ``held`` microbatches it keeps, and the one
+    layer the backward pass recomputes from its checkpoint for one microbatch (``layer_bytes`` of
+    ``attention``'s context and kernel), split over tp and cp."""
+    shards = layout["fsdp"] * layout["tp"] * layout["pp"]
+    params = model.params - model.expert_params + model.expert_params / layout["ep"]
     per_parameter = bytes_per_parameter(MIXED, "adamw")
-    terms = {name: size * model.params / shards for name, size in per_parameter.items() if size}
-    if layout.fsdp > 1:
-        gathered = model.layers // layout.pp if layout.pp > 1 else 1
-        terms["gathered"] = 2 * model.params / model.layers * gathered / layout.tp
-    kept = checkpoint_bytes(model, microbatch * held, checkpoints, layout.tp) / layout.pp / layout.cp
+    terms = {name: size * params / shards for name, size in per_parameter.items() if size}
+    if layout["fsdp"] > 1:
+        gathered = model.layers // layout["pp"] if layout["pp"] > 1 else 1
+        terms["gathered"] = 2 * params / model.layers * gathered / layout["tp"]
+    kept = checkpoint_bytes(model, microbatch * held, checkpoints, layout["tp"]) / layout["pp"] / layout["cp"]
     terms["activations"] = kept
     if attention[0]:
-        terms["recomputed layer"] = layer_bytes(model, microbatch, *attention) / layout.tp / layout.cp
-    return Budget(terms, shards)
+        recomputed = layer_bytes(model, microbatch, *attention)
+        terms["recomputed layer"] = recomputed / layout["tp"] / layout["cp"]
+    return Budget(terms, shards * layout["ep"] if model.experts else shards)
 
 
 # --- 3. every layout, ranked ------------------------------------------------------------------------
 
 
 def layouts(model: Decoder, devices: int, context: int = 0) -> list[Layout]:
-    """Every ``dp x fsdp x tp x pp x cp = devices`` whose tp divides the heads and the MLP's width,
-    whose pp the layers, and whose cp the ``context`` (0: no cp).
+    """Every ``dp x fsdp x tp x pp x cp x ep = devices`` whose tp divides the heads and the MLP's
+    width, whose pp the layers, whose cp the ``context`` (0: no cp) and whose ep a mixture's experts
+    (a dense model: no ep).
 
     >>> from minishard.serving import LLAMA3_70B as llama
     >>> len(layouts(llama, 8)), [str(layout) for layout in layouts(llama, 2, context=4096)]
@@ -475,8 +602,11 @@ def layouts(model: Decoder, devices: int, context: int = 0) -> list[Layout]:
             continue
         for pp in (pp for pp in _divisors(devices // tp) if model.layers % pp == 0):
             for cp in _divisors(math.gcd(devices // tp // pp, context or 1)):  # cp divides the sequence
-                rest = devices // tp // pp // cp
-                found += [Layout(dp, rest // dp, tp, pp, cp) for dp in _divisors(rest)]
+                for ep in _divisors(math.gcd(devices // tp // pp // cp, model.experts or 1)):
+                    rest = devices // tp // pp // cp // ep
+                    found += [
+                        Layout(dp=dp, fsdp=rest // dp, tp=tp, pp=pp, cp=cp, ep=ep) for dp in _divisors(rest)
+                    ]
     return found
 
 
@@ -504,15 +634,16 @@ class Ranking:
             if kind not in kinds or cost.layout == self.rule:
                 shown.append(cost)
                 kinds.add(kind)
-        lines = [f"  {'layout':34} {'step':>9} {'bubble':>6} {'flips at':>9} {'memory':>9}  verdict"]
+        width = max([34, *(len(_with_axes(cost)) for cost in shown)])  # 34 but for a longer layout
+        lines = [f"  {'layout':{width}} {'step':>9} {'bubble':>6} {'flips at':>9} {'memory':>9}  verdict"]
         for cost in shown:
             flips = "never" if cost.flips_at == math.inf else f"{cost.flips_at:,.0f}"
             mark = "*" if cost is fit[0] else " "
             rule = "  <- the book's X_opt" if cost.layout == self.rule else ""
-            bubble = f"{cost.bubble:.1%}" if cost.layout.pp > 1 else "-"
+            bubble = f"{cost.bubble:.1%}" if cost.layout["pp"] > 1 else "-"
             step, memory = human_seconds(cost.step_s), human_bytes(int(cost.memory.total))
             cells = f"{step:>9} {bubble:>6} {flips:>9} {memory:>9}"
-            lines.append(f"{mark} {_with_axes(cost):34} {cells}  {cost.verdict}{rule}{_shares(cost)}")
+            lines.append(f"{mark} {_with_axes(cost):{width}} {cells}  {cost.verdict}{rule}{_shares(cost)}")
         out = [cost for cost in self.costs if not cost.fits]
         rest = [f"{len(fit) - len(shown)} more fit, slower"] if len(fit) > len(shown) else []
         if out:
@@ -543,9 +674,9 @@ def rank(
         for layout in layouts(model, devices, context)
     ]
     costs.sort(key=lambda c: (not c.fits, c.step_s, c.bound, c.memory.total))
-    mixed = [c.layout for c in costs if c.layout.dp == c.layout.pp == c.layout.cp == 1 and c.layout.tp > 1]
+    mixed = [c.layout for c in costs if "tp" in c.layout.sizes and set(c.layout.sizes) <= {"fsdp", "tp"}]
     best = optimal_fsdp(tokens, devices, model.hidden, fsdp_axes=max(1, hardware.axes - 1))
-    nearest = min(mixed, key=lambda layout: abs(math.log(layout.fsdp / best)), default=None)
+    nearest = min(mixed, key=lambda layout: abs(math.log(layout["fsdp"] / best)), default=None)
     rule = nearest if hardware.topology == "torus" else None
     return Ranking(model, tokens, tuple(costs), rule)
 

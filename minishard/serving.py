@@ -56,6 +56,8 @@ class Decoder:
     GPT-2's shape differs in three ways (``MINISHARD_GPT``): an MLP of two matrices (``gated=False``), a
     learned table of ``positions`` (0: rotary, no table), and ``biases`` (each LayerNorm's scale
     and bias, each MLP matrix's bias and the head's, where LLaMA has an RMSNorm's scale alone).
+    A mixture of experts (``MIXTRAL_8X7B``) has ``experts`` MLPs a layer, of which each token runs
+    ``top_k``, and a router (``D x experts``); 0 experts: a dense MLP.
     """
 
     layers: int
@@ -68,17 +70,43 @@ class Decoder:
     gated: bool = True
     positions: int = 0
     biases: bool = False
+    experts: int = 0
+    top_k: int = 0
 
     @property
     def params(self) -> int:
         """The book's count: a gated MLP (3DF), q and out (2DNH), k and v (2DKH) per layer, two embeddings;
-        GPT-2's MLP is 2DF, its position table PD, and its biases 5D + F a layer and 2D + V at the end.
+        GPT-2's MLP is 2DF, its position table PD, and its biases 5D + F a layer and 2D + V at the end;
+        a mixture's every expert's MLP and its router (``expert_params``).
 
         >>> round(LLAMA2_13B.params / 1e9, 3), MINISHARD_GPT.params   # 816,193
         (13.015, 816193)
         """
+        return self._count(max(self.experts, 1))
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token computes with: a mixture's ``top_k`` experts of its ``experts``
+        (Mixtral 8x7B's 12.9e9 of 46.7e9); every parameter of a dense model.
+
+        >>> round(MIXTRAL_8X7B.params / 1e9, 1), round(MIXTRAL_8X7B.active_params / 1e9, 1)
+        (46.7, 12.9)
+        """
+        return self._count(self.top_k if self.experts else 1)
+
+    @property
+    def expert_params(self) -> int:
+        """The parameters of every layer's experts, which expert parallelism splits (0: dense)."""
+        return self.layers * self._mlp * self.experts
+
+    @property
+    def _mlp(self) -> int:
+        return (3 if self.gated else 2) * self.width * self.hidden
+
+    def _count(self, mlps: int) -> int:
+        """The parameters of a model whose layers hold ``mlps`` MLPs each, and a router if a mixture."""
         width, attention = self.width, 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
-        mlp = (3 if self.gated else 2) * width * self.hidden
+        mlp = self._mlp * mlps + width * self.experts  # the router: D x experts (0: dense)
         biases = (5 * width + self.hidden, 2 * width + self.vocab) if self.biases else (0, 0)
         embeddings = (2 * self.vocab + self.positions) * width + biases[1]
         return self.layers * (mlp + attention + biases[0]) + embeddings
@@ -117,6 +145,12 @@ MEGATRON_1T = Decoder(
 )
 """The GPT of 1 trillion parameters Narayanan et al. 2021 (Megatron-LM, Table 1) ran on 3,072 A100:
 GPT-2's shape, a 51,200-token vocabulary and sequences of 2,048."""
+MIXTRAL_8X7B = Decoder(
+    layers=32, width=4096, heads=32, kv_heads=8, head_dim=128, hidden=14336, vocab=32000,
+    experts=8, top_k=2,
+)
+"""Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Table 1): Mistral 7B's shape with 8 experts
+a layer, each token routed to 2: 46.7e9 parameters, 12.9e9 active a token (its §2)."""
 SIZES = {
     "llama2-13b": LLAMA2_13B,
     "llama3-8b": LLAMA3_8B,
@@ -124,6 +158,7 @@ SIZES = {
     "llama3-405b": LLAMA3_405B,
     "palm-540b": PALM_540B,
     "megatron-1t": MEGATRON_1T,
+    "mixtral-8x7b": MIXTRAL_8X7B,
     "gpt": MINISHARD_GPT,
 }
 """The named sizes ``minishard explain --size`` prices: serving (``--decode``), training (``--compare``)."""
@@ -244,6 +279,7 @@ __all__ = [
     "SIZES",
     "PALM_540B",
     "MEGATRON_1T",
+    "MIXTRAL_8X7B",
     "FORMATS",
     "Decoder",
     "Point",

@@ -624,7 +624,8 @@ LAYOUT_FLAGS = [
     (["--batch-size", "4M", "--tokens", "0"], "argument --tokens: must be a positive number of tokens"),
     (["--batch-size", "4M", "--mfu", "40"], "argument --mfu: must be above 0 and at most 1 (0.4 is 40%)"),
     # issue 63: a layout the size cannot split, one line each before any work
-    (["--batch-size", "4M", "--layout", "xp=3"], "argument --layout: expected name=ways pairs of tp, cp, pp"),
+    (["--batch-size", "4M", "--layout", "xp=3"], "argument --layout: expected name=ways pairs of tp, cp, ep"),
+    (["--batch-size", "4M", "--layout", "ep=2,fsdp=4480"], "ep 2 splits a mixture's experts, and llama3-70b"),
     (["--batch-size", "4M", "--layout", "tp=8"],
      "argument --layout: tp 8: its 8 devices are not --devices 8,960"),
     (["--batch-size", "4M", "--layout", "fsdp=1792,tp=5"],

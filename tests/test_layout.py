@@ -85,15 +85,19 @@ CHAPTERS = {
     "remat": 150,  # issue 45 §4: the policies, after_the_gradient (XLA:CPU schedules by it), StepFlops
     "memory": 475,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
     # §2: zero_budget, ZeRO's own step term by term (31), Budget.cast_each_step (ZeRO holds its bf16 weights)
-    "serving": 260,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too; GPT-2's
+    # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too; GPT-2's
     # shape (gated, positions, biases) and minishard's own GPT as a size (14), which --check compiles;
-    # issue 63: PaLM 540B and Megatron's 1T, the published runs' shapes (12)
+    # issue 63: PaLM 540B and Megatron's 1T, the published runs' shapes (12); issue 62/63: a mixture's
+    # experts (active_params, expert_params: 25) and Mixtral 8x7B, the size ep is ranked on (7)
+    "serving": 295,
     "precision": 246,  # issue 59: the loss scale's guards, one line each where they act (4 lines)
     # issue 46 §3: pp ranked (bubble, microbatches, stage memory: 50), runner-up terms (25);
     # each dimension's collectives as records, Send (sends, bytes_sent: 38), which --check compiles against;
     # issue 63: attention's FLOPs and recomputed layer (layer_bytes: 25), cp ranked and a split sequence's
-    # K/V (_sequence_sends: 35), PLACEMENT on a two-level network (Layout.inner: 20), shares said (15)
-    "layouts": 625,
+    # K/V (_sequence_sends: 35), PLACEMENT on a two-level network (Layout.inner: 20), shares said (15);
+    # issue 62: Layout a mapping dimension -> size from styles' rules (mesh, __eq__: 35), each
+    # dimension's sends its own function in SENDS from one Step (45), ep ranked (_ep_sends, data_shards: 40)
+    "layouts": 750,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)

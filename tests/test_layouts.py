@@ -131,14 +131,15 @@ def test_flips_at_is_where_the_bound_crosses_one(layout: Layout) -> None:
 def test_layouts_are_every_split_the_model_takes() -> None:
     found = layouts.layouts(LLAMA3_70B, POD)
     assert all(layout.devices == POD for layout in found) and len(set(found)) == len(found)
-    assert {layout.tp for layout in found} == {1, 2, 4, 8, 16, 32, 64}  # tp divides 64 heads and 28,672
+    assert {layout["tp"] for layout in found} == {1, 2, 4, 8, 16, 32, 64}  # tp divides 64 heads and 28,672
     six_heads = dataclasses.replace(SIZES["llama3-8b"], heads=6)
-    assert {layout.tp for layout in layouts.layouts(six_heads, 8)} == {1, 2}
+    assert {layout["tp"] for layout in layouts.layouts(six_heads, 8)} == {1, 2}
 
 
 def test_a_torus_of_fewer_axes_than_dimensions_shares_them() -> None:
-    assert Layout(2, 2, 2).axes(HARDWARE["v5e"]) == pytest.approx({"dp": 2 / 3, "fsdp": 2 / 3, "tp": 2 / 3})
-    assert Layout(2, 2, 2).axes(V5P) == {"dp": 1, "fsdp": 1, "tp": 1}
+    three = Layout(dp=2, fsdp=2, tp=2)
+    assert three.axes(HARDWARE["v5e"]) == pytest.approx({"dp": 2 / 3, "fsdp": 2 / 3, "tp": 2 / 3})
+    assert three.axes(V5P) == {"dp": 1, "fsdp": 1, "tp": 1}
     assert Layout(fsdp=8).axes(HARDWARE["v5e"]) == {"fsdp": 2}
 
 
@@ -215,14 +216,14 @@ def test_a_stage_holds_its_share_of_the_weights_and_its_microbatches_in_flight()
 def test_pipeline_stages_take_no_torus_axis_and_divide_the_layers() -> None:
     assert Layout(fsdp=560, tp=4, pp=4).axes(V5P) == Layout(fsdp=2240, tp=4).axes(V5P)
     found = layouts.layouts(LLAMA3_70B, POD)
-    assert {layout.pp for layout in found} == {1, 2, 4, 5, 8, 10, 16, 20, 40, 80}  # 80 layers
-    assert {layout.pp for layout in layouts.layouts(SIZES["llama3-405b"], 1024)} == {1, 2}  # 126 layers
+    assert {layout["pp"] for layout in found} == {1, 2, 4, 5, 8, 10, 16, 20, 40, 80}  # 80 layers
+    assert {layout["pp"] for layout in layouts.layouts(SIZES["llama3-405b"], 1024)} == {1, 2}  # 126 layers
 
 
 def test_the_book_s_choice_still_ranks_first_and_the_best_pipeline_loses_to_its_bubble() -> None:
     ranking = rank(LLAMA3_70B, BATCH, POD, "v5p")
     best = ranking.costs[0]
-    piped = next(cost for cost in ranking.costs if cost.layout.pp > 1)
+    piped = next(cost for cost in ranking.costs if cost.layout["pp"] > 1)
     assert best.layout == ranking.rule == Layout(fsdp=2240, tp=4)  # X_opt's FSDP x TP is no pipeline
     # 1,024 sequences over 8,960 chips: a pipeline is fed few microbatches, and idles more than
     # FSDP + TP waits on its collectives (with attention's FLOPs, neither waits on any)
@@ -235,8 +236,8 @@ def test_pipelines_enter_the_ranking_where_the_whole_batch_does_not_fit() -> Non
     # checkpoints and none fits; a pipeline's first stage holds p microbatches' and fits.
     ranking = rank(SIZES["llama3-405b"], SIXTEEN_M, 1024, "v5p")
     best = ranking.costs[0]
-    assert best.fits and best.layout.pp == 2 and best.bubble < 0.01
-    flat = [cost for cost in ranking.costs if cost.layout.pp == 1]
+    assert best.fits and best.layout["pp"] == 2 and best.bubble < 0.01
+    flat = [cost for cost in ranking.costs if cost.layout["pp"] == 1]
     assert not any(cost.fits for cost in flat)
     fastest = min(flat, key=lambda cost: cost.step_s)
     assert fastest.step_s < best.step_s and fastest.memory.terms["activations"] > V5P.hbm_bytes
@@ -291,18 +292,20 @@ def test_context_parallelism_gathers_each_layers_keys_and_values() -> None:
     kv = 2 * 2 * llama.kv_heads * llama.head_dim  # a token's K and V, bf16
     gathered = kv * tokens / 4 * llama.layers  # every token of an FSDP shard, each layer
     assert sent["cp"] == pytest.approx(2 * gathered / 2)  # all-gather, reduce-scatter: (p-1)/p of it
-    assert all(layout.cp == 1 for layout in layouts.layouts(llama, 8))  # no sequence, no cp
-    assert {layout.cp for layout in layouts.layouts(llama, 8, context=8192)} == {1, 2, 4, 8}
+    assert all(layout["cp"] == 1 for layout in layouts.layouts(llama, 8))  # no sequence, no cp
+    assert {layout["cp"] for layout in layouts.layouts(llama, 8, context=8192)} == {1, 2, 4, 8}
 
 
 def test_a_long_sequence_brings_context_parallelism_in() -> None:
     model, tokens, devices, chip = H100_RUN
-    assert rank(model, tokens, devices, chip, context=131072).costs[0].layout.cp > 1  # 128 sequences
+    assert rank(model, tokens, devices, chip, context=131072).costs[0].layout["cp"] > 1  # 128 sequences
 
 
-def test_dimensions_sit_innermost_first_tp_cp_pp_fsdp_dp() -> None:
+def test_dimensions_sit_innermost_first_tp_cp_ep_pp_fsdp_dp() -> None:
     layout = Layout(dp=2, fsdp=4, tp=8, pp=16, cp=2)
-    assert [layout.inner(name) for name in layouts.PLACEMENT] == [1, 8, 16, 256, 1024]
+    assert layouts.PLACEMENT == ("tp", "cp", "ep", "pp", "fsdp", "dp")
+    assert [layout.inner(name) for name in layouts.PLACEMENT] == [1, 8, 16, 16, 256, 1024]  # no ep: 1
+    assert Layout(tp=8, cp=2, ep=4, pp=2).inner("pp") == 8 * 2 * 4  # ep inside pp
 
 
 def test_a_data_split_beyond_the_sequences_gathers_their_keys_and_values_and_says_so() -> None:
@@ -336,3 +339,52 @@ def test_a_pipeline_sends_a_microbatch_every_tick_and_hands_its_output_to_every_
         permute, reduce = ticks * hop, 2 * 3 / 4 * hop  # each pass: a permute, an all-reduce over 4
         sent = layouts.bytes_sent(LLAMA3_70B, layout, tokens, microbatches=m)["pp"]
         assert sent == pytest.approx(2 * (permute + reduce))
+
+
+# --- expert parallelism: a new dimension is its rule (styles.DIMENSIONS["ep"]) and its sends ------
+
+MIXTRAL = SIZES["mixtral-8x7b"]
+
+
+def test_mixtral_counts_its_published_parameters_and_trains_on_its_active_ones() -> None:
+    # Jiang et al. 2024, §2: "47B parameters", "13B active parameters during inference"
+    assert round(MIXTRAL.params / 1e9, 1) == 46.7 and round(MIXTRAL.active_params / 1e9, 1) == 12.9
+    assert MIXTRAL.params - MIXTRAL.expert_params == MIXTRAL.active_params - MIXTRAL.expert_params * 2 // 8
+    assert layouts.train_flops(MIXTRAL, 1) == 6 * MIXTRAL.active_params  # 6 FLOPs a routed parameter
+
+
+def test_ep_is_ranked_only_for_a_mixture_and_divides_its_experts() -> None:
+    dense = layouts.layouts(LLAMA3_70B, 64)
+    assert all(layout["ep"] == 1 for layout in dense)
+    moe = layouts.layouts(MIXTRAL, 64)
+    assert {layout["ep"] for layout in moe} == {1, 2, 4, 8}  # 8 experts
+    with_ep = [layout for layout in moe if layout["ep"] > 1]
+    assert len(moe) == len(set(moe)) and all(layout.devices == 64 for layout in moe) and with_ep
+
+
+def test_ep_sends_two_all_to_alls_a_layer_each_pass_and_splits_the_experts_memory() -> None:
+    tokens, ep = 2**20, Layout(dp=8, ep=8)
+    sent = {(send.dimension, send.kind, send.backward): send for send in layouts.sends(MIXTRAL, ep, tokens)}
+    routed = 2 * tokens / 64 * MIXTRAL.top_k * MIXTRAL.width  # a device's tokens, each to 2 experts, bf16
+    for backward in (False, True):
+        all_to_all = sent["ep", "all-to-all", backward]
+        assert all_to_all.result_bytes == routed and all_to_all.times == 2 * MIXTRAL.layers
+    dense = 2 * (MIXTRAL.params - MIXTRAL.expert_params)  # ep's replicas all-reduce the rest's gradients
+    assert sent["ep", "all-reduce", True].result_bytes == dense
+    held = MIXTRAL.params - MIXTRAL.expert_params * 7 / 8  # each device: an eighth of the experts
+    assert sent["dp", "all-reduce", True].result_bytes == 2 * held
+    per_parameter = sum(bytes_per_parameter(MIXED, "adamw").values())
+    memory = price(MIXTRAL, ep, tokens, "h100").memory.terms
+    assert sum(memory[name] for name in bytes_per_parameter(MIXED, "adamw") if name in memory) == (
+        pytest.approx(per_parameter * held)
+    )
+
+
+def test_a_mixture_ranks_expert_parallel_layouts_among_those_that_fit() -> None:
+    ranking = rank(MIXTRAL, 4 * 2**20, 512, "h100", context=4096)
+    fit = [cost for cost in ranking.costs if cost.fits]
+    assert any(cost.layout["ep"] > 1 for cost in fit[:5])
+    # the same split without ep, dp in its place, holds every expert: more memory a device
+    with_ep = price(MIXTRAL, Layout(dp=64, ep=8), 4 * 2**20, "h100")
+    without = price(MIXTRAL, Layout(dp=512), 4 * 2**20, "h100")
+    assert with_ep.memory.total < without.memory.total

@@ -79,7 +79,7 @@ def test_palm_ranks_first_and_its_bound_is_twice_the_published_mfu() -> None:
 
 def test_megatron_s_pipeline_fits_without_fsdp_and_the_bound_misses_its_recomputation() -> None:
     priced, fit, published = placed("megatron-1t")
-    no_fsdp = [cost for cost in fit if cost.layout.fsdp == 1]
-    assert all(cost.layout.pp > 1 for cost in no_fsdp)  # without FSDP, only a pipeline fits 1T
+    no_fsdp = [cost for cost in fit if cost.layout["fsdp"] == 1]
+    assert all(cost.layout["pp"] > 1 for cost in no_fsdp)  # without FSDP, only a pipeline fits 1T
     assert priced.microbatches == 512 and round(priced.bubble, 2) == 0.11
     assert round(priced.mfu, 2) == 0.89 and 2.2 < priced.mfu / published < 2.4

@@ -39,7 +39,7 @@ def test_pass_collectives_price_the_same_sends_whose_bytes_the_check_compares() 
     forward, backward = layouts.pass_collectives(llama, layout, 2**20, chip)
     axes, priced = layout.axes(chip), 0.0
     for send in layouts.sends(llama, layout, 2**20):
-        ways, n_axes = getattr(layout, send.dimension), axes.get(send.dimension, 1)
+        ways, n_axes = layout[send.dimension], axes.get(send.dimension, 1)
         priced += send.times * collective_time(send.kind, send.result_bytes, ways, chip, n_axes)
     assert forward.total + backward.total == pytest.approx(priced)
     sent = layouts.bytes_sent(llama, layout, 2**20)

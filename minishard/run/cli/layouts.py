@@ -174,13 +174,16 @@ def _check_layout(
     layout: layouts.Layout, model: serving.Decoder, args: argparse.Namespace, error: Callable[[str], object]
 ) -> None:
     """``--layout`` splits what the size can split: its devices, heads, layers and sequence."""
-    size, tp, pp, cp = args.size, layout.tp, layout.pp, layout.cp
+    size = args.size
+    tp, pp, cp, ep = (layout[name] for name in ("tp", "pp", "cp", "ep"))
     why = {
         f"its {layout.devices:,} devices are not --devices {args.devices:,}": layout.devices != args.devices,
         f"tp {tp} does not divide {size}'s {model.heads} heads": bool(model.heads % tp),
         f"tp {tp} does not divide {size}'s MLP of {model.hidden:,}": bool(model.hidden % tp),
         f"pp {pp} does not divide {size}'s {model.layers} layers": bool(model.layers % pp),
         f"cp {cp} does not divide the --context {args.context:,} sequence": bool(args.context % cp),
+        f"ep {ep} splits a mixture's experts, and {size} has none": ep > 1 and not model.experts,
+        f"ep {ep} does not divide {size}'s {model.experts} experts": bool(model.experts % ep),
     }
     for reason in (reason for reason, wrong in why.items() if wrong):
         error(f"argument --layout: {layout}: {reason}")

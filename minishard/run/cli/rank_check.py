@@ -30,6 +30,7 @@ from minishard.run.cli.flags import at_least
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import style_args, style_of, train_step
 from minishard.sharding import Sharded, make_mesh
+from minishard.styles import DIMENSIONS
 
 __all__ = ["CHECKED", "FLOAT32", "Checked", "add_arguments", "check", "composition", "print_check"]
 
@@ -37,8 +38,6 @@ CHECKED = 3
 """Layouts ``--check`` compiles without a count."""
 FLOAT32 = 4
 """Bytes a number of the compiled step: ``explain`` compiles the GPT's float32 step."""
-AXES = {"dp": "data", "fsdp": "data", "tp": "model", "pp": "stage", "cp": "context"}
-"""The mesh axis each dimension of a layout takes (``minishard.styles.DIMENSIONS``)."""
 
 
 def add_arguments(add: Callable[..., object]) -> None:
@@ -81,7 +80,7 @@ def composition(layout: Layout) -> tuple[str, dict[str, int]] | str:
     dims = list(ways) or ["dp"]
     if "tp" in dims and "pp" not in dims:  # sp and pp do not compose (styles.CONFLICTS)
         dims.insert(dims.index("tp") + 1, "sp")
-    return "+".join(dims), {AXES[dim]: size for dim, size in ways.items()} or {"data": 1}
+    return "+".join(dims), layout.mesh() or {"data": 1}
 
 
 class Checked(NamedTuple):
@@ -109,7 +108,7 @@ def compile_layout(args: argparse.Namespace, layout: Layout, name: str, shape: d
     lowered = Sharded(mesh, rules)(step).lower(*step_args)
     compiled = step_cost(lowered, args.hardware)  # compiles; the census below reuses the program
     sent: dict[str, float] = {}
-    dims = {AXES[dim]: dim for dim in layout.ways()}
+    dims = {DIMENSIONS[dim].axis: dim for dim in layout.ways()}
     for kind, nbytes, groups, devices in instructions(as_asked(lowered), mesh):
         axes = [axis.split("(")[0] for axis in groups[0]]
         who = " x ".join(dims.get(axis, axis) for axis in axes)
@@ -153,7 +152,7 @@ def _table(checked: list[Checked], model: serving.Decoder) -> str:
     lines = [f"  {'layout':16} {'':14} {'predicted':>10} {'compiled':>10} {'ratio':>6}"]
     for row in checked:
         layout = row.predicted.layout
-        shards = layout.fsdp * layout.tp * layout.pp
+        shards = layout["fsdp"] * layout["tp"] * layout["pp"]
         rows: list[tuple[str, float, float, Callable[[Any], str]]] = [
             ("step", row.predicted.step_s, row.compiled.step_s, human_seconds),
             ("parameters", FLOAT32 * model.params / shards, row.parameters, _bytes),
@@ -179,7 +178,7 @@ def _order(checked: list[Checked]) -> str:
     if predicted == compiled:
         return f"the compiled steps rank them as predicted: {', '.join(compiled)}"
     why = []
-    if any(row.predicted.layout.pp > 1 for row in checked):
+    if any(row.predicted.layout["pp"] > 1 for row in checked):
         why.append("the compiled price has no pipeline bubble (it cannot tell a stage's idle ticks)")
     if any(row.compiled.comm_s > row.compiled.compute_s for row in checked):
         why.append("each collective's latency, not its bytes, prices so small a model's step")
