@@ -131,7 +131,7 @@ DIMENSIONS: dict[str, Dimension] = {
             ("seq",),
             step="context",
             inside=("pp",),
-            sends=("collective-permute",),
+            sends=("collective-permute", "all-gather", "reduce-scatter"),  # the ring; Llama 3's, ranked
         ),
         Dimension(
             "ep",
@@ -140,7 +140,7 @@ DIMENSIONS: dict[str, Dimension] = {
             ("expert", "batch"),
             step="experts",
             inside=("pp", "cp"),
-            sends=("all-to-all",),
+            sends=("all-to-all", "all-reduce"),  # the tokens to their experts; the rest's gradients
             shards_weights=True,
         ),
     )

@@ -17,6 +17,7 @@ import argparse
 import functools
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,14 +31,30 @@ from jax.sharding import PartitionSpec as P
 
 import minishard as ms
 from minishard import pipeline as pp
+from minishard.layouts import Layout, sends
 from minishard.models import gpt
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW
 from minishard.run.cli import main, parse_args
-from minishard.run.cli.styles import parallel
+from minishard.run.cli.styles import parallel, style_of
+from minishard.run.cli.styles.context import ContextStyle
+from minishard.run.cli.styles.experts import ExpertStyle
+from minishard.run.cli.styles.pipeline import PipelineStyle
+from minishard.run.cli.styles.style import Style
 from minishard.run.next_token import next_token_loss
 from minishard.run.steps import make_train_step
-from minishard.styles import DIMENSIONS, SPLITS, compose, dimensions, mesh_rules, style_rules
+from minishard.serving import MIXTRAL_8X7B
+from minishard.styles import (
+    CONFLICTS,
+    DIMENSIONS,
+    ORDER,
+    SPLITS,
+    batch_axes,
+    compose,
+    dimensions,
+    mesh_rules,
+    style_rules,
+)
 
 needs_shakespeare = pytest.mark.skipif(
     not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "tiny_shakespeare")),
@@ -110,6 +127,53 @@ def test_a_composition_that_cannot_work_is_one_line_naming_the_dimensions(name, 
         parse_args(["train", "--model", "gpt", "--parallel", name])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert exit_.value.code == 2 and err.startswith(f"minishard train: error: argument --parallel: {name}: ")
+
+
+# --- the rules: each dimension's, and the compositions derived from them ------------------------
+
+
+def test_the_one_order_interleaves_each_dimensions_own_splits_in_its_own_order():
+    for rule in DIMENSIONS.values():
+        assert tuple(logical for dim, logical in ORDER if dim == rule.name) == rule.splits, rule.name
+        assert rule.needs is None or DIMENSIONS[rule.needs].axis == rule.axis  # it rides on that axis
+
+
+def test_the_conflicts_and_the_nesting_of_steps_are_the_rules_not_pairs():
+    assert set(CONFLICTS) == {frozenset({"dp", "fsdp"}), frozenset({"cp", "sp"})}  # fsdp's, sp's excludes
+    chapters = [name for name, rule in DIMENSIONS.items() if rule.step]
+    pairs = {
+        frozenset(pair)
+        for pair in itertools.combinations(chapters, 2)
+        if pair[0] in DIMENSIONS[pair[1]].inside or pair[1] in DIMENSIONS[pair[0]].inside
+    }
+    assert pairs == {frozenset(pair) for pair in (("pp", "cp"), ("pp", "ep"), ("cp", "ep"))}
+    for pair in itertools.combinations(chapters, 2):
+        assert composes("+".join(pair)) == (frozenset(pair) in pairs)
+
+
+@pytest.mark.parametrize(
+    ("name", "outer", "inner"),
+    [
+        ("dp+pp+cp", PipelineStyle, (ContextStyle,)),
+        ("pp+ep", PipelineStyle, (ExpertStyle,)),
+        ("dp+cp+ep", ContextStyle, (ExpertStyle,)),
+        ("dp+tp", Style, ()),
+    ],
+)
+def test_a_composed_style_is_its_outermost_step_carrying_the_others(name, outer, inner):
+    style = style_of(name)
+    assert type(style) is outer and tuple(type(step) for step in style.inner) == inner
+    mesh = style.mesh(8)
+    assert style.ways(mesh) == math.prod(mesh.get(axis, 1) for axis in batch_axes(name))
+
+
+def test_every_collective_the_ranking_prices_is_one_its_dimensions_rule_names():
+    layout = Layout(dp=2, fsdp=2, tp=2, pp=2, cp=2, ep=2)
+    found = sends(MIXTRAL_8X7B, layout, 2**20, context=4096, microbatches=4)
+    assert {send.dimension for send in found} == set(layout.sizes)
+    for send in found:
+        riders = [rule for rule in DIMENSIONS.values() if send.dimension in (rule.name, rule.needs)]
+        assert any(send.kind in rule.sends for rule in riders), send
 
 
 CLI_REFUSED = [
