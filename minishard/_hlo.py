@@ -255,6 +255,18 @@ def _mesh_groups(match: re.Match[str]) -> list[np.ndarray]:
     return [flat[group_of.reshape(-1) == g] for g in range(group_of.max() + 1)]
 
 
+class PartOfAxis(str):
+    """A group's label for part of a mesh axis, ``"y(2 of 4)"``, that keeps the axis's name in
+    ``axis``: a reader asks it, never parses the label back."""
+
+    axis: str
+
+    def __new__(cls, axis: str, span: int, size: int) -> PartOfAxis:
+        label = super().__new__(cls, f"{axis}({span} of {size})")
+        label.axis = axis
+        return label
+
+
 def _group_axes(group: np.ndarray, sizes: tuple[int, ...], names: tuple[str, ...]) -> tuple[str, ...]:
     """Mesh axes along which the devices of ``group`` vary, checked to form a sub-grid."""
     coords = _coords(group, sizes)
@@ -262,7 +274,7 @@ def _group_axes(group: np.ndarray, sizes: tuple[int, ...], names: tuple[str, ...
     if math.prod(spans) != len(np.unique(group)):  # not every combination present: no sub-grid
         return ("?",)
     return tuple(
-        name if span == size else f"{name}({span} of {size})"
+        name if span == size else PartOfAxis(name, span, size)
         for name, size, span in zip(names, sizes, spans)
         if span > 1
     )

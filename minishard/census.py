@@ -57,7 +57,7 @@ from typing import NamedTuple
 import jax
 
 from minishard import _hlo
-from minishard._hlo import KINDS, narrowed
+from minishard._hlo import KINDS, PartOfAxis, narrowed
 from minishard.rules import AnyMesh
 
 # --- 1. what a program sends ---------------------------------------------------
@@ -133,6 +133,18 @@ class Sent(NamedTuple):
     bytes: int
     groups: tuple[tuple[str, ...], ...]
     devices: int
+
+
+def axis_name(label: str) -> str:
+    """The mesh axis a group's label names: ``"y"`` for ``"y"`` and for ``"y(2 of 4)"``, 2 of its 4
+    devices (``_hlo.PartOfAxis``); ``"?"`` for a group that is no sub-grid.
+
+    >>> hlo = "%ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add"
+    >>> [sent] = instructions(hlo, jax.sharding.AbstractMesh((2, 4), ("x", "y")))
+    >>> sent.groups, [axis_name(label) for label in sent.groups[0]]
+    ((('y(2 of 4)',),), ['y'])
+    """
+    return label.axis if isinstance(label, PartOfAxis) else label
 
 
 def instructions(program: Program, mesh: AnyMesh | None = None) -> Iterator[Sent]:
@@ -237,6 +249,7 @@ __all__ = [
     "Program",
     "Sent",
     "as_asked",
+    "axis_name",
     "bytes_by_mesh_axes",
     "collectives",
     "human_bytes",

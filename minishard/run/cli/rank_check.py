@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 
 from minishard import layouts, serving
-from minishard.census import as_asked, human_bytes, instructions
+from minishard.census import as_asked, axis_name, human_bytes, instructions
 from minishard.costs import StepCost, sent_bytes, step_cost
 from minishard.layouts import Layout, LayoutCost, human_seconds
 from minishard.report import explain
@@ -110,7 +110,7 @@ def compile_layout(args: argparse.Namespace, layout: Layout, name: str, shape: d
     sent: dict[str, float] = {}
     dims = {DIMENSIONS[dim].axis: dim for dim in layout.ways()}
     for kind, nbytes, groups, devices in instructions(as_asked(lowered), mesh):
-        axes = [axis.split("(")[0] for axis in groups[0]]
+        axes = [axis_name(label) for label in groups[0]]
         who = " x ".join(dims.get(axis, axis) for axis in axes)
         sent[who] = sent.get(who, 0.0) + sent_bytes(kind, nbytes, devices)
     seconds = time.perf_counter() - started

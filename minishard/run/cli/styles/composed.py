@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from minishard.census import Sent, human_bytes
+from minishard.census import Sent, axis_name, human_bytes
 from minishard.styles import DIMENSIONS, MESH_AXES, dimensions
 
 __all__ = ["by_dimension"]
@@ -28,7 +28,7 @@ def by_dimension(name: str, sent: Iterable[Sent]) -> str:
     owners = {axis[dim]: "+".join(d for d in dims if axis[d] == axis[dim]) for dim in dims}
     found: dict[tuple[int, str, str], tuple[int, int]] = {}
     for kind, nbytes, groups, _ in sent:
-        axes = [axis.split("(")[0] for axis in groups[0]] if len(groups) == 1 else ["?"]
+        axes = [axis_name(label) for label in groups[0]] if len(groups) == 1 else ["?"]
         who = " x ".join(owners.get(axis, axis) for axis in axes)
         key = (
             MESH_AXES.index(axes[0]) if axes[0] in MESH_AXES else len(MESH_AXES),
