@@ -14,8 +14,8 @@ from etils import epy
 
 from minishard import layouts, serving
 from minishard.census import human_bytes
-from minishard.run.cli import layouts as layouts_cli
 from minishard.run.cli import main, parse_args
+from minishard.run.cli import ranking as ranking_cli
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.styles import cli_rules, unused_mesh_axes
 from minishard.run.errors import TrainingError
@@ -520,7 +520,7 @@ def test_explain_compare_size_ranks_llama3_70b_as_the_book_does_without_compilin
     assert rows[0].startswith("* fsdp 2240 (2 axes) x tp 4") and "<- the book's X_opt" in rows[0]
     assert rows[0].endswith("[a sequence over 2.19 shards]")  # 1,024 sequences on 2,240 shards: said
     ranking = layouts.rank(serving.LLAMA3_70B, 4 * 2**20, 8960, "v5p")
-    shown = [cost for cost in ranking.costs if cost.fits][: layouts_cli.TOP]
+    shown = [cost for cost in ranking.costs if cost.fits][: ranking_cli.TOP]
     assert [row[2:].split("  ")[0].replace(" (2 axes)", "") for row in rows[: len(shown)]] == [
         str(cost.layout) for cost in shown
     ]

@@ -37,7 +37,7 @@ from minishard.layers import keep, with_stats
 from minishard.models.gpt import GPT
 from minishard.models.transformer import Block, apply_blocks, moe_mlp
 from minishard.rules import ShardingError
-from minishard.testing import assert_layout, assert_moe_equivalent, expert_parallels, moe_reference, moes
+from minishard.testing import assert_moe_equivalent, assert_placement, expert_parallels, moe_reference, moes
 
 FEATURES, HIDDEN = 8, 16
 KEY = jax.random.key(0)
@@ -273,7 +273,7 @@ def test_the_rules_place_the_stacked_experts():
         "experts.w_out": (1, HIDDEN, FEATURES),
         "router.weight": (8, 8),
     }
-    assert_layout(placed, mesh, blocks)
+    assert_placement(placed, mesh, blocks)
 
 
 def test_xla_gathers_the_experts_unless_the_slots_are_constrained():

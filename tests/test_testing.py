@@ -50,7 +50,7 @@ from minishard.rules import ShardingError
 from minishard.sharding import partition_specs
 from minishard.testing import (
     assert_collectives,
-    assert_layout,
+    assert_placement,
     assert_sharded_equivalent,
     axis_rules,
     batch_sizes,
@@ -204,7 +204,7 @@ def test_each_assertion_catches_its_mutations_and_passes_the_correct_model(name)
         "numbers": lambda: assert_sharded_equivalent(
             fn, model, x, mesh=MESH, rules=rules, reference=residual_forward
         ),
-        "layout": lambda: assert_layout(
+        "layout": lambda: assert_placement(
             ms.shard(model, MESH, rules), MESH, intended_shards(HIDDEN, MESH.shape["model"]), rules=rules
         ),
         "communication": lambda: assert_collectives(
@@ -243,9 +243,9 @@ def test_a_failing_property_is_shrunk_reusing_compiled_programs(build, rules, wh
         x = data.draw(batches(mesh, rules, EMBED))
         assert_sharded_equivalent(residual_forward, model, x, mesh=mesh, rules=rules)
         blocks = intended_shards(model.inner[0].out_features, mesh.shape["model"])
-        assert_layout(ms.shard(model, mesh, rules), mesh, blocks, rules=rules)
+        assert_placement(ms.shard(model, mesh, rules), mesh, blocks, rules=rules)
 
-    with compilations() as compiled, pytest.raises(AssertionError, match="assert_layout") as failure:
+    with compilations() as compiled, pytest.raises(AssertionError, match="assert_placement") as failure:
         residual_property()
     assert f"Mesh(axis_sizes={where}" in failure.value.__notes__[1]  # the simplest failing mesh
     # At most 3 meshes x 2 hidden widths x 2 batch sizes, a sharded and a reference program each:

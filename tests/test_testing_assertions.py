@@ -26,7 +26,7 @@ from testing_fixtures import (
 import minishard as ms
 from minishard.sharding import partition_specs
 from minishard.testing import (
-    assert_layout,
+    assert_placement,
     assert_sharded_equivalent,
     assert_split,
     meshes,
@@ -50,15 +50,15 @@ def test_a_difference_is_reported_with_the_output_path():
 def test_a_layout_failure_names_the_path_both_layouts_and_the_rules_at_work():
     model, _ = model_and_batch(SWAPPED)
     with pytest.raises(AssertionError) as failure:
-        assert_layout(ms.shard(model, MESH, RULES), MESH, intended_shards(HIDDEN, 4), rules=RULES)
+        assert_placement(ms.shard(model, MESH, RULES), MESH, intended_shards(HIDDEN, 4), rules=RULES)
     message = str(failure.value)
-    assert message.startswith("assert_layout: 4 of 4 arrays are not laid out as expected")
+    assert message.startswith("assert_placement: 4 of 4 arrays are not laid out as expected")
     assert "inner.layers[0].weight: expected shards (16, 8), got P('model', None), shards (4, 32)" in message
     assert "the model names its axes ('mlp', 'embed'); under AxisRules(" in message
     assert "dim 0 ('mlp'): rule mlp->'model' matched" in message
 
 
-def test_assert_layout_takes_specs_blocks_logical_axes_or_a_tree():
+def test_assert_placement_takes_specs_blocks_logical_axes_or_a_tree():
     model, _ = model_and_batch(MEGATRON)
     placed = ms.shard(model, MESH, RULES)
     expected = {
@@ -67,30 +67,30 @@ def test_assert_layout_takes_specs_blocks_logical_axes_or_a_tree():
         "inner.layers[2].weight": (8, 16),  # a shard shape
         "inner.layers[2].bias": None,  # not checked
     }
-    assert_layout(placed, MESH, expected, rules=RULES)
-    assert_layout(placed, MESH, partition_specs(model, RULES, MESH))  # a tree of specs
-    assert_layout(placed, MESH, jax.tree.map(lambda a: a.addressable_shards[0].data.shape, placed))
+    assert_placement(placed, MESH, expected, rules=RULES)
+    assert_placement(placed, MESH, partition_specs(model, RULES, MESH))  # a tree of specs
+    assert_placement(placed, MESH, jax.tree.map(lambda a: a.addressable_shards[0].data.shape, placed))
     # Logical axes check the model's annotations under the given rules, so a wrong rule passes them;
     # a shard shape (or a spec) checks the rules too.
     wrong = ms.shard(model, MESH, WRONG_RULES)
-    assert_layout(wrong, MESH, {"inner.layers[0].weight": ("embed", "mlp")}, rules=WRONG_RULES)
+    assert_placement(wrong, MESH, {"inner.layers[0].weight": ("embed", "mlp")}, rules=WRONG_RULES)
     with pytest.raises(AssertionError, match=r"expected shards \(16, 8\), got P\(None, 'data'\)"):
-        assert_layout(wrong, MESH, {"inner.layers[0].weight": (16, 8)}, rules=WRONG_RULES)
+        assert_placement(wrong, MESH, {"inner.layers[0].weight": (16, 8)}, rules=WRONG_RULES)
 
 
-def test_assert_layout_refuses_typos_and_arrays_that_are_not_on_the_mesh():
+def test_assert_placement_refuses_typos_and_arrays_that_are_not_on_the_mesh():
     model, _ = model_and_batch(MEGATRON)
     with pytest.raises(AssertionError, match=r"\['inner.layer\[0\].weight'\] name no array of the tree"):
-        assert_layout(ms.shard(model, MESH, RULES), MESH, {"inner.layer[0].weight": (16, 8)})
+        assert_placement(ms.shard(model, MESH, RULES), MESH, {"inner.layer[0].weight": (16, 8)})
     with pytest.raises(AssertionError, match=r"is not on the mesh: a numpy\.ndarray, not a jax\.Array"):
-        assert_layout(model, MESH, {"inner.layers[0].bias": (8,)})
+        assert_placement(model, MESH, {"inner.layers[0].bias": (8,)})
     with pytest.raises(
-        TypeError, match=r"^assert_layout: inner.layers\[0\].bias: expected a PartitionSpec, a shard"
+        TypeError, match=r"^assert_placement: inner.layers\[0\].bias: expected a PartitionSpec, a shard"
     ):
-        assert_layout(ms.shard(model, MESH, RULES), MESH, {"inner.layers[0].bias": 3})
+        assert_placement(ms.shard(model, MESH, RULES), MESH, {"inner.layers[0].bias": 3})
     on_one_device = jax.device_put(model, jax.devices()[0])
     with pytest.raises(AssertionError, match=r"is on 1 device\(s\), not on the mesh's 8"):
-        assert_layout(on_one_device, MESH, {"inner.layers[2].bias": (16,)})
+        assert_placement(on_one_device, MESH, {"inner.layers[2].bias": (16,)})
 
 
 # -- at least something split ------------------------------------------------------------
@@ -283,21 +283,21 @@ def test_inside_hypothesis_an_example_where_nothing_is_split_is_rejected():
 
 
 # -- layouts: bad expectations are refused before comparing ---------------------------------
-def test_assert_layout_refuses_a_spec_longer_than_the_array_or_naming_no_mesh_axis():
+def test_assert_placement_refuses_a_spec_longer_than_the_array_or_naming_no_mesh_axis():
     placed = ms.shard(model_and_batch(MEGATRON)[0], MESH, RULES)
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "assert_layout: inner.layers[0].weight: P(None, 'model', None) has 3 entries, but the array "
+            "assert_placement: inner.layers[0].weight: P(None, 'model', None) has 3 entries, but the array "
             "has shape (16, 32) (rank 2)"
         ),
     ):
-        assert_layout(placed, MESH, {"inner.layers[0].weight": P(None, "model", None)})
+        assert_placement(placed, MESH, {"inner.layers[0].weight": P(None, "model", None)})
     with pytest.raises(ValueError, match=r"inner.layers\[0\].bias: \('mlp', None\) has 2 entries.*\(32,\)"):
-        assert_layout(placed, MESH, {"inner.layers[0].bias": ("mlp", None)}, rules=RULES)
+        assert_placement(placed, MESH, {"inner.layers[0].bias": ("mlp", None)}, rules=RULES)
     with pytest.raises(
         ValueError,
         match=r"inner.layers\[0\].bias: P\('modle',\) names mesh axis 'modle', but the mesh's axes are "
         r"\('data', 'model'\)",
     ):
-        assert_layout(placed, MESH, {"inner.layers[0].bias": P("modle")})
+        assert_placement(placed, MESH, {"inner.layers[0].bias": P("modle")})

@@ -4,7 +4,7 @@ Sharding a program promises three things, and each has its assertion:
 
 * **numbers**, ``assert_sharded_equivalent``: the sharded run computes what the
   plain ``jax.jit`` run computes;
-* **layout**, ``assert_layout``: every array is split the way *you* say it must
+* **placement**, ``assert_placement``: every array is split the way *you* say it must
   be, read from the placed arrays themselves;
 * **communication**, ``assert_collectives``: the compiled program sends no more
   than a budget of ``Limit``\\ s (no all-gather, bytes over "model", ...).
@@ -24,7 +24,7 @@ hypothesis strategies that keep the number of compiled programs small.
   (``split_counts``, ``width_units``, ``splittable_widths``), ``batches``, ``seeds``;
 * ``builders.py``: ``models`` from your own builder, and ``mlps``;
 * ``assertions.py``: ``assert_sharded_equivalent``, ``assert_split``;
-* ``layouts.py``: ``assert_layout`` and the ``ExpectedLayout`` it states;
+* ``placement.py``: ``assert_placement`` and the ``ExpectedPlacement`` it states;
 * ``budgets.py``: ``Limit``, ``assert_collectives``, ``data_parallel_limits``, ``megatron_limits``;
 * ``profiles.py``: the ``"minishard"`` hypothesis profiles (``register_profiles``);
 * ``pipelines.py``: ``pipelines`` that fit a stacked model, ``assert_pipeline_equivalent``
@@ -58,8 +58,8 @@ from minishard.testing.budgets import Limit, assert_collectives, data_parallel_l
 from minishard.testing.builders import LINEAR_AXES, mlps, models
 from minishard.testing.compositions import ANNOTATED, Composition, compositions
 from minishard.testing.experts import assert_moe_equivalent, expert_parallels, moe_reference, moes
-from minishard.testing.layouts import ExpectedLayout, assert_layout
 from minishard.testing.pipelines import assert_pipeline_equivalent, pipelines
+from minishard.testing.placement import ExpectedPlacement, assert_placement
 from minishard.testing.precision import ROUNDINGS, assert_close_in, step_tolerance
 from minishard.testing.profiles import register_profiles
 from minishard.testing.strategies import (
@@ -84,13 +84,13 @@ __all__ = [
     "MULTIPLES",
     "ROUNDINGS",
     "Composition",
-    "ExpectedLayout",
+    "ExpectedPlacement",
     "Limit",
     "SequenceLayout",
     "assert_attention_equivalent",
     "assert_close_in",
     "assert_collectives",
-    "assert_layout",
+    "assert_placement",
     "assert_moe_equivalent",
     "assert_pipeline_equivalent",
     "assert_sharded_equivalent",

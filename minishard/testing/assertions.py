@@ -2,7 +2,7 @@
 
 The first cannot see a wrong annotation: sharding never changes the numbers, so
 a model with its two Megatron halves swapped computes exactly the same thing,
-only slower. ``assert_layout`` (``layouts.py``) can, because it compares with the layout *you*
+only slower. ``assert_placement`` (``layouts.py``) can, because it compares with the layout *you*
 state; ``assert_split`` states less, only that something really is split over
 a mesh axis, which is what keeps an equivalence test from passing vacuously.
 """
@@ -59,7 +59,7 @@ def assert_sharded_equivalent(
     This catches a program that computes something else when sharded (a
     ``shard_map`` that forgets its ``psum``, a host callback). It cannot catch a
     wrong annotation, which changes where arrays live but not the numbers:
-    that is ``assert_layout``'s job.
+    that is ``assert_placement``'s job.
 
     With nothing split, both runs are the same program and the test passes
     vacuously. So first the split the test is about must happen, as
@@ -258,7 +258,7 @@ def assert_split(
 ) -> None:
     """At least ``at_least`` arrays of ``tree`` must be split over the mesh axis ``over``.
 
-    Not a whole intended layout (that is ``assert_layout``), only the least a
+    Not a whole intended layout (that is ``assert_placement``), only the least a
     test needs to test anything: on a mesh whose "model" axis is 1 wide, or
     under rules that replicate ``mlp``, a tensor-parallel test splits nothing
     and passes. ``over`` is a mesh axis, several (each must split the array),

@@ -5,7 +5,7 @@ parallelism a mesh axis of its own and composes their rules in one order. Whethe
 what the dense model computes is a property of every composition and every mesh shape, so it
 is tested best on drawn cases: ``compositions(widths)`` draws a ``Composition`` (its
 dimensions, a mesh, the composed rules) that ``assert_sharded_equivalent`` and
-``assert_layout`` take as they are (``mesh=c.mesh, rules=c.rules``).
+``assert_placement`` take as they are (``mesh=c.mesh, rules=c.rules``).
 
 What composes is ``minishard.styles.dimensions``' answer, asked of every candidate: the
 strategy never draws a composition the library refuses, and keeps no table of its own.

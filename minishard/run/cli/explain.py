@@ -27,7 +27,7 @@ from minishard.costs import HARDWARE, Candidate, StepCost, compare, mesh_shapes
 from minishard.memory import PRECISIONS
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
-from minishard.run.cli import decode, layouts, rank_check, styles
+from minishard.run.cli import decode, rank_check, ranking, styles
 from minishard.run.cli.accelerators import (
     SENDS_UP_TO,
     SIMULATE,
@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--batch-size",
         dest="batch_size",
-        type=layouts.count,
+        type=ranking.count,
         help="global batch of that step (default: the model's); with --size, in tokens (4M)",
     )
     add(
@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --memory or --hardware: the step's precision, as train --precision runs it",
     )
     decode.add_arguments(add)
-    layouts.add_arguments(add)
+    ranking.add_arguments(add)
     rank_check.add_arguments(add)
     # each model's flags that change the step priced (the GPT's --context)
     add_model_flags(parser, flag_owners(MODELS.values(), lambda entry: entry.explain_flags))
@@ -125,13 +125,13 @@ def check(args: argparse.Namespace, error: Error) -> argparse.Namespace:
     given = args.devices is not None  # a compiled step on a machine with chips: all of them (fit_devices)
     args.devices = args.devices if given else DEFAULT_DEVICES
     check_output("--plot", args.plot, PLOT_FORMATS, error)
-    layouts.refuse_budget(args, error)
+    ranking.refuse_budget(args, error)
     rank_check.check(args, error)
     decode.check(args, flag_owners(MODELS.values(), lambda entry: entry.explain_flags), error)
     if args.decode:
         return args  # serving is priced from a named size, not from --model's step
     if args.size:  # --compare --size: layouts ranked from the size's shapes, nothing compiled
-        layouts.check(args, flag_owners(MODELS.values(), lambda entry: entry.explain_flags), error)
+        ranking.check(args, flag_owners(MODELS.values(), lambda entry: entry.explain_flags), error)
         return args
     model = MODELS[args.model]
     refuse_other_models_flags(args, model, MODELS.values(), error)  # as train does
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     if args.decode:
         return decode.print_decode(args)
     if args.size:
-        return layouts.print_ranking(args) or (rank_check.print_check(args) if args.check else 0)
+        return ranking.print_ranking(args) or (rank_check.print_check(args) if args.check else 0)
     model, style = MODELS[args.model], style_of(args.parallel)
     if refused := style.before_explain(args):
         return refused  # before any work: a pipeline's step is compiled below, on devices

@@ -1,4 +1,4 @@
-"""Assertions on layout: ``assert_layout``, every array split the way *you* state.
+"""Assertions on placement: ``assert_placement``, every array split the way *you* state.
 
 ``assert_sharded_equivalent`` cannot see a wrong annotation (sharding never
 changes the numbers); this can, because it reads each array's sharding and the
@@ -20,14 +20,15 @@ from minishard.sharding import plan
 from minishard.testing.assertions import _check_mesh_axes, _padded
 from minishard.tree import path_str
 
-ExpectedLayout = PartitionSpec | tuple[int, ...] | LogicalAxes
-"""What an array's layout must be: a spec, each device's shard shape, or logical axes (through the rules)."""
+ExpectedPlacement = PartitionSpec | tuple[int, ...] | LogicalAxes
+"""What an array's placement must be: a spec, each device's shard shape, or logical axes (through
+the rules)."""
 
 
-def assert_layout(tree: Any, mesh: Mesh, expected: Any, *, rules: AxisRules | None = None) -> None:
+def assert_placement(tree: Any, mesh: Mesh, expected: Any, *, rules: AxisRules | None = None) -> None:
     """Every array of ``tree`` must be laid out on ``mesh`` as ``expected`` says.
 
-    The layout is read from the arrays themselves (``.sharding`` and the
+    The placement is read from the arrays themselves (``.sharding`` and the
     ``addressable_shards`` each device holds), not from minishard's plan: put
     in ``tree`` what ``shard`` placed or a ``Sharded`` function returned.
     ``expected`` maps a leaf's path, as ``minishard.tree.path_str`` writes it
@@ -45,7 +46,7 @@ def assert_layout(tree: Any, mesh: Mesh, expected: Any, *, rules: AxisRules | No
     so does a spec naming a mesh axis the mesh lacks, or longer than the
     array's rank (``ValueError``, before anything is compared). All
     mismatches are reported together: the path, the expected and actual
-    layouts, and, with ``rules``, the logical axes the model gave the array and
+    placements, and, with ``rules``, the logical axes the model gave the array and
     what each rule did with them (``AxisRules.explain``).
 
     >>> import jax
@@ -54,14 +55,14 @@ def assert_layout(tree: Any, mesh: Mesh, expected: Any, *, rules: AxisRules | No
     >>> mesh, rules = make_mesh({"model": n}), AxisRules(embed=None, mlp="model")
     >>> model = shard(mlp([4, 8 * n, 4], key=jax.random.key(0), axes=[("embed", "mlp"), ("mlp", "embed")]),
     ...               mesh, rules)
-    >>> assert_layout(model, mesh, {"layers[0].weight": (4, 8), "layers[2].weight": ("mlp", "embed"),
+    >>> assert_placement(model, mesh, {"layers[0].weight": (4, 8), "layers[2].weight": ("mlp", "embed"),
     ...                             "layers[2].bias": PartitionSpec()}, rules=rules)
     """
     arrays = {path_str(path): array for path, array in jax.tree_util.tree_leaves_with_path(tree)}
     wanted = {path: want for path, want in _expected_by_path(tree, expected).items() if want is not None}
     if unknown := sorted(set(wanted) - set(arrays)):
         raise AssertionError(
-            f"assert_layout: {unknown} name no array of the tree; its arrays are {list(arrays)}"
+            f"assert_placement: {unknown} name no array of the tree; its arrays are {list(arrays)}"
         )
     given_rules, rules = rules, rules or IDENTITY_RULES
     specs = {
@@ -70,34 +71,34 @@ def assert_layout(tree: Any, mesh: Mesh, expected: Any, *, rules: AxisRules | No
     problems = {
         path: p
         for path, want in wanted.items()
-        if (p := _layout_problem(arrays[path], mesh, want, specs[path]))
+        if (p := _placement_problem(arrays[path], mesh, want, specs[path]))
     }
     if problems:
         why = _why(tree, mesh, given_rules) if given_rules else lambda path: ""
         raise AssertionError(
-            f"assert_layout: {len(problems)} of {len(wanted)} arrays are not laid out as expected on mesh "
+            f"assert_placement: {len(problems)} of {len(wanted)} arrays are not laid out as expected on mesh "
             f"{dict(mesh.shape)}:\n" + "\n".join(f"{path}: {p}{why(path)}" for path, p in problems.items())
         )
 
 
 def _expected_by_path(tree: Any, expected: Any) -> dict[str, Any]:
-    """``{path: layout}`` from either form of ``expected``."""
-    if isinstance(expected, Mapping) and all(  # paths to layouts; a bad layout is named by its path
+    """``{path: placement}`` from either form of ``expected``."""
+    if isinstance(expected, Mapping) and all(  # paths to placements; a bad placement is named by its path
         isinstance(key, str) and not isinstance(value, Mapping | list) for key, value in expected.items()
     ):
         return dict(expected)
     treedef: Any = jax.tree_util.tree_structure(tree)
-    try:  # the layouts sit where tree has arrays: tuples there are taken whole, not as subtrees
+    try:  # the placements sit where tree has arrays: tuples there are taken whole, not as subtrees
         flat = treedef.flatten_up_to(expected)
     except (ValueError, TypeError) as e:
         raise TypeError(
-            f"assert_layout: expected is neither {{path: layout}} nor shaped like the tree: {e}"
+            f"assert_placement: expected is neither {{path: placement}} nor shaped like the tree: {e}"
         ) from None
     return {path_str(path): want for (path, _), want in zip(jax.tree_util.tree_leaves_with_path(tree), flat)}
 
 
 def _wanted_spec(
-    path: str, want: ExpectedLayout, shape: tuple[int, ...], mesh: Mesh, rules: AxisRules
+    path: str, want: ExpectedPlacement, shape: tuple[int, ...], mesh: Mesh, rules: AxisRules
 ) -> PartitionSpec | None:
     """The spec ``want`` stands for (None for a shard shape), checked against the mesh and the array."""
     if isinstance(want, tuple) and all(isinstance(d, int) and not isinstance(d, bool) for d in want):
@@ -108,20 +109,22 @@ def _wanted_spec(
         spec = rules.spec(want, mesh)  # type: ignore[arg-type]  # tuple[str | None, ...] by the test above
     else:
         raise TypeError(
-            f"assert_layout: {path}: expected a PartitionSpec, a shard shape (ints) or logical axes (names), "
-            f"got {want!r}"
+            f"assert_placement: {path}: expected a PartitionSpec, a shard shape (ints) or logical axes "
+            f"(names), got {want!r}"
         )
-    _check_mesh_axes(f"assert_layout: {path}: {spec}", [a for e in spec for a in as_mesh_axes(e)], mesh)
+    _check_mesh_axes(f"assert_placement: {path}: {spec}", [a for e in spec for a in as_mesh_axes(e)], mesh)
     if len(spec) > len(shape):
         raise ValueError(
-            f"assert_layout: {path}: {want} has {len(spec)} entries, but the array has shape {shape} "
+            f"assert_placement: {path}: {want} has {len(spec)} entries, but the array has shape {shape} "
             f"(rank {len(shape)}); give one entry per dimension, or fewer"
         )
     return spec
 
 
-def _layout_problem(array: Any, mesh: Mesh, want: ExpectedLayout, spec: PartitionSpec | None) -> str | None:
-    """What is wrong with ``array``'s layout, or None if it is the one wanted."""
+def _placement_problem(
+    array: Any, mesh: Mesh, want: ExpectedPlacement, spec: PartitionSpec | None
+) -> str | None:
+    """What is wrong with ``array``'s placement, or None if it is the one wanted."""
     if not isinstance(array, jax.Array):
         kind = f"{type(array).__module__}.{type(array).__name__}"
         return f"is not on the mesh: a {kind}, not a jax.Array (place it with minishard.shard)"
@@ -161,4 +164,4 @@ def _why(tree: Any, mesh: Mesh, rules: AxisRules) -> Callable[[str], str]:
     return why
 
 
-__all__ = ["ExpectedLayout", "assert_layout"]
+__all__ = ["ExpectedPlacement", "assert_placement"]
