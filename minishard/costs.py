@@ -122,6 +122,33 @@ def critical_batch(hardware: Hardware | str, devices: int | None = None, n_axes:
     return hardware.flops * ring / hardware.bandwidth(devices or 1, n_axes)
 
 
+def mixed_critical_batch(
+    hardware: Hardware | str, hidden: int, fsdp_axes: int = 2, tensor_axes: int = 1
+) -> float:
+    """Tokens per device below which FSDP + TP waits on its collectives at best: ``4 a^2 / (M_X M_Y F)``.
+
+    a = C / W (``critical_batch``), F the MLP's width; FSDP over M_X torus axes, TP over
+    M_Y. On a 3D torus M_X M_Y = 2: ``2 a^2 / F``, about half of what FSDP alone needs.
+    """
+    alpha = critical_batch(hardware)
+    return 4 * alpha**2 / (fsdp_axes * tensor_axes * hidden)
+
+
+def hbm_critical_batch(hardware: Hardware | str, weight_bytes: float = 2) -> float:
+    """Tokens a matmul must multiply each weight by to outrun reading it from HBM: ``C · w / 2W``.
+
+    Per weight of ``weight_bytes`` (bf16: 2), B tokens do 2B FLOPs and read w bytes: equal at
+    ``2B / C = w / W`` (the chips cancel: each reads its share of the weights and does its share of
+    the FLOPs). A decode step's batch (a token a sequence, ``serving.decode_critical_batch``) and a
+    pipeline's microbatch (``layouts.microbatches``) alike; int8 weights halve it.
+
+    >>> round(hbm_critical_batch("v5e"), 1), round(hbm_critical_batch("v5e", 1), 1)
+    (243.2, 121.6)
+    """
+    hardware = hardware_named(hardware)
+    return hardware.flops * weight_bytes / (2 * hardware.hbm_bandwidth)
+
+
 def ring_bound(
     seq: int, q_heads: int, kv_heads: int, head_dim: int, devices: int, hardware: Hardware, batch: int = 1
 ) -> float:
@@ -429,6 +456,8 @@ __all__ = [
     "compare",
     "cost_report",
     "critical_batch",
+    "hbm_critical_batch",
+    "mixed_critical_batch",
     "mesh_shapes",
     "matmul_flops",
     "model_flops",

@@ -57,11 +57,11 @@ from typing import NamedTuple
 
 from minishard import _checks
 from minishard.census import human_bytes
-from minishard.costs import collective_time, critical_batch, sent_bytes
+from minishard.costs import collective_time, hbm_critical_batch, sent_bytes
 from minishard.hardware import Hardware, hardware_named
 from minishard.memory import MIXED, Budget, bytes_per_parameter, korthikanti
 from minishard.pipeline import bubble_fraction
-from minishard.serving import Decoder, decode_critical_batch
+from minishard.serving import Decoder
 from minishard.styles import DIMENSIONS, MESH_AXES
 
 CHECKPOINTS = 4
@@ -93,18 +93,6 @@ def train_seconds(
 ) -> float:
     """Seconds to train on ``tokens`` with ``chips`` at ``mfu`` of their peak FLOP/s."""
     return train_flops(model, tokens, context) / (chips * hardware_named(hardware).flops * mfu)
-
-
-def mixed_critical_batch(
-    hardware: Hardware | str, hidden: int, fsdp_axes: int = 2, tensor_axes: int = 1
-) -> float:
-    """Tokens per device below which FSDP + TP waits on its collectives at best: ``4 a^2 / (M_X M_Y F)``.
-
-    a = C / W (``costs.critical_batch``), F the MLP's width; FSDP over M_X torus axes, TP over
-    M_Y. On a 3D torus M_X M_Y = 2: ``2 a^2 / F``, about half of what FSDP alone needs.
-    """
-    alpha = critical_batch(hardware)
-    return 4 * alpha**2 / (fsdp_axes * tensor_axes * hidden)
 
 
 def optimal_fsdp(tokens: float, devices: int, hidden: int, fsdp_axes: int = 2, tensor_axes: int = 1) -> float:
@@ -320,14 +308,14 @@ def data_shards(layout: Layout) -> int:
 
 def microbatches(layout: Layout, tokens: float, hardware: Hardware | str, context: int = CONTEXT) -> int:
     """The most microbatches a pipeline's tokens split into (1 without pp): each whole sequences
-    of ``context``, and at least ``serving.decode_critical_batch`` tokens, below which a matmul
+    of ``context``, and at least ``costs.hbm_critical_batch`` tokens, below which a matmul
     reads its weights from HBM for fewer FLOPs than the reading takes (164 on a v5p).
 
     >>> microbatches(Layout(fsdp=56, tp=8, pp=20), 4 * 2**20, "v5p")   # 18 sequences a pipeline
     18
     """
     group = tokens / data_shards(layout)  # the tokens one pipeline of tensor-parallel stages computes
-    smallest = max(context, decode_critical_batch(hardware))  # decoding's sequences are a token each
+    smallest = max(context, hbm_critical_batch(hardware))  # bf16 weights read for so many tokens
     return max(1, int(group // smallest)) if layout["pp"] > 1 else 1
 
 
@@ -727,7 +715,6 @@ __all__ = [
     "sends",
     "checkpoint_bytes",
     "layouts",
-    "mixed_critical_batch",
     "optimal_fsdp",
     "pass_collectives",
     "price",

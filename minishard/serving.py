@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from minishard import _checks
-from minishard.costs import collective_time
+from minishard.costs import collective_time, hbm_critical_batch
 from minishard.hardware import Hardware, hardware_named
 from minishard.memory import itemsize
 
@@ -167,14 +167,10 @@ SIZES = {
 
 
 def decode_critical_batch(hardware: Hardware | str, weights: str = "bfloat16") -> float:
-    """Sequences in a batch above which a decode step's matmuls are compute-bound: ``C · w / 2W``.
-
-    Per weight, B sequences do 2B FLOPs and read ``w`` bytes: equal at ``2B / C = w / W``
-    (the chips cancel: each reads its share of the weights and does its share of the FLOPs).
-    int8 weights with bf16 FLOPs halve it (the book's 240 and 120 on a v5e).
-    """
-    hardware = hardware_named(hardware)
-    return hardware.flops * number_bytes(weights) / (2 * hardware.hbm_bandwidth)
+    """Sequences in a batch above which a decode step's matmuls are compute-bound:
+    ``costs.hbm_critical_batch`` of ``weights``' bytes (a token a sequence). int8 weights with bf16
+    FLOPs halve it (the book's 240 and 120 on a v5e)."""
+    return hbm_critical_batch(hardware, number_bytes(weights))
 
 
 def decode_step_time(

@@ -14,7 +14,7 @@ import math
 import pytest
 
 from minishard import layouts
-from minishard.costs import critical_batch
+from minishard.costs import critical_batch, mixed_critical_batch
 from minishard.hardware import HARDWARE
 from minishard.layouts import Layout, price, rank
 from minishard.memory import MIXED, bytes_per_parameter
@@ -58,8 +58,8 @@ def test_468_tokens_per_chip_are_below_the_850_that_pure_fsdp_needs() -> None:
 
 def test_fsdp_with_tensor_parallelism_is_bound_below_453_and_x_opt_is_1618() -> None:
     # "2 * 2550^2 / F = 453", F = 28,672: 453.58, which the book truncates
-    assert round(layouts.mixed_critical_batch("v5p", LLAMA3_70B.hidden), 2) == 453.58
-    assert layouts.mixed_critical_batch("v5p", LLAMA3_70B.hidden) < BATCH / POD  # "we're slightly above this"
+    assert round(mixed_critical_batch("v5p", LLAMA3_70B.hidden), 2) == 453.58
+    assert mixed_critical_batch("v5p", LLAMA3_70B.hidden) < BATCH / POD  # "we're slightly above this"
     # "X_opt = sqrt(2 * 4.19e6 * 8960 / 28672) = 1618"; from 4 * 2**20 tokens exactly, 1619
     assert round(layouts.optimal_fsdp(4.19e6, POD, LLAMA3_70B.hidden)) == 1618
     assert round(layouts.optimal_fsdp(BATCH, POD, LLAMA3_70B.hidden)) == 1619

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from minishard import layouts, serving
 from minishard.census import human_bytes
-from minishard.costs import critical_batch
+from minishard.costs import critical_batch, mixed_critical_batch
 from minishard.hardware import hardware_named
 from minishard.layouts import human_seconds
 from minishard.run.cli.ignored import STEP_WORK, refuse_ignored
@@ -203,7 +203,7 @@ def print_ranking(args: argparse.Namespace) -> int:
     if chip.topology == "torus":
         fsdp_axes = max(1, chip.axes - 1)  # FSDP + TP: TP on one axis, FSDP on the others
         pure = critical_batch(chip, n_axes=chip.axes)
-        mixed = layouts.mixed_critical_batch(chip, model.hidden, fsdp_axes)
+        mixed = mixed_critical_batch(chip, model.hidden, fsdp_axes)
         optimal = layouts.optimal_fsdp(tokens, devices, model.hidden, fsdp_axes)
         print(f"the book's rules: pure FSDP needs {pure:,.0f} tokens per device (C/W over {chip.axes} axes);")
         print(
