@@ -366,7 +366,8 @@ def compare(
 ) -> Comparison:
     """``cost_report`` of ``step`` under every style and every mesh shape of ``devices``, fastest first.
 
-    ``args`` are the step's example arguments (model, optimizer state, batch);
+    The ranking is ``layouts.rank`` (a model's shapes, any size); this is its check, XLA's own
+    program for each split of a model that compiles here. ``args``: the step's example arguments;
     ``devices``: 0 for all of them; ``styles``: the styles any model takes, or more
     (``styles.SEQUENCE`` for a long context, ``styles.EXPERT`` for a model with experts,
     whose all-to-alls cost a quarter of an all-gather). Each candidate compiles once.

@@ -1,5 +1,8 @@
 """Which layout, at what size: every way to split a transformer's training over N chips, ranked.
 
+This is minishard's one ranking; ``costs.compare``, which prices the programs XLA compiled for a
+model small enough to compile here, is its check (``explain --compare --size gpt --check``).
+
 ``minishard.costs`` prices a step that XLA compiled. A LLaMA-3 run on thousands of chips cannot
 be compiled here, but its step is simple enough to price from the model's shapes alone, as
 the scaling book does (``training.md``, and its walk-through, ``applied-training.md``).
