@@ -242,7 +242,9 @@ class StepCost:
         return None if self.batch is None or not self.comm_s or grows else self.batch * self.bound
 
     def __str__(self) -> str:
-        hw, mem, size = self.hardware, self.memory, human_bytes
+        hw = self.hardware
+        mem = self.memory
+        size = human_bytes
         sent = ", ".join(f"{kind} {size(n)} {_time(s)}" for kind, n, s in self.communication) or "none"
         flip = f"; flips at {self.flip_batch:,.0f} examples per device" if self.flip_batch else ""
         not_the_chips = "XLA:CPU's count: not the chip's, not priced"
@@ -337,7 +339,9 @@ class Comparison:
     def __str__(self) -> str:
         lines = [f"  {'style':8} {'mesh':18} {'step':>9} {'compute':>9} {'comms':>9} {'memory':>9}  verdict"]
         for i, candidate in enumerate(self.candidates):
-            cost, shape, t = candidate.cost, "x".join(f"{k}={v}" for k, v in candidate.mesh.items()), _time
+            cost = candidate.cost
+            shape = "x".join(f"{k}={v}" for k, v in candidate.mesh.items())
+            t = _time
             head = f"{'* ' if i == 0 and cost else '  '}{candidate.style:8} {shape:18} "
             if cost is None:
                 lines.append(head + candidate.why)
@@ -364,16 +368,16 @@ def compare(
     styles: Sequence[str] = ANY_MODEL,
     others: Sequence[Candidate] = (),
 ) -> Comparison:
-    """``cost_report`` of ``step`` under every style and every mesh shape of ``devices``, fastest first.
-
-    The ranking is ``layouts.rank`` (a model's shapes, any size); this is its check, XLA's own
+    """``cost_report`` of ``step`` under every style and every mesh shape of ``devices``, fastest first:
+    the ranking is ``layouts.rank`` (a model's shapes, any size); this is its check, XLA's own
     program for each split of a model that compiles here. ``args``: the step's example arguments;
-    ``devices``: 0 for all of them; ``styles``: the styles any model takes, or more
-    (``styles.SEQUENCE`` for a long context, ``styles.EXPERT`` for a model with experts,
-    whose all-to-alls cost a quarter of an all-gather). Each candidate compiles once.
+    ``devices``: 0 for all; ``styles``: those any model takes, or more (``styles.SEQUENCE``,
+    ``styles.EXPERT``: all-to-alls at a quarter of an all-gather). Each candidate compiles once;
     ``others``, priced elsewhere (a pipeline's step, ZeRO's), are ranked with them.
     """
-    hardware, devices, candidates = hardware_named(hardware), devices or jax.device_count(), []  # 0: all
+    hardware = hardware_named(hardware)
+    devices = devices or jax.device_count()  # 0: all
+    candidates: list[Candidate] = []
     for style in styles:
         rules = mesh_rules(style, devices)[1]
         for shape in mesh_shapes(style, devices):

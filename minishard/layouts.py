@@ -373,7 +373,8 @@ class Step(NamedTuple):
     @property
     def weights(self) -> float:
         """Bytes of a stage's tensor shard of the weights, its experts' ep shard: what FSDP gathers."""
-        model, layout = self.model, self.layout
+        model = self.model
+        layout = self.layout
         held = model.params - model.expert_params + model.expert_params / layout["ep"]
         return self.itemsize * held / layout["tp"] / layout["pp"]
 
@@ -405,7 +406,8 @@ class Send(NamedTuple):
 def _fsdp_sends(step: Step) -> list[Send]:
     """FSDP gathers a stage's weights each pass (a pipeline's stage keeps its own through the
     backward pass) and reduce-scatters their gradients."""
-    weights, whole = step.weights, int(step.layout["pp"] == 1)
+    weights = step.weights
+    whole = int(step.layout["pp"] == 1)
     return [
         Send("fsdp", "all-gather", weights, backward=False, of_weights=True),
         Send("fsdp", "all-gather", weights, backward=True, times=whole, of_weights=True),
@@ -451,7 +453,10 @@ def _cp_sends(step: Step) -> list[Send]:
     parallelism): over cp, and over the data shards that share a sequence where they exceed the
     sequences (the book's "sequence parallelism" under FSDP). Each device gathers them whole
     in the forward pass; the backward pass reduce-scatters their gradients, a 1/n each."""
-    model, layout, tokens, context = step.model, step.layout, step.tokens, step.context
+    model = step.model
+    layout = step.layout
+    tokens = step.tokens
+    context = step.context
     kv = 2 * step.itemsize * model.kv_heads * model.head_dim / min(layout["tp"], model.kv_heads)
     layers = model.layers / layout["pp"]
     shards = data_shards(layout)
@@ -474,7 +479,8 @@ def _ep_sends(step: Step) -> list[Send]:
     """Each MoE layer sends every token to its ``top_k`` experts and the results home (two all-to-alls
     a layer forward, their transposes backward: ``minishard.experts``), a token split by sp between
     blocks; the weights outside the experts, whole on each ep shard, all-reduce their gradients."""
-    model, layout = step.model, step.layout
+    model = step.model
+    layout = step.layout
     routed = step.itemsize * step.group / layout["tp"] * model.top_k * model.width
     layers = 2 * model.layers // layout["pp"]
     shard = step.dense_weights / layout["fsdp"]
@@ -538,7 +544,8 @@ def pass_collectives(
     axes = layout.axes(hardware)
     seconds = dict.fromkeys([(0, 0), (0, 1), (1, 0), (1, 1)], 0.0)
     for send in sends(model, layout, tokens, itemsize, context, microbatches):
-        n_axes, inner = axes.get(send.dimension, 1), layout.inner(send.dimension)
+        n_axes = axes.get(send.dimension, 1)
+        inner = layout.inner(send.dimension)
         one = collective_time(send.kind, send.result_bytes, send.devices(layout), hardware, n_axes, inner)
         seconds[int(send.backward), int(send.of_weights)] += send.times * one
     forward = CommSeconds(weights=seconds[0, 1], activations=seconds[0, 0])
@@ -619,7 +626,8 @@ class Ranking:
         """The ``top`` fastest that fit, then the best of each other set of dimensions, with or without
         cp (and the book's pick) wherever they rank, and a line for the rest."""
         fit = [cost for cost in self.costs if cost.fits]
-        shown, kinds = fit[:top], {_kind(cost.layout) for cost in fit[:top]}
+        shown = fit[:top]
+        kinds = {_kind(cost.layout) for cost in fit[:top]}
         for cost in fit[top:]:
             kind = _kind(cost.layout)
             if kind not in kinds or cost.layout == self.rule:
@@ -632,7 +640,8 @@ class Ranking:
             mark = "*" if cost is fit[0] else " "
             rule = "  <- the book's X_opt" if cost.layout == self.rule else ""
             bubble = f"{cost.bubble:.1%}" if cost.layout["pp"] > 1 else "-"
-            step, memory = human_seconds(cost.step_s), human_bytes(int(cost.memory.total))
+            step = human_seconds(cost.step_s)
+            memory = human_bytes(int(cost.memory.total))
             cells = f"{step:>9} {bubble:>6} {flips:>9} {memory:>9}"
             lines.append(f"{mark} {_with_axes(cost):{width}} {cells}  {cost.verdict}{rule}{_shares(cost)}")
         out = [cost for cost in self.costs if not cost.fits]

@@ -298,7 +298,8 @@ def mesh_rules(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
     rules = style_rules(name)
     _checks.count("mesh_rules: devices", devices)
     axes = [axis for axis in MESH_AXES if axis in {DIMENSIONS[dim].axis for dim in dimensions(name)}]
-    shape, left = {}, devices
+    shape: dict[str, int] = {}
+    left = devices
     for axis in axes[:-1]:
         shape[axis] = 2 if left % 2 == 0 else 1
         left //= shape[axis]

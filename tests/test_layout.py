@@ -69,8 +69,8 @@ CHAPTERS = {
     "hardware": 160,
     # issue 49: model_flops (41 lines), MFU's numerator; issue 60: the roofline (chip_s, compiled_for_a_chip)
     # issue 62: the critical batches' one home, mixed_critical_batch (from layouts) and
-    # hbm_critical_batch (the HBM roofline's, which serving and layouts share: 27)
-    "costs": 470,
+    # hbm_critical_batch (the HBM roofline's, which serving and layouts share: 27); no tuple packing (6)
+    "costs": 475,
     "pipeline": 475,  # issue 43: stack, unstack (22 lines), the report (12); #45: in_flight; #46: positions
     # through the stages and their tokens over "context" (Pipeline.sequence_axis: pp+cp, 10); the blocks'
     # stats out of run_blocks' scan and the pipeline's ticks, over the batch (_over_the_batch: pp+ep, 16)

@@ -53,7 +53,8 @@ class ContextStyle(Style):
     def _check_context(self, args: Args, model: ModelEntry, mesh: dict[str, int], error: Error) -> None:
         if model.sequence is None:
             error(f"argument --parallel: {self.name} splits a sequence, and the {model.label} has none")
-        flag, p = model.sequence.flag, int(mesh.get("context", 1))
+        flag = model.sequence.flag
+        p = int(mesh.get("context", 1))
         if (length := getattr(args, flag, None) or model.defaults[flag]) % (2 * p):
             error(
                 f"argument --{flag}: {length} tokens do not cut into 2 x {p} zig-zag chunks "
@@ -78,9 +79,11 @@ class ContextStyle(Style):
         balance; then (None) the plan's report."""
         assert model.sequence is not None  # checked with the flags
         shape, (blocks, heads, head_dim) = self.mesh(args.devices), model.sequence.attention(built)
-        p, b = shape["context"], args.batch_size // shape.get("data", 1)
+        p = shape["context"]
+        b = args.batch_size // shape.get("data", 1)
         chunk = (b, getattr(args, model.sequence.flag) // p, heads, head_dim)  # one device's K (or V)
-        program, hardware = step.lower(built, optimizer.init(built), batch), args.hardware
+        program = step.lower(built, optimizer.init(built), batch)
+        hardware = args.hardware
         print(context.ring_report(program, axis="context", blocks=blocks, chunk=chunk, hardware=hardware))
         if self.name not in SPLITS:  # a composition: whose each collective is
             print(by_dimension(self.name, instructions(program)))

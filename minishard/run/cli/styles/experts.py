@@ -48,7 +48,8 @@ class ExpertStyle(Style):
             )
         if getattr(args, "compare", False):  # every mesh shape is tried: one that cannot split says so
             return
-        mesh, experts = args.mesh, model.expert_count(args)
+        mesh = args.mesh
+        experts = model.expert_count(args)
         if experts % (devices := mesh["expert"]):
             error(
                 f"argument --{split.flag}: {experts} experts do not split over expert={devices} devices; "

@@ -98,7 +98,8 @@ class PipelineStyle(Style):
         """``model`` with its pipeline on ``mesh``, said in one line."""
         model = self.pipelined(model, args, mesh)
         pipe = model.pipeline
-        p, m = pipe.stages, pipe.microbatches
+        p = pipe.stages
+        m = pipe.microbatches
         print(
             f"Pipeline: {model.blocks.n} blocks over {p} stages, {m} microbatches of "
             f"{args.batch_size // m} examples, {pipe.ticks} ticks; "
@@ -110,7 +111,8 @@ class PipelineStyle(Style):
         return 1  # a pipeline's microbatches are its own
 
     def own_step_cost(self, entry: ModelEntry, args: Args, built: Any, batch: Any, mesh: Mesh) -> StepCost:
-        optimizer, built = entry.compiled_optimizer(args), self.pipelined(built, args, mesh)
+        optimizer = entry.compiled_optimizer(args)
+        built = self.pipelined(built, args, mesh)
         step_args = (built, optimizer.init(built), batch)
         return cost_report(
             make_train_step(optimizer, entry.task.loss), step_args, mesh, self.rules({}), args.hardware

@@ -128,7 +128,8 @@ class Style:
 
     def check_microbatches(self, args: Args, error: Error) -> None:
         """Each microbatch (of accumulation, or of a pipeline) splits evenly over "data" too."""
-        m, data = args.microbatches, args.mesh.get("data", 1)
+        m = args.microbatches
+        data = args.mesh.get("data", 1)
         if args.batch_size % (m * data):
             error(
                 f"argument --microbatches: --batch-size {args.batch_size} does not split into {m} "

@@ -102,7 +102,8 @@ class ZeroStyle(Style):
         """What ZeRO's step (built here, in place of the plain ``train_step``) sends, against the analytic
         minimum: an all-gather of the parameters (each padded to split evenly) plus a reduce-scatter of
         their gradients; no gradient all-reduce."""
-        n, mesh = args.devices, make_mesh({"data": args.devices}, devices=first_devices(args))
+        n = args.devices
+        mesh = make_mesh({"data": args.devices}, devices=first_devices(args))
         step = self.step(optimizer, mesh, model.task)
         step_args = (*step.placed_shapes(built), batch)  # shapes and layouts: a topology holds no arrays
         print(f"{args.model} under zero (ZeRO-{self.LEVEL} by hand) on {n} devices, batch {args.batch_size}")
