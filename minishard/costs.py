@@ -68,9 +68,9 @@ def collective_time(
     """Seconds for one collective over ``devices`` (along ``n_axes`` mesh axes, each ``inner``
     devices apart: ``Hardware.bandwidth``), whose result on one device is ``nbytes``.
 
-    ``nbytes`` is what ``minishard.collectives`` reports: for an all-gather the
-    gathered array, for a reduce-scatter or an all-to-all one device's 1/n of it.
-    W is ``hardware.bandwidth(devices, n_axes)`` (``minishard.hardware``); ``hardware`` may be its name.
+    ``nbytes`` is what ``minishard.collectives`` reports: for an all-gather the gathered array, for
+    a reduce-scatter or an all-to-all one device's 1/n of it. W is
+    ``hardware.bandwidth(devices, n_axes)`` (``minishard.hardware``); ``hardware`` may be its name.
     """
     _checks.collective(kind, nbytes, devices, tuple(_SHARE))
     hardware = hardware_named(hardware)
@@ -125,7 +125,8 @@ def critical_batch(hardware: Hardware | str, devices: int | None = None, n_axes:
 def mixed_critical_batch(
     hardware: Hardware | str, hidden: int, fsdp_axes: int = 2, tensor_axes: int = 1
 ) -> float:
-    """Tokens per device below which FSDP + TP waits on its collectives at best: ``4 a^2 / (M_X M_Y F)``.
+    """Tokens per device below which FSDP + TP waits on its collectives at best:
+    ``4 a^2 / (M_X M_Y F)``.
 
     a = C / W (``critical_batch``), F the MLP's width; FSDP over M_X torus axes, TP over
     M_Y. On a 3D torus M_X M_Y = 2: ``2 a^2 / F``, about half of what FSDP alone needs.
@@ -152,7 +153,8 @@ def hbm_critical_batch(hardware: Hardware | str, weight_bytes: float = 2) -> flo
 def ring_bound(
     seq: int, q_heads: int, kv_heads: int, head_dim: int, devices: int, hardware: Hardware, batch: int = 1
 ) -> float:
-    """k = a causal zig-zag ring step's sends over the attention they hide behind; > 1: the ring waits.
+    """k = a causal zig-zag ring step's sends over the attention they hide behind; > 1: the ring
+    waits.
 
     Each of the p = ``devices`` holds c = seq / p tokens. A step attends them to one K/V chunk
     of c tokens, 4·b·c²·q_heads·head_dim FLOPs, half of it causal (zig-zag: on every device
@@ -269,7 +271,8 @@ def step_cost(
     mesh: AnyMesh | None = None,
     overlap: float = BACKWARD,
 ) -> StepCost:
-    """Price a lowered (or compiled) step on ``hardware`` (a ``Hardware`` or a key of ``HARDWARE``: "v5p").
+    """Price a lowered (or compiled) step on ``hardware`` (a ``Hardware`` or a key of ``HARDWARE``:
+    "v5p").
 
     Given the ``Lowered`` program, bytes are counted in the float type it asked
     for (``collectives.as_asked``: XLA:CPU widens bf16 collectives to f32); a
@@ -284,7 +287,8 @@ def step_cost(
     mesh = mesh if mesh is not None else mesh_of(compiled)
     text = as_asked(lowered) if lowered is not None else compiled.as_text() or ""
     analysis = compiled.cost_analysis() or {}  # per device: XLA analyses the partitioned program
-    flops = float(analysis.get("flops", 0.0)) + repeated_dot_flops(text)  # a loop's body runs n times
+    # a loop's body runs n times
+    flops = float(analysis.get("flops", 0.0)) + repeated_dot_flops(text)
     accessed = float(analysis.get("bytes accessed", 0.0))
     communication = _communication(text, mesh, hardware)
     chips = compiled_for_a_chip(compiled)
@@ -292,8 +296,8 @@ def step_cost(
 
 
 def compiled_for_a_chip(compiled: jax.stages.Compiled) -> bool:
-    """Whether XLA compiled ``compiled`` for an accelerator (a TPU's program, ahead of time or on one):
-    then its ``bytes accessed`` are the chip's HBM traffic."""
+    """Whether XLA compiled ``compiled`` for an accelerator (a TPU's program, ahead of time or on
+    one): then its ``bytes accessed`` are the chip's HBM traffic."""
     shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
     return any(device.platform != "cpu" for sharding in shardings for device in sharding.device_set)
 
@@ -313,7 +317,8 @@ def cost_report(
     """
     sharded = step if hasattr(step, "lower") else Sharded(mesh, rules)(step)  # type: ignore[arg-type]
     lowered = sharded.lower(*args)
-    placed = jax.tree.leaves(lowered.compile().input_shardings[0][-1])[0]  # how the step splits the batch
+    # how the step splits the batch
+    placed = jax.tree.leaves(lowered.compile().input_shardings[0][-1])[0]
     rows = placed.shard_shape(jax.tree.leaves(args[-1])[0].shape)[0]
     return step_cost(lowered, hardware, batch=rows)
 
@@ -368,12 +373,11 @@ def compare(
     styles: Sequence[str] = ANY_MODEL,
     others: Sequence[Candidate] = (),
 ) -> Comparison:
-    """``cost_report`` of ``step`` under every style and every mesh shape of ``devices``, fastest first:
-    the ranking is ``layouts.rank`` (a model's shapes, any size); this is its check, XLA's own
-    program for each split of a model that compiles here. ``args``: the step's example arguments;
-    ``devices``: 0 for all; ``styles``: those any model takes, or more (``styles.SEQUENCE``,
-    ``styles.EXPERT``: all-to-alls at a quarter of an all-gather). Each candidate compiles once;
-    ``others``, priced elsewhere (a pipeline's step, ZeRO's), are ranked with them.
+    """``cost_report`` of ``step`` under every style and mesh shape of ``devices``, fastest first:
+    the check of the ranking (``layouts.rank``, from shapes), XLA's own program for each split of
+    a model that compiles here. ``args``: the step's example arguments; ``devices``: 0 for all;
+    ``styles``: those any model takes, or more (``styles.SEQUENCE``, ``styles.EXPERT``); each
+    compiles once. ``others``, priced elsewhere (a pipeline's, ZeRO's), are ranked with them.
     """
     hardware = hardware_named(hardware)
     devices = devices or jax.device_count()  # 0: all
@@ -414,7 +418,8 @@ def model_flops(loss: Callable[..., Any], *args: Any) -> float:
 
 def matmul_flops(jaxpr: Any) -> float:
     """2 · output · contracted of each ``dot_general`` in ``jaxpr``, inner jaxprs (jit, remat,
-    custom_vjp, shard_map) included, a ``scan``'s body ``length`` times, a ``cond``'s largest branch."""
+    custom_vjp, shard_map) included, a ``scan``'s body ``length`` times, a ``cond``'s largest
+    branch."""
     total = 0.0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":

@@ -23,26 +23,26 @@ A layout splits the N devices five ways, ``dp x fsdp x tp x pp x cp = N``, each 
   batch but not with the heads (grouped-query attention's few K/V heads make them small).
 
 Per device, with b = B / N tokens and P parameters, a forward pass does F = 2Pb FLOPs and the
-backward pass 2F (the book's 6P per token), and attention's ``12 L T N H`` a token in
-sequences of T (``train_flops``; the book leaves it out: ``context=0``). Each pass hides its own
-collectives behind its own matmuls, so ``step = max(F, sent forward) + max(2F, sent backward)``:
-the forward pass sends the FSDP gathers and the tensor collectives, the backward pass the gathers
-again, the reduce-scatters, the all-reduce and the tensor collectives transposed (twice the forward's,
-as the book counts them). (``costs.StepCost`` reads a compiled program and cannot tell the
-passes apart: it hides every collective behind the backward pass.) A pipeline's step is that
-busy time over ``1 - bubble``. On a torus each split dimension but pp takes one of the chip's
-axes (``Hardware.axes``), the largest dimension those left; a stage sends to its neighbour.
-Each collective is a ``Send`` record (``sends``): priced in seconds, or counted in bytes per
-dimension (``bytes_sent``), which ``explain --check`` sets beside a compiled step's census.
-Memory per device: the memory chapter's 16 bytes per parameter (mixed precision, AdamW) over
-fsdp x tp x pp, one layer's weights gathered whole (a pipeline's stage: all of its layers,
-kept through its microbatches, as torchtitan does: else FSDP gathers each microbatch again),
-and the activations the backward pass needs: the residual stream, ``CHECKPOINTS`` times per
-layer (``memory.korthikanti`` fully recomputed), of the whole batch, or of the ``p`` microbatches
-a pipeline's first stage holds at once when it runs 1F1B (``pipeline_1f1b``; GPipe's bubble),
-and the one layer recomputed from them, whose T x T scores grow with the sequence unless a
-fused kernel keeps none (``layer_bytes``). On a two-level network (NVLink and InfiniBand, ICI
-and DCN) each dimension runs on the level ``PLACEMENT`` puts it (``Layout.inner``).
+backward pass 2F (the book's 6P per token), and attention's ``12 L T N H`` a token in sequences of T
+(``train_flops``; the book leaves it out: ``context=0``). Each pass hides its own collectives behind
+its own matmuls, so ``step = max(F, sent forward) + max(2F, sent backward)``: the forward pass sends
+the FSDP gathers and the tensor collectives, the backward pass the gathers again, the
+reduce-scatters, the all-reduce and the tensor collectives transposed (twice the forward's, as the
+book counts them). (``costs.StepCost`` reads a compiled program and cannot tell the passes apart: it
+hides every collective behind the backward pass.) A pipeline's step is that busy time over
+``1 - bubble``. On a torus each split dimension but pp takes one of the chip's axes
+(``Hardware.axes``), the largest dimension those left; a stage sends to its neighbour. Each
+collective is a ``Send`` record (``sends``): priced in seconds, or counted in bytes per dimension
+(``bytes_sent``), which ``explain --check`` sets beside a compiled step's census. Memory per device:
+the memory chapter's 16 bytes per parameter (mixed precision, AdamW) over fsdp x tp x pp, one
+layer's weights gathered whole (a pipeline's stage: all of its layers, kept through its
+microbatches, as torchtitan does: else FSDP gathers each microbatch again), and the activations the
+backward pass needs: the residual stream, ``CHECKPOINTS`` times per layer (``memory.korthikanti``
+fully recomputed), of the whole batch, or of the ``p`` microbatches a pipeline's first stage holds
+at once when it runs 1F1B (``pipeline_1f1b``; GPipe's bubble), and the one layer recomputed from
+them, whose T x T scores grow with the sequence unless a fused kernel keeps none (``layer_bytes``).
+On a two-level network (NVLink and InfiniBand, ICI and DCN) each dimension runs on the level
+``PLACEMENT`` puts it (``Layout.inner``).
 
 >>> from minishard.serving import LLAMA3_70B as llama
 >>> round(optimal_fsdp(4 * 2**20, 8960, llama.hidden))   # the book's X_opt: 1,618 from 4.19e6 tokens
@@ -77,7 +77,8 @@ CONTEXT = 4096
 
 def train_flops(model: Decoder, tokens: float, context: int = 0) -> float:
     """``6 P tokens``, per parameter and token 2 FLOPs forward and 4 backward, plus attention's
-    ``12 L T N H`` a token in sequences of ``context`` = T (0: attention left out, as the book's 6P).
+    ``12 L T N H`` a token in sequences of ``context`` = T (0: attention left out, as the book's
+    6P).
 
     Attention's two matmuls, q·kᵀ and the scores times v, take ``2 T N H`` FLOPs each a token
     and layer forward, three times that with the backward: PaLM's count (Chowdhery et al. 2022,
@@ -108,7 +109,8 @@ def optimal_fsdp(tokens: float, devices: int, hidden: int, fsdp_axes: int = 2, t
 
 
 def checkpoint_bytes(model: Decoder, tokens: float, per_layer: int = CHECKPOINTS, tp: int = 1) -> float:
-    """Bytes of the residual streams kept for the backward pass: ``2 · width · tokens · per_layer · layers``.
+    """Bytes of the residual streams kept for the backward pass:
+    ``2 · width · tokens · per_layer · layers``.
 
     Korthikanti's full recomputation keeps one bf16 stream per layer (split over ``tp`` with the
     sequence); the book keeps ``per_layer`` of them.
@@ -137,8 +139,9 @@ def layer_bytes(model: Decoder, tokens: float, context: int, fused: bool = True)
 
 
 RANKED = tuple(name for name, rule in DIMENSIONS.items() if rule.needs is None)
-"""The dimensions a layout splits chips over: every rule of ``styles.DIMENSIONS`` but those that ride
-on another's axis (sp on tp's: the ranking's tp is Megatron's with the sequence split between blocks)."""
+"""The dimensions a layout splits chips over: every rule of ``styles.DIMENSIONS`` but those that
+ride on another's axis (sp on tp's: the ranking's tp is Megatron's with the sequence split between
+blocks)."""
 PLACEMENT = ("tp", "cp", "ep", "pp", "fsdp", "dp")
 """The dimensions from the innermost (nearest devices) out: Llama 3's "[TP, CP, PP, DP]" (Dubey
 et al. 2024, §3.3.2), fsdp inside dp as HSDP shards inside a node's replica, ep inside pp as
@@ -148,8 +151,8 @@ stay inside a node; dp's, once a step, cross the slow level."""
 
 class Layout:
     """How N devices split over the dimensions, each a rule of ``styles.DIMENSIONS``: a mapping
-    dimension -> devices, ``dp x fsdp x tp x pp x cp x ep``; a dimension it does not name is 1.
-    The ranking prices it; ``mesh`` and ``style`` are the same split as ``train --parallel`` runs it.
+    dimension -> devices, ``dp x fsdp x tp x pp x cp x ep``; a dimension it does not name is 1. The
+    ranking prices it; ``mesh`` and ``style`` are the same split as ``train --parallel`` runs it.
 
     >>> layout = Layout(fsdp=4, tp=2)
     >>> layout["tp"], layout["pp"], layout.devices, layout.mesh()
@@ -158,7 +161,8 @@ class Layout:
 
     def __init__(self, **sizes: int) -> None:
         _checks.layout_sizes(sizes, RANKED)
-        self.sizes = {name: sizes[name] for name in RANKED if sizes.get(name, 1) > 1}  # the rules' order
+        # the rules' order
+        self.sizes = {name: sizes[name] for name in RANKED if sizes.get(name, 1) > 1}
 
     def __getitem__(self, dimension: str) -> int:
         return self.sizes.get(dimension, 1)
@@ -191,7 +195,8 @@ class Layout:
 
     def inner(self, dimension: str) -> int:
         """The devices between two neighbours of ``dimension``: the dimensions ``PLACEMENT`` puts
-        inside it. On a two-level network it decides the level each runs on (``Hardware.bandwidth``).
+        inside it. On a two-level network it decides the level each runs on
+        (``Hardware.bandwidth``).
 
         >>> Layout(dp=4, fsdp=256, tp=8).inner("tp"), Layout(dp=4, fsdp=256, tp=8).inner("dp")
         (1, 2048)
@@ -317,7 +322,8 @@ def microbatches(layout: Layout, tokens: float, hardware: Hardware | str, contex
     >>> microbatches(Layout(fsdp=56, tp=8, pp=20), 4 * 2**20, "v5p")   # 18 sequences a pipeline
     18
     """
-    group = tokens / data_shards(layout)  # the tokens one pipeline of tensor-parallel stages computes
+    # the tokens one pipeline of tensor-parallel stages computes
+    group = tokens / data_shards(layout)
     smallest = max(context, hbm_critical_batch(hardware))  # bf16 weights read for so many tokens
     return max(1, int(group // smallest)) if layout["pp"] > 1 else 1
 
@@ -343,9 +349,9 @@ def price(
     """
     hardware = hardware_named(hardware)
     m = microbatches(layout, tokens, hardware, context)
-    passes = pass_collectives(model, layout, tokens, hardware, itemsize, context, m)  # forward, backward
+    passes = pass_collectives(model, layout, tokens, hardware, itemsize, context, m)
     per_device = tokens / layout.devices
-    compute = train_flops(model, per_device, context) / 3 / hardware.flops  # the forward pass's third
+    compute = train_flops(model, per_device, context) / 3 / hardware.flops  # the forward's third
     microbatch = tokens / data_shards(layout) / m  # a pipeline's, or all of a shard's tokens
     memory = _memory(model, layout, microbatch, min(m, layout["pp"]), checkpoints, (context, fused))
     sequences = tokens / context if context else 0.0
@@ -435,9 +441,11 @@ def _tp_sends(step: Step) -> list[Send]:
 
 
 def _pp_sends(step: Step) -> list[Send]:
-    """As ``minishard.pipeline`` compiles: a microbatch every one of its m + p - 1 ticks, the bubble's
-    too, and an all-reduce over the stages that hands the last stage's output to every stage, each pass."""
-    hop = step.itemsize * step.group * step.model.width / step.layout["tp"]  # a stage's output, split by sp
+    """As ``minishard.pipeline`` compiles: a microbatch every one of its m + p - 1 ticks, the
+    bubble's too, and an all-reduce over the stages that hands the last stage's output to every
+    stage, each pass."""
+    # a stage's output, split by sp
+    hop = step.itemsize * step.group * step.model.width / step.layout["tp"]
     ticks = (step.microbatches + step.layout["pp"] - 1) / step.microbatches
     found = []
     for backward in (False, True):
@@ -463,7 +471,8 @@ def _cp_sends(step: Step) -> list[Send]:
     found = _gather_scatter("cp", kv * tokens / shards * layers, layout["cp"])  # a shard's tokens
     if context and shards * context > tokens:  # fewer sequences than data shards: they split them
         sharing = math.ceil(shards * context / tokens)
-        outer = next(name for name in ("dp", "fsdp", "ep") if layout[name] > 1)  # PLACEMENT's outermost
+        # PLACEMENT's outermost
+        outer = next(name for name in ("dp", "fsdp", "ep") if layout[name] > 1)
         found += _gather_scatter(outer, kv * context * layers, sharing, over=sharing)
     return found
 
@@ -476,9 +485,10 @@ def _gather_scatter(dimension: str, gathered: float, ways: int, over: int = 0) -
 
 
 def _ep_sends(step: Step) -> list[Send]:
-    """Each MoE layer sends every token to its ``top_k`` experts and the results home (two all-to-alls
-    a layer forward, their transposes backward: ``minishard.experts``), a token split by sp between
-    blocks; the weights outside the experts, whole on each ep shard, all-reduce their gradients."""
+    """Each MoE layer sends every token to its ``top_k`` experts and the results home (two
+    all-to-alls a layer forward, their transposes backward: ``minishard.experts``), a token split by
+    sp between blocks; the weights outside the experts, whole on each ep shard, all-reduce their
+    gradients."""
     model = step.model
     layout = step.layout
     routed = step.itemsize * step.group / layout["tp"] * model.top_k * model.width
@@ -494,15 +504,16 @@ def _ep_sends(step: Step) -> list[Send]:
 SENDS = {"fsdp": _fsdp_sends, "dp": _dp_sends, "tp": _tp_sends, "pp": _pp_sends, "cp": _cp_sends}
 SENDS["ep"] = _ep_sends
 """Each dimension's collectives and their bytes, from one ``Step``: the weights' first, then the
-activations'. A new dimension adds its own here (its rule, ``styles.Dimension``, names their kinds)."""
+activations'. A new dimension adds its own here (its rule, ``styles.Dimension``, names their
+kinds)."""
 
 
 def sends(
     model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0, microbatches: int = 1
 ) -> list[Send]:
-    """The collectives of one step of ``tokens`` in sequences of ``context``, by dimension (``SENDS``),
-    numbers of ``itemsize`` bytes (bf16), a pipeline of ``microbatches``; those among more than one
-    device.
+    """The collectives of one step of ``tokens`` in sequences of ``context``, by dimension
+    (``SENDS``), numbers of ``itemsize`` bytes (bf16), a pipeline of ``microbatches``; those among
+    more than one device.
 
     >>> from minishard.serving import MINISHARD_GPT
     >>> [send.kind for send in sends(MINISHARD_GPT, Layout(fsdp=8), 1024)]
@@ -516,8 +527,9 @@ def sends(
 def bytes_sent(
     model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0, microbatches: int = 1
 ) -> dict[str, float]:
-    """Bytes each device sends in one step, by dimension: ``sends`` on rings (``costs.sent_bytes``), as
-    a compiled step's census sums them (float32: dp's all-reduce of the GPT's 3.3 MB of gradients).
+    """Bytes each device sends in one step, by dimension: ``sends`` on rings (``costs.sent_bytes``),
+    as a compiled step's census sums them (float32: dp's all-reduce of the GPT's 3.3 MB of
+    gradients).
 
     >>> from minishard.serving import MINISHARD_GPT
     >>> bytes_sent(MINISHARD_GPT, Layout(dp=8), 1024, itemsize=4)   # 2 x 7/8 x 4 x 816,193
@@ -599,7 +611,8 @@ def layouts(model: Decoder, devices: int, context: int = 0) -> list[Layout]:
         if model.heads % tp or model.hidden % tp:
             continue
         for pp in (pp for pp in _divisors(devices // tp) if model.layers % pp == 0):
-            for cp in _divisors(math.gcd(devices // tp // pp, context or 1)):  # cp divides the sequence
+            # cp divides the sequence
+            for cp in _divisors(math.gcd(devices // tp // pp, context or 1)):
                 for ep in _divisors(math.gcd(devices // tp // pp // cp, model.experts or 1)):
                     rest = devices // tp // pp // cp // ep
                     found += [
@@ -623,8 +636,8 @@ class Ranking:
     rule: Layout | None
 
     def table(self, top: int = 5) -> str:
-        """The ``top`` fastest that fit, then the best of each other set of dimensions, with or without
-        cp (and the book's pick) wherever they rank, and a line for the rest."""
+        """The ``top`` fastest that fit, then the best of each other set of dimensions, with or
+        without cp (and the book's pick) wherever they rank, and a line for the rest."""
         fit = [cost for cost in self.costs if cost.fits]
         shown = fit[:top]
         kinds = {_kind(cost.layout) for cost in fit[:top]}
@@ -688,7 +701,8 @@ def _kind(layout: Layout) -> tuple[str, ...]:
 
 def _shares(cost: LayoutCost) -> str:
     """What a data shard holds where it is not whole sequences: part of one (priced: their keys and
-    values gathered, ``sends``), or an uneven share (priced at the average, which the largest exceeds)."""
+    values gathered, ``sends``), or an uneven share (priced at the average, which the largest
+    exceeds)."""
     share = cost.shard_sequences
     if not share or share == int(share):
         return ""

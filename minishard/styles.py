@@ -131,7 +131,8 @@ DIMENSIONS: dict[str, Dimension] = {
             ("seq",),
             step="context",
             inside=("pp",),
-            sends=("collective-permute", "all-gather", "reduce-scatter"),  # the ring; Llama 3's, ranked
+            # the ring; Llama 3's, ranked
+            sends=("collective-permute", "all-gather", "reduce-scatter"),
         ),
         Dimension(
             "ep",
@@ -172,8 +173,8 @@ CONFLICTS: dict[frozenset[str], str] = {
 """Pairs of dimensions that cannot work together, and why: each rule's ``excludes``."""
 MAX_STEPS = 2
 """Dimensions with a step of their own that one composition holds at most: one outer step that
-carries one other inside it (pp+cp, pp+ep, cp+ep). Not all three: inside a pipeline with a ring
-each device holds its share of the tokens, so an MoE would route each share as a group of its own."""
+carries one other inside it (pp+cp, pp+ep, cp+ep). Not all three: inside a pipeline with a ring each
+device holds its share of the tokens, so an MoE would route each share as a group of its own."""
 ALIASES = {"2d": "dp+tp"}
 """Named styles that are other names for dimensions: ``2d`` is dp+tp."""
 

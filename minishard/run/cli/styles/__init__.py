@@ -167,10 +167,12 @@ def style_of(name: str | None) -> Style:
 
 def train_step(args: Args, model: Any, style: Style, mesh: Any) -> tuple[Any, Any, tuple[Any, ...]]:
     """The default model's train step under ``style`` on ``mesh``, its optimizer, and its arguments
-    (the model built, the optimizer's state, a batch of zeros): what ``--hardware`` compiles and prices,
-    in ``--precision``'s policy where the command has one (a bf16 step priced as it trains)."""
+    (the model built, the optimizer's state, a batch of zeros): what ``--hardware`` compiles and
+    prices, in ``--precision``'s policy where the command has one (a bf16 step priced as it
+    trains)."""
     optimizer = model.compiled_optimizer(args)
-    built = style.prepare(style.build(model, args, jax.random.key(0)), args, mesh)  # a pipeline: its schedule
+    # a pipeline: its schedule
+    built = style.prepare(style.build(model, args, jax.random.key(0)), args, mesh)
     precision = PRECISIONS[getattr(args, "precision", None) or "fp32"]
     step = make_train_step(optimizer, model.task.loss, style.microbatches(args), precision)
     return step, optimizer, (built, optimizer.init(built), zero_batch(args, model))
@@ -183,8 +185,8 @@ def zero_batch(args: Args, model: Any) -> dict[str, jax.Array]:
 
 
 def style_args(args: Args, model: Any, style: Style, shape: dict[str, int]) -> Args:
-    """``args`` for ``style`` on mesh ``shape``, its defaults filled as ``train`` would run it; a flag it
-    refuses raises ``ValueError`` (the one-line message)."""
+    """``args`` for ``style`` on mesh ``shape``, its defaults filled as ``train`` would run it; a
+    flag it refuses raises ``ValueError`` (the one-line message)."""
     resets = model.stack.resets if model.stack else ()  # the style's defaults: a pipeline's blocks
     unset = {**dict.fromkeys(resets), "microbatches": None}
     own = Args(**{**vars(args), **unset, "parallel": style.name, "mesh": shape})

@@ -21,8 +21,9 @@ __all__ = ["by_dimension"]
 
 
 def by_dimension(name: str, sent: Iterable[Sent]) -> str:
-    """The collectives ``sent`` (``census.instructions`` of a compiled step), summed per dimension of
-    ``name`` and kind, in mesh-axis order; a collective over several axes names each (``dp x tp``)."""
+    """The collectives ``sent`` (``census.instructions`` of a compiled step), summed per dimension
+    of ``name`` and kind, in mesh-axis order; a collective over several axes names each
+    (``dp x tp``)."""
     dims = dimensions(name)
     axis = {dim: DIMENSIONS[dim].axis for dim in dims}
     owners = {axis[dim]: "+".join(d for d in dims if axis[d] == axis[dim]) for dim in dims}

@@ -27,11 +27,13 @@ __all__ = ["ContextStyle"]
 
 
 class ContextStyle(Style):
-    """``cp``, ``dp+cp``: the sequence over "context", the model's attention a ring (``minishard.context``).
+    """``cp``, ``dp+cp``: the sequence over "context", the model's attention a ring
+    (``minishard.context``).
 
     Its step is ``fit``'s ``Sharded`` one: the model's loss deals each batch out zig-zag (the GPT's:
-    ``run.next_token.in_sequence_layout``) and its ``"ring"`` attention cores send K and V round
-    the devices of "context" (``ModelEntry.sequence``). ``explain`` compiles the step and shows the ring.
+    ``run.next_token.in_sequence_layout``) and its ``"ring"`` attention cores send K and V round the
+    devices of "context" (``ModelEntry.sequence``). ``explain`` compiles the step and shows the
+    ring.
     """
 
     compiles = True
@@ -75,13 +77,14 @@ class ContextStyle(Style):
         built: Any,
         batch: Any,
     ) -> int | None:
-        """The ring's collective-permutes, read from the compiled ``step`` against the formula, and its
-        balance; then (None) the plan's report."""
+        """The ring's collective-permutes, read from the compiled ``step`` against the formula, and
+        its balance; then (None) the plan's report."""
         assert model.sequence is not None  # checked with the flags
         shape, (blocks, heads, head_dim) = self.mesh(args.devices), model.sequence.attention(built)
         p = shape["context"]
         b = args.batch_size // shape.get("data", 1)
-        chunk = (b, getattr(args, model.sequence.flag) // p, heads, head_dim)  # one device's K (or V)
+        # one device's K (or V)
+        chunk = (b, getattr(args, model.sequence.flag) // p, heads, head_dim)
         program = step.lower(built, optimizer.init(built), batch)
         hardware = args.hardware
         print(context.ring_report(program, axis="context", blocks=blocks, chunk=chunk, hardware=hardware))

@@ -1,4 +1,5 @@
-"""``ExpertStyle``: ``--parallel ep`` and ``dp+ep``, a model's experts over "expert" (docs/experts.md).
+"""``ExpertStyle``: ``--parallel ep`` and ``dp+ep``, a model's experts over "expert"
+(docs/experts.md).
 
 Only a mesh and rules as steps go; its own are the checks (experts and windows that
 split over the devices) and what ``explain`` shows: where each expert lives,
@@ -27,11 +28,12 @@ __all__ = ["ExpertStyle"]
 
 
 class ExpertStyle(Style):
-    """``ep`` and ``dp+ep``: a model's experts (its entry's ``ExpertSplit``) over "expert", the batch too.
+    """``ep`` and ``dp+ep``: a model's experts (its entry's ``ExpertSplit``) over "expert", the
+    batch too.
 
-    Only a mesh and rules: the MoE's own constraints make XLA send every expert its slots and the results
-    home, two all-to-alls per block forward. ``explain`` shows where each expert lives, those
-    all-to-alls against the formula, and the routings one batch drops.
+    Only a mesh and rules: the MoE's own constraints make XLA send every expert its slots and the
+    results home, two all-to-alls per block forward. ``explain`` shows where each expert lives,
+    those all-to-alls against the formula, and the routings one batch drops.
     """
 
     def check(self, args: Args, model: ModelEntry, error: Error) -> None:
@@ -46,7 +48,8 @@ class ExpertStyle(Style):
                 f"argument --parallel: {self.name} splits a mixture of experts over 'expert', and the "
                 f"{model.label} has none{how}"
             )
-        if getattr(args, "compare", False):  # every mesh shape is tried: one that cannot split says so
+        # every mesh shape is tried: one that cannot split says so
+        if getattr(args, "compare", False):
             return
         mesh = args.mesh
         experts = model.expert_count(args)
@@ -68,7 +71,8 @@ class ExpertStyle(Style):
     def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
         """Where each expert lives; one batch's forward compiled: its all-to-alls, its dropped routings."""
         assert model.experts is not None  # checked with the flags
-        if args.topology:  # the report runs a forward pass for its dropped routings: no chip is here
+        # the report runs a forward pass for its dropped routings: no chip is here
+        if args.topology:
             print(f"\n(no expert report: it runs a forward pass, and {args.topology}'s chips are not here)")
             return 0
         mesh = make_mesh(self.mesh(args.devices), devices=first_devices(args))
@@ -88,4 +92,5 @@ class ExpertStyle(Style):
 
 def _forward(model: Any, inputs: jax.Array) -> tuple[Any, MoEStats | None]:
     """A forward pass, the outputs and the ``MoEStats``: what ``explain`` compiles under an expert style."""
-    return with_stats(model)(inputs)  # the outputs too: without them XLA drops the last block's all-to-alls
+    # the outputs too: without them XLA drops the last block's all-to-alls
+    return with_stats(model)(inputs)

@@ -37,14 +37,16 @@ __all__ = ["PipelineStyle"]
 
 
 class PipelineStyle(Style):
-    """``pp`` and ``dp+pp``: the model's blocks stacked on a "stage" axis, the batch in microbatches.
+    """``pp`` and ``dp+pp``: the model's blocks stacked on a "stage" axis, the batch in
+    microbatches.
 
     By default one stacked block per stage and 2 microbatches per stage. Its
     step is the model's ``Sharded`` step: the pipeline is the model's own
     schedule (``minishard.pipeline``), so microbatches are not accumulated.
     """
 
-    refuses = (("remat", "none"), ("explicit", False))  # each flag, and its value that asks for nothing
+    # each flag, and its value that asks for nothing
+    refuses = (("remat", "none"), ("explicit", False))
     own_step = checks_microbatches = True
 
     def fill(self, args: Args, model: ModelEntry) -> None:
@@ -87,8 +89,8 @@ class PipelineStyle(Style):
         return model.stack.build(args, key)
 
     def pipelined(self, model: Any, args: Args, mesh: jax.sharding.Mesh) -> Any:
-        """``model`` with its pipeline on ``mesh``: ``args.microbatches``, the batch over "data" and its
-        tokens over "context", if the mesh has them."""
+        """``model`` with its pipeline on ``mesh``: ``args.microbatches``, the batch over "data" and
+        its tokens over "context", if the mesh has them."""
         data, tokens = (axis if axis in mesh.axis_names else None for axis in ("data", "context"))
         return model.replace(
             pipeline=pipeline.Pipeline(mesh, args.microbatches, data_axis=data, sequence_axis=tokens)

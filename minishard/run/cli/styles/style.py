@@ -106,8 +106,9 @@ class Style:
     parsed: ClassVar[Mapping[str, Any]] = {}
     """What every parse holds, whichever style is chosen: ``args.zero`` is None but under ZeRO."""
     checks_microbatches = False
-    """Whether it checks ``--microbatches`` itself (a pipeline's schedule takes them, ZeRO refuses them by
-    name); every other style accumulates the gradients over them, in ``train`` and ``explain`` alike."""
+    """Whether it checks ``--microbatches`` itself (a pipeline's schedule takes them, ZeRO refuses
+    them by name); every other style accumulates the gradients over them, in ``train`` and
+    ``explain`` alike."""
 
     def finish(self, args: Args, error: Error) -> None:
         """``train``: refuse what the style cannot honour, before the mesh is decided."""
@@ -141,8 +142,8 @@ class Style:
     """Whether it trains a step of its own (``own_step_cost`` prices it), not ``fit``'s ``Sharded`` one."""
 
     def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
-        """The model as this style's step builds it (``built``), then changed by each step inside it,
-        and by its own (``adapt``): a ring's attention in a pipeline's stacked blocks."""
+        """The model as this style's step builds it (``built``), then changed by each step inside
+        it, and by its own (``adapt``): a ring's attention in a pipeline's stacked blocks."""
         built = self.built(model, args, key)
         for step in (*self.inner, self):
             built = step.adapt(built, model)

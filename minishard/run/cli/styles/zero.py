@@ -32,7 +32,8 @@ __all__ = ["ZeroStyle"]
 
 class ZeroStyle(Style):
     """``zero``: data parallelism written by hand (``minishard.zero``) at ``LEVEL``: parameters,
-    gradients and optimizer state split over "data". dp's mesh ("data" over every device) and rules."""
+    gradients and optimizer state split over "data". dp's mesh ("data" over every device) and
+    rules."""
 
     LEVEL = 3
     parsed: ClassVar[Mapping[str, Any]] = {"zero": None}  # ZeRO's level, under --parallel zero
@@ -57,7 +58,8 @@ class ZeroStyle(Style):
             )
 
     def check(self, args: Args, model: ModelEntry, error: Error) -> None:
-        if model.experts and model.expert_count(args):  # measured: a small MoE GPT's first loss, 0.015 off
+        # measured: a small MoE GPT's first loss, 0.015 off
+        if model.experts and model.expert_count(args):
             error(
                 f"argument --{model.experts.flag}: not with --parallel zero "
                 "(its step does not equal one device's for MoE)"
@@ -99,13 +101,14 @@ class ZeroStyle(Style):
         built: Any,
         batch: Any,
     ) -> int:
-        """What ZeRO's step (built here, in place of the plain ``train_step``) sends, against the analytic
-        minimum: an all-gather of the parameters (each padded to split evenly) plus a reduce-scatter of
-        their gradients; no gradient all-reduce."""
+        """What ZeRO's step (built here, in place of the plain ``train_step``) sends, against the
+        analytic minimum: an all-gather of the parameters (each padded to split evenly) plus a
+        reduce-scatter of their gradients; no gradient all-reduce."""
         n = args.devices
         mesh = make_mesh({"data": args.devices}, devices=first_devices(args))
         step = self.step(optimizer, mesh, model.task)
-        step_args = (*step.placed_shapes(built), batch)  # shapes and layouts: a topology holds no arrays
+        # shapes and layouts: a topology holds no arrays
+        step_args = (*step.placed_shapes(built), batch)
         print(f"{args.model} under zero (ZeRO-{self.LEVEL} by hand) on {n} devices, batch {args.batch_size}")
         print(zero_report(step, step_args))
         if args.hardware:
