@@ -357,7 +357,8 @@ class Comparison:
 
 
 def mesh_shapes(style: str, devices: int) -> list[dict[str, int]]:
-    """Every way to lay ``devices`` on the style's mesh axes: one for a 1-D style, each divisor for 2-D."""
+    """Every way to lay ``devices`` on the style's mesh axes: one for a 1-D style, each divisor for
+    2-D."""
     shape, _ = mesh_rules(style, devices)
     if len(shape) == 1:
         return [shape]
@@ -437,7 +438,8 @@ def _is_jaxpr(value: Any) -> bool:
 
 
 def _communication(text: str, mesh: AnyMesh | None, hardware: Hardware) -> tuple[tuple[str, int, float], ...]:
-    """``(kind, bytes, seconds)`` per kind: each instruction priced over its own group of devices."""
+    """``(kind, bytes, seconds)`` per kind: each instruction priced over its own group of
+    devices."""
     sent: dict[str, tuple[int, float]] = {}
     for kind, nbytes, groups, devices in instructions(text, mesh):
         seconds = collective_time(kind, nbytes, devices, hardware, n_axes=len(groups[0]))

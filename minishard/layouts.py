@@ -68,11 +68,13 @@ from minishard.serving import Decoder
 from minishard.styles import DIMENSIONS, MESH_AXES
 
 CHECKPOINTS = 4
-"""Residual streams each layer keeps for the backward pass: the book's "checkpoint 4 times per layer"."""
+"""Residual streams each layer keeps for the backward pass: the book's "checkpoint 4 times per
+layer"."""
 CONTEXT = 4096
-"""Tokens a sequence, which a pipeline's microbatch keeps whole: LLaMA-3's first 4M-token batches'."""
+"""Tokens a sequence, which a pipeline's microbatch keeps whole: LLaMA-3's first 4M-token
+batches'."""
 
-# --- 1. a run's size, and the book's rules ----------------------------------------------------------
+# --- 1. a run's size, and the book's rules --------------------------------------------------------
 
 
 def train_flops(model: Decoder, tokens: float, context: int = 0) -> float:
@@ -225,7 +227,8 @@ class Layout:
 
 
 class CommSeconds(NamedTuple):
-    """Seconds of one pass's collectives: of the weights (whatever the batch), of the activations."""
+    """Seconds of one pass's collectives: of the weights (whatever the batch), of the
+    activations."""
 
     weights: float
     activations: float
@@ -254,7 +257,8 @@ class LayoutCost:
 
     @property
     def shard_sequences(self) -> float:
-        """Sequences each data shard (dp x fsdp x ep) computes on: below 1, the shards split sequences."""
+        """Sequences each data shard (dp x fsdp x ep) computes on: below 1, the shards split
+        sequences."""
         return self.sequences / data_shards(self.layout)
 
     @property
@@ -283,7 +287,8 @@ class LayoutCost:
 
     @property
     def bound(self) -> float:
-        """k = sends over the compute they hide behind, in the pass where it is largest: > 1 waits."""
+        """k = sends over the compute they hide behind, in the pass where it is largest: > 1
+        waits."""
         return max(self.forward.total / self.compute_s, self.backward.total / (2 * self.compute_s))
 
     @property
@@ -378,7 +383,8 @@ class Step(NamedTuple):
 
     @property
     def weights(self) -> float:
-        """Bytes of a stage's tensor shard of the weights, its experts' ep shard: what FSDP gathers."""
+        """Bytes of a stage's tensor shard of the weights, its experts' ep shard: what FSDP
+        gathers."""
         model = self.model
         layout = self.layout
         held = model.params - model.expert_params + model.expert_params / layout["ep"]
@@ -593,7 +599,7 @@ def _memory(
     return Budget(terms, shards * layout["ep"] if model.experts else shards)
 
 
-# --- 3. every layout, ranked ------------------------------------------------------------------------
+# --- 3. every layout, ranked ----------------------------------------------------------------------
 
 
 def layouts(model: Decoder, devices: int, context: int = 0) -> list[Layout]:
@@ -695,7 +701,8 @@ def rank(
 
 
 def _kind(layout: Layout) -> tuple[str, ...]:
-    """The dimensions a table shows the best of, cp aside: a sequence's split rides on any of them."""
+    """The dimensions a table shows the best of, cp aside: a sequence's split rides on any of
+    them."""
     return tuple(name for name in layout.ways() if name != "cp")
 
 

@@ -50,7 +50,7 @@ from typing import NamedTuple
 from minishard import _checks
 from minishard.rules import AxisRules, MeshAxes
 
-# --- 1. the dimensions, each a rule, and the one order their splits take ----------------------------
+# --- 1. the dimensions, each a rule, and the one order their splits take --------------------------
 
 
 class Dimension(NamedTuple):

@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser, help: str) -> None:
 
 
 def cli_rules(args: Args, mesh_axes: Sequence[str]) -> AxisRules:
-    """``--parallel``'s ordered rules (``--rules`` first, so they win), or the rules for this mesh."""
+    """``--parallel``'s ordered rules (``--rules`` first, so they win), or the rules for this
+    mesh."""
     return (
         rules_for_mesh(mesh_axes, args.rules)
         if args.parallel is None
@@ -157,11 +158,13 @@ STYLES: dict[str, Style] = {
 }
 """``--parallel``'s choices: each of ``minishard.styles``, ZeRO by hand, the ring, the experts."""
 NO_STYLE = Style("2d")
-"""Without --parallel: the mesh data=2,model=4 (or --mesh), with the rules for its axes (``cli_rules``)."""
+"""Without --parallel: the mesh data=2,model=4 (or --mesh), with the rules for its axes
+(``cli_rules``)."""
 
 
 def style_of(name: str | None) -> Style:
-    """The entry of ``--parallel NAME`` (a named style, or dimensions joined by +), or ``NO_STYLE``."""
+    """The entry of ``--parallel NAME`` (a named style, or dimensions joined by +), or
+    ``NO_STYLE``."""
     return (STYLES.get(name) or _composed(name)) if name else NO_STYLE
 
 
@@ -179,7 +182,8 @@ def train_step(args: Args, model: Any, style: Style, mesh: Any) -> tuple[Any, An
 
 
 def zero_batch(args: Args, model: Any) -> dict[str, jax.Array]:
-    """A batch of ``--batch-size`` zeros, the model's example's shapes: what a compiled step is priced on."""
+    """A batch of ``--batch-size`` zeros, the model's example's shapes: what a compiled step is
+    priced on."""
     example = model.example(args, args.batch_size)
     return {name: jnp.zeros(like.shape, like.dtype) for name, like in example.items()}
 

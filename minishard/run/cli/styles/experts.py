@@ -65,11 +65,13 @@ class ExpertStyle(Style):
             )
 
     def before_explain(self, args: Args) -> int:
-        """Simulate the devices ``after_plan`` compiles on; 2 (one ``error:`` line) if they cannot."""
+        """Simulate the devices ``after_plan`` compiles on; 2 (one ``error:`` line) if they
+        cannot."""
         return 0 if first_devices(args) is not None else 2
 
     def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
-        """Where each expert lives; one batch's forward compiled: its all-to-alls, its dropped routings."""
+        """Where each expert lives; one batch's forward compiled: its all-to-alls, its dropped
+        routings."""
         assert model.experts is not None  # checked with the flags
         # the report runs a forward pass for its dropped routings: no chip is here
         if args.topology:
@@ -91,6 +93,7 @@ class ExpertStyle(Style):
 
 
 def _forward(model: Any, inputs: jax.Array) -> tuple[Any, MoEStats | None]:
-    """A forward pass, the outputs and the ``MoEStats``: what ``explain`` compiles under an expert style."""
+    """A forward pass, the outputs and the ``MoEStats``: what ``explain`` compiles under an expert
+    style."""
     # the outputs too: without them XLA drops the last block's all-to-alls
     return with_stats(model)(inputs)

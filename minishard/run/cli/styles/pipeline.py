@@ -121,7 +121,8 @@ class PipelineStyle(Style):
         )
 
     def before_explain(self, args: Args) -> int:
-        """Simulate the devices ``after_plan`` compiles on; 2 (one ``error:`` line) if they cannot."""
+        """Simulate the devices ``after_plan`` compiles on; 2 (one ``error:`` line) if they
+        cannot."""
         split = args.microbatches * self.mesh(args.devices).get("data", 1)
         if args.batch_size % split:  # a microbatch's rows split over "data"
             print(
@@ -132,7 +133,8 @@ class PipelineStyle(Style):
         return 0 if first_devices(args) is not None else 2
 
     def after_plan(self, args: Args, model: ModelEntry, rules: AxisRules) -> int:
-        """Compile one training step of the pipelined model and print what it costs (``pipeline_report``)."""
+        """Compile one training step of the pipelined model and print what it costs
+        (``pipeline_report``)."""
         mesh = make_mesh(self.mesh(args.devices), devices=first_devices(args))
         stacked = self.pipelined(
             jax.eval_shape(lambda: self.build(model, args, jax.random.key(0))), args, mesh

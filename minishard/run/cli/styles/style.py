@@ -67,7 +67,7 @@ class Style:
         self.like = like or name  # the style (minishard.styles) whose mesh and rules it uses
         self.inner = inner  # the steps inside this one's (styles.steps): checked and built after it
 
-    # -- mesh and rules ------------------------------------------------------------------------------
+    # -- mesh and rules ----------------------------------------------------------------------------
     def mesh(self, devices: int) -> dict[str, int]:
         return mesh_rules(self.like, devices)[0]
 
@@ -102,7 +102,7 @@ class Style:
                 f"{given} has no such axis; give its mesh ({own}), or a --parallel for these axes"
             )
 
-    # -- the flags -----------------------------------------------------------------------------------
+    # -- the flags ---------------------------------------------------------------------------------
     parsed: ClassVar[Mapping[str, Any]] = {}
     """What every parse holds, whichever style is chosen: ``args.zero`` is None but under ZeRO."""
     checks_microbatches = False
@@ -118,7 +118,8 @@ class Style:
         args.microbatches = args.microbatches or 1
 
     def check(self, args: Args, model: ModelEntry, error: Error) -> None:
-        """``train``'s flags as the style needs them, with everything filled in; then the inner steps'."""
+        """``train``'s flags as the style needs them, with everything filled in; then the inner
+        steps'."""
         for step in self.inner:
             step.check(args, model, error)
 
@@ -137,9 +138,10 @@ class Style:
                 f"microbatches over data={data} devices ({args.batch_size} is not a multiple of {m * data})"
             )
 
-    # -- build and step ------------------------------------------------------------------------------
+    # -- build and step ----------------------------------------------------------------------------
     own_step = False
-    """Whether it trains a step of its own (``own_step_cost`` prices it), not ``fit``'s ``Sharded`` one."""
+    """Whether it trains a step of its own (``own_step_cost`` prices it), not ``fit``'s ``Sharded``
+    one."""
 
     def build(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
         """The model as this style's step builds it (``built``), then changed by each step inside
@@ -150,7 +152,8 @@ class Style:
         return built
 
     def built(self, model: ModelEntry, args: Args, key: jax.Array) -> Any:
-        """The model as this style's step takes it: the model's own build (a pipeline: its blocks stacked)."""
+        """The model as this style's step takes it: the model's own build (a pipeline: its blocks
+        stacked)."""
         return model.build(args, key)
 
     def adapt(self, built: Any, model: ModelEntry) -> Any:
@@ -170,10 +173,11 @@ class Style:
         return int(args.microbatches)
 
     def own_step_cost(self, entry: ModelEntry, args: Args, built: Any, batch: Any, mesh: Mesh) -> StepCost:
-        """``explain --compare``: an ``own_step`` style's step on ``built``, priced on ``args.hardware``."""
+        """``explain --compare``: an ``own_step`` style's step on ``built``, priced on
+        ``args.hardware``."""
         raise NotImplementedError(f"--parallel {self.name} trains fit's Sharded step: compare prices it")
 
-    # -- what explain shows --------------------------------------------------------------------------
+    # -- what explain shows ------------------------------------------------------------------------
     compiles = False
     """Whether ``explain`` compiles its step even without ``--hardware`` (to show what it sends)."""
 

@@ -84,7 +84,8 @@ class ZeroStyle(Style):
         return lambda optimizer: self.step(optimizer, mesh, MODELS[args.model].task)
 
     def step(self, optimizer: Optimizer, mesh: jax.sharding.Mesh, task: Task = CLASSIFICATION) -> Any:
-        """``minishard.zero``'s step at ``LEVEL`` on ``task``'s loss (any optax-like optimizer splits)."""
+        """``minishard.zero``'s step at ``LEVEL`` on ``task``'s loss (any optax-like optimizer
+        splits)."""
         return zero_train_step(optimizer, mesh, level=self.LEVEL, loss=task.loss)
 
     def own_step_cost(self, entry: ModelEntry, args: Args, built: Any, batch: Any, mesh: Mesh) -> StepCost:
