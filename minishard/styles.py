@@ -94,7 +94,9 @@ DIMENSIONS: dict[str, Dimension] = {
             "data",
             "the batch, and every weight",
             ("batch", "embed", "mlp", "heads"),
-            excludes={"dp": "both split the batch over 'data' (fsdp is dp that also splits the weights)"},
+            excludes={
+                "dp": "both split the batch over 'data' (fsdp is dp that also splits the weights)",
+            },
             sends=("all-gather", "reduce-scatter"),
             shards_weights=True,
         ),
@@ -189,8 +191,8 @@ def dimensions(name: str) -> tuple[str, ...]:
     given = ALIASES.get(name, name).split("+")
     if len(given) == 1 and name not in DIMENSIONS:
         raise ValueError(
-            f"unknown parallel style {name!r}; choose from {', '.join(SPLITS)}, or dimensions joined "
-            f"by + from {', '.join(DIMENSIONS)}"
+            f"unknown parallel style {name!r}; choose from {', '.join(SPLITS)}, or dimensions "
+            f"joined by + from {', '.join(DIMENSIONS)}"
         )
     for dim in given:
         if dim not in DIMENSIONS:
@@ -220,7 +222,8 @@ def steps(name: str) -> tuple[str, ...]:
     (('pp',), ('cp', 'ep'), ())
     """
     own = [dim for dim in dimensions(name) if DIMENSIONS[dim].step]
-    outer = next((dim for dim in own if all(dim in DIMENSIONS[d].inside for d in own if d != dim)), None)
+    outers = [dim for dim in own if all(dim in DIMENSIONS[d].inside for d in own if d != dim)]
+    outer = outers[0] if outers else None
     if len(own) > MAX_STEPS or (own and outer is None):
         nests = [f"{outside}+{dim.name}" for dim in DIMENSIONS.values() for outside in dim.inside]
         named = f"{', '.join(own[:-1])} and {own[-1]}"
@@ -298,7 +301,8 @@ def mesh_rules(name: str, devices: int) -> tuple[dict[str, int], AxisRules]:
     """
     rules = style_rules(name)
     _checks.count("mesh_rules: devices", devices)
-    axes = [axis for axis in MESH_AXES if axis in {DIMENSIONS[dim].axis for dim in dimensions(name)}]
+    used = {DIMENSIONS[dim].axis for dim in dimensions(name)}
+    axes = [axis for axis in MESH_AXES if axis in used]
     shape: dict[str, int] = {}
     left = devices
     for axis in axes[:-1]:
