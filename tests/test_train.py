@@ -692,3 +692,61 @@ def test_a_resume_under_another_learning_rate_schedule_is_refused_naming_the_fla
         "the checkpoint in runs/gpt follows the learning-rate schedule of --steps 20, this run --steps 40: "
         "the resumed run would follow neither; resume with --steps 20, or start afresh"
     )
+
+
+ONE_DEVICE = {
+    "mesh": ms.make_mesh({"data": 1}, devices=jax.devices()[:1]),
+    "rules": ms.AxisRules(batch="data"),
+    "progress": False,
+}
+
+
+@pytest.mark.parametrize("in_flight", [0, 1], ids=["each-step-waited-for", "one-in-flight"])
+def test_a_step_in_flight_changes_no_loss_record_or_checkpoint(tmp_path, monkeypatch, in_flight):
+    """On a chip ``fit`` reads a step's loss after dispatching the next (``steps_in_flight``): the
+    history, its loss curve and the checkpoints are those of a run that waited for every step."""
+    import minishard.run.train as train
+
+    def run(flight, directory):
+        monkeypatch.setattr(train, "steps_in_flight", lambda mesh: flight)
+        common = {"checkpoint_dir": directory, "checkpoint_every": 3, "log_every": 2, **ONE_DEVICE}
+        return fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=2, log=lambda line: None, **common)
+
+    waited = run(0, tmp_path / "waited")
+    flown = run(in_flight, tmp_path / "flown")
+    assert_trees_equal(waited[0], flown[0])
+    keys = ("epoch", "loss", "train_accuracy", "steps", "loss_curve", "test_accuracy")
+    assert [{k: r.get(k) for k in keys} for r in flown[2]] == [{k: r.get(k) for k in keys} for r in waited[2]]
+    assert [[step for step, _ in record["loss_curve"]] for record in flown[2]] == [[2, 4], [6, 8]]
+    assert saved_steps(tmp_path / "flown") == saved_steps(tmp_path / "waited")
+    assert all("speed" in record for record in flown[2])  # the timed steps are counted
+
+
+def test_a_loss_read_a_step_late_stops_the_run_at_its_own_step(monkeypatch, tmp_path):
+    """With a step in flight, step n's divergence is read after step n + 1 is dispatched: the message
+    still names step n, and no checkpoint after the last good step is written (step 4 diverges, step 3
+    is saved, step 5 is in flight when step 4 is read)."""
+    import minishard.run.train as train
+
+    leaps = ms.SGD(lambda step: jnp.where(step >= 2, 1e5, 0.1))
+
+    def stopped(flight, directory):
+        monkeypatch.setattr(train, "steps_in_flight", lambda mesh: flight)
+        with pytest.raises(NonFiniteLossError) as error:
+            saving = {"checkpoint_dir": directory, "checkpoint_every": 3}
+            fit(
+                tiny_model(),
+                leaps,
+                tiny_data(batch_size=8),
+                epochs=3,
+                log=lambda line: None,
+                **saving,
+                **ONE_DEVICE,
+            )
+        return str(error.value)
+
+    waited, flown = stopped(0, tmp_path / "waited"), stopped(1, tmp_path / "flown")
+    assert flown == waited
+    step = int(re.search(r" at step (\d+) ", flown).group(1))
+    assert step == 4, flown  # mid-epoch (8 steps an epoch): step 5 was in flight when it was read
+    assert saved_steps(tmp_path / "flown") == saved_steps(tmp_path / "waited") == [3]

@@ -31,6 +31,7 @@ every epoch, or of every ``eval_every`` steps (a ``Horizon``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -133,10 +134,21 @@ def fit(
         loop = _Loop(
             run, horizon, train_data, train_step, sharding, measure, *saving, say, task, profile, precision
         )
+        loop.in_flight = steps_in_flight(mesh)
         if checkpointer is not None and (resume or resume_from is not None):
             loop.resume(resume_from)
         loop.train()
     return run.whole_model(), run.opt_state, run.history
+
+
+def steps_in_flight(mesh: Mesh) -> int:
+    """How many steps ``fit`` dispatches before it reads the oldest one's loss.
+
+    One on an accelerator: while the chip runs step ``n``, the host reads step ``n - 1``'s loss
+    and places batch ``n + 1``, so the chip does not idle between steps. None on CPU devices,
+    where each step is waited for: XLA:CPU's collectives between simulated devices must not queue.
+    """
+    return 0 if mesh.devices.flat[0].platform == "cpu" else 1
 
 
 def _own_step(make_step: Callable[[Any], Any], optimizer: Optimizer, seed: int | None) -> Any:
@@ -245,6 +257,10 @@ def first_loss(history: list[dict[str, Any]], loss: float) -> float:
     return next((record["loss_curve"][0][1] for record in history if record.get("loss_curve")), loss)
 
 
+Pending = tuple[int, list[Any], bool]
+"""A step dispatched and not yet read: its number, its loss and metrics on the device, whether timed."""
+
+
 @dataclasses.dataclass
 class _Loop:
     """``fit``'s loop: a run, how long it lasts, what it steps on, and how it measures, saves and says."""
@@ -265,6 +281,9 @@ class _Loop:
     speed: Speed | None = None
     # The checkpoints after the step this run resumed from: another future, which its next save drops.
     abandoned: list[int] = dataclasses.field(default_factory=list)
+    in_flight: int = 0  # steps dispatched before the oldest one's loss is read (steps_in_flight)
+    pending: collections.deque[Pending] = dataclasses.field(default_factory=collections.deque)
+    clock: float = 0.0  # when the last step's loss was read: a timed step runs from there to its own
 
     def train(self) -> None:
         """Every period from the run's step on: its steps, then its record and a checkpoint."""
@@ -272,31 +291,51 @@ class _Loop:
         check_profile(self.profile, horizon.total)
         for start, stop in horizon.periods(run.step, run.since):
             started = time.perf_counter()
+            self.clock = started
             batches = self.data.batches(run.step, stop)
             for batch in self.say.bar(batches, horizon.title(start, stop), stop - start, run.step - start):
-                loss = self.take_step(to_global(batch, self.sharding))
-                run.first_loss = run.first_loss or first_loss(run.history, loss)
-                if not math.isfinite(loss) or loss > DIVERGED * run.first_loss:
-                    raise NonFiniteLossError(self.diverged(loss))
-                if run.step % self.say.every == 0:
-                    run.curve.append([run.step, loss])
-                    self.say.json(
-                        {"step": run.step, **horizon.epoch_of(run.step), "loss": loss, **self.rate()}
-                    )
+                self.take_step(to_global(batch, self.sharding))
                 if self.checkpoint_every and run.step % self.checkpoint_every == 0 and run.step < stop:
+                    self.settle(0)
                     self.save()  # (a period's last step is saved below, with its record)
+                    self.clock = time.perf_counter()  # a save is no step's time
+            self.settle(0)
             self.end_period(start, stop, started)
             self.save()
 
-    def diverged(self, loss: float) -> str:
+    def settle(self, in_flight: int) -> None:
+        """Read the losses of the steps dispatched but not yet read, until ``in_flight`` are left.
+
+        JAX dispatches a step and returns at once; reading its loss (``float``) waits for the chip.
+        Reading each step's loss only after the next is dispatched keeps the chip busy while the
+        host prepares the next batch. A loss that diverged stops the run before anything is saved.
+        """
+        run = self.run
+        while len(self.pending) > in_flight:
+            step, values, timed = self.pending.popleft()
+            measured = [float(value) for value in values]  # waits for the step
+            now = time.perf_counter()
+            if timed:
+                run.timed = (run.timed[0] + 1, run.timed[1] + now - self.clock)
+            self.clock = now
+            run.sums = [total + value for total, value in zip(run.sums, measured)]
+            loss = measured[0]
+            run.first_loss = run.first_loss or first_loss(run.history, loss)
+            if not math.isfinite(loss) or loss > DIVERGED * run.first_loss:
+                raise NonFiniteLossError(self.diverged(loss, step))
+            if step % self.say.every == 0:
+                run.curve.append([step, loss])
+                self.say.json({"step": step, **self.horizon.epoch_of(step), "loss": loss, **self.rate()})
+
+    def diverged(self, loss: float, step: int) -> str:
         """Why training stopped: a loss that is NaN, infinite, or ``DIVERGED`` times the first."""
         run = self.run
-        where = f"at step {run.step}{self.horizon.where(run.step)}{kept(self.checkpointer)}"
+        where = f"at step {step}{self.horizon.where(step)}{kept(self.checkpointer)}"
         grown = f", over {DIVERGED:,.0f} times the run's first ({run.first_loss:.3g}): diverged,"
         return f"loss is {loss:.3g}{grown if math.isfinite(loss) else ''} {where}. Try a smaller --lr."
 
-    def take_step(self, batch: dict[str, jax.Array]) -> float:
-        """One step; returns its loss. The first compiles: say how long that took, its memory and speed."""
+    def take_step(self, batch: dict[str, jax.Array]) -> None:
+        """Dispatch one step. The first compiles: say how long that took, its memory and speed."""
         run, step = self.run, self.train_step
         if not run.compiled:
             with compile_events() as events:
@@ -310,17 +349,23 @@ class _Loop:
             self.speed = Speed.of_step(self.task.loss, model, batch, self.task.unit, devices, computes_in)
             self.say.log(self.speed.said())
             run.compiled = True
-            measured = [float(value) for value in values]
-        else:
-            with self.profile.step(run.step + 1, self.say.log) if self.profile else contextlib.nullcontext():
-                started = time.perf_counter()  # the step alone: not a trace's start and flush
-                run.model, run.opt_state, *values = step(run.model, run.opt_state, batch)
-                # float() waits: on simulated devices XLA:CPU must not queue collectives unboundedly
-                measured = [float(value) for value in values]
-                run.timed = (run.timed[0] + 1, run.timed[1] + time.perf_counter() - started)
-        run.step += 1
-        run.sums = [total + value for total, value in zip(run.sums, measured)]
-        return measured[0]
+            run.step += 1
+            self.pending.append((run.step, values, False))
+            self.settle(0)  # the compiling step is not timed
+            return
+        profile = self.profile
+        traced = profile is not None and profile.first <= run.step + 1 <= profile.last
+        if traced:
+            self.settle(0)  # a trace holds its step whole, and only it
+        with profile.step(run.step + 1, self.say.log) if profile else contextlib.nullcontext():
+            if traced:
+                self.clock = time.perf_counter()  # the trace's start is no step's time
+            run.model, run.opt_state, *values = step(run.model, run.opt_state, batch)
+            run.step += 1
+            self.pending.append((run.step, values, True))
+            self.settle(0 if traced else self.in_flight)
+        if traced:
+            self.clock = time.perf_counter()  # nor is its flush
 
     def rate(self) -> dict[str, Any]:
         """``{"speed": Speed.of(...)}`` of this period's timed steps, or nothing before any."""
