@@ -45,6 +45,7 @@ CHUNKS = {"in-order": 1, "zigzag": 2}
 """The layouts of a sequence over the devices, and how many chunks each device holds."""
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)  # a masked score: weight exp(MASK_VALUE - lse) is 0, no NaN
 Partial = tuple[jax.Array, jax.Array]  # (out, lse): attention over some of the keys
+F32 = {"preferred_element_type": jnp.float32}  # the matrix unit's sums in float32, whatever goes in
 Dropped = Callable[[jax.Array], jax.Array] | None  # what becomes of the softmax's weights (dropout), or None
 
 # --- 1. attention in pieces: the online softmax ------------------------------------
@@ -57,8 +58,11 @@ def visible(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
 
 def scores(q: jax.Array, k: jax.Array, q_pos: Any, k_pos: Any, causal: bool) -> jax.Array:
     """``q·k / sqrt(head_dim)`` per ``[batch, head, query, key]`` in float32 (heads before queries: a split
-    of heads and of the sequence propagates as the model's layers have it); causal: the future masked."""
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * q.shape[-1] ** -0.5
+    of heads and of the sequence propagates as the model's layers have it); causal: the future masked.
+
+    bf16 inputs go into the matrix unit as they are, its sums come out in float32 (``F32``): the
+    softmax is taken in float32, and no float32 copy of q or k is made."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, **F32) * q.shape[-1] ** -0.5
     return jnp.where(visible(q_pos, k_pos)[None, None], s, MASK_VALUE) if causal else s
 
 
@@ -74,7 +78,10 @@ def attend(
     lse = jax.nn.logsumexp(s, axis=-1)  # [b, h, q]
     weights = jnp.exp(s - lse[..., None])  # the softmax, [b, h, q, k]
     weights = weights if dropped is None else dropped(weights)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v.astype(jnp.float32)), lse.swapaxes(1, 2)
+    # The weights meet the values in the values' dtype (bf16 in a bf16 step: half the bytes of the
+    # [b, h, q, k] array the matrix unit reads), summed in float32, as the flash kernel does.
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v, **F32)
+    return out, lse.swapaxes(1, 2)
 
 
 def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) -> Partial:
