@@ -5,7 +5,9 @@ puts that next to the question before it, "what does each device hold?": one
 row per array, read from ``minishard.sharding.plan`` (the same plan ``Sharded``
 uses, not re-derived here), with the shard each device keeps and its bytes.
 Only the mesh's axis names and sizes are needed, so an ``AbstractMesh`` plans a
-model far too big for this machine (with ``jax.eval_shape`` for the model).
+model far too big for this machine (with ``jax.eval_shape`` for the model). The
+``Report`` holds one ``Row`` per array, the totals, and with a step its collectives
+and its cost.
 
 >>> import jax
 >>> from minishard import AxisRules, mlp
@@ -121,9 +123,14 @@ class Report:
         table = [self.HEADER, *self.cells()]
         widths = [max(len(row[i]) for row in table) for i in range(len(self.HEADER))]
         lines = [f"mesh {self.mesh} ({n_devices} devices)"]
-        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+        lines += [_padded(row, widths) for row in table]
         lines.insert(2, "  ".join("-" * w for w in widths))  # under the header
         return "\n".join(lines + self.footer())
+
+
+def _padded(cells: Sequence[str], widths: Sequence[int]) -> str:
+    """One line of the table: each cell padded to its column's width, two spaces between."""
+    return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
 
 
 def explain(
@@ -139,11 +146,11 @@ def explain(
     Only the mesh's axis names and sizes are read, so a ``jax.sharding.AbstractMesh``
     will do, unless a step is to be compiled (the module docstring shows a report).
 
-    With ``step`` and its example ``args``, the report also lists the
-    collectives of the compiled step. ``step`` is a ``Sharded`` function (or
-    anything with ``.lower``, such as a ``jax.jit`` function), or a plain
-    function, which is then wrapped in ``Sharded(mesh, rules)``. With ``hardware``
-    too ("v5p", a key of ``costs.HARDWARE``), ``report.cost`` prices it there (``costs.cost_report``).
+    With ``step`` and its example ``args``, the report also lists the collectives of the
+    compiled step. ``step`` is a ``Sharded`` function (or anything with ``.lower``, such as a
+    ``jax.jit`` function), or a plain function, which is then wrapped in ``Sharded(mesh,
+    rules)``. With ``hardware`` too ("v5p", a key of ``costs.HARDWARE``), ``report.cost``
+    prices it there (``costs.cost_report``).
     """
     rows = _rows(tree, mesh, rules)
     found, cost = _compiled(step, args, mesh, rules, hardware)
@@ -186,17 +193,22 @@ def _compiled(
     rules: AxisRules | None,
     hardware: Hardware | str | None,
 ) -> tuple[dict[str, Collective] | None, StepCost | None]:
-    """Compile ``step`` on ``args`` (wrapped in ``Sharded`` unless it can ``.lower``), count, and price."""
+    """Compile ``step`` on ``args`` (wrapped in ``Sharded`` unless it can ``.lower``), count,
+    and price."""
     if step is None:
         if hardware is not None:
             raise TypeError("explain: hardware= prices a step; give the step and its args too")
         return None, None
     if args is None:
-        raise TypeError("explain: a step needs example args to compile it with, e.g. args=(model, batch)")
+        raise TypeError(
+            "explain: a step needs example args to compile it with, e.g. args=(model, batch)",
+        )
     sharded: Any = step
     if not hasattr(step, "lower"):
         if not isinstance(mesh, jax.sharding.Mesh):
-            raise TypeError("explain: compiling a step needs a mesh of real devices, not an AbstractMesh")
+            raise TypeError(
+                "explain: compiling a step needs a mesh of real devices, not an AbstractMesh",
+            )
         sharded = Sharded(mesh, rules)(step)
     cost = None if hardware is None else cost_report(sharded, args, mesh, rules, hardware)
     return collectives(sharded.lower(*args)), cost
