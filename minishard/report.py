@@ -23,8 +23,8 @@ layers[0].bias    (16,)    ('mlp',)          P('model',)       64 B   (4,)      
 layers[2].weight  (16, 4)  ('mlp', 'embed')  P('model', None)  256 B  (4, 4)      64 B
 layers[2].bias    (4,)     ('embed',)        P(None,)          16 B   (4,)        16 B
 total: 848 B unsharded, 224 B per device (3.8x less)
->>> report.rows[0].device_bytes, report.total_bytes, report.device_bytes
-(128, 848, 224)
+>>> report.rows[0].leaf.spec, report.rows[0].device_bytes, report.total_bytes, report.device_bytes
+(P(None, 'model'), 128, 848, 224)
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import numpy as np
 
 from minishard.census import Collective, collectives, human_bytes, summary
 from minishard.costs import Hardware, StepCost, cost_report
-from minishard.rules import AnyMesh, AxisRules, LogicalAxes
-from minishard.sharding import Sharded, plan
+from minishard.rules import AnyMesh, AxisRules
+from minishard.sharding import LeafPlan, Sharded, plan
 from minishard.tree import named_leaves
 
 __all__ = ["Report", "Row", "explain"]
@@ -49,13 +49,10 @@ __all__ = ["Report", "Row", "explain"]
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One array of the tree: how big it is, and how much of it one device holds."""
+    """One array of the tree: its plan (``sharding.LeafPlan``: its path, shape, logical axes,
+    spec and shard), how big it is, and how much of it one device holds."""
 
-    path: str  # "layers[0].weight"
-    shape: tuple[int, ...]  # the whole array
-    logical_axes: LogicalAxes  # ("embed", "mlp")
-    spec: jax.sharding.PartitionSpec  # what the rules turned them into
-    shard_shape: tuple[int, ...]  # the shard each device holds
+    leaf: LeafPlan  # the plan's own record of the array, as ``Sharded`` places it
     dtype: str  # "float32"
     bytes: int  # the whole array
     device_bytes: int  # one device's shard
@@ -95,12 +92,12 @@ class Report:
         """The table's rows as strings, one per ``HEADER`` column: for ``str`` and the renderers."""
         return [
             (
-                row.path,
-                str(row.shape),
-                str(row.logical_axes),
-                str(row.spec),
+                row.leaf.path,
+                str(row.leaf.shape),
+                str(row.leaf.logical_axes),
+                str(row.leaf.spec),
                 human_bytes(row.bytes),
-                str(row.shard_shape),
+                str(row.leaf.shard_shape),
                 human_bytes(row.device_bytes),
             )
             for row in self.rows
@@ -173,11 +170,7 @@ def _rows(tree: Any, mesh: AnyMesh, rules: AxisRules | None) -> tuple[Row, ...]:
         dtype = np.dtype(jnp.result_type(arrays[leaf.path]))
         rows.append(
             Row(
-                path=leaf.path,
-                shape=leaf.shape,
-                logical_axes=leaf.logical_axes,
-                spec=leaf.spec,
-                shard_shape=leaf.shard_shape,
+                leaf=leaf,
                 dtype=dtype.name,
                 bytes=math.prod(leaf.shape) * dtype.itemsize,
                 device_bytes=math.prod(leaf.shard_shape) * dtype.itemsize,
