@@ -6,6 +6,7 @@ checkpoint into a run that deals the data out differently). The MNIST tests need
 the data prepared by TFDS; `make test` points TFDS_DATA_DIR at it.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -29,7 +30,7 @@ from minishard.run.compiling import enable_compilation_cache
 from minishard.run.data import Dataset, mnist
 from minishard.run.errors import CheckpointDirError, CheckpointError, NonFiniteLossError, ResumeError
 from minishard.run.resume import check_checkpoint_dir, check_meta
-from minishard.run.steps import make_train_step
+from minishard.run.steps import CLASSIFICATION, Task, classification_sums, make_train_step
 from minishard.run.train import FitSettings, first_loss, fit
 from minishard.styles import style_rules
 
@@ -49,6 +50,33 @@ def tiny_data(seed: int = 0, batch_size: int = 16) -> Dataset:
 
 def tiny_model():
     return ms.mlp([4, 8, 4], key=jax.random.key(0))
+
+
+def test_fit_settings_print_what_a_run_changed_and_stay_as_made():
+    settings = FitSettings(
+        ms.make_mesh({"data": 8}, explicit=True),
+        ms.AxisRules(batch="data"),
+        epochs=1,
+        eval_data={"val": tiny_data()},
+        task=CLASSIFICATION,
+        keep=3,
+        log=print,
+    )
+    assert str(settings).splitlines() == [
+        "FitSettings(",
+        "    mesh=make_mesh({'data': 8}, explicit=True),",
+        f"    rules={ms.AxisRules(batch='data')!r},",
+        "    epochs=1,",
+        "    eval_data={'val': <Dataset>},",
+        ")",
+    ]  # the defaults (task, keep, log) unsaid; a data set by its type
+    counted_in_tokens = Task(ms.losses.classification_loss, ("acc",), classification_sums, unit="tokens")
+    said = (
+        "task=Task(loss=classification_loss, metrics=('acc',), evaluate=classification_sums, unit='tokens')"
+    )
+    assert said in str(FitSettings(settings.mesh, task=counted_in_tokens))  # functions by their names
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.epochs = 2  # type: ignore[misc]
 
 
 def test_fit_leaves_the_callers_model_alive():
