@@ -123,8 +123,9 @@ class LogicalSharding:
 
 
 def _without(spec: PartitionSpec, manual: set[str]) -> PartitionSpec:
-    """``spec`` without the mesh axes ``manual``: P(("data", "model")) without "data" is
-    P("model")."""
+    """``spec`` without the mesh axes ``manual``.
+
+    P(("data", "model")) without "data" is P("model")."""
     entries = []
     for entry in spec:  # None, one mesh axis, or a tuple of them
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())

@@ -160,8 +160,7 @@ def chip_of(device_kind: str) -> Hardware | None:
 
 
 def hardware_named(hardware: Hardware | str) -> Hardware:
-    """``hardware`` itself, or the entry of ``HARDWARE`` it names; an unknown name lists the
-    known ones."""
+    """``hardware`` itself, or the entry of ``HARDWARE`` it names; an unknown one lists them."""
     if isinstance(hardware, Hardware):
         return hardware
     if hardware not in HARDWARE:

@@ -279,8 +279,7 @@ class AdamW:
     def update(
         self, params: Any, grads: Any, state: AdamWState, *, axis_name: str | None = None
     ) -> tuple[Any, AdamWState]:
-        """One step; ``axis_name`` (inside ``shard_map``): the mesh axis the gradients are split
-        over."""
+        """One step; ``axis_name`` (in ``shard_map``): the mesh axis the gradients are split on."""
         _checks.adamw_update(params, grads, state, path_str)
         b1 = self.b1
         b2 = self.b2

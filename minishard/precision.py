@@ -63,8 +63,7 @@ FLOOR = 1.0
 
 class LossScale(NamedTuple):
     """The loss scale's state, a pytree: ``scale`` (float32), and ``good`` (int32), the finite
-    steps since the scale last changed. Sharded and checkpointed with the optimizer's state it
-    lives in."""
+    steps since the scale last changed; sharded and saved with the optimizer's state it is in."""
 
     scale: jax.Array
     good: jax.Array
@@ -239,8 +238,7 @@ def _named(target: Any) -> set[str]:
 
 
 def _sum_rows(x: jax.Array) -> jax.Array:
-    """The sum over the first axis, in ``x``'s own dtype (``jnp.sum`` would add bfloat16 in
-    float32)."""
+    """The sum over the first axis in ``x``'s dtype (``jnp.sum`` adds bfloat16 in float32)."""
     return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, (0,))
 
 

@@ -186,8 +186,7 @@ def _compiled(
     rules: AxisRules | None,
     hardware: Hardware | str | None,
 ) -> tuple[dict[str, Collective] | None, StepCost | None]:
-    """Compile ``step`` on ``args`` (wrapped in ``Sharded`` unless it can ``.lower``), count,
-    and price."""
+    """Compile ``step`` on ``args`` (in ``Sharded`` unless it can ``.lower``), count, price."""
     if step is None:
         if hardware is not None:
             raise TypeError("explain: hardware= prices a step; give the step and its args too")

@@ -235,8 +235,7 @@ class AxisRules:
     def _resolve(
         self, logical_axes: LogicalAxes, mesh: AnyMesh | None
     ) -> tuple[LogicalAxes, PartitionSpec, tuple[Attempt, ...]]:
-        """``resolve`` with these rules, then each remaining name that is a mesh axis mapping to
-        itself."""
+        """``resolve`` with these rules, then each other name that is a mesh axis, to itself."""
         _checks.logical_axes("", logical_axes)
         axes = tuple(logical_axes)
         _checks.every_name_has_a_rule(self, axes, mesh)

@@ -255,8 +255,7 @@ def cache_fits(
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One batch size on the latency-throughput curve: seconds per step, tokens/s in all and per
-    chip."""
+    """A batch size on the latency-throughput curve: step seconds, tokens/s in all and per chip."""
 
     batch: int
     step: float

@@ -101,8 +101,7 @@ class LeafPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """``specs``: a pytree of PartitionSpecs shaped like the tree; ``leaves``: one ``LeafPlan``
-    per array."""
+    """``specs``: PartitionSpecs shaped like the tree; ``leaves``: one ``LeafPlan`` per array."""
 
     specs: Any
     leaves: tuple[LeafPlan, ...]
@@ -149,8 +148,7 @@ def plan(
 
 @dataclass
 class _Walk:
-    """One walk over a tree: what it plans with, and the ``LeafPlan`` of every array found so
-    far."""
+    """One walk over a tree: what it plans with, and the ``LeafPlan`` of each array so far."""
 
     rules: AxisRules
     mesh: AnyMesh | None
@@ -181,8 +179,7 @@ class _Walk:
         return jax.tree_util.tree_unflatten(treedef, specs)
 
     def layer(self, layer: Layer, path: tuple[Any, ...], leading: LogicalAxes) -> Layer:
-        """The layer itself, with every parameter replaced by its spec: its own axes after
-        ``leading``."""
+        """The layer, each parameter replaced by its spec: its own axes after ``leading``."""
         annotated = layer.param_logical_axes()
         children, aux_data = layer.tree_flatten()
         specs = []
@@ -198,8 +195,7 @@ class _Walk:
         return type(layer).tree_unflatten(aux_data, specs)
 
     def param(self, path: tuple[Any, ...], array: Any, axes: LogicalAxes) -> PartitionSpec:
-        """Logical axes -> spec, through the rules: the heart of the plan. Any error names the
-        path."""
+        """Logical axes -> spec, through the rules: the plan's heart. An error names the path."""
         where = path_str(path)
         shape = tuple(np.shape(array))
         _checks.logical_axes(where, axes, shape)
@@ -330,8 +326,7 @@ class Sharded:
         return (self.batch_axis,) + (None,) * (ndim - 1), P(target)
 
     def plan_inputs(self, args: tuple[Any, ...]) -> Plan:
-        """The plan of a call's arguments: Layers' parameters by the rules, the rest by
-        ``batch_layout``."""
+        """A call's arguments: Layers' parameters by the rules, the rest by ``batch_layout``."""
         return plan(args, self.mesh, self.rules, self.batch_layout)
 
 
@@ -439,8 +434,8 @@ class ShardedFunction:
         structure: Structure,
         in_shardings: tuple[NamedSharding, ...],
     ) -> Callable[..., Any]:
-        """``fn`` as jit and eval_shape trace it, after a check that the arguments are of
-        ``structure``."""
+        """``fn`` as jit and eval_shape trace it, once the arguments are checked to be of
+        ``structure``: jit traces anew for arguments of another."""
         fn = self.fn
         explicit = self.config.logical_sharding.explicit
 
@@ -457,16 +452,14 @@ class ShardedFunction:
         return self.config.logical_sharding.wrap(checked)
 
     def _plan_outputs(self, out_shapes: Any) -> Any:
-        """The outputs' specs: Layers' parameters by the rules, scalars replicated, the rest
-        XLA's."""
+        """The outputs' specs: Layers' parameters by the rules, scalars replicated, else XLA's."""
         try:
             return plan(out_shapes, self.config.mesh, self.config.rules, _scalars_replicated).specs
         except ShardingError as e:
             raise e.retold(lambda why: f"{self.name}: output {why}") from None
 
     def _eval_shape(self, traced: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        """``jax.eval_shape`` of the function jit will trace; an Explicit mesh's ambiguity is
-        named."""
+        """``jax.eval_shape`` of what jit will trace; an Explicit mesh's ambiguity is named."""
         try:
             return jax.eval_shape(traced, *args)
         except Exception as error:
@@ -476,8 +469,7 @@ class ShardedFunction:
 
 
 def _scalars_replicated(leaf: Any) -> tuple[LogicalAxes, PartitionSpec] | None:
-    """Outputs outside Layers: a scalar (a loss) comes back on every device; the rest XLA
-    decides."""
+    """Outputs outside Layers: a scalar (a loss) on every device; XLA decides the rest."""
     return replicated(leaf) if np.ndim(leaf) == 0 else None
 
 
@@ -492,8 +484,8 @@ class _OtherStructure(Exception):
 
 
 def _structure(args: tuple[Any, ...]) -> Structure:
-    """The treedef holds the Layers' static fields (their logical axes), the ranks where a batch
-    is split."""
+    """The treedef holds the Layers' static fields (their logical axes); the ranks say where a
+    batch is split."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     return treedef, tuple([np.ndim(leaf) for leaf in leaves])
 

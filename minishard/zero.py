@@ -311,15 +311,13 @@ class ZeroStep:
 
     @staticmethod
     def pieces(model: Any) -> list[Any]:
-        """What level 3 gathers whole, one at a time: a ``Sequential``'s layers, any other model
-        at once."""
+        """What level 3 gathers whole, one at a time: a ``Sequential``'s layers, else the model."""
         return list(model) if isinstance(model, Sequential) else [model]
 
     def _mean(
         self, loss: jax.Array, metrics: tuple[jax.Array, ...]
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        """This device's loss and metrics (accuracy), averaged over the devices (equal examples
-        each)."""
+        """This device's loss and metrics, averaged over the devices (equal examples each)."""
         return jax.lax.pmean(loss, self.axis), jax.lax.pmean(metrics, self.axis)
 
 
@@ -409,8 +407,8 @@ class ZeroReport:
 
 
 def zero_report(step: ZeroStep, args: tuple[Any, ...]) -> ZeroReport:
-    """A ``ZeroReport`` of ``step`` on ``(model, opt_state, batch)``, placed by ``step.shard``,
-    ``init``."""
+    """A ``ZeroReport`` of ``step`` on ``(model, opt_state, batch)``, as ``step.shard`` and
+    ``step.init`` placed them."""
     model, opt_state, _ = args
     padded = jax.eval_shape(step._shards, step.shapes)
     whole = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(padded))

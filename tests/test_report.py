@@ -109,11 +109,8 @@ def test_explain_covers_every_leaf_of_any_tree():
         "velocity.layers[2].weight",
         "velocity.layers[2].bias",
     ]
-    assert (
-        report.rows[0].leaf.shape == ()
-        and report.rows[0].dtype == "int32"
-        and report.rows[0].device_bytes == 4
-    )
+    step = report.rows[0]
+    assert step.leaf.shape == () and step.dtype == "int32" and step.device_bytes == 4
     assert report.rows[1].leaf.spec == P(None, "model")
 
 

@@ -168,7 +168,7 @@ def test_fsdp_stores_an_eighth_of_every_divisible_parameter_and_its_velocity():
     state = ms.SGD(0.1, momentum=0.9).init(model)
     report = ms.explain({"model": model, "velocity": state.velocity}, mesh, rules)
     split = [row for row in report.rows if row.leaf.spec != P(*[None] * len(row.leaf.shape))]
-    assert [row.path for row in split] == [
+    assert [row.leaf.path for row in split] == [
         "model.layers[0].weight",  # (embed, mlp): embed takes "data"
         "model.layers[0].bias",  # (mlp,): mlp takes "data"
         "model.layers[2].weight",  # (mlp, classes)
