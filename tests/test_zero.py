@@ -116,7 +116,7 @@ def test_flat_padded_round_trips_and_bad_arguments_are_refused():
 
 @pytest.mark.slow  # four short trainings: ~5 s here
 def test_fit_trains_with_a_zero_step_and_resumes_it(tmp_path):
-    # fit(make_step=...): ZeRO places the state, fit evaluates and saves the gathered model.
+    # FitSettings(make_step=...): ZeRO places the state, fit evaluates and saves the gathered model.
     from minishard.run.data import Dataset
     from minishard.run.train import FitSettings, fit
 
