@@ -134,7 +134,8 @@ def _forward_step(refs: Any, blocks: Blocks, masked: bool) -> None:
     top = jnp.max(s, axis=1, keepdims=True)  # [block_q, 1]: no exponential overflows
     weights = jnp.exp(s - top)
     total = jnp.sum(weights, axis=1, keepdims=True)
-    values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **context.F32)  # the tile's out, times total
+    # the tile's out, times total
+    values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **context.F32)
     w_sum, w_tile, lse = context.merge_weights(lse_sum[...], top + jnp.log(total))
     out_sum[...] = w_sum * out_sum[...] + (w_tile / total) * values  # divides [block_q, 1] only
     lse_sum[...] = lse
@@ -171,7 +172,7 @@ def tile_grads(tiles: Any, at: Any, blocks: Blocks, masked: bool, keys_major: bo
     q, k, v, g, lse, delta = tiles
     w = jnp.exp(tile_scores(q, k, at, blocks, masked, keys_major) - lse)
     pair = (v, g) if keys_major else (g, v)
-    dp = jax.lax.dot_general(*pair, CONTRACT_LAST, **context.F32)  # g·vᵀ: the weights' gradient (or ᵀ)
+    dp = jax.lax.dot_general(*pair, CONTRACT_LAST, **context.F32)  # g·vᵀ: the weights' gradient
     return w, w * (dp - delta)
 
 
