@@ -25,13 +25,13 @@ from minishard.census import as_asked, human_bytes, instructions
 from minishard.costs import StepCost, sent_bytes, step_cost
 from minishard.layouts import Layout, LayoutCost, human_seconds
 from minishard.report import explain
+from minishard.run.cli import scaled
 from minishard.run.cli.accelerators import simulate_devices
 from minishard.run.cli.flags import at_least
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry
-from minishard.run.cli.scaled import DEVICES, WIDTH_CUT, as_built, entry_of, scaled_batch, scaled_down, scaled_layout
-from minishard.run.topology import chip_count, hardware_of, tpu_devices
 from minishard.run.cli.styles import style_args, style_of, train_step
+from minishard.run.topology import chip_count, hardware_of, tpu_devices
 from minishard.sharding import Sharded, make_mesh
 
 __all__ = ["CHECKED", "FLOAT32", "Checked", "add_arguments", "check", "composition", "print_check"]
@@ -52,7 +52,7 @@ def add_arguments(add: Callable[..., object]) -> None:
         nargs="?",
         const=CHECKED,
         help=f"with --compare --size: compile the N fastest layouts that fit (default {CHECKED}); "
-        f"a published size scaled down to {DEVICES} devices, with --topology for a TPU slice",
+        f"a published size scaled down to {scaled.DEVICES} devices, with --topology for a TPU slice",
     )
 
 
@@ -76,22 +76,22 @@ def check(args: argparse.Namespace, error: Callable[[str], object]) -> None:
 
 
 def check_scaled(args: argparse.Namespace, error: Callable[[str], object]) -> None:
-    """A published size's ``--check``: its sequence must outlast ``WIDTH_CUT``; a ``--topology``
-    has ``DEVICES`` chips, which price the scaled run."""
-    if args.context is not None and args.context < WIDTH_CUT:
-        error(f"argument --context: --check cuts the sequence by {WIDTH_CUT}; {args.context} leaves none")
+    """A published size's ``--check``: its sequence must outlast ``scaled.WIDTH_CUT``; a ``--topology``
+    has ``scaled.DEVICES`` chips, which price the scaled run."""
+    if args.context is not None and args.context < (cut := scaled.WIDTH_CUT):
+        error(f"argument --context: --check cuts the sequence by {cut}; {args.context} leaves none")
     if args.topology is not None:
         return _check_slice(args, error)
-    simulate_devices(DEVICES)
+    simulate_devices(scaled.DEVICES)
 
 
 def _check_slice(args: argparse.Namespace, error: Callable[[str], object], priced_on: str = "") -> None:
-    """--check --topology: a slice of ``DEVICES`` chips (the GPT's: of --hardware's chip), whose
+    """--check --topology: a slice of ``scaled.DEVICES`` chips (the GPT's: of --hardware's chip), whose
     devices it compiles on with XLA:TPU; ``--compare --size`` reads no other --topology."""
     try:
         chips, chip = chip_count(args.topology), hardware_of(args.topology)
-        if chips != DEVICES:
-            raise ValueError(f"--check compiles on {DEVICES} devices, {args.topology} has {chips} chips")
+        if chips != (devices := scaled.DEVICES):
+            raise ValueError(f"--check compiles on {devices} devices, {args.topology} has {chips} chips")
         if priced_on not in ("", chip):
             raise ValueError(f"{args.topology}'s chips are {chip}, not --hardware {priced_on}")
         args.check_devices = tpu_devices(args.topology)
@@ -180,7 +180,8 @@ def print_check(args: argparse.Namespace) -> int:
     checked: list[Checked] = []
     if args.size != "gpt":
         return print_scaled_check(args)
-    print(f"\n--check {args.check}: the fastest that fit, compiled (the GPT's float32 step, {_compiler(args)})")
+    compiled = f"the GPT's float32 step, {_compiler(args)}"
+    print(f"\n--check {args.check}: the fastest that fit, compiled ({compiled})")
     for cost in (cost for cost in ranking.costs if cost.fits):
         if len(checked) == args.check:
             break
@@ -243,33 +244,34 @@ def _order(checked: list[Checked]) -> str:
 
 
 def scaled_run(args: argparse.Namespace) -> tuple[argparse.Namespace, Built]:
-    """The flags of ``args``'s published run cut to ``DEVICES`` (``minishard.run.cli.scaled``): the
+    """The flags of ``args``'s published run cut to ``scaled.DEVICES`` (``minishard.run.cli.scaled``): the
     GPT's shape flags, the batch and sequence, the devices, and the chip (a slice's, if given)."""
-    size, chip = scaled_down(serving.SIZES[args.size]), args.hardware
-    tokens, context = scaled_batch(args.batch_size, args.devices, args.context)
+    size, chip = scaled.scaled_down(serving.SIZES[args.size]), args.hardware
+    tokens, context = scaled.scaled_batch(args.batch_size, args.devices, args.context)
     shape = {"width": size.width, "depth": size.layers, "heads": size.heads, "kv_heads": size.kv_heads}
-    run = {**shape, "mlp_ratio": 1, "batch_size": tokens, "context": context, "devices": DEVICES}
+    run = {**shape, "mlp_ratio": 1, "batch_size": tokens, "context": context, "devices": scaled.DEVICES}
     chip = hardware_of(args.check_topology) if args.check_topology else args.hardware
     own = argparse.Namespace(**{**vars(args), **run, "hardware": chip})
-    devices = args.check_devices or jax.devices()[:DEVICES]
-    return own, Built(entry_of(size), as_built(size, context), devices)
+    devices = args.check_devices or jax.devices()[: scaled.DEVICES]
+    return own, Built(scaled.entry_of(size), scaled.as_built(size, context), devices)
 
 
 def print_scaled_check(args: argparse.Namespace) -> int:
-    """Rank the scaled run on ``DEVICES``, compile its ``--check`` fastest that fit and the published
-    ``--layout`` scaled (``scaled_layout``); print predicted -> compiled."""
+    """Rank the scaled run on ``scaled.DEVICES``, compile its ``--check`` fastest that fit and the published
+    ``--layout`` scaled (``scaled.scaled_layout``); print predicted -> compiled."""
     own, built = scaled_run(args)
     size, tokens, context = built.size, own.batch_size, own.context
-    print(f"\n--check {args.check}: {args.size} scaled down to {DEVICES} devices of {own.hardware}, compiled "
-          f"(float32, {_compiler(args)})")  # fmt: skip
+    on = f"{scaled.DEVICES} devices of {own.hardware}"
+    print(f"\n--check {args.check}: {args.size} scaled down to {on}, compiled (float32, {_compiler(args)})")
+    heads = f"{size.heads} heads ({size.kv_heads} key/value) of {size.head_dim}"
     mlp = f"{'gated ' if size.gated else ''}MLP of {size.hidden}"
-    print(f"  {size.layers} layers of {size.width}, {size.heads} heads ({size.kv_heads} key/value) of "
-          f"{size.head_dim}, {mlp}, vocabulary {size.vocab}: {size.params:,} parameters")  # fmt: skip
+    print(f"  {size.layers} layers of {size.width}, {heads}, {mlp}, vocabulary {size.vocab}: ", end="")
+    print(f"{size.params:,} parameters")
     print(f"  {tokens // context} sequences of {context} tokens a step")
-    ranking = layouts.rank(size, tokens, DEVICES, own.hardware, context)
+    ranking = layouts.rank(size, tokens, scaled.DEVICES, own.hardware, context)
     fastest = [cost.layout for cost in ranking.costs if cost.fits]
     checked = _compile_each(own, fastest, args.check, built)
-    if args.layout is not None and (theirs := scaled_layout(args.layout)) not in _layouts(checked):
+    if args.layout is not None and (theirs := scaled.scaled_layout(args.layout)) not in _layouts(checked):
         print(f"  --layout {args.layout}, scaled:")
         checked += _compile_each(own, [theirs], 1, built)
     print(_table(checked, size))

@@ -64,7 +64,8 @@ def scaled_down(size: Decoder, devices: int = DEVICES) -> Decoder:
       the embeddings keep their share of the parameters (1.0% of LLaMA-3 405B's).
 
     >>> from minishard.serving import MEGATRON_1T, PALM_540B
-    >>> [(s.width, s.heads, s.kv_heads, s.head_dim, s.vocab) for s in map(scaled_down, (PALM_540B, MEGATRON_1T))]
+    >>> shapes = [scaled_down(size) for size in (PALM_540B, MEGATRON_1T)]
+    >>> [(s.width, s.heads, s.kv_heads, s.head_dim, s.vocab) for s in shapes]
     [(576, 48, 1, 12, 271), (800, 8, 8, 100, 50)]
     """
     groups = max(1, size.kv_heads // devices)  # 160 heads of their own (Megatron): 8 of 8

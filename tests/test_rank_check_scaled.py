@@ -1,0 +1,154 @@
+"""``explain --compare --size PUBLISHED --check``: a published run scaled down to 8 devices, compiled.
+
+``minishard.run.cli.scaled`` cuts the model (``scaled_down``), the layout (``scaled_layout``) and
+the batch (``scaled_batch``); ``rank_check`` compiles the result as minishard's GPT and sets the
+bytes each dimension sends beside the ranking's prediction for the same shapes. The rules are
+checked without compiling; one slow test compiles Megatron-LM's layout, scaled (40-60 s on 2
+shared cores), and one compiles it for a TPU v5e slice with XLA:TPU, ahead of time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import pytest
+
+from minishard import layouts, serving
+from minishard.layouts import Layout
+from minishard.run.cli import main, parse_args, rank_check
+from minishard.run.cli.scaled import (
+    DEVICES,
+    WIDTH_CUT,
+    as_built,
+    entry_of,
+    scaled_batch,
+    scaled_down,
+    scaled_layout,
+)
+
+PUBLISHED = {  # tests/test_published_runs.py's runs: chips, tokens a batch, sequence, layout
+    "llama3-405b": (16384, 16 * 2**20, 8192, Layout(dp=128, tp=8, pp=16)),
+    "palm-540b": (6144, 2048 * 2048, 2048, Layout(dp=2, fsdp=256, tp=12)),
+    "megatron-1t": (3072, 3072 * 2048, 2048, Layout(dp=6, tp=8, pp=64)),
+}
+
+
+def embedding_share(size: serving.Decoder) -> float:
+    return 2 * size.vocab * size.width / size.params
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_scaled_model_keeps_the_published_proportions(name: str) -> None:
+    size = serving.SIZES[name]
+    small = scaled_down(size)
+    assert small.width * WIDTH_CUT == size.width and small.layers == 4
+    assert small.hidden / small.width == size.hidden / size.width and small.gated == size.gated
+    assert small.heads / small.kv_heads == size.heads / size.kv_heads  # the group of query heads
+    assert small.kv_heads <= DEVICES or small.kv_heads % DEVICES == 0  # any tp of 8 devices splits them
+    assert small.heads * small.head_dim == small.width  # the GPT's attention is as wide as its stream
+    # the embeddings keep their share of the parameters within 5% (PaLM: its attention 1.5x wider)
+    assert embedding_share(small) / embedding_share(size) == pytest.approx(1, abs=0.05)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_built_gpt_has_the_parameters_its_prediction_prices(name: str) -> None:
+    small = scaled_down(serving.SIZES[name])
+    model = jax.eval_shape(lambda: entry_of(small).build(argparse.Namespace(context=64), jax.random.key(0)))
+    built = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(model))
+    assert built == as_built(small, 64).params
+    # the GPT adds a learned table of positions and its biases to the scaled shapes: under 1%
+    assert 1 < built / small.params < 1.01
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_scaled_layout_shares_the_devices_doublings_as_the_published_one(name: str) -> None:
+    layout = PUBLISHED[name][3]
+    small = scaled_layout(layout)
+    assert small.devices == DEVICES and set(small.ways()) <= set(layout.ways())
+    # each dimension gets its share of log2(8) = 3 doublings, to within one
+    for dimension, ways in layout.ways().items():
+        share = 3 * math.log2(ways) / math.log2(layout.devices)
+        assert abs(math.log2(getattr(small, dimension)) - share) < 1
+
+
+def test_meta_s_layout_scaled_is_one_doubling_each() -> None:
+    # dp 128 x tp 8 x pp 16: 7, 3 and 4 of 14 doublings; of 3, 1.5, 0.64 and 0.86: dp takes one whole,
+    # pp and tp the two left by their remainders (0.86, 0.64 over dp's 0.5)
+    assert scaled_layout(Layout(dp=128, tp=8, pp=16)) == Layout(dp=2, tp=2, pp=2)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_scaled_batch_keeps_the_tokens_a_device(name: str) -> None:
+    devices, tokens, context, _ = PUBLISHED[name]
+    small, sequence = scaled_batch(tokens, devices, context)
+    assert sequence == context // WIDTH_CUT and small % (sequence * DEVICES) == 0
+    assert abs(small / DEVICES - tokens / devices) < sequence  # within a sequence a device
+
+
+MEGATRON = ["explain", "--compare", "--size", "megatron-1t", "--hardware", "a100", "--devices", "3072",
+            "--batch-size", "6M", "--context", "2048"]  # fmt: skip
+GPT = ["explain", "--compare", "--size", "gpt", "--hardware", "v5p", "--batch-size", "1K"]
+SCALED_FLAGS = [
+    ([*MEGATRON[:-2], "--context", "16", "--check"],
+     "argument --context: --check cuts the sequence by 32; 16 leaves none"),
+    ([*MEGATRON, "--check", "--topology", "v5e:4x4"],
+     "argument --topology: --check compiles on 8 devices, v5e:4x4 has 16 chips"),
+    ([*MEGATRON, "--check", "--topology", "v7:2x4"], "argument --topology: topology 'v7:2x4': unknown TPU"),
+    ([*GPT, "--check", "--topology", "v5e:2x4"],
+     "argument --topology: v5e:2x4's chips are v5e, not --hardware v5p"),
+    ([*MEGATRON, "--topology", "v5e:2x4"], "argument --topology: --compare --size ranks layouts"),
+    (["explain", "--compare", "--hardware", "v5p", "--check"],
+     "argument --check: only with --compare --size"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "message"), SCALED_FLAGS, ids=[" ".join(a[-3:]) for a, _ in SCALED_FLAGS])
+def test_a_scaled_check_refuses_bad_input_in_one_line_before_any_compile(argv, message, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled before the flags were checked")
+
+    monkeypatch.setattr(rank_check, "compile_layout", refuse)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and message in err and out == "", err
+
+
+def compiled_megatron(topology: str | None = None) -> rank_check.Checked:
+    """Megatron-LM's dp 6 x tp 8 x pp 64, scaled: dp 2 x tp 2 x pp 2, compiled (XLA:CPU, or the slice's)."""
+    args = parse_args([*MEGATRON, "--check", "1", *(["--topology", topology] if topology else [])])
+    own, built = rank_check.scaled_run(args)
+    layout = scaled_layout(PUBLISHED["megatron-1t"][3])
+    made = rank_check.composition(layout)
+    assert not isinstance(made, str) and made[0] == "dp+tp+pp"
+    return rank_check.compile_layout(own, layout, *made, built)
+
+
+def assert_the_megatron_sends(row: rank_check.Checked) -> None:
+    # dp: each of 2 replicas all-reduces the gradients of what a device holds, 2 x 1/2 of their
+    # bytes; predicted: of 4 P / tp / pp, which a stage exceeds by 1% (its embedding and head whole)
+    assert row.sent["dp"] == pytest.approx(row.parameters, rel=1e-3)
+    assert row.expected["dp"] == pytest.approx(rank_check.FLOAT32 * row_size().params / 4)
+    assert row.sent["dp"] / row.expected["dp"] == pytest.approx(1, abs=0.02)
+    # pp: the prediction splits a stage's output over tp (sp's); tp beside pp has no sp
+    # (rank_check.composition), so each tick sends the whole residual stream: tp = 2 times
+    assert row.sent["pp"] / row.expected["pp"] == pytest.approx(2, rel=0.02)
+
+
+@pytest.mark.slow
+def test_megatron_s_layout_scaled_compiles_to_the_predicted_bytes_but_pp_s() -> None:
+    row = compiled_megatron()
+    assert set(row.sent) == {"dp", "tp", "pp"}
+    assert_the_megatron_sends(row)
+    # tp: XLA:CPU's all-reduces of the whole stream (no sp beside pp), measured at 0.83 of the
+    # prediction's gathers and reduce-scatters: held to its size
+    assert row.sent["tp"] / row.expected["tp"] == pytest.approx(0.83, abs=0.05)
+    assert row.predicted.layout == Layout(dp=2, tp=2, pp=2)
+    expected = layouts.bytes_sent(row_size(), row.predicted.layout, 256 * 64, 4, 64, 4)
+    assert row.expected == pytest.approx(expected)
+
+
+def row_size() -> serving.Decoder:
+    return as_built(scaled_down(serving.MEGATRON_1T), 64)
