@@ -56,8 +56,9 @@ def scaled_down(size: Decoder, devices: int = DEVICES) -> Decoder:
 
     * width and MLP divided by ``WIDTH_CUT``: the MLP's ratio to the width kept, gated or not;
     * the heads kept, and the key/value heads, unless there are more of them than ``devices``:
-      then both cut by one factor, so the group (query heads per key/value head) is kept and any
-      tp of the devices splits them, as the GPT needs (``--kv-heads`` splits over "model");
+      then both cut by one factor to as many key/value heads as devices, so the group (query heads
+      per key/value head) is kept, any tp of the devices splits them (the GPT's ``--kv-heads``
+      split over "model"), and a head is not 5 numbers wide (Megatron's 160 of 25,600 / 32);
     * each head ``width / heads`` wide: the GPT's attention is as wide as its stream (PaLM's is
       2/3 of it: 1.5x wider here; LLaMA's and Megatron's are as wide);
     * ``DEPTH`` layers; the vocabulary divided by the width's and the depth's cuts together, so
