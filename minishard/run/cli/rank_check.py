@@ -1,4 +1,4 @@
-"""``minishard explain --compare --size gpt --check [N]``: the ranking's top layouts, compiled and measured.
+"""``minishard explain --compare --size S --check [N]``: the ranking's top layouts, compiled and measured.
 
 ``--compare --size`` ranks layouts from a size's shapes (``minishard.layouts``), nothing compiled.
 For minishard's own GPT (``serving.MINISHARD_GPT``) on the process's devices, ``--check N`` compiles the
@@ -9,6 +9,11 @@ parameters and the memory a device holds, and the bytes each dimension's collect
 compiled step is float32, so the predictions are priced at 4 bytes a number (``price``'s
 ``itemsize``); the memory's prediction stays mixed precision's, 16 bytes a parameter, as is
 float32 AdamW's.
+
+A published size (``--size llama3-405b``) is compiled scaled down to 8 devices
+(``minishard.run.cli.scaled``: its model, its batch, and ``--layout`` if given), priced on 8 of its
+chip; with ``--topology v5e:2x4`` either is compiled by XLA:TPU for the slice, ahead of time
+(``minishard.run.topology``), and priced on its chips.
 """
 
 from __future__ import annotations
@@ -34,7 +39,20 @@ from minishard.run.cli.styles import style_args, style_of, train_step
 from minishard.run.topology import chip_count, hardware_of, tpu_devices
 from minishard.sharding import Sharded, make_mesh
 
-__all__ = ["CHECKED", "FLOAT32", "Checked", "add_arguments", "check", "composition", "print_check"]
+__all__ = [
+    "CHECKED",
+    "FLOAT32",
+    "Built",
+    "Checked",
+    "add_arguments",
+    "check",
+    "check_scaled",
+    "compile_layout",
+    "composition",
+    "print_check",
+    "print_scaled_check",
+    "scaled_run",
+]
 
 CHECKED = 3
 """Layouts ``--check`` compiles without a count."""
@@ -147,9 +165,9 @@ def compile_layout(
 ) -> Checked:
     """Compile the GPT's train step of ``layout`` under ``name`` on ``shape``, as ``explain --hardware``
     does, and price the same step from the size's shapes; ``built``: another GPT's entry, the shapes
-    that price it and the devices it compiles on (a scaled run, a TPU slice: ``scaled_check``)."""
-    devices = args.check_devices or jax.devices()[: args.devices]  # a slice's, or this process's
-    built = built or Built(MODELS["gpt"], serving.SIZES[args.size], devices)
+    that price it and the devices it compiles on (a scaled run, a TPU slice: ``scaled_run``)."""
+    here = args.check_devices or jax.devices()[: args.devices]  # a slice's, or this process's
+    built = built or Built(MODELS["gpt"], serving.SIZES[args.size], here)
     entry, style, tokens = built.entry, style_of(name), args.batch_size
     gpt = argparse.Namespace(**{**vars(args), "model": "gpt", "batch_size": tokens // args.context})
     own = style_args(gpt, entry, style, shape)  # its defaults, checked: ValueError says why not
@@ -177,27 +195,13 @@ def compile_layout(
 
 def print_check(args: argparse.Namespace) -> int:
     """Compile the ``--check`` fastest layouts that fit and build; print predicted -> compiled."""
-    model, tokens, devices = serving.SIZES[args.size], args.batch_size, args.devices
-    ranking = layouts.rank(model, tokens, devices, args.hardware, args.context)
-    checked: list[Checked] = []
     if args.size != "gpt":
         return print_scaled_check(args)
+    model, tokens, devices = serving.SIZES[args.size], args.batch_size, args.devices
+    ranking = layouts.rank(model, tokens, devices, args.hardware, args.context)
     compiled = f"the GPT's float32 step, {_compiler(args)}"
     print(f"\n--check {args.check}: the fastest that fit, compiled ({compiled})")
-    for cost in (cost for cost in ranking.costs if cost.fits):
-        if len(checked) == args.check:
-            break
-        built = composition(cost.layout)
-        if isinstance(built, str):
-            print(f"  {cost.layout}: skipped, {built}")
-            continue
-        try:
-            checked.append(compile_layout(args, cost.layout, *built))
-        except ValueError as why:
-            print(f"  {cost.layout}: skipped, --parallel {built[0]} refuses it ({why})")
-            continue
-        mesh = ",".join(f"{axis}={size}" for axis, size in built[1].items())
-        print(f"  {cost.layout}: --parallel {built[0]} on {mesh}, compiled in {checked[-1].seconds:.1f} s")
+    checked = _compile_each(args, [cost.layout for cost in ranking.costs if cost.fits], args.check)
     print(_table(checked, model))
     print(_order(checked))
     return 0
@@ -282,7 +286,7 @@ def print_scaled_check(args: argparse.Namespace) -> int:
 
 
 def _compile_each(
-    args: argparse.Namespace, candidates: list[Layout], count: int, built: Built
+    args: argparse.Namespace, candidates: list[Layout], count: int, built: Built | None = None
 ) -> list[Checked]:
     """The first ``count`` of ``candidates`` that a composition builds, compiled; a line each."""
     checked: list[Checked] = []
