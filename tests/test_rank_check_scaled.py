@@ -190,3 +190,24 @@ def test_llama_s_ring_sends_its_grouped_keys_and_values_once_per_query_head() ->
     assert row.parameters == pytest.approx(rank_check.FLOAT32 * held, rel=1e-3)
     group = size.heads // size.kv_heads
     assert row.sent["cp"] / row.expected["cp"] == pytest.approx(group * 1.95, rel=0.05)
+
+
+def test_a_published_size_s_check_ranks_its_scaled_run_and_adds_its_layout_scaled(capsys, monkeypatch):
+    tried = []
+
+    def refuse(args, layout, name, shape, built=None):  # no compile: what was asked, then a refusal
+        tried.append((layout, name, args.devices, args.batch_size, args.context, built.size))
+        raise ValueError("not compiled here")
+
+    monkeypatch.setattr(rank_check, "compile_layout", refuse)
+    assert main([*MEGATRON, "--layout", "dp=6,tp=8,pp=64", "--check", "2"]) == 0
+    out = capsys.readouterr().out.split("\n--check 2: ")[1]
+    small = as_built(scaled_down(serving.MEGATRON_1T), 64)
+    assert out.startswith("megatron-1t scaled down to 8 devices of a100, compiled (float32, XLA:CPU)")
+    assert f"{small.params:,} parameters" in out and "256 sequences of 64 tokens a step" in out
+    fastest = [cost.layout for cost in layouts.rank(small, 256 * 64, 8, "a100", 64).costs if cost.fits]
+    building = [layout for layout in fastest if not isinstance(rank_check.composition(layout), str)]
+    # each that builds is tried (none compiles here), then the published layout, scaled
+    assert [row[0] for row in tried] == [*building, Layout(dp=2, tp=2, pp=2)]
+    assert {row[2:] for row in tried} == {(DEVICES, 256 * 64, 64, small)}
+    assert "--layout dp 6 x tp 8 x pp 64, scaled:" in out and "skipped, --parallel dp+tp+pp refuses" in out
