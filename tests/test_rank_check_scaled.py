@@ -135,7 +135,7 @@ def assert_the_megatron_sends(row: rank_check.Checked) -> None:
     assert row.sent["dp"] / row.expected["dp"] == pytest.approx(1, abs=0.02)
     # pp: the prediction splits a stage's output over tp (sp's); tp beside pp has no sp
     # (rank_check.composition), so each tick sends the whole residual stream: tp = 2 times
-    assert row.sent["pp"] / row.expected["pp"] == pytest.approx(2, rel=0.02)
+    assert row.sent["pp"] / row.expected["pp"] == pytest.approx(row.predicted.layout.tp, rel=0.02)
 
 
 @pytest.mark.slow
