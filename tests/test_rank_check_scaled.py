@@ -1,4 +1,4 @@
-"""``explain --compare --size PUBLISHED --check``: a published run scaled down to 8 devices, compiled.
+"""``explain --compare --size PUBLISHED --check``: a published run scaled to 8 devices, compiled.
 
 ``minishard.run.cli.scaled`` cuts the model (``scaled_down``), the layout (``scaled_layout``) and
 the batch (``scaled_batch``); ``rank_check`` compiles the result as minishard's GPT and sets the
@@ -48,7 +48,7 @@ def test_the_scaled_model_keeps_the_published_proportions(name: str) -> None:
     assert small.heads / small.kv_heads == size.heads / size.kv_heads  # the group of query heads
     # the key/value heads, if more than the devices, cut to as many (Megatron's 160 to 8), else kept
     assert small.kv_heads <= DEVICES and small.kv_heads in (size.kv_heads, DEVICES)
-    assert small.heads * small.head_dim == small.width  # the GPT's attention is as wide as its stream
+    assert small.heads * small.head_dim == small.width  # the GPT's attention: as wide as its stream
     # the embeddings keep their share of the parameters within 5% (PaLM: its attention 1.5x wider)
     assert embedding_share(small) / embedding_share(size) == pytest.approx(1, abs=0.05)
 
@@ -56,7 +56,8 @@ def test_the_scaled_model_keeps_the_published_proportions(name: str) -> None:
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_the_built_gpt_has_the_parameters_its_prediction_prices(name: str) -> None:
     small = scaled_down(serving.SIZES[name])
-    model = jax.eval_shape(lambda: entry_of(small).build(argparse.Namespace(context=64), jax.random.key(0)))
+    args = argparse.Namespace(context=64)
+    model = jax.eval_shape(lambda: entry_of(small).build(args, jax.random.key(0)))
     built = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(model))
     assert built == as_built(small, 64).params
     # the GPT adds a learned table of positions and its biases to the scaled shapes: under 1%
@@ -75,8 +76,8 @@ def test_the_scaled_layout_shares_the_devices_doublings_as_the_published_one(nam
 
 
 def test_meta_s_layout_scaled_is_one_doubling_each() -> None:
-    # dp 128 x tp 8 x pp 16: 7, 3 and 4 of 14 doublings; of 3, 1.5, 0.64 and 0.86: dp takes one whole,
-    # pp and tp the two left by their remainders (0.86, 0.64 over dp's 0.5)
+    # dp 128 x tp 8 x pp 16: 7, 3 and 4 of 14 doublings; of 3, 1.5, 0.64 and 0.86: dp takes
+    # one whole, pp and tp the two left by their remainders (0.86, 0.64 over dp's 0.5)
     assert scaled_layout(Layout(dp=128, tp=8, pp=16)) == Layout(dp=2, tp=2, pp=2)
 
 
@@ -88,15 +89,16 @@ def test_the_scaled_batch_keeps_the_tokens_a_device(name: str) -> None:
     assert abs(small / DEVICES - tokens / devices) < sequence  # within a sequence a device
 
 
-MEGATRON = ["explain", "--compare", "--size", "megatron-1t", "--hardware", "a100", "--devices", "3072",
-            "--batch-size", "6M", "--context", "2048"]  # fmt: skip
+MEGATRON = ["explain", "--compare", "--size", "megatron-1t", "--hardware", "a100",
+            "--devices", "3072", "--batch-size", "6M", "--context", "2048"]  # fmt: skip
 GPT = ["explain", "--compare", "--size", "gpt", "--hardware", "v5p", "--batch-size", "1K"]
 SCALED_FLAGS = [
     ([*MEGATRON[:-2], "--context", "16", "--check"],
      "argument --context: --check cuts the sequence by 32; 16 leaves none"),
     ([*MEGATRON, "--check", "--topology", "v5e:4x4"],
-     "argument --topology: --check compiles on 8 devices, v5e:4x4 has 16 chips"),
-    ([*MEGATRON, "--check", "--topology", "v7:2x4"], "argument --topology: topology 'v7:2x4': unknown TPU"),
+     "argument --topology: --check compiles on 8 devices; v5e:4x4 is 16"),
+    ([*MEGATRON, "--check", "--topology", "v7:2x4"],
+     "argument --topology: topology 'v7:2x4': unknown TPU"),
     ([*GPT, "--check", "--topology", "v5e:2x4"],
      "argument --topology: v5e:2x4's chips are v5e, not --hardware v5p"),
     ([*MEGATRON, "--topology", "v5e:2x4"], "argument --topology: --compare --size ranks layouts"),
@@ -105,8 +107,11 @@ SCALED_FLAGS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("argv", "message"), SCALED_FLAGS, ids=[" ".join(a[-3:]) for a, _ in SCALED_FLAGS])
-def test_a_scaled_check_refuses_bad_input_in_one_line_before_any_compile(argv, message, capsys, monkeypatch):
+FLAG_IDS = [" ".join(argv[-3:]) for argv, _ in SCALED_FLAGS]
+
+
+@pytest.mark.parametrize(("argv", "message"), SCALED_FLAGS, ids=FLAG_IDS)
+def test_a_scaled_check_refuses_bad_input_before_any_compile(argv, message, capsys, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("compiled before the flags were checked")
 
@@ -118,7 +123,8 @@ def test_a_scaled_check_refuses_bad_input_in_one_line_before_any_compile(argv, m
 
 
 def compiled_megatron(topology: str | None = None) -> rank_check.Checked:
-    """Megatron-LM's dp 6 x tp 8 x pp 64, scaled: dp 2 x tp 2 x pp 2, compiled (XLA:CPU, or the slice's)."""
+    """Megatron-LM's dp 6 x tp 8 x pp 64, scaled: dp 2 x tp 2 x pp 2, compiled (XLA:CPU's, or
+    the slice's)."""
     args = parse_args([*MEGATRON, "--check", "1", *(["--topology", topology] if topology else [])])
     own, built = rank_check.scaled_run(args)
     layout = scaled_layout(PUBLISHED["megatron-1t"][3])
@@ -167,20 +173,22 @@ def test_on_a_v5e_slice_xla_tpu_gathers_fsdp_s_weights_more_often_than_predicted
     assert own.hardware == "v5e" and built.devices[0].platform == "tpu"
     layout = Layout(fsdp=DEVICES)
     row = rank_check.compile_layout(own, layout, "fsdp", {"data": DEVICES}, built)
-    assert row.parameters == pytest.approx(rank_check.FLOAT32 * row_size().params / DEVICES, rel=1e-3)
+    split = rank_check.FLOAT32 * row_size().params / DEVICES
+    assert row.parameters == pytest.approx(split, rel=1e-3)
     assert set(row.sent) == {"fsdp"}
     assert row.sent["fsdp"] / row.expected["fsdp"] == pytest.approx(1.78, abs=0.1)
 
 
 @pytest.mark.slow
 def test_llama_s_ring_sends_its_grouped_keys_and_values_once_per_query_head() -> None:
-    # LLaMA-3 405B scaled: 128 query heads share 8 key/value heads. The ranking prices cp as Llama 3's
-    # all-gather of the 8; minishard's ring (models.attention.ring_core) repeats them to the 128
-    # before its ring, "what MHA's sends": 16 times the bytes, times the ring's own 1.95 over the
-    # all-gather at cp 8 (measured: its backward pass sends each chunk round again beside the
-    # gradients; the default GPT's, of as many heads as keys, is 2.35 at cp 8, docs/compose.md)
-    llama = ["explain", "--compare", "--size", "llama3-405b", "--hardware", "h100", "--devices", "16384",
-             "--batch-size", "16M", "--context", "8192", "--check", "1"]  # fmt: skip
+    # LLaMA-3 405B scaled: 128 query heads share 8 key/value heads. The ranking prices cp as
+    # Llama 3's all-gather of the 8; minishard's ring (models.attention.ring_core) repeats them
+    # to the 128 before its ring, "what MHA's sends": 16 times the bytes, times the ring's own
+    # 1.95 over the all-gather at cp 8 (measured: its backward pass sends each chunk round again
+    # beside the gradients; the default GPT's, of as many heads as keys, is 2.35 at cp 8,
+    # docs/compose.md)
+    llama = ["explain", "--compare", "--size", "llama3-405b", "--hardware", "h100", "--check", "1",
+             "--devices", "16384", "--batch-size", "16M", "--context", "8192"]  # fmt: skip
     own, built = rank_check.scaled_run(parse_args(llama))
     size = built.size
     assert size.gated and size.heads // size.kv_heads == 16 and own.context == 256
@@ -192,7 +200,7 @@ def test_llama_s_ring_sends_its_grouped_keys_and_values_once_per_query_head() ->
     assert row.sent["cp"] / row.expected["cp"] == pytest.approx(group * 1.95, rel=0.05)
 
 
-def test_a_published_size_s_check_ranks_its_scaled_run_and_adds_its_layout_scaled(capsys, monkeypatch):
+def test_a_published_size_s_check_tries_its_scaled_run_then_its_layout(capsys, monkeypatch):
     tried = []
 
     def refuse(args, layout, name, shape, built=None):  # no compile: what was asked, then a refusal
@@ -203,11 +211,14 @@ def test_a_published_size_s_check_ranks_its_scaled_run_and_adds_its_layout_scale
     assert main([*MEGATRON, "--layout", "dp=6,tp=8,pp=64", "--check", "2"]) == 0
     out = capsys.readouterr().out.split("\n--check 2: ")[1]
     small = as_built(scaled_down(serving.MEGATRON_1T), 64)
-    assert out.startswith("megatron-1t scaled down to 8 devices of a100, compiled (float32, XLA:CPU)")
+    header = "megatron-1t scaled down to 8 devices of a100, compiled (float32, XLA:CPU)"
+    assert out.startswith(header)
     assert f"{small.params:,} parameters" in out and "256 sequences of 64 tokens a step" in out
-    fastest = [cost.layout for cost in layouts.rank(small, 256 * 64, 8, "a100", 64).costs if cost.fits]
+    ranking = layouts.rank(small, 256 * 64, 8, "a100", 64)
+    fastest = [cost.layout for cost in ranking.costs if cost.fits]
     building = [layout for layout in fastest if not isinstance(rank_check.composition(layout), str)]
     # each that builds is tried (none compiles here), then the published layout, scaled
     assert [row[0] for row in tried] == [*building, Layout(dp=2, tp=2, pp=2)]
     assert {row[2:] for row in tried} == {(DEVICES, 256 * 64, 64, small)}
-    assert "--layout dp 6 x tp 8 x pp 64, scaled:" in out and "skipped, --parallel dp+tp+pp refuses" in out
+    assert "--layout dp 6 x tp 8 x pp 64, scaled:" in out
+    assert "skipped, --parallel dp+tp+pp refuses" in out

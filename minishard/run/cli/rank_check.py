@@ -1,4 +1,4 @@
-"""``minishard explain --compare --size S --check [N]``: the ranking's top layouts, compiled and measured.
+"""``minishard explain --compare --size S --check [N]``: the ranking's top layouts, compiled.
 
 ``--compare --size`` ranks layouts from a size's shapes (``minishard.layouts``), nothing compiled.
 For minishard's own GPT (``serving.MINISHARD_GPT``) on the process's devices, ``--check N`` compiles the
@@ -32,7 +32,7 @@ from minishard.layouts import Layout, LayoutCost, human_seconds
 from minishard.report import explain
 from minishard.run.cli import scaled
 from minishard.run.cli.accelerators import simulate_devices
-from minishard.run.cli.flags import at_least
+from minishard.run.cli.flags import Error, at_least
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles import style_args, style_of, train_step
@@ -70,14 +70,14 @@ def add_arguments(add: Callable[..., object]) -> None:
         nargs="?",
         const=CHECKED,
         help=f"with --compare --size: compile the N fastest layouts that fit (default {CHECKED}); "
-        f"a published size scaled down to {scaled.DEVICES} devices, with --topology for a TPU slice",
+        f"a published size scaled down to {scaled.DEVICES} devices; --topology: for a TPU slice",
     )
 
 
-def check(args: argparse.Namespace, error: Callable[[str], object]) -> None:
+def check(args: argparse.Namespace, error: Error) -> None:
     """``--check`` ranks, then compiles the GPT's step on every device of this process (a published
     size's scaled down, ``check_scaled``), or of ``--topology``'s slice: before any work."""
-    args.check_devices = args.check_topology = None  # where it compiles, if not on this process's devices
+    args.check_devices = args.check_topology = None  # where it compiles, if not on this process's
     if args.check is None:
         return
     if not (args.compare and args.size):
@@ -93,9 +93,9 @@ def check(args: argparse.Namespace, error: Callable[[str], object]) -> None:
         error(f"argument --devices: --check compiles on this process's devices, {there}, not {args.devices}")
 
 
-def check_scaled(args: argparse.Namespace, error: Callable[[str], object]) -> None:
-    """A published size's ``--check``: its sequence must outlast ``scaled.WIDTH_CUT``; a ``--topology``
-    has ``scaled.DEVICES`` chips, which price the scaled run."""
+def check_scaled(args: argparse.Namespace, error: Error) -> None:
+    """A published size's ``--check``: its sequence must outlast ``scaled.WIDTH_CUT``; a
+    ``--topology`` has ``scaled.DEVICES`` chips, which price the scaled run."""
     if args.context is not None and args.context < (cut := scaled.WIDTH_CUT):
         error(f"argument --context: --check cuts the sequence by {cut}; {args.context} leaves none")
     if args.topology is not None:
@@ -103,13 +103,13 @@ def check_scaled(args: argparse.Namespace, error: Callable[[str], object]) -> No
     simulate_devices(scaled.DEVICES)
 
 
-def _check_slice(args: argparse.Namespace, error: Callable[[str], object], priced_on: str = "") -> None:
-    """--check --topology: a slice of ``scaled.DEVICES`` chips (the GPT's: of --hardware's chip), whose
-    devices it compiles on with XLA:TPU; ``--compare --size`` reads no other --topology."""
+def _check_slice(args: argparse.Namespace, error: Error, priced_on: str = "") -> None:
+    """--check --topology: a slice of ``scaled.DEVICES`` chips (the GPT's: of --hardware's chip),
+    whose devices it compiles on with XLA:TPU; ``--compare --size`` reads no other --topology."""
     try:
         chips, chip = chip_count(args.topology), hardware_of(args.topology)
         if chips != (devices := scaled.DEVICES):
-            raise ValueError(f"--check compiles on {devices} devices, {args.topology} has {chips} chips")
+            raise ValueError(f"--check compiles on {devices} devices; {args.topology} is {chips}")
         if priced_on not in ("", chip):
             raise ValueError(f"{args.topology}'s chips are {chip}, not --hardware {priced_on}")
         args.check_devices = tpu_devices(args.topology)
@@ -246,16 +246,17 @@ def _order(checked: list[Checked]) -> str:
     return f"the compiled steps rank them {', '.join(compiled)}, not as predicted: {'; '.join(why)}"
 
 
-# --- a published run, scaled down ------------------------------------------------------------------
+# --- a published run, scaled down -----------------------------------------------------------
 
 
 def scaled_run(args: argparse.Namespace) -> tuple[argparse.Namespace, Built]:
-    """The flags of ``args``'s published run cut to ``scaled.DEVICES`` (``minishard.run.cli.scaled``): the
+    """The flags of ``args``'s published run cut to ``scaled.DEVICES`` (``scaled``'s rules): the
     GPT's shape flags, the batch and sequence, the devices, and the chip (a slice's, if given)."""
     size, chip = scaled.scaled_down(serving.SIZES[args.size]), args.hardware
     tokens, context = scaled.scaled_batch(args.batch_size, args.devices, args.context)
-    shape = {"width": size.width, "depth": size.layers, "heads": size.heads, "kv_heads": size.kv_heads}
-    run = {**shape, "mlp_ratio": 1, "batch_size": tokens, "context": context, "devices": scaled.DEVICES}
+    shape = {"width": size.width, "depth": size.layers, "heads": size.heads, "mlp_ratio": 1}
+    batch = {"batch_size": tokens, "context": context, "devices": scaled.DEVICES}
+    run = {**shape, **batch, "kv_heads": size.kv_heads}
     chip = hardware_of(args.check_topology) if args.check_topology else args.hardware
     own = argparse.Namespace(**{**vars(args), **run, "hardware": chip})
     devices = args.check_devices or jax.devices()[: scaled.DEVICES]
@@ -263,21 +264,23 @@ def scaled_run(args: argparse.Namespace) -> tuple[argparse.Namespace, Built]:
 
 
 def print_scaled_check(args: argparse.Namespace) -> int:
-    """Rank the scaled run on ``scaled.DEVICES``, compile its ``--check`` fastest that fit and the published
-    ``--layout`` scaled (``scaled.scaled_layout``); print predicted -> compiled."""
+    """Rank the scaled run on ``scaled.DEVICES``, compile its ``--check`` fastest that fit and the
+    published ``--layout`` scaled (``scaled.scaled_layout``); print predicted -> compiled."""
     own, built = scaled_run(args)
     size, tokens, context = built.size, own.batch_size, own.context
     on = f"{scaled.DEVICES} devices of {own.hardware}"
-    print(f"\n--check {args.check}: {args.size} scaled down to {on}, compiled (float32, {_compiler(args)})")
+    compiled = f"compiled (float32, {_compiler(args)})"
+    print(f"\n--check {args.check}: {args.size} scaled down to {on}, {compiled}")
     heads = f"{size.heads} heads ({size.kv_heads} key/value) of {size.head_dim}"
     mlp = f"{'gated ' if size.gated else ''}MLP of {size.hidden}"
-    print(f"  {size.layers} layers of {size.width}, {heads}, {mlp}, vocabulary {size.vocab}: ", end="")
-    print(f"{size.params:,} parameters")
+    print(f"  {size.layers} layers of {size.width}, {heads}, {mlp}, ", end="")
+    print(f"vocabulary {size.vocab}: {size.params:,} parameters")
     print(f"  {tokens // context} sequences of {context} tokens a step")
     ranking = layouts.rank(size, tokens, scaled.DEVICES, own.hardware, context)
     fastest = [cost.layout for cost in ranking.costs if cost.fits]
     checked = _compile_each(own, fastest, args.check, built)
-    if args.layout is not None and (theirs := scaled.scaled_layout(args.layout)) not in _layouts(checked):
+    theirs = scaled.scaled_layout(args.layout) if args.layout is not None else None
+    if theirs is not None and theirs not in _layouts(checked):
         print(f"  --layout {args.layout}, scaled:")
         checked += _compile_each(own, [theirs], 1, built)
     print(_table(checked, size))
@@ -303,7 +306,8 @@ def _compile_each(
             print(f"  {layout}: skipped, --parallel {made[0]} refuses it ({why})")
             continue
         mesh = ",".join(f"{axis}={size}" for axis, size in made[1].items())
-        print(f"  {layout}: --parallel {made[0]} on {mesh}, compiled in {checked[-1].seconds:.1f} s")
+        seconds = checked[-1].seconds
+        print(f"  {layout}: --parallel {made[0]} on {mesh}, compiled in {seconds:.1f} s")
     return checked
 
 

@@ -1,4 +1,4 @@
-"""A published run's model and layout, scaled down to a few devices, so that ``--check`` compiles them.
+"""A published run's model and layout, scaled down to 8 devices, so that ``--check`` compiles them.
 
 LLaMA-3 405B on 16,384 H100 cannot be compiled here; a model of its proportions on 8 simulated
 devices can, with its layout cut to 8 devices the same way. ``scaled_down`` is the one rule for
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 DEVICES = 8
-"""The devices a scaled run is compiled on: the process's 8 simulated ones, or a ``v5e:2x4`` slice."""
+"""The devices a scaled run is compiled on: this process's 8 simulated ones, or a slice's."""
 WIDTH_CUT = 32
 """What every width (the residual stream, the MLP, each head) and the sequence are divided by."""
 DEPTH = 4
@@ -92,7 +92,8 @@ def scaled_layout(layout: Layout, devices: int = DEVICES) -> Layout:
     Meta's dp 128 x tp 8 x pp 16 is 7 + 3 + 4 of 14 doublings: on 8 devices 1.5, 0.64 and 0.86
     of 3: dp 1, then pp and tp (the largest remainders) 1 each.
 
-    >>> str(scaled_layout(Layout(dp=2, fsdp=256, tp=12))), str(scaled_layout(Layout(dp=6, tp=8, pp=64)))
+    >>> palm, megatron = Layout(dp=2, fsdp=256, tp=12), Layout(dp=6, tp=8, pp=64)
+    >>> str(scaled_layout(palm)), str(scaled_layout(megatron))
     ('fsdp 4 x tp 2', 'dp 2 x tp 2 x pp 2')
     """
     doublings = round(math.log2(devices))
@@ -106,10 +107,10 @@ def scaled_layout(layout: Layout, devices: int = DEVICES) -> Layout:
 
 
 def scaled_batch(tokens: int, devices: int, context: int, on: int = DEVICES) -> tuple[int, int]:
-    """The scaled run's tokens and sequence: the sequence divided by ``WIDTH_CUT``, each of the ``on``
-    devices the published run's tokens per device, in whole sequences, a multiple of the devices.
+    """The scaled run's tokens and sequence: the sequence divided by ``WIDTH_CUT``; on each of the
+    ``on`` devices the published run's tokens a device, in whole sequences, a multiple of ``on``.
 
-    >>> scaled_batch(16 * 2**20, 16384, 8192)   # LLaMA-3 405B: 1,024 tokens a GPU, 32 sequences of 256
+    >>> scaled_batch(16 * 2**20, 16384, 8192)   # LLaMA-3 405B: 1,024 tokens a GPU; 32 of 256
     (8192, 256)
     """
     sequence = context // WIDTH_CUT
@@ -124,7 +125,7 @@ def as_built(size: Decoder, context: int) -> Decoder:
 
 
 class GatedMLP(Layer):
-    """LLaMA's and PaLM's MLP: ``down(swish(gate(x)) * up(x))``, three matrices of ``width x hidden``.
+    """LLaMA's and PaLM's MLP: ``down(swish(gate(x)) * up(x))``, three ``width x hidden`` matrices.
 
     The up and down matrices have biases, the gate none: the dense MLP's ``hidden + width``, which
     ``Decoder.params`` counts for a model with biases. All split their hidden units over "model".
