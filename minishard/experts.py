@@ -4,9 +4,11 @@ A dense transformer runs every token through one MLP. A mixture-of-experts (MoE)
 ``E`` MLPs, the *experts*, and a *router* that sends each token to ``k`` of them (1: Switch;
 2: GShard): ``E`` times the parameters, ``k`` times the work per token. In four steps:
 
-1. **Routing.** Each token takes its ``k`` best experts, each expert has ``capacity`` slots;
-   a routing that finds them full is *dropped*. Two auxiliary losses keep the router honest;
-   ``layers.with_stats(f)`` collects them, and the counts, from every ``MoE`` that ``f`` calls.
+1. **Routing.** Each token takes its ``k`` best experts (``top_k``), each expert has
+   ``capacity`` slots; a routing that finds them full is *dropped* (``dispatch_and_combine``).
+   Two auxiliary losses keep the router honest (``balance_loss``, ``z_loss``); an ``MoE`` sows
+   them and its counts as an ``MoEStats``, and ``layers.collect(MoEStats, f)`` adds up those of
+   every ``MoE`` that ``f`` calls.
 2. **Dispatch and combine** (``MoE``): one-hot tensors and dense einsums, the tokens to every
    expert's slots ``[E, G, C, M]``, through the ``Experts`` (stacked on ``"expert"``), and back.
 3. **Expert parallelism by annotation**: a rule ``expert -> "expert"``; one ``constrain`` makes
@@ -20,8 +22,8 @@ The letters: ``G`` groups (the rows of a batch; each routes its own tokens), ``S
 group, ``M`` features, ``E`` experts, ``C`` slots per expert and group, ``H`` hidden units.
 
 >>> moe = MoE(4, k=2, capacity_factor=1.25, features=8, hidden=16, key=jax.random.key(0))
->>> from minishard.layers import with_stats
->>> y, stats = with_stats(moe)(jnp.ones((2, 6, 8)))   # 6 equal tokens pick the same 2 experts, 4 slots each
+>>> from minishard.layers import collect
+>>> y, stats = collect(MoEStats, moe)(jnp.ones((2, 6, 8)))   # 6 equal tokens: the same 2 experts
 >>> y.shape, capacity(6, 4, 2, 1.25), int(stats.routed), int(stats.dropped)
 ((2, 6, 8), 4, 24, 8)
 """
@@ -42,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from minishard import _checks
 from minishard.census import Collective, collectives, summary
 from minishard.constraints import activation_axes, constrain
-from minishard.layers import ACTIVATIONS, Layer, Linear, keep
+from minishard.layers import ACTIVATIONS, Layer, Linear, sow
 from minishard.rules import AxisRules, LogicalAxes
 from minishard.sharding import partition_specs
 
@@ -132,7 +134,7 @@ def z_loss(logits: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MoEStats:
-    """What an ``MoE`` call reports besides its output, a pytree: ``y, stats = with_stats(moe)(x)``.
+    """What an ``MoE`` call sows besides its output, a pytree: ``y, stats = collect(MoEStats, moe)(x)``.
 
     * ``aux_loss``: ``balance_weight · balance_loss + z_weight · z_loss``, to add to the training loss;
     * ``balance_loss``, ``z_loss``: the two unweighted, to watch;
@@ -185,9 +187,10 @@ class MoE(Layer):
 
     The leading dimensions are groups (a GPT's ``[batch, sequence, features]``: one per sequence),
     each routing its ``S`` tokens into ``capacity(S, ...)`` slots per expert. A dropped routing
-    adds nothing: ``x + y`` keeps the token's residual. The losses and counts, an ``MoEStats``,
-    go to the innermost ``with_stats`` (``keep``), the one thing a call does besides computing ``y``
-    (while tracing: the program stays pure). ``parallel``: an ``ExpertParallel`` runs it by hand (section 4).
+    adds nothing: ``x + y`` keeps the token's residual. The losses and counts, an ``MoEStats``, are
+    sown (``layers.sow``) into the innermost open collection of ``MoEStats``, the one thing a call does
+    besides computing ``y`` (while tracing: the program stays pure). ``parallel``: an
+    ``ExpertParallel`` runs it by hand (section 4).
     """
 
     param_fields = ("router", "experts")
@@ -221,11 +224,11 @@ class MoE(Layer):
         _checks.moe_input(x, self.router.in_features)
         if self.parallel is not None:
             y, stats = all_to_all_moe(self, x, self.parallel)
-            keep(stats)
+            sow(stats)
             return y
         groups = x.reshape(-1, *x.shape[-2:])  # [G, S, M]
         dispatch, combine, stats = self.route(groups)
-        keep(stats)  # to the innermost with_stats, if one is open
+        sow(stats)  # to the innermost open collection of MoEStats, if one is
         slot_axes = ("expert", *activation_axes(3, None, "embed"))  # [E, G, C, M]; see section 3
         with jax.named_scope("dispatch"):  # XLA's all-to-alls keep the scope's name (section 4)
             slots = constrain(jnp.einsum("gsm,gsec->egcm", groups, dispatch), slot_axes)  # to every expert
@@ -303,7 +306,7 @@ class ExpertParallel:
 
 
 def all_to_all_moe(moe: MoE, x: jax.Array, parallel: ExpertParallel) -> tuple[jax.Array, MoEStats]:
-    """``with_stats(moe)(x)`` with the experts over ``parallel.expert_axis``, every collective on the screen.
+    """``moe(x)`` and its ``MoEStats``, the experts over ``parallel.expert_axis``, every collective shown.
 
     The router is whole on every device, the experts split by the layer's own annotations. The
     two ``all_to_all``\\ s each move one device's slots, ``E · G/D · C · M`` numbers; ``jax.grad``
@@ -346,13 +349,13 @@ class ExpertReport:
     formula, 2 all-to-alls per MoE layer of one device's slots ``[E, G/D, C, M]``, and the drops.
 
     >>> import minishard as ms
-    >>> from minishard.layers import with_stats
+    >>> from minishard.layers import collect
     >>> mesh = ms.make_mesh({"expert": 4}, devices=jax.devices()[:4])
     >>> moe = MoE(8, k=2, features=8, hidden=16, key=jax.random.key(0), parallel=ExpertParallel(mesh))
     >>> moe = ms.shard(moe, mesh, AxisRules(expert="expert", embed=None, mlp=None))
     >>> x = jax.random.normal(jax.random.key(1), (8, 6, 8))   # 8 groups of 6 tokens: 2 per device
-    >>> forward = jax.jit(lambda moe, x: with_stats(moe)(x)).lower(moe, x)
-    >>> stats = with_stats(moe)(x)[1]
+    >>> forward = jax.jit(lambda moe, x: collect(MoEStats, moe)(x)).lower(moe, x)
+    >>> stats = collect(MoEStats, moe)(x)[1]
     >>> report = expert_report(forward, moe.experts.w_in, stats, groups=2, slots=capacity(6, 8, 2, 1.25))
     >>> report.found["all-to-all"].bytes == report.formula[1]
     True

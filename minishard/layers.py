@@ -33,10 +33,12 @@ the change), so minishard makes it impossible.
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import functools
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +57,14 @@ __all__ = [
     "Residual",
     "Sequential",
     "Swish",
+    "Collection",
     "check_input",
     "check_key",
-    "keep",
+    "collect",
+    "lifted",
     "megatron_axes",
     "mlp",
-    "with_stats",
+    "sow",
 ]
 
 _BUILDING = "__building__"  # in a layer's __dict__ only while its __init__ runs
@@ -424,44 +428,91 @@ def megatron_axes(num_linear: int) -> list[LogicalAxes]:
 
 
 # --- what a layer reports besides its output ------------------------------------------------------
-# A layer returns its output alone and hands what else it measures (an MoE's routing statistics,
-# ``minishard.experts``) to whoever asks: Flax's ``sow`` into "intermediates", as a function transform.
-_collections: list[list[Any]] = []
-"""The open collections, innermost last. A module global is safe: tracing is one Python thread, and
-``with_stats`` opens and closes its collection inside one trace, so no kept tracer outlives it."""
+# A layer returns its output alone and sows what else it measures (an MoE's routing statistics,
+# ``minishard.experts``) into a collection of that value's type, which ``collect`` opens around a
+# function: Flax NNX's ``sow``, whose collections are typed too (``nnx.Intermediate``).
+
+T = TypeVar("T")
 
 
-def keep(stats: Any) -> None:
-    """Hand ``stats``, a pytree, to the innermost open collection. With none open (sampling, a plain
-    forward) they are not kept; None (a dense block's, handed on from inside a transformation) is nothing."""
-    if _collections and stats is not None:
-        _collections[-1].append(stats)
+@dataclasses.dataclass
+class Collection(Generic[T]):
+    """The values of type ``kind`` sown while one ``collect``'s function runs, in sowing order."""
+
+    kind: type[T]
+    sown: list[T] = dataclasses.field(default_factory=list)
+
+    def total(self) -> T | None:
+        """The sown values added up leaf by leaf, in sowing order; None when none was sown."""
+        if not self.sown:
+            return None
+        return functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), self.sown)
 
 
-def with_stats(f: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:
-    """``f`` made to return ``(f(...), stats)``, as ``jax.value_and_grad`` returns a value beside its
-    gradient: what every layer that ``f`` called kept, added up leaf by leaf in call order (an MoE's
-    losses and counts), or None when none kept anything.
+_open: contextvars.ContextVar[tuple[Collection[Any], ...]] = contextvars.ContextVar("open", default=())
+"""The collections open now, innermost last. Tracing runs in one thread, and ``collect`` opens and
+closes its collection inside one trace, so no sown tracer outlives the trace that made it."""
 
-    A kept value is a tracer of the trace that made it. A transformation inside ``f`` traces
-    its own function (``jax.checkpoint``, ``lax.scan``, ``vmap``, ``shard_map``, ``jit``): wrap that
-    function, return its stats and ``keep`` them outside (``pipeline.run_blocks`` under its scan).
-    Around ``jit``, wrap what it compiles: ``jax.jit(with_stats(f))``.
 
+def sow(value: Any) -> None:
+    """Hand ``value`` to the innermost open collection of its type.
+
+    With none open for it (sampling, a forward pass no one asked for its statistics) it is not kept;
+    None (a dense block's, handed on from inside a transformation) is nothing.
+    """
+    for collection in reversed(_open.get()):
+        if value is not None and isinstance(value, collection.kind):
+            collection.sown.append(value)
+            return
+
+
+def collect(kind: type[T], f: Callable[..., Any]) -> Callable[..., tuple[Any, T | None]]:
+    """``f`` made to return ``(f(...), total)``, as ``jax.value_and_grad`` returns a value beside its
+    gradient: ``total``, the values of type ``kind`` that every layer ``f`` called sowed, added up leaf
+    by leaf in call order (an MoE's losses and counts), or None when none was sown.
+
+    Inside ``f``, a transformation needs ``lifted``; around ``jit``: ``jax.jit(collect(kind, f))``.
+
+    >>> @jax.tree_util.register_dataclass
+    ... @dataclasses.dataclass
+    ... class Calls:
+    ...     count: int
     >>> def double(x):
-    ...     keep({"calls": 1})
+    ...     sow(Calls(1))
     ...     return 2 * x
-    >>> y, stats = with_stats(lambda x: double(double(x)))(1.0)
-    >>> y, int(stats["calls"]), with_stats(jnp.sin)(0.0)[1]   # two calls kept; none
+    >>> y, calls = collect(Calls, lambda x: double(double(x)))(1.0)
+    >>> y, int(calls.count), collect(Calls, jnp.sin)(0.0)[1]   # two calls sown, added up; none
     (4.0, 2, None)
     """
+    _checks.collected_kind("collect", kind)
 
-    def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        _collections.append([])
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, T | None]:
+        collection = Collection(kind)
+        opened = _open.set((*_open.get(), collection))
         try:
             out = f(*args, **kwargs)
         finally:
-            kept = _collections.pop()  # closed, even when f raises
-        return out, functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), kept) if kept else None
+            _open.reset(opened)  # closed, even when f raises
+        return out, collection.total()
+
+    return run
+
+
+def lifted(f: Callable[..., Any]) -> Callable[..., tuple[Any, Any]]:
+    """``collect(kind, f)`` for the ``kind`` of the innermost open collection; none open:
+    ``(f(...), None)``.
+
+    A sown value is a tracer of the trace that made it, and a transformation (``jax.checkpoint``,
+    ``lax.scan``, ``vmap``, ``shard_map``) traces its own function: what is sown there must leave
+    it as an output. So the transformation runs ``lifted(f)``, and what it returns is sown again
+    outside, reduced as the transformation asks: ``y, sown = jax.lax.scan(lifted(body), x, xs)``,
+    then ``sow(sum of sown)`` (``pipeline.run_blocks``).
+    """
+
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        collections = _open.get()
+        if not collections:
+            return f(*args, **kwargs), None
+        return collect(collections[-1].kind, f)(*args, **kwargs)
 
     return run

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from minishard import _checks
 from minishard._hlo import collective_instructions
 from minishard.census import bytes_by_mesh_axes, collectives
-from minishard.layers import ACTIVATIONS, Layer, Linear, Sequential, keep, with_stats
+from minishard.layers import ACTIVATIONS, Layer, Linear, Sequential, lifted, sow
 from minishard.rules import LogicalAxes
 
 # --- 1. microbatches: gradient accumulation ------------------------------------
@@ -61,6 +61,15 @@ def split_microbatches(batch: Any, m: int) -> Any:
         return a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
 
     return jax.tree.map(split, batch)
+
+
+def join_microbatches(ys: jax.Array) -> jax.Array:
+    """``split_microbatches``' inverse: ``[m, B/m, ...]`` -> ``[B, ...]``.
+
+    >>> join_microbatches(split_microbatches(jnp.arange(6), 3)).tolist()
+    [0, 1, 2, 3, 4, 5]
+    """
+    return ys.swapaxes(0, 1).reshape(ys.shape[0] * ys.shape[1], *ys.shape[2:])
 
 
 def microbatched(loss_fn: Callable[..., Any], m: int, reduction: str = "mean") -> Callable[..., Any]:
@@ -126,13 +135,16 @@ class Stacked(Layer):
 
 
 def run_blocks(block: Any, x: jax.Array, *args: Any) -> jax.Array:
-    """Apply stacked blocks in order: a ``lax.scan`` over their leading axis. ``args`` go to every
-    block as they are (a GPT's: the tokens' ``positions``, which ring attention reads). What the blocks
-    keep (an MoE's statistics, ``layers.with_stats``) leaves the scan as its output, added up, kept."""
-    body = lambda h, one: with_stats(one)(h, *args)  # noqa: E731
-    _checks.blocks_keep_shape(body, block, x)  # the scan's carry: each block's output is the next's input
-    y, stats = jax.lax.scan(body, x, block)
-    keep(jax.tree.map(lambda s: s.sum(0), stats))
+    """Apply stacked blocks in order: a ``lax.scan`` over their leading axis.
+
+    ``args`` go to every block as they are (a GPT's: the tokens' ``positions``, which ring attention
+    reads). What the blocks sow (an MoE's statistics, ``layers.sow``) leaves the scan as its
+    output (``layers.lifted``), is added up over the blocks and sown again outside.
+    """
+    body = lambda h, one: lifted(one)(h, *args)  # noqa: E731
+    _checks.blocks_keep_shape(body, block, x)  # the scan's carry: a block's output is the next's input
+    y, sown = jax.lax.scan(body, x, block)
+    sow(jax.tree.map(lambda s: s.sum(0), sown))
     return y
 
 
@@ -141,21 +153,25 @@ class StackedModel(Layer):
 
     ``before`` and ``after`` (an embedding, a head) run outside the pipeline on
     every stage; the rules lay them out as for any model. ``positions``, where given (a GPT's
-    tokens' under cp, dealt out zig-zag), go to ``before`` and to every block, pipelined or not.
+    tokens' under cp, dealt out zig-zag), go to ``before`` and to every block, pipelined or not:
+    ``pipeline.run`` runs the blocks as the pipeline says.
     """
 
     param_fields = ("before", "blocks", "after")
     static_fields = ("pipeline",)
 
     def __init__(self, before: Any, blocks: Stacked, after: Any, pipeline: Pipeline | None = None) -> None:
-        self.before, self.blocks, self.after, self.pipeline = before, blocks, after, pipeline
+        self.before = before
+        self.blocks = blocks
+        self.after = after
+        self.pipeline = pipeline
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         args = () if positions is None else (positions,)
         h = self.before(x, *args)
         if self.pipeline is None:
             return self.after(self.blocks(h, *args))
-        return self.after(run_pipeline(self.blocks, h, self.pipeline, *args))
+        return self.after(self.pipeline.run(self.blocks, h, *args))
 
 
 def stack(before: Any, blocks: Sequence[Layer], after: Any) -> StackedModel:
@@ -206,16 +222,17 @@ def stacked_mlp(sizes: list[int], *, key: jax.Array, activation: str = "swish") 
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
-    """Where and how to pipeline: ``p`` stages on ``mesh[stage_axis]``, ``m`` microbatches, ``r`` repeats;
-    the microbatches' rows over ``data_axis``, their tokens over ``sequence_axis`` (cp's "context": the
-    stages then hold their share of the tokens, and ring attention runs on it inside them)."""
+    """Where and how to pipeline: ``p`` stages on ``mesh[stage_axis]``, ``m`` microbatches, ``r`` repeats.
+
+    ``r = 1`` is GPipe; ``r > 1``, the circular schedule. ``run`` runs stacked blocks so. A pipeline
+    whose stages run other dimensions inside them (the rows over "data", the tokens over "context",
+    an MoE's statistics) is ``minishard.composition.ComposedPipeline``.
+    """
 
     mesh: Mesh
     microbatches: int
     repeats: int = 1
     stage_axis: str = "stage"
-    data_axis: str | None = None
-    sequence_axis: str | None = None
 
     def __post_init__(self) -> None:
         _checks.pipeline(self)
@@ -227,6 +244,18 @@ class Pipeline:
     @property
     def ticks(self) -> int:
         return self.repeats * self.microbatches + self.stages - 1
+
+    def run(self, blocks: Stacked, x: jax.Array, *args: Any) -> jax.Array:
+        """``blocks(x, *args)``, pipelined: ``gpipe`` on every device of the stage axis, the only
+        axis it runs by hand (another, "model" for tp, stays the annotations' inside a stage).
+        ``args`` (a GPT's ``[T]`` positions) are the same for every microbatch and device."""
+        _checks.pipeline_batch("run_pipeline", x, self)
+        layers = stage_layers(blocks, self)
+        loop = functools.partial(_blocks_alone, pipeline=self)
+        in_specs = (P(self.stage_axis), P(), *(P(),) * len(args))
+        axes = {self.stage_axis}
+        run = jax.shard_map(loop, mesh=self.mesh, in_specs=in_specs, out_specs=P(), axis_names=axes)
+        return join_microbatches(run(layers, split_microbatches(x, self.microbatches), *args))
 
 
 def work(tick: Any, stage: Any, m: int, r: int = 1) -> tuple[Any, Any, Any]:
@@ -240,7 +269,8 @@ def work(tick: Any, stage: Any, m: int, r: int = 1) -> tuple[Any, Any, Any]:
     (True, 0, 1)
     """
     k = tick - stage
-    return (k >= 0) & (k < m * r), k % m, k // m
+    busy = (k >= 0) & (k < m * r)
+    return busy, k % m, k // m
 
 
 def schedule(p: int, m: int, r: int = 1) -> list[list[Any]]:
@@ -267,9 +297,8 @@ def draw(grid: list[list[Any]]) -> str:
     """
     text = [[_cell(work) for work in row] for row in grid]
     width = max(len(cell) for row in text for cell in row)
-    return "\n".join(
-        f"stage {d} | " + " ".join(cell.ljust(width) for cell in row).rstrip() for d, row in enumerate(text)
-    )
+    rows = [" ".join(cell.ljust(width) for cell in row).rstrip() for row in text]
+    return "\n".join(f"stage {d} | {row}" for d, row in enumerate(rows))
 
 
 def _cell(work: Any) -> str:
@@ -290,70 +319,92 @@ def ring_pairs(p: int, shift: int = 1) -> list[tuple[int, int]]:
 def run_pipeline(blocks: Stacked, x: jax.Array, pipeline: Pipeline, *args: Any) -> jax.Array:
     """``blocks(x, *args)``, as a pipeline: ``p`` stages, each holding ``r`` sets of ``n / (p·r)`` layers.
 
-    Device ``d`` holds sets ``d, d + p, d + 2p, ...``: a microbatch visits every
-    device ``r`` times, round a ring. The layers are reordered ``[n] -> [p, r, L]``
-    here; with ``r = 1`` that is free, with ``r > 1`` XLA moves them each step. ``args`` (a GPT's
-    ``[T]`` positions) are the same for every microbatch: each device gets those of the tokens it holds.
+    ``pipeline.run`` runs it: ``Pipeline``'s is the loop below (``gpipe``); a ``ComposedPipeline``
+    (``minishard.composition``) runs other dimensions inside the stages.
+    """
+    return pipeline.run(blocks, x, *args)
+
+
+def stage_layers(blocks: Stacked, pipeline: Pipeline) -> Any:
+    """The stacked layers reordered ``[n] -> [p, r, L]``: device ``d`` holds sets ``d, d + p, ...``.
+
+    A microbatch visits every device ``r`` times, round a ring. With ``r = 1`` the reorder is free,
+    with ``r > 1`` XLA moves the layers each step.
     """
     _checks.instance("run_pipeline: blocks", blocks, Stacked, "stack them: Stacked(make_block, n, key=key)")
-    p, m, r = pipeline.stages, pipeline.microbatches, pipeline.repeats
-    _checks.pipeline_batch("run_pipeline", x, pipeline)
+    p = pipeline.stages
+    r = pipeline.repeats
     if blocks.n % (p * r):
         raise ValueError(f"pipeline: {blocks.n} blocks do not split into {p} stages x {r} repeats")
-    schedule(p, m, r)  # checks m >= p for a circular schedule
-    layers = jax.tree.map(lambda a: a.reshape(r, p, -1, *a.shape[1:]).swapaxes(0, 1), blocks.block)
-    loop = functools.partial(_gpipe, pipeline=pipeline)
-    data, tokens = pipeline.data_axis, pipeline.sequence_axis
-    x_spec = P(None, data, tokens)  # [m, B/m, T, ...]: rows over "data", tokens over "context", if any
-    stages, held = P(pipeline.stage_axis), (P(tokens),) * len(args)  # args: each device's tokens'
-    # manual over its own axes only: another mesh axis ("model": tp) stays the annotations' inside a stage
-    own = {pipeline.stage_axis} | {axis for axis in (data, tokens) if axis}
-    in_specs, out_specs = (stages, x_spec, *held), (x_spec, P())  # the blocks' stats: the batch's
-    run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=own)
-    y, stats = run(layers, split_microbatches(x, m), *args)
-    keep(stats)
-    return y.swapaxes(0, 1).reshape(x.shape[0], *y.shape[2:])  # undo the strided split
+    schedule(p, pipeline.microbatches, r)  # checks m >= p for a circular schedule
+    return jax.tree.map(lambda a: a.reshape(r, p, -1, *a.shape[1:]).swapaxes(0, 1), blocks.block)
 
 
-def _gpipe(layers: Any, xs: jax.Array, *args: Any, pipeline: Pipeline) -> tuple[jax.Array, Any]:
-    """One device's program: ``pipeline.ticks`` times, run its layers, pass the result on (``ppermute``)."""
-    p, m, r, axis = pipeline.stages, pipeline.microbatches, pipeline.repeats, pipeline.stage_axis
-    replicas = tuple(a for a in (pipeline.data_axis, pipeline.sequence_axis) if a)  # other examples, tokens
-    stage, layers = jax.lax.axis_index(axis), jax.tree.map(lambda a: a[0], layers)  # [r, L, ...]
-    if replicas:  # cast once, so that the gradient's psum over them (its transpose) runs once, not per tick
-        layers = jax.lax.pcast(layers, replicas, to="varying")
+def gpipe(layers: Any, xs: jax.Array, pipeline: Pipeline, stage_work: Callable[..., Any]) -> Any:
+    """One device's program: ``pipeline.ticks`` times, run its layers, pass the result on.
+
+    ``stage_work(layers, x, busy) -> (y, report)``: a stage's work at a tick, its layers (this
+    device's ``[1, r, L, ...]``) on ``x``, and what else the tick reports, stacked and returned."""
+    p = pipeline.stages
+    m = pipeline.microbatches
+    r = pipeline.repeats
+    axis = pipeline.stage_axis
+    stage = jax.lax.axis_index(axis)
+    layers = jax.tree.map(lambda a: a[0], layers)  # [r, L, ...]: this stage's sets of layers
     varying = functools.partial(jax.lax.pcast, axis_name=axis, to="varying")  # differs per stage
-    # The shift register, the inputs (stage 0 parks there microbatches back for their next repeat), the
-    # outputs. Bubbles hold NaN, so one that leaks fails the tests (full_like's: xs * NaN's gradient is NaN).
+    # The shift register, the inputs, the outputs. A bubble holds NaN: one that leaks fails the tests
     carry = varying(jnp.full_like(xs[0], jnp.nan)), varying(xs), varying(jnp.full_like(xs, jnp.nan))
 
-    def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
+    def tick(carry: Any, t: jax.Array) -> tuple[Any, Any]:
         state, inputs, outputs = carry
         busy, i, j = work(t, stage, m, r)
-        x = jnp.where(stage == 0, inputs[i], state)  # stage 0 starts microbatch i (repeat j)
+        x = jnp.where(stage == 0, inputs[i], state)  # stage 0 starts microbatch i
         x = jnp.where(busy, x, 0.0)  # a bubble computes on zeros: NaN * 0 would be NaN in the gradient
-        # repeat j's layers: slice 0 if r = 1 (at a traced j, a new array each tick, kept per tick by grad)
-        here = jax.tree.map(lambda a: a[0] if r == 1 else a[jnp.clip(j, 0, r - 1)], layers)
-        y, stats = with_stats(run_blocks)(here, x, *args)
-        outputs = outputs.at[i].set(jnp.where(busy & (stage == p - 1) & (j == r - 1), y, outputs[i]))
+        y, report = stage_work(repeat_layers(layers, j, r), x, busy)
+        done = busy & (stage == p - 1) & (j == r - 1)  # the last stage, on the last repeat
+        outputs = outputs.at[i].set(jnp.where(done, y, outputs[i]))
         state = jax.lax.ppermute(y, axis, ring_pairs(p))  # the shift
-        sent, i_back, j_back = work(t, p - 1, m, r)  # what the last stage sent round to stage 0
-        back = (stage == 0) & sent & (j_back < r - 1)
-        inputs = inputs.at[i_back].set(jnp.where(back, state, inputs[i_back]))
-        return (state, inputs, outputs), jax.tree.map(lambda s: jnp.where(busy, s, 0), stats)  # a bubble's: 0
+        inputs = circled_back(inputs, state, t, stage, pipeline)
+        return (state, inputs, outputs), report
 
-    (_, _, outputs), stats = jax.lax.scan(tick, carry, jnp.arange(pipeline.ticks))
+    (_, _, outputs), reports = jax.lax.scan(tick, carry, jnp.arange(pipeline.ticks))
     outputs = jax.lax.psum(jnp.where(stage == p - 1, outputs, 0.0), axis)  # the last stage's, to all
-    return outputs, jax.tree.map(lambda s: _over_the_batch(s, pipeline, replicas), stats)  # its blocks' stats
+    return outputs, reports
 
 
-def _over_the_batch(stat: jax.Array, pipeline: Pipeline, replicas: tuple[str, ...]) -> jax.Array:
-    """A statistic of each tick (``with_stats``), for the batch: each stage's blocks' and microbatch's added
-    up; counts over the replicas too, losses (a microbatch's mean each) averaged, as ``all_to_all_moe``."""
-    total = jax.lax.psum(stat.sum(0), pipeline.stage_axis)
-    if jnp.issubdtype(total.dtype, jnp.integer):
-        return jax.lax.psum(total, replicas)
-    return jax.lax.pmean(total / pipeline.microbatches, replicas)
+def _blocks_alone(layers: Any, xs: jax.Array, *args: Any, pipeline: Pipeline) -> jax.Array:
+    """``gpipe`` with ``run_blocks`` as each stage's work: blocks that sow nothing while collected."""
+
+    def stage_work(here: Any, x: jax.Array, busy: jax.Array) -> tuple[jax.Array, None]:
+        y, sown = lifted(run_blocks)(here, x, *args)
+        _checks.nothing_sown("run_pipeline", sown)  # an MoE's statistics: a ComposedPipeline's
+        return y, None
+
+    outputs, _ = gpipe(layers, xs, pipeline, stage_work)
+    return outputs
+
+
+# The circular schedule (r > 1) in two steps: a stage runs the set of layers of the microbatch's
+# repeat, and stage 0 parks what the last stage sent round until its next repeat. With r = 1 the
+# first is the one set, and nothing is ever parked: the loop above is GPipe's.
+
+
+def repeat_layers(layers: Any, j: jax.Array, r: int) -> Any:
+    """A stage's set of layers for repeat ``j``: slice 0 if ``r = 1`` (at a traced ``j``, a new
+    array each tick, kept per tick by ``jax.grad``)."""
+    return jax.tree.map(lambda a: a[0] if r == 1 else a[jnp.clip(j, 0, r - 1)], layers)
+
+
+def circled_back(
+    inputs: jax.Array, sent: jax.Array, t: jax.Array, stage: jax.Array, pipeline: Pipeline
+) -> jax.Array:
+    """Stage 0's inputs, with what the last stage ``sent`` round at tick ``t`` parked for its next
+    repeat (never with ``r = 1``: every microbatch's repeat is its last)."""
+    m = pipeline.microbatches
+    r = pipeline.repeats
+    last_busy, i, j = work(t, pipeline.stages - 1, m, r)  # what the last stage worked on
+    back = (stage == 0) & last_busy & (j < r - 1)
+    return inputs.at[i].set(jnp.where(back, sent, inputs[i]))
 
 
 # --- 4. what it costs -----------------------------------------------------------

@@ -34,7 +34,8 @@ def one_f_one_b(blocks: Stacked, x: jax.Array, targets: jax.Array, loss_fn: Any,
     _checks.instance("one_f_one_b: blocks", blocks, Stacked, "stack them: Stacked(make_block, n, key=key)")
     p, m, axis = pipeline.stages, pipeline.microbatches, pipeline.stage_axis
     _checks.pipeline_batch("one_f_one_b", x, pipeline)
-    if pipeline.data_axis or pipeline.repeats != 1 or blocks.n % p:
+    alone = type(pipeline).run is Pipeline.run  # no other dimension inside the stages
+    if not alone or pipeline.repeats != 1 or blocks.n % p:
         raise ValueError("one_f_one_b: one data replica, no repeats, blocks divisible by stages")
     loop = functools.partial(_one_f_one_b_loop, loss_fn=loss_fn, p=p, m=m, axis=axis)
     run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=(P(axis), P(), P()), out_specs=(P(), P(axis), P()))
