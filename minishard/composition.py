@@ -52,7 +52,7 @@ class ComposedPipeline(Pipeline):
 
     >>> import minishard as ms
     >>> mesh = ms.make_mesh({"data": 2, "stage": 4})
-    >>> ComposedPipeline(mesh, microbatches=4, data_axis="data").ticks   # 4 + 4 - 1, as a Pipeline's
+    >>> ComposedPipeline(mesh, microbatches=4, data_axis="data").ticks   # 4 + 4 - 1, as a Pipeline
     7
     """
 
@@ -67,7 +67,12 @@ class ComposedPipeline(Pipeline):
         return run_composed(blocks, x, self, *args)
 
 
-def run_composed(blocks: Stacked, x: jax.Array, pipeline: ComposedPipeline, *args: Any) -> jax.Array:
+def run_composed(
+    blocks: Stacked,
+    x: jax.Array,
+    pipeline: ComposedPipeline,
+    *args: Any,
+) -> jax.Array:
     """``blocks(x, *args)`` pipelined, the stages running the pipeline's other axes inside them.
 
     ``args`` (a GPT's ``[T]`` positions) are the same for every microbatch: each device gets those
@@ -84,7 +89,8 @@ def run_composed(blocks: Stacked, x: jax.Array, pipeline: ComposedPipeline, *arg
     # by hand over its own axes only: another ("model": tp) stays the annotations' inside a stage
     own = {pipeline.stage_axis} | {axis for axis in (data, tokens) if axis}
     loop = functools.partial(_composed_gpipe, pipeline=pipeline)
-    run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=own)
+    mesh = pipeline.mesh
+    run = jax.shard_map(loop, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=own)
     y, stats = run(layers, split_microbatches(x, pipeline.microbatches), *args)
     sow(stats)
     return join_microbatches(y)
