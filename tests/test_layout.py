@@ -117,7 +117,8 @@ back from ``_hlo``, where it had gone to fit the old budget; then (issue 43, one
 the ``Optimizer`` protocol in optim (11) and ``Batch``, ``Loss`` and ``classification_loss`` in
 losses (23), each once, where zero.py and the workshop had their own; then (issue 45) ``tree.cast_floating``
 (7), jmp's cast to compute, shared by ``memory.Precision`` and ZeRO's bfloat16 step; then (issue 46)
-``layers.with_stats`` and ``keep`` (44), down from experts, which the pipeline uses below it."""
+``layers.with_stats`` and ``keep`` (44), down from experts, which the pipeline uses below it; then
+(issue 62) their typed successors ``Collection``, ``collect``, ``sow`` and ``lifted``."""
 PARSING = ("_hlo",)
 """Private modules whose functions return what they read: parsing machinery, not guards."""
 OUTSIDE = ("run", "models", "testing")
@@ -494,7 +495,7 @@ def test_every_block_returns_one_shape_of_result():
         for path in [*sorted((PACKAGE / "models").rglob("*.py")), PACKAGE / "run" / "next_token.py"]
         for found in mlp_switches(path.read_text())
     ]
-    assert not wrong, f"an MoE is called as a dense MLP; its stats come from with_stats: {wrong}"
+    assert not wrong, f"an MoE is called as a dense MLP; its stats come from collect(MoEStats, ...): {wrong}"
 
 
 def test_the_mlp_switch_scan_finds_the_old_twins():
