@@ -23,8 +23,9 @@ from strategies import assert_trees_equal
 from test_checkpoint import read_only_directory
 
 import minishard as ms
+from minishard.composition import ComposedPipeline
 from minishard.models.vit import ViT, vit_rules
-from minishard.pipeline import Pipeline, stacked_mlp
+from minishard.pipeline import stacked_mlp
 from minishard.run.checkpoint import Checkpointer, saved_steps
 from minishard.run.compiling import enable_compilation_cache
 from minishard.run.data import Dataset, mnist
@@ -779,7 +780,7 @@ def test_a_pipelined_run_resumes_with_other_microbatches(tmp_path):
 
     def piped(m):
         model = stacked_mlp([4, 8, 8, 8, 4], key=jax.random.key(0))
-        return model.replace(pipeline=Pipeline(mesh, m, data_axis="data"))
+        return model.replace(pipeline=ComposedPipeline(mesh, m, data_axis="data"))
 
     quiet = dict(mesh=mesh, rules=rules, checkpoint_dir=tmp_path, log=lambda line: None, progress=False)
     fit(piped(2), ms.SGD(0.1), tiny_data(), FitSettings(epochs=1, **quiet))
@@ -791,7 +792,7 @@ def test_a_pipelined_checkpoint_saved_with_its_schedule_in_the_signature_resumes
     """Before issue 27 the signature held the pipeline: such a checkpoint resumes at its --microbatches."""
     mesh = ms.make_mesh({"data": 4, "stage": 2})
     model = stacked_mlp([4, 8, 8, 8, 4], key=jax.random.key(0))
-    model = model.replace(pipeline=Pipeline(mesh, 2, data_axis="data"))
+    model = model.replace(pipeline=ComposedPipeline(mesh, 2, data_axis="data"))
     quiet = dict(mesh=mesh, rules=style_rules("dp+pp"), checkpoint_dir=tmp_path, log=lambda line: None)
     fit(model, ms.SGD(0.1), tiny_data(), FitSettings(epochs=1, progress=False, **quiet))
     files = [path for path in tmp_path.rglob("*") if path.is_file()]

@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import minishard as ms
 import minishard.models.vit as transformer
-from minishard import pipeline as pp
 from minishard.census import bytes_by_mesh_axes
+from minishard.composition import ComposedPipeline
 from minishard.models.vit import Attention, LayerNorm, PatchEmbedding, ViT, as_stacked, stacked_vit, vit_rules
 from minishard.run.steps import make_train_step
 from minishard.styles import ANY_MODEL, LOGICAL_AXES, mesh_rules, style_rules
@@ -284,7 +284,9 @@ def test_the_stacked_vit_trains_alike_pipelined_over_data_and_stage_or_data_para
     for style in ("dp", "dp+pp"):
         shape, rules = mesh_rules(style, 8)
         mesh = ms.make_mesh(shape)
-        piped = model if style == "dp" else model.replace(pipeline=pp.Pipeline(mesh, 4, data_axis="data"))
+        piped = (
+            model if style == "dp" else model.replace(pipeline=ComposedPipeline(mesh, 4, data_axis="data"))
+        )
         step, state = ms.Sharded(mesh, rules)(sgd_step), ms.SGD(0.1).init(piped)
         for _ in range(3):
             piped, state, loss, _ = jax.block_until_ready(step(piped, state, batch))

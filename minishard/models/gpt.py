@@ -37,7 +37,7 @@ attention over the tokens at ``positions``: the run side deals each batch out zi
 devices of "context" (``minishard.run.next_token``); ``docs/context.md`` measures it against ``dp``.
 
 ``GPT(mlp=moe_mlp(8, k=2))`` makes every MLP a mixture of experts
-(``minishard.experts``), the same function of its ids: ``with_stats(model)(ids)``
+(``minishard.experts``), the same function of its ids: ``collect(MoEStats, model)(ids)``
 gives the logits and the blocks' ``MoEStats`` added up, which the training loss
 adds (``minishard.run.next_token``).
 
