@@ -24,6 +24,8 @@ idea, and imports only the ones before it.
 * ``experts``: a mixture of experts, and expert parallelism by hand: two ``all_to_all`` collectives per layer;
 * ``remat``: recomputation: what each ``jax.checkpoint`` policy keeps for the backward pass, and the
   FLOPs it adds (model against hardware FLOPs: MFU and HFU);
+* ``composition``: each dimension's chapter run inside the others (the ring's grouped-query
+  attention, decoding over a split cache, its memory terms and the report of what it sent);
 * ``memory``: will it fit? A step's bytes per device, term by term (parameters, gradients, optimizer
   state, master copy, activations), against the compiler's ``memory_analysis()`` and the published tables;
 * ``serving``: the inference roofline: prefill and decode priced on any chip, the KV cache, latency

@@ -331,7 +331,7 @@ def test_the_batch_is_dealt_out_only_where_attention_splits_the_sequence():
         shape, rules = mesh_rules(style, 8)
         env = LogicalSharding(ms.make_mesh(shape), rules)
         held, inputs = env.wrap(lambda: in_sequence_layout(model, batch))()
-        order = np.asarray(cx.positions(SMALL["context"], 4, "zigzag")) if dealt else np.arange(16)
+        order = np.asarray(cx.held_order(SMALL["context"], 4, "zigzag")) if dealt else np.arange(16)
         np.testing.assert_array_equal(inputs["targets"], batch["targets"][:, order])
         assert (held is not model) == dealt
 

@@ -53,6 +53,7 @@ ORDER = (
     "sequence",
     "experts",
     "remat",
+    "composition",
     "memory",
     "serving",
     "precision",
@@ -75,14 +76,18 @@ CHAPTERS = {
     "pipeline_1f1b": 80,
     "zero": 420,  # issue 47: placed_shapes (10 lines); issue 45: compute="bfloat16" (51), Megatron's master;
     # reduce_scatter across CPU processes (jax#40830: 407 lines as it landed); #45: pieces, held_bytes (9)
-    "context": 517,  # #48: GQA (grouped, 21), merge_across (24: cp decode); #45: ring_kept, ring_in_flight;
-    # #61: merge_weights (11), the online softmax's one home, which the flash kernel shares; attend's
-    # `dropped` (5), the one softmax a model's dropout of the attention weights reaches
+    # issue 62: the ring alone (483 lines): GQA, cp decoding's merge_across, ring_kept, ring_in_flight
+    # and the report moved to composition (-130); lines within 100 characters, formulas named, the
+    # backward ring's operands named (_Pair, _Upstream, _Sums: +95). #61: merge_weights (11), the
+    # online softmax's one home, which the flash kernel shares; attend's `dropped` (5)
+    "context": 490,
     "flash": 410,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397)
-    "sequence": 200,
+    "sequence": 215,  # issue 62: lines within 100 characters, held_order's two results named (+22)
     "experts": 436,  # issue 43 §4: moe_layers (10); #45 moe_activations; with_stats and keep (44 lines)
     # moved down to layers (pp+ep: the pipeline carries an MoE's stats out of its stages)
     "remat": 150,  # issue 45 §4: the policies, after_the_gradient (XLA:CPU schedules by it), StepFlops
+    # issue 62: the ring inside others (241 lines): GQA, cp decoding, the ring's memory terms, its report
+    "composition": 245,
     "memory": 475,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
     # §2: zero_budget, ZeRO's own step term by term (31), Budget.cast_each_step (ZeRO holds its bf16 weights)
     "serving": 260,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too; GPT-2's
