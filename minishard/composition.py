@@ -33,9 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from minishard import _checks
+from minishard import _checks, context
 from minishard.census import human_bytes, instructions, mesh_of
-from minishard.context import attend, balance, ring_permutes
 from minishard.costs import ring_bound
 from minishard.hardware import hardware_named
 
@@ -80,9 +79,9 @@ def grouped_attention(
     k_pos = q_pos if k_pos is None else k_pos
     group = q.shape[2] // max(k.shape[2], 1)  # query heads per K/V head
     if group == 1:
-        return attend(q, k, v, q_pos, k_pos, causal=causal)[0].astype(q.dtype)
+        return context.attend(q, k, v, q_pos, k_pos, causal=causal)[0].astype(q.dtype)
     rows_at = jnp.repeat(q_pos, group)  # a group's queries, each at its token's position
-    out = attend(grouped(q, group), k, v, rows_at, k_pos, causal=causal)[0]
+    out = context.attend(grouped(q, group), k, v, rows_at, k_pos, causal=causal)[0]
     return grouped(out, group, inverse=True).astype(q.dtype)
 
 
@@ -180,17 +179,17 @@ class RingReport:
 
     @property
     def formula(self) -> tuple[int, int]:
-        count = self.blocks * sum(ring_permutes(self.p))
+        count = self.blocks * sum(context.ring_permutes(self.p))
         float32 = 4
         return count, count * math.prod(self.chunk) * float32
 
     def __str__(self) -> str:
         p = self.p
-        per_block = sum(ring_permutes(p))
+        per_block = sum(context.ring_permutes(p))
         count, nbytes = self.sent
         layout = "zig-zag" if self.layout == "zigzag" else "in order"
-        zigzag = balance(p, "zigzag")
-        in_order = balance(p)
+        zigzag = context.balance(p, "zigzag")
+        in_order = context.balance(p)
         trips = p - 1
         forward = f"Per block, forward: K and V x {trips} trips;"
         backward = f"backward: K and V x {trips} trips, dK and dV x {p} (the last one home)"

@@ -81,7 +81,8 @@ CHAPTERS = {
     # backward ring's operands named (_Pair, _Upstream, _Sums: +95). #61: merge_weights (11), the
     # online softmax's one home, which the flash kernel shares; attend's `dropped` (5)
     "context": 490,
-    "flash": 410,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397)
+    "flash": 415,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397);
+    # issue 62: the docstring names every public name (+6), the refs and shapes picked by name (+6)
     "sequence": 215,  # issue 62: lines within 100 characters, held_order's two results named (+22)
     "experts": 436,  # issue 43 §4: moe_layers (10); #45 moe_activations; with_stats and keep (44 lines)
     # moved down to layers (pp+ep: the pipeline carries an MoE's stats out of its stages)
