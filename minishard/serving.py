@@ -54,8 +54,9 @@ class Decoder:
     ``layers`` (L), ``width`` (D), ``heads`` (N), ``kv_heads`` (K; fewer than ``heads`` under
     grouped-query attention), ``head_dim`` (H), ``hidden`` (F, a gated MLP's three matrices), ``vocab`` (V).
     GPT-2's shape differs in three ways (``MINISHARD_GPT``): an MLP of two matrices (``gated=False``), a
-    learned table of ``positions`` (0: rotary, no table), and ``biases`` (each LayerNorm's scale
-    and bias, each MLP matrix's bias and the head's, where LLaMA has an RMSNorm's scale alone).
+    learned position table of ``position_rows`` rows (0: rotary, no table), and ``biases`` (each
+    LayerNorm's scale and bias, each MLP matrix's bias and the head's, where LLaMA has an RMSNorm's
+    scale alone).
     """
 
     layers: int
@@ -66,7 +67,7 @@ class Decoder:
     hidden: int
     vocab: int
     gated: bool = True
-    positions: int = 0
+    position_rows: int = 0
     biases: bool = False
 
     @property
@@ -80,7 +81,7 @@ class Decoder:
         width, attention = self.width, 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
         mlp = (3 if self.gated else 2) * width * self.hidden
         biases = (5 * width + self.hidden, 2 * width + self.vocab) if self.biases else (0, 0)
-        embeddings = (2 * self.vocab + self.positions) * width + biases[1]
+        embeddings = (2 * self.vocab + self.position_rows) * width + biases[1]
         return self.layers * (mlp + attention + biases[0]) + embeddings
 
     def kv_bytes_per_token(self, precision: str = "bfloat16") -> float:
@@ -104,7 +105,7 @@ LLAMA3_405B = Decoder(
 """LLaMA-3 405B, from the same table."""
 MINISHARD_GPT = Decoder(
     layers=4, width=128, heads=4, kv_heads=4, head_dim=32, hidden=512, vocab=65,
-    gated=False, positions=64, biases=True,
+    gated=False, position_rows=64, biases=True,
 )
 """minishard's own default GPT (``minishard.models.gpt``: nanoGPT's CPU shape, tiny_shakespeare's 65
 characters), whose layouts ``explain --compare --size gpt --check`` compiles on 8 devices."""
@@ -113,7 +114,7 @@ PALM_540B = Decoder(layers=118, width=18432, heads=48, kv_heads=1, head_dim=256,
 vocabulary. Its input and output embeddings are one matrix, which ``params`` counts twice (+4.7e9)."""
 MEGATRON_1T = Decoder(
     layers=128, width=25600, heads=160, kv_heads=160, head_dim=160, hidden=4 * 25600, vocab=51200,
-    gated=False, positions=2048, biases=True,
+    gated=False, position_rows=2048, biases=True,
 )
 """The GPT of 1 trillion parameters Narayanan et al. 2021 (Megatron-LM, Table 1) ran on 3,072 A100:
 GPT-2's shape, a 51,200-token vocabulary and sequences of 2,048."""

@@ -200,12 +200,12 @@ def test_only_matrices_decay_whether_blocks_are_a_tuple_a_stack_or_zero_shards()
     def decayed(tree):
         return sorted(path for path, leaf in ms.tree.named_leaves(weight_decay_mask(tree)) if leaf)
 
-    expected = ["embedding.positions", "embedding.tokens", "head.weight"]
+    expected = ["embedding.position_table", "embedding.tokens", "head.weight"]
     block = ["attention.key", "attention.out", "attention.query", "attention.value"]
     block += ["mlp.layers[0].weight", "mlp.layers[2].weight"]
     assert decayed(model) == sorted(expected + [f"blocks[{i}].{name}" for i in (0, 1) for name in block])
     stacked = gpt.as_stacked(model)  # every leaf gains a "stage" dimension: ranks would lie
-    assert decayed(stacked) == sorted(["before.positions", "before.tokens", "after.layers[1].weight"]
+    assert decayed(stacked) == sorted(["before.position_table", "before.tokens", "after.layers[1].weight"]
                                       + [f"blocks.block.{name}" for name in block])  # fmt: skip
     flat = jax.tree.map(lambda leaf: flat_padded(leaf, 8), model)  # ZeRO's blocks: every leaf 1-D
     assert decayed(flat) == decayed(model)
@@ -227,9 +227,9 @@ LAYOUTS = {  # style -> (a parameter, its spec): what the style is for
     "fsdp+tp": ("blocks[0].attention.out", P("model", None, "data")),
     "pp": ("blocks.block.attention.query", P("stage", None, None, None)),
     "dp+pp": ("blocks.block.mlp.layers[0].weight", P("stage", None, None)),
-    "cp": ("embedding.positions", P("context", None)),  # the one parameter that names "seq"
-    "dp+cp": ("embedding.positions", P("context", None)),
-    "tp+sp": ("embedding.positions", P("model", None)),
+    "cp": ("embedding.position_table", P("context", None)),  # the one parameter that names "seq"
+    "dp+cp": ("embedding.position_table", P("context", None)),
+    "tp+sp": ("embedding.position_table", P("model", None)),
 }
 CORE = {"cp": "ring", "dp+cp": "ring"}  # the sequence split: ring attention; every other style: dense
 

@@ -60,8 +60,8 @@ def check(args: argparse.Namespace, error: Callable[[str], object]) -> None:
         error("argument --check: only with --compare --size gpt (it compiles the ranking's layouts)")
     if args.size != "gpt":
         error(f"argument --check: compiles minishard's own GPT (--size gpt), not --size {args.size}")
-    if args.context not in (None, positions := serving.MINISHARD_GPT.positions):
-        error(f"argument --context: --check compiles the default GPT, of {positions} positions")
+    if args.context not in (None, rows := serving.MINISHARD_GPT.position_rows):
+        error(f"argument --context: --check compiles the default GPT, of {rows} positions")
     simulate_devices(args.devices)  # before the backend starts: the count the CLI simulates
     if args.devices != (there := len(jax.devices())):
         error(f"argument --devices: --check compiles on this process's devices, {there}, not {args.devices}")
