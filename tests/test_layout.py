@@ -208,6 +208,45 @@ def test_no_textbook_function_is_over_30_lines():
     assert not long, long
 
 
+READ_IN_FULL = ("context", "flash", "sequence", "composition")
+"""Chapters rewritten to issue 62's rules so far (no line over ``READING_WIDTH`` characters, each public
+name taught by the module docstring); the others join this list as they are rewritten."""
+READING_WIDTH = 100
+
+
+def test_no_line_of_a_rewritten_chapter_is_wider_than_the_page():
+    wide = [
+        f"{name}.py:{number} ({len(line)} characters)"
+        for name in READ_IN_FULL
+        for number, line in enumerate((PACKAGE / f"{name}.py").read_text().splitlines(), 1)
+        if len(line) > READING_WIDTH
+    ]
+    assert not wide, f"lines a reader must scroll: {wide}"
+
+
+def untaught(source: str) -> list[str]:
+    """The names in ``source``'s ``__all__`` that its module docstring never names (as ``name``)."""
+    tree = ast.parse(source)
+    docstring = ast.get_docstring(tree) or ""
+    public = [
+        element.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+        for element in node.value.elts
+    ]
+    return [name for name in public if not re.search(rf"``{re.escape(name)}(``|\()", docstring)]
+
+
+def test_a_rewritten_chapter_names_every_public_name_in_its_docstring():
+    missing = {name: untaught((PACKAGE / f"{name}.py").read_text()) for name in READ_IN_FULL}
+    assert not any(missing.values()), f"public names the module docstring does not teach: {missing}"
+
+
+def test_the_docstring_scan_finds_an_untaught_name():
+    source = '"""Teaches ``taught`` and ``called(x)``."""\n__all__ = ["called", "taught", "hidden"]\n'
+    assert untaught(source) == ["hidden"]
+
+
 def test_no_layer_or_model_spells_the_batch_axis():
     spelled = [
         f"{path.relative_to(PACKAGE)}:{node.lineno}"
