@@ -15,14 +15,14 @@ ways: all-gather, all-to-all, and Megatron's sequence parallelism):
 2. **Where the chunks live.** In order, or zig-zag (``CHUNKS``: device i holds chunks i and
    2p-1-i of 2p); ``chunks`` names them, ``meets`` which chunks a device's queries meet at
    each step, ``needed`` and ``kind`` whether a pair is computed, masked (the diagonal) or
-   skipped (all in the future), ``pair_kinds`` the whole grid and ``balance`` its slowest
-   device. ``span`` and ``held_order`` give the tokens' positions as the devices hold them;
-   ``permute`` deals a sequence out in that order.
+   skipped (all in the future), ``pair_kinds`` the whole grid (a ``Cell`` per device and step)
+   and ``balance`` its slowest device. ``span`` and ``held_order`` give the tokens' positions
+   as the devices hold them; ``permute`` deals a sequence out in that order.
 3. **The ring.** ``ring_forward``, p steps of ``attend`` and ``merge``, K and V passed on.
-4. **The backward ring.** ``attend_grads`` is one pair's gradients from the final ``(out,
-   lse)``; ``ring_attention`` is ``ring_forward`` with a ``jax.custom_vjp`` that sends K, V
-   and their gradients round again, so the backward pass keeps one chunk per device,
-   whatever p. ``ring_permutes`` counts the collective-permutes both rings send.
+4. **The backward ring.** ``ring_attention`` is ``ring_forward`` with a ``jax.custom_vjp``
+   that sends K, V and their gradients round again, so the backward pass keeps one chunk per
+   device, whatever p; each pair's gradients come from the final ``(out, lse)``
+   (``attend_grads``). ``ring_permutes`` counts the collective-permutes both rings send.
 
 What lets the ring serve other chapters (grouped-query attention, decoding over a split
 cache, its memory terms, a report of a compiled step) is ``minishard.composition``'s.
@@ -228,57 +228,6 @@ def permute(x: jax.Array, p: int, layout: str, *, axis: int = 1, inverse: bool =
 # --- 3. the ring --------------------------------------------------------------------
 
 
-class _Pair(NamedTuple):
-    """What a pair of chunks attends with: a query chunk, a key chunk's K and V, their positions."""
-
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array
-    q_pos: jax.Array
-    k_pos: jax.Array
-
-
-def _pairs(mine: Any, theirs: Any, size: int, causal: bool) -> Iterator[tuple[int, int, Any]]:
-    """A step's pairs: the query chunk's index in ``mine``, the key chunk's in ``theirs``, and
-    whether the pair is needed (traced where the chunks are)."""
-    for a, b in itertools.product(range(len(mine)), range(len(theirs))):
-        yield a, b, needed(mine[a], theirs[b], causal)
-
-
-def _nothing_seen(q: jax.Array) -> Partial:
-    """A query chunk's running result before any key: ``(0, -inf)``, which any first part
-    replaces (its weight ``e^(-inf - lse)`` is 0)."""
-    out = jnp.zeros_like(q, jnp.float32)
-    lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32)
-    return out, lse
-
-
-def _when(run: Any, fn: Callable[[Any, Any], Any], kept: Any, operands: Any) -> Any:
-    """``fn(kept, operands)`` if ``run``, else ``kept``: a ``lax.cond``, so a skipped pair
-    costs nothing."""
-    if run is True:
-        return fn(kept, operands)
-    return jax.lax.cond(run, fn, lambda kept, _: kept, kept, operands)
-
-
-def _visit(acc: Any, qs: Any, kv: Any, mine: Any, theirs: Any, causal: bool) -> Any:
-    """One step: each needed pair attended and merged into its query chunk's running result."""
-
-    def merged(running: Partial, pair: _Pair) -> Partial:
-        part = attend(pair.q, pair.k, pair.v, pair.q_pos, pair.k_pos, causal=causal)
-        return merge(*running, *part)
-
-    acc = list(acc)
-    k, v = kv
-    ks = jnp.split(k, len(theirs), axis=1)
-    vs = jnp.split(v, len(theirs), axis=1)
-    size = qs[0].shape[1]
-    for a, b, run in _pairs(mine, theirs, size, causal):
-        pair = _Pair(qs[a], ks[b], vs[b], span(mine[a], size), span(theirs[b], size))
-        acc[a] = _when(run, merged, acc[a], pair)
-    return tuple(acc)
-
-
 def ring_forward(
     q: Any,
     k: Any,
@@ -311,7 +260,135 @@ def ring_forward(
     return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*acc))
 
 
+def _visit(acc: Any, qs: Any, kv: Any, mine: Any, theirs: Any, causal: bool) -> Any:
+    """One step: each needed pair attended and merged into its query chunk's running result."""
+
+    def merged(running: Partial, pair: _Pair) -> Partial:
+        part = attend(pair.q, pair.k, pair.v, pair.q_pos, pair.k_pos, causal=causal)
+        return merge(*running, *part)
+
+    acc = list(acc)
+    k, v = kv
+    ks = jnp.split(k, len(theirs), axis=1)
+    vs = jnp.split(v, len(theirs), axis=1)
+    size = qs[0].shape[1]
+    for a, b, run in _pairs(mine, theirs, causal):
+        pair = _Pair(qs[a], ks[b], vs[b], span(mine[a], size), span(theirs[b], size))
+        acc[a] = _when(run, merged, acc[a], pair)
+    return tuple(acc)
+
+
+class _Pair(NamedTuple):
+    """What a pair of chunks attends with: a query chunk, a key chunk's K and V, their positions."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    q_pos: jax.Array
+    k_pos: jax.Array
+
+
+def _pairs(mine: Any, theirs: Any, causal: bool) -> Iterator[tuple[int, int, Any]]:
+    """A step's pairs: the query chunk's index in ``mine``, the key chunk's in ``theirs``, and
+    whether the pair is needed (traced where the chunks are)."""
+    for a, b in itertools.product(range(len(mine)), range(len(theirs))):
+        yield a, b, needed(mine[a], theirs[b], causal)
+
+
+def _when(run: Any, fn: Callable[[Any, Any], Any], kept: Any, operands: Any) -> Any:
+    """``fn(kept, operands)`` if ``run``, else ``kept``: a ``lax.cond``, so a skipped pair
+    costs nothing."""
+    if run is True:
+        return fn(kept, operands)
+    return jax.lax.cond(run, fn, lambda kept, _: kept, kept, operands)
+
+
+def _nothing_seen(q: jax.Array) -> Partial:
+    """A query chunk's running result before any key: ``(0, -inf)``, which any first part
+    replaces (its weight ``e^(-inf - lse)`` is 0)."""
+    out = jnp.zeros_like(q, jnp.float32)
+    lse = jnp.full_like(q[..., 0], -jnp.inf, jnp.float32)
+    return out, lse
+
+
 # --- 4. the backward ring -----------------------------------------------------------
+
+
+def ring_attention(
+    q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, layout: str = "in-order"
+) -> Any:
+    """Attention of this device's queries over the whole sequence, inside ``shard_map`` over
+    ``axis``.
+
+    ``q, k, v``: this device's ``[batch, seq / p, heads, head_dim]``, its chunks of
+    ``layout``. The forward pass is ``ring_forward``; the backward pass keeps only
+    ``q, k, v, out, lse`` and sends K, V, dK, dV round the ring again.
+
+    >>> import functools, minishard as ms
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = ms.make_mesh({"seq": 4}, devices=jax.devices()[:4])
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 16, 2, 8))   # 16 tokens, 4 a device
+    >>> mine = functools.partial(ring_attention, axis="seq", causal=True)
+    >>> ring = jax.shard_map(mine, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
+    >>> float(jnp.abs(ring(q, k, v) - attention(q, k, v, causal=True)).max()) < 1e-5
+    True
+    """
+    return _ring(q, k, v, axis, causal, layout)
+
+
+def _ring_fwd(q: Any, k: Any, v: Any, axis: str, causal: bool, layout: str) -> Any:
+    out, lse = ring_forward(q, k, v, axis=axis, causal=causal, layout=layout)
+    return out.astype(q.dtype), (q, k, v, out, lse)  # one chunk of each: flat in p
+
+
+def _ring_bwd(axis: str, causal: bool, layout: str, residuals: Any, g: jax.Array) -> Any:
+    """The backward ring: K, V and their gradients travel together; dK and dV are home after p
+    sends."""
+    q, k, v, out, lse = residuals
+    p = jax.lax.axis_size(axis)
+    me = jax.lax.axis_index(axis)
+    pieces = CHUNKS[layout]
+    qs = jnp.split(q, pieces, axis=1)
+    split_up = (jnp.split(x, pieces, axis=1) for x in (out, g.astype(jnp.float32), lse))
+    upstream = [_Upstream(*chunk) for chunk in zip(*split_up)]
+    dqs = tuple(jnp.zeros_like(x, jnp.float32) for x in qs)
+    dkv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
+
+    def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
+        dqs, kv, dkv = carry
+        passed = jax.lax.ppermute(kv, axis, ring_pairs(p))  # K and V, sent before this step's work
+        dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, *meets(me, s, p, layout), causal)
+        return (dqs, passed, jax.lax.ppermute(dkv, axis, ring_pairs(p))), None
+
+    (dqs, kv, dkv), _ = jax.lax.scan(step, (dqs, (k, v), dkv), jnp.arange(p - 1))
+    dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, *meets(me, p - 1, p, layout), causal)
+    dk, dv = jax.lax.ppermute(dkv, axis, ring_pairs(p))  # the last step's gradients, home
+    return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _visit_grads(
+    dqs: Any, dkv: Any, qs: Any, upstream: Any, kv: Any, mine: Any, theirs: Any, causal: bool
+) -> Any:
+    """A backward step: each needed pair adds to its dq (kept) and dk, dv (travelling with k, v)."""
+
+    def added(sums: _Sums, operands: tuple[_Pair, _Upstream]) -> _Sums:
+        pair, up = operands
+        q, k, v = pair.q, pair.k, pair.v
+        grads = attend_grads(q, k, v, up.out, up.g, up.lse, pair.q_pos, pair.k_pos, causal)
+        return _Sums(*(total + grad for total, grad in zip(sums, grads)))
+
+    dqs = list(dqs)
+    k, v = kv
+    dk, dv = dkv
+    ks, vs, dks, dvs = (jnp.split(x, len(theirs), axis=1) for x in (k, v, dk, dv))
+    size = qs[0].shape[1]
+    for a, b, run in _pairs(mine, theirs, causal):
+        pair = _Pair(qs[a], ks[b], vs[b], span(mine[a], size), span(theirs[b], size))
+        sums = _when(run, added, _Sums(dqs[a], dks[b], dvs[b]), (pair, upstream[a]))
+        dqs[a] = sums.dq
+        dks[b] = sums.dk
+        dvs[b] = sums.dv
+    return tuple(dqs), (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
 
 
 def attend_grads(
@@ -361,85 +438,8 @@ class _Sums(NamedTuple):
     dv: jax.Array
 
 
-def _visit_grads(
-    dqs: Any, dkv: Any, qs: Any, upstream: Any, kv: Any, mine: Any, theirs: Any, causal: bool
-) -> Any:
-    """A backward step: each needed pair adds to its dq (kept) and dk, dv (travelling with k, v)."""
-
-    def added(sums: _Sums, operands: tuple[_Pair, _Upstream]) -> _Sums:
-        pair, up = operands
-        q, k, v = pair.q, pair.k, pair.v
-        grads = attend_grads(q, k, v, up.out, up.g, up.lse, pair.q_pos, pair.k_pos, causal)
-        return _Sums(*(total + grad for total, grad in zip(sums, grads)))
-
-    dqs = list(dqs)
-    k, v = kv
-    dk, dv = dkv
-    ks, vs, dks, dvs = (jnp.split(x, len(theirs), axis=1) for x in (k, v, dk, dv))
-    size = qs[0].shape[1]
-    for a, b, run in _pairs(mine, theirs, size, causal):
-        pair = _Pair(qs[a], ks[b], vs[b], span(mine[a], size), span(theirs[b], size))
-        sums = _when(run, added, _Sums(dqs[a], dks[b], dvs[b]), (pair, upstream[a]))
-        dqs[a] = sums.dq
-        dks[b] = sums.dk
-        dvs[b] = sums.dv
-    return tuple(dqs), (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
-
-
-def _ring_bwd(axis: str, causal: bool, layout: str, residuals: Any, g: jax.Array) -> Any:
-    """The backward ring: K, V and their gradients travel together; dK and dV are home after p
-    sends."""
-    q, k, v, out, lse = residuals
-    p = jax.lax.axis_size(axis)
-    me = jax.lax.axis_index(axis)
-    pieces = CHUNKS[layout]
-    qs = jnp.split(q, pieces, axis=1)
-    split_up = (jnp.split(x, pieces, axis=1) for x in (out, g.astype(jnp.float32), lse))
-    upstream = [_Upstream(*chunk) for chunk in zip(*split_up)]
-    dqs = tuple(jnp.zeros_like(x, jnp.float32) for x in qs)
-    dkv = jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
-
-    def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
-        dqs, kv, dkv = carry
-        passed = jax.lax.ppermute(kv, axis, ring_pairs(p))  # K and V, sent before this step's work
-        dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, *meets(me, s, p, layout), causal)
-        return (dqs, passed, jax.lax.ppermute(dkv, axis, ring_pairs(p))), None
-
-    (dqs, kv, dkv), _ = jax.lax.scan(step, (dqs, (k, v), dkv), jnp.arange(p - 1))
-    dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, *meets(me, p - 1, p, layout), causal)
-    dk, dv = jax.lax.ppermute(dkv, axis, ring_pairs(p))  # the last step's gradients, home
-    return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-def _ring_fwd(q: Any, k: Any, v: Any, axis: str, causal: bool, layout: str) -> Any:
-    out, lse = ring_forward(q, k, v, axis=axis, causal=causal, layout=layout)
-    return out.astype(q.dtype), (q, k, v, out, lse)  # one chunk of each: flat in p
-
-
 _ring = jax.custom_vjp(lambda *args: _ring_fwd(*args)[0], nondiff_argnums=(3, 4, 5))
 _ring.defvjp(_ring_fwd, _ring_bwd)
-
-
-def ring_attention(
-    q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, layout: str = "in-order"
-) -> Any:
-    """Attention of this device's queries over the whole sequence, inside ``shard_map`` over
-    ``axis``.
-
-    ``q, k, v``: this device's ``[batch, seq / p, heads, head_dim]``, its chunks of
-    ``layout``. The forward pass is ``ring_forward``; the backward pass keeps only
-    ``q, k, v, out, lse`` and sends K, V, dK, dV round the ring again.
-
-    >>> import functools, minishard as ms
-    >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = ms.make_mesh({"seq": 4}, devices=jax.devices()[:4])
-    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 16, 2, 8))   # 16 tokens, 4 a device
-    >>> mine = functools.partial(ring_attention, axis="seq", causal=True)
-    >>> ring = jax.shard_map(mine, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
-    >>> float(jnp.abs(ring(q, k, v) - attention(q, k, v, causal=True)).max()) < 1e-5
-    True
-    """
-    return _ring(q, k, v, axis, causal, layout)
 
 
 def ring_permutes(p: int) -> tuple[int, int]:
@@ -457,6 +457,7 @@ def ring_permutes(p: int) -> tuple[int, int]:
 
 __all__ = [
     "CHUNKS",
+    "Cell",
     "Dropped",
     "MASK_VALUE",
     "Partial",
