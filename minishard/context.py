@@ -7,11 +7,11 @@ and keys and values travel, one ``ppermute`` per step, inside ``jax.shard_map``.
 below is checked against ``attention`` on one device (``minishard.sequence`` has the other
 ways: all-gather, all-to-all, and Megatron's sequence parallelism):
 
-1. **Attention in pieces.** ``scores`` of queries against keys, ``MASK_VALUE`` where a key is
-   not ``visible``; ``attend`` the queries over some keys (what is ``Dropped`` of the weights,
-   in training), a ``Partial`` result ``(out, lse)``; ``merge`` two partial softmaxes through
-   their log-sum-exp (``merge_weights``: the online softmax, across devices). ``attention`` is
-   the whole of it on one device: the oracle.
+1. **Attention in pieces.** ``scores`` of queries against keys (summed in float32, ``F32``),
+   ``MASK_VALUE`` where a key is not ``visible``; ``attend`` the queries over some keys (what is
+   ``Dropped`` of the weights, in training), a ``Partial`` result ``(out, lse)``; ``merge`` two
+   partial softmaxes through their log-sum-exp (``merge_weights``: the online softmax, across
+   devices). ``attention`` is the whole of it on one device: the oracle.
 2. **Where the chunks live.** In order, or zig-zag (``CHUNKS``: device i holds chunks i and
    2p-1-i of 2p); ``chunks`` names them, ``meets`` which chunks a device's queries meet at
    each step, ``needed`` and ``kind`` whether a pair is computed, masked (the diagonal) or
@@ -51,6 +51,8 @@ MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 """A masked score: its weight ``exp(MASK_VALUE - lse)`` is 0, and no NaN appears."""
 Partial = tuple[jax.Array, jax.Array]
 """``(out, lse)``: attention of some queries over some of the keys."""
+F32 = {"preferred_element_type": jnp.float32}
+"""The matrix unit's sums in float32, whatever goes in (bf16 in a bf16 step)."""
 Dropped = Callable[[jax.Array], jax.Array] | None
 """What becomes of the softmax's weights (a model's dropout), or None."""
 Cell = tuple[str, ...]
@@ -67,9 +69,11 @@ def visible(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
 def scores(q: jax.Array, k: jax.Array, q_pos: Any, k_pos: Any, causal: bool) -> jax.Array:
     """``q·k / sqrt(head_dim)`` per ``[batch, head, query, key]`` in float32; causal: the future
     masked. Heads come before queries: a split of heads and of the sequence propagates as the
-    model's layers have it."""
-    q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q32, k32) * q.shape[-1] ** -0.5
+    model's layers have it.
+
+    bf16 inputs go into the matrix unit as they are, its sums come out in float32 (``F32``): the
+    softmax is taken in float32, and no float32 copy of q or k is made."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, **F32) * q.shape[-1] ** -0.5
     return jnp.where(visible(q_pos, k_pos)[None, None], s, MASK_VALUE) if causal else s
 
 
@@ -87,7 +91,9 @@ def attend(
     lse = jax.nn.logsumexp(s, axis=-1)  # [b, h, q]
     weights = jnp.exp(s - lse[..., None])  # the softmax, [b, h, q, k]
     weights = weights if dropped is None else dropped(weights)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v.astype(jnp.float32))
+    # The weights meet the values in the values' dtype (bf16 in a bf16 step: half the bytes of the
+    # [b, h, q, k] array the matrix unit reads), summed in float32, as the flash kernel does.
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v, **F32)
     return out, lse.swapaxes(1, 2)
 
 
@@ -459,6 +465,7 @@ __all__ = [
     "CHUNKS",
     "Cell",
     "Dropped",
+    "F32",
     "MASK_VALUE",
     "Partial",
     "attend",

@@ -64,7 +64,6 @@ ROW_TILE_BYTES = 2**20
 Blocks = tuple[int, int]  # (block_q, block_k)
 Shape = tuple[Blocks, int, int]  # (blocks, heads side by side in an array row, head_dim)
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a·bᵀ: contract both tiles' last axis (head_dim)
-F32 = {"preferred_element_type": jnp.float32}  # the matrix unit's sums in float32, whatever goes in
 SEMANTICS: tuple[Literal["parallel", "arbitrary"], ...] = ("parallel", "parallel", "arbitrary")
 """How the grid's axes run: the last sums into scratch, in order; the others in any order."""
 
@@ -124,9 +123,9 @@ def tile_scores(
     whatever goes in (q comes scaled by ``1/sqrt(head_dim)``); ``keys_major``: ``k·qᵀ``, its
     transpose, computed as such. ``masked``: the future of each query at ``MASK_VALUE``."""
     s = (
-        jax.lax.dot_general(k, q, CONTRACT_LAST, **F32)
+        jax.lax.dot_general(k, q, CONTRACT_LAST, **context.F32)
         if keys_major
-        else jax.lax.dot_general(q, k, CONTRACT_LAST, **F32)
+        else jax.lax.dot_general(q, k, CONTRACT_LAST, **context.F32)
     )
     if not masked:
         return s
@@ -142,7 +141,8 @@ def _forward_step(refs: Any, blocks: Blocks, masked: bool) -> None:
     top = jnp.max(s, axis=1, keepdims=True)  # [block_q, 1]: no exponential overflows
     weights = jnp.exp(s - top)
     total = jnp.sum(weights, axis=1, keepdims=True)
-    values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **F32)  # the tile's out, times total
+    # the tile's out, times total
+    values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **context.F32)
     w_sum, w_tile, lse = context.merge_weights(lse_sum[...], top + jnp.log(total))
     out_sum[...] = w_sum * out_sum[...] + (w_tile / total) * values  # divides [block_q, 1] only
     lse_sum[...] = lse
@@ -179,7 +179,7 @@ def tile_grads(tiles: Any, at: Any, blocks: Blocks, masked: bool, keys_major: bo
     q, k, v, g, lse, delta = tiles
     w = jnp.exp(tile_scores(q, k, at, blocks, masked, keys_major) - lse)
     pair = (v, g) if keys_major else (g, v)
-    dp = jax.lax.dot_general(*pair, CONTRACT_LAST, **F32)  # g·vᵀ: the weights' gradient (or ᵀ)
+    dp = jax.lax.dot_general(*pair, CONTRACT_LAST, **context.F32)  # g·vᵀ: the weights' gradient
     return w, w * (dp - delta)
 
 
@@ -189,7 +189,7 @@ def _dq_step(refs: Any, blocks: Blocks, masked: bool) -> None:
     dq_sum = refs[-1]  # the scratch sum, last
     tiles = [ref[...] for ref in refs[:6]]
     _, ds = tile_grads(tiles, (pl.program_id(1), pl.program_id(2)), blocks, masked)
-    dq_sum[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], **F32)
+    dq_sum[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], **context.F32)
 
 
 def dq_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
@@ -218,8 +218,8 @@ def _dkv_step(refs: Any, blocks: Blocks, masked: bool) -> None:
     tiles = [ref[...] for ref in refs[:6]]
     at = (pl.program_id(2), pl.program_id(1))  # (i, j): this grid runs keys major
     w_t, ds_t = tile_grads(tiles, at, blocks, masked, keys_major=True)  # [block_k, block_q]
-    dv_sum[...] += jnp.dot(w_t.astype(g_ref.dtype), g_ref[...], **F32)
-    dk_sum[...] += jnp.dot(ds_t.astype(q_ref.dtype), q_ref[...], **F32)
+    dv_sum[...] += jnp.dot(w_t.astype(g_ref.dtype), g_ref[...], **context.F32)
+    dk_sum[...] += jnp.dot(ds_t.astype(q_ref.dtype), q_ref[...], **context.F32)
 
 
 def dkv_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:

@@ -7,12 +7,21 @@ not the weights, soon decides what fits. Prefill (reading the prompt) is a train
 forward pass: compute-bound. The formulas, for P parameters of ``w`` bytes each, B
 sequences whose caches hold ``kv`` bytes each, on N chips of C FLOP/s and W bytes/s:
 
-* KV cache per token: ``2 · bytes · kv_heads · head_dim · layers`` (keys and values);
-* decode step: ``B·kv / NW + max(2BP / NC, P·w / NW)``: attention reads each cache
-  once per token (never compute-bound), the matmuls are the larger of FLOPs and weights;
+* KV cache per token: ``2 · bytes · kv_heads · head_dim · layers`` (keys and values), a
+  ``Decoder``'s, each number of ``number_bytes`` in one of the ``FORMATS``;
+* decode step (``decode_step_time``): ``B·kv / NW + max(2BP / NC, P·w / NW)``: attention
+  reads each cache once per token (never compute-bound), the matmuls are the larger of
+  FLOPs and weights;
 * critical batch: the matmuls turn compute-bound at ``B = C·w / 2W`` (240 in bf16 on v5e);
-* prefill of T tokens: ``2PT / NC``;
-* tensor-parallel decode: two all-reduces of ``B x width`` activations per layer.
+* prefill of T tokens (``prefill_time``): ``2PT / NC``;
+* tensor-parallel decode (``tensor_parallel_time``): two all-reduces of ``B x width``
+  activations per layer;
+* what fits (``cache_fits``): the sequences whose caches fit in HBM beside the weights, and
+  ``latency_throughput``, a ``Point`` per batch size: slower steps, more tokens a second.
+
+The shapes priced are published ones, ``SIZES`` by name: ``LLAMA2_13B``, ``LLAMA3_8B``,
+``LLAMA3_70B``, ``LLAMA3_405B``, ``PALM_540B``, ``MEGATRON_1T``, and ``MINISHARD_GPT``,
+minishard's own.
 
 Sources: the scaling book's inference chapter (jax-ml/scaling-book, ``inference.md``):
 its equations, its LLaMA-2 13B tables and pop quiz, which tests/test_serving.py reproduces.
@@ -50,13 +59,13 @@ def number_bytes(precision: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Decoder:
-    """A decoder-only transformer's shapes, as the pricing sees it (the book's names in brackets):
-    ``layers`` (L), ``width`` (D), ``heads`` (N), ``kv_heads`` (K; fewer than ``heads`` under
-    grouped-query attention), ``head_dim`` (H), ``hidden`` (F, a gated MLP's three matrices), ``vocab`` (V).
-    GPT-2's shape differs in three ways (``MINISHARD_GPT``): an MLP of two matrices (``gated=False``), a
-    learned position table of ``position_rows`` rows (0: rotary, no table), and ``biases`` (each
-    LayerNorm's scale and bias, each MLP matrix's bias and the head's, where LLaMA has an RMSNorm's
-    scale alone).
+    """A decoder-only transformer's shapes, as the pricing sees it (the book's names in
+    brackets): ``layers`` (L), ``width`` (D), ``heads`` (N), ``kv_heads`` (K; fewer than
+    ``heads`` under grouped-query attention), ``head_dim`` (H), ``hidden`` (F, a gated MLP's
+    three matrices), ``vocab`` (V). GPT-2's shape differs in three ways (``MINISHARD_GPT``): an
+    MLP of two matrices (``gated=False``), a learned position table of ``position_rows`` rows
+    (0: rotary, no table), and ``biases`` (each LayerNorm's scale and bias, each MLP matrix's
+    bias and the head's, where LLaMA has an RMSNorm's scale alone).
     """
 
     layers: int
@@ -72,13 +81,15 @@ class Decoder:
 
     @property
     def params(self) -> int:
-        """The book's count: a gated MLP (3DF), q and out (2DNH), k and v (2DKH) per layer, two embeddings;
-        GPT-2's MLP is 2DF, its position table PD, and its biases 5D + F a layer and 2D + V at the end.
+        """The book's count: a gated MLP (3DF), q and out (2DNH), k and v (2DKH) per layer, two
+        embeddings; GPT-2's MLP is 2DF, its position table PD, and its biases 5D + F a layer and
+        2D + V at the end.
 
         >>> round(LLAMA2_13B.params / 1e9, 3), MINISHARD_GPT.params   # 816,193
         (13.015, 816193)
         """
-        width, attention = self.width, 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
+        width = self.width
+        attention = 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
         mlp = (3 if self.gated else 2) * width * self.hidden
         biases = (5 * width + self.hidden, 2 * width + self.vocab) if self.biases else (0, 0)
         embeddings = (2 * self.vocab + self.position_rows) * width + biases[1]
@@ -93,31 +104,56 @@ class Decoder:
         return 2 * number_bytes(precision) * self.kv_heads * self.head_dim * self.layers
 
 
-LLAMA2_13B = Decoder(layers=40, width=5120, heads=40, kv_heads=40, head_dim=128, hidden=13824, vocab=32000)
-"""LLaMA-2 13B, as the scaling book's inference chapter lists it (F = 2.7 D; no grouped queries)."""
-LLAMA3_70B = Decoder(layers=80, width=8192, heads=64, kv_heads=8, head_dim=128, hidden=28672, vocab=128256)
-"""LLaMA-3 70B, as the book's "Serving LLaMA 3-70B" lists it (``applied-inference.md``; 8 KV heads)."""
-LLAMA3_8B = Decoder(layers=32, width=4096, heads=32, kv_heads=8, head_dim=128, hidden=14336, vocab=128256)
+LLAMA2_13B = Decoder(  # F = 2.7 D; no grouped queries
+    layers=40, width=5120, heads=40, kv_heads=40, head_dim=128, hidden=13824, vocab=32000
+)
+"""LLaMA-2 13B, as the scaling book's inference chapter lists it."""
+LLAMA3_70B = Decoder(  # 8 KV heads
+    layers=80, width=8192, heads=64, kv_heads=8, head_dim=128, hidden=28672, vocab=128256
+)
+"""LLaMA-3 70B, as the book's "Serving LLaMA 3-70B" lists it (``applied-inference.md``)."""
+LLAMA3_8B = Decoder(  # 8 KV heads
+    layers=32, width=4096, heads=32, kv_heads=8, head_dim=128, hidden=14336, vocab=128256
+)
 """LLaMA-3 8B: the Llama 3 paper's Table 3 (Dubey et al. 2024), the vocabulary as released."""
 LLAMA3_405B = Decoder(
     layers=126, width=16384, heads=128, kv_heads=8, head_dim=128, hidden=53248, vocab=128256
 )
 """LLaMA-3 405B, from the same table."""
-MINISHARD_GPT = Decoder(
-    layers=4, width=128, heads=4, kv_heads=4, head_dim=32, hidden=512, vocab=65,
-    gated=False, position_rows=64, biases=True,
+MINISHARD_GPT = Decoder(  # GPT-2's shape
+    layers=4,
+    width=128,
+    heads=4,
+    kv_heads=4,
+    head_dim=32,
+    hidden=512,
+    vocab=65,
+    gated=False,
+    position_rows=64,
+    biases=True,
 )
-"""minishard's own default GPT (``minishard.models.gpt``: nanoGPT's CPU shape, tiny_shakespeare's 65
-characters), whose layouts ``explain --compare --size gpt --check`` compiles on 8 devices."""
-PALM_540B = Decoder(layers=118, width=18432, heads=48, kv_heads=1, head_dim=256, hidden=73728, vocab=256000)
-"""PaLM 540B (Chowdhery et al. 2022, Table 1): SwiGLU, multi-query attention (one K/V head), a 256k
-vocabulary. Its input and output embeddings are one matrix, which ``params`` counts twice (+4.7e9)."""
+"""minishard's own default GPT (``minishard.models.gpt``: nanoGPT's CPU shape, tiny_shakespeare's
+65 characters), whose layouts ``explain --compare --size gpt --check`` compiles on 8 devices."""
+PALM_540B = Decoder(  # multi-query: one K/V head
+    layers=118, width=18432, heads=48, kv_heads=1, head_dim=256, hidden=73728, vocab=256000
+)
+"""PaLM 540B (Chowdhery et al. 2022, Table 1): SwiGLU, multi-query attention (one K/V head), a
+256k vocabulary. Its input and output embeddings are one matrix, which ``params`` counts twice
+(+4.7e9)."""
 MEGATRON_1T = Decoder(
-    layers=128, width=25600, heads=160, kv_heads=160, head_dim=160, hidden=4 * 25600, vocab=51200,
-    gated=False, position_rows=2048, biases=True,
+    layers=128,
+    width=25600,
+    heads=160,
+    kv_heads=160,
+    head_dim=160,
+    hidden=4 * 25600,
+    vocab=51200,
+    gated=False,
+    position_rows=2048,
+    biases=True,
 )
-"""The GPT of 1 trillion parameters Narayanan et al. 2021 (Megatron-LM, Table 1) ran on 3,072 A100:
-GPT-2's shape, a 51,200-token vocabulary and sequences of 2,048."""
+"""The GPT of 1 trillion parameters Narayanan et al. 2021 (Megatron-LM, Table 1) ran on 3,072
+A100: GPT-2's shape, a 51,200-token vocabulary and sequences of 2,048."""
 SIZES = {
     "llama2-13b": LLAMA2_13B,
     "llama3-8b": LLAMA3_8B,
@@ -127,7 +163,8 @@ SIZES = {
     "megatron-1t": MEGATRON_1T,
     "gpt": MINISHARD_GPT,
 }
-"""The named sizes ``minishard explain --size`` prices: serving (``--decode``), training (``--compare``)."""
+"""The named sizes ``minishard explain --size`` prices: serving (``--decode``), training
+(``--compare``)."""
 
 # --- 2. the roofline of one decode step ---------------------------------------------------------
 
@@ -151,7 +188,8 @@ def decode_step_time(
     hardware: Hardware | str,
     weights: str = "bfloat16",
 ) -> float:
-    """Seconds of one decode step of ``batch`` sequences, each with a cache of ``kv_bytes``, on ``chips``.
+    """Seconds of one decode step of ``batch`` sequences, each with a cache of ``kv_bytes``, on
+    ``chips``.
 
     The book's general bound: attention reads every cache (``B·kv / NW``, never compute-bound),
     then the matmuls take the larger of their FLOPs and their weights' reads. (The plain
@@ -164,9 +202,13 @@ def decode_step_time(
     _checks.count("decode_step_time: batch", batch)
     _checks.count("decode_step_time: chips", chips)
     hardware = hardware_named(hardware)
-    bandwidth, flops = chips * hardware.hbm_bandwidth, chips * hardware.flops
-    matmuls = max(2 * batch * params / flops, params * number_bytes(weights) / bandwidth)
-    return batch * kv_bytes / bandwidth + matmuls
+    bandwidth = chips * hardware.hbm_bandwidth
+    flops = chips * hardware.flops
+    computed = 2 * batch * params / flops
+    weights_read = params * number_bytes(weights) / bandwidth
+    matmuls = max(computed, weights_read)
+    caches_read = batch * kv_bytes / bandwidth
+    return caches_read + matmuls
 
 
 def prefill_time(params: float, tokens: int, chips: int, hardware: Hardware | str) -> float:
@@ -179,7 +221,12 @@ def prefill_time(params: float, tokens: int, chips: int, hardware: Hardware | st
     return 2 * params * tokens / (chips * hardware_named(hardware).flops)
 
 
-def tensor_parallel_time(decoder: Decoder, batch: int, chips: int, hardware: Hardware | str) -> float:
+def tensor_parallel_time(
+    decoder: Decoder,
+    batch: int,
+    chips: int,
+    hardware: Hardware | str,
+) -> float:
     """Seconds one decode step spends in Megatron's collectives: per layer, an all-reduce of the
     ``batch x width`` bf16 activations after attention's out-projection and one after the MLP's.
     Tiny messages: at small batches the per-hop latency, not the bandwidth, prices them.
@@ -208,7 +255,7 @@ def cache_fits(
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One batch size on the latency-throughput curve: seconds per step, tokens/s in all and per chip."""
+    """A batch size on the latency-throughput curve: step seconds, tokens/s in all and per chip."""
 
     batch: int
     step: float
@@ -226,7 +273,8 @@ def latency_throughput(
 ) -> list[Point]:
     """The trade a batch makes: each step is slower, but makes ``batch`` tokens at once.
 
-    >>> [round(p.tokens_per_second) for p in latency_throughput(30e9, 819e6, (4, 256), 16, "v5e", "int8")]
+    >>> points = latency_throughput(30e9, 819e6, (4, 256), 16, "v5e", "int8")
+    >>> [round(point.tokens_per_second) for point in points]
     [1558, 12161]
     """
     points = []

@@ -11,6 +11,10 @@
   ``ORDER``, the private ones at their place; ``_checks`` imports nothing of minishard.
 * The textbook fits in one sitting: line budgets from what each idea needs (guards
   against growth, not targets), no function over 30 lines; no ``# fmt: skip`` packing anywhere.
+  A budget grows where an idea needs the lines (raised with a comment saying why); it is never met
+  by packing (issue 62): no line of the reading path over ``READABLE_LINE`` characters, no tuple
+  assignment of unrelated values, and each chapter's module docstring says the ideas it teaches by
+  the names it makes public (its ``__all__``).
 * One definition per concept: ``ONE_HOME`` names each once in the package (one class, function
   or assignment), and one function computes softmax attention.
 * The models import nothing of the workshop (``minishard.run``), not even for types.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -66,44 +71,53 @@ PUBLIC = tuple(name for name in ORDER if not name.startswith("_"))
 """The reading path: what the README, the package docstring and docs/index.md name, in this order."""
 CHAPTERS = {
     # issue 63: two levels (NVLink and InfiniBand, ICI and DCN), each figure's source (35); issue 60:
-    # DEVICE_KINDS and chip_of (the chip JAX names), peak(dtype): 38 lines
-    "hardware": 160,
+    # DEVICE_KINDS and chip_of (the chip JAX names), peak(dtype): 38 lines; issue 62: the table's rows
+    # each under 100 characters with what their pod is, its names in the docstring (12)
+    "hardware": 172,
     # issue 49: model_flops (41 lines), MFU's numerator; issue 60: the roofline (chip_s, compiled_for_a_chip)
     "costs": 440,
     "pipeline": 475,  # issue 43: stack, unstack (22 lines), the report (12); #45: in_flight; #46: positions
     # through the stages and their tokens over "context" (Pipeline.sequence_axis: pp+cp, 10); the blocks'
     # stats out of run_blocks' scan and the pipeline's ticks, over the batch (_over_the_batch: pp+ep, 16)
     "pipeline_1f1b": 80,
-    "zero": 420,  # issue 47: placed_shapes (10 lines); issue 45: compute="bfloat16" (51), Megatron's master;
-    # reduce_scatter across CPU processes (jax#40830: 407 lines as it landed); #45: pieces, held_bytes (9)
+    "zero": 455,  # issue 47: placed_shapes (10 lines); issue 45: compute="bfloat16" (51), Megatron's master;
+    # reduce_scatter across CPU processes (jax#40830: 407 lines as it landed); #45: pieces, held_bytes (9);
+    # issue 62: one value per assignment, the report's sums named, lines under 100 characters (37)
     # issue 62: the ring alone, 483 lines (514): GQA, cp decoding's merge_across, ring_kept,
     # ring_in_flight and the report moved to composition (about -140); lines within 100 characters,
     # formulas named, the backward ring's operands named (_Pair, _Upstream, _Sums): about +110.
-    # #61: merge_weights (11), the online softmax's one home, which the flash kernel shares
-    "context": 490,
+    # #61: merge_weights (11), the online softmax's one home, which the flash kernel shares; F32 (4),
+    # the matrix unit's float32 sums of bf16 inputs, whose one home the flash kernel shares too
+    "context": 500,
     "flash": 415,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397);
     # issue 62: the docstring names every public name (+6), the refs and shapes picked by name (+6)
     "sequence": 215,  # issue 62: lines within 100 characters, held_order's two results named (+22)
     "experts": 436,  # issue 43 §4: moe_layers (10); #45 moe_activations; with_stats and keep (44 lines)
     # moved down to layers (pp+ep: the pipeline carries an MoE's stats out of its stages)
-    "remat": 150,  # issue 45 §4: the policies, after_the_gradient (XLA:CPU schedules by it), StepFlops
+    "remat": 158,  # issue 45 §4: the policies, after_the_gradient (XLA:CPU schedules by it), StepFlops;
+    # issue 62: QKV and ATTENTION each their line, the chapter's names in its docstring (7)
     # issue 62: the ring inside others (241 lines): GQA, cp decoding, the ring's memory terms, its report
     "composition": 245,
     "memory": 475,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
     # §2: zero_budget, ZeRO's own step term by term (31), Budget.cast_each_step (ZeRO holds its bf16 weights)
-    "serving": 260,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too; GPT-2's
+    "serving": 310,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too; GPT-2's
     # shape (gated, positions, biases) and minishard's own GPT as a size (14), which --check compiles;
-    # issue 63: PaLM 540B and Megatron's 1T, the published runs' shapes (12)
-    "precision": 246,  # issue 59: the loss scale's guards, one line each where they act (4 lines)
+    # issue 63: PaLM 540B and Megatron's 1T, the published runs' shapes (12); issue 62: each size's
+    # shape and the decode step's terms one per line, every public name in the docstring (47)
+    "precision": 262,  # issue 59: the loss scale's guards, one line each where they act (4 lines); issue 62:
+    # INITIAL, PERIOD, FACTOR and FLOOR each their line and sentence, no tuple of unrelated values (33)
     # issue 46 §3: pp ranked (bubble, microbatches, stage memory: 50), runner-up terms (25);
     # each dimension's collectives as records, Send (sends, bytes_sent: 38), which --check compiles against;
     # issue 63: attention's FLOPs and recomputed layer (layer_bytes: 25), cp ranked and a split sequence's
     # K/V (_sequence_sends: 35), PLACEMENT on a two-level network (Layout.inner: 20), shares said (15)
     "layouts": 625,
 }
-"""Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core."""
+"""Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core.
+A budget grows where an idea needs the lines, with a comment saying why; it is never met by packing."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)
-CORE_BUDGET = 2570  # issue 59: census.as_asked, the one home of "what an accelerator sends" (+5)
+CORE_BUDGET = 2680  # issue 59: census.as_asked, the one home of "what an accelerator sends" (+5)
+# issue 62: written to be read (+99 in tree, rules, constraints, losses, optim, sharding and report):
+# each public name said in its chapter's docstring, one value per assignment, lines under 100
 """Lines of the core modules, 2,393 measured (issue 43), then styles' composition (102, issue 46:
 seven dimensions, the one ORDER of their rules, CONFLICTS, ``dimensions`` and ``compose``, the named
 styles made compositions; a constraint inside a shard_map, ``constraints._without``, 11),
@@ -304,13 +318,122 @@ def test_no_workshop_module_is_over_400_lines():
     assert not long, f"workshop modules over {WORKSHOP_MODULE_LINES} lines (split them): {long}"
 
 
-def test_fit_reads_in_sixty_lines():
+def test_fit_reads_in_sixty_lines_and_takes_its_settings_as_one_object():
     tree = ast.parse((PACKAGE / "run" / "train.py").read_text())
     (fit,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "fit"]
-    # 62: issue 60's precision handed to the loop (the peak MFU divides by is its compute dtype's);
-    # issue 62 asks for fit's settings as one object, which would bring it back under 60;
-    # 64: issue 61's seed, for a model's dropout (its argument, its line in the docstring)
-    assert fit.end_lineno - fit.lineno + 1 <= 64
+    # issue 62: what is trained (the model, the optimizer, the data) and how (one FitSettings, which a
+    # learner prints); a new setting is a field of FitSettings, not a 27th argument: 34 lines
+    parameters = [arg.arg for arg in (*fit.args.posonlyargs, *fit.args.args, *fit.args.kwonlyargs)]
+    assert parameters == ["model", "optimizer", "train_data", "settings"]
+    assert fit.end_lineno - fit.lineno + 1 <= 60
+
+
+# -- written to be read, not to fit (issue 62 §4) ------------------------------------------------
+READABLE_LINE = 100
+"""The longest line of the reading path, code, docstrings and comments alike: a line a reader must
+scroll is a line packed to fit a budget. (ruff's own limit, 110, is the workshop's.)"""
+
+
+class Gaps(typing.NamedTuple):
+    """What a chapter still has to clean, counted when the rules were drawn (issue 62)."""
+
+    long: int  # lines over READABLE_LINE
+    packed: int  # assignments of a tuple of unrelated values (``packed_assignments``)
+    untaught: int  # public names its module docstring does not name (``untaught_names``)
+
+
+STILL_TO_CLEAN = {
+    "memory": Gaps(long=50, packed=4, untaught=21),
+    "pipeline": Gaps(long=49, packed=10, untaught=11),
+    "pipeline_1f1b": Gaps(long=10, packed=3, untaught=1),
+    "experts": Gaps(long=47, packed=7, untaught=8),
+    "layers": Gaps(long=13, packed=3, untaught=11),
+    "context": Gaps(long=52, packed=5, untaught=16),
+    "sequence": Gaps(long=11, packed=2, untaught=3),
+    "flash": Gaps(long=0, packed=8, untaught=14),
+    "layouts": Gaps(long=43, packed=5, untaught=10),
+    "costs": Gaps(long=33, packed=3, untaught=14),
+    "styles": Gaps(long=6, packed=1, untaught=10),
+    "census": Gaps(long=12, packed=3, untaught=9),
+}
+"""A known gap, bounded: the chapters other branches of issue 62 are rewriting, each at its count
+when the rules were drawn. A count may only fall; the branch that cleans a chapter drops its entry.
+Every other chapter (a new one too) is held to zero."""
+
+
+def long_lines(source: str) -> list[int]:
+    """The numbers of the lines of ``source`` over ``READABLE_LINE`` characters."""
+    return [n for n, line in enumerate(source.splitlines(), 1) if len(line) > READABLE_LINE]
+
+
+def packed_assignments(source: str) -> list[int]:
+    """The lines of ``source`` that assign a tuple literal to a tuple: ``a, b = x, y``.
+
+    Each value its own line and name; the one exception is a swap (or any reordering) of the very
+    names assigned, ``a, b = b, a``, which says one thing. Unpacking one value is not a tuple
+    literal (``q, k = split(x)``, ``for a, b in pairs``) and is fine."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        value = getattr(node, "value", None)
+        if not isinstance(node, ast.Assign | ast.AnnAssign) or not isinstance(value, ast.Tuple):
+            continue
+        for target in (t for t in targets if isinstance(t, ast.Tuple)):
+            names = sorted(ast.unparse(element) for element in target.elts)
+            if names != sorted(ast.unparse(element) for element in value.elts):
+                found.append(node.lineno)
+    return found
+
+
+def untaught_names(source: str) -> list[str]:
+    """The names of ``source``'s ``__all__`` its module docstring never names: a chapter's docstring
+    says the ideas it teaches, and its public names are those ideas' names."""
+    tree = ast.parse(source)
+    taught = ast.get_docstring(tree) or ""
+    public = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+    ]
+    return [name for names in public for name in names if not re.search(rf"(?<!\w){name}(?!\w)", taught)]
+
+
+def chapter_gaps(path: Path) -> Gaps:
+    """What ``path`` holds against issue 62's three rules."""
+    source = path.read_text()
+    untaught = [] if path.name == "__init__.py" else untaught_names(source)  # the package re-exports
+    return Gaps(len(long_lines(source)), len(packed_assignments(source)), len(untaught))
+
+
+def bound(path: Path) -> Gaps:
+    """The most ``path`` may still hold: its known gaps, or none."""
+    return STILL_TO_CLEAN.get(path.stem, Gaps(long=0, packed=0, untaught=0))
+
+
+def test_the_reading_path_is_written_to_be_read():
+    found = {path: chapter_gaps(path) for path in [PACKAGE / "__init__.py", *textbook()]}  # the package first
+    over = {
+        path.stem: (gaps, bound(path))
+        for path, gaps in found.items()
+        if any(count > most for count, most in zip(gaps, bound(path), strict=True))
+    }
+    assert not over, f"(found, allowed): lines over {READABLE_LINE}, packed tuples, untaught names: {over}"
+
+
+def test_a_cleaned_chapter_leaves_the_list_of_known_gaps():
+    stale = [name for name, bound in STILL_TO_CLEAN.items() if bound == Gaps(0, 0, 0)]
+    assert set(STILL_TO_CLEAN) <= set(PUBLIC) and not stale, f"drop {stale} from STILL_TO_CLEAN"
+
+
+def test_the_reading_scans_find_what_they_look_for():
+    source = (
+        '"""Teaches ``one`` and swap."""\n__all__ = ["one", "two", "swap"]\n'
+        "a, b = x, y\nb, a = a, b\n(n, m), k = f(), g()\nq, v = split(x)\nc: tuple = d, e\n"
+        f"# {'x' * READABLE_LINE}\n"
+    )
+    assert packed_assignments(source) == [3, 5]
+    assert untaught_names(source) == ["two"]
+    assert long_lines(source) == [8]
 
 
 # -- the inner wall ------------------------------------------------------------------------------

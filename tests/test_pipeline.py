@@ -29,7 +29,7 @@ from minishard.models.vit import Attention, stacked_vit
 from minishard.pipeline_1f1b import one_f_one_b
 from minishard.run.data import mnist
 from minishard.run.steps import make_train_step
-from minishard.run.train import fit
+from minishard.run.train import FitSettings, fit
 from minishard.styles import mesh_rules, style_rules
 
 WIDTH = 8
@@ -326,8 +326,20 @@ def losses_per_step(model, style, data, log):
     if "stage" in shape:
         model = model.replace(pipeline=pp.Pipeline(mesh, microbatches=8, data_axis="data"))
     sgd = ms.SGD(ms.exponential_decay(0.2, 0.7, 1000), momentum=0.9)
-    fit(model, sgd, data, mesh=mesh, rules=rules, epochs=1, metrics_log=log, log_every=1, progress=False,
-        log=lambda line: None)  # fmt: skip
+    fit(
+        model,
+        sgd,
+        data,
+        FitSettings(
+            mesh=mesh,
+            rules=rules,
+            epochs=1,
+            metrics_log=log,
+            log_every=1,
+            progress=False,
+            log=lambda line: None,
+        ),
+    )
     return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "step" in r]
 
 

@@ -235,7 +235,7 @@ class Checkpointer:
     def read_meta(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
         """``(step, meta)`` of the latest checkpoint (or of ``step``), without reading its arrays.
 
-        What a run saved about itself (``fit(info=...)``: the model's flags, a
+        What a run saved about itself (``FitSettings(info=...)``: the model's flags, a
         vocabulary) is enough to build the target that ``restore`` reads into. Its
         checksum is checked; a broken latest step falls back to the one before, as ``restore`` does.
         """
