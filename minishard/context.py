@@ -379,8 +379,9 @@ def _visit_grads(
 
     def added(sums: _Sums, operands: tuple[_Pair, _Upstream]) -> _Sums:
         pair, up = operands
-        q, k, v = pair.q, pair.k, pair.v
-        grads = attend_grads(q, k, v, up.out, up.g, up.lse, pair.q_pos, pair.k_pos, causal)
+        grads = attend_grads(
+            pair.q, pair.k, pair.v, up.out, up.g, up.lse, pair.q_pos, pair.k_pos, causal=causal
+        )
         return _Sums(*(total + grad for total, grad in zip(sums, grads)))
 
     dqs = list(dqs)

@@ -154,7 +154,8 @@ def forward_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 
     ``refs``: the tiles of q, k, v (inputs), of out and lse (outputs), and the scratch sums."""
     out_ref, lse_ref, out_sum, lse_sum = refs[3:]
-    i, j = pl.program_id(1), pl.program_id(2)
+    i = pl.program_id(1)  # the query block
+    j = pl.program_id(2)  # the key block
 
     @pl.when(j == 0)
     def _start() -> None:
@@ -197,7 +198,8 @@ def dq_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 
     ``refs``: the tiles of q, k, v, g, lse, delta; of dq (the output); the scratch sum."""
     dq_ref, dq_sum = refs[-2:]
-    i, j = pl.program_id(1), pl.program_id(2)
+    i = pl.program_id(1)  # the query block
+    j = pl.program_id(2)  # the key block
 
     @pl.when(j == 0)
     def _start() -> None:
@@ -227,7 +229,8 @@ def dkv_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 
     ``refs``: the tiles of q, k, v, g, lse, delta; of dk and dv (the outputs); their sums."""
     dk_ref, dv_ref, dk_sum, dv_sum = refs[-4:]
-    j, i = pl.program_id(1), pl.program_id(2)
+    j = pl.program_id(1)  # the key block: this grid runs keys major
+    i = pl.program_id(2)  # the query block
 
     @pl.when(i == 0)
     def _start() -> None:
