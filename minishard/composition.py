@@ -71,7 +71,8 @@ def grouped_attention(
     >>> k = v = jax.random.normal(jax.random.key(1), (1, 4, 2, 8))   # 2 K/V heads
     >>> from minishard.context import attention
     >>> repeated = [jnp.repeat(x, 2, axis=2) for x in (k, v)]   # each K/V head for its group
-    >>> bool(jnp.allclose(grouped_attention(q, k, v), attention(q, *repeated), atol=1e-6))
+    >>> ours = grouped_attention(q, k, v, causal=True)
+    >>> bool(jnp.allclose(ours, attention(q, *repeated, causal=True), atol=1e-6))
     True
     """
     _checks.qkv("grouped_attention", q, k, v)  # float arrays, k's heads a divisor of q's
