@@ -26,7 +26,8 @@ idea, and imports only the ones before it.
 * ``remat``: recomputation: what each ``jax.checkpoint`` policy keeps for the backward pass, and the
   FLOPs it adds (model against hardware FLOPs: MFU and HFU);
 * ``composition``: how one dimension runs inside another (a ``ComposedPipeline``'s stages over
-  "data" and "context", an MoE's statistics out of the pipeline's tick loop);
+  "data" and "context", an MoE's statistics out of the pipeline's tick loop; the ring's
+  grouped-query attention, decoding over a split cache, its memory terms and report);
 * ``memory``: will it fit? A step's bytes per device, term by term (parameters, gradients,
   optimizer state, master copy, activations), against the compiler's ``memory_analysis()`` and
   the published tables;

@@ -63,9 +63,9 @@ class Decoder:
     brackets): ``layers`` (L), ``width`` (D), ``heads`` (N), ``kv_heads`` (K; fewer than
     ``heads`` under grouped-query attention), ``head_dim`` (H), ``hidden`` (F, a gated MLP's
     three matrices), ``vocab`` (V). GPT-2's shape differs in three ways (``MINISHARD_GPT``): an
-    MLP of two matrices (``gated=False``), a learned table of ``positions`` (0: rotary, no
-    table), and ``biases`` (each LayerNorm's scale and bias, each MLP matrix's bias and the
-    head's, where LLaMA has an RMSNorm's scale alone).
+    MLP of two matrices (``gated=False``), a learned position table of ``position_rows`` rows
+    (0: rotary, no table), and ``biases`` (each LayerNorm's scale and bias, each MLP matrix's
+    bias and the head's, where LLaMA has an RMSNorm's scale alone).
     """
 
     layers: int
@@ -76,7 +76,7 @@ class Decoder:
     hidden: int
     vocab: int
     gated: bool = True
-    positions: int = 0
+    position_rows: int = 0
     biases: bool = False
 
     @property
@@ -92,7 +92,7 @@ class Decoder:
         attention = 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
         mlp = (3 if self.gated else 2) * width * self.hidden
         biases = (5 * width + self.hidden, 2 * width + self.vocab) if self.biases else (0, 0)
-        embeddings = (2 * self.vocab + self.positions) * width + biases[1]
+        embeddings = (2 * self.vocab + self.position_rows) * width + biases[1]
         return self.layers * (mlp + attention + biases[0]) + embeddings
 
     def kv_bytes_per_token(self, precision: str = "bfloat16") -> float:
@@ -129,7 +129,7 @@ MINISHARD_GPT = Decoder(  # GPT-2's shape
     hidden=512,
     vocab=65,
     gated=False,
-    positions=64,
+    position_rows=64,
     biases=True,
 )
 """minishard's own default GPT (``minishard.models.gpt``: nanoGPT's CPU shape, tiny_shakespeare's
@@ -149,7 +149,7 @@ MEGATRON_1T = Decoder(
     hidden=4 * 25600,
     vocab=51200,
     gated=False,
-    positions=2048,
+    position_rows=2048,
     biases=True,
 )
 """The GPT of 1 trillion parameters Narayanan et al. 2021 (Megatron-LM, Table 1) ran on 3,072

@@ -96,7 +96,7 @@ def test_the_attention_core_matches_a_masked_reference_and_is_causal_by_position
 
 
 def test_under_dp_and_dp_cp_every_chunk_of_attention_is_the_textbooks_attend(monkeypatch):
-    # One softmax attention: the dense core is context.attention, each ring step's pair context.attend.
+    # One softmax attention: the dense core is grouped_attention's, each ring step's pair context.attend.
     calls = []
     monkeypatch.setattr(cx, "attend", lambda *a, **kw: calls.append(a[0].shape) or ATTEND(*a, **kw))
     for style, core, chunk in (("dp", "dense", (8, 16, 8, 4)), ("dp+cp", "ring", (4, 2, 8, 4))):
@@ -201,12 +201,12 @@ def test_only_matrices_decay_whether_blocks_are_a_tuple_a_stack_or_zero_shards()
     def decayed(tree):
         return sorted(path for path, leaf in ms.tree.named_leaves(weight_decay_mask(tree)) if leaf)
 
-    expected = ["embedding.positions", "embedding.tokens", "head.weight"]
+    expected = ["embedding.position_table", "embedding.tokens", "head.weight"]
     block = ["attention.key", "attention.out", "attention.query", "attention.value"]
     block += ["mlp.layers[0].weight", "mlp.layers[2].weight"]
     assert decayed(model) == sorted(expected + [f"blocks[{i}].{name}" for i in (0, 1) for name in block])
     stacked = gpt.as_stacked(model)  # every leaf gains a "stage" dimension: ranks would lie
-    assert decayed(stacked) == sorted(["before.positions", "before.tokens", "after.layers[1].weight"]
+    assert decayed(stacked) == sorted(["before.position_table", "before.tokens", "after.layers[1].weight"]
                                       + [f"blocks.block.{name}" for name in block])  # fmt: skip
     flat = jax.tree.map(lambda leaf: flat_padded(leaf, 8), model)  # ZeRO's blocks: every leaf 1-D
     assert decayed(flat) == decayed(model)
@@ -228,9 +228,9 @@ LAYOUTS = {  # style -> (a parameter, its spec): what the style is for
     "fsdp+tp": ("blocks[0].attention.out", P("model", None, "data")),
     "pp": ("blocks.block.attention.query", P("stage", None, None, None)),
     "dp+pp": ("blocks.block.mlp.layers[0].weight", P("stage", None, None)),
-    "cp": ("embedding.positions", P("context", None)),  # the one parameter that names "seq"
-    "dp+cp": ("embedding.positions", P("context", None)),
-    "tp+sp": ("embedding.positions", P("model", None)),
+    "cp": ("embedding.position_table", P("context", None)),  # the one parameter that names "seq"
+    "dp+cp": ("embedding.position_table", P("context", None)),
+    "tp+sp": ("embedding.position_table", P("model", None)),
 }
 CORE = {"cp": "ring", "dp+cp": "ring"}  # the sequence split: ring attention; every other style: dense
 
@@ -332,7 +332,7 @@ def test_the_batch_is_dealt_out_only_where_attention_splits_the_sequence():
         shape, rules = mesh_rules(style, 8)
         env = LogicalSharding(ms.make_mesh(shape), rules)
         held, inputs = env.wrap(lambda: in_sequence_layout(model, batch))()
-        order = np.asarray(cx.positions(SMALL["context"], 4, "zigzag")) if dealt else np.arange(16)
+        order = np.asarray(cx.held_order(SMALL["context"], 4, "zigzag")) if dealt else np.arange(16)
         np.testing.assert_array_equal(inputs["targets"], batch["targets"][:, order])
         assert (held is not model) == dealt
 

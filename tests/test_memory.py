@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from minishard import SGD, AdamW, Sharded, context, make_mesh, megatron_axes, mlp
+from minishard import SGD, AdamW, Sharded, composition, make_mesh, megatron_axes, mlp
 from minishard import memory as mm
 from minishard.census import collectives, human_bytes
 from minishard.costs import Memory
@@ -362,7 +362,7 @@ def test_each_style_adds_its_own_terms_as_its_chapter_counts_them():
     block = 4 * mm.block_activations(64 // 16, 64, 128, 4, 32, 512)  # a microbatch of 16 through one block
     assert (few - head, many - head) == (7 * 4 * block, 19 * block)
     ring, dense = terms("cp", "--batch-size", "16"), terms("dp", "--devices", "1", "--batch-size", "16")
-    assert ring["ring K/V"] == 4 * context.ring_in_flight(16, 16, 4, 32)
+    assert ring["ring K/V"] == 4 * composition.ring_in_flight(16, 16, 4, 32)
     assert "ring K/V" not in dense and ring["activations"] < dense["activations"] / 4  # and no softmax
     moe = terms("ep", "--batch-size", "16", "--experts", "4")["activations"]
     assert moe > terms("dp", "--batch-size", "16")["activations"]  # 4 sequences a device each

@@ -194,7 +194,7 @@ def test_llama_s_ring_sends_its_grouped_keys_and_values_once_per_query_head() ->
     assert size.gated and size.heads // size.kv_heads == 16 and own.context == 256
     row = rank_check.compile_layout(own, Layout(cp=DEVICES), "cp", {"context": DEVICES}, built)
     # cp splits no weight but the learned table of positions, over "context" (its "seq" rows)
-    held = size.params - size.positions * size.width * (DEVICES - 1) / DEVICES
+    held = size.params - size.position_rows * size.width * (DEVICES - 1) / DEVICES
     assert row.parameters == pytest.approx(rank_check.FLOAT32 * held, rel=1e-3)
     group = size.heads // size.kv_heads
     assert row.sent["cp"] / row.expected["cp"] == pytest.approx(group * 1.95, rel=0.05)

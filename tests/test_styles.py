@@ -159,7 +159,7 @@ def test_rules_for_a_mesh_plan_the_mlp_and_the_vit():
     vit = jax.eval_shape(lambda: ViT(key=jax.random.key(0)))
     specs = {leaf.path: leaf.spec for leaf in ms.plan(vit, mesh, rules).leaves}
     assert specs["blocks[0].attention.query"] == P(None, "model", None)
-    assert specs["embedding.positions"] == P(None, None)
+    assert specs["embedding.position_table"] == P(None, None)
 
 
 def test_fsdp_stores_an_eighth_of_every_divisible_parameter_and_its_velocity():

@@ -131,7 +131,7 @@ def in_order(logits: jax.Array) -> jax.Array:
     _, p = sequence_axis()
     if p == 1:
         return logits
-    held = context.positions(logits.shape[1], p, SEQUENCE_LAYOUT)  # the token at each place
+    held = context.held_order(logits.shape[1], p, SEQUENCE_LAYOUT)  # the token at each place
     return jnp.take(logits, jnp.argsort(held), axis=1)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from minishard.context import positions as held_positions
+from minishard.context import held_order
 from minishard.experts import MoEStats
 from minishard.layers import collect
 from minishard.losses import Batch, accuracy, cross_entropy, one_hot
@@ -53,7 +53,7 @@ def in_sequence_layout(model: Any, batch: Batch) -> tuple[Callable[..., Any], Ba
     _, p = sequence_axis()
     if p == 1:
         return model, batch
-    order = held_positions(batch["inputs"].shape[1], p, SEQUENCE_LAYOUT)  # once, on the data
+    order = held_order(batch["inputs"].shape[1], p, SEQUENCE_LAYOUT)  # once, on the data
     dealt = {name: jnp.take(x, order, axis=1) if jnp.ndim(x) == 2 else x for name, x in batch.items()}
     return functools.partial(model, positions=order), dealt
 

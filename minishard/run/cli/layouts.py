@@ -163,7 +163,7 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
     except ValueError as why:
         error(f"argument --devices: {why}")
     # a pipeline's microbatches are whole sequences: of a learned table's positions, or LLaMA's 4,096
-    args.context = args.context or serving.SIZES[args.size].positions or layouts.CONTEXT
+    args.context = args.context or serving.SIZES[args.size].position_rows or layouts.CONTEXT
     tokens, devices, context = args.batch_size, args.devices, args.context
     if tokens < devices:
         error(f"argument --batch-size: {tokens:,} tokens leave some of {devices:,} devices none")

@@ -84,8 +84,8 @@ def check(args: argparse.Namespace, error: Error) -> None:
         error("argument --check: only with --compare --size (it compiles the ranking's layouts)")
     if args.size != "gpt":
         return check_scaled(args, error)
-    if args.context not in (None, positions := serving.MINISHARD_GPT.positions):
-        error(f"argument --context: --check compiles the default GPT, of {positions} positions")
+    if args.context not in (None, rows := serving.MINISHARD_GPT.position_rows):
+        error(f"argument --context: --check compiles the default GPT, of {rows} positions")
     if args.topology is not None:
         return _check_slice(args, error, priced_on=args.hardware)
     simulate_devices(args.devices)  # before the backend starts: the count the CLI simulates

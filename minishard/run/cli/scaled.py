@@ -81,7 +81,7 @@ def scaled_down(size: Decoder, devices: int = DEVICES) -> Decoder:
         head_dim=width // heads,
         hidden=size.hidden // WIDTH_CUT,
         vocab=vocab,
-        positions=0,
+        position_rows=0,
     )
 
 
@@ -121,7 +121,7 @@ def scaled_batch(tokens: int, devices: int, context: int, on: int = DEVICES) -> 
 def as_built(size: Decoder, context: int) -> Decoder:
     """The shapes of ``entry_of(size)``'s GPT, which its prediction prices: a learned table of
     ``context`` positions, and the GPT's biases (LayerNorms', the MLP's, the head's)."""
-    return dataclasses.replace(size, positions=context, biases=True)
+    return dataclasses.replace(size, position_rows=context, biases=True)
 
 
 class GatedMLP(Layer):

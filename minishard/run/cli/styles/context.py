@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from minishard import context
+from minishard import composition
 from minishard.census import instructions
 from minishard.optim import Optimizer
 from minishard.run.cli.flags import Error
@@ -96,7 +96,7 @@ class ContextStyle(Style):
         p, b = shape["context"], args.batch_size // shape.get("data", 1)
         chunk = (b, getattr(args, model.sequence.flag) // p, heads, head_dim)  # one device's K (or V)
         program, hardware = step.lower(built, optimizer.init(built), batch), args.hardware
-        print(context.ring_report(program, axis="context", blocks=blocks, chunk=chunk, hardware=hardware))
+        print(composition.ring_report(program, axis="context", blocks=blocks, chunk=chunk, hardware=hardware))
         if self.name not in SPLITS:  # a composition: whose each collective is
             print(by_dimension(self.name, instructions(program)))
         return None
