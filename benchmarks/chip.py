@@ -66,9 +66,11 @@ class CompiledStep(NamedTuple):
     compile_s: float
 
 
-def compiled_step(flags: list[str], precision: str) -> CompiledStep:
-    """``train``'s step for ``flags`` in ``precision`` on the first device, compiled, and what it needs."""
+def compiled_step(flags: list[str], precision: str, attention: str = "dense") -> CompiledStep:
+    """``train``'s step for ``flags`` in ``precision`` on the first device, compiled, and what it needs
+    (``attention``: ``train --attention``'s core, a flag ``explain`` does not take)."""
     args = parse_args(["explain", "--memory", "--devices", "1", "--precision", precision, *flags])
+    args.attention = attention
     budget, (shapes, _, batch_shapes), shape, rules = predict(args)
     entry = MODELS[args.model]
     mesh = make_mesh(shape, devices=jax.devices()[:1])

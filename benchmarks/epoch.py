@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 import minishard as ms
 from minishard.run.data import Dataset, mnist, to_global
 from minishard.run.steps import make_train_step
-from minishard.run.train import fit
+from minishard.run.train import FitSettings, fit
 
 SIZES = [784, 512, 10]
 BATCH = 128
@@ -240,7 +240,9 @@ def check_fit(model: Any, mesh: Any, rules: Any, data: Dataset, out: dict[str, A
     fresh = minishard_loop(mesh, rules, model)
     loop_loss = fresh(data.epoch(0)) / data.steps_per_epoch
     t0 = time.perf_counter()
-    _, _, history = fit(model, optimizer, data, mesh=mesh, rules=rules, epochs=1, log=lambda line: None)
+    _, _, history = fit(
+        model, optimizer, data, FitSettings(mesh=mesh, rules=rules, epochs=1, log=lambda line: None)
+    )
     wall = time.perf_counter() - t0
     return {
         "loss": round(history[0]["loss"], 6),

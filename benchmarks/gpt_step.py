@@ -57,7 +57,7 @@ def params_of(model: gpt.GPT) -> dict[str, Any]:
         }  # fmt: skip
 
     return {
-        "tokens": model.embedding.tokens, "positions": model.embedding.positions,
+        "tokens": model.embedding.tokens, "position_table": model.embedding.position_table,
         "blocks": [block(b) for b in model.blocks],
         "ln": (model.norm.scale, model.norm.bias), "head": (model.head.weight, model.head.bias),
     }  # fmt: skip
@@ -79,7 +79,7 @@ def attention(p: dict[str, Any], x: jax.Array) -> jax.Array:
 
 
 def forward(params: dict[str, Any], ids: jax.Array) -> jax.Array:
-    x = params["tokens"][ids] + params["positions"][jnp.arange(ids.shape[1])]
+    x = params["tokens"][ids] + params["position_table"][jnp.arange(ids.shape[1])]
     for p in params["blocks"]:
         x = x + attention(p, layer_norm(x, p["ln1"]))
         h = jax.nn.swish(layer_norm(x, p["ln2"]) @ p["w1"] + p["b1"])

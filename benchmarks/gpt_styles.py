@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 import minishard as ms
-from minishard import pipeline as pp
+from minishard.composition import ComposedPipeline
 from minishard.models import gpt
 from minishard.optim import AdamW, warmup_cosine_decay
 from minishard.run.next_token import next_token_loss
@@ -55,7 +55,7 @@ def losses_under(style: str, steps: int, batch_size: int, seed: int = 0) -> list
         shape, rules = mesh_rules(style, 4 if style == "tp" else 8)
         mesh = ms.make_mesh(shape, devices=jax.devices()[: 4 if style == "tp" else 8])
         if style == "dp+pp":  # data 2 x stage 4: a block per stage, 4 microbatches
-            model = gpt.as_stacked(model).replace(pipeline=pp.Pipeline(mesh, 4, data_axis="data"))
+            model = gpt.as_stacked(model).replace(pipeline=ComposedPipeline(mesh, 4, data_axis="data"))
         step = ms.Sharded(mesh, rules, donate_argnums=(0, 1))(make_train_step(optimizer, next_token_loss))
         model, state = ms.shard(model, mesh, rules), ms.shard(optimizer.init(model), mesh, rules)
     losses = []

@@ -41,7 +41,8 @@ import jax
 import numpy as np
 
 import minishard as ms
-from minishard.layers import with_stats
+from minishard.experts import MoEStats
+from minishard.layers import collect
 from minishard.models import gpt
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, warmup_cosine_decay
@@ -74,7 +75,7 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
     optimizer = AdamW(warmup_cosine_decay(opts.lr, opts.warmup, opts.steps, end_value=opts.lr / 10))
     experts = {"mlp": moe_mlp(opts.experts, opts.top_k, opts.capacity_factor)} if opts.experts else {}
     model = gpt.GPT(len(vocab), key=jax.random.key(opts.seed), **experts)
-    routing = ms.Sharded(mesh, rules)(lambda m, ids: with_stats(m)(ids)[1])
+    routing = ms.Sharded(mesh, rules)(lambda m, ids: collect(MoEStats, m)(ids)[1])
     model, opt_state = ms.shard(model, mesh, rules), ms.shard(optimizer.init(model), mesh, rules)
     step = ms.Sharded(mesh, rules, donate_argnums=(0, 1))(make_train_step(optimizer, next_token_loss))
     evaluation = ms.Sharded(mesh, rules)(next_token_sums)
@@ -120,7 +121,7 @@ def train(opts: argparse.Namespace) -> dict[str, Any]:
 def dropped_table(model: Any, text: TextDataset, batch_size: int) -> dict[str, list[float]]:
     """Routings dropped over the validation windows at capacity factors 1, 1.25 and 2: the trained
     routers, then skewed by a bias ``-s log(e + 1)`` toward the low-numbered experts."""
-    statistics_of = jax.jit(lambda m, ids: with_stats(m)(ids)[1])
+    statistics_of = jax.jit(lambda m, ids: collect(MoEStats, m)(ids)[1])
     table, factors = {}, (1.0, 1.25, 2.0)
     log(f"router          dropped at capacity factor {', '.join(map(str, factors))}")
     for skew in (0, 1, 2):

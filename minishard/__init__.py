@@ -21,18 +21,23 @@ idea, and imports only the ones before it.
 * ``context``: ring attention by hand (online softmax across devices, a backward ring, zig-zag);
 * ``flash``: flash attention by hand, a Pallas kernel for a TPU (tiles in VMEM, the causal skip);
 * ``sequence``: the sequence split by one collective each (all-gather, all-to-all, Megatron's);
-* ``experts``: a mixture of experts, and expert parallelism by hand: two ``all_to_all`` collectives per layer;
+* ``experts``: a mixture of experts, and expert parallelism by hand: two ``all_to_all``
+  collectives per layer;
 * ``remat``: recomputation: what each ``jax.checkpoint`` policy keeps for the backward pass, and the
   FLOPs it adds (model against hardware FLOPs: MFU and HFU);
-* ``memory``: will it fit? A step's bytes per device, term by term (parameters, gradients, optimizer
-  state, master copy, activations), against the compiler's ``memory_analysis()`` and the published tables;
+* ``composition``: how one dimension runs inside another (a ``ComposedPipeline``'s stages over
+  "data" and "context", an MoE's statistics out of the pipeline's tick loop; the ring's
+  grouped-query attention, decoding over a split cache, its memory terms and report);
+* ``memory``: will it fit? A step's bytes per device, term by term (parameters, gradients,
+  optimizer state, master copy, activations), against the compiler's ``memory_analysis()`` and
+  the published tables;
 * ``serving``: the inference roofline: prefill and decode priced on any chip, the KV cache, latency
   against throughput;
 * ``precision``: mixed precision's numbers: fp16's dynamic loss scale (against ``jmp``'s), the cast
   before FSDP's all-gather, the dtype gradients are reduced in;
-* ``layouts``: which layout, at what size: every dp x fsdp x tp x pp split of N chips priced from a model's
-  shapes (step, memory, where it turns compute-bound) and ranked, nothing compiled (the scaling
-  book's LLaMA-3 walk-through).
+* ``layouts``: which layout, at what size: every dp x fsdp x tp x pp split of N chips priced
+  from a model's shapes (step, memory, where it turns compute-bound) and ranked, nothing
+  compiled (the scaling book's LLaMA-3 walk-through).
 
 Three private modules hold what a reader may skip, each at its place in that order:
 ``_checks``, the guards (first: it imports nothing); ``_diagnose``, what went wrong
@@ -43,8 +48,9 @@ Running it (``minishard.run``, the workshop: it uses the names above as any user
 ``data``, ``checkpoint``, ``train``, ``distributed``, ``launch``, ``render`` (the report as
 a rich table, HTML or pictures) and ``cli`` (``minishard train``, ``explain``, ``launch``).
 
-Models (``minishard.models``): ``vit``, a Vision Transformer whose heads and MLP split like the MLP's;
-``gpt``, a character-level GPT (nanoGPT's shape) with a KV cache; ``transformer``, the blocks they share.
+Models (``minishard.models``): ``vit``, a Vision Transformer whose heads and MLP split like
+the MLP's; ``gpt``, a character-level GPT (nanoGPT's shape) with a KV cache; ``transformer``,
+the blocks they share.
 
 Tools (``minishard.testing``): strategies and assertions (numbers, layout, communication)
 to property-test your own models' sharding.
@@ -74,8 +80,10 @@ if _hardware.num_available_tpu_chips_and_device_id()[0] == 0:
     for _name, _value in {
         "TPU_SKIP_MDS_QUERY": "1",
         "TPU_WORKER_HOSTNAMES": "localhost",
-        "TPU_ACCELERATOR_TYPE": "v5litepod-8",  # a topology's own name decides the devices compiled for
-        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # every process here opens libtpu: test workers, a launch's ranks
+        # a topology's own name decides the devices compiled for
+        "TPU_ACCELERATOR_TYPE": "v5litepod-8",
+        # every process here opens libtpu: test workers, a launch's ranks
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
     }.items():
         _os.environ.setdefault(_name, _value)
 
@@ -91,11 +99,12 @@ from minishard.sharding import Sharded, make_mesh, partition_specs, plan, shard
 
 
 def _started_as_the_command() -> bool:
-    """``minishard ...``, ``python -m minishard ...`` or ``-m minishard.run.cli``: this process is the CLI
-    (a launcher's ranks too)."""
+    """``minishard ...``, ``python -m minishard ...`` or ``-m minishard.run.cli``: this process
+    is the CLI (a launcher's ranks too)."""
     command = list(getattr(_sys, "orig_argv", []))
     module = command[command.index("-m") + 1] if "-m" in command[:-1] else None
-    return _os.path.basename(_sys.argv[0]) == "minishard" or module in ("minishard", "minishard.run.cli")
+    named = _os.path.basename(_sys.argv[0]) == "minishard"
+    return named or module in ("minishard", "minishard.run.cli")
 
 
 # A signal that came while the imports ran arrives now: the command stops as it does elsewhere,

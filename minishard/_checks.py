@@ -833,21 +833,42 @@ def experts_split(
         )
 
 
+def collected_kind(where: str, kind: Any) -> None:
+    """What a collection collects is a type: the class of the values layers sow into it."""
+    if not isinstance(kind, type):
+        raise TypeError(f"{where}: kind must be a type (the class of what is sown), got {kind!r}")
+
+
 # -- pipeline ------------------------------------------------------------------------------------
 def pipeline(pipe: Any) -> None:
-    """``Pipeline``'s fields: counts, and mesh axes the mesh has (the stage axis; the data axis or None)."""
+    """``Pipeline``'s fields: counts, and a stage axis the mesh has."""
     count("Pipeline: microbatches", pipe.microbatches)
     count("Pipeline: repeats", pipe.repeats)
-    mesh_shape, stage_axis, data_axis = dict(pipe.mesh.shape), pipe.stage_axis, pipe.data_axis
+    mesh_shape, stage_axis = dict(pipe.mesh.shape), pipe.stage_axis
     if stage_axis not in mesh_shape:
         raise ValueError(
             f"Pipeline: stage_axis={stage_axis!r} is not an axis of the mesh {mesh_shape}; make the mesh "
             f"with it (make_mesh({{{stage_axis!r}: 4}})) or name the mesh's stage axis"
         )
-    if data_axis is not None and (data_axis not in mesh_shape or data_axis == stage_axis):
+
+
+def composed_pipeline(pipe: Any) -> None:
+    """``ComposedPipeline``'s axes besides the stage axis: the mesh's, none of them the stage axis."""
+    mesh_shape, stage_axis = dict(pipe.mesh.shape), pipe.stage_axis
+    for name, axis in (("data_axis", pipe.data_axis), ("sequence_axis", pipe.sequence_axis)):
+        if axis is not None and (axis not in mesh_shape or axis == stage_axis):
+            raise ValueError(
+                f"ComposedPipeline: {name}={axis!r} is not an axis of the mesh {mesh_shape} other than "
+                f"the stage axis {stage_axis!r}; name one, or None"
+            )
+
+
+def nothing_sown(where: str, sown: Any) -> None:
+    """A plain pipeline's blocks sowed nothing a collection asked for: its loop hands nothing out."""
+    if sown is not None:
         raise ValueError(
-            f"Pipeline: data_axis={data_axis!r} is not an axis of the mesh {mesh_shape} other than the stage "
-            f"axis {stage_axis!r}; name one, or None for one replica of the pipeline"
+            f"{where}: the blocks sow a {type(sown).__name__} (an MoE's statistics) that a plain "
+            "Pipeline's ticks cannot hand out; use minishard.composition.ComposedPipeline"
         )
 
 
@@ -857,9 +878,9 @@ def pipeline_sizes(where: str, p: Any, m: Any, r: Any) -> None:
         count(f"{where}: {name}", value)
 
 
-def pipeline_batch(where: str, x: Any, pipe: Any) -> None:
-    """The batch splits into the pipeline's microbatches, each split over its data axis, if any."""
-    rows, m, data_axis = np.shape(x)[0], pipe.microbatches, pipe.data_axis
+def pipeline_batch(where: str, x: Any, pipe: Any, data_axis: Any = None) -> None:
+    """The batch splits into the pipeline's microbatches, each split over ``data_axis``, if any."""
+    rows, m = np.shape(x)[0], pipe.microbatches
     data = int(pipe.mesh.shape[data_axis]) if data_axis else 1
     if rows % (m * data):
         over = f" x {data_axis}={data} devices" if data_axis else ""

@@ -12,15 +12,19 @@ vocabulary, as Flax's ``with_logical_constraint`` and MaxText do:
 
 The mesh and the rules come from the surrounding ``Sharded`` call: it builds one
 ``LogicalSharding`` (the mesh, the rules, where the batch goes) and sets it while
-it traces. Outside it ``constrain`` checks only the rank and returns ``x``, so
-the same model still runs on one device, or under a plain ``jax.jit``. Inside,
-it lowers to ``jax.lax.with_sharding_constraint`` on an Auto mesh, and to
-``jax.sharding.reshard`` on an Explicit one.
+it traces; ``environment()`` is the one in effect. Outside it ``constrain`` checks
+only the rank and returns ``x``, so the same model still runs on one device, or
+under a plain ``jax.jit``. Inside, it lowers to ``jax.lax.with_sharding_constraint``
+on an Auto mesh, and to ``jax.sharding.reshard`` on an Explicit one.
 
 On an Explicit mesh a matmul that contracts a split dimension (the second
 Linear of a Megatron pair) is ambiguous, and JAX asks for its output sharding;
 ``output_sharding`` gives it from the layer's logical axes and the rules, which
-is how minishard's ``Linear`` runs unchanged in both modes.
+is how minishard's ``Linear`` runs unchanged in both modes, and ``as_activation``
+lays a bias out as the activation it is added to.
+
+No layer spells the batch axis: ``activation_axes`` puts the one ``Sharded`` named
+first (``DEFAULT_BATCH_AXIS``, ``"batch"``, unless it named another).
 
 >>> import jax.numpy as jnp
 >>> constrain(jnp.ones((4, 8)), ("batch", "embed")).shape    # no context: nothing to do
@@ -52,7 +56,8 @@ __all__ = [
 ]
 
 DEFAULT_BATCH_AXIS = "batch"
-"""The logical axis of a batch's leading dimension, unless ``Sharded(batch_axis=...)`` names another."""
+"""The logical axis of a batch's leading dimension, unless ``Sharded(batch_axis=...)`` names
+another."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +90,9 @@ class LogicalSharding:
         object.__setattr__(self, "explicit", AxisType.Explicit in self.mesh.axis_types)
 
     def sharding(self, logical_axes: LogicalAxes) -> NamedSharding:
-        """The rules' sharding; inside a ``shard_map`` (a pipeline's stages), on the mesh as it sees it,
-        without the axes it is manual over: there each device holds its part, a constraint places the rest."""
+        """The rules' sharding; inside a ``shard_map`` (a pipeline's stages), on the mesh as it
+        sees it, without the axes it is manual over: there each device holds its part, a
+        constraint places the rest."""
         seen = jax.sharding.get_abstract_mesh()  # its own axes Manual; outside one, no axes at all
         if not seen.manual_axes:
             return NamedSharding(self.mesh, self.spec(logical_axes))
@@ -117,7 +123,9 @@ class LogicalSharding:
 
 
 def _without(spec: PartitionSpec, manual: set[str]) -> PartitionSpec:
-    """``spec`` without the mesh axes ``manual``: P(("data", "model")) without "data" is P("model")."""
+    """``spec`` without the mesh axes ``manual``.
+
+    P(("data", "model")) without "data" is P("model")."""
     entries = []
     for entry in spec:  # None, one mesh axis, or a tuple of them
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
@@ -169,7 +177,8 @@ def constrain(x: Any, logical_axes: LogicalAxes) -> Any:
         sharding = context.sharding(tuple(logical_axes))
     except ShardingError as e:
         raise e.retold(lambda why: f"constrain: {why}") from None
-    _checks.divisible("constrain", jax.numpy.shape(x), tuple(logical_axes), sharding.spec, context.mesh)
+    shape = jax.numpy.shape(x)
+    _checks.divisible("constrain", shape, tuple(logical_axes), sharding.spec, context.mesh)
     if context.explicit:  # the sharding is the array's type: change the type
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)  # a hint to XLA's propagation
@@ -186,7 +195,8 @@ def output_sharding(logical_axes: LogicalAxes) -> NamedSharding | None:
     # An activation's layout is a choice, not a contract: where two of its dimensions want
     # the same mesh axis (strict rules batch->data, mlp->data), the later one is replicated.
     names = {name for name in logical_axes if name is not None and name in context.rules}
-    lenient = AxisRules.from_pairs([*context.rules.pairs, *((name, None) for name in sorted(names))])
+    fallbacks = [(name, None) for name in sorted(names)]
+    lenient = AxisRules.from_pairs([*context.rules.pairs, *fallbacks])
     return dataclasses.replace(context, rules=lenient).sharding(tuple(logical_axes))
 
 

@@ -1,27 +1,31 @@
-"""Mixture of experts: many MLPs, a few per token, and expert parallelism with two ``all_to_all``\\ s.
+"""Mixture of experts: many MLPs, a few per token; expert parallelism by two ``all_to_all``\\ s.
 
 A dense transformer runs every token through one MLP. A mixture-of-experts (MoE) layer holds
 ``E`` MLPs, the *experts*, and a *router* that sends each token to ``k`` of them (1: Switch;
 2: GShard): ``E`` times the parameters, ``k`` times the work per token. In four steps:
 
-1. **Routing.** Each token takes its ``k`` best experts, each expert has ``capacity`` slots;
-   a routing that finds them full is *dropped*. Two auxiliary losses keep the router honest;
-   ``layers.with_stats(f)`` collects them, and the counts, from every ``MoE`` that ``f`` calls.
+1. **Routing.** Each token takes its ``k`` best experts (``top_k``), each expert has
+   ``capacity`` slots; a routing that finds them full is *dropped* (``dispatch_and_combine``).
+   ``moe_layers`` finds a model's ``MoE`` layers.
+   Two auxiliary losses keep the router honest (``balance_loss``, ``z_loss``); an ``MoE`` sows
+   them and its counts as an ``MoEStats``, and ``layers.collect(MoEStats, f)`` adds up those of
+   every ``MoE`` that ``f`` calls.
 2. **Dispatch and combine** (``MoE``): one-hot tensors and dense einsums, the tokens to every
    expert's slots ``[E, G, C, M]``, through the ``Experts`` (stacked on ``"expert"``), and back.
 3. **Expert parallelism by annotation**: a rule ``expert -> "expert"``; one ``constrain`` makes
    XLA move the tokens (all-to-all) instead of the experts (all-gather).
-4. **By hand** (``all_to_all_moe``): in ``jax.shard_map``, one ``all_to_all`` sends every
-   expert its slots, a second brings the results home. ``expert_report`` reads a compiled
-   forward pass: where each expert lives, the all-to-alls against the formula, the drops.
+4. **By hand** (``all_to_all_moe``, as an ``ExpertParallel`` says): in ``jax.shard_map``, one
+   ``all_to_all`` sends every expert its slots, a second brings the results home.
+   ``expert_report`` reads a compiled forward pass into an ``ExpertReport``: where each expert
+   lives, the all-to-alls against the formula, the drops.
    ``moe_activations``: what a layer keeps for its backward pass.
 
 The letters: ``G`` groups (the rows of a batch; each routes its own tokens), ``S`` tokens per
 group, ``M`` features, ``E`` experts, ``C`` slots per expert and group, ``H`` hidden units.
 
 >>> moe = MoE(4, k=2, capacity_factor=1.25, features=8, hidden=16, key=jax.random.key(0))
->>> from minishard.layers import with_stats
->>> y, stats = with_stats(moe)(jnp.ones((2, 6, 8)))   # 6 equal tokens pick the same 2 experts, 4 slots each
+>>> from minishard.layers import collect
+>>> y, stats = collect(MoEStats, moe)(jnp.ones((2, 6, 8)))   # 6 equal tokens: the same 2 experts
 >>> y.shape, capacity(6, 4, 2, 1.25), int(stats.routed), int(stats.dropped)
 ((2, 6, 8), 4, 24, 8)
 """
@@ -42,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from minishard import _checks
 from minishard.census import Collective, collectives, summary
 from minishard.constraints import activation_axes, constrain
-from minishard.layers import ACTIVATIONS, Layer, Linear, keep
+from minishard.layers import ACTIVATIONS, Layer, Linear, sow
 from minishard.rules import AxisRules, LogicalAxes
 from minishard.sharding import partition_specs
 
@@ -59,11 +63,13 @@ def capacity(tokens: int, n_experts: int, k: int, capacity_factor: float) -> int
     (20, 64)
     """
     _checks.capacity(tokens, n_experts, k, capacity_factor)  # positive counts, a factor > 0
-    return math.ceil(round(k * tokens / n_experts * capacity_factor, 9))  # 1.1·10 = 11.000000000000002
+    even = k * tokens / n_experts  # routings per expert, spread evenly
+    return math.ceil(round(even * capacity_factor, 9))  # round: 1.1·10 is 11.000000000000002
 
 
 def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The ``k`` most probable experts of each token, best first: ``(gates, experts)``, each ``[..., k]``.
+    """The ``k`` most probable experts of each token, best first: ``(gates, experts)``, each
+    ``[..., k]``.
 
     ``k`` rounds of argmax, each hiding the expert it took. ``jax.lax.top_k`` gives the same,
     but XLA's partitioner gathers its operand onto every device (measured: docs/experts.md).
@@ -72,7 +78,8 @@ def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     >>> gates.tolist(), experts.tolist()
     ([0.6000000238418579, 0.30000001192092896], [1, 2])
     """
-    gates, experts = [], []
+    gates = []
+    experts = []
     for _ in range(k):
         best = jnp.argmax(probs, axis=-1)
         gates.append(jnp.max(probs, axis=-1))
@@ -86,19 +93,23 @@ def dispatch_and_combine(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``[G, S, k]`` choices -> ``dispatch``, ``combine`` ``[G, S, E, C]`` and the routings dropped.
 
-    ``dispatch[g, s, e, c] = 1``: token ``s`` of group ``g`` takes slot ``c`` of expert ``e``; ``combine``
-    weighs it by the gate. Slots go in token order, choices best first (a cumsum): no slot depends on
-    a later token, so a causal model stays causal. Past the last slot a routing gets none: dropped.
+    ``dispatch[g, s, e, c] = 1``: token ``s`` of group ``g`` takes slot ``c`` of expert ``e``;
+    ``combine`` weighs it by the gate. Slots go in token order, choices best first (a cumsum): no
+    slot depends on a later token, so a causal model stays causal. Past the last slot a routing
+    gets none: dropped.
 
-    >>> gates, experts = jnp.ones((1, 3, 1)), jnp.array([[[0], [0], [1]]])   # k = 1
-    >>> dispatch, combine, dropped = dispatch_and_combine(gates, experts, n_experts=2, slots_per_expert=1)
+    >>> gates = jnp.ones((1, 3, 1))   # k = 1
+    >>> experts = jnp.array([[[0], [0], [1]]])
+    >>> routed = dispatch_and_combine(gates, experts, n_experts=2, slots_per_expert=1)
+    >>> dispatch, combine, dropped = routed
     >>> dispatch[0, :, :, 0].tolist(), int(dropped)   # token 1 found expert 0 full
     ([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]], 1)
     """
     groups, tokens, k = experts.shape
     chosen = jax.nn.one_hot(experts, n_experts, dtype=jnp.int32)  # [G, S, k, E]
     queue = chosen.reshape(groups, tokens * k, n_experts)  # token by token, choices best first
-    place = (jnp.cumsum(queue, axis=1) * queue).sum(-1).reshape(groups, tokens, k) - 1  # in its queue
+    ahead = (jnp.cumsum(queue, axis=1) * queue).sum(-1)  # how many in its queue, itself too
+    place = ahead.reshape(groups, tokens, k) - 1  # its place in its queue, from 0
     slot = jax.nn.one_hot(place, slots_per_expert, dtype=gates.dtype)  # [G, S, k, C]
     dispatch = jnp.einsum("gske,gskc->gsec", chosen.astype(gates.dtype), slot)
     combine = jnp.einsum("gske,gskc,gsk->gsec", chosen.astype(gates.dtype), slot, gates)
@@ -132,9 +143,9 @@ def z_loss(logits: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MoEStats:
-    """What an ``MoE`` call reports besides its output, a pytree: ``y, stats = with_stats(moe)(x)``.
+    """What an ``MoE`` call sows besides its output, a pytree: ``collect(MoEStats, moe)(x)``.
 
-    * ``aux_loss``: ``balance_weight · balance_loss + z_weight · z_loss``, to add to the training loss;
+    * ``aux_loss``: ``balance_weight · balance_loss + z_weight · z_loss``, for the training loss;
     * ``balance_loss``, ``z_loss``: the two unweighted, to watch;
     * ``dropped``, ``routed``: routings that found their expert full, of ``k · tokens`` asked.
     """
@@ -150,7 +161,8 @@ class MoEStats:
 
 
 class Experts(Layer):
-    """``n`` MLPs side by side, each weight stacked on a leading ``"expert"`` axis: expert ``e`` runs
+    """``n`` MLPs side by side, each weight stacked on a leading ``"expert"`` axis: expert ``e``
+    runs
     on ``slots[e]``. The stack is what a rule ``expert -> "expert"`` splits. No biases, as in
     Switch (T5) and Mixtral.
 
@@ -185,9 +197,10 @@ class MoE(Layer):
 
     The leading dimensions are groups (a GPT's ``[batch, sequence, features]``: one per sequence),
     each routing its ``S`` tokens into ``capacity(S, ...)`` slots per expert. A dropped routing
-    adds nothing: ``x + y`` keeps the token's residual. The losses and counts, an ``MoEStats``,
-    go to the innermost ``with_stats`` (``keep``), the one thing a call does besides computing ``y``
-    (while tracing: the program stays pure). ``parallel``: an ``ExpertParallel`` runs it by hand (section 4).
+    adds nothing: ``x + y`` keeps the token's residual. The losses and counts, an ``MoEStats``, are
+    sown (``layers.sow``) into the innermost open collection of ``MoEStats``, the one thing a call
+    does besides computing ``y`` (while tracing: the program stays pure). ``parallel``: an
+    ``ExpertParallel`` runs it by hand (section 4).
     """
 
     param_fields = ("router", "experts")
@@ -209,62 +222,79 @@ class MoE(Layer):
     ) -> None:
         _checks.moe(n_experts, k, capacity_factor, balance_weight, z_weight)
         router_key, experts_key = jax.random.split(key)
-        scale = (0.1 / features) ** 0.5  # Switch: a small router, near uniform at first; and no bias
+        scale = (0.1 / features) ** 0.5  # Switch: a small router, near uniform at first; no bias
         self.router = Linear(
             features, n_experts, key=router_key, scale=scale, axes=("embed", None), use_bias=False
         )
         self.experts = Experts(n_experts, features, hidden, key=experts_key, activation=activation)
-        self.n_experts, self.k, self.capacity_factor = int(n_experts), int(k), float(capacity_factor)
-        self.balance_weight, self.z_weight, self.parallel = float(balance_weight), float(z_weight), parallel
+        self.n_experts = int(n_experts)
+        self.k = int(k)
+        self.capacity_factor = float(capacity_factor)
+        self.balance_weight = float(balance_weight)
+        self.z_weight = float(z_weight)
+        self.parallel = parallel
 
     def __call__(self, x: jax.Array) -> jax.Array:
         _checks.moe_input(x, self.router.in_features)
         if self.parallel is not None:
             y, stats = all_to_all_moe(self, x, self.parallel)
-            keep(stats)
+            sow(stats)
             return y
         groups = x.reshape(-1, *x.shape[-2:])  # [G, S, M]
         dispatch, combine, stats = self.route(groups)
-        keep(stats)  # to the innermost with_stats, if one is open
+        sow(stats)  # to the innermost open collection of MoEStats, if one is
         slot_axes = ("expert", *activation_axes(3, None, "embed"))  # [E, G, C, M]; see section 3
         with jax.named_scope("dispatch"):  # XLA's all-to-alls keep the scope's name (section 4)
-            slots = constrain(jnp.einsum("gsm,gsec->egcm", groups, dispatch), slot_axes)  # to every expert
+            slots = jnp.einsum("gsm,gsec->egcm", groups, dispatch)  # to every expert
+            slots = constrain(slots, slot_axes)
         with jax.named_scope("experts"):
             out = constrain(self.experts(slots), slot_axes)
         with jax.named_scope("combine"):
-            y = jnp.einsum("egcm,gsec->gsm", out, combine)  # each token: its experts' outputs, weighted
+            y = jnp.einsum("egcm,gsec->gsm", out, combine)  # each token: its experts', weighted
         return y.reshape(x.shape)
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, MoEStats]:
-        """``[G, S, M]`` tokens -> ``dispatch``, ``combine`` ``[G, S, E, C]`` and the ``MoEStats``."""
+        """``[G, S, M]`` tokens -> ``dispatch``, ``combine`` ``[G, S, E, C]``, the ``MoEStats``."""
         logits = self.router(x).astype(jnp.float32)  # a softmax in float32, whatever x is
         probs = jax.nn.softmax(logits, axis=-1)
         gates, experts = top_k(probs, self.k)
         c = capacity(x.shape[1], self.n_experts, self.k, self.capacity_factor)
-        dispatch, combine, dropped = dispatch_and_combine(gates.astype(x.dtype), experts, self.n_experts, c)
-        balance, z = balance_loss(probs, experts), z_loss(logits)
+        gates = gates.astype(x.dtype)
+        dispatch, combine, dropped = dispatch_and_combine(gates, experts, self.n_experts, c)
+        balance = balance_loss(probs, experts)
+        z = z_loss(logits)
         aux = self.balance_weight * balance + self.z_weight * z
-        return dispatch, combine, MoEStats(aux, balance, z, dropped, jnp.array(experts.size, jnp.int32))
+        routed = jnp.array(experts.size, jnp.int32)  # k · tokens
+        return dispatch, combine, MoEStats(aux, balance, z, dropped, routed)
 
 
-def moe_activations(groups: int, tokens: int, experts: int, slots: int, features: int, hidden: int) -> int:
-    """Numbers one ``MoE`` layer keeps for its backward pass, per device, for its ``groups`` of ``tokens``.
+def moe_activations(
+    groups: int,
+    tokens: int,
+    experts: int,
+    slots: int,
+    features: int,
+    hidden: int,
+) -> int:
+    """Numbers one ``MoE`` layer keeps for its backward pass, per device: ``groups`` of ``tokens``.
 
-    Each device routes its own groups and holds ``experts / D`` experts of every device's slots: the
-    same ``E G C`` slots' numbers either way (``C = slots``, ``capacity``). Autodiff keeps:
+    Each device routes its own groups and holds ``experts / D`` experts of every device's slots:
+    the same ``E G C`` slots' numbers either way (``C = slots``, ``capacity``). Autodiff keeps the
+    router's probabilities ``G S E``, ``dispatch`` and ``combine`` ``2 G S E C``, the slots into
+    and out of the experts ``2 E G C M``, and the Swish's input and output ``2 E G C H``.
 
-    * the router's probabilities, ``G S E``, and ``dispatch`` and ``combine``, ``2 G S E C``;
-    * the slots into the experts and out of them, ``2 E G C M``, the Swish's input and output, ``2 E G C H``.
+    Against a dense MLP's ``2 G S H'`` (``H' = k H``, ``moe_mlp``): ``E C ≈ k S · capacity_factor``,
+    so the experts keep ``capacity_factor`` times the dense MLP's, their slots
+    ``2 k S M · capacity_factor`` more, and the one-hot tensors grow with ``E``: ``2 S E C`` per
+    group, ``S²`` for a given k and factor.
 
-    Against a dense MLP's ``2 G S H'`` (``H' = k H``, ``moe_mlp``): ``E C ≈ k S · capacity_factor``, so
-    the experts keep ``capacity_factor`` times the dense MLP's, their slots ``2 k S M · capacity_factor``
-    more, and the one-hot tensors grow with ``E``: ``2 S E C`` per group, ``S²`` for a given k and factor.
-
-    >>> moe_activations(groups=2, tokens=6, experts=4, slots=4, features=8, hidden=16)   # 48 + 384 + 1,536
+    >>> moe_activations(groups=2, tokens=6, experts=4, slots=4, features=8, hidden=16)
     1968
     """
-    router, one_hot = groups * tokens * experts, 2 * groups * tokens * experts * slots
-    return router + one_hot + 2 * experts * groups * slots * (features + hidden)
+    router = groups * tokens * experts  # G S E: 48 above
+    one_hot = 2 * groups * tokens * experts * slots  # dispatch and combine, 2 G S E C: 384
+    slotted = 2 * experts * groups * slots * (features + hidden)  # 2 E G C (M + H): 1,536
+    return router + one_hot + slotted
 
 
 def moe_layers(model: Any) -> tuple[MoE, ...]:
@@ -288,7 +318,7 @@ def moe_layers(model: Any) -> tuple[MoE, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
-    """Experts over ``mesh[expert_axis]`` by hand; the batch's groups over it too, and over ``data_axis``."""
+    """Experts over ``mesh[expert_axis]`` by hand; the batch's groups over it, and ``data_axis``."""
 
     mesh: Mesh
     expert_axis: str = "expert"
@@ -303,15 +333,16 @@ class ExpertParallel:
 
 
 def all_to_all_moe(moe: MoE, x: jax.Array, parallel: ExpertParallel) -> tuple[jax.Array, MoEStats]:
-    """``with_stats(moe)(x)`` with the experts over ``parallel.expert_axis``, every collective on the screen.
+    """``moe(x)`` and its ``MoEStats``, the experts over ``parallel.expert_axis``, by hand.
 
     The router is whole on every device, the experts split by the layer's own annotations. The
     two ``all_to_all``\\ s each move one device's slots, ``E · G/D · C · M`` numbers; ``jax.grad``
     transposes each into another ``all_to_all``: 4 per layer and training step.
     """
     groups = x.reshape(-1, *x.shape[-2:])  # [G, S, M]
-    _checks.experts_split(moe.n_experts, groups.shape[0], dict(parallel.mesh.shape), parallel.batch_axes)
-    rules = AxisRules(expert=parallel.expert_axis, embed=None, mlp=None)  # the experts split, the rest whole
+    mesh_shape = dict(parallel.mesh.shape)
+    _checks.experts_split(moe.n_experts, groups.shape[0], mesh_shape, parallel.batch_axes)
+    rules = AxisRules(expert=parallel.expert_axis, embed=None, mlp=None)  # the experts split
     batch = P(parallel.batch_axes)
     run = jax.shard_map(
         functools.partial(_local, parallel=parallel),
@@ -328,36 +359,45 @@ def _local(moe: MoE, x: jax.Array, parallel: ExpertParallel) -> tuple[jax.Array,
     axis = parallel.expert_axis
     dispatch, combine, stats = moe.route(x)  # my tokens, routed here
     with jax.named_scope("dispatch"):  # the compiled program names its all-to-alls by these scopes
-        slots = jnp.einsum("gsm,gsec->egcm", x, dispatch)  # [E, G/D, C, M]: my tokens' slots, every expert
-        slots = jax.lax.all_to_all(slots, axis, split_axis=0, concat_axis=1, tiled=True)  # [E/D, G, C, M]
+        slots = jnp.einsum("gsm,gsec->egcm", x, dispatch)  # [E, G/D, C, M]: my tokens' slots
+        # [E/D, G, C, M]: my experts' slots, of every device's tokens
+        slots = jax.lax.all_to_all(slots, axis, split_axis=0, concat_axis=1, tiled=True)
     with jax.named_scope("experts"):
         out = moe.experts(slots)  # my experts, on every device's slots
     with jax.named_scope("combine"):
-        out = jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=0, tiled=True)  # [E, G/D, C, M]: home
+        # [E, G/D, C, M]: my tokens' slots, home from every expert
+        out = jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=0, tiled=True)
         y = jnp.einsum("egcm,gsec->gsm", out, combine)
     axes = parallel.batch_axes  # counts add up; losses, each a mean over as many groups, average
-    aux, balance, z = (jax.lax.pmean(s, axes) for s in (stats.aux_loss, stats.balance_loss, stats.z_loss))
-    return y, MoEStats(aux, balance, z, jax.lax.psum(stats.dropped, axes), jax.lax.psum(stats.routed, axes))
+    aux = jax.lax.pmean(stats.aux_loss, axes)
+    balance = jax.lax.pmean(stats.balance_loss, axes)
+    z = jax.lax.pmean(stats.z_loss, axes)
+    dropped = jax.lax.psum(stats.dropped, axes)
+    routed = jax.lax.psum(stats.routed, axes)
+    return y, MoEStats(aux, balance, z, dropped, routed)
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertReport:
-    """``expert_report``: where each expert lives, a forward pass's collectives (the census) beside the
+    """``expert_report``: where each expert lives, a forward pass's collectives (the census) beside
     formula, 2 all-to-alls per MoE layer of one device's slots ``[E, G/D, C, M]``, and the drops.
 
     >>> import minishard as ms
-    >>> from minishard.layers import with_stats
+    >>> from minishard.layers import collect
     >>> mesh = ms.make_mesh({"expert": 4}, devices=jax.devices()[:4])
-    >>> moe = MoE(8, k=2, features=8, hidden=16, key=jax.random.key(0), parallel=ExpertParallel(mesh))
+    >>> parallel = ExpertParallel(mesh)
+    >>> moe = MoE(8, k=2, features=8, hidden=16, key=jax.random.key(0), parallel=parallel)
     >>> moe = ms.shard(moe, mesh, AxisRules(expert="expert", embed=None, mlp=None))
     >>> x = jax.random.normal(jax.random.key(1), (8, 6, 8))   # 8 groups of 6 tokens: 2 per device
-    >>> forward = jax.jit(lambda moe, x: with_stats(moe)(x)).lower(moe, x)
-    >>> stats = with_stats(moe)(x)[1]
-    >>> report = expert_report(forward, moe.experts.w_in, stats, groups=2, slots=capacity(6, 8, 2, 1.25))
+    >>> forward = jax.jit(lambda moe, x: collect(MoEStats, moe)(x)).lower(moe, x)
+    >>> stats = collect(MoEStats, moe)(x)[1]
+    >>> slots = capacity(6, 8, 2, 1.25)
+    >>> report = expert_report(forward, moe.experts.w_in, stats, groups=2, slots=slots)
     >>> report.found["all-to-all"].bytes == report.formula[1]
     True
     >>> hlo = forward.compile().as_text().splitlines()   # each all-to-all named by its scope
-    >>> [scope for scope in ("dispatch", "combine") if any(f"/{scope}/all_to_all" in line for line in hlo)]
+    >>> named = lambda scope: any(f"/{scope}/all_to_all" in line for line in hlo)
+    >>> [scope for scope in ("dispatch", "combine") if named(scope)]
     ['dispatch', 'combine']
     >>> print(report)
     Where each expert lives (8 per block, every block alike):
@@ -387,10 +427,10 @@ class ExpertReport:
         return 2 * self.layers, 2 * self.layers * math.prod(self.slots) * self.itemsize
 
     def __str__(self) -> str:
-        (count, total), share = self.formula, self.dropped / self.routed
+        count, total = self.formula
+        share = self.dropped / self.routed
         shape = " x ".join(map(str, self.slots))
-        spans = [f"expert {a}" if end - a == 1 else f"experts {a}-{end - 1}" for (a, end), _ in self.homes]
-        homes = [f"  {span}: devices {', '.join(map(str, d))}" for span, (_, d) in zip(spans, self.homes)]
+        homes = [f"  {_span(first, end)}: devices {_ids(d)}" for (first, end), d in self.homes]
         sent = ["  " + line for line in summary(self.found).splitlines()]
         formula = (
             f"  2 all-to-alls per block, each E x G/D x C x M = {shape} x {self.itemsize} B = "
@@ -398,22 +438,42 @@ class ExpertReport:
         )
         dropped = f"  dropped {self.dropped:,} of {self.routed:,} routings ({share:.1%}) at init"
         where = f"Where each expert lives ({self.slots[0]} per block, every block alike):"
-        return "\n".join([where, *homes, "", "One forward pass, compiled:", *sent, formula, dropped])
+        compiled = "One forward pass, compiled:"
+        return "\n".join([where, *homes, "", compiled, *sent, formula, dropped])
+
+
+def _span(first: int, end: int) -> str:
+    return f"expert {first}" if end - first == 1 else f"experts {first}-{end - 1}"
+
+
+def _ids(devices: tuple[int, ...]) -> str:
+    return ", ".join(map(str, devices))
 
 
 def expert_report(
-    program: Any, weight: jax.Array, stats: MoEStats, *, groups: int, slots: int, layers: int = 1
+    program: Any,
+    weight: jax.Array,
+    stats: MoEStats,
+    *,
+    groups: int,
+    slots: int,
+    layers: int = 1,
 ) -> ExpertReport:
-    """An ``ExpertReport`` of a lowered (or compiled) forward pass, whose ``stats`` are given: ``weight``
-    is an expert stack ``[E, M, ...]`` as placed; ``groups`` per device, ``slots`` per expert and group."""
+    """An ``ExpertReport`` of a lowered (or compiled) forward pass, whose ``stats`` are given.
+
+    ``weight`` is an expert stack ``[E, M, ...]`` as placed; ``groups`` per device, ``slots`` per
+    expert and group."""
     homes: dict[tuple[int, int], list[int]] = {}
     for device, index in weight.sharding.devices_indices_map(weight.shape).items():
         first, end, _ = index[0].indices(weight.shape[0])
         homes.setdefault((first, end), []).append(int(device.id))  # type: ignore[attr-defined]
     where = tuple((rows, tuple(sorted(ids))) for rows, ids in sorted(homes.items()))
-    shape, dropped, routed = (weight.shape[0], groups, slots, weight.shape[1]), stats.dropped, stats.routed
+    shape = (weight.shape[0], groups, slots, weight.shape[1])  # one device's [E, G/D, C, M]
     found = collectives(program)
-    return ExpertReport(where, shape, weight.dtype.itemsize, layers, found, int(dropped), int(routed))
+    itemsize = weight.dtype.itemsize
+    dropped = int(stats.dropped)
+    routed = int(stats.routed)
+    return ExpertReport(where, shape, itemsize, layers, found, dropped, routed)
 
 
 __all__ = [

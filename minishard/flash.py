@@ -10,18 +10,25 @@ lives; this one never writes the scores anywhere:
    the matrix unit). The kernel runs on a *grid* of steps ``(batch·heads, query block i, key
    block j)``; before each step Pallas copies one tile of queries ``[block_q, head_dim]`` and one
    of keys and of values ``[block_k, head_dim]`` from HBM into VMEM (the ``BlockSpec``\\ s say
-   which), and the step computes their ``[block_q, block_k]`` scores there. The queries' running
-   result waits in VMEM *scratch* across the key blocks and leaves for HBM once, after the last:
-   only q, k, v, the output and one log-sum-exp per query ever touch HBM. The full ``T x T``
-   scores never exist.
+   which), and the step computes their ``[block_q, block_k]`` scores there (``tile_scores``).
+   The queries' running result waits in VMEM *scratch* across the key blocks and leaves for HBM
+   once, after the last: only q, k, v, the output and one log-sum-exp per query ever touch HBM.
+   The full ``T x T`` scores never exist. ``Blocks`` are ``(block_q, block_k)``, ``BLOCK`` by
+   default; the tiles must fit VMEM (``SCORE_TILE_BYTES``, ``ROW_TILE_BYTES``).
 2. **The online softmax.** A key block's attention is a partial softmax, ``(out, lse)``; it joins
    the running one as ``context.merge`` joins two devices' in the ring, by the one home of that
-   arithmetic, ``context.merge_weights``. The backward pass keeps only ``lse``, and recomputes
-   each tile's weights from it (``context.attend_grads``'s steps, tile by tile).
+   arithmetic, ``context.merge_weights`` (``forward_kernel``). The backward pass keeps only
+   ``lse``, and recomputes each tile's weights from it (``tile_grads``: ``context.attend_grads``'s
+   steps, tile by tile), in two grids: ``dq_kernel`` over the key blocks, ``dkv_kernel`` over the
+   query blocks.
 3. **The causal skip.** A key block whose first key comes after a query block's last query is
-   all future: its step does nothing (``pl.when``), and its ``BlockSpec`` names a block already
-   in VMEM, so not even the copy happens. Of ``n x n`` square blocks ``n(n+1)/2`` run, about half
-   the FLOPs at long T (``causal_share``); XLA's attention computes every score, then masks half.
+   all future: its step does nothing (``runs``; ``crosses``: only a tile across the diagonal is
+   masked), and its ``BlockSpec`` names a block already in VMEM (``key_tile``, ``query_tile``),
+   so not even the copy happens. Of ``n x n`` square blocks ``n(n+1)/2`` run, about half the
+   FLOPs at long T (``causal_share``); XLA's attention computes every score, then masks half.
+4. **The kernels called.** ``flash_attention`` lays the arrays out as the kernels tile them
+   (``laid``; a ``Shape``: the blocks, the heads side by side in a row, ``head_dim``) and runs
+   the three kernels as one ``jax.custom_vjp``.
 
 >>> causal_share(seq_len=4096, block_q=512, block_k=512)   # 36 of 64 blocks run
 0.5625
@@ -57,7 +64,6 @@ ROW_TILE_BYTES = 2**20
 Blocks = tuple[int, int]  # (block_q, block_k)
 Shape = tuple[Blocks, int, int]  # (blocks, heads side by side in an array row, head_dim)
 CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a·bᵀ: contract both tiles' last axis (head_dim)
-F32 = {"preferred_element_type": jnp.float32}  # the matrix unit's sums in float32, whatever goes in
 SEMANTICS: tuple[Literal["parallel", "arbitrary"], ...] = ("parallel", "parallel", "arbitrary")
 """How the grid's axes run: the last sums into scratch, in order; the others in any order."""
 
@@ -117,9 +123,9 @@ def tile_scores(
     whatever goes in (q comes scaled by ``1/sqrt(head_dim)``); ``keys_major``: ``k·qᵀ``, its
     transpose, computed as such. ``masked``: the future of each query at ``MASK_VALUE``."""
     s = (
-        jax.lax.dot_general(k, q, CONTRACT_LAST, **F32)
+        jax.lax.dot_general(k, q, CONTRACT_LAST, **context.F32)
         if keys_major
-        else jax.lax.dot_general(q, k, CONTRACT_LAST, **F32)
+        else jax.lax.dot_general(q, k, CONTRACT_LAST, **context.F32)
     )
     if not masked:
         return s
@@ -135,7 +141,8 @@ def _forward_step(refs: Any, blocks: Blocks, masked: bool) -> None:
     top = jnp.max(s, axis=1, keepdims=True)  # [block_q, 1]: no exponential overflows
     weights = jnp.exp(s - top)
     total = jnp.sum(weights, axis=1, keepdims=True)
-    values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **F32)  # the tile's out, times total
+    # the tile's out, times total
+    values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **context.F32)
     w_sum, w_tile, lse = context.merge_weights(lse_sum[...], top + jnp.log(total))
     out_sum[...] = w_sum * out_sum[...] + (w_tile / total) * values  # divides [block_q, 1] only
     lse_sum[...] = lse
@@ -147,7 +154,8 @@ def forward_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 
     ``refs``: the tiles of q, k, v (inputs), of out and lse (outputs), and the scratch sums."""
     out_ref, lse_ref, out_sum, lse_sum = refs[3:]
-    i, j = pl.program_id(1), pl.program_id(2)
+    i = pl.program_id(1)  # the query block
+    j = pl.program_id(2)  # the key block
 
     @pl.when(j == 0)
     def _start() -> None:
@@ -172,16 +180,17 @@ def tile_grads(tiles: Any, at: Any, blocks: Blocks, masked: bool, keys_major: bo
     q, k, v, g, lse, delta = tiles
     w = jnp.exp(tile_scores(q, k, at, blocks, masked, keys_major) - lse)
     pair = (v, g) if keys_major else (g, v)
-    dp = jax.lax.dot_general(*pair, CONTRACT_LAST, **F32)  # g·vᵀ: the weights' gradient (or ᵀ)
+    dp = jax.lax.dot_general(*pair, CONTRACT_LAST, **context.F32)  # g·vᵀ: the weights' gradient
     return w, w * (dp - delta)
 
 
 def _dq_step(refs: Any, blocks: Blocks, masked: bool) -> None:
     """dq += ds·k for one tile."""
-    k_ref, dq_sum = refs[1], refs[-1]
+    k_ref = refs[1]
+    dq_sum = refs[-1]  # the scratch sum, last
     tiles = [ref[...] for ref in refs[:6]]
     _, ds = tile_grads(tiles, (pl.program_id(1), pl.program_id(2)), blocks, masked)
-    dq_sum[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], **F32)
+    dq_sum[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], **context.F32)
 
 
 def dq_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
@@ -189,7 +198,8 @@ def dq_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 
     ``refs``: the tiles of q, k, v, g, lse, delta; of dq (the output); the scratch sum."""
     dq_ref, dq_sum = refs[-2:]
-    i, j = pl.program_id(1), pl.program_id(2)
+    i = pl.program_id(1)  # the query block
+    j = pl.program_id(2)  # the key block
 
     @pl.when(j == 0)
     def _start() -> None:
@@ -205,12 +215,13 @@ def dq_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 def _dkv_step(refs: Any, blocks: Blocks, masked: bool) -> None:
     """dv += wᵀ·g and dk += dsᵀ·q for one tile, ``wᵀ`` and ``dsᵀ`` computed keys major: no
     transpose of a tile, and lse and delta come as rows, dense along the 128 lanes."""
-    q_ref, g_ref, dk_sum, dv_sum = refs[0], refs[3], refs[-2], refs[-1]
+    q_ref, _, _, g_ref = refs[:4]  # the tiles of q, k, v, g
+    dk_sum, dv_sum = refs[-2:]  # the scratch sums, last
     tiles = [ref[...] for ref in refs[:6]]
     at = (pl.program_id(2), pl.program_id(1))  # (i, j): this grid runs keys major
     w_t, ds_t = tile_grads(tiles, at, blocks, masked, keys_major=True)  # [block_k, block_q]
-    dv_sum[...] += jnp.dot(w_t.astype(g_ref.dtype), g_ref[...], **F32)
-    dk_sum[...] += jnp.dot(ds_t.astype(q_ref.dtype), q_ref[...], **F32)
+    dv_sum[...] += jnp.dot(w_t.astype(g_ref.dtype), g_ref[...], **context.F32)
+    dk_sum[...] += jnp.dot(ds_t.astype(q_ref.dtype), q_ref[...], **context.F32)
 
 
 def dkv_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
@@ -218,7 +229,8 @@ def dkv_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 
     ``refs``: the tiles of q, k, v, g, lse, delta; of dk and dv (the outputs); their sums."""
     dk_ref, dv_ref, dk_sum, dv_sum = refs[-4:]
-    j, i = pl.program_id(1), pl.program_id(2)
+    j = pl.program_id(1)  # the key block: this grid runs keys major
+    i = pl.program_id(2)  # the query block
 
     @pl.when(i == 0)
     def _start() -> None:
@@ -289,7 +301,8 @@ def _per_row(q: Any, heads: int) -> jax.ShapeDtypeStruct:
 
 def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
     """dq (q's layout) on the forward's grid ``(rows, i, j)``: the key blocks innermost."""
-    (q, k), (blocks, heads, head_dim) = operands[:2], shape
+    q, k = operands[:2]
+    blocks, heads, head_dim = shape
     keys_at = functools.partial(key_tile, blocks=blocks, causal=causal)
     rows, per_row, keys = _tiles(shape, lambda i, j: i, keys_at)
     grid = (q.shape[0] * heads, q.shape[1] // blocks[0], k.shape[1] // blocks[1])
@@ -302,7 +315,8 @@ def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
 def _dkv(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
     """dk and dv (k's layout) on the grid ``(rows, j, i)``: the query blocks innermost, their lse,
     delta ``[rows, 1, T]``, a new tile at each step: dense, 4 bytes a query, not 128 lanes' 512."""
-    (q, k), (blocks, heads, head_dim) = operands[:2], shape
+    q, k = operands[:2]
+    blocks, heads, head_dim = shape
     rows_at = functools.partial(query_tile, blocks=blocks, causal=causal)
     rows, per_row, keys = _tiles(shape, rows_at, lambda j, i: j, lanes=True)
     grid = (q.shape[0] * heads, k.shape[1] // blocks[1], q.shape[1] // blocks[0])
@@ -321,7 +335,8 @@ def _flash_bwd(shape: Shape, causal: bool, interpret: bool, residuals: Any, g: A
     """Two grids: dq summed over the key blocks, dk and dv over the query blocks. ``delta =
     Σ g·out`` per query and head (``context.attend_grads``' step 3): one XLA reduction, before."""
     q, k, v, out, lse = residuals
-    rows, seq_len, heads = q.shape[0], q.shape[1], shape[1]
+    rows, seq_len = q.shape[:2]  # rows: batch·heads, or batch with the heads side by side
+    heads = shape[1]
     per_head = (g.astype(jnp.float32) * out.astype(jnp.float32)).reshape(rows, seq_len, heads, -1)
     delta = per_head.sum(-1).swapaxes(1, 2).reshape(rows * heads, seq_len, 1)  # as lse is laid
     tiles = (q, k, v, g.astype(q.dtype))

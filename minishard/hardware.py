@@ -1,8 +1,9 @@
-"""The accelerators ``minishard.costs`` prices a step on: what a chip offers, each number with its source.
+"""The accelerators ``minishard.costs`` prices a step on: what a chip offers, each number with
+its source.
 
-A table of data, and the one rule of its links: over how many devices a
-collective runs at which bandwidth W (``Hardware.bandwidth``), which every
-formula of ``minishard.costs`` divides by.
+A table of data (``HARDWARE``: each chip a ``Hardware``), and the one rule of its links:
+over how many devices a collective runs at which bandwidth W (``Hardware.bandwidth``),
+which every formula of ``minishard.costs`` divides by.
 
 Every network here has two levels. GPUs: NVLink inside a node of 8, behind one switch; InfiniBand
 across nodes, one NIC per GPU. TPUs: ICI inside a slice (a torus of up to a pod's chips); DCN
@@ -24,6 +25,10 @@ node. The A100's is the DGX A100's (ServeTheHome on NVIDIA's Hot Chips 32 SuperP
 1:1 GPU to NIC ratio", "2x 200Gbps HDR IB adapters for two GPUs"): 25 GB/s per GPU. The H200 and
 B200 are taken to sit on the H100's network (the book's node table gives the B200 400e9 a node).
 The GPU per-hop latency is an assumption (the book's ICI figure); NCCL's small messages take longer.
+Beyond the fast level: ``HOST_DCN``, a TPU host's, and ``NIC``, a GPU's.
+
+A running program names its chip: ``chip_of`` finds the entry of a ``jax.Device.device_kind``
+(``DEVICE_KINDS``), and ``hardware_named`` the one a name (``"v5p"``) asks for.
 
 >>> HARDWARE["v5p"].flops / HARDWARE["v5p"].link_bandwidth  # the ICI arithmetic intensity
 2550.0
@@ -78,7 +83,8 @@ class Hardware:
         if self.node is None or devices * inner <= self.node:
             return fast
         _checks.scale_out(self.name, self.scale_out, devices * inner, self.node)
-        per_node = 1 if point_to_point else max(1, self.node // inner)  # the group's devices in a node
+        # the group's devices in a node
+        per_node = 1 if point_to_point else max(1, self.node // inner)
         return min(fast, self.scale_out * per_node)  # type: ignore[operator]
 
     def peak(self, dtype: str = "bfloat16") -> float:
@@ -94,27 +100,35 @@ class Hardware:
 
 
 HOST_DCN = 2.5e10
-"""DCN bytes/s of one TPU host, the TPU chapter's; a v4 or v5p host holds 4 chips, a v5e or v6e 8."""
+"""DCN bytes/s of one TPU host, the TPU chapter's; a v4 or v5p host holds 4 chips, a v5e or
+v6e 8."""
 NIC = {"ConnectX-7": 400e9 / 8, "HDR": 200e9 / 8}
-"""Bytes/s of one GPU's InfiniBand NIC: 400 Gb/s (NDR, an H100's ConnectX-7), 200 Gb/s (an A100's HDR)."""
+"""Bytes/s of one GPU's InfiniBand NIC: 400 Gb/s (NDR, an H100's ConnectX-7), 200 Gb/s (an
+A100's HDR)."""
 
 HARDWARE = {
-    "v4p": Hardware(
+    "v4p": Hardware(  # a pod of 16**3 chips, 4 to a host
         "TPU v4p", 2.75e14, 1.2e12, 32e9, 9e10, "torus", axes=3, node=16**3, scale_out=HOST_DCN / 4
     ),
-    "v5e": Hardware(
+    "v5e": Hardware(  # a pod of 16**2 chips, 8 to a host
         "TPU v5e", 1.97e14, 8.1e11, 16e9, 9e10, "torus", axes=2, node=16**2, scale_out=HOST_DCN / 8
     ),
-    "v5p": Hardware(
-        "TPU v5p", 4.59e14, 2.8e12, 96e9, 1.8e11, "torus", axes=3, node=16 * 20 * 28, scale_out=HOST_DCN / 4
+    "v5p": Hardware(  # a pod: 16 x 20 x 28 = 8960 chips, 4 to a host
+        "TPU v5p", 4.59e14, 2.8e12, 96e9, 1.8e11, "torus", axes=3, node=8960, scale_out=HOST_DCN / 4
     ),
-    "v6e": Hardware(
-        "TPU v6e", 9.20e14, 1.6e12, 32e9, 1.8e11, "torus", axes=2, node=16**2, scale_out=HOST_DCN / 8
+    "v6e": Hardware(  # a pod of 16**2 = 256 chips, 8 to a host
+        "TPU v6e", 9.20e14, 1.6e12, 32e9, 1.8e11, "torus", axes=2, node=256, scale_out=HOST_DCN / 8
     ),
     "a100": Hardware("A100", 3.12e14, 2.0e12, 80e9, 300e9, "switch", node=8, scale_out=NIC["HDR"]),
-    "h100": Hardware("H100", 9.9e14, 3.35e12, 80e9, 450e9, "switch", node=8, scale_out=NIC["ConnectX-7"]),
-    "h200": Hardware("H200", 9.9e14, 4.8e12, 141e9, 450e9, "switch", node=8, scale_out=NIC["ConnectX-7"]),
-    "b200": Hardware("B200", 2.25e15, 8.0e12, 192e9, 900e9, "switch", node=8, scale_out=NIC["ConnectX-7"]),
+    "h100": Hardware(  # NVLink 4 inside a node of 8; beyond it, a ConnectX-7 NIC per GPU
+        "H100", 9.9e14, 3.35e12, 80e9, 450e9, "switch", node=8, scale_out=NIC["ConnectX-7"]
+    ),
+    "h200": Hardware(  # on the H100's network
+        "H200", 9.9e14, 4.8e12, 141e9, 450e9, "switch", node=8, scale_out=NIC["ConnectX-7"]
+    ),
+    "b200": Hardware(  # NVLink 5, on the H100's network beyond the node
+        "B200", 2.25e15, 8.0e12, 192e9, 900e9, "switch", node=8, scale_out=NIC["ConnectX-7"]
+    ),
 }
 
 
@@ -146,7 +160,7 @@ def chip_of(device_kind: str) -> Hardware | None:
 
 
 def hardware_named(hardware: Hardware | str) -> Hardware:
-    """``hardware`` itself, or the entry of ``HARDWARE`` it names; an unknown name lists the known ones."""
+    """``hardware`` itself, or the entry of ``HARDWARE`` it names; an unknown one lists them."""
     if isinstance(hardware, Hardware):
         return hardware
     if hardware not in HARDWARE:

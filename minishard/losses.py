@@ -1,4 +1,4 @@
-"""Losses and metrics for classification, written out in plain jax.numpy, and the shape of a ``Loss``.
+"""Losses and metrics for classification, in plain jax.numpy, and the shape of a ``Loss``.
 
 Shapes, ranks and dtypes are known while tracing, so they are checked here at
 no cost per step: a label array of the wrong shape would otherwise broadcast
@@ -17,9 +17,11 @@ one_hot: labels must lie in [0, 2), got values from 0 to 5 (`check` failed)
 >>> float(accuracy(logits, jnp.array([0, 0])))
 0.5
 
-A training step differentiates a ``Loss``: ``loss(model, batch) -> (value, metrics)``.
+A training step differentiates a ``Loss``: ``loss(model, batch) -> (value, metrics)``, where
+a ``Batch`` names its arrays.
 
->>> loss, (acc,) = classification_loss(lambda image: image, {"image": logits, "label": jnp.array([0, 0])})
+>>> batch = {"image": logits, "label": jnp.array([0, 0])}
+>>> loss, (acc,) = classification_loss(lambda image: image, batch)
 >>> float(acc)
 0.5
 """
@@ -38,8 +40,9 @@ from minishard import _checks
 __all__ = ["Batch", "Loss", "accuracy", "classification_loss", "cross_entropy", "one_hot"]
 
 Batch = dict[str, Any]
-"""Named arrays of one batch: ``{"image", "label"}`` for a classifier, ``{"inputs", "targets"}`` for a
-language model; numpy on the host (``minishard.run.data``), jax arrays once placed on the mesh."""
+"""Named arrays of one batch: ``{"image", "label"}`` for a classifier, ``{"inputs", "targets"}``
+for a language model; numpy on the host (``minishard.run.data``), jax arrays once placed on the
+mesh."""
 Loss = Callable[[Any, Batch], tuple[jax.Array, tuple[jax.Array, ...]]]
 """``loss(model, batch) -> (value, metrics)``: the mean over the batch, and the scalar metrics
 reported beside it (a tuple, maybe empty): what ``jax.value_and_grad(loss, has_aux=True)`` takes."""
@@ -56,7 +59,8 @@ def one_hot(labels: jax.Array, num_classes: int, *, checked: bool = False) -> ja
     _checks.one_hot(labels, num_classes)
     if checked:
         in_range = jnp.all((labels >= 0) & (labels < num_classes))
-        message = f"one_hot: labels must lie in [0, {num_classes}), got values from {{lo}} to {{hi}}"
+        bounds = f"one_hot: labels must lie in [0, {num_classes}),"
+        message = bounds + " got values from {lo} to {hi}"
         checkify.check(in_range, message, lo=labels.min(), hi=labels.max())
     return (labels[..., None] == jnp.arange(num_classes)).astype(jnp.float32)
 

@@ -5,6 +5,11 @@ An optimizer is two pure functions, as in optax:
 * ``state = opt.init(params)`` builds the optimizer's state, a pytree;
 * ``params, state = opt.update(params, grads, state)`` takes one step.
 
+Anything with these two functions and a ``learning_rate`` is an ``Optimizer``: ``SGD``
+carries an ``SGDState`` (the step, a velocity), ``AdamW`` an ``AdamWState`` (the step, two
+moments), and only ``weight_decay_mask``'s matrices decay, after ``global_norm`` clips. A
+``LearningRate`` is a function of the step: ``exponential_decay``, ``warmup_cosine_decay``.
+
 (optax's ``update(grads, state, params)`` returns *updates* that
 ``optax.apply_updates`` adds to the params; minishard applies them itself, one
 call per step. The numbers are the same: the tests check them against optax.)
@@ -67,7 +72,8 @@ def exponential_decay(
     _checks.positive("exponential_decay: init_value", init_value)
     _checks.positive("exponential_decay: decay_rate", decay_rate)
     _checks.count("exponential_decay: decay_steps", decay_steps)
-    init_value, decay_rate = float(init_value), float(decay_rate)
+    init_value = float(init_value)
+    decay_rate = float(decay_rate)
 
     def rate(step: jax.Array) -> jax.Array:
         exponent = jnp.asarray(step, jnp.float32) / decay_steps
@@ -81,7 +87,8 @@ def exponential_decay(
 def warmup_cosine_decay(
     peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0
 ) -> LearningRate:
-    """Rise linearly from 0 to ``peak_value`` in ``warmup_steps``, then follow a cosine down to ``end_value``.
+    """Rise linearly from 0 to ``peak_value`` in ``warmup_steps``, then follow a cosine down to
+    ``end_value``.
 
     The learning rate transformers are usually trained with (optax's
     ``warmup_cosine_decay_schedule`` with ``init_value=0``): the warmup keeps the
@@ -146,13 +153,16 @@ class SGD:
 
         The learning rate is evaluated at ``state.step`` *before* it is incremented,
         so the first update (step 0) uses its initial value, as in optax.
-        ``axis_name`` is AdamW's (its clipping reads every piece); each SGD element steps on its own.
+        ``axis_name`` is AdamW's (its clipping reads every piece); each SGD element steps on its
+        own.
         """
-        _checks.sgd_update(self, params, grads, state, path_str)  # a state from this SGD's init, grads alike
+        # a state from this SGD's init, the grads shaped alike
+        _checks.sgd_update(self, params, grads, state, path_str)
         lr = self.learning_rate(state.step) if callable(self.learning_rate) else self.learning_rate
         velocity = grads
         if self.momentum:
-            velocity = jax.tree_util.tree_map(lambda g, v: g + self.momentum * v, grads, state.velocity)
+            carried = lambda g, v: g + self.momentum * v  # noqa: E731
+            velocity = jax.tree_util.tree_map(carried, grads, state.velocity)
         params = jax.tree_util.tree_map(lambda p, v: p - lr * v, params, velocity)
         return params, SGDState(state.step + 1, velocity if self.momentum else None)
 
@@ -221,7 +231,8 @@ class AdamWState(NamedTuple):
 
 
 class AdamW:
-    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019) and gradient clipping: nanoGPT's.
+    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019) and gradient clipping:
+    nanoGPT's.
 
     One step: if the gradients' ``global_norm`` exceeds ``clip_norm``, all of
     them shrink by one factor to that norm. Then, per element,
@@ -234,8 +245,9 @@ class AdamW:
     matrices decay (``weight_decay_mask``). ``b2 = 0.99``: nanoGPT's for tiny_shakespeare.
 
     >>> opt = AdamW(0.1, weight_decay=0.0)
-    >>> params, state = opt.update({"w": jnp.array(1.0)}, {"w": jnp.array(50.0)}, opt.init({"w": 0.0}))
-    >>> round(float(params["w"]), 4), int(state.step)   # the first step is lr, whatever the gradient
+    >>> state = opt.init({"w": 0.0})
+    >>> params, state = opt.update({"w": jnp.array(1.0)}, {"w": jnp.array(50.0)}, state)
+    >>> round(float(params["w"]), 4), int(state.step)   # the first step is lr, whatever g is
     (0.9, 1)
     """
 
@@ -252,7 +264,10 @@ class AdamW:
         _checks.adamw(b1, b2, eps, weight_decay, clip_norm)
         rate = learning_rate if callable(learning_rate) else float(learning_rate)
         self.learning_rate: float | LearningRate = rate
-        self.b1, self.b2, self.eps, self.weight_decay = float(b1), float(b2), float(eps), float(weight_decay)
+        self.b1 = float(b1)
+        self.b2 = float(b2)
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
         self.clip_norm = None if clip_norm is None else float(clip_norm)
 
     def init(self, params: Any) -> AdamWState:
@@ -264,16 +279,21 @@ class AdamW:
     def update(
         self, params: Any, grads: Any, state: AdamWState, *, axis_name: str | None = None
     ) -> tuple[Any, AdamWState]:
-        """One step; ``axis_name`` (inside ``shard_map``): the mesh axis the gradients are split over."""
+        """One step; ``axis_name`` (in ``shard_map``): the mesh axis the gradients are split on."""
         _checks.adamw_update(params, grads, state, path_str)
-        b1, b2, step = self.b1, self.b2, state.step
+        b1 = self.b1
+        b2 = self.b2
+        step = state.step
         if self.clip_norm is not None:
-            norm, limit = global_norm(grads, axis_name), self.clip_norm
+            norm = global_norm(grads, axis_name)
+            limit = self.clip_norm
             grads = jax.tree.map(lambda g: jnp.where(norm < limit, g, g / norm * limit), grads)
         mu = jax.tree.map(lambda m, g: (1 - b1) * g + b1 * m, state.mu, grads)
         nu = jax.tree.map(lambda v, g: (1 - b2) * jnp.square(g) + b2 * v, state.nu, grads)
         lr = self.learning_rate(step) if callable(self.learning_rate) else self.learning_rate
-        mu_fix, nu_fix = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)  # the bias corrections
+        # the bias corrections
+        mu_fix = 1 - b1 ** (step + 1)
+        nu_fix = 1 - b2 ** (step + 1)
 
         def adamw(p: jax.Array, m: jax.Array, v: jax.Array, decays: bool) -> jax.Array:
             direction = (m / mu_fix) / (jnp.sqrt(v / nu_fix) + self.eps)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism, written by hand: microbatches, stacked blocks, GPipe and circular schedules.
+"""Pipeline parallelism by hand: microbatches, stacked blocks, GPipe, the circular schedule.
 
 Data, tensor and fully-sharded parallelism are annotations: ``Sharded`` hands
 shardings to ``jax.jit`` and XLA inserts the collectives. A pipeline cannot be
@@ -6,17 +6,28 @@ had that way. Its stages are *different layers* on different devices, and what
 moves between them is a microbatch's activations, stage ``d`` to stage ``d + 1``,
 tick after tick: a loop, with one ``jax.lax.ppermute`` per tick, inside
 ``jax.shard_map``, where each device runs its own part of the program. This
-module writes that loop in four steps:
+module writes that loop in five steps:
 
-1. **Microbatches.** Split a batch into ``m``, add up their gradients in a ``lax.scan``: the
-   same gradients, ``m`` times less activation memory; the first half of a pipeline.
-2. **Stacked blocks.** ``n`` identical blocks, their parameters on a leading ``"stage"``
-   axis: the rule ``stage -> "stage"`` (the ``pp`` style) gives each device its layers.
-   ``stack`` turns a built model's blocks into them: the same function of the same numbers.
-3. **The schedule.** ``work(tick, stage)`` says what a stage does at a tick; ``run_pipeline`` runs
-   it, as a ``Pipeline`` (the mesh, the microbatches, the repeats) says.
-4. **Costs.** ``bubble_fraction``; ``in_flight``, the microbatches whose activations a stage keeps;
-   ``pipeline_report`` reads ticks, bytes and memory from the program.
+1. **Microbatches.** ``split_microbatches`` splits a batch into ``m`` (``join_microbatches``
+   puts it back); ``microbatched`` adds up their gradients in a ``lax.scan``: the same
+   gradients, ``m`` times less activation memory; the first half of a pipeline.
+2. **Stacked blocks.** ``Stacked``: ``n`` identical blocks, their parameters on a leading
+   ``"stage"`` axis, run in order by ``run_blocks``; the rule ``stage -> "stage"`` (the ``pp``
+   style) gives each device its layers. ``stack`` turns a built model's blocks into a
+   ``StackedModel`` (``unstack`` undoes it; ``stacked_mlp`` builds one): the same function of the
+   same numbers.
+3. **GPipe.** ``work(tick, stage)`` says what a stage does at a tick (``schedule`` lists it,
+   ``draw`` draws it); ``gpipe`` is one device's tick loop, each tick its layers
+   (``stage_layers``) on a microbatch and one ``ppermute`` round the ``ring_pairs``;
+   ``run_pipeline`` runs it as a ``Pipeline`` (the mesh, the microbatches) says.
+4. **The circular schedule.** ``r`` repeats: each device holds ``r`` sets of layers and a
+   microbatch goes round the ring ``r`` times (``repeat_layers``, ``circled_back``).
+5. **Costs.** ``bubble_fraction`` (``megatron_bubble``, as Megatron writes it); ``in_flight``,
+   the microbatches whose activations a stage keeps; ``pipeline_report`` reads ticks
+   (``compiled_ticks``), bytes and memory from the program, a ``PipelineReport``.
+
+Only the stage axis runs by hand here; a pipeline with other dimensions inside its stages (rows
+over "data", tokens over "context", an MoE's statistics) is ``minishard.composition``'s.
 
 >>> schedule(p=2, m=3)      # stage 1 starts a tick late and finishes a tick late: the bubble
 [[0, 1, 2, None], [None, 0, 1, 2]]
@@ -39,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from minishard import _checks
 from minishard._hlo import collective_instructions
 from minishard.census import bytes_by_mesh_axes, collectives
-from minishard.layers import ACTIVATIONS, Layer, Linear, Sequential, keep, with_stats
+from minishard.layers import ACTIVATIONS, Layer, Linear, Sequential, lifted, sow
 from minishard.rules import LogicalAxes
 
 # --- 1. microbatches: gradient accumulation ------------------------------------
@@ -63,7 +74,20 @@ def split_microbatches(batch: Any, m: int) -> Any:
     return jax.tree.map(split, batch)
 
 
-def microbatched(loss_fn: Callable[..., Any], m: int, reduction: str = "mean") -> Callable[..., Any]:
+def join_microbatches(ys: jax.Array) -> jax.Array:
+    """``split_microbatches``' inverse: ``[m, B/m, ...]`` -> ``[B, ...]``.
+
+    >>> join_microbatches(split_microbatches(jnp.arange(6), 3)).tolist()
+    [0, 1, 2, 3, 4, 5]
+    """
+    return ys.swapaxes(0, 1).reshape(ys.shape[0] * ys.shape[1], *ys.shape[2:])
+
+
+def microbatched(
+    loss_fn: Callable[..., Any],
+    m: int,
+    reduction: str = "mean",
+) -> Callable[..., Any]:
     """``jax.value_and_grad(loss_fn, has_aux=True)``, computed ``m`` microbatches at a time.
 
     ``loss_fn(model, batch) -> (loss, aux)`` reduces over the batch (so does ``aux``, a pytree of
@@ -81,7 +105,8 @@ def microbatched(loss_fn: Callable[..., Any], m: int, reduction: str = "mean") -
 
         microbatches = split_microbatches(batch, m)
         first = jax.tree.map(lambda a: a[0], microbatches)
-        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, model, first))  # the sums start at 0
+        shapes = jax.eval_shape(grad_fn, model, first)
+        zeros = jax.tree.map(jnp.zeros_like, shapes)  # the sums start at 0
         total, _ = jax.lax.scan(add_one, zeros, microbatches)
         return jax.tree.map(lambda t: t / m, total) if reduction == "mean" else total
 
@@ -126,13 +151,16 @@ class Stacked(Layer):
 
 
 def run_blocks(block: Any, x: jax.Array, *args: Any) -> jax.Array:
-    """Apply stacked blocks in order: a ``lax.scan`` over their leading axis. ``args`` go to every
-    block as they are (a GPT's: the tokens' ``positions``, which ring attention reads). What the blocks
-    keep (an MoE's statistics, ``layers.with_stats``) leaves the scan as its output, added up, kept."""
-    body = lambda h, one: with_stats(one)(h, *args)  # noqa: E731
-    _checks.blocks_keep_shape(body, block, x)  # the scan's carry: each block's output is the next's input
-    y, stats = jax.lax.scan(body, x, block)
-    keep(jax.tree.map(lambda s: s.sum(0), stats))
+    """Apply stacked blocks in order: a ``lax.scan`` over their leading axis.
+
+    ``args`` go to every block as they are (a GPT's: the tokens' ``positions``, which ring attention
+    reads). What the blocks sow (an MoE's statistics, ``layers.sow``) leaves the scan as its
+    output (``layers.lifted``), is added up over the blocks and sown again outside.
+    """
+    body = lambda h, one: lifted(one)(h, *args)  # noqa: E731
+    _checks.blocks_keep_shape(body, block, x)  # the scan's carry: each output is the next's input
+    y, sown = jax.lax.scan(body, x, block)
+    sow(jax.tree.map(lambda s: s.sum(0), sown))
     return y
 
 
@@ -141,26 +169,37 @@ class StackedModel(Layer):
 
     ``before`` and ``after`` (an embedding, a head) run outside the pipeline on
     every stage; the rules lay them out as for any model. ``positions``, where given (a GPT's
-    tokens' under cp, dealt out zig-zag), go to ``before`` and to every block, pipelined or not.
+    tokens' under cp, dealt out zig-zag), go to ``before`` and to every block, pipelined or not:
+    ``pipeline.run`` runs the blocks as the pipeline says.
     """
 
     param_fields = ("before", "blocks", "after")
     static_fields = ("pipeline",)
 
-    def __init__(self, before: Any, blocks: Stacked, after: Any, pipeline: Pipeline | None = None) -> None:
-        self.before, self.blocks, self.after, self.pipeline = before, blocks, after, pipeline
+    def __init__(
+        self,
+        before: Any,
+        blocks: Stacked,
+        after: Any,
+        pipeline: Pipeline | None = None,
+    ) -> None:
+        self.before = before
+        self.blocks = blocks
+        self.after = after
+        self.pipeline = pipeline
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         args = () if positions is None else (positions,)
         h = self.before(x, *args)
         if self.pipeline is None:
             return self.after(self.blocks(h, *args))
-        return self.after(run_pipeline(self.blocks, h, self.pipeline, *args))
+        return self.after(self.pipeline.run(self.blocks, h, *args))
 
 
 def stack(before: Any, blocks: Sequence[Layer], after: Any) -> StackedModel:
-    """A built model, ``after(blocks[-1](... blocks[0](before(x))))``, with its equal ``blocks`` stacked:
-    the same function of the same numbers, for a pipeline (each model says where its blocks are).
+    """A built model, ``after(blocks[-1](... blocks[0](before(x))))``, its equal ``blocks``
+    stacked: the same function of the same numbers, for a pipeline (each model says where its
+    blocks are).
 
     >>> stacked = stack(None, [Linear(4, 4, key=jax.random.key(k)) for k in range(3)], None)
     >>> stacked.blocks.n, stacked.blocks.block.weight.shape
@@ -172,8 +211,9 @@ def stack(before: Any, blocks: Sequence[Layer], after: Any) -> StackedModel:
 
 
 def unstack(model: StackedModel, like: Any) -> Any:
-    """``stack``'s inverse: a model shaped as ``like`` (``jax.eval_shape`` is enough) holding ``model``'s
-    parameters, block ``i`` the stack's slice ``i``: its leaves are before's, the blocks', after's."""
+    """``stack``'s inverse: a model shaped as ``like`` (``jax.eval_shape`` is enough) holding
+    ``model``'s parameters, block ``i`` the stack's slice ``i``: its leaves are before's, the
+    blocks', after's."""
     stacked = jax.tree.leaves(model.blocks)
     blocks = [leaf[i] for i in range(model.blocks.n) for leaf in stacked]  # block by block
     leaves = [*jax.tree.leaves(model.before), *blocks, *jax.tree.leaves(model.after)]
@@ -183,39 +223,45 @@ def unstack(model: StackedModel, like: Any) -> Any:
 def stacked_mlp(sizes: list[int], *, key: jax.Array, activation: str = "swish") -> StackedModel:
     """An MLP of ``sizes`` with its equal hidden Linears stacked: ``[784, 256, 256, 10]`` stacks 1.
 
-    Weights have standard deviation ``1/sqrt(inputs)``: ``mlp``'s 0.01 fades to nothing in a deep stack.
+    Weights have standard deviation ``1/sqrt(inputs)``: ``mlp``'s 0.01 fades to nothing in a
+    deep stack.
 
-    >>> jax.eval_shape(lambda: stacked_mlp([784, 256, 256, 256, 10], key=jax.random.key(0))).blocks.n
+    >>> build = lambda: stacked_mlp([784, 256, 256, 256, 10], key=jax.random.key(0))
+    >>> jax.eval_shape(build).blocks.n
     2
     """
-    width, k_in, k_blocks, k_out = sizes[1], *jax.random.split(key, 3)
+    width = sizes[1]
+    k_in, k_blocks, k_out = jax.random.split(key, 3)
     if len(sizes) < 4 or set(sizes[1:-1]) != {width}:
         raise ValueError(f"stacked_mlp: sizes need >= 2 equal hidden widths, got {sizes}")
     if activation not in ACTIVATIONS:
-        raise ValueError(f"stacked_mlp: activation={activation!r}; choose one of {sorted(ACTIVATIONS)}")
+        choices = sorted(ACTIVATIONS)
+        raise ValueError(f"stacked_mlp: activation={activation!r}; choose one of {choices}")
     linear = lambda n_in, n_out, k: Linear(n_in, n_out, key=k, scale=n_in**-0.5)  # noqa: E731
     act = ACTIVATIONS[activation]
-    hidden = [
-        Sequential([linear(width, width, k), act()]) for k in jax.random.split(k_blocks, len(sizes) - 3)
-    ]
-    return stack(Sequential([linear(sizes[0], width, k_in), act()]), hidden, linear(width, sizes[-1], k_out))
+    first = Sequential([linear(sizes[0], width, k_in), act()])
+    hidden_keys = jax.random.split(k_blocks, len(sizes) - 3)
+    hidden = [Sequential([linear(width, width, k), act()]) for k in hidden_keys]
+    last = linear(width, sizes[-1], k_out)
+    return stack(first, hidden, last)
 
 
-# --- 3. the schedule, and the loop that runs it ---------------------------------
+# --- 3. GPipe: the schedule, and the loop that runs it -------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
-    """Where and how to pipeline: ``p`` stages on ``mesh[stage_axis]``, ``m`` microbatches, ``r`` repeats;
-    the microbatches' rows over ``data_axis``, their tokens over ``sequence_axis`` (cp's "context": the
-    stages then hold their share of the tokens, and ring attention runs on it inside them)."""
+    """Where and how to pipeline: ``p`` stages on ``mesh[stage_axis]``, ``m`` microbatches.
+
+    ``repeats``, ``r``: 1 is GPipe; more, the circular schedule. ``run`` runs stacked blocks so.
+    A pipeline whose stages run other dimensions inside them (the rows over "data", the tokens
+    over "context", an MoE's statistics) is ``minishard.composition.ComposedPipeline``.
+    """
 
     mesh: Mesh
     microbatches: int
     repeats: int = 1
     stage_axis: str = "stage"
-    data_axis: str | None = None
-    sequence_axis: str | None = None
 
     def __post_init__(self) -> None:
         _checks.pipeline(self)
@@ -228,9 +274,21 @@ class Pipeline:
     def ticks(self) -> int:
         return self.repeats * self.microbatches + self.stages - 1
 
+    def run(self, blocks: Stacked, x: jax.Array, *args: Any) -> jax.Array:
+        """``blocks(x, *args)``, pipelined: ``gpipe`` on every device of the stage axis, the only
+        axis it runs by hand (another, "model" for tp, stays the annotations' inside a stage).
+        ``args`` (a GPT's ``[T]`` positions) are the same for every microbatch and device."""
+        _checks.pipeline_batch("run_pipeline", x, self)
+        layers = stage_layers(blocks, self)
+        loop = functools.partial(_blocks_alone, pipeline=self)
+        in_specs = (P(self.stage_axis), P(), *(P(),) * len(args))
+        axes = {self.stage_axis}
+        run = jax.shard_map(loop, mesh=self.mesh, in_specs=in_specs, out_specs=P(), axis_names=axes)
+        return join_microbatches(run(layers, split_microbatches(x, self.microbatches), *args))
+
 
 def work(tick: Any, stage: Any, m: int, r: int = 1) -> tuple[Any, Any, Any]:
-    """What ``stage`` works on at ``tick``: ``(busy, microbatch, repeat)``, for ints or traced arrays.
+    """What ``stage`` works on at ``tick``: ``(busy, microbatch, repeat)``, ints or traced arrays.
 
     Work item ``k = tick - stage``: microbatch ``k % m`` enters stage 0 at tick
     ``k`` and moves one stage per tick; after the last stage it comes back round
@@ -240,11 +298,15 @@ def work(tick: Any, stage: Any, m: int, r: int = 1) -> tuple[Any, Any, Any]:
     (True, 0, 1)
     """
     k = tick - stage
-    return (k >= 0) & (k < m * r), k % m, k // m
+    busy = (k >= 0) & (k < m * r)
+    return busy, k % m, k // m
 
 
 def schedule(p: int, m: int, r: int = 1) -> list[list[Any]]:
-    """Per stage, per tick: the microbatch worked on (``(microbatch, repeat)`` if ``r > 1``), or None."""
+    """Per stage, per tick: the microbatch worked on, or None (a bubble).
+
+    With ``r > 1``, a cell is ``(microbatch, repeat)``.
+    """
     _checks.pipeline_sizes("schedule", p, m, r)
     if r > 1 and m < p:  # microbatch 0 would come back round to stage 0 before the last one started
         raise ValueError(f"a circular schedule needs m >= p microbatches, got m={m} < p={p}")
@@ -267,9 +329,8 @@ def draw(grid: list[list[Any]]) -> str:
     """
     text = [[_cell(work) for work in row] for row in grid]
     width = max(len(cell) for row in text for cell in row)
-    return "\n".join(
-        f"stage {d} | " + " ".join(cell.ljust(width) for cell in row).rstrip() for d, row in enumerate(text)
-    )
+    rows = [" ".join(cell.ljust(width) for cell in row).rstrip() for row in text]
+    return "\n".join(f"stage {d} | {row}" for d, row in enumerate(rows))
 
 
 def _cell(work: Any) -> str:
@@ -281,86 +342,113 @@ def _cell(work: Any) -> str:
 def ring_pairs(p: int, shift: int = 1) -> list[tuple[int, int]]:
     """The ``ppermute`` pairs (source, target) of a ring of ``p`` devices: each sends ``shift`` on.
 
-    >>> ring_pairs(3), ring_pairs(3, shift=-1)   # forward round the ring; and back (1F1B's gradients)
+    >>> ring_pairs(3), ring_pairs(3, shift=-1)   # forward round the ring; and back (1F1B's)
     ([(0, 1), (1, 2), (2, 0)], [(0, 2), (1, 0), (2, 1)])
     """
     return [(d, (d + shift) % p) for d in range(p)]
 
 
 def run_pipeline(blocks: Stacked, x: jax.Array, pipeline: Pipeline, *args: Any) -> jax.Array:
-    """``blocks(x, *args)``, as a pipeline: ``p`` stages, each holding ``r`` sets of ``n / (p·r)`` layers.
+    """``blocks(x, *args)``, as a pipeline: ``p`` stages, each ``r`` sets of ``n / (p·r)`` layers.
 
-    Device ``d`` holds sets ``d, d + p, d + 2p, ...``: a microbatch visits every
-    device ``r`` times, round a ring. The layers are reordered ``[n] -> [p, r, L]``
-    here; with ``r = 1`` that is free, with ``r > 1`` XLA moves them each step. ``args`` (a GPT's
-    ``[T]`` positions) are the same for every microbatch: each device gets those of the tokens it holds.
+    ``pipeline.run`` runs it: ``Pipeline``'s is the loop below (``gpipe``); a ``ComposedPipeline``
+    (``minishard.composition``) runs other dimensions inside the stages.
     """
-    _checks.instance("run_pipeline: blocks", blocks, Stacked, "stack them: Stacked(make_block, n, key=key)")
-    p, m, r = pipeline.stages, pipeline.microbatches, pipeline.repeats
-    _checks.pipeline_batch("run_pipeline", x, pipeline)
+    return pipeline.run(blocks, x, *args)
+
+
+def stage_layers(blocks: Stacked, pipeline: Pipeline) -> Any:
+    """The stacked layers reordered ``[n] -> [p, r, L]``: device ``d`` holds sets ``d, d + p, ...``.
+
+    A microbatch visits every device ``r`` times, round a ring. With ``r = 1`` the reorder is free,
+    with ``r > 1`` XLA moves the layers each step.
+    """
+    hint = "stack them: Stacked(make_block, n, key=key)"
+    _checks.instance("run_pipeline: blocks", blocks, Stacked, hint)
+    p = pipeline.stages
+    r = pipeline.repeats
     if blocks.n % (p * r):
         raise ValueError(f"pipeline: {blocks.n} blocks do not split into {p} stages x {r} repeats")
-    schedule(p, m, r)  # checks m >= p for a circular schedule
-    layers = jax.tree.map(lambda a: a.reshape(r, p, -1, *a.shape[1:]).swapaxes(0, 1), blocks.block)
-    loop = functools.partial(_gpipe, pipeline=pipeline)
-    data, tokens = pipeline.data_axis, pipeline.sequence_axis
-    x_spec = P(None, data, tokens)  # [m, B/m, T, ...]: rows over "data", tokens over "context", if any
-    stages, held = P(pipeline.stage_axis), (P(tokens),) * len(args)  # args: each device's tokens'
-    # manual over its own axes only: another mesh axis ("model": tp) stays the annotations' inside a stage
-    own = {pipeline.stage_axis} | {axis for axis in (data, tokens) if axis}
-    in_specs, out_specs = (stages, x_spec, *held), (x_spec, P())  # the blocks' stats: the batch's
-    run = jax.shard_map(loop, mesh=pipeline.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=own)
-    y, stats = run(layers, split_microbatches(x, m), *args)
-    keep(stats)
-    return y.swapaxes(0, 1).reshape(x.shape[0], *y.shape[2:])  # undo the strided split
+    schedule(p, pipeline.microbatches, r)  # checks m >= p for a circular schedule
+    return jax.tree.map(lambda a: a.reshape(r, p, -1, *a.shape[1:]).swapaxes(0, 1), blocks.block)
 
 
-def _gpipe(layers: Any, xs: jax.Array, *args: Any, pipeline: Pipeline) -> tuple[jax.Array, Any]:
-    """One device's program: ``pipeline.ticks`` times, run its layers, pass the result on (``ppermute``)."""
-    p, m, r, axis = pipeline.stages, pipeline.microbatches, pipeline.repeats, pipeline.stage_axis
-    replicas = tuple(a for a in (pipeline.data_axis, pipeline.sequence_axis) if a)  # other examples, tokens
-    stage, layers = jax.lax.axis_index(axis), jax.tree.map(lambda a: a[0], layers)  # [r, L, ...]
-    if replicas:  # cast once, so that the gradient's psum over them (its transpose) runs once, not per tick
-        layers = jax.lax.pcast(layers, replicas, to="varying")
+def gpipe(layers: Any, xs: jax.Array, pipeline: Pipeline, stage_work: Callable[..., Any]) -> Any:
+    """One device's program: ``pipeline.ticks`` times, run its layers, pass the result on.
+
+    ``stage_work(layers, x, busy) -> (y, report)``: a tick's work, this device's layers on ``x``;
+    each tick's report (``None``: nothing to report) comes back stacked, beside the outputs."""
+    p = pipeline.stages
+    m = pipeline.microbatches
+    r = pipeline.repeats
+    axis = pipeline.stage_axis
+    stage = jax.lax.axis_index(axis)
+    layers = jax.tree.map(lambda a: a[0], layers)  # [r, L, ...]: this stage's sets of layers
     varying = functools.partial(jax.lax.pcast, axis_name=axis, to="varying")  # differs per stage
-    # The shift register, the inputs (stage 0 parks there microbatches back for their next repeat), the
-    # outputs. Bubbles hold NaN, so one that leaks fails the tests (full_like's: xs * NaN's gradient is NaN).
+    # The shift register, the inputs, the outputs. A bubble holds NaN: a leak fails the tests
     carry = varying(jnp.full_like(xs[0], jnp.nan)), varying(xs), varying(jnp.full_like(xs, jnp.nan))
 
-    def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
+    def tick(carry: Any, t: jax.Array) -> tuple[Any, Any]:
         state, inputs, outputs = carry
         busy, i, j = work(t, stage, m, r)
-        x = jnp.where(stage == 0, inputs[i], state)  # stage 0 starts microbatch i (repeat j)
-        x = jnp.where(busy, x, 0.0)  # a bubble computes on zeros: NaN * 0 would be NaN in the gradient
-        # repeat j's layers: slice 0 if r = 1 (at a traced j, a new array each tick, kept per tick by grad)
-        here = jax.tree.map(lambda a: a[0] if r == 1 else a[jnp.clip(j, 0, r - 1)], layers)
-        y, stats = with_stats(run_blocks)(here, x, *args)
-        outputs = outputs.at[i].set(jnp.where(busy & (stage == p - 1) & (j == r - 1), y, outputs[i]))
+        x = jnp.where(stage == 0, inputs[i], state)  # stage 0 starts microbatch i
+        x = jnp.where(busy, x, 0.0)  # a bubble computes on zeros: NaN * 0 is NaN in the gradient
+        y, report = stage_work(repeat_layers(layers, j, r), x, busy)
+        done = busy & (stage == p - 1) & (j == r - 1)  # the last stage, on the last repeat
+        outputs = outputs.at[i].set(jnp.where(done, y, outputs[i]))
         state = jax.lax.ppermute(y, axis, ring_pairs(p))  # the shift
-        sent, i_back, j_back = work(t, p - 1, m, r)  # what the last stage sent round to stage 0
-        back = (stage == 0) & sent & (j_back < r - 1)
-        inputs = inputs.at[i_back].set(jnp.where(back, state, inputs[i_back]))
-        return (state, inputs, outputs), jax.tree.map(lambda s: jnp.where(busy, s, 0), stats)  # a bubble's: 0
+        inputs = circled_back(inputs, state, t, stage, pipeline)
+        return (state, inputs, outputs), report
 
-    (_, _, outputs), stats = jax.lax.scan(tick, carry, jnp.arange(pipeline.ticks))
-    outputs = jax.lax.psum(jnp.where(stage == p - 1, outputs, 0.0), axis)  # the last stage's, to all
-    return outputs, jax.tree.map(lambda s: _over_the_batch(s, pipeline, replicas), stats)  # its blocks' stats
+    (_, _, outputs), reports = jax.lax.scan(tick, carry, jnp.arange(pipeline.ticks))
+    outputs = jax.lax.psum(jnp.where(stage == p - 1, outputs, 0.0), axis)  # the last's, to all
+    return outputs, reports
 
 
-def _over_the_batch(stat: jax.Array, pipeline: Pipeline, replicas: tuple[str, ...]) -> jax.Array:
-    """A statistic of each tick (``with_stats``), for the batch: each stage's blocks' and microbatch's added
-    up; counts over the replicas too, losses (a microbatch's mean each) averaged, as ``all_to_all_moe``."""
-    total = jax.lax.psum(stat.sum(0), pipeline.stage_axis)
-    if jnp.issubdtype(total.dtype, jnp.integer):
-        return jax.lax.psum(total, replicas)
-    return jax.lax.pmean(total / pipeline.microbatches, replicas)
+def _blocks_alone(layers: Any, xs: jax.Array, *args: Any, pipeline: Pipeline) -> jax.Array:
+    """``gpipe`` with ``run_blocks`` as each stage's work: blocks that sow nothing collected."""
+
+    def stage_work(here: Any, x: jax.Array, busy: jax.Array) -> tuple[jax.Array, None]:
+        y, sown = lifted(run_blocks)(here, x, *args)
+        _checks.nothing_sown("run_pipeline", sown)  # an MoE's statistics: a ComposedPipeline's
+        return y, None
+
+    outputs, _ = gpipe(layers, xs, pipeline, stage_work)
+    return outputs
 
 
-# --- 4. what it costs -----------------------------------------------------------
+# --- 4. the circular schedule: r sets of layers per stage -----------------------
+# Two steps in the loop above: a stage runs the set of layers of the microbatch's repeat, and
+# stage 0 parks what the last stage sent round until its next repeat. With r = 1 the first is the
+# one set, and nothing is ever parked: the loop is GPipe's.
+
+
+def repeat_layers(layers: Any, j: jax.Array, r: int) -> Any:
+    """A stage's set of layers for repeat ``j``: slice 0 if ``r = 1`` (at a traced ``j``, a new
+    array each tick, kept per tick by ``jax.grad``)."""
+    return jax.tree.map(lambda a: a[0] if r == 1 else a[jnp.clip(j, 0, r - 1)], layers)
+
+
+def circled_back(
+    inputs: jax.Array, sent: jax.Array, t: jax.Array, stage: jax.Array, pipeline: Pipeline
+) -> jax.Array:
+    """Stage 0's inputs, with what the last stage ``sent`` round at tick ``t`` parked for its next
+    repeat (never with ``r = 1``: every microbatch's repeat is its last)."""
+    m = pipeline.microbatches
+    r = pipeline.repeats
+    last_busy, i, j = work(t, pipeline.stages - 1, m, r)  # what the last stage worked on
+    back = (stage == 0) & last_busy & (j < r - 1)
+    return inputs.at[i].set(jnp.where(back, sent, inputs[i]))
+
+
+# --- 5. what it costs -----------------------------------------------------------
 
 
 def bubble_fraction(p: int, m: int, r: int = 1) -> float:
-    """The share of a step a stage idles, over the *total* time (GPipe, MaxText): ``(p-1)/(r·m+p-1)``."""
+    """The share of a step a stage idles, over the *total* time (GPipe, MaxText).
+
+    ``(p-1) / (r·m + p-1)``: ``p - 1`` ticks of bubble in ``r·m + p - 1``.
+    """
     _checks.pipeline_sizes("bubble_fraction", p, m, r)
     return (p - 1) / (r * m + p - 1)
 
@@ -372,7 +460,7 @@ def megatron_bubble(p: int, m: int, r: int = 1) -> float:
 
 
 def in_flight(p: int, m: int, r: int = 1) -> float:
-    """Microbatches whose activations, through all of a stage's layers, GPipe keeps for the backward pass.
+    """Microbatches whose activations, through all of a stage's layers, GPipe keeps for backward.
 
     ``jax.grad`` of ``run_pipeline``'s loop keeps what every tick computed until the transposed loop
     runs back over it: ``r·m + p - 1`` ticks, the bubbles' too (they compute on zeros), each through
@@ -389,7 +477,7 @@ def in_flight(p: int, m: int, r: int = 1) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineReport:
-    """What ``pipeline_report`` read from a compiled pipelined step; ``print`` shows it, schedule drawn.
+    """What ``pipeline_report`` read from a compiled pipelined step; ``print`` shows it, drawn.
 
     >>> print(PipelineReport(2, 2, 1, 3, 1 / 3, 1 / 3, 96, 4_000_000))
     stages 2, microbatches 2, ticks 3 (read from the compiled loop)
@@ -411,30 +499,44 @@ class PipelineReport:
     stage_axis: str = "stage"
 
     def __str__(self) -> str:
-        p, m, r = self.stages, self.microbatches, self.repeats
-        repeats, rm = (f", repeats {r}", "r·m") if r > 1 else ("", "m")
+        p = self.stages
+        m = self.microbatches
+        r = self.repeats
+        repeats = f", repeats {r}" if r > 1 else ""
+        rm = "r·m" if r > 1 else "m"  # the work items, in the formula
+        ticks = f"ticks {self.ticks} (read from the compiled loop)"
+        formula = f"{self.bubble_formula:.3f} = (p-1)/({rm}+p-1)"
         lines = [
-            f"stages {p}, microbatches {m}{repeats}, ticks {self.ticks} (read from the compiled loop)",
-            f"bubble {self.bubble:.3f} from the program, {self.bubble_formula:.3f} = (p-1)/({rm}+p-1)",
+            f"stages {p}, microbatches {m}{repeats}, {ticks}",
+            f"bubble {self.bubble:.3f} from the program, {formula}",
             f"collective-permute over {self.stage_axis!r}: {self.permute_bytes} bytes per step",
             f"temporary memory: {self.temp_bytes / 1e6:.2f} MB per device",
         ]
         return "\n".join([*lines, draw(schedule(p, m, r))])
 
 
-def pipeline_report(step: Any, args: tuple[Any, ...], pipeline: Pipeline | None = None) -> PipelineReport:
+def pipeline_report(
+    step: Any,
+    args: tuple[Any, ...],
+    pipeline: Pipeline | None = None,
+) -> PipelineReport:
     """What ``explain`` prints for a pipelined step: stages, ticks, bubble, bytes sent, temp memory.
 
     ``pipeline``: by default that of the first ``StackedModel`` in ``args``."""
     _checks.pipelined("pipeline_report", pipeline, args)
-    pipeline = pipeline or next(a.pipeline for a in args if isinstance(a, StackedModel) and a.pipeline)
-    p, m, r = pipeline.stages, pipeline.microbatches, pipeline.repeats
+    models = [a for a in args if isinstance(a, StackedModel)]
+    pipeline = pipeline or next(model.pipeline for model in models if model.pipeline)
+    p = pipeline.stages
+    m = pipeline.microbatches
+    r = pipeline.repeats
     compiled = step.lower(*args).compile()
     ticks = compiled_ticks(compiled)
-    sent = bytes_by_mesh_axes(compiled).get(("collective-permute", (pipeline.stage_axis,)), 0)
+    shift = ("collective-permute", (pipeline.stage_axis,))
+    sent = bytes_by_mesh_axes(compiled).get(shift, 0)
     temp = compiled.memory_analysis().temp_size_in_bytes
     bubble = (ticks - r * m) / ticks
-    return PipelineReport(p, m, r, ticks, bubble, bubble_fraction(p, m, r), sent, temp, pipeline.stage_axis)
+    formula = bubble_fraction(p, m, r)
+    return PipelineReport(p, m, r, ticks, bubble, formula, sent, temp, pipeline.stage_axis)
 
 
 def compiled_ticks(compiled: jax.stages.Compiled) -> int:
@@ -444,7 +546,8 @@ def compiled_ticks(compiled: jax.stages.Compiled) -> int:
     which the census counts once per trip of its loop.
     """
     found = collective_instructions(compiled.as_text() or "")
-    written = [c for c in found if c["kind"] == "collective-permute" and c["phase"] != "-done"]  # async: once
+    permutes = [c for c in found if c["kind"] == "collective-permute"]
+    written = [c for c in permutes if c["phase"] != "-done"]  # an async one: its start alone
     return collectives(compiled)["collective-permute"].count // len(written)
 
 
@@ -454,19 +557,24 @@ __all__ = [
     "Stacked",
     "StackedModel",
     "bubble_fraction",
+    "circled_back",
     "compiled_ticks",
     "draw",
+    "gpipe",
     "in_flight",
+    "join_microbatches",
     "megatron_bubble",
     "microbatched",
     "pipeline_report",
-    "run_blocks",
+    "repeat_layers",
     "ring_pairs",
+    "run_blocks",
     "run_pipeline",
     "schedule",
     "split_microbatches",
     "stack",
     "stacked_mlp",
+    "stage_layers",
     "unstack",
     "work",
 ]

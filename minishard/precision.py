@@ -1,4 +1,5 @@
-"""Mixed precision, the numbers: fp16's loss scale, where the cast sits, and the gradients' dtype.
+"""Mixed precision, the numbers: fp16's loss scale, where the cast sits, and the gradients'
+dtype.
 
 ``minishard.memory`` says what a precision costs in bytes held (``Precision``: the
 weights' dtype, the gradients', a float32 master copy). This chapter is what it
@@ -11,16 +12,21 @@ costs in numbers and in bytes sent:
    halved. After ``period`` finite steps in a row the scale doubles again
    (dynamic loss scaling, Micikevicius et al. 2018; ``jmp.DynamicLossScale``'s
    defaults, which the tests drive step by step beside this one). bfloat16 keeps
-   float32's 8 exponent bits and needs none of it.
+   float32's 8 exponent bits and needs none of it. The state is a ``LossScale``
+   (from ``INITIAL``; ``adjust`` doubles it after ``PERIOD`` finite steps by ``FACTOR``,
+   halves it on an overflow, never below ``FLOOR``; ``all_finite`` tells which);
+   ``scaled`` is the loss ``grad`` sees, and ``LossScaled`` the optimizer that
+   unscales, its state a ``LossScaledState``.
 2. **Where the cast sits under FSDP.** Cast each weight's shard to bfloat16, and
    the all-gather moves 2 bytes a number; gather the float32 weight first, and 4
-   (levanter#426). ``census.as_asked`` reads a step's collectives as XLA's SPMD
-   partitioner wrote them, before XLA:CPU widens bfloat16 ones to float32.
+   (levanter#426); ``gathered`` is that all-gather, said out loud. ``census.as_asked``
+   reads a step's collectives as XLA's SPMD partitioner wrote them, before XLA:CPU
+   widens bfloat16 ones to float32.
 3. **In which dtype gradients are reduced.** Differentiated through the cast,
    a gradient leaves the backward pass in the compute dtype, and the partitioner
    all-reduces it there, whatever the optimizer wants after (jax#27496).
    ``reduced_in`` makes the reduction the step's own: each replica's gradients,
-   cast to the dtype asked for, then summed.
+   cast to the dtype asked for, then summed over the ``replicas``.
 
 >>> state = adjust(LossScale.start(), all_finite({"w": jnp.array([1.0, jnp.inf])}))
 >>> float(state.scale), int(state.good)   # an overflow: halve the scale, count again from 0
@@ -44,14 +50,20 @@ from minishard.rules import AxisRules
 
 # --- 1. fp16: the dynamic loss scale ----------------------------------------------------------
 
-INITIAL, PERIOD, FACTOR, FLOOR = 2.0**15, 2000, 2.0, 1.0
-"""jmp's ``DynamicLossScale`` defaults: start at 2^15, double after 2,000 finite steps, halve on an
-overflow, never below 1."""
+# jmp's ``DynamicLossScale`` defaults:
+INITIAL = 2.0**15
+"""The scale to start at, 2^15."""
+PERIOD = 2000
+"""After this many finite steps in a row, the scale grows."""
+FACTOR = 2.0
+"""The scale doubles after ``PERIOD`` finite steps, and halves on an overflow."""
+FLOOR = 1.0
+"""The scale never falls below 1."""
 
 
 class LossScale(NamedTuple):
-    """The loss scale's state, a pytree: ``scale`` (float32), and ``good`` (int32), the finite steps
-    since the scale last changed. Sharded and checkpointed with the optimizer's state it lives in."""
+    """The loss scale's state, a pytree: ``scale`` (float32), and ``good`` (int32), the finite
+    steps since the scale last changed; sharded and saved with the optimizer's state it is in."""
 
     scale: jax.Array
     good: jax.Array
@@ -63,16 +75,21 @@ class LossScale(NamedTuple):
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """One boolean: is every number of every array in ``tree`` finite (no inf, no NaN)? A tree without
-    arrays has none that is not: ``True``, as ``jmp.all_finite`` says."""
-    return jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)] + [True]).all()
+    """One boolean: is every number of every array in ``tree`` finite (no inf, no NaN)? A tree
+    without arrays has none that is not: ``True``, as ``jmp.all_finite`` says."""
+    each = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]
+    return jnp.stack([*each, True]).all()
 
 
 def adjust(
-    state: LossScale, finite: jax.Array, period: int = PERIOD, factor: float = FACTOR, floor: float = FLOOR
+    state: LossScale,
+    finite: jax.Array,
+    period: int = PERIOD,
+    factor: float = FACTOR,
+    floor: float = FLOOR,
 ) -> LossScale:
-    """The next scale: halved (not below ``floor``) after an overflow, doubled after ``period`` finite
-    steps in a row (kept if doubling overflows float32), else the same.
+    """The next scale: halved (not below ``floor``) after an overflow, doubled after ``period``
+    finite steps in a row (kept if doubling overflows float32), else the same.
 
     >>> state = LossScale.start(4.0)
     >>> for finite in (True, True, False, False, False, True):
@@ -89,8 +106,10 @@ def adjust(
     _checks.scalar_bool("adjust: finite", finite)
     doubled = jnp.where(jnp.isfinite(state.scale * factor), state.scale * factor, state.scale)
     grown = jnp.where(state.good == period - 1, doubled, state.scale)
-    scale = jnp.where(finite, grown, jnp.maximum(floor, state.scale / factor))
-    return LossScale(scale, jnp.where(finite, (state.good + 1) % period, 0).astype(jnp.int32))
+    shrunk = jnp.maximum(floor, state.scale / factor)
+    scale = jnp.where(finite, grown, shrunk)
+    good = jnp.where(finite, (state.good + 1) % period, 0).astype(jnp.int32)
+    return LossScale(scale, good)
 
 
 class LossScaledState(NamedTuple):
@@ -110,18 +129,26 @@ class LossScaled:
 
     >>> from minishard import SGD
     >>> opt = LossScaled(SGD(1.0))
-    >>> params, state = opt.update({"w": jnp.array(1.0)}, {"w": jnp.array(jnp.inf)}, opt.init({"w": 0.0}))
+    >>> state = opt.init({"w": 0.0})
+    >>> params, state = opt.update({"w": jnp.array(1.0)}, {"w": jnp.array(jnp.inf)}, state)
     >>> float(params["w"]), float(state.loss_scale.scale), int(state.inner.step)
     (1.0, 16384.0, 0)
     """
 
     def __init__(
-        self, optimizer: Optimizer, initial: float = INITIAL, period: int = PERIOD, factor: float = FACTOR
+        self,
+        optimizer: Optimizer,
+        initial: float = INITIAL,
+        period: int = PERIOD,
+        factor: float = FACTOR,
     ) -> None:
         _checks.optimizer("LossScaled: optimizer", optimizer)
         _checks.positive("LossScaled: initial", initial)
         _checks.loss_scale("LossScaled", period, factor, FLOOR)
-        self.optimizer, self.initial, self.period, self.factor = optimizer, initial, period, factor
+        self.optimizer = optimizer
+        self.initial = initial
+        self.period = period
+        self.factor = factor
         self.learning_rate = optimizer.learning_rate
 
     def init(self, params: Any) -> LossScaledState:
@@ -138,12 +165,13 @@ class LossScaled:
         params, inner = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old), stepped, (params, state.inner)
         )
-        return params, LossScaledState(inner, adjust(state.loss_scale, finite, self.period, self.factor))
+        loss_scale = adjust(state.loss_scale, finite, self.period, self.factor)
+        return params, LossScaledState(inner, loss_scale)
 
 
 def scaled(loss: Callable[..., Any], scale: jax.Array) -> Callable[..., Any]:
-    """``loss(model, batch) -> (value, aux)`` as ``grad`` should see it under fp16: ``(value * scale,
-    (value, aux))``, the unscaled value kept in the aux for the record."""
+    """``loss(model, batch) -> (value, aux)`` as ``grad`` should see it under fp16:
+    ``(value * scale, (value, aux))``, the unscaled value kept in the aux for the record."""
 
     def scaled_loss(model: Any, batch: Any) -> tuple[jax.Array, Any]:
         value, aux = loss(model, batch)
@@ -165,12 +193,13 @@ def gathered(tree: Any) -> Any:
 
 
 def replicas() -> tuple[int, tuple[str, ...]]:
-    """How many ways the ``Sharded`` step in effect splits its batch (its data-parallel replicas), and
-    over which mesh axes; ``(1, ())`` outside one."""
+    """How many ways the ``Sharded`` step in effect splits its batch (its data-parallel
+    replicas), and over which mesh axes; ``(1, ())`` outside one."""
     context = environment()
     target = None if context is None else context.batch_target
     axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-    return (math.prod(dict(context.mesh.shape)[axis] for axis in axes) if context else 1), axes
+    n = math.prod(dict(context.mesh.shape)[axis] for axis in axes) if context else 1
+    return n, axes
 
 
 def reduced_in(dtype: str, value_and_grad: Callable[..., Any]) -> Callable[..., Any]:
@@ -185,14 +214,18 @@ def reduced_in(dtype: str, value_and_grad: Callable[..., Any]) -> Callable[..., 
     _checks.one_of("reduced_in: dtype", dtype, ("float32", "bfloat16", "float16"))
 
     def reduced(model: Any, batch: Any) -> Any:
-        (n, axes), context = replicas(), environment()
+        n, axes = replicas()
+        context = environment()
         if context is None or n == 1:
             return value_and_grad(model, batch)  # one replica: nothing to reduce
-        rules = [(name, to) for name, to in context.rules.pairs if not set(axes) & _named(to)]  # the rows'
-        within = dataclasses.replace(context, rules=AxisRules.from_pairs(rules)).wrap(value_and_grad)
+        # inside a row, the rules without the rows' mesh axes
+        rules = [(name, to) for name, to in context.rules.pairs if not set(axes) & _named(to)]
+        in_a_row = dataclasses.replace(context, rules=AxisRules.from_pairs(rules))
+        within = in_a_row.wrap(value_and_grad)
         rows = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
         out, grads = jax.vmap(within, in_axes=(None, 0), spmd_axis_name=axes)(model, rows)
-        row = lambda g: constrain(g.astype(dtype), activation_axes(g.ndim))  # noqa: E731  one per device
+        # one row per device
+        row = lambda g: constrain(g.astype(dtype), activation_axes(g.ndim))  # noqa: E731
         mean = lambda g: (_sum_rows(row(g)) / n).astype(g.dtype)  # noqa: E731
         return jax.tree.map(lambda o: o.mean(0), out), jax.tree.map(mean, grads)
 
@@ -205,7 +238,7 @@ def _named(target: Any) -> set[str]:
 
 
 def _sum_rows(x: jax.Array) -> jax.Array:
-    """The sum over the first axis, in ``x``'s own dtype (``jnp.sum`` would add bfloat16 in float32)."""
+    """The sum over the first axis in ``x``'s dtype (``jnp.sum`` adds bfloat16 in float32)."""
     return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, (0,))
 
 

@@ -6,8 +6,9 @@ input. Kept, they are most of a transformer step's memory (``minishard.memory``,
 section 3); dropped, the backward pass recomputes them from what was kept.
 ``jax.checkpoint`` (alias ``jax.remat``) draws that line: wrapped around a block,
 its *policy* says which of the block's intermediates may be saved, and the rest
-are recomputed from the block's input. ``POLICIES`` is MaxText's ``remat_policy``
-menu in small:
+are recomputed from the block's input (``checkpointed``; ``after_the_gradient`` makes
+the recomputation wait for the gradient it serves). ``POLICIES`` is MaxText's
+``remat_policy`` menu in small:
 
 * ``none``: no ``jax.checkpoint``; autodiff keeps every residual it needs.
 * ``full`` (``nothing_saveable``): only each block's input; the backward pass runs
@@ -15,16 +16,16 @@ menu in small:
 * ``dots`` (``dots_saveable``): every matmul's output, the attention's scores
   ``q·k`` included; only elementwise work (norms, softmax, Swish) is recomputed.
 * ``names`` (``save_only_these_names``): the intermediates named with
-  ``checkpoint_name``, ``SAVED``: the projections' q, k, v and the attention's
-  output. The attention core (scores, softmax, the sum over values) and the MLP
+  ``checkpoint_name``, ``SAVED``: the projections' q, k, v (``QKV``) and the attention's
+  output (``ATTENTION``). The attention core (scores, softmax, the sum over values) and the MLP
   are recomputed: Korthikanti et al.'s *selective* recomputation, which drops the
   ``as/h`` term (the softmax's ``b·heads·s²`` numbers), with the MLP's hidden
   units recomputed too.
 
 What recomputation costs is FLOPs. A step's *model* FLOPs (``costs.model_flops``,
 3 x the forward matmuls) are what the model needs, and MFU's numerator; its
-*hardware* FLOPs (``step_flops``) are the matmuls the step runs, recomputation
-included, and HFU's. Under ``full`` a block's forward matmuls run again, all but
+*hardware* FLOPs (``step_flops``, a ``StepFlops``) are the matmuls the step runs,
+recomputation included, and HFU's. Under ``full`` a block's forward matmuls run again, all but
 the last: its output only feeds the residual sum, whose gradient needs none of it.
 So a GPT step under ``full`` costs a little under 8N per token instead of 6N (the
 MLP's second matmul is a sixth of a block's), HFU / MFU a little under 4/3.
@@ -50,9 +51,11 @@ import jax
 from minishard import _checks
 from minishard.costs import matmul_flops, model_flops
 
-QKV, ATTENTION = "qkv", "attention"
-"""The names ``Attention`` gives its projections' q, k, v and its output
-(``jax.ad_checkpoint.checkpoint_name``: outside ``jax.checkpoint`` it returns its argument)."""
+QKV = "qkv"
+"""The name ``Attention`` gives its projections' q, k, v (``jax.ad_checkpoint.checkpoint_name``:
+outside ``jax.checkpoint`` it returns its argument)."""
+ATTENTION = "attention"
+"""The name ``Attention`` gives its output."""
 SAVED = (QKV, ATTENTION)
 """What the ``names`` policy saves, MaxText's ``save_qkv_proj`` and ``save_out_proj`` together."""
 POLICIES: dict[str, Callable[..., bool] | None] = {
@@ -61,7 +64,8 @@ POLICIES: dict[str, Callable[..., bool] | None] = {
     "dots": jax.checkpoint_policies.dots_saveable,
     "names": jax.checkpoint_policies.save_only_these_names(*SAVED),
 }
-"""What each ``--remat`` policy lets a checkpointed block save (None: no ``jax.checkpoint`` at all)."""
+"""What each ``--remat`` policy lets a checkpointed block save (None: no ``jax.checkpoint`` at
+all)."""
 
 
 def checkpointed(f: Callable[..., Any], policy: str) -> Callable[..., Any]:
@@ -97,7 +101,10 @@ def after_the_gradient(f: Callable[..., Any]) -> Callable[..., Any]:
 
     def backward(pullback: Any, gradient: Any) -> Any:
         zero = 0 * jax.tree.leaves(gradient)[0].ravel()[0]
-        tied = lambda kept: kept + zero.astype(kept.dtype) if _floating(kept) else kept  # noqa: E731
+
+        def tied(kept: Any) -> Any:
+            return kept + zero.astype(kept.dtype) if _floating(kept) else kept
+
         return jax.tree.map(tied, pullback)(gradient)
 
     wrapped = jax.custom_vjp(f)

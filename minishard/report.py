@@ -5,7 +5,9 @@ puts that next to the question before it, "what does each device hold?": one
 row per array, read from ``minishard.sharding.plan`` (the same plan ``Sharded``
 uses, not re-derived here), with the shard each device keeps and its bytes.
 Only the mesh's axis names and sizes are needed, so an ``AbstractMesh`` plans a
-model far too big for this machine (with ``jax.eval_shape`` for the model).
+model far too big for this machine (with ``jax.eval_shape`` for the model). The
+``Report`` holds one ``Row`` per array, the totals, and with a step its collectives
+and its cost.
 
 >>> import jax
 >>> from minishard import AxisRules, mlp
@@ -21,8 +23,8 @@ layers[0].bias    (16,)    ('mlp',)          P('model',)       64 B   (4,)      
 layers[2].weight  (16, 4)  ('mlp', 'embed')  P('model', None)  256 B  (4, 4)      64 B
 layers[2].bias    (4,)     ('embed',)        P(None,)          16 B   (4,)        16 B
 total: 848 B unsharded, 224 B per device (3.8x less)
->>> report.rows[0].device_bytes, report.total_bytes, report.device_bytes
-(128, 848, 224)
+>>> report.rows[0].leaf.spec, report.rows[0].device_bytes, report.total_bytes, report.device_bytes
+(P(None, 'model'), 128, 848, 224)
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ import numpy as np
 
 from minishard.census import Collective, collectives, human_bytes, summary
 from minishard.costs import Hardware, StepCost, cost_report
-from minishard.rules import AnyMesh, AxisRules, LogicalAxes
-from minishard.sharding import Sharded, plan
+from minishard.rules import AnyMesh, AxisRules
+from minishard.sharding import LeafPlan, Sharded, plan
 from minishard.tree import named_leaves
 
 __all__ = ["Report", "Row", "explain"]
@@ -47,13 +49,10 @@ __all__ = ["Report", "Row", "explain"]
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One array of the tree: how big it is, and how much of it one device holds."""
+    """One array of the tree: its plan (``sharding.LeafPlan``: its path, shape, logical axes,
+    spec and shard), how big it is, and how much of it one device holds."""
 
-    path: str  # "layers[0].weight"
-    shape: tuple[int, ...]  # the whole array
-    logical_axes: LogicalAxes  # ("embed", "mlp")
-    spec: jax.sharding.PartitionSpec  # what the rules turned them into
-    shard_shape: tuple[int, ...]  # the shard each device holds
+    leaf: LeafPlan  # the plan's own record of the array, as ``Sharded`` places it
     dtype: str  # "float32"
     bytes: int  # the whole array
     device_bytes: int  # one device's shard
@@ -93,12 +92,12 @@ class Report:
         """The table's rows as strings, one per ``HEADER`` column: for ``str`` and the renderers."""
         return [
             (
-                row.path,
-                str(row.shape),
-                str(row.logical_axes),
-                str(row.spec),
+                row.leaf.path,
+                str(row.leaf.shape),
+                str(row.leaf.logical_axes),
+                str(row.leaf.spec),
                 human_bytes(row.bytes),
-                str(row.shard_shape),
+                str(row.leaf.shard_shape),
                 human_bytes(row.device_bytes),
             )
             for row in self.rows
@@ -121,9 +120,14 @@ class Report:
         table = [self.HEADER, *self.cells()]
         widths = [max(len(row[i]) for row in table) for i in range(len(self.HEADER))]
         lines = [f"mesh {self.mesh} ({n_devices} devices)"]
-        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+        lines += [_padded(row, widths) for row in table]
         lines.insert(2, "  ".join("-" * w for w in widths))  # under the header
         return "\n".join(lines + self.footer())
+
+
+def _padded(cells: Sequence[str], widths: Sequence[int]) -> str:
+    """One line of the table: each cell padded to its column's width, two spaces between."""
+    return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
 
 
 def explain(
@@ -139,11 +143,11 @@ def explain(
     Only the mesh's axis names and sizes are read, so a ``jax.sharding.AbstractMesh``
     will do, unless a step is to be compiled (the module docstring shows a report).
 
-    With ``step`` and its example ``args``, the report also lists the
-    collectives of the compiled step. ``step`` is a ``Sharded`` function (or
-    anything with ``.lower``, such as a ``jax.jit`` function), or a plain
-    function, which is then wrapped in ``Sharded(mesh, rules)``. With ``hardware``
-    too ("v5p", a key of ``costs.HARDWARE``), ``report.cost`` prices it there (``costs.cost_report``).
+    With ``step`` and its example ``args``, the report also lists the collectives of the
+    compiled step. ``step`` is a ``Sharded`` function (or anything with ``.lower``, such as a
+    ``jax.jit`` function), or a plain function, which is then wrapped in ``Sharded(mesh,
+    rules)``. With ``hardware`` too ("v5p", a key of ``costs.HARDWARE``), ``report.cost``
+    prices it there (``costs.cost_report``).
     """
     rows = _rows(tree, mesh, rules)
     found, cost = _compiled(step, args, mesh, rules, hardware)
@@ -166,11 +170,7 @@ def _rows(tree: Any, mesh: AnyMesh, rules: AxisRules | None) -> tuple[Row, ...]:
         dtype = np.dtype(jnp.result_type(arrays[leaf.path]))
         rows.append(
             Row(
-                path=leaf.path,
-                shape=leaf.shape,
-                logical_axes=leaf.logical_axes,
-                spec=leaf.spec,
-                shard_shape=leaf.shard_shape,
+                leaf=leaf,
                 dtype=dtype.name,
                 bytes=math.prod(leaf.shape) * dtype.itemsize,
                 device_bytes=math.prod(leaf.shard_shape) * dtype.itemsize,
@@ -186,17 +186,21 @@ def _compiled(
     rules: AxisRules | None,
     hardware: Hardware | str | None,
 ) -> tuple[dict[str, Collective] | None, StepCost | None]:
-    """Compile ``step`` on ``args`` (wrapped in ``Sharded`` unless it can ``.lower``), count, and price."""
+    """Compile ``step`` on ``args`` (in ``Sharded`` unless it can ``.lower``), count, price."""
     if step is None:
         if hardware is not None:
             raise TypeError("explain: hardware= prices a step; give the step and its args too")
         return None, None
     if args is None:
-        raise TypeError("explain: a step needs example args to compile it with, e.g. args=(model, batch)")
+        raise TypeError(
+            "explain: a step needs example args to compile it with, e.g. args=(model, batch)",
+        )
     sharded: Any = step
     if not hasattr(step, "lower"):
         if not isinstance(mesh, jax.sharding.Mesh):
-            raise TypeError("explain: compiling a step needs a mesh of real devices, not an AbstractMesh")
+            raise TypeError(
+                "explain: compiling a step needs a mesh of real devices, not an AbstractMesh",
+            )
         sharded = Sharded(mesh, rules)(step)
     cost = None if hardware is None else cost_report(sharded, args, mesh, rules, hardware)
     return collectives(sharded.lower(*args)), cost

@@ -5,6 +5,13 @@ A model author annotates each parameter's dimensions with *logical axes*
 axes* of some hardware (``"data"``, ``"model"``). The same model then runs data-,
 tensor- or 2-D-parallel by changing only the rules, never the model.
 
+An array's ``LogicalAxes`` name its dimensions; a rule sends a name to ``MeshAxes`` (one
+mesh axis, several, or None) on ``AnyMesh`` (a mesh, or only its shape); ``split_count``
+is into how many shards that splits a dimension, ``as_mesh_axes`` the target as a tuple.
+``resolve`` is Flax's algorithm: the rules in order, each an ``Attempt`` that claims a
+dimension or is skipped; ``AxisRules`` holds the rules (``IDENTITY_RULES``: none) and its
+``explain`` prints a ``RuleTrace``. Rules that cannot place an array raise ``ShardingError``.
+
 >>> rules = AxisRules(embed=None, mlp="model")
 >>> rules.spec(("embed", "mlp"))
 P(None, 'model')
@@ -49,7 +56,8 @@ AnyMesh = Mesh | AbstractMesh
 LogicalAxes = tuple[str | None, ...]
 """The logical axes of one array, one entry per dimension (``None``: not annotated)."""
 MeshAxes = str | tuple[str, ...] | None
-"""Where a logical axis goes: one mesh axis, several (split over their product), or None (replicated)."""
+"""Where a logical axis goes: one mesh axis, several (split over their product), or None
+(replicated)."""
 
 
 def split_count(mesh: AnyMesh, target: MeshAxes) -> int:
@@ -80,7 +88,8 @@ class Attempt(NamedTuple):
         if self.already_decided:
             return f"{rule} skipped: dimension already decided"
         if self.taken is not None:
-            return f"{rule} skipped: mesh axis {self.taken[0]!r} already used by dim {self.taken[1]}"
+            axis, dim = self.taken
+            return f"{rule} skipped: mesh axis {axis!r} already used by dim {dim}"
         return f"{rule} matched" + ("" if as_mesh_axes(self.target) else ": replicated")
 
 
@@ -89,10 +98,9 @@ def resolve(
 ) -> tuple[PartitionSpec, list[Attempt]]:
     """Flax's rule algorithm (``_logical_to_mesh_axes``): one pass over the rules, in list order.
 
-    A rule tries the dimension its logical axis names, and claims it if the dimension is
-    still open and every mesh axis it wants is still free; a later rule for the same name
-    is a fallback. A dimension no rule claimed is replicated; a name on two dimensions is
-    refused. Returns the spec and every rule tried, in order: what ``AxisRules.explain`` prints.
+    A rule claims the dimension its logical axis names if that dimension is still open and
+    every mesh axis it wants is free; a later rule for the same name is a fallback. Unclaimed:
+    replicated; a name on two dimensions: refused. Returns the spec and each rule tried, in order.
 
     >>> spec, attempts = resolve(("embed", "mlp"), [("mlp", "model"), ("embed", "model")])
     >>> spec, [attempt.won for attempt in attempts]
@@ -106,14 +114,20 @@ def resolve(
     for name, target in rules:  # rule by rule, not dimension by dimension
         if name not in logical_axes:
             continue
-        dim, wanted = logical_axes.index(name), as_mesh_axes(target)
-        taken = None if dim in decided else next(((a, claimed[a]) for a in wanted if a in claimed), None)
+        dim = logical_axes.index(name)
+        wanted = as_mesh_axes(target)
+        taken = None if dim in decided else _first_taken(wanted, claimed)
         attempts.append(Attempt(dim, name, target, already_decided=dim in decided, taken=taken))
         if attempts[-1].won:
             entries[dim] = target
             decided.add(dim)
             claimed.update(dict.fromkeys(wanted, dim))
     return P(*entries), attempts
+
+
+def _first_taken(wanted: tuple[str, ...], claimed: dict[str, int]) -> tuple[str, int] | None:
+    """The first mesh axis of ``wanted`` that a dimension has claimed, and that dimension."""
+    return next(((axis, claimed[axis]) for axis in wanted if axis in claimed), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,14 +235,15 @@ class AxisRules:
     def _resolve(
         self, logical_axes: LogicalAxes, mesh: AnyMesh | None
     ) -> tuple[LogicalAxes, PartitionSpec, tuple[Attempt, ...]]:
-        """``resolve`` with these rules, then each remaining name that is a mesh axis mapping to itself."""
+        """``resolve`` with these rules, then each other name that is a mesh axis, to itself."""
         _checks.logical_axes("", logical_axes)
         axes = tuple(logical_axes)
         _checks.every_name_has_a_rule(self, axes, mesh)
         identity = [(name, name) for name in axes if name is not None and name not in self]
         spec, attempts = resolve(axes, [*self.pairs, *identity])
         _checks.winners_on_mesh(attempts, mesh)
-        if not self.ordered:  # keyword rules are strict: a blocked dimension is an error, not replicated
+        # keyword rules are strict: a blocked dimension is an error, not replicated
+        if not self.ordered:
             _checks.every_dimension_decided(axes, attempts)
         return axes, spec, tuple(attempts)
 

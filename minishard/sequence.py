@@ -15,7 +15,9 @@ each is again a ``shard_map`` with the sequence split over a mesh axis:
    an all-gather of the same bytes on the wire (``costs.sent_bytes``), while those activations
    take 1/p of the memory. Once by annotation (the rule ``seq -> "model"``), once by hand.
 
-``over_sequence`` runs any of the attentions on whole ``[batch, seq, heads, head_dim]`` arrays.
+``over_sequence`` runs any of the attentions (an ``Attend``) on whole ``[batch, seq, heads,
+head_dim]`` arrays; ``residual_mlp_by_hand`` is one ``ResidualMLP`` with every collective written
+out, and ``by_hand`` runs a stack of them so in a ``shard_map``.
 
 >>> from minishard.costs import sent_bytes
 >>> both = sent_bytes("reduce-scatter", 1024, 4) + sent_bytes("all-gather", 4096, 4)
@@ -36,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from minishard import _checks
 from minishard.constraints import activation_axes, constrain
-from minishard.context import CHUNKS, attend, positions
+from minishard.context import CHUNKS, attend, held_order
 from minishard.layers import Layer, Linear, Sequential
 from minishard.rules import AxisRules, MeshAxes
 from minishard.sharding import partition_specs
@@ -90,10 +92,13 @@ def all_gather_attention(
     a causal mask only masks, so the work is balanced in any layout.
     """
     _checks.context_inputs("all_gather_attention", q, k, v, axis, layout, CHUNKS)
-    p, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    k, v = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))  # every device's, in turn
+    p = jax.lax.axis_size(axis)
+    me = jax.lax.axis_index(axis)
+    k, v = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))  # every device's
     seq_len = k.shape[1]
-    out, _ = attend(q, k, v, positions(seq_len, p, layout, me), positions(seq_len, p, layout), causal=causal)
+    mine = held_order(seq_len, p, layout, me)  # this device's queries
+    everyone = held_order(seq_len, p, layout)  # every device's keys, in turn
+    out, _ = attend(q, k, v, mine, everyone, causal=causal)
     return out.astype(q.dtype)
 
 
@@ -112,18 +117,20 @@ def ulysses_attention(
     _checks.context_inputs("ulysses_attention", q, k, v, axis, layout, CHUNKS)
     p = jax.lax.axis_size(axis)
     _checks.heads_split("ulysses_attention", q.shape[2], p, axis)
-    to_heads = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True)
-    q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    at = positions(q.shape[1], p, layout)  # the whole sequence now: every device's chunks, in turn
+    all_to_all = functools.partial(jax.lax.all_to_all, axis_name=axis, tiled=True)
+    to_heads = functools.partial(all_to_all, split_axis=2, concat_axis=1)  # the sequence for heads
+    q, k, v = (to_heads(x) for x in (q, k, v))
+    at = held_order(q.shape[1], p, layout)  # the whole sequence now: every device's chunks
     out = attend(q, k, v, at, at, causal=causal)[0].astype(v.dtype)
-    return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
+    return all_to_all(out, split_axis=1, concat_axis=2)  # and back
 
 
 # --- 4. Megatron's sequence parallelism ----------------------------------------------
 
 
 class ResidualMLP(Layer):
-    """``x + down(swish(up(norm(x))))``: a transformer's MLP region, its hidden units split by the rules.
+    """``x + down(swish(up(norm(x))))``: a transformer's MLP region, its hidden units split by the
+    rules.
 
     ``up`` is ``("embed", "mlp")``, ``down`` ``("mlp", "embed")``: with ``mlp -> "model"``
     each device holds 1/p of the hidden units, and ``down`` gives partial sums. Where
@@ -145,29 +152,44 @@ class ResidualMLP(Layer):
     def __call__(self, x: jax.Array) -> jax.Array:
         stream = activation_axes(jnp.ndim(x), "seq", "embed")  # the rules say where tokens go
         x = constrain(x, stream)
-        hidden = constrain(jax.nn.swish(self.up(self.norm(x))), activation_axes(jnp.ndim(x), None, "mlp"))
+        hidden_axes = activation_axes(jnp.ndim(x), None, "mlp")
+        hidden = constrain(jax.nn.swish(self.up(self.norm(x))), hidden_axes)
         return constrain(x + self.down(hidden), stream)
 
 
-def residual_mlp_by_hand(mlp: ResidualMLP, x: jax.Array, *, axis: str, sequence_parallel: bool) -> Any:
-    """``mlp(x)`` on one device, inside ``shard_map``: its hidden units, every collective written out.
+def residual_mlp_by_hand(
+    mlp: ResidualMLP,
+    x: jax.Array,
+    *,
+    axis: str,
+    sequence_parallel: bool,
+) -> Any:
+    """``mlp(x)`` on one device, inside ``shard_map``: its hidden units, every collective written
+    out.
 
     ``x``: all tokens (tensor parallelism), or this device's 1/p of them (sequence parallelism).
     """
     h = mlp.norm(x)  # only this device's tokens, under sequence parallelism
     if sequence_parallel:
-        h = jax.lax.all_gather(h, axis, axis=1, tiled=True)  # every token, for this device's hidden units
+        h = jax.lax.all_gather(h, axis, axis=1, tiled=True)  # every token, for my hidden units
     partial_sums = jax.nn.swish(h @ mlp.up.weight + mlp.up.bias) @ mlp.down.weight
     if sequence_parallel:
-        y = jax.lax.psum_scatter(partial_sums, axis, scatter_dimension=1, tiled=True)  # my tokens' sums
+        y = jax.lax.psum_scatter(partial_sums, axis, scatter_dimension=1, tiled=True)  # my tokens'
     else:
         y = jax.lax.psum(partial_sums, axis)  # every token's sum, on every device
     return x + y + mlp.down.bias
 
 
-def by_hand(blocks: Sequential, mesh: Mesh, *, axis: str = "model", sequence_parallel: bool = False) -> Any:
-    """``blocks`` (``ResidualMLP``\\ s) applied by hand to ``[batch, seq, embed]``, in a ``shard_map``:
-    the hidden units split over ``axis``, and the tokens too with ``sequence_parallel``."""
+def by_hand(
+    blocks: Sequential,
+    mesh: Mesh,
+    *,
+    axis: str = "model",
+    sequence_parallel: bool = False,
+) -> Any:
+    """``blocks`` (``ResidualMLP``\\ s) applied by hand to ``[batch, seq, embed]``, in a
+    ``shard_map``: the hidden units split over ``axis``, and the tokens too with
+    ``sequence_parallel``."""
     specs = partition_specs(blocks, AxisRules(mlp=axis, embed=None), mesh)
     x_spec = P(None, axis) if sequence_parallel else P()
 

@@ -7,12 +7,21 @@ not the weights, soon decides what fits. Prefill (reading the prompt) is a train
 forward pass: compute-bound. The formulas, for P parameters of ``w`` bytes each, B
 sequences whose caches hold ``kv`` bytes each, on N chips of C FLOP/s and W bytes/s:
 
-* KV cache per token: ``2 · bytes · kv_heads · head_dim · layers`` (keys and values);
-* decode step: ``B·kv / NW + max(2BP / NC, P·w / NW)``: attention reads each cache
-  once per token (never compute-bound), the matmuls are the larger of FLOPs and weights;
+* KV cache per token: ``2 · bytes · kv_heads · head_dim · layers`` (keys and values), a
+  ``Decoder``'s, each number of ``number_bytes`` in one of the ``FORMATS``;
+* decode step (``decode_step_time``): ``B·kv / NW + max(2BP / NC, P·w / NW)``: attention
+  reads each cache once per token (never compute-bound), the matmuls are the larger of
+  FLOPs and weights;
 * critical batch: the matmuls turn compute-bound at ``B = C·w / 2W`` (240 in bf16 on v5e);
-* prefill of T tokens: ``2PT / NC``;
-* tensor-parallel decode: two all-reduces of ``B x width`` activations per layer.
+* prefill of T tokens (``prefill_time``): ``2PT / NC``;
+* tensor-parallel decode (``tensor_parallel_time``): two all-reduces of ``B x width``
+  activations per layer;
+* what fits (``cache_fits``): the sequences whose caches fit in HBM beside the weights, and
+  ``latency_throughput``, a ``Point`` per batch size: slower steps, more tokens a second.
+
+The shapes priced are published ones, ``SIZES`` by name: ``LLAMA2_13B``, ``LLAMA3_8B``,
+``LLAMA3_70B``, ``LLAMA3_405B``, ``PALM_540B``, ``MEGATRON_1T``, and ``MINISHARD_GPT``,
+minishard's own.
 
 Sources: the scaling book's inference chapter (jax-ml/scaling-book, ``inference.md``):
 its equations, its LLaMA-2 13B tables and pop quiz, which tests/test_serving.py reproduces.
@@ -50,14 +59,15 @@ def number_bytes(precision: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Decoder:
-    """A decoder-only transformer's shapes, as the pricing sees it (the book's names in brackets):
-    ``layers`` (L), ``width`` (D), ``heads`` (N), ``kv_heads`` (K; fewer than ``heads`` under
-    grouped-query attention), ``head_dim`` (H), ``hidden`` (F, a gated MLP's three matrices), ``vocab`` (V).
-    GPT-2's shape differs in three ways (``MINISHARD_GPT``): an MLP of two matrices (``gated=False``), a
-    learned table of ``positions`` (0: rotary, no table), and ``biases`` (each LayerNorm's scale
-    and bias, each MLP matrix's bias and the head's, where LLaMA has an RMSNorm's scale alone).
-    A mixture of experts (``MIXTRAL_8X7B``) has ``experts`` MLPs a layer, of which each token runs
-    ``top_k``, and a router (``D x experts``); 0 experts: a dense MLP.
+    """A decoder-only transformer's shapes, as the pricing sees it (the book's names in
+    brackets): ``layers`` (L), ``width`` (D), ``heads`` (N), ``kv_heads`` (K; fewer than
+    ``heads`` under grouped-query attention), ``head_dim`` (H), ``hidden`` (F, a gated MLP's
+    three matrices), ``vocab`` (V). GPT-2's shape differs in three ways (``MINISHARD_GPT``): an
+    MLP of two matrices (``gated=False``), a learned position table of ``position_rows`` rows
+    (0: rotary, no table), and ``biases`` (each LayerNorm's scale and bias, each MLP matrix's
+    bias and the head's, where LLaMA has an RMSNorm's scale alone). A mixture of experts
+    (``MIXTRAL_8X7B``) has ``experts`` MLPs a layer, of which each token runs ``top_k``, and a
+    router (``D x experts``); 0 experts: a dense MLP.
     """
 
     layers: int
@@ -68,16 +78,16 @@ class Decoder:
     hidden: int
     vocab: int
     gated: bool = True
-    positions: int = 0
+    position_rows: int = 0
     biases: bool = False
     experts: int = 0
     top_k: int = 0
 
     @property
     def params(self) -> int:
-        """The book's count: a gated MLP (3DF), q and out (2DNH), k and v (2DKH) per layer, two embeddings;
-        GPT-2's MLP is 2DF, its position table PD, and its biases 5D + F a layer and 2D + V at the end;
-        a mixture's every expert's MLP and its router (``expert_params``).
+        """The book's count: a gated MLP (3DF), q and out (2DNH), k and v (2DKH) per layer, two
+        embeddings; GPT-2's MLP is 2DF, its position table PD, and its biases 5D + F a layer and
+        2D + V at the end; a mixture's every expert's MLP and its router (``expert_params``).
 
         >>> round(LLAMA2_13B.params / 1e9, 3), MINISHARD_GPT.params   # 816,193
         (13.015, 816193)
@@ -105,10 +115,11 @@ class Decoder:
 
     def _count(self, mlps: int) -> int:
         """The parameters of a model whose layers hold ``mlps`` MLPs each, and a router if a mixture."""
-        width, attention = self.width, 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
+        width = self.width
+        attention = 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
         mlp = self._mlp * mlps + width * self.experts  # the router: D x experts (0: dense)
         biases = (5 * width + self.hidden, 2 * width + self.vocab) if self.biases else (0, 0)
-        embeddings = (2 * self.vocab + self.positions) * width + biases[1]
+        embeddings = (2 * self.vocab + self.position_rows) * width + biases[1]
         return self.layers * (mlp + attention + biases[0]) + embeddings
 
     def kv_bytes_per_token(self, precision: str = "bfloat16") -> float:
@@ -120,37 +131,69 @@ class Decoder:
         return 2 * number_bytes(precision) * self.kv_heads * self.head_dim * self.layers
 
 
-LLAMA2_13B = Decoder(layers=40, width=5120, heads=40, kv_heads=40, head_dim=128, hidden=13824, vocab=32000)
-"""LLaMA-2 13B, as the scaling book's inference chapter lists it (F = 2.7 D; no grouped queries)."""
-LLAMA3_70B = Decoder(layers=80, width=8192, heads=64, kv_heads=8, head_dim=128, hidden=28672, vocab=128256)
-"""LLaMA-3 70B, as the book's "Serving LLaMA 3-70B" lists it (``applied-inference.md``; 8 KV heads)."""
-LLAMA3_8B = Decoder(layers=32, width=4096, heads=32, kv_heads=8, head_dim=128, hidden=14336, vocab=128256)
+LLAMA2_13B = Decoder(  # F = 2.7 D; no grouped queries
+    layers=40, width=5120, heads=40, kv_heads=40, head_dim=128, hidden=13824, vocab=32000
+)
+"""LLaMA-2 13B, as the scaling book's inference chapter lists it."""
+LLAMA3_70B = Decoder(  # 8 KV heads
+    layers=80, width=8192, heads=64, kv_heads=8, head_dim=128, hidden=28672, vocab=128256
+)
+"""LLaMA-3 70B, as the book's "Serving LLaMA 3-70B" lists it (``applied-inference.md``)."""
+LLAMA3_8B = Decoder(  # 8 KV heads
+    layers=32, width=4096, heads=32, kv_heads=8, head_dim=128, hidden=14336, vocab=128256
+)
 """LLaMA-3 8B: the Llama 3 paper's Table 3 (Dubey et al. 2024), the vocabulary as released."""
 LLAMA3_405B = Decoder(
     layers=126, width=16384, heads=128, kv_heads=8, head_dim=128, hidden=53248, vocab=128256
 )
 """LLaMA-3 405B, from the same table."""
-MINISHARD_GPT = Decoder(
-    layers=4, width=128, heads=4, kv_heads=4, head_dim=32, hidden=512, vocab=65,
-    gated=False, positions=64, biases=True,
+MINISHARD_GPT = Decoder(  # GPT-2's shape
+    layers=4,
+    width=128,
+    heads=4,
+    kv_heads=4,
+    head_dim=32,
+    hidden=512,
+    vocab=65,
+    gated=False,
+    position_rows=64,
+    biases=True,
 )
-"""minishard's own default GPT (``minishard.models.gpt``: nanoGPT's CPU shape, tiny_shakespeare's 65
-characters), whose layouts ``explain --compare --size gpt --check`` compiles on 8 devices."""
-PALM_540B = Decoder(layers=118, width=18432, heads=48, kv_heads=1, head_dim=256, hidden=73728, vocab=256000)
-"""PaLM 540B (Chowdhery et al. 2022, Table 1): SwiGLU, multi-query attention (one K/V head), a 256k
-vocabulary. Its input and output embeddings are one matrix, which ``params`` counts twice (+4.7e9)."""
+"""minishard's own default GPT (``minishard.models.gpt``: nanoGPT's CPU shape, tiny_shakespeare's
+65 characters), whose layouts ``explain --compare --size gpt --check`` compiles on 8 devices."""
+PALM_540B = Decoder(  # multi-query: one K/V head
+    layers=118, width=18432, heads=48, kv_heads=1, head_dim=256, hidden=73728, vocab=256000
+)
+"""PaLM 540B (Chowdhery et al. 2022, Table 1): SwiGLU, multi-query attention (one K/V head), a
+256k vocabulary. Its input and output embeddings are one matrix, which ``params`` counts twice
+(+4.7e9)."""
 MEGATRON_1T = Decoder(
-    layers=128, width=25600, heads=160, kv_heads=160, head_dim=160, hidden=4 * 25600, vocab=51200,
-    gated=False, positions=2048, biases=True,
+    layers=128,
+    width=25600,
+    heads=160,
+    kv_heads=160,
+    head_dim=160,
+    hidden=4 * 25600,
+    vocab=51200,
+    gated=False,
+    position_rows=2048,
+    biases=True,
 )
-"""The GPT of 1 trillion parameters Narayanan et al. 2021 (Megatron-LM, Table 1) ran on 3,072 A100:
-GPT-2's shape, a 51,200-token vocabulary and sequences of 2,048."""
+"""The GPT of 1 trillion parameters Narayanan et al. 2021 (Megatron-LM, Table 1) ran on 3,072
+A100: GPT-2's shape, a 51,200-token vocabulary and sequences of 2,048."""
 MIXTRAL_8X7B = Decoder(
-    layers=32, width=4096, heads=32, kv_heads=8, head_dim=128, hidden=14336, vocab=32000,
-    experts=8, top_k=2,
+    layers=32,
+    width=4096,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    hidden=14336,
+    vocab=32000,
+    experts=8,
+    top_k=2,
 )
-"""Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Table 1): Mistral 7B's shape with 8 experts
-a layer, each token routed to 2: 46.7e9 parameters, 12.9e9 active a token (its §2)."""
+"""Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Table 1): Mistral 7B's shape with 8
+experts a layer, each token routed to 2: 46.7e9 parameters, 12.9e9 active a token (its §2)."""
 SIZES = {
     "llama2-13b": LLAMA2_13B,
     "llama3-8b": LLAMA3_8B,
@@ -161,7 +204,8 @@ SIZES = {
     "mixtral-8x7b": MIXTRAL_8X7B,
     "gpt": MINISHARD_GPT,
 }
-"""The named sizes ``minishard explain --size`` prices: serving (``--decode``), training (``--compare``)."""
+"""The named sizes ``minishard explain --size`` prices: serving (``--decode``), training
+(``--compare``)."""
 
 # --- 2. the roofline of one decode step ---------------------------------------------------------
 
@@ -181,7 +225,8 @@ def decode_step_time(
     hardware: Hardware | str,
     weights: str = "bfloat16",
 ) -> float:
-    """Seconds of one decode step of ``batch`` sequences, each with a cache of ``kv_bytes``, on ``chips``.
+    """Seconds of one decode step of ``batch`` sequences, each with a cache of ``kv_bytes``, on
+    ``chips``.
 
     The book's general bound: attention reads every cache (``B·kv / NW``, never compute-bound),
     then the matmuls take the larger of their FLOPs and their weights' reads. (The plain
@@ -194,9 +239,13 @@ def decode_step_time(
     _checks.count("decode_step_time: batch", batch)
     _checks.count("decode_step_time: chips", chips)
     hardware = hardware_named(hardware)
-    bandwidth, flops = chips * hardware.hbm_bandwidth, chips * hardware.flops
-    matmuls = max(2 * batch * params / flops, params * number_bytes(weights) / bandwidth)
-    return batch * kv_bytes / bandwidth + matmuls
+    bandwidth = chips * hardware.hbm_bandwidth
+    flops = chips * hardware.flops
+    computed = 2 * batch * params / flops
+    weights_read = params * number_bytes(weights) / bandwidth
+    matmuls = max(computed, weights_read)
+    caches_read = batch * kv_bytes / bandwidth
+    return caches_read + matmuls
 
 
 def prefill_time(params: float, tokens: int, chips: int, hardware: Hardware | str) -> float:
@@ -209,7 +258,12 @@ def prefill_time(params: float, tokens: int, chips: int, hardware: Hardware | st
     return 2 * params * tokens / (chips * hardware_named(hardware).flops)
 
 
-def tensor_parallel_time(decoder: Decoder, batch: int, chips: int, hardware: Hardware | str) -> float:
+def tensor_parallel_time(
+    decoder: Decoder,
+    batch: int,
+    chips: int,
+    hardware: Hardware | str,
+) -> float:
     """Seconds one decode step spends in Megatron's collectives: per layer, an all-reduce of the
     ``batch x width`` bf16 activations after attention's out-projection and one after the MLP's.
     Tiny messages: at small batches the per-hop latency, not the bandwidth, prices them.
@@ -238,7 +292,7 @@ def cache_fits(
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One batch size on the latency-throughput curve: seconds per step, tokens/s in all and per chip."""
+    """A batch size on the latency-throughput curve: step seconds, tokens/s in all and per chip."""
 
     batch: int
     step: float
@@ -256,7 +310,8 @@ def latency_throughput(
 ) -> list[Point]:
     """The trade a batch makes: each step is slower, but makes ``batch`` tokens at once.
 
-    >>> [round(p.tokens_per_second) for p in latency_throughput(30e9, 819e6, (4, 256), 16, "v5e", "int8")]
+    >>> points = latency_throughput(30e9, 819e6, (4, 256), 16, "v5e", "int8")
+    >>> [round(point.tokens_per_second) for point in points]
     [1558, 12161]
     """
     points = []

@@ -2,7 +2,8 @@
 
 Spreading a model over devices takes four steps, one per section below:
 
-1. **Mesh.** Arrange the devices in a named grid, e.g. ``{"data": 2, "model": 4}``.
+1. **Mesh.** Arrange the devices in a named grid, e.g. ``{"data": 2, "model": 4}``
+   (``make_mesh``).
 2. **Rules** (``minishard.rules``). Map *logical axes*, chosen by the model
    author (``"embed"``, ``"mlp"``, ``"batch"``), to *mesh axes*, chosen by
    whoever runs the model on some hardware (``"model"``, ``"data"``).
@@ -11,12 +12,14 @@ Spreading a model over devices takes four steps, one per section below:
    out as a ``PartitionSpec``, one entry per dimension naming the mesh axes it
    is split over (``None``: not split), checked to divide evenly.
    ``partition_specs``, ``shard``, ``minishard.explain`` and ``Sharded`` all read
-   this one ``Plan``.
+   this one ``Plan``: a ``LeafPlan`` per array, and ``named_shardings`` puts its specs
+   on a mesh. An array outside the Layers is laid out by ``OutsideLayers``
+   (``replicated`` unless ``Sharded`` splits it as a batch).
 4. **Jit.** ``Sharded`` plans a function's arguments and outputs and hands the
    specs to ``jax.jit`` as ``in_shardings`` / ``out_shardings``. XLA's SPMD
    partitioner then splits the program and inserts the collectives (all-reduce,
    all-gather, ...) that the shardings imply; ``minishard.collectives`` makes
-   them visible.
+   them visible. The ``ShardedFunction`` it returns says its ``Specs``.
 
 The path of one parameter: ``Linear(axes=("embed", "mlp"))`` stores its
 ``logical_axes``; ``plan`` asks the layer for ``param_logical_axes()`` and the
@@ -71,9 +74,11 @@ def make_mesh(
     """
     _checks.mesh_shape(shape, names)
     if isinstance(shape, Mapping):
-        axis_names, sizes = tuple(shape), tuple(shape.values())
+        axis_names = tuple(shape)
+        sizes = tuple(shape.values())
     else:
-        axis_names, sizes = tuple(names or ()), tuple(shape)
+        axis_names = tuple(names or ())
+        sizes = tuple(shape)
     devices = list(jax.devices() if devices is None else devices)
     _checks.mesh_devices(axis_names, sizes, devices)
     kind = AxisType.Explicit if explicit else AxisType.Auto
@@ -96,7 +101,7 @@ class LeafPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """``specs``: a pytree of PartitionSpecs shaped like the tree; ``leaves``: one ``LeafPlan`` per array."""
+    """``specs``: PartitionSpecs shaped like the tree; ``leaves``: one ``LeafPlan`` per array."""
 
     specs: Any
     leaves: tuple[LeafPlan, ...]
@@ -112,7 +117,10 @@ def replicated(leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:
 
 
 def plan(
-    tree: Any, mesh: AnyMesh | None, rules: AxisRules | None = None, outside: OutsideLayers = replicated
+    tree: Any,
+    mesh: AnyMesh | None,
+    rules: AxisRules | None = None,
+    outside: OutsideLayers = replicated,
 ) -> Plan:
     """The one walk: every array of ``tree`` gets its spec, checked against ``mesh``.
 
@@ -140,7 +148,7 @@ def plan(
 
 @dataclass
 class _Walk:
-    """One walk over a tree: what it plans with, and the ``LeafPlan`` of every array found so far."""
+    """One walk over a tree: what it plans with, and the ``LeafPlan`` of each array so far."""
 
     rules: AxisRules
     mesh: AnyMesh | None
@@ -160,8 +168,9 @@ class _Walk:
             at = (*path, *where)
             if isinstance(node, Layer):
                 specs.append(self.layer(node, at, leading or ()))
-            elif leading:  # an array of a stacked block that no Layer annotates: split only by the stack
-                specs.append(self.param(at, node, (*leading, *(None,) * (np.ndim(node) - len(leading)))))
+            elif leading:  # an array of a stacked block that no Layer annotates: split by the stack
+                unnamed = (None,) * (np.ndim(node) - len(leading))
+                specs.append(self.param(at, node, (*leading, *unnamed)))
             elif (layout := (self.outside if leading is None else replicated)(node)) is None:
                 specs.append(None)  # unspecified: XLA chooses
             else:  # as ``outside`` says; in a Layer's sub-tree, unannotated: a replicated parameter
@@ -170,21 +179,25 @@ class _Walk:
         return jax.tree_util.tree_unflatten(treedef, specs)
 
     def layer(self, layer: Layer, path: tuple[Any, ...], leading: LogicalAxes) -> Layer:
-        """The layer itself, with every parameter replaced by its spec: its own axes after ``leading``."""
+        """The layer, each parameter replaced by its spec: its own axes after ``leading``."""
         annotated = layer.param_logical_axes()
         children, aux_data = layer.tree_flatten()
         specs = []
         for name, child in zip(layer.param_fields, children):
-            at, axes = (*path, jax.tree_util.GetAttrKey(name)), (*leading, *annotated.get(name, ()))
+            at = (*path, jax.tree_util.GetAttrKey(name))
+            axes = (*leading, *annotated.get(name, ()))
             if name in annotated and hasattr(child, "shape"):  # an array: its logical axes
                 specs.append(self.param(at, child, axes))
-            else:  # a sub-tree (Sequential.layers; Stacked.block, led by "stage"), or an unannotated array
+            else:
+                # a sub-tree (Sequential.layers; Stacked.block, led by "stage"), or an
+                # unannotated array
                 specs.append(self.tree(child, at, axes))
         return type(layer).tree_unflatten(aux_data, specs)
 
     def param(self, path: tuple[Any, ...], array: Any, axes: LogicalAxes) -> PartitionSpec:
-        """Logical axes -> spec, through the rules: the heart of the plan. Any error names the path."""
-        where, shape = path_str(path), tuple(np.shape(array))
+        """Logical axes -> spec, through the rules: the plan's heart. An error names the path."""
+        where = path_str(path)
+        shape = tuple(np.shape(array))
         _checks.logical_axes(where, axes, shape)
         try:
             spec = self.rules.spec(axes, self.mesh)
@@ -306,25 +319,27 @@ class Sharded:
 
     def batch_layout(self, leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:
         """Arrays outside Layers: leading dim over the batch mesh axes; scalars replicated."""
-        ndim, target = np.ndim(leaf), self.logical_sharding.batch_target
+        ndim = np.ndim(leaf)
+        target = self.logical_sharding.batch_target
         if ndim == 0 or target is None:
             return (None,) * ndim, P()
         return (self.batch_axis,) + (None,) * (ndim - 1), P(target)
 
     def plan_inputs(self, args: tuple[Any, ...]) -> Plan:
-        """The plan of a call's arguments: Layers' parameters by the rules, the rest by ``batch_layout``."""
+        """A call's arguments: Layers' parameters by the rules, the rest by ``batch_layout``."""
         return plan(args, self.mesh, self.rules, self.batch_layout)
 
 
 class _Compiled(NamedTuple):
-    jitted: Any  # jax.jit(fn, in_shardings=..., out_shardings=...), called on the arguments as given
+    jitted: Any  # jax.jit(fn, in_shardings=..., out_shardings=...), called on the arguments
     specs: Specs
     in_shardings: tuple[NamedSharding, ...]  # one per leaf of the arguments (for the diagnosis)
     structure: Structure  # the arguments' structure this jit was planned for
 
 
 class ShardedFunction:
-    """What ``Sharded(mesh)(fn)`` returns: call it like ``fn``; inspect with ``specs`` and ``lower``.
+    """What ``Sharded(mesh)(fn)`` returns: call it like ``fn``; inspect with ``specs`` and
+    ``lower``.
 
     A plan is made per argument *structure* (``_structure``: the treedef and the
     rank of every leaf; the specs follow from it alone):
@@ -342,11 +357,13 @@ class ShardedFunction:
     """
 
     def __init__(self, fn: Callable[..., Any], config: Sharded) -> None:
-        self.fn, self.config = fn, config
+        self.fn = fn
+        self.config = config
         self.name = getattr(fn, "__name__", "function")
         _checks.donate_argnums(self.name, config.donate_argnums, fn)
         donate = config.donate_argnums
-        self.donated_args = (donate,) if isinstance(donate, int) else tuple(donate)  # argument positions
+        # the donated arguments' positions
+        self.donated_args = (donate,) if isinstance(donate, int) else tuple(donate)
         self._plans: dict[Structure, _Compiled] = {}
         self._last: _Compiled | None = None  # the plan of the last call
 
@@ -369,7 +386,8 @@ class ShardedFunction:
             if _structure(args) == compiled.structure:  # JAX's generic errors, in minishard's terms
                 _diagnose.failed_call(self, args, compiled.in_shardings)
                 raise error
-        self._last = self._lookup(args)  # not the last call's structure: its own plan, then the call
+        # not the last call's structure: its own plan, then the call
+        self._last = self._lookup(args)
         return self(*args)
 
     def specs(self, *args: Any) -> Specs:
@@ -411,9 +429,15 @@ class ShardedFunction:
         )
         return _Compiled(jitted, Specs(inputs, outputs), flat_shardings, structure)
 
-    def _traced(self, structure: Structure, in_shardings: tuple[NamedSharding, ...]) -> Callable[..., Any]:
-        """``fn`` as jit and eval_shape trace it, after a check that the arguments are of ``structure``."""
-        fn, explicit = self.fn, self.config.logical_sharding.explicit
+    def _traced(
+        self,
+        structure: Structure,
+        in_shardings: tuple[NamedSharding, ...],
+    ) -> Callable[..., Any]:
+        """``fn`` as jit and eval_shape trace it, once the arguments are checked to be of
+        ``structure``: jit traces anew for arguments of another."""
+        fn = self.fn
+        explicit = self.config.logical_sharding.explicit
 
         def checked(*args: Any) -> Any:  # runs once per trace, never per call
             if _structure(args) != structure:
@@ -424,17 +448,18 @@ class ShardedFunction:
             return fn(*args)
 
         checked.__name__ = checked.__qualname__ = self.name  # the program keeps fn's name
-        return self.config.logical_sharding.wrap(checked)  # constrain inside fn reads the environment
+        # constrain inside fn reads the environment
+        return self.config.logical_sharding.wrap(checked)
 
     def _plan_outputs(self, out_shapes: Any) -> Any:
-        """The outputs' specs: Layers' parameters by the rules, scalars replicated, the rest XLA's."""
+        """The outputs' specs: Layers' parameters by the rules, scalars replicated, else XLA's."""
         try:
             return plan(out_shapes, self.config.mesh, self.config.rules, _scalars_replicated).specs
         except ShardingError as e:
             raise e.retold(lambda why: f"{self.name}: output {why}") from None
 
     def _eval_shape(self, traced: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        """``jax.eval_shape`` of the function jit will trace; an Explicit mesh's ambiguity is named."""
+        """``jax.eval_shape`` of what jit will trace; an Explicit mesh's ambiguity is named."""
         try:
             return jax.eval_shape(traced, *args)
         except Exception as error:
@@ -444,7 +469,7 @@ class ShardedFunction:
 
 
 def _scalars_replicated(leaf: Any) -> tuple[LogicalAxes, PartitionSpec] | None:
-    """Outputs outside Layers: a scalar (a loss) comes back on every device; the rest XLA decides."""
+    """Outputs outside Layers: a scalar (a loss) on every device; XLA decides the rest."""
     return replicated(leaf) if np.ndim(leaf) == 0 else None
 
 
@@ -459,7 +484,8 @@ class _OtherStructure(Exception):
 
 
 def _structure(args: tuple[Any, ...]) -> Structure:
-    """The treedef holds the Layers' static fields (their logical axes), the ranks where a batch is split."""
+    """The treedef holds the Layers' static fields (their logical axes); the ranks say where a
+    batch is split."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     return treedef, tuple([np.ndim(leaf) for leaf in leaves])
 

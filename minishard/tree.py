@@ -1,7 +1,9 @@
 """Small pytree helpers for looking inside a model.
 
 A model is just a pytree, so "how many parameters?" and "how many bytes?" are
-folds over its leaves, and every leaf has a *key path* that names it.
+folds over its leaves (``count_params``, ``tree_bytes``), and every leaf has a *key
+path* that names it (``path_str``, ``named_leaves``). ``cast_floating`` casts a tree's
+floating leaves and leaves its integers be, the cast a mixed-precision step makes.
 
 >>> import jax
 >>> from minishard import mlp
@@ -26,7 +28,7 @@ __all__ = ["cast_floating", "count_params", "named_leaves", "path_str", "tree_by
 
 
 def path_str(path: tuple[Any, ...], root: str = "") -> str:
-    """``(DictKey('model'), GetAttrKey('layers'), SequenceKey(0), ...)`` -> ``'model.layers[0]...'``.
+    """``(DictKey('model'), GetAttrKey('layers'), SequenceKey(0))`` -> ``'model.layers[0]'``.
 
     The one way minishard names a leaf: its errors, reports and checkpoints all
     write paths with it. ``jax.tree_util.keystr`` would write ``['model'].layers[0]``;
@@ -42,8 +44,9 @@ def path_str(path: tuple[Any, ...], root: str = "") -> str:
 
 
 def _key_str(key: Any) -> str:
-    if isinstance(key, jax.tree_util.DictKey) and isinstance(key.key, str) and key.key.isidentifier():
-        return f".{key.key}"
+    name = key.key if isinstance(key, jax.tree_util.DictKey) else None
+    if isinstance(name, str) and name.isidentifier():
+        return f".{name}"
     return str(key)  # GetAttrKey: ".name"; SequenceKey: "[0]"; other DictKeys: "['a b']"
 
 
@@ -74,7 +77,8 @@ def _leaves_with_path(where: str, tree: Any) -> list[tuple[Any, Any]]:
     """``jax.tree_util.tree_leaves_with_path``; a dict whose keys cannot be sorted is named."""
     try:
         return jax.tree_util.tree_leaves_with_path(tree)
-    except ValueError:  # JAX visits a dict in sorted key order, and says only "Comparator raised ..."
+    except ValueError:
+        # JAX visits a dict in sorted key order, and says only "Comparator raised ..."
         _checks.sortable_dicts(where, tree, path_str)
         raise
 

@@ -1,4 +1,5 @@
-"""ZeRO by hand: data parallelism that sends only the bytes it must, written with ``jax.shard_map``.
+"""ZeRO by hand: data parallelism that sends only the bytes it must, written with
+``jax.shard_map``.
 
 ``Sharded`` data parallelism lets XLA's partitioner insert the communication:
 one all-reduce of the whole gradient (2V / W in the scaling book's terms), and
@@ -9,28 +10,34 @@ inside ``jax.shard_map``: the function below runs once *per device*, on that
 device's shard, and talks to the others only through ``jax.lax`` collectives
 over the mesh axis "data".
 
-* **ZeRO-1/2** (``level=2``; ``level=1`` runs the same code): each device takes the gradient of its own
-  examples, then ``psum_scatter`` (a reduce-scatter, V / W) hands it the sum of
-  its 1/N of every gradient; it updates only that 1/N of the parameters and of
-  the optimizer state (the state lives split: ZeRO-1; the summed gradient too:
-  ZeRO-2), and ``all_gather`` (V / W) rebuilds the parameters. Same bytes as the
-  all-reduce, which *is* a reduce-scatter then an all-gather, but the update
-  and the state are no longer repeated N times.
+* **ZeRO-1/2** (``level=2``; ``level=1`` runs the same code): each device takes the
+  gradient of its own examples, then ``psum_scatter`` (a reduce-scatter, V / W; our
+  ``reduce_scatter``) hands it the sum of its 1/N of every gradient; it updates only
+  that 1/N of the parameters and of the optimizer state (the state lives split: ZeRO-1;
+  the summed gradient too: ZeRO-2), and ``all_gather`` (V / W) rebuilds the parameters.
+  Same bytes as the all-reduce, which *is* a reduce-scatter then an all-gather, but the
+  update and the state are no longer repeated N times.
 * **ZeRO-3 / FSDP** (``level=3``): the parameters stay split between steps too.
   Each layer ``all_gather``\\ s its weights just before it runs; ``jax.grad``
   transposes that all-gather into a ``psum_scatter``, so the gradients arrive
   already reduced and split, ready for the split update. No all-reduce at all.
-  (``all_gathered`` writes that transpose out as ``reduce_scatter``, for the one place it differs.)
+  (``all_gathered`` writes that transpose out as ``reduce_scatter``, for the one place it
+  differs.)
 * **Mixed precision** (``compute="bfloat16"``, levels 1 and 2): Megatron-LM's distributed
-  optimizer. The weights are held whole in bfloat16; each device keeps a float32 *master* of its
-  1/N beside the moments (``Mastered``), differentiates through the cast (float32 gradients),
-  updates its master shard and all-gathers it cast to bfloat16: 2 + 4 bytes per parameter whole,
-  (4 + 8)/N split, where float32 holds 4 + 4 and 8/N (``minishard.memory.zero_bytes``).
+  optimizer. The weights are held whole in bfloat16; each device keeps a float32 *master* of
+  its 1/N beside the moments (``Mastered``), differentiates through the cast (float32
+  gradients), updates its master shard and all-gathers it cast to bfloat16: 2 + 4 bytes per
+  parameter whole, (4 + 8)/N split, where float32 holds 4 + 4 and 8/N
+  (``minishard.memory.zero_bytes``).
 
-Every array is split as a flat vector: ``(784, 512)`` becomes 401,408 numbers,
-padded to a multiple of N, one contiguous 1/N per device. The SGD and AdamW of
-``minishard.optim`` update these shards unchanged: they map over any pytree
-(AdamW's clipping sums its norm over the devices: ``update(..., axis_name=)``).
+``zero_train_step`` makes the step, a ``ZeroStep``; ``zero_report`` (a ``ZeroReport``) sets
+what it sends beside the minimum, and ``held_bytes`` what one device holds.
+
+Every array is split as a flat vector (``flat_padded``; ``unpadded`` undoes it):
+``(784, 512)`` becomes 401,408 numbers, padded to a multiple of N, one contiguous 1/N per
+device. The SGD and AdamW of ``minishard.optim`` update these shards unchanged: they map
+over any pytree (AdamW's clipping sums its norm over the devices: ``update(...,
+axis_name=)``).
 
 >>> import jax, numpy as np, minishard as ms
 >>> mesh = ms.make_mesh({"data": 8})
@@ -89,7 +96,8 @@ def reduce_scatter(x: jax.Array, axis: str) -> jax.Array:
     if jax.process_count() == 1 or jax.default_backend() != "cpu":
         return jax.lax.psum_scatter(x, axis, tiled=True)
     part = x.size // jax.lax.axis_size(axis)
-    return jax.lax.dynamic_slice_in_dim(jax.lax.psum(x, axis), jax.lax.axis_index(axis) * part, part)
+    start = jax.lax.axis_index(axis) * part
+    return jax.lax.dynamic_slice_in_dim(jax.lax.psum(x, axis), start, part)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -144,14 +152,21 @@ class ZeroStep:
             raise ValueError(f"zero_train_step: the mesh {dict(mesh.shape)} has no axis {axis!r}")
         _checks.one_of("zero_train_step: compute", compute, ("float32", "bfloat16"))
         if compute != "float32" and level == 3:
-            raise ValueError("zero_train_step: compute='bfloat16' keeps the weights whole: level 1 or 2")
-        self.optimizer, self.mesh, self.level, self.axis, self.compute = optimizer, mesh, level, axis, compute
+            raise ValueError(
+                "zero_train_step: compute='bfloat16' keeps the weights whole: level 1 or 2",
+            )
+        self.optimizer = optimizer
+        self.mesh = mesh
+        self.level = level
+        self.axis = axis
+        self.compute = compute
         self.loss: Loss = loss or classification_loss
         self.n = mesh.shape[axis]
         self.shapes: Any = None  # the whole model's shapes, set by shard()
         self._step = jax.jit(self._shard_mapped, donate_argnums=(0, 1))
 
-    def __repr__(self) -> str:  # what a checkpoint's signature records: it resumes only under the same step
+    # what a checkpoint's signature records: it resumes only under the same step
+    def __repr__(self) -> str:
         mixed = "" if self.compute == "float32" else f", compute={self.compute!r}"
         return f"ZeroStep(level={self.level}, axis={self.axis!r}{mixed})"
 
@@ -171,9 +186,8 @@ class ZeroStep:
         self.shapes = jax.eval_shape(lambda: model)
         if self.level < 3:
             whole = NamedSharding(self.mesh, P())
-            return jax.jit(
-                lambda m: cast_floating(jax.tree.map(jnp.copy, m), self.compute), out_shardings=whole
-            )
+            copied = lambda m: cast_floating(jax.tree.map(jnp.copy, m), self.compute)  # noqa: E731
+            return jax.jit(copied, out_shardings=whole)
         return jax.jit(self._shards, out_shardings=self._split())
 
     def gather(self, model: Any) -> Any:
@@ -184,8 +198,9 @@ class ZeroStep:
         return jax.jit(lambda m: jax.tree.map(unpadded, m, self.shapes), out_shardings=whole)(model)
 
     def init(self, model: Any) -> Any:
-        """The optimizer's state for the *shards*: each device holds 1/N of each moment (velocity),
-        and in bfloat16 1/N of the float32 master, from the placed model's weights (as Megatron's)."""
+        """The optimizer's state for the *shards*: each device holds 1/N of each moment
+        (velocity), and in bfloat16 1/N of the float32 master, from the placed model's weights
+        (as Megatron's)."""
         return self._initialising(model)(model)
 
     def _initialising(self, model: Any) -> Any:
@@ -196,12 +211,13 @@ class ZeroStep:
             return Mastered(master, self.optimizer.init(master))
 
         shapes = jax.eval_shape(init, model)
-        placement = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._state_specs(shapes))
+        specs = self._state_specs(shapes)
+        placement = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
         return jax.jit(init, out_shardings=placement)
 
     def placed_shapes(self, model: Any) -> tuple[Any, Any]:
-        """``shard(model)`` and its ``init``, as shapes and layouts only (``jax.ShapeDtypeStruct``): what a
-        compiler for chips that are not here takes (``minishard.run.topology``)."""
+        """``shard(model)`` and its ``init``, as shapes and layouts only (``jax.ShapeDtypeStruct``):
+        what a compiler for chips that are not here takes (``minishard.run.topology``)."""
         placed = self._placing(model).eval_shape(model)
         return placed, self._initialising(model).eval_shape(model)
 
@@ -220,7 +236,9 @@ class ZeroStep:
 
     def _shard_mapped(self, model: Any, opt_state: Any, batch: Batch) -> Any:
         if self.level == 3 and self.shapes is None:
-            raise ValueError("ZeroStep: place the model with step.shard(model) first (level 3 splits it)")
+            raise ValueError(
+                "ZeroStep: place the model with step.shard(model) first (level 3 splits it)",
+            )
         _checks.batch_splits("ZeroStep", batch, self.n, self.axis)
         body = self._zero3 if self.level == 3 else self._zero2
         model_spec = P(self.axis) if self.level == 3 else P()
@@ -228,7 +246,8 @@ class ZeroStep:
         return jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(model_spec, state_spec, P(self.axis)),  # the batch: each device its own examples
+            # the batch: each device its own examples
+            in_specs=(model_spec, state_spec, P(self.axis)),
             out_specs=(model_spec, state_spec, P(), P()),
         )(model, opt_state, batch)
 
@@ -238,8 +257,8 @@ class ZeroStep:
         return self.loss(cast_floating(weights, self.compute), cast_floating(batch, self.compute))
 
     def _zero2(self, model: Any, opt_state: Any, batch: Batch) -> Any:
-        """Runs on one device: its own examples, the whole model, 1/N of the velocity (and master)."""
-        own = jax.lax.pcast(model, self.axis, to="varying")  # my copy: its gradient stays mine, no psum
+        """On one device: its examples, the whole model, 1/N of the velocity (and master)."""
+        own = jax.lax.pcast(model, self.axis, to="varying")  # my copy: its gradient stays mine
         (loss, metrics), grads = jax.value_and_grad(self._computed, has_aux=True)(
             cast_floating(own, "float32"), batch
         )
@@ -248,12 +267,14 @@ class ZeroStep:
         def my_sum(grad: jax.Array) -> jax.Array:  # the mean of my 1/N, from every device
             return reduce_scatter(flat_padded(grad, self.n), self.axis) / self.n
 
-        def my_part(param: jax.Array, grad: jax.Array) -> jax.Array:  # the same 1/N of the parameter
-            return jax.lax.dynamic_slice_in_dim(flat_padded(param, self.n), me * grad.size, grad.size)
+        def my_part(param: jax.Array, grad: jax.Array) -> jax.Array:  # my 1/N of the parameter
+            flat = flat_padded(param, self.n)
+            return jax.lax.dynamic_slice_in_dim(flat, me * grad.size, grad.size)
 
-        def all_gather(part: jax.Array, like: jax.Array) -> jax.Array:  # everyone's parts, whole again
-            whole = jax.lax.all_gather(part.astype(like.dtype), self.axis, tiled=True, to="invarying")
-            return unpadded(whole, like)  # cast before the gather: bfloat16 moves 2 bytes a number
+        def all_gather(part: jax.Array, like: jax.Array) -> jax.Array:  # everyone's, whole again
+            cast = part.astype(like.dtype)  # before the gather: bfloat16 moves 2 bytes a number
+            whole = jax.lax.all_gather(cast, self.axis, tiled=True, to="invarying")
+            return unpadded(whole, like)
 
         grads = jax.tree.map(my_sum, grads)
         if isinstance(opt_state, Mastered):  # the optimizer updates my 1/N of the float32 master
@@ -268,7 +289,8 @@ class ZeroStep:
     def _zero3(self, shards: Any, opt_state: Any, batch: Batch) -> Any:
         """Runs on one device: its own examples, 1/N of every parameter and of the velocity."""
 
-        def all_gather(shard: jax.Array, like: jax.Array) -> jax.Array:  # its transpose: reduce_scatter
+        # its transpose: reduce_scatter
+        def all_gather(shard: jax.Array, like: jax.Array) -> jax.Array:
             return unpadded(all_gathered(shard, self.axis), like)
 
         def whole(layer_shards: Any, like: Any) -> Any:  # one layer, whole, on every device
@@ -289,13 +311,13 @@ class ZeroStep:
 
     @staticmethod
     def pieces(model: Any) -> list[Any]:
-        """What level 3 gathers whole, one at a time: a ``Sequential``'s layers, any other model at once."""
+        """What level 3 gathers whole, one at a time: a ``Sequential``'s layers, else the model."""
         return list(model) if isinstance(model, Sequential) else [model]
 
     def _mean(
         self, loss: jax.Array, metrics: tuple[jax.Array, ...]
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        """This device's loss and metrics (accuracy), averaged over the devices (equal examples each)."""
+        """This device's loss and metrics, averaged over the devices (equal examples each)."""
         return jax.lax.pmean(loss, self.axis), jax.lax.pmean(metrics, self.axis)
 
 
@@ -320,7 +342,8 @@ def zero_train_step(
 
 @dataclasses.dataclass(frozen=True)
 class ZeroReport:
-    """``zero_report``: what a ZeRO step sends (the census) against the minimum, and what a device holds.
+    """``zero_report``: what a ZeRO step sends (the census) against the minimum, and what a
+    device holds.
 
     The minimum: every parameter gathered once, each padded by ``flat_padded`` to split ``n`` ways,
     and 1/n of every gradient reduce-scattered to each device. No gradient is all-reduced: the one
@@ -362,32 +385,38 @@ class ZeroReport:
         return self.whole + self.whole // self.n
 
     def __str__(self) -> str:
-        reduced, gathered, scattered = map(self.bytes, ("all-reduce", "all-gather", "reduce-scatter"))
+        reduced = self.bytes("all-reduce")
+        gathered = self.bytes("all-gather")
+        scattered = self.bytes("reduce-scatter")
+        gradient = max(reduced - self.METRIC_BYTES, 0)
         n = self.n
+        sent = f"{self.sent:,} B"
+        held = ", ".join(f"{name} {human_bytes(held)}" for name, held in self.held)
         return "\n".join(
             [
                 "collectives of the zero step:",
                 *("  " + line for line in summary(self.found).splitlines()),
-                f"full-gradient all-reduce: {max(reduced - self.METRIC_BYTES, 0):,} B ({reduced:,} B "
+                f"full-gradient all-reduce: {gradient:,} B ({reduced:,} B "
                 f"all-reduced, {self.METRIC_BYTES} B of it the loss and accuracy)",
-                f"sent: all-gather {gathered:,} B + reduce-scatter {scattered:,} B = {self.sent:,} B",
-                f"the minimum: the parameters (padded to split {n} ways) {self.whole:,} B + 1/{n}: "
-                f"{self.minimum:,} B",
-                "per device: " + ", ".join(f"{name} {human_bytes(held)}" for name, held in self.held),
+                f"sent: all-gather {gathered:,} B + reduce-scatter {scattered:,} B = {sent}",
+                f"the minimum: the parameters (padded to split {n} ways) {self.whole:,} B "
+                f"+ 1/{n}: {self.minimum:,} B",
+                f"per device: {held}",
             ]
         )
 
 
 def zero_report(step: ZeroStep, args: tuple[Any, ...]) -> ZeroReport:
-    """A ``ZeroReport`` of ``step`` on ``(model, opt_state, batch)``, placed by ``step.shard``, ``init``."""
+    """A ``ZeroReport`` of ``step`` on ``(model, opt_state, batch)``, as ``step.shard`` and
+    ``step.init`` placed them."""
     model, opt_state, _ = args
     padded = jax.eval_shape(step._shards, step.shapes)
     whole = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(padded))
     state = opt_state._asdict() if hasattr(opt_state, "_asdict") else {"state": opt_state}
-    kept = {"parameters": model} | {f"{type(step.optimizer).__name__} {k}": tree for k, tree in state.items()}
-    held = tuple(
-        (name, b) for name, tree in kept.items() if (b := held_bytes(tree)) > 4
-    )  # not a step counter
+    optimizer = type(step.optimizer).__name__
+    kept = {"parameters": model} | {f"{optimizer} {k}": tree for k, tree in state.items()}
+    # over 4 bytes: not a step counter
+    held = tuple((name, b) for name, tree in kept.items() if (b := held_bytes(tree)) > 4)
     return ZeroReport(step.n, collectives(step.lower(*args)), whole, held)
 
 
@@ -395,11 +424,15 @@ def held_bytes(tree: Any) -> int:
     """The bytes of ``tree`` that one device holds (of arrays, or of their shapes and shardings).
 
     >>> mesh = jax.sharding.AbstractMesh((8,), ("data",))
-    >>> held_bytes(jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(mesh, P("data"))))
+    >>> split = NamedSharding(mesh, P("data"))
+    >>> held_bytes(jax.ShapeDtypeStruct((64,), jnp.float32, sharding=split))
     32
     """
-    leaves = jax.tree.leaves(tree)
-    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in leaves)
+    held = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)  # one device's part
+        held += math.prod(shard) * leaf.dtype.itemsize
+    return held
 
 
 __all__ = [

@@ -181,3 +181,29 @@ def test_on_the_chip_the_roofline_meets_gpt2_small_s_step_within_25_percent():
         assert 0.75 <= ratio <= 1.25, (precision, row["predicted_step_s"], row["measured_step_s"])
         # XLA:TPU pads small arrays to its (8, 128) tiles: 1031.3 MB held where the arrays are 1031.0 MB
         assert row["compiled_memory"]["arguments"] == pytest.approx(row["predicted_arguments"], rel=1e-3)
+
+
+def test_the_chip_speed_benchmark_times_both_steps_from_the_same_numbers():
+    """benchmarks/chip_speed.py, on any device: the plain step and minishard's start from the same
+    model and compute the same loss (bf16: to 2%), and each row's tokens/s is its batch over its step."""
+    chip_benchmark()  # puts benchmarks/ on the path
+    import chip_speed
+
+    shape = chip_speed.SMOKE_SHAPES["tiny"]
+    contenders = {
+        label: chip_speed.contender(shape, b, core, flags)
+        for label, b, core, flags in chip_speed.SMOKE["tiny"]
+    }
+    batch = contenders["minishard bf16 dense"][2]  # the same windows for both: the losses must agree
+    ours, plain = contenders["minishard bf16 dense"][1][0], contenders["plain bf16"][1][0]
+    same = jax.tree.map(lambda a, b: bool((a == b).all()), chip_speed.params_of(ours), plain)
+    assert all(jax.tree.leaves(same))  # both start from the same numbers
+    losses = {}
+    for label, (step, carried, _) in contenders.items():
+        carried[0], carried[1], loss, *_ = step(*carried, batch)
+        losses[label] = float(loss)
+        assert 0 < chip_speed.timed(step, carried, batch, steps=2, rounds=1) < 10
+    assert losses["plain bf16"] == pytest.approx(losses["minishard bf16 dense"], rel=0.02), losses
+    parameters = sum(leaf.size for leaf in jax.tree.leaves(carried[0]))
+    flops = chip_speed.model_flops_a_token(shape, parameters)
+    assert flops == 6 * parameters + 12 * shape["depth"] * shape["context"] * shape["width"]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import minishard
+from minishard.models.gpt import Embedding
 from minishard.run.checkpoint import Checkpointer, check_writable, saved_steps
 from minishard.run.errors import CheckpointError, NonFiniteStateError
 from minishard.sharding import named_shardings, partition_specs
@@ -280,6 +281,17 @@ def test_checkpoints_from_before_the_velocity_rename_still_load(tmp_path):
         step, restored, _ = ckpt.restore(train_state(seed=1))
     assert step == 3
     assert_same_values(restored, state)
+
+
+def test_checkpoints_from_before_the_position_table_rename_still_load(tmp_path):
+    # Before issue 62 an Embedding's learned position table was stored as "...embedding.positions".
+    embedding = Embedding(vocab=5, context=8, width=3, key=jax.random.key(0))
+    old_state = {"embedding": {"tokens": embedding.tokens, "positions": embedding.position_table}}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, old_state, {})
+        step, restored, _ = ckpt.restore({"embedding": Embedding(5, 8, 3, key=jax.random.key(1))})
+    assert step == 3
+    assert_same_values(restored, {"embedding": embedding})
 
 
 def test_a_checkpoint_without_sgds_step_counter_counts_from_its_step_and_says_so(tmp_path):

@@ -30,7 +30,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import minishard as ms
-from minishard import pipeline as pp
+from minishard.composition import ComposedPipeline
 from minishard.layouts import Layout, sends
 from minishard.models import gpt
 from minishard.models.transformer import moe_mlp
@@ -284,7 +284,7 @@ def trained(
     if "pp" in dims:
         axes = {"data_axis": "data", "sequence_axis": "context"}
         m = min(MICROBATCHES, BATCH // (shape.get("data", 1) * shape.get("expert", 1)))
-        pipeline = pp.Pipeline(mesh, m, **{k: a if a in shape else None for k, a in axes.items()})
+        pipeline = ComposedPipeline(mesh, m, **{k: a if a in shape else None for k, a in axes.items()})
         model = gpt.as_stacked(model).replace(pipeline=pipeline)
     model, state = ms.shard(model, mesh, rules), ms.shard(OPTIMIZER.init(model), mesh, rules)
     losses, seconds = [], []

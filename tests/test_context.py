@@ -105,10 +105,10 @@ def test_the_schedule_skips_the_future_and_masks_the_diagonal():
 
 
 @pytest.mark.parametrize("layout", ["in-order", "zigzag"])
-def test_positions_list_each_token_once_in_the_devices_order(layout):
-    order = np.asarray(cx.positions(16, 4, layout))
+def test_held_order_lists_each_token_once_in_the_devices_order(layout):
+    order = np.asarray(cx.held_order(16, 4, layout))
     assert sorted(order) == list(range(16))
-    per_device = [np.asarray(cx.positions(16, 4, layout, device=d)) for d in range(4)]
+    per_device = [np.asarray(cx.held_order(16, 4, layout, device=d)) for d in range(4)]
     np.testing.assert_array_equal(np.concatenate(per_device), order)
     x = jnp.arange(2 * 16).reshape(2, 16)
     np.testing.assert_array_equal(cx.permute(cx.permute(x, 4, layout), 4, layout, inverse=True), x)
@@ -274,7 +274,7 @@ def test_a_model_on_a_permuted_sequence_has_the_loss_and_gradients_of_the_plain_
     ring = sq.over_sequence(cx.ring_attention, seq_mesh(p), causal=True, layout=layout)
     held = [cx.permute(x, p, layout) for x in (tokens, targets)]
     got = jax.jit(jax.value_and_grad(tiny_lm_loss), static_argnums=4)(
-        params, *held, cx.positions(seq_len, p, layout), ring
+        params, *held, cx.held_order(seq_len, p, layout), ring
     )
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -290,11 +290,11 @@ def ring_on(p, shape, layout="in-order", attend_fn=cx.ring_attention):
     "call, words",
     [
         (
-            lambda: cx.positions(8, 2, "striped"),
+            lambda: cx.held_order(8, 2, "striped"),
             ["unknown sequence layout 'striped'", "'in-order', 'zigzag'"],
         ),
         (
-            lambda: cx.positions(10, 4, "zigzag"),
+            lambda: cx.held_order(10, 4, "zigzag"),
             ["10 tokens does not split into 8 equal chunks", "multiple of 8"],
         ),
         (ring_on(4, (1, 12, 2, 4), "zigzag"), ["12 tokens does not split into 8 equal chunks"]),
@@ -316,8 +316,8 @@ def ring_on(p, shape, layout="in-order", attend_fn=cx.ring_attention):
             ["ring_attention: q, k and v must be [batch, seq, heads, head_dim]", "on this device"],
         ),
         (ring_on(4, (1, 10, 2, 4)), ["over_sequence: a sequence of 10 tokens does not split into 4 equal"]),
-        (lambda: cx.positions(16, 0), ["positions: p (the devices of the ring) must be a positive int"]),
-        (lambda: cx.positions(0, 2), ["positions: seq_len must be a positive int, got 0"]),
+        (lambda: cx.held_order(16, 0), ["held_order: p (the devices of the ring) must be a positive int"]),
+        (lambda: cx.held_order(0, 2), ["held_order: seq_len must be a positive int, got 0"]),
         (lambda: cx.pair_kinds(0), ["pair_kinds: p (the devices of the ring) must be a positive int, got 0"]),
         (lambda: cx.pair_kinds(2, "striped"), ["pair_kinds: unknown sequence layout 'striped'"]),
         (lambda: cx.balance(0), ["balance: p (the devices of the ring) must be a positive int, got 0"]),

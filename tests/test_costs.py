@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 import minishard as ms
 from minishard.census import as_asked, collectives
 from minishard.costs import HARDWARE, collective_time, compare, cost_report, critical_batch, step_cost
-from minishard.experts import MoE
-from minishard.layers import with_stats
+from minishard.experts import MoE, MoEStats
+from minishard.layers import collect
 from minishard.run.steps import make_train_step
 from minishard.styles import ANY_MODEL, EXPERT, mesh_rules
 
@@ -278,7 +278,7 @@ def test_compare_prices_the_expert_layouts_by_their_all_to_alls():
 
     def step(moe, opt_state, x):
         def loss(moe):
-            y, stats = with_stats(moe)(x)
+            y, stats = collect(MoEStats, moe)(x)
             return jnp.mean(jnp.square(y)) + stats.aux_loss
 
         return ms.SGD(0.1).update(moe, jax.grad(loss)(moe), opt_state)

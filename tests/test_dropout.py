@@ -15,7 +15,7 @@ import minishard as ms
 from minishard import census, context
 from minishard.models import gpt
 from minishard.models.attention import Attention
-from minishard.models.dropout import EMBEDDINGS, PLACES, dropout, key_at
+from minishard.models.dropout import EMBEDDINGS, PLACES, dropout, keeps, key_at
 from minishard.optim import AdamW
 from minishard.precision import LossScaled
 from minishard.run.next_token import next_token_loss, next_token_sums
@@ -190,3 +190,16 @@ def test_every_layout_draws_the_same_masks_and_trains_to_dp_s_losses(style):
     # Each device draws its own shard of the global mask (jax_threefry_partitionable): dropout sends
     # nothing. Unpartitionable, fsdp's masks cost 14 more all-gathers and 28 collective-permutes.
     assert sent == trained(style, 0.0)[1]
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.2, 0.5])
+def test_each_half_of_a_draw_drops_at_the_rate_and_neighbours_drop_independently(rate):
+    """``keeps`` reads two entries from each 32-bit draw: each drops at ``rate`` (within 4 standard
+    errors over 2**20 entries), and a pair from one draw drops together at ``rate ** 2``."""
+    mask = np.asarray(keeps(jax.random.key(3), rate, (1024, 1025)))  # an odd row: the last half unused
+    dropped = ~mask
+    n = dropped.size
+    assert abs(dropped.mean() - rate) < 4 * (rate * (1 - rate) / n) ** 0.5
+    pairs = dropped[:, 0:1024:2] & dropped[:, 1:1024:2]  # the high and low halves of one draw
+    assert abs(pairs.mean() - rate**2) < 4 * (rate**2 * (1 - rate**2) / pairs.size) ** 0.5
+    assert abs(dropped[:, 0::2].mean() - dropped[:, 1::2].mean()) < 8 * (rate * (1 - rate) / n) ** 0.5

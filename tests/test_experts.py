@@ -9,6 +9,7 @@ XLA's rendezvous otherwise).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -27,13 +28,14 @@ from minishard.experts import (
     ExpertReport,
     Experts,
     MoE,
+    MoEStats,
     all_to_all_moe,
     balance_loss,
     capacity,
     top_k,
     z_loss,
 )
-from minishard.layers import keep, with_stats
+from minishard.layers import collect, sow
 from minishard.models.gpt import GPT
 from minishard.models.transformer import Block, apply_blocks, moe_mlp
 from minishard.rules import ShardingError
@@ -44,7 +46,7 @@ KEY = jax.random.key(0)
 
 
 def apply(moe, x):  # for Sharded: a plain function, traced anew under each one's rules
-    return with_stats(moe)(x)
+    return collect(MoEStats, moe)(x)
 
 
 forward = jax.jit(apply)  # one function: jit's cache holds a program per shape (and its first trace)
@@ -162,7 +164,7 @@ def test_a_router_that_cannot_choose_balances_and_one_that_always_chooses_one_ex
     assert float(jax.jit(z_loss)(jnp.zeros((2, 6, 4)))) == pytest.approx(math.log(4) ** 2)
 
 
-# -- the stats, collected: with_stats and keep ---------------------------------------------------
+# -- the stats, collected: collect and sow --------------------------------------------------------
 def added(*stats):
     return functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), stats)
 
@@ -172,23 +174,23 @@ def assert_same_stats(got, want):
         np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
-def test_with_stats_adds_up_every_moe_it_calls_in_call_order():
+def test_collect_adds_up_every_moe_it_calls_in_call_order():
     first, second, x = random_moe(seed=1), random_moe(n_experts=4, k=1, seed=2), tokens(2, 8)
-    y, stats = jax.jit(with_stats(lambda x: second(first(x))))(x)
-    middle, first_stats = jax.jit(with_stats(first))(x)
-    out, second_stats = jax.jit(with_stats(second))(middle)
+    y, stats = jax.jit(collect(MoEStats, lambda x: second(first(x))))(x)
+    middle, first_stats = jax.jit(collect(MoEStats, first))(x)
+    out, second_stats = jax.jit(collect(MoEStats, second))(middle)
     np.testing.assert_array_equal(y, out)
     assert_same_stats(stats, added(first_stats, second_stats))
     assert int(stats.routed) == 2 * 8 * (2 + 1)  # both layers' routings, k = 2 then 1
-    assert jax.jit(with_stats(jnp.sin))(x)[1] is None  # no MoE ran
+    assert jax.jit(collect(MoEStats, jnp.sin))(x)[1] is None  # no MoE ran
 
 
 def test_an_inner_collection_keeps_its_stats_unless_they_are_handed_on():
     moe, x = random_moe(), tokens(2, 8)
     (_, one), (_, none), (_, handed_on) = (
-        with_stats(moe)(x),
-        with_stats(lambda x: with_stats(moe)(x)[0])(x),
-        with_stats(lambda x: keep(with_stats(moe)(x)[1]))(x),
+        collect(MoEStats, moe)(x),
+        collect(MoEStats, lambda x: collect(MoEStats, moe)(x)[0])(x),
+        collect(MoEStats, lambda x: sow(collect(MoEStats, moe)(x)[1]))(x),
     )
     assert none is None
     assert_same_stats(handed_on, one)
@@ -203,14 +205,34 @@ def test_a_collection_closes_when_its_function_raises():
 
     def outer(x):
         with pytest.raises(ZeroDivisionError):
-            with_stats(failing)(x)
+            collect(MoEStats, failing)(x)
         return moe(x)  # to outer's collection, not to the failed one's
 
-    assert_same_stats(with_stats(outer)(x)[1], with_stats(moe)(x)[1])
+    assert_same_stats(collect(MoEStats, outer)(x)[1], collect(MoEStats, moe)(x)[1])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Calls:
+    count: jax.Array
+
+
+def test_a_collection_takes_only_its_own_type():
+    moe, x = random_moe(), tokens(2, 8)
+
+    def counted_moe(x):
+        sow(Calls(jnp.array(1)))
+        return moe(x)
+
+    (_, calls), moe_stats = collect(MoEStats, collect(Calls, counted_moe))(x)
+    assert int(calls.count) == 1  # the inner collection took the Calls
+    assert_same_stats(moe_stats, collect(MoEStats, moe)(x)[1])  # and passed the MoEStats on out
+    with pytest.raises(TypeError, match=r"^collect: kind must be a type .*, got 'MoEStats'$"):
+        collect("MoEStats", moe)
 
 
 def blocks_loss(blocks, x, remat):
-    y, stats = with_stats(apply_blocks)(blocks, x, remat=remat)
+    y, stats = collect(MoEStats, apply_blocks)(blocks, x, remat=remat)
     return jnp.sum(jnp.sin(y)) + stats.aux_loss, stats
 
 
@@ -247,7 +269,7 @@ def test_a_plain_moe_gpt_returns_its_logits_alone_and_keeps_nothing():
     with jax.checking_leaks():  # a kept tracer outliving its trace would be caught here
         logits = [forward(model, ids) for _ in range(2)]  # traced once, then from jit's cache
     assert all(isinstance(out, jax.Array) and out.shape == (2, 8, 5) for out in logits)
-    counted, stats = jax.jit(with_stats(model))(ids)
+    counted, stats = jax.jit(collect(MoEStats, model))(ids)
     np.testing.assert_array_equal(counted, logits[0])
     assert int(stats.routed) == 2 * 2 * 8 * 2  # the collection opened after still gets both blocks'
 

@@ -16,9 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 import minishard as ms
 from minishard import context as cx
-from minishard import pipeline as pp
+from minishard.composition import ComposedPipeline
 from minishard.constraints import LogicalSharding
-from minishard.layers import with_stats
+from minishard.experts import MoEStats
+from minishard.layers import collect
 from minishard.models import gpt
 from minishard.models.attention import ATTENTION_CORES, Attention, KVCache
 from minishard.models.transformer import moe_mlp
@@ -95,7 +96,7 @@ def test_the_attention_core_matches_a_masked_reference_and_is_causal_by_position
 
 
 def test_under_dp_and_dp_cp_every_chunk_of_attention_is_the_textbooks_attend(monkeypatch):
-    # One softmax attention: the dense core is context.attention, each ring step's pair context.attend.
+    # One softmax attention: the dense core is grouped_attention's, each ring step's pair context.attend.
     calls = []
     monkeypatch.setattr(cx, "attend", lambda *a, **kw: calls.append(a[0].shape) or ATTEND(*a, **kw))
     for style, core, chunk in (("dp", "dense", (8, 16, 8, 4)), ("dp+cp", "ring", (4, 2, 8, 4))):
@@ -200,12 +201,12 @@ def test_only_matrices_decay_whether_blocks_are_a_tuple_a_stack_or_zero_shards()
     def decayed(tree):
         return sorted(path for path, leaf in ms.tree.named_leaves(weight_decay_mask(tree)) if leaf)
 
-    expected = ["embedding.positions", "embedding.tokens", "head.weight"]
+    expected = ["embedding.position_table", "embedding.tokens", "head.weight"]
     block = ["attention.key", "attention.out", "attention.query", "attention.value"]
     block += ["mlp.layers[0].weight", "mlp.layers[2].weight"]
     assert decayed(model) == sorted(expected + [f"blocks[{i}].{name}" for i in (0, 1) for name in block])
     stacked = gpt.as_stacked(model)  # every leaf gains a "stage" dimension: ranks would lie
-    assert decayed(stacked) == sorted(["before.positions", "before.tokens", "after.layers[1].weight"]
+    assert decayed(stacked) == sorted(["before.position_table", "before.tokens", "after.layers[1].weight"]
                                       + [f"blocks.block.{name}" for name in block])  # fmt: skip
     flat = jax.tree.map(lambda leaf: flat_padded(leaf, 8), model)  # ZeRO's blocks: every leaf 1-D
     assert decayed(flat) == decayed(model)
@@ -227,9 +228,9 @@ LAYOUTS = {  # style -> (a parameter, its spec): what the style is for
     "fsdp+tp": ("blocks[0].attention.out", P("model", None, "data")),
     "pp": ("blocks.block.attention.query", P("stage", None, None, None)),
     "dp+pp": ("blocks.block.mlp.layers[0].weight", P("stage", None, None)),
-    "cp": ("embedding.positions", P("context", None)),  # the one parameter that names "seq"
-    "dp+cp": ("embedding.positions", P("context", None)),
-    "tp+sp": ("embedding.positions", P("model", None)),
+    "cp": ("embedding.position_table", P("context", None)),  # the one parameter that names "seq"
+    "dp+cp": ("embedding.position_table", P("context", None)),
+    "tp+sp": ("embedding.position_table", P("model", None)),
 }
 CORE = {"cp": "ring", "dp+cp": "ring"}  # the sequence split: ring attention; every other style: dense
 
@@ -251,7 +252,7 @@ def trained(style, depth=SMALL["depth"]):
         shape, rules = mesh_rules(style, len(devices))
         mesh = ms.make_mesh(shape, devices=devices)
         if style in DEPTH:  # the same GPT, its blocks stacked and pipelined: a microbatch per stage
-            pipe = pp.Pipeline(mesh, 4, data_axis="data" if style == "dp+pp" else None)
+            pipe = ComposedPipeline(mesh, 4, data_axis="data" if style == "dp+pp" else None)
             model = gpt.as_stacked(model).replace(pipeline=pipe)
         step = ms.Sharded(mesh, rules)(STEP)
         model, state = ms.shard(model, mesh, rules), ms.shard(OPTIMIZER.init(model), mesh, rules)
@@ -331,7 +332,7 @@ def test_the_batch_is_dealt_out_only_where_attention_splits_the_sequence():
         shape, rules = mesh_rules(style, 8)
         env = LogicalSharding(ms.make_mesh(shape), rules)
         held, inputs = env.wrap(lambda: in_sequence_layout(model, batch))()
-        order = np.asarray(cx.positions(SMALL["context"], 4, "zigzag")) if dealt else np.arange(16)
+        order = np.asarray(cx.held_order(SMALL["context"], 4, "zigzag")) if dealt else np.arange(16)
         np.testing.assert_array_equal(inputs["targets"], batch["targets"][:, order])
         assert (held is not model) == dealt
 
@@ -554,12 +555,12 @@ def moe_gpt(capacity_factor):
 
 def loss_and_grads(model, batch):
     (loss, _), grads = jax.value_and_grad(next_token_loss, has_aux=True)(model, batch)
-    return loss, grads, with_stats(model)(batch["inputs"])[1]
+    return loss, grads, collect(MoEStats, model)(batch["inputs"])[1]
 
 
 def test_an_moe_gpt_adds_its_routers_losses_and_keeps_the_dense_gpts_active_parameters():
     model, batch = moe_gpt(1.25), small_batch()
-    logits, stats = jax.jit(lambda m, ids: with_stats(m)(ids))(model, batch["inputs"])
+    logits, stats = jax.jit(lambda m, ids: collect(MoEStats, m)(ids))(model, batch["inputs"])
     mlp = model.blocks[0].mlp
     assert mlp.experts.w_in.shape == (8, SMALL["width"], 4 * SMALL["width"] // 2)  # k of them: 4 x width
     assert int(stats.routed) == SMALL["depth"] * BATCH * SMALL["context"] * 2  # every block, every token, k
@@ -568,7 +569,9 @@ def test_an_moe_gpt_adds_its_routers_losses_and_keeps_the_dense_gpts_active_para
     assert float(loss) == pytest.approx(float(dense_loss + stats.aux_loss), rel=1e-6)
     assert float(stats.aux_loss) > 0 and int(stats.dropped) > 0  # capacity 1.25 on random routers
     stacked = gpt.as_stacked(model)  # its blocks in a lax.scan: their stats leave it
-    stacked_logits, stacked_stats = jax.jit(lambda m, ids: with_stats(m)(ids))(stacked, batch["inputs"])
+    stacked_logits, stacked_stats = jax.jit(lambda m, ids: collect(MoEStats, m)(ids))(
+        stacked, batch["inputs"]
+    )
     np.testing.assert_allclose(stacked_logits, logits, rtol=1e-5, atol=1e-5)
     assert int(stacked_stats.routed) == int(stats.routed)
     np.testing.assert_allclose(stacked_stats.aux_loss, stats.aux_loss, rtol=1e-5)
@@ -589,7 +592,7 @@ def test_an_moe_gpt_under_expert_parallelism_equals_it_on_one_device(style):
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     for (path, got), want in zip(ms.tree.named_leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=path)
-    forward = ms.Sharded(mesh, rules)(lambda m, ids: with_stats(m)(ids)).lower(model, batch["inputs"])
+    forward = ms.Sharded(mesh, rules)(lambda m, ids: collect(MoEStats, m)(ids)).lower(model, batch["inputs"])
     assert ms.collectives(forward)["all-to-all"].count == 2 * SMALL["depth"]  # tokens out and home, per block
 
 

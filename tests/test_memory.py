@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from minishard import SGD, AdamW, Sharded, context, make_mesh, megatron_axes, mlp
+from minishard import SGD, AdamW, Sharded, composition, make_mesh, megatron_axes, mlp
 from minishard import memory as mm
 from minishard.census import collectives, human_bytes
 from minishard.costs import Memory
@@ -362,7 +362,7 @@ def test_each_style_adds_its_own_terms_as_its_chapter_counts_them():
     block = 4 * mm.block_activations(64 // 16, 64, 128, 4, 32, 512)  # a microbatch of 16 through one block
     assert (few - head, many - head) == (7 * 4 * block, 19 * block)
     ring, dense = terms("cp", "--batch-size", "16"), terms("dp", "--devices", "1", "--batch-size", "16")
-    assert ring["ring K/V"] == 4 * context.ring_in_flight(16, 16, 4, 32)
+    assert ring["ring K/V"] == 4 * composition.ring_in_flight(16, 16, 4, 32)
     assert "ring K/V" not in dense and ring["activations"] < dense["activations"] / 4  # and no softmax
     moe = terms("ep", "--batch-size", "16", "--experts", "4")["activations"]
     assert moe > terms("dp", "--batch-size", "16")["activations"]  # 4 sequences a device each
@@ -655,13 +655,14 @@ def test_a_bf16_step_computes_in_bfloat16_on_the_float32_master():
     windows = jax.random.randint(jax.random.key(1), (4, 16), 0, 65)
     args = (model, optimizer.init(model), {"inputs": windows, "targets": windows})
     bf16 = make_train_step(optimizer, next_token_loss, precision=mm.BF16)
-    # Every matrix product multiplies bfloat16 by bfloat16, forward and backward, but attention's scores
-    # and their weighted sum: float32 by design (context.scores), each with a [4, 2, 16, 16] operand or
-    # result (the scores, or their gradient).
+    # Every matrix product multiplies bfloat16 by bfloat16, forward and backward, attention's too
+    # (context.F32: bf16 in, float32 sums out); only the softmax's gradient, a [4, 2, 16, 16] float32
+    # array (the scores' shape), meets bf16 queries and keys in the backward pass.
     products = _products(jax.make_jaxpr(bf16)(*args).jaxpr)
     scores = (4, 2, 16, 16)  # [batch, heads, query, key]
     assert {dtypes for dtypes, shapes in products if scores not in shapes} == {("bfloat16", "bfloat16")}
-    assert {dtypes for dtypes, shapes in products if scores in shapes} == {("float32", "float32")}
+    by_scores = {dtypes for dtypes, shapes in products if scores in shapes}
+    assert by_scores == {("bfloat16", "bfloat16"), ("float32", "bfloat16")}
     fp32 = _products(jax.make_jaxpr(make_train_step(optimizer, next_token_loss))(*args).jaxpr)
     assert len(products) == len(fp32) and {dtypes for dtypes, _ in fp32} == {("float32", "float32")}
     (new, _, loss, _), (_, _, reference, _) = (

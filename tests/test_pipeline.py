@@ -25,11 +25,14 @@ from jax.experimental import checkify
 
 import minishard as ms
 from minishard import pipeline as pp
+from minishard.composition import ComposedPipeline
+from minishard.experts import MoE, MoEStats
+from minishard.layers import collect
 from minishard.models.vit import Attention, stacked_vit
 from minishard.pipeline_1f1b import one_f_one_b
 from minishard.run.data import mnist
 from minishard.run.steps import make_train_step
-from minishard.run.train import fit
+from minishard.run.train import FitSettings, fit
 from minishard.styles import mesh_rules, style_rules
 
 WIDTH = 8
@@ -167,7 +170,7 @@ def test_one_circular_pipeline_on_data_x_stage_equals_sequential_and_runs_its_ti
     # The quick loop's case; the property below sweeps p, m, layers per stage and r (slow).
     blocks, oracle = blocks_and_oracle(8, 0)
     x = jax.random.normal(jax.random.key(1), (16, WIDTH))
-    pipeline = pp.Pipeline(mesh_for(4), microbatches=4, repeats=2, data_axis="data")
+    pipeline = ComposedPipeline(mesh_for(4), microbatches=4, repeats=2, data_axis="data")
     value, (grads, x_grad) = jax.block_until_ready(value_and_grads(blocks, x, pipeline))
     expected, (expected_grads, expected_x_grad) = value_and_grads(oracle, x, None)
     close((value, x_grad), (expected, expected_x_grad), rtol=1e-4, atol=1e-5)
@@ -189,7 +192,7 @@ def test_pipelined_equals_sequential_forward_and_gradients(p, m_per_p, per_stage
     m, mesh = m_per_p * p, mesh_for(p)
     blocks, oracle = blocks_and_oracle(p * r * per_stage, seed)
     x = jax.random.normal(jax.random.key(seed + 1), (m * (8 // p), WIDTH))
-    pipeline = pp.Pipeline(mesh, microbatches=m, repeats=r, data_axis="data")
+    pipeline = ComposedPipeline(mesh, microbatches=m, repeats=r, data_axis="data")
     value, (grads, x_grad) = jax.block_until_ready(value_and_grads(blocks, x, pipeline))
     expected, (expected_grads, expected_x_grad) = value_and_grads(oracle, x, None)
     close(value, expected)
@@ -202,7 +205,7 @@ def test_pipelined_equals_sequential_forward_and_gradients(p, m_per_p, per_stage
 def test_a_pipelined_model_trains_like_the_sequential_one():
     mesh = ms.make_mesh({"data": 2, "stage": 4})
     model = pp.stacked_mlp([12, WIDTH, WIDTH, WIDTH, WIDTH, WIDTH, 3], key=jax.random.key(0))
-    piped = model.replace(pipeline=pp.Pipeline(mesh, microbatches=4, data_axis="data"))
+    piped = model.replace(pipeline=ComposedPipeline(mesh, microbatches=4, data_axis="data"))
     rng = np.random.default_rng(0)
     batch = {"image": rng.normal(size=(16, 12)).astype(np.float32), "label": rng.integers(0, 3, 16)}
     step = ms.Sharded(mesh, style_rules("dp+pp"))(make_train_step(ms.SGD(0.1)))
@@ -324,10 +327,22 @@ def losses_per_step(model, style, data, log):
     shape, rules = mesh_rules(style, 8)
     mesh = ms.make_mesh(shape)
     if "stage" in shape:
-        model = model.replace(pipeline=pp.Pipeline(mesh, microbatches=8, data_axis="data"))
+        model = model.replace(pipeline=ComposedPipeline(mesh, microbatches=8, data_axis="data"))
     sgd = ms.SGD(ms.exponential_decay(0.2, 0.7, 1000), momentum=0.9)
-    fit(model, sgd, data, mesh=mesh, rules=rules, epochs=1, metrics_log=log, log_every=1, progress=False,
-        log=lambda line: None)  # fmt: skip
+    fit(
+        model,
+        sgd,
+        data,
+        FitSettings(
+            mesh=mesh,
+            rules=rules,
+            epochs=1,
+            metrics_log=log,
+            log_every=1,
+            progress=False,
+            log=lambda line: None,
+        ),
+    )
     return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "step" in r]
 
 
@@ -393,12 +408,33 @@ def test_microbatched_refuses_a_count_that_is_not_one(m):
         ({"microbatches": 2.0}, "Pipeline: microbatches must be a positive int, got 2.0"),
         ({"microbatches": 4, "repeats": 0}, "Pipeline: repeats must be a positive int, got 0"),
         ({"microbatches": 4, "stage_axis": "pipe"}, "Pipeline: stage_axis='pipe' is not an axis of the mesh"),
-        ({"microbatches": 4, "data_axis": "data"}, "Pipeline: data_axis='data' is not an axis of the mesh"),
     ],
 )
 def test_a_pipeline_names_a_bad_field(fields, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         pp.Pipeline(MESH4, **fields)
+
+
+@pytest.mark.parametrize("axis", ["data_axis", "sequence_axis"])
+@pytest.mark.parametrize("name", ["data", "stage"])
+def test_a_composed_pipeline_names_an_axis_it_cannot_run_inside_its_stages(axis, name):
+    message = f"ComposedPipeline: {axis}={name!r} is not an axis of the mesh {{'stage': 4}} other than"
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        ComposedPipeline(MESH4, 4, **{axis: name})
+    assert pp.Pipeline(MESH4, 4).ticks == ComposedPipeline(MESH4, 4).ticks == 7  # the same schedule
+
+
+def test_a_plain_pipeline_refuses_blocks_that_sow_into_an_open_collection():
+    blocks = pp.Stacked(lambda k: MoE(4, features=WIDTH, hidden=WIDTH, key=k), 4, key=jax.random.key(0))
+    x = jnp.ones((8, 2, WIDTH))  # 8 rows of 2 tokens
+    run = collect(MoEStats, lambda b, x: pp.run_pipeline(b, x, pp.Pipeline(MESH4, 4)))
+    with pytest.raises(
+        ValueError,
+        match=r"^run_pipeline: the blocks sow a MoEStats .* use minishard.composition.ComposedPipeline",
+    ):
+        run(blocks, x)
+    y, stats = collect(MoEStats, lambda b, x: pp.run_pipeline(b, x, ComposedPipeline(MESH4, 4)))(blocks, x)
+    assert y.shape == x.shape and int(stats.routed) == 4 * 8 * 2 * 2  # 4 blocks' k = 2 of 16 tokens
 
 
 def test_a_batch_that_does_not_split_into_the_pipelines_microbatches_is_named():
@@ -408,7 +444,7 @@ def test_a_batch_that_does_not_split_into_the_pipelines_microbatches_is_named():
         match=r"^run_pipeline: a batch of 12 does not split into m=4 microbatches x data=2 devices; "
         "use a batch that is a multiple of 8",
     ):
-        pp.run_pipeline(blocks, jnp.ones((12, WIDTH)), pp.Pipeline(MESH_DATA_STAGE, 4, data_axis="data"))
+        pp.run_pipeline(blocks, jnp.ones((12, WIDTH)), ComposedPipeline(MESH_DATA_STAGE, 4, data_axis="data"))
 
 
 def test_run_pipeline_refuses_blocks_that_are_not_stacked():

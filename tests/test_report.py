@@ -9,6 +9,8 @@ byte.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -17,11 +19,11 @@ from models import F32, MEGATRON, SIZES, example, train_step
 import minishard as ms
 from minishard.census import collectives, summary
 from minishard.costs import cost_report
-from minishard.report import Report, explain
+from minishard.report import Report, Row, explain
 from minishard.rules import AxisRules
 from minishard.run.data import DATASET_INFO
 from minishard.run.render import report_html, rich_table
-from minishard.sharding import Sharded, make_mesh
+from minishard.sharding import LeafPlan, Sharded, make_mesh
 from minishard.tree import tree_bytes
 
 RULES_2D = AxisRules(batch="data", embed=None, mlp="model")
@@ -34,19 +36,27 @@ def test_explain_counts_each_devices_share():
     assert isinstance(report, Report) and report.collectives is None
     assert report.mesh == {"data": 2, "model": 4}
     w1, _, w2, b2 = report.rows
-    assert (w1.path, w1.shape, w1.logical_axes) == ("layers[0].weight", (784, 512), ("embed", "mlp"))
-    assert w1.spec == P(None, "model")
-    assert w1.shard_shape == (784, 128) and w1.dtype == "float32"
+    assert (w1.leaf.path, w1.leaf.shape, w1.leaf.logical_axes) == (
+        "layers[0].weight",
+        (784, 512),
+        ("embed", "mlp"),
+    )
+    assert w1.leaf.spec == P(None, "model")
+    assert w1.leaf.shard_shape == (784, 128) and w1.dtype == "float32"
     # Split 4 ways over "model", replicated over "data": a quarter per device.
     assert w1.bytes == 784 * 512 * F32 and w1.device_bytes == w1.bytes // 4
-    assert (w2.spec, w2.shard_shape, w2.device_bytes) == (P("model", None), (128, 10), w2.bytes // 4)
-    assert b2.spec == P(None) and b2.device_bytes == b2.bytes == 10 * F32  # replicated: whole
+    assert (w2.leaf.spec, w2.leaf.shard_shape, w2.device_bytes) == (
+        P("model", None),
+        (128, 10),
+        w2.bytes // 4,
+    )
+    assert b2.leaf.spec == P(None) and b2.device_bytes == b2.bytes == 10 * F32  # replicated: whole
     assert report.total_bytes == tree_bytes(model) == 1_628_200
     assert report.device_bytes == sum(row.device_bytes for row in report.rows) == 407_080
 
     text = str(report)
     for row in report.rows:
-        assert row.path in text and str(row.spec) in text
+        assert row.leaf.path in text and str(row.leaf.spec) in text
     assert "P(None, 'model')" in text and "(784, 128)" in text
     assert "1.6 MB unsharded, 407.1 kB per device" in text
     assert "collectives" not in text
@@ -92,15 +102,16 @@ def test_explain_covers_every_leaf_of_any_tree():
     model = ms.mlp(SIZES, key=jax.random.key(0), axes=MEGATRON)
     state = ms.SGD(ms.exponential_decay(0.1, 0.5, 100), momentum=0.9).init(model)
     report = explain(state, mesh, RULES_2D)
-    assert [row.path for row in report.rows] == [
+    assert [row.leaf.path for row in report.rows] == [
         "step",
         "velocity.layers[0].weight",
         "velocity.layers[0].bias",
         "velocity.layers[2].weight",
         "velocity.layers[2].bias",
     ]
-    assert report.rows[0].shape == () and report.rows[0].dtype == "int32" and report.rows[0].device_bytes == 4
-    assert report.rows[1].spec == P(None, "model")
+    step = report.rows[0]
+    assert step.leaf.shape == () and step.dtype == "int32" and step.device_bytes == 4
+    assert report.rows[1].leaf.spec == P(None, "model")
 
 
 def test_explain_renders_with_rich():
@@ -142,9 +153,16 @@ def test_sharding_the_hidden_dims_on_model_leaves_a_quarter_per_device(abstract_
     report = ms.explain(abstract_model, mesh, rules)
     assert report.total_bytes == ms.tree.tree_bytes(abstract_model)
     # Only the 2048-wide hidden dimension ("mlp") is split; the replicated rest is ~0.1% of the bytes.
-    expected = sum(row.bytes // 4 if "model" in str(row.spec) else row.bytes for row in report.rows)
+    expected = sum(row.bytes // 4 if "model" in str(row.leaf.spec) else row.bytes for row in report.rows)
     assert report.device_bytes == expected
     assert 0.25 <= report.device_bytes / report.total_bytes < 0.26
     first = report.rows[0]
-    assert (first.path, first.shard_shape) == ("layers[0].weight", (120_000, 512))
+    assert (first.leaf.path, first.leaf.shard_shape) == ("layers[0].weight", (120_000, 512))
     assert "layers[0].weight" in str(report)
+
+
+def test_a_row_adds_bytes_to_the_plans_record_and_repeats_none_of_it():
+    # issue 62: a Row holds the LeafPlan sharding made (path, shape, logical axes, spec, shard), and
+    # only what the report adds: the dtype and the bytes, whole and per device
+    assert [field.name for field in fields(Row)] == ["leaf", "dtype", "bytes", "device_bytes"]
+    assert not {field.name for field in fields(Row)} & {field.name for field in fields(LeafPlan)}

@@ -159,7 +159,7 @@ def test_rules_for_a_mesh_plan_the_mlp_and_the_vit():
     vit = jax.eval_shape(lambda: ViT(key=jax.random.key(0)))
     specs = {leaf.path: leaf.spec for leaf in ms.plan(vit, mesh, rules).leaves}
     assert specs["blocks[0].attention.query"] == P(None, "model", None)
-    assert specs["embedding.positions"] == P(None, None)
+    assert specs["embedding.position_table"] == P(None, None)
 
 
 def test_fsdp_stores_an_eighth_of_every_divisible_parameter_and_its_velocity():
@@ -167,8 +167,8 @@ def test_fsdp_stores_an_eighth_of_every_divisible_parameter_and_its_velocity():
     model = ms.mlp(SIZES, key=jax.random.key(0), axes=ms.megatron_axes(2))
     state = ms.SGD(0.1, momentum=0.9).init(model)
     report = ms.explain({"model": model, "velocity": state.velocity}, mesh, rules)
-    split = [row for row in report.rows if row.spec != P(*[None] * len(row.shape))]
-    assert [row.path for row in split] == [
+    split = [row for row in report.rows if row.leaf.spec != P(*[None] * len(row.leaf.shape))]
+    assert [row.leaf.path for row in split] == [
         "model.layers[0].weight",  # (embed, mlp): embed takes "data"
         "model.layers[0].bias",  # (mlp,): mlp takes "data"
         "model.layers[2].weight",  # (mlp, classes)

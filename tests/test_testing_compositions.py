@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 
 from minishard import context
-from minishard import pipeline as pp
+from minishard.composition import ComposedPipeline
 from minishard.losses import cross_entropy, one_hot
 from minishard.models import gpt
 from minishard.models.attention import SEQUENCE_LAYOUT, sequence_axis
@@ -131,7 +131,7 @@ def in_order(logits: jax.Array) -> jax.Array:
     _, p = sequence_axis()
     if p == 1:
         return logits
-    held = context.positions(logits.shape[1], p, SEQUENCE_LAYOUT)  # the token at each place
+    held = context.held_order(logits.shape[1], p, SEQUENCE_LAYOUT)  # the token at each place
     return jnp.take(logits, jnp.argsort(held), axis=1)
 
 
@@ -158,7 +158,7 @@ def small_gpt(experts: bool) -> gpt.GPT:
     return gpt.GPT(**SMALL, core="ring", key=jax.random.key(0), **({"mlp": EXPERTS} if experts else {}))
 
 
-def model_for(composition: Composition, pipeline: type[pp.Pipeline] = pp.Pipeline):
+def model_for(composition: Composition, pipeline: type[ComposedPipeline] = ComposedPipeline):
     """The GPT as ``composition`` runs it: under pp its blocks stacked and pipelined over "stage" (a
     microbatch per stage; its rows over "data", its tokens over "context", where the mesh has them),
     under ep its MLPs mixtures of experts."""
@@ -171,7 +171,9 @@ def model_for(composition: Composition, pipeline: type[pp.Pipeline] = pp.Pipelin
     return gpt.as_stacked(model).replace(pipeline=piped)
 
 
-def check_gpt(composition: Composition, seed: int, pipeline: type[pp.Pipeline] = pp.Pipeline) -> None:
+def check_gpt(
+    composition: Composition, seed: int, pipeline: type[ComposedPipeline] = ComposedPipeline
+) -> None:
     ids = np.random.default_rng(seed).integers(0, SMALL["vocab"], (BATCH, SMALL["context"] + 1))
     batch = {"inputs": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32)}
     model = model_for(composition, pipeline)
@@ -214,7 +216,7 @@ def test_the_moe_gpt_is_the_dense_model_on_composed_meshes_with_its_experts_spli
 
 
 @dataclasses.dataclass(frozen=True)
-class OneTickShort(pp.Pipeline):
+class OneTickShort(ComposedPipeline):
     """A broken pipeline: the last microbatch never leaves the last stage (docs/testing.md's)."""
 
     @property

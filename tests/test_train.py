@@ -6,6 +6,7 @@ checkpoint into a run that deals the data out differently). The MNIST tests need
 the data prepared by TFDS; `make test` points TFDS_DATA_DIR at it.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -22,15 +23,16 @@ from strategies import assert_trees_equal
 from test_checkpoint import read_only_directory
 
 import minishard as ms
+from minishard.composition import ComposedPipeline
 from minishard.models.vit import ViT, vit_rules
-from minishard.pipeline import Pipeline, stacked_mlp
+from minishard.pipeline import stacked_mlp
 from minishard.run.checkpoint import Checkpointer, saved_steps
 from minishard.run.compiling import enable_compilation_cache
 from minishard.run.data import Dataset, mnist
 from minishard.run.errors import CheckpointDirError, CheckpointError, NonFiniteLossError, ResumeError
 from minishard.run.resume import check_checkpoint_dir, check_meta
-from minishard.run.steps import make_train_step
-from minishard.run.train import first_loss, fit
+from minishard.run.steps import CLASSIFICATION, Task, classification_sums, make_train_step
+from minishard.run.train import FitSettings, first_loss, fit
 from minishard.styles import style_rules
 
 needs_mnist = pytest.mark.skipif(
@@ -51,28 +53,69 @@ def tiny_model():
     return ms.mlp([4, 8, 4], key=jax.random.key(0))
 
 
+def test_fit_settings_print_what_a_run_changed_and_stay_as_made():
+    settings = FitSettings(
+        ms.make_mesh({"data": 8}, explicit=True),
+        ms.AxisRules(batch="data"),
+        epochs=1,
+        eval_data={"val": tiny_data()},
+        task=CLASSIFICATION,
+        keep=3,
+        log=print,
+    )
+    assert str(settings).splitlines() == [
+        "FitSettings(",
+        "    mesh=make_mesh({'data': 8}, explicit=True),",
+        f"    rules={ms.AxisRules(batch='data')!r},",
+        "    epochs=1,",
+        "    eval_data={'val': <Dataset>},",
+        ")",
+    ]  # the defaults (task, keep, log) unsaid; a data set by its type
+    counted_in_tokens = Task(ms.losses.classification_loss, ("acc",), classification_sums, unit="tokens")
+    said = (
+        "task=Task(loss=classification_loss, metrics=('acc',), evaluate=classification_sums, unit='tokens')"
+    )
+    assert said in str(FitSettings(settings.mesh, task=counted_in_tokens))  # functions by their names
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.epochs = 2  # type: ignore[misc]
+
+
 def test_fit_leaves_the_callers_model_alive():
     model = tiny_model()
-    trained, _, _ = fit(model, ms.SGD(0.1), tiny_data(), epochs=1, log=lambda line: None, **MESH_RULES)
+    trained, _, _ = fit(
+        model, ms.SGD(0.1), tiny_data(), FitSettings(epochs=1, log=lambda line: None, **MESH_RULES)
+    )
     assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(model))
     assert not np.array_equal(model[0].weight, trained[0].weight)
 
 
 def test_each_step_is_saved_once_even_when_checkpoint_every_meets_an_epoch_end(tmp_path):
     lines = []
-    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=2, checkpoint_dir=tmp_path, checkpoint_every=2,
-        log=lines.append, **MESH_RULES)  # fmt: skip
+    fit(
+        tiny_model(),
+        ms.SGD(0.1),
+        tiny_data(),
+        FitSettings(epochs=2, checkpoint_dir=tmp_path, checkpoint_every=2, log=lines.append, **MESH_RULES),
+    )
     assert not [line for line in lines if "discarding" in line], lines
     assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [4, 6, 8]  # keep=3
 
 
 @pytest.mark.parametrize("changed", [{"seed": 1}, {"batch_size": 32}], ids=["seed", "batch_size"])
 def test_resume_refuses_a_run_that_deals_the_data_out_differently(tmp_path, changed):
-    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=tmp_path, log=lambda line: None,
-        **MESH_RULES)  # fmt: skip
+    fit(
+        tiny_model(),
+        ms.SGD(0.1),
+        tiny_data(),
+        FitSettings(epochs=1, checkpoint_dir=tmp_path, log=lambda line: None, **MESH_RULES),
+    )
     with pytest.raises(ResumeError, match="resume with the same --seed and --batch-size"):
-        fit(tiny_model(), ms.SGD(0.1), tiny_data(**changed), epochs=2, checkpoint_dir=tmp_path, resume=True,
-            log=lambda line: None, **MESH_RULES)  # fmt: skip
+        fit(
+            tiny_model(),
+            ms.SGD(0.1),
+            tiny_data(**changed),
+            FitSettings(epochs=2, checkpoint_dir=tmp_path, resume=True, log=lambda line: None, **MESH_RULES),
+        )
 
 
 @pytest.mark.slow  # over 5 s
@@ -85,7 +128,7 @@ def test_a_diverging_run_never_saves_non_finite_state_and_resumes_from_the_last_
         NonFiniteLossError,
         match=r"not saving step 6: .* non-finite .*last good checkpoint \(step 5\) is kept, and steps 3, 4",
     ):
-        fit(tiny_model(), blows_up, tiny_data(), epochs=2, log=print, **common)
+        fit(tiny_model(), blows_up, tiny_data(), FitSettings(epochs=2, log=print, **common))
     with Checkpointer(tmp_path) as ckpt:
         assert ckpt.steps()[-1] == 5
         target = {"model": tiny_model(), "opt_state": blows_up.init(tiny_model())}
@@ -95,7 +138,7 @@ def test_a_diverging_run_never_saves_non_finite_state_and_resumes_from_the_last_
     lines = []
     sane = ms.SGD(0.1, momentum=0.9)
     model, _, history = fit(
-        tiny_model(), sane, tiny_data(), epochs=2, resume=True, log=lines.append, **common
+        tiny_model(), sane, tiny_data(), FitSettings(epochs=2, resume=True, log=lines.append, **common)
     )
     assert lines[0] == "Resumed from step 5: epoch 2, batch 1"  # a constant rate counts its steps too
     assert len(history) == 2
@@ -103,10 +146,20 @@ def test_a_diverging_run_never_saves_non_finite_state_and_resumes_from_the_last_
 
 
 def test_resume_with_another_activation_names_both_models(tmp_path):
-    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=tmp_path, log=print, **MESH_RULES)
+    fit(
+        tiny_model(),
+        ms.SGD(0.1),
+        tiny_data(),
+        FitSettings(epochs=1, checkpoint_dir=tmp_path, log=print, **MESH_RULES),
+    )
     relu = ms.mlp([4, 8, 4], key=jax.random.key(0), activation="relu")
     with pytest.raises(ResumeError, match=r"(?s)saved from another model:.*Swish.*this run: .*ReLU"):
-        fit(relu, ms.SGD(0.1), tiny_data(), epochs=2, checkpoint_dir=tmp_path, resume=True, **MESH_RULES)
+        fit(
+            relu,
+            ms.SGD(0.1),
+            tiny_data(),
+            FitSettings(epochs=2, checkpoint_dir=tmp_path, resume=True, **MESH_RULES),
+        )
 
 
 def forget_the_metadata_checksum(step_dir):
@@ -118,14 +171,22 @@ def forget_the_metadata_checksum(step_dir):
 
 @pytest.mark.slow  # over 5 s
 def test_impossible_metadata_is_corrupt_and_falls_back(tmp_path):
-    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=tmp_path, checkpoint_every=2,
-        log=print, **MESH_RULES)  # fmt: skip
+    fit(
+        tiny_model(),
+        ms.SGD(0.1),
+        tiny_data(),
+        FitSettings(epochs=1, checkpoint_dir=tmp_path, checkpoint_every=2, log=print, **MESH_RULES),
+    )
     meta_file = tmp_path / "4" / "meta" / "metadata"
     meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "batch": 9999}))
     forget_the_metadata_checksum(tmp_path / "4")  # as an older version wrote it: else the checksum says so
     lines = []
-    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=2, checkpoint_dir=tmp_path, resume=True,
-        log=lines.append, **MESH_RULES)  # fmt: skip
+    fit(
+        tiny_model(),
+        ms.SGD(0.1),
+        tiny_data(),
+        FitSettings(epochs=2, checkpoint_dir=tmp_path, resume=True, log=lines.append, **MESH_RULES),
+    )
     assert "is corrupt (its metadata cannot be right: position epoch 1, batch 9999 of 4)" in lines[0]
     assert lines[0].endswith("falling back to step 2") and lines[1] == "Resumed from step 2: epoch 1, batch 2"
 
@@ -133,9 +194,9 @@ def test_impossible_metadata_is_corrupt_and_falls_back(tmp_path):
 def test_resume_says_when_there_is_nothing_to_do_and_when_it_starts_from_scratch(tmp_path):
     lines = []
     run = {"checkpoint_dir": tmp_path, "resume": True, "log": lines.append, **MESH_RULES}
-    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, **run)
+    fit(tiny_model(), ms.SGD(0.1), tiny_data(), FitSettings(epochs=1, **run))
     assert lines[0] == f"No checkpoint in {tmp_path} yet: starting from scratch"
-    _, _, history = fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, **run)
+    _, _, history = fit(tiny_model(), ms.SGD(0.1), tiny_data(), FitSettings(epochs=1, **run))
     assert lines[-1].startswith("Nothing to do: the checkpoint of step 4 has finished epoch 1, and epochs=1")
     assert len(history) == 1
 
@@ -143,8 +204,19 @@ def test_resume_says_when_there_is_nothing_to_do_and_when_it_starts_from_scratch
 # -- the checkpoint directory: another run's, an older step, read-only storage, an interrupt ---------
 def finished_run(directory, **options):
     """One epoch of 4 steps, checkpointed at steps 2 and 4."""
-    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=directory, checkpoint_every=2,
-        log=lambda line: None, **options, **MESH_RULES)  # fmt: skip
+    fit(
+        tiny_model(),
+        ms.SGD(0.1),
+        tiny_data(),
+        FitSettings(
+            epochs=1,
+            checkpoint_dir=directory,
+            checkpoint_every=2,
+            log=lambda line: None,
+            **options,
+            **MESH_RULES,
+        ),
+    )
 
 
 def files_of(directory):
@@ -169,8 +241,12 @@ def test_a_fresh_run_never_deletes_another_runs_checkpoints(tmp_path):
 def test_overwrite_deletes_the_other_runs_checkpoints_and_says_so(tmp_path):
     finished_run(tmp_path)
     lines = []
-    fit(tiny_model(), ms.SGD(0.1), tiny_data(seed=1), epochs=1, checkpoint_dir=tmp_path, overwrite=True,
-        log=lines.append, **MESH_RULES)  # fmt: skip
+    fit(
+        tiny_model(),
+        ms.SGD(0.1),
+        tiny_data(seed=1),
+        FitSettings(epochs=1, checkpoint_dir=tmp_path, overwrite=True, log=lines.append, **MESH_RULES),
+    )
     assert lines[0] == (
         f"discarding checkpoints [2, 4] in {tmp_path}: "
         "another run's checkpoints, deleted as asked (--overwrite)"
@@ -203,8 +279,12 @@ def test_resume_from_an_older_step_replaces_the_later_ones_and_a_step_not_kept_i
     ):
         check_checkpoint_dir(tmp_path / "new", resume=False, resume_from=3)
     lines = []
-    fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=tmp_path, resume_from=2,
-        log=lines.append, **MESH_RULES)  # fmt: skip
+    fit(
+        tiny_model(),
+        ms.SGD(0.1),
+        tiny_data(),
+        FitSettings(epochs=1, checkpoint_dir=tmp_path, resume_from=2, log=lines.append, **MESH_RULES),
+    )
     assert lines[:2] == [
         "Resumed from step 2: epoch 1, batch 2",
         "The checkpoints of steps 4 come after it: this run replaces them as it saves",
@@ -224,8 +304,14 @@ def test_a_diverged_run_names_every_kept_step(tmp_path):
         r"--resume-from STEP\)$"
     )
     with pytest.raises(NonFiniteLossError, match=expected):
-        fit(tiny_model(), nan_from_step_3, tiny_data(), epochs=1, checkpoint_dir=tmp_path, checkpoint_every=1,
-            log=lambda line: None, **MESH_RULES)  # fmt: skip
+        fit(
+            tiny_model(),
+            nan_from_step_3,
+            tiny_data(),
+            FitSettings(
+                epochs=1, checkpoint_dir=tmp_path, checkpoint_every=1, log=lambda line: None, **MESH_RULES
+            ),
+        )
     assert saved_steps(tmp_path) == [1, 2, 3]
 
 
@@ -239,7 +325,10 @@ def test_an_unwritable_checkpoint_directory_is_refused_before_any_work(tmp_path)
             check_checkpoint_dir(storage / "run", resume=False)
         with pytest.raises(CheckpointError, match=unwritable):
             fit(
-                tiny_model(), ms.SGD(0.1), None, epochs=1, checkpoint_dir=storage / "run", **MESH_RULES
+                tiny_model(),
+                ms.SGD(0.1),
+                None,
+                FitSettings(epochs=1, checkpoint_dir=storage / "run", **MESH_RULES),
             )  # no data needed
 
 
@@ -249,8 +338,14 @@ def test_an_interrupt_passes_through_fit_and_leaves_the_directory_usable(tmp_pat
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        fit(tiny_model(), ms.SGD(0.1), tiny_data(), epochs=1, checkpoint_dir=tmp_path / "run",
-            log=interrupt_after_compiling, **MESH_RULES)  # fmt: skip
+        fit(
+            tiny_model(),
+            ms.SGD(0.1),
+            tiny_data(),
+            FitSettings(
+                epochs=1, checkpoint_dir=tmp_path / "run", log=interrupt_after_compiling, **MESH_RULES
+            ),
+        )
     assert saved_steps(tmp_path / "run") == []
     finished_run(tmp_path / "run")  # the lock was released, and there was nothing to refuse
     assert saved_steps(tmp_path / "run") == [2, 4]
@@ -284,11 +379,7 @@ def test_one_epoch_reaches_95_percent_on_the_full_test_split():
         model_of([784, 512, 10]),
         sgd(),
         train,
-        mesh=mesh,
-        rules=ms.AxisRules(**MEGATRON_RULES),
-        epochs=1,
-        eval_data=test,
-        **QUIET,
+        FitSettings(mesh=mesh, rules=ms.AxisRules(**MEGATRON_RULES), epochs=1, eval_data=test, **QUIET),
     )
     assert history[0]["test_acc"] >= 0.95, history
 
@@ -298,12 +389,14 @@ def losses_per_step(data, mesh_shape, rules, log):
         model_of([784, 64, 10]),
         sgd(),
         data,
-        mesh=ms.make_mesh(mesh_shape),
-        rules=ms.AxisRules(**rules),
-        epochs=1,
-        metrics_log=log,
-        log_every=1,
-        **QUIET,
+        FitSettings(
+            mesh=ms.make_mesh(mesh_shape),
+            rules=ms.AxisRules(**rules),
+            epochs=1,
+            metrics_log=log,
+            log_every=1,
+            **QUIET,
+        ),
     )
     return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "step" in r]
 
@@ -325,9 +418,20 @@ def test_data_tensor_and_2d_parallel_give_the_same_loss_curve(small_train, tmp_p
 def test_gradient_accumulation_gives_the_loss_curve_of_the_full_batch(small_train, tmp_path):
     def curve(microbatches):
         log = tmp_path / f"m{microbatches}.jsonl"
-        fit(model_of([784, 64, 10]), sgd(), small_train, mesh=ms.make_mesh({"data": 2, "model": 4}),
-            rules=ms.AxisRules(**MEGATRON_RULES), epochs=1, metrics_log=log, log_every=1,
-            microbatches=microbatches, **QUIET)  # fmt: skip
+        fit(
+            model_of([784, 64, 10]),
+            sgd(),
+            small_train,
+            FitSettings(
+                mesh=ms.make_mesh({"data": 2, "model": 4}),
+                rules=ms.AxisRules(**MEGATRON_RULES),
+                epochs=1,
+                metrics_log=log,
+                log_every=1,
+                microbatches=microbatches,
+                **QUIET,
+            ),
+        )
         return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "step" in r]
 
     full, accumulated = curve(1), curve(4)  # 4 microbatches of 32 per step of 128
@@ -338,9 +442,7 @@ def test_gradient_accumulation_gives_the_loss_curve_of_the_full_batch(small_trai
             model_of([784, 64, 10]),
             sgd(),
             small_train,
-            mesh=ms.make_mesh({"data": 8}),
-            epochs=1,
-            microbatches=0,
+            FitSettings(mesh=ms.make_mesh({"data": 8}), epochs=1, microbatches=0),
         )
 
 
@@ -374,21 +476,24 @@ def test_non_finite_loss_stops_training_and_names_the_step(small_train):
             model_of([784, 64, 10]),
             exploding,
             small_train,
-            mesh=ms.make_mesh({"data": 8}),
-            rules=ms.AxisRules(batch="data", embed=None, mlp=None, classes=None),
-            epochs=1,
-            **QUIET,
+            FitSettings(
+                mesh=ms.make_mesh({"data": 8}),
+                rules=ms.AxisRules(batch="data", embed=None, mlp=None, classes=None),
+                epochs=1,
+                **QUIET,
+            ),
         )
 
 
 KILLED_TRAINER = """
 import jax, minishard as ms
 from minishard.run.data import mnist
-from minishard.run.train import fit
+from minishard.run.train import FitSettings, fit
 model = ms.mlp([784, 4096, 10], key=jax.random.key(0), axes=ms.megatron_axes(2))
-fit(model, ms.SGD(0.01, momentum=0.9), mnist("train[:1024]", 128), mesh=ms.make_mesh({"data": 2, "model": 4}),
+fit(model, ms.SGD(0.01, momentum=0.9), mnist("train[:1024]", 128), FitSettings(
+    mesh=ms.make_mesh({"data": 2, "model": 4}),
     rules=ms.AxisRules(batch="data", embed=None, mlp="model", classes=None), epochs=2,
-    checkpoint_dir=DIRECTORY, checkpoint_every=1, log=lambda line: None)
+    checkpoint_dir=DIRECTORY, checkpoint_every=1, log=lambda line: None))
 """
 
 
@@ -415,13 +520,15 @@ def test_a_trainer_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_
         model,
         ms.SGD(0.01, momentum=0.9),
         mnist("train[:1024]", 128),
-        mesh=ms.make_mesh({"data": 8}),
-        rules=ms.AxisRules(batch="data", embed=None, mlp=None, classes=None),
-        epochs=2,
-        checkpoint_dir=directory,
-        resume=True,
-        log=lines.append,
-        progress=False,
+        FitSettings(
+            mesh=ms.make_mesh({"data": 8}),
+            rules=ms.AxisRules(batch="data", embed=None, mlp=None, classes=None),
+            epochs=2,
+            checkpoint_dir=directory,
+            resume=True,
+            log=lines.append,
+            progress=False,
+        ),
     )
     assert lines[0].startswith(f"taking over the lock of {directory} left by a trainer that is gone"), lines
     assert re.match(r"Resumed from step [2-9]", lines[1]), lines
@@ -438,11 +545,16 @@ def test_resume_falls_back_past_a_corrupted_checkpoint_and_says_so(small_train, 
         "epochs": 1,
         "checkpoint_dir": tmp_path,
     }
-    fit(model_of([784, 16, 10]), sgd(), small_train, checkpoint_every=4, log=lambda line: None, **run)
+    fit(
+        model_of([784, 16, 10]),
+        sgd(),
+        small_train,
+        FitSettings(checkpoint_every=4, log=lambda line: None, **run),
+    )
     for data_file in (tmp_path / "8").rglob("d/*"):  # the array data of the last checkpoint
         data_file.write_bytes(b"garbage")
     lines = []
-    fit(model_of([784, 16, 10]), sgd(), small_train, resume=True, log=lines.append, **run)
+    fit(model_of([784, 16, 10]), sgd(), small_train, FitSettings(resume=True, log=lines.append, **run))
     fallback = f"{tmp_path / '8'} is unreadable"
     assert any(fallback in line and "falling back to step 4" in line for line in lines), lines
     assert any(line.startswith("Resumed from step 4") for line in lines), lines
@@ -453,13 +565,13 @@ CACHED_RUN = """
 import sys, jax, numpy as np, minishard as ms
 from minishard.run.data import Dataset
 from minishard.run.compiling import enable_compilation_cache
-from minishard.run.train import fit
+from minishard.run.train import FitSettings, fit
 enable_compilation_cache(sys.argv[1])
 rng = np.random.default_rng(0)
 images = rng.integers(0, 256, (64, 2, 2, 1), dtype=np.uint8)
 data = Dataset(images, images.reshape(64, -1).argmax(axis=1), batch_size=16)
-fit(ms.mlp([4, 8, 4], key=jax.random.key(0)), ms.SGD(0.1), data, epochs=1, mesh=ms.make_mesh({"data": 8}),
-    rules=ms.AxisRules(batch="data"), progress=False)
+fit(ms.mlp([4, 8, 4], key=jax.random.key(0)), ms.SGD(0.1), data, FitSettings(
+    epochs=1, mesh=ms.make_mesh({"data": 8}), rules=ms.AxisRules(batch="data"), progress=False))
 """
 
 
@@ -528,7 +640,10 @@ def test_a_small_vit_learns_mnist_on_a_2d_mesh():
     model = ViT(width=32, depth=2, heads=4, key=jax.random.key(0))
     mesh = ms.make_mesh({"data": 2, "model": 4})
     _, _, history = fit(
-        model, optimizer, train, mesh=mesh, rules=vit_rules("2d"), epochs=2, eval_data=test, **QUIET
+        model,
+        optimizer,
+        train,
+        FitSettings(mesh=mesh, rules=vit_rules("2d"), epochs=2, eval_data=test, **QUIET),
     )
     assert history[-1]["test_acc"] >= 0.80, history
 
@@ -542,7 +657,7 @@ def test_the_vit_resumes_to_bit_identical_parameters(tmp_path):
 
     def train(epochs, **options):
         model = ViT(width=16, depth=1, heads=2, key=jax.random.key(0))
-        return fit(model, ms.SGD(0.05, momentum=0.9), data, epochs=epochs, **options, **run)[0]
+        return fit(model, ms.SGD(0.05, momentum=0.9), data, FitSettings(epochs=epochs, **options, **run))[0]
 
     straight = train(2)
     train(1, checkpoint_dir=tmp_path)
@@ -573,10 +688,20 @@ class DrawnBatches:
 def by_steps(directory, steps, lines=None, **options):
     held_out = Dataset(np.zeros((24, 2, 2, 1), np.uint8), np.zeros(24, np.int32), 8, shuffle=False)
     return fit(
-        tiny_model(), ms.SGD(0.1, momentum=0.9), DrawnBatches(), steps=steps, eval_every=4,
-        eval_data={"val": held_out}, test_data=held_out, checkpoint_dir=directory,
-        log=(lines if lines is not None else []).append, **options, **MESH_RULES,
-    )  # fmt: skip
+        tiny_model(),
+        ms.SGD(0.1, momentum=0.9),
+        DrawnBatches(),
+        FitSettings(
+            steps=steps,
+            eval_every=4,
+            eval_data={"val": held_out},
+            test_data=held_out,
+            checkpoint_dir=directory,
+            log=(lines if lines is not None else []).append,
+            **options,
+            **MESH_RULES,
+        ),
+    )
 
 
 def test_fit_by_steps_records_every_eval_every_steps_and_tests_after_the_last(tmp_path):
@@ -624,16 +749,16 @@ def test_fit_takes_epochs_or_steps_and_eval_every_only_by_steps():
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
-            fit(tiny_model(), ms.SGD(0.1), data, **options, **MESH_RULES)
+            fit(tiny_model(), ms.SGD(0.1), data, FitSettings(**options, **MESH_RULES))
     with pytest.raises(ValueError, match=r"has no epochs \(each step draws its own batch\); give steps"):
-        fit(tiny_model(), ms.SGD(0.1), DrawnBatches(), epochs=1, **MESH_RULES)
+        fit(tiny_model(), ms.SGD(0.1), DrawnBatches(), FitSettings(epochs=1, **MESH_RULES))
 
 
 def test_a_finite_divergence_stops_training_as_a_nan_does():
     """A loss DIVERGED (10,000) times the run's first stops the run, named (measured: 5.5e4, step 4)."""
     leaps = ms.SGD(lambda step: jnp.where(step >= 2, 1e5, 0.1))  # the 3rd update is far too large
     with pytest.raises(NonFiniteLossError) as stopped:
-        fit(tiny_model(), leaps, tiny_data(), epochs=3, log=lambda line: None, **MESH_RULES)
+        fit(tiny_model(), leaps, tiny_data(), FitSettings(epochs=3, log=lambda line: None, **MESH_RULES))
     message = str(stopped.value)
     assert re.fullmatch(
         r"loss is [\d.e+]+, over 10,000 times the run's first \(1\.\d+\): diverged, at step \d \(epoch 1, "
@@ -655,11 +780,11 @@ def test_a_pipelined_run_resumes_with_other_microbatches(tmp_path):
 
     def piped(m):
         model = stacked_mlp([4, 8, 8, 8, 4], key=jax.random.key(0))
-        return model.replace(pipeline=Pipeline(mesh, m, data_axis="data"))
+        return model.replace(pipeline=ComposedPipeline(mesh, m, data_axis="data"))
 
     quiet = dict(mesh=mesh, rules=rules, checkpoint_dir=tmp_path, log=lambda line: None, progress=False)
-    fit(piped(2), ms.SGD(0.1), tiny_data(), epochs=1, **quiet)
-    _, _, history = fit(piped(4), ms.SGD(0.1), tiny_data(), epochs=2, resume=True, **quiet)
+    fit(piped(2), ms.SGD(0.1), tiny_data(), FitSettings(epochs=1, **quiet))
+    _, _, history = fit(piped(4), ms.SGD(0.1), tiny_data(), FitSettings(epochs=2, resume=True, **quiet))
     assert [record["epoch"] for record in history] == [1, 2]
 
 
@@ -667,9 +792,9 @@ def test_a_pipelined_checkpoint_saved_with_its_schedule_in_the_signature_resumes
     """Before issue 27 the signature held the pipeline: such a checkpoint resumes at its --microbatches."""
     mesh = ms.make_mesh({"data": 4, "stage": 2})
     model = stacked_mlp([4, 8, 8, 8, 4], key=jax.random.key(0))
-    model = model.replace(pipeline=Pipeline(mesh, 2, data_axis="data"))
+    model = model.replace(pipeline=ComposedPipeline(mesh, 2, data_axis="data"))
     quiet = dict(mesh=mesh, rules=style_rules("dp+pp"), checkpoint_dir=tmp_path, log=lambda line: None)
-    fit(model, ms.SGD(0.1), tiny_data(), epochs=1, progress=False, **quiet)
+    fit(model, ms.SGD(0.1), tiny_data(), FitSettings(epochs=1, progress=False, **quiet))
     files = [path for path in tmp_path.rglob("*") if path.is_file()]
     [meta_file] = [path for path in files if '"model"' in path.read_text(errors="ignore")]
     meta = json.loads(meta_file.read_text())
@@ -677,7 +802,9 @@ def test_a_pipelined_checkpoint_saved_with_its_schedule_in_the_signature_resumes
     meta_file.write_text(json.dumps(meta))
     for step_dir in tmp_path.glob("[0-9]*"):
         forget_the_metadata_checksum(step_dir)
-    _, _, history = fit(model, ms.SGD(0.1), tiny_data(), epochs=2, resume=True, progress=False, **quiet)
+    _, _, history = fit(
+        model, ms.SGD(0.1), tiny_data(), FitSettings(epochs=2, resume=True, progress=False, **quiet)
+    )
     assert [record["epoch"] for record in history] == [1, 2]
 
 
@@ -692,3 +819,55 @@ def test_a_resume_under_another_learning_rate_schedule_is_refused_naming_the_fla
         "the checkpoint in runs/gpt follows the learning-rate schedule of --steps 20, this run --steps 40: "
         "the resumed run would follow neither; resume with --steps 20, or start afresh"
     )
+
+
+ONE_DEVICE = {
+    "mesh": ms.make_mesh({"data": 1}, devices=jax.devices()[:1]),
+    "rules": ms.AxisRules(batch="data"),
+    "progress": False,
+}
+
+
+@pytest.mark.parametrize("in_flight", [0, 1], ids=["each-step-waited-for", "one-in-flight"])
+def test_a_step_in_flight_changes_no_loss_record_or_checkpoint(tmp_path, monkeypatch, in_flight):
+    """On a chip ``fit`` reads a step's loss after dispatching the next (``steps_in_flight``): the
+    history, its loss curve and the checkpoints are those of a run that waited for every step."""
+    import minishard.run.train as train
+
+    def run(flight, directory):
+        monkeypatch.setattr(train, "steps_in_flight", lambda mesh: flight)
+        common = {"checkpoint_dir": directory, "checkpoint_every": 3, "log_every": 2, **ONE_DEVICE}
+        settings = FitSettings(epochs=2, log=lambda line: None, **common)
+        return fit(tiny_model(), ms.SGD(0.1), tiny_data(), settings)
+
+    waited = run(0, tmp_path / "waited")
+    flown = run(in_flight, tmp_path / "flown")
+    assert_trees_equal(waited[0], flown[0])
+    keys = ("epoch", "loss", "train_accuracy", "steps", "loss_curve", "test_accuracy")
+    assert [{k: r.get(k) for k in keys} for r in flown[2]] == [{k: r.get(k) for k in keys} for r in waited[2]]
+    assert [[step for step, _ in record["loss_curve"]] for record in flown[2]] == [[2, 4], [6, 8]]
+    assert saved_steps(tmp_path / "flown") == saved_steps(tmp_path / "waited")
+    assert all("speed" in record for record in flown[2])  # the timed steps are counted
+
+
+def test_a_loss_read_a_step_late_stops_the_run_at_its_own_step(monkeypatch, tmp_path):
+    """With a step in flight, step n's divergence is read after step n + 1 is dispatched: the message
+    still names step n, and no checkpoint after the last good step is written (step 4 diverges, step 3
+    is saved, step 5 is in flight when step 4 is read)."""
+    import minishard.run.train as train
+
+    leaps = ms.SGD(lambda step: jnp.where(step >= 2, 1e5, 0.1))
+
+    def stopped(flight, directory):
+        monkeypatch.setattr(train, "steps_in_flight", lambda mesh: flight)
+        with pytest.raises(NonFiniteLossError) as error:
+            saving = {"checkpoint_dir": directory, "checkpoint_every": 3}
+            settings = FitSettings(epochs=3, log=lambda line: None, **saving, **ONE_DEVICE)
+            fit(tiny_model(), leaps, tiny_data(batch_size=8), settings)
+        return str(error.value)
+
+    waited, flown = stopped(0, tmp_path / "waited"), stopped(1, tmp_path / "flown")
+    assert flown == waited
+    step = int(re.search(r" at step (\d+) ", flown).group(1))
+    assert step == 4, flown  # mid-epoch (8 steps an epoch): step 5 was in flight when it was read
+    assert saved_steps(tmp_path / "flown") == saved_steps(tmp_path / "waited") == [3]

@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import minishard as ms
 import minishard.models.vit as transformer
-from minishard import pipeline as pp
 from minishard.census import bytes_by_mesh_axes
+from minishard.composition import ComposedPipeline
 from minishard.models.vit import Attention, LayerNorm, PatchEmbedding, ViT, as_stacked, stacked_vit, vit_rules
 from minishard.run.steps import make_train_step
 from minishard.styles import ANY_MODEL, LOGICAL_AXES, mesh_rules, style_rules
@@ -101,7 +101,7 @@ def test_patch_embedding_projects_patches_in_row_major_order():
     for row in range(2):
         for col in range(2):
             patch = images[:, 4 * row : 4 * row + 4, 4 * col : 4 * col + 4, :].reshape(3, -1)
-            expected = patch @ weight + bias + embed.positions[2 * row + col]
+            expected = patch @ weight + bias + embed.position_table[2 * row + col]
             np.testing.assert_allclose(tokens[:, 2 * row + col], expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"\[B, 8, 8, 2\]"):
         embed(images[0])  # one image, no batch axis
@@ -111,7 +111,7 @@ def test_vit_maps_a_batch_of_images_to_logits_and_names_every_axis():
     model, batch = small_vit(), small_batch()
     assert model(batch["image"]).shape == (BATCH, SMALL["classes"])
     leaves = ms.plan(model, None, vit_rules()).leaves
-    # embedding: projection (2), positions; per block: 2 norms (4), q, k, v, out, MLP (4); norm, head
+    # embedding: projection (2), position table; per block: 2 norms (4), q, k, v, out, MLP (4); norm, head
     assert len(leaves) == 3 + SMALL["depth"] * 12 + 4
     for leaf in leaves:
         assert leaf.logical_axes and all(axis in LOGICAL_AXES for axis in leaf.logical_axes), leaf.path
@@ -240,7 +240,7 @@ def test_a_2d_step_has_exactly_the_collectives_the_docstring_predicts(remat):
     defaults = inspect.signature(ViT).parameters
     depth, width = defaults["depth"].default, defaults["width"].default
     tokens = (defaults["image_size"].default // defaults["patch_size"].default) ** 2
-    assert model.embedding.positions.shape == (tokens, width)
+    assert model.embedding.position_table.shape == (tokens, width)
     f32 = 4
     # Over "model": per block, the sums over heads and over hidden units, forward and backward
     # (with remat the recomputed forward repeats the attention's), of one [128 / 2, tokens, width].
@@ -284,7 +284,9 @@ def test_the_stacked_vit_trains_alike_pipelined_over_data_and_stage_or_data_para
     for style in ("dp", "dp+pp"):
         shape, rules = mesh_rules(style, 8)
         mesh = ms.make_mesh(shape)
-        piped = model if style == "dp" else model.replace(pipeline=pp.Pipeline(mesh, 4, data_axis="data"))
+        piped = (
+            model if style == "dp" else model.replace(pipeline=ComposedPipeline(mesh, 4, data_axis="data"))
+        )
         step, state = ms.Sharded(mesh, rules)(sgd_step), ms.SGD(0.1).init(piped)
         for _ in range(3):
             piped, state, loss, _ = jax.block_until_ready(step(piped, state, batch))

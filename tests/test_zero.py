@@ -116,18 +116,20 @@ def test_flat_padded_round_trips_and_bad_arguments_are_refused():
 
 @pytest.mark.slow  # four short trainings: ~5 s here
 def test_fit_trains_with_a_zero_step_and_resumes_it(tmp_path):
-    # fit(make_step=...): ZeRO places the state, fit evaluates and saves the gathered model.
+    # FitSettings(make_step=...): ZeRO places the state, fit evaluates and saves the gathered model.
     from minishard.run.data import Dataset
-    from minishard.run.train import fit
+    from minishard.run.train import FitSettings, fit
 
     rng = np.random.default_rng(0)
     data = Dataset(rng.integers(0, 255, (128, 2, 2, 1)).astype(np.uint8), rng.integers(0, 2, 128), 32)
     mesh, model = ms.make_mesh(MESH_SHAPE), ms.mlp([4, 6, 2], key=jax.random.key(0))
     common = dict(mesh=mesh, rules=ms.AxisRules(batch="data"), eval_data=data, log=lambda line: None)
-    expected, _, history = fit(model, ms.SGD(0.1, momentum=0.9), data, epochs=2, **common)
+    expected, _, history = fit(model, ms.SGD(0.1, momentum=0.9), data, FitSettings(epochs=2, **common))
     zero = dict(make_step=lambda opt: zero_train_step(opt, mesh, level=3), checkpoint_dir=tmp_path)
-    fit(model, ms.SGD(0.1, momentum=0.9), data, epochs=1, **common, **zero)
-    got, state, resumed = fit(model, ms.SGD(0.1, momentum=0.9), data, epochs=2, resume=True, **common, **zero)
+    fit(model, ms.SGD(0.1, momentum=0.9), data, FitSettings(epochs=1, **common, **zero))
+    got, state, resumed = fit(
+        model, ms.SGD(0.1, momentum=0.9), data, FitSettings(epochs=2, resume=True, **common, **zero)
+    )
     assert [r["test_acc"] for r in resumed] == [r["test_acc"] for r in history]
     assert state.velocity[0].weight.shape == (24,)  # ZeRO's flat shards: 4 x 6, 3 per device
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):  # whole again, as fit returns it

@@ -1,7 +1,8 @@
 """Attention, every transformer's: its core, a pure function, and the layer of projections around it.
 
 * ``"dense"``: the attention *core*, the textbook's one softmax attention,
-  ``minishard.context.attention``, a pure function of ``[batch, seq, heads, head_dim]``
+  ``minishard.composition.grouped_attention`` (``minishard.context.attention`` for keys and values
+  of fewer heads), a pure function of ``[batch, seq, heads, head_dim]``
   queries, keys and values and of each token's position; ``causal=True`` lets a
   query see only keys at positions at or before its own. The mask reads the
   positions, never a lower-triangle of the array index: a chapter that reorders the
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from minishard import context, flash
+from minishard import composition, context, flash
 from minishard.constraints import activation_axes, environment, output_sharding
 from minishard.layers import Layer, check_key
 from minishard.models.dropout import dropout as drop
@@ -52,7 +53,8 @@ from minishard.sequence import over_sequence
 
 
 AttentionCore = Callable[..., jax.Array]
-"""``core(q, k, v, q_positions, k_positions, *, causal) -> [B, T, H, D]``, as ``context.attention``."""
+"""``core(q, k, v, q_positions, k_positions, *, causal) -> [B, T, H, D]``, as
+``composition.grouped_attention``."""
 
 SEQUENCE_LAYOUT = "zigzag"
 """How a split sequence is dealt out (``minishard.context.chunks``): device i holds chunks i and 2p-1-i."""
@@ -75,13 +77,13 @@ def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, cau
 
     The tokens must be held dealt out in ``SEQUENCE_LAYOUT`` (``minishard.run.next_token.in_sequence_layout``
     does it to a batch): the ring reads their positions from the layout, not from its arguments.
-    Where the sequence is whole the ring has one device, and is ``context.attention`` itself.
+    Where the sequence is whole the ring has one device, and is ``composition.grouped_attention`` itself.
     Grouped keys and values travel repeated, one per query head: the ring sends what MHA's sends.
     """
     axis, p = sequence_axis()
     env = environment()
     if env is None or axis is None or p == 1:
-        return context.attention(q, k, v, q_positions, k_positions, causal=causal)
+        return composition.grouped_attention(q, k, v, q_positions, k_positions, causal=causal)
     k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))  # the ring's K/V: MHA's
     if axis in jax.sharding.get_abstract_mesh().manual_axes:  # in a pipeline's stages: each holds its tokens
         return context.ring_attention(q, k, v, axis=axis, causal=causal, layout=SEQUENCE_LAYOUT)
@@ -130,7 +132,7 @@ def flash_core(
 
 
 ATTENTION_CORES: dict[str, AttentionCore] = {
-    "dense": context.attention,
+    "dense": composition.grouped_attention,
     "ring": ring_core,
     "flash": flash_core,
     "flash-interpreted": functools.partial(flash_core, interpret=True),
@@ -143,13 +145,13 @@ def cached_attention(q: Any, keys: Any, values: Any, q_positions: Any) -> jax.Ar
 
     Where the rules split the cache's "seq" over a mesh axis (cp: "context"), each device holds a
     contiguous share of the slots and attends every query to them alone; the partial softmaxes merge
-    across the axis (``context.merge_across``): all-reduces of the queries' outputs, never the cache.
-    Elsewhere the cache is whole on each device: ``context.attention``.
+    across the axis (``composition.merge_across``): all-reduces of the queries' outputs, never the cache.
+    Elsewhere the cache is whole on each device: ``composition.grouped_attention``.
     """
     axis, p = sequence_axis()
     env, slots = environment(), jnp.arange(keys.shape[1])
     if env is None or axis is None or p == 1:
-        return context.attention(q, keys, values, q_positions, slots, causal=True)
+        return composition.grouped_attention(q, keys, values, q_positions, slots, causal=True)
     split = (*env.spec(activation_axes(4, "seq", "heads", "kv")), None, None, None)[:4]  # the cache's
     whole = P(split[0], None, *split[2:])  # every new token on every device of the axis
     attend_here = functools.partial(_attend_share, axis=axis)
@@ -163,8 +165,9 @@ def _attend_share(q: Any, keys: Any, values: Any, q_positions: Any, *, axis: str
     group, share = q.shape[2] // keys.shape[2], keys.shape[1]  # a group's query heads: more queries
     held = jax.lax.axis_index(axis) * share + jnp.arange(share)  # in order: device i, slots i·share ...
     q_at = jnp.repeat(q_positions, group)
-    out, lse = context.attend(context.grouped(q, group), keys, values, q_at, held, causal=True)
-    return context.grouped(context.merge_across(out, lse, axis)[0], group, inverse=True).astype(q.dtype)
+    out, lse = context.attend(composition.grouped(q, group), keys, values, q_at, held, causal=True)
+    merged, _ = composition.merge_across(out, lse, axis)
+    return composition.grouped(merged, group, inverse=True).astype(q.dtype)
 
 
 class KVCache(Layer):
@@ -212,7 +215,7 @@ class Attention(Layer):
 
     ``kv_heads`` (static; by default ``heads``) below ``heads`` is grouped-query
     attention (Ainslie et al., 2023): each group of ``heads / kv_heads`` query heads
-    shares one key and value head (``context.grouped``), and a ``KVCache`` keeps
+    shares one key and value head (``composition.grouped``), and a ``KVCache`` keeps
     ``kv_heads`` heads; 1 is multi-query attention. Their heads split over "model"
     as the queries' do, so under ``tp`` the model axis must divide ``kv_heads`` too.
 

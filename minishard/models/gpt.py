@@ -3,7 +3,7 @@
 A decoder-only transformer, nanoGPT's shape (``karpathy/nanoGPT``, ``model.py``):
 
 * ``Embedding``: each character id looks up a learned vector (``tokens``,
-  ``[vocab, width]``) and each position another (``positions``,
+  ``[vocab, width]``) and each position another (``position_table``,
   ``[context, width]``); their sum is the token's first state ``[B, T, width]``;
 * ``Block`` (``depth`` of them, ``minishard.models.transformer``, the ViT's own):
   ``x + Attention(LayerNorm(x))``, causal, then ``x + MLP(LayerNorm(x))``;
@@ -37,7 +37,7 @@ attention over the tokens at ``positions``: the run side deals each batch out zi
 devices of "context" (``minishard.run.next_token``); ``docs/context.md`` measures it against ``dp``.
 
 ``GPT(mlp=moe_mlp(8, k=2))`` makes every MLP a mixture of experts
-(``minishard.experts``), the same function of its ids: ``with_stats(model)(ids)``
+(``minishard.experts``), the same function of its ids: ``collect(MoEStats, model)(ids)``
 gives the logits and the blocks' ``MoEStats`` added up, which the training loss
 adds (``minishard.run.next_token``).
 
@@ -81,29 +81,29 @@ from minishard.rules import LogicalAxes
 class Embedding(Layer):
     """``[B, T]`` character ids -> ``[B, T, width]``: a learned vector per character plus one per position.
 
-    Attention itself ignores order; the ``positions`` table is how a token
+    Attention itself ignores order; the ``position_table`` is how a token
     knows where it stands. It is read at the tokens' *positions* (``0 .. T - 1``
     unless given), so a cache or a reordered sequence finds the right rows.
 
     >>> import jax, jax.numpy as jnp
     >>> embed = Embedding(vocab=5, context=8, width=3, key=jax.random.key(0))
     >>> x = embed(jnp.array([[1, 4]]))
-    >>> bool(jnp.allclose(x[0, 1], embed.tokens[4] + embed.positions[1]))
+    >>> bool(jnp.allclose(x[0, 1], embed.tokens[4] + embed.position_table[1]))
     True
     """
 
-    param_fields = ("tokens", "positions")
+    param_fields = ("tokens", "position_table")
 
     def __init__(self, vocab: int, context: int, width: int, *, key: jax.Array) -> None:
         check_key("Embedding", key)
         k_tokens, k_positions = jax.random.split(key)
         # Standard normal, as large as what the blocks add to the residual stream at first.
         self.tokens = jax.random.normal(k_tokens, (vocab, width))
-        self.positions = jax.random.normal(k_positions, (context, width))
+        self.position_table = jax.random.normal(k_positions, (context, width))
 
     def __call__(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         check_input("Embedding", ids)
-        context = self.positions.shape[0]
+        context = self.position_table.shape[0]
         if jnp.ndim(ids) != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] > context:
             raise ValueError(
                 f"Embedding expects character ids [B, T] (integers, T <= context {context}), got "
@@ -111,12 +111,12 @@ class Embedding(Layer):
             )
         positions = jnp.arange(ids.shape[1]) if positions is None else positions
         axes = activation_axes(3, "seq", "embed")  # where the tables' rows land (Explicit mode)
-        tokens, table = as_activation(self.tokens, axes), as_activation(self.positions, axes)
+        tokens, table = as_activation(self.tokens, axes), as_activation(self.position_table, axes)
         # A gather; on an Explicit mesh it names its output's layout, elsewhere None: XLA decides.
         return tokens.at[ids].get(out_sharding=output_sharding(axes)) + table[positions]
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
-        return {"tokens": ("vocab", "embed"), "positions": ("seq", "embed")}
+        return {"tokens": ("vocab", "embed"), "position_table": ("seq", "embed")}
 
 
 class GPT(Layer):
@@ -202,7 +202,7 @@ class GPT(Layer):
 
     def init_cache(self, batch: int) -> tuple[KVCache, ...]:
         """An empty ``KVCache`` per block, room for the whole context, of the ``kv_heads`` heads."""
-        attention, length = self.blocks[0].attention, self.embedding.positions.shape[0]
+        attention, length = self.blocks[0].attention, self.embedding.position_table.shape[0]
         head_dim = attention.width // attention.heads
         return tuple(KVCache(batch, length, attention.kv_heads, head_dim) for _ in self.blocks)
 
@@ -285,7 +285,7 @@ def stream(
     >>> [ids[1] for ids in rows] == [ids[0] for ids in stream(model, np.array([1, 2]), 3, seed=5)]
     True
     """
-    context = model.embedding.positions.shape[0]
+    context = model.embedding.position_table.shape[0]
     _check_generate(model, prompt, tokens, temperature, batch)
     ids = [int(i) for i in np.asarray(prompt)]
     rows = [collections.deque(ids, maxlen=context) for _ in range(batch)]  # a longer prompt: its end

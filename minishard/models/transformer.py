@@ -9,7 +9,7 @@ or characters in and the next character out. What they share lives here, once:
   multi-head self-attention, heads as a dimension of their own;
 * ``dense_mlp``: the Megatron MLP, ``Linear(embed -> mlp)``, Swish, ``Linear(mlp -> embed)``;
   ``Block(..., mlp=...)`` takes any other builder of the same arguments: ``moe_mlp``'s mixture
-  of experts (``minishard.experts``), called as the dense MLP is (its stats: ``with_stats``);
+  of experts (``minishard.experts``), called as the dense MLP is (its stats: ``collect``);
 * ``Block``: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``; ``cached``
   runs it on new tokens only, reading and extending a ``KVCache``. Where the rules
   split "seq", its residual stream is pinned there (``residual_stream``): under
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from minishard.constraints import activation_axes, as_activation, constrain, environment
 from minishard.experts import MoE
-from minishard.layers import Layer, Sequential, keep, mlp, with_stats
+from minishard.layers import Layer, Sequential, lifted, mlp, sow
 from minishard.models.attention import Attention, KVCache
 from minishard.models.dropout import PLACES, key_at
 from minishard.models.dropout import dropout as drop
@@ -209,14 +209,14 @@ def _call_block(block: Block, x: jax.Array, positions: jax.Array | None, key: An
 
 
 def _remat_block(policy: str, dropout: float) -> Callable[..., jax.Array]:
-    """``_call_block`` under ``jax.checkpoint`` with ``policy``; its MoEStats (None if dense) handed on
-    to the open collection (``jax.checkpoint`` traces the block on its own: they leave it as an output).
+    """``_call_block`` under ``jax.checkpoint`` with ``policy``; its MoEStats (None if dense) sown
+    again outside (``jax.checkpoint`` traces the block on its own: they leave it as an output).
     Recomputed, a block draws its masks again from the same key: the same masks."""
-    block_with_stats = checkpointed(with_stats(functools.partial(_call_block, dropout=dropout)), policy)
+    block_and_sown = checkpointed(lifted(functools.partial(_call_block, dropout=dropout)), policy)
 
     def call(block: Block, x: jax.Array, positions: jax.Array | None, key: Any) -> jax.Array:
-        x, stats = block_with_stats(block, x, positions, key)
-        keep(stats)
+        x, sown = block_and_sown(block, x, positions, key)
+        sow(sown)
         return x
 
     return call

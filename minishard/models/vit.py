@@ -22,7 +22,7 @@ can split them without any reshaping in the model:
 parameter              logical axes                  the ``2d`` style
 =====================  ============================  ==========================
 patch projection       ``("patch", "embed")``        replicated
-positions              ``("seq", "embed")``          replicated
+position table         ``("seq", "embed")``          replicated
 LayerNorm scale, bias  ``("embed",)``                replicated
 query, key, value      ``("embed", "heads", "kv")``  heads over "model"
 attention out          ``("heads", "kv", "embed")``  heads over "model"
@@ -78,7 +78,7 @@ at batch 128 with ``mesh_rules("2d", 8)`` (data=2 x model=4)::
   parameters, the loss and the accuracy into **one** all-reduce of each
   device's shard of them: per block 2 LayerNorms 2x2x64 + q, k, v 3x(64x1x16)
   + out 1x16x64 + MLP in 64x32+32 + MLP out 32x64+64 = 8,544 numbers; the
-  rest, patch projection 49x64+64, positions 16x64, last LayerNorm 2x64 and
+  rest, patch projection 49x64+64, position table 16x64, last LayerNorm 2x64 and
   head 64x10+10, = 5,002; (4 x 8,544 + 5,002 + 2 scalars) x 4 bytes =
   **156,720 bytes**.
 
@@ -141,7 +141,7 @@ class PatchEmbedding(Layer):
     A patch of ``p x p x C`` pixels is flattened and projected by one
     ``Linear`` (the same for every patch: a convolution with stride ``p``,
     written as a reshape and a matmul). Attention itself ignores order, so a
-    learned ``positions`` table ``[tokens, width]`` tells each token where its
+    learned ``position_table`` ``[tokens, width]`` tells each token where its
     patch was.
 
     >>> import jax, jax.numpy as jnp
@@ -150,7 +150,7 @@ class PatchEmbedding(Layer):
     (2, 16, 32)
     """
 
-    param_fields = ("projection", "positions")
+    param_fields = ("projection", "position_table")
     static_fields = ("image_size", "patch_size", "channels")
 
     def __init__(
@@ -168,7 +168,7 @@ class PatchEmbedding(Layer):
         # Standard normal, as large as the patch features: ViT's 0.02 suits Adam, but under plain
         # SGD such small positions stay invisible for hundreds of steps, and the model cannot
         # tell where a patch was.
-        self.positions = jax.random.normal(k_pos, (tokens, width))
+        self.position_table = jax.random.normal(k_pos, (tokens, width))
 
     def __call__(self, images: jax.Array) -> jax.Array:
         check_input("PatchEmbedding", images)
@@ -188,10 +188,11 @@ class PatchEmbedding(Layer):
             (-1, g * g, p * p * c),
             out_sharding=output_sharding(activation_axes(3)),
         )
-        return self.projection(patches) + as_activation(self.positions, activation_axes(3, "seq", "embed"))
+        table = as_activation(self.position_table, activation_axes(3, "seq", "embed"))
+        return self.projection(patches) + table
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
-        return {"positions": ("seq", "embed")}  # the projection (a Linear) answers for itself
+        return {"position_table": ("seq", "embed")}  # the projection (a Linear) answers for itself
 
 
 class MeanPool(Layer):

@@ -8,6 +8,7 @@ minishard, not to learn how sharding works:
 * ``steps``: a train step and an evaluation as pure functions, from a ``Task`` (loss, metrics);
 * ``train``: ``fit``, the loop with evaluation, checkpoints and exact resume, by epochs or by
   steps (``horizon``), on ``resume``'s promises, with ``compiling``'s report; ``errors``;
+  ``settings``: ``FitSettings``, how ``fit`` trains, one object a learner prints;
 * ``checkpoint``: orbax checkpoints with checksums, a lock, and every migration of older ones;
 * ``distributed``, ``launch``: one run over several processes (one per host), or N local ones;
 * ``profiling``: a run's speed (tokens per second, MFU, HFU under recomputation) and its profiler

@@ -11,7 +11,7 @@ here, on the run side, as nanoGPT keeps its model file apart from ``train.py``:
   (``minishard.run.steps``) is the GPT's step under every style, ``zero_train_step``'s too;
 * ``next_token_sums``: what an evaluation adds up over a split's padded batches.
 
-Any model is called through ``with_stats`` (``minishard.layers``): a model of ``MoE`` MLPs
+Any model is called through ``collect(MoEStats, ...)`` (``minishard.layers``): a model of ``MoE`` MLPs
 reports their ``MoEStats`` beside its logits, and the loss adds their auxiliary losses, an
 evaluation the share of routings dropped; a dense one reports None.
 
@@ -33,8 +33,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from minishard.context import positions as held_positions
-from minishard.layers import with_stats
+from minishard.context import held_order
+from minishard.experts import MoEStats
+from minishard.layers import collect
 from minishard.losses import Batch, accuracy, cross_entropy, one_hot
 from minishard.models.attention import SEQUENCE_LAYOUT, sequence_axis
 
@@ -52,7 +53,7 @@ def in_sequence_layout(model: Any, batch: Batch) -> tuple[Callable[..., Any], Ba
     _, p = sequence_axis()
     if p == 1:
         return model, batch
-    order = held_positions(batch["inputs"].shape[1], p, SEQUENCE_LAYOUT)  # once, on the data
+    order = held_order(batch["inputs"].shape[1], p, SEQUENCE_LAYOUT)  # once, on the data
     dealt = {name: jnp.take(x, order, axis=1) if jnp.ndim(x) == 2 else x for name, x in batch.items()}
     return functools.partial(model, positions=order), dealt
 
@@ -65,7 +66,7 @@ def next_token_loss(model: Any, batch: Batch, key: Any = None) -> tuple[jax.Arra
     """
     held, batch = in_sequence_layout(model, batch)
     held = held if key is None else functools.partial(held, key=key)
-    logits, stats = with_stats(held)(batch["inputs"])
+    logits, stats = collect(MoEStats, held)(batch["inputs"])
     loss = cross_entropy(logits, one_hot(batch["targets"], logits.shape[-1]))
     return loss if stats is None else loss + stats.aux_loss, (accuracy(logits, batch["targets"]),)
 
@@ -74,7 +75,7 @@ def next_token_sums(model: Any, batch: Batch) -> dict[str, jax.Array]:
     """The summed loss of the real windows of a (possibly padded) batch, how many are real (``count``),
     and with MoE MLPs the share of routings their capacity dropped (``dropped``, times ``count``)."""
     held, batch = in_sequence_layout(model, batch)
-    logits, stats = with_stats(held)(batch["inputs"])
+    logits, stats = collect(MoEStats, held)(batch["inputs"])
     per_window = jax.vmap(lambda lg, t: cross_entropy(lg, one_hot(t, lg.shape[-1])))(logits, batch["targets"])
     sums = {"loss": (per_window * batch["mask"]).sum(), "count": batch["mask"].sum()}
     if stats is None:  # dense MLPs (or stacked for a pipeline): nothing routed

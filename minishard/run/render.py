@@ -108,8 +108,9 @@ def plot_report(report: Report, path: str, max_panels: int = 8) -> None:
     fig, axes = plt.subplots(1, len(rows), figsize=(2.6 * len(rows), 2.8), squeeze=False)
     colors = plt.get_cmap("tab20")
     for ax, row in zip(axes[0], rows):
-        shape = row.shape if len(row.shape) == 2 else (1, math.prod(row.shape))
-        shards = device_shards(report.mesh, row.spec if len(row.shape) == 2 else _flat_spec(row.spec), 2)
+        leaf = row.leaf
+        shape = leaf.shape if len(leaf.shape) == 2 else (1, math.prod(leaf.shape))
+        shards = device_shards(report.mesh, leaf.spec if len(leaf.shape) == 2 else _flat_spec(leaf.spec), 2)
         counts = [max(index[d] for index in shards) + 1 for d in range(2)]
         for (i, j), devices in shards.items():
             corner, size = (j / counts[1], 1 - (i + 1) / counts[0]), (1 / counts[1], 1 / counts[0])
@@ -118,7 +119,7 @@ def plot_report(report: Report, path: str, max_panels: int = 8) -> None:
             ax.text(
                 (j + 0.5) / counts[1], 1 - (i + 0.5) / counts[0], label, ha="center", va="center", fontsize=7
             )
-        ax.set(xticks=[], yticks=[], title=f"{row.path}\n{shape} {row.spec}")
+        ax.set(xticks=[], yticks=[], title=f"{leaf.path}\n{shape} {leaf.spec}")
         ax.title.set_fontsize(7)
     fig.suptitle(f"mesh {report.mesh}: which devices hold each shard", fontsize=9)
     fig.tight_layout()

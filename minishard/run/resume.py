@@ -138,7 +138,8 @@ def check_meta(
     (another model, seed or batch size, or learning-rate schedule) raises
     ResumeError: falling back would not help, the user must choose. ``signatures``:
     this run's model, then the forms older versions saved of it; ``info``, what this
-    run saves about itself (``fit(info=...)``): its schedule and settings, to name the one that differs.
+    run saves about itself (``FitSettings(info=...)``): its schedule and settings, to
+    name the one that differs.
     """
     _check_schedule(meta, (info or {}).get("schedule"), directory)
     for name, kind in (("sums", list), ("history", list)):

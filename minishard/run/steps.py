@@ -40,6 +40,7 @@ __all__ = [
     "classification_sums",
     "evaluate",
     "make_train_step",
+    "own_step",
     "step_key",
 ]
 
@@ -160,3 +161,11 @@ def evaluate(
             totals[name] = totals.get(name, 0.0) + float(value)  # float() waits for the step
     count = max(totals.pop("count", 0.0), 1.0)
     return {name: total / count for name, total in totals.items()}
+
+
+def own_step(make_step: Callable[[Any], Any], optimizer: Optimizer, seed: int | None) -> Any:
+    """``make_step(optimizer)``: a style's own step for ``fit`` (``minishard.zero``'s). It draws no
+    dropout, so a seed for one is refused."""
+    if seed is not None:
+        raise ValueError("fit: a seed draws dropout in fit's own step; make_step's draws none")
+    return make_step(optimizer)

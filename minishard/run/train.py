@@ -1,7 +1,8 @@
 """The training loop: sharded steps, evaluation, checkpoints and exact resume.
 
-``fit`` is deliberately plain Python around two jitted functions, both from a
-``Task`` (``minishard.run.steps``):
+``fit(model, optimizer, train_data, settings)`` trains as its ``FitSettings`` say
+(``minishard.run.settings``). It is deliberately plain Python around two jitted
+functions, both from a ``Task`` (``minishard.run.steps``):
 
 * ``train_step(model, opt_state, batch) -> (model, opt_state, loss, *metrics)``
 * ``evaluate(model, batch) -> {name: sum, "count": n}``
@@ -22,19 +23,19 @@ every epoch, or of every ``eval_every`` steps (a ``Horizon``).
 >>> images, labels = np.zeros((64, 2, 2, 1), np.uint8), np.zeros(64, np.int32)
 >>> data = Dataset(images, labels, batch_size=16)
 >>> model = mlp([4, 8, 2], key=jax.random.key(0))
->>> mesh, rules = make_mesh({"data": 8}), AxisRules(batch="data")  # batches split 8 ways
->>> model, opt_state, history = fit(model, SGD(0.1), data, mesh=mesh, rules=rules, epochs=1,
-...                                 log=lambda line: None)
+>>> settings = FitSettings(make_mesh({"data": 8}), AxisRules(batch="data"), epochs=1,
+...                        log=lambda line: None)   # batches split 8 ways, one epoch, no lines
+>>> model, opt_state, history = fit(model, SGD(0.1), data, settings)
 >>> history[0]["epoch"], history[0]["steps"]
 (1, 4)
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -43,7 +44,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from minishard.memory import Precision
 from minishard.optim import Optimizer
 from minishard.pipeline import StackedModel
 from minishard.rules import AxisRules
@@ -52,7 +52,7 @@ from minishard.run.compiling import compile_events, compile_summary
 from minishard.run.data import EvalData, TrainingData, to_global
 from minishard.run.errors import CheckpointMismatchError, NonFiniteLossError, NonFiniteStateError, ResumeError
 from minishard.run.horizon import Horizon, check_counts
-from minishard.run.profiling import Profile, Speed, check_profile
+from minishard.run.profiling import Speed, check_profile
 from minishard.run.resume import (
     changed_setting,
     check_checkpoint_dir,
@@ -63,87 +63,60 @@ from minishard.run.resume import (
     restore,
 )
 from minishard.run.saying import Say, format_epoch
-from minishard.run.steps import CLASSIFICATION, Task, evaluate, make_train_step
+from minishard.run.settings import EvalSets, FitSettings
+from minishard.run.steps import evaluate, make_train_step, own_step
 from minishard.sharding import Sharded, shard
 
-__all__ = ["fit"]
+__all__ = ["FitSettings", "fit"]
 
 History = list[dict[str, Any]]
-EvalSets = EvalData | Mapping[str, EvalData] | None
-"""One set to evaluate (its metrics named ``test_*``), or several by name: ``{"val": windows}``."""
 
 
 def fit(
-    model: Any,
-    optimizer: Optimizer,
-    train_data: TrainingData,
-    *,
-    mesh: Mesh,
-    rules: AxisRules | None = None,
-    epochs: int | None = None,
-    steps: int | None = None,
-    eval_every: int | None = None,
-    eval_data: EvalSets = None,
-    test_data: EvalSets = None,
-    task: Task = CLASSIFICATION,
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    checkpoint_every: int | None = None,
-    keep: int = 3,
-    resume: bool = False,
-    resume_from: int | None = None,
-    overwrite: bool = False,
-    info: Mapping[str, Any] | None = None,
-    log: Callable[[str], None] = print,
-    metrics_log: str | os.PathLike[str] | None = None,
-    log_every: int = 100,
-    progress: bool | None = None,
-    microbatches: int = 1,
-    make_step: Callable[[Any], Any] | None = None,
-    precision: Precision | None = None,
-    profile: Profile | None = None,
-    seed: int | None = None,
+    model: Any, optimizer: Optimizer, train_data: TrainingData, settings: FitSettings
 ) -> tuple[Any, Any, History]:
-    """Train ``model`` for ``epochs`` epochs or ``steps`` steps in all: ``(model, opt_state, history)``.
+    """Train ``model`` as ``settings`` say, on ``train_data``: ``(model, opt_state, history)``.
 
-    ``history``, a record per epoch (or per ``eval_every`` steps): ``epoch`` (or ``step``), ``seconds``,
-    ``speed`` (``Speed.of``), ``loss`` and ``train_<metric>`` of ``task`` (the period's means), ``steps``,
-    ``loss_curve``, ``<set>_<metric>`` of ``eval_data`` (every period) and of ``test_data`` (the last). With
-    ``checkpoint_dir``: a checkpoint (and ``info``, JSON) every ``checkpoint_every`` steps and at each
-    period's end, the last ``keep`` kept; ``resume`` continues from the latest good one, ``resume_from`` from
-    that step; another run's checkpoints are refused unless ``overwrite``. A non-finite loss, or one
-    ``DIVERGED`` times the run's first, stops training before anything bad is saved. ``microbatches > 1``
-    accumulates gradients, ``precision`` casts each step (``memory.BF16``); ``make_step(optimizer)`` builds
-    another step (``minishard.zero``'s); ``profile`` traces steps; ``seed`` (a model with dropout): each
-    step's loss gets the key ``steps.step_key(seed, opt_state)``. ``fit`` trains a copy of ``model``.
+    ``history``, a record per epoch (or per ``eval_every`` steps): ``epoch`` (or ``step``),
+    ``seconds``, ``speed`` (``Speed.of``), ``loss`` and ``train_<metric>`` of the task (the
+    period's means), ``steps``, ``loss_curve``, ``<set>_<metric>`` of the evaluation sets. A
+    non-finite loss, or one ``DIVERGED`` times the run's first, stops training before anything
+    bad is saved. ``fit`` trains a copy of ``model``.
     """
-    check_checkpoint_dir(checkpoint_dir, resume=resume, resume_from=resume_from, overwrite=overwrite)
-    check_counts(keep=keep, log_every=log_every, checkpoint_every=checkpoint_every, microbatches=microbatches)
-    horizon = Horizon.of(epochs, steps, eval_every, train_data)
-    sharded = Sharded(mesh, rules, donate_argnums=(0, 1))  # the old model and state are dead after a step
-    step = make_train_step(optimizer, task.loss, microbatches, precision, seed)
-    train_step = _own_step(make_step, optimizer, seed) if make_step else sharded(step)
-    run = _Run.start(model, optimizer, mesh, rules, train_step, task.metrics)
+    how = settings  # where, how long, what is measured, kept and said
+    check_checkpoint_dir(
+        how.checkpoint_dir, resume=how.resume, resume_from=how.resume_from, overwrite=how.overwrite
+    )
+    every = {"log_every": how.log_every, "checkpoint_every": how.checkpoint_every}
+    check_counts(keep=how.keep, **every, microbatches=how.microbatches)
+    horizon = Horizon.of(how.epochs, how.steps, how.eval_every, train_data)
+    sharded = Sharded(how.mesh, how.rules, donate_argnums=(0, 1))  # the old model and state die
+    step = make_train_step(optimizer, how.task.loss, how.microbatches, how.precision, how.seed)
+    train_step = own_step(how.make_step, optimizer, how.seed) if how.make_step else sharded(step)
+    run = _Run.start(model, optimizer, how.mesh, how.rules, train_step, how.task.metrics)
     sharding = sharded.batch_sharding
-    measure = _evaluator(Sharded(mesh, rules)(task.evaluate), eval_data, test_data, sharding)
+    evaluating = Sharded(how.mesh, how.rules)(how.task.evaluate)
+    measure = _evaluator(evaluating, how.eval_data, how.test_data, sharding)
     with contextlib.ExitStack() as open_files:
-        checkpointer = open_checkpointer(open_files, checkpoint_dir, keep, overwrite, log)
-        metrics = open_files.enter_context(open(metrics_log, "a")) if metrics_log else None
-        say = Say(log, metrics, log_every, progress)
-        saving = checkpointer, checkpoint_every, info
-        loop = _Loop(
-            run, horizon, train_data, train_step, sharding, measure, *saving, say, task, profile, precision
-        )
-        if checkpointer is not None and (resume or resume_from is not None):
-            loop.resume(resume_from)
+        checkpointer = open_checkpointer(open_files, how.checkpoint_dir, how.keep, how.overwrite, how.log)
+        metrics = open_files.enter_context(open(how.metrics_log, "a")) if how.metrics_log else None
+        say = Say(how.log, metrics, how.log_every, how.progress)
+        loop = _Loop(run, horizon, train_data, train_step, sharding, measure, checkpointer, say, how)
+        loop.in_flight = steps_in_flight(how.mesh)
+        if checkpointer is not None and (how.resume or how.resume_from is not None):
+            loop.resume(how.resume_from)
         loop.train()
     return run.whole_model(), run.opt_state, run.history
 
 
-def _own_step(make_step: Callable[[Any], Any], optimizer: Optimizer, seed: int | None) -> Any:
-    """A style's own step (``minishard.zero``'s): it draws no dropout, so a seed for one is refused."""
-    if seed is not None:
-        raise ValueError("fit: a seed draws dropout in fit's own step; make_step's draws none")
-    return make_step(optimizer)
+def steps_in_flight(mesh: Mesh) -> int:
+    """How many steps ``fit`` dispatches before it reads the oldest one's loss.
+
+    One on an accelerator: while the chip runs step ``n``, the host reads step ``n - 1``'s loss
+    and places batch ``n + 1``, so the chip does not idle between steps. None on CPU devices,
+    where each step is waited for: XLA:CPU's collectives between simulated devices must not queue.
+    """
+    return 0 if mesh.devices.flat[0].platform == "cpu" else 1
 
 
 def _evaluator(
@@ -245,6 +218,9 @@ def first_loss(history: list[dict[str, Any]], loss: float) -> float:
     return next((record["loss_curve"][0][1] for record in history if record.get("loss_curve")), loss)
 
 
+Pending = tuple[int, list[Any], bool]  # a step dispatched, not yet read: its number, outputs, timed
+
+
 @dataclasses.dataclass
 class _Loop:
     """``fit``'s loop: a run, how long it lasts, what it steps on, and how it measures, saves and says."""
@@ -256,47 +232,69 @@ class _Loop:
     sharding: NamedSharding
     measure: Callable[[Any, bool], dict[str, float]]  # (model, last period) -> evaluation metrics
     checkpointer: Any
-    checkpoint_every: int | None
-    info: Mapping[str, Any] | None  # saved with every checkpoint
     say: Say
-    task: Task  # what the loss is, and what a batch is counted in
-    profile: Profile | None
-    precision: Precision | None  # its compute dtype is the one whose peak MFU divides by
+    # checkpoint_every; info, saved with every checkpoint; task, what the loss is and what a batch
+    # is counted in; profile; precision, whose compute dtype is the one whose peak MFU divides by
+    settings: FitSettings
     speed: Speed | None = None
     # The checkpoints after the step this run resumed from: another future, which its next save drops.
     abandoned: list[int] = dataclasses.field(default_factory=list)
+    in_flight: int = 0  # steps dispatched before the oldest one's loss is read (steps_in_flight)
+    pending: collections.deque[Pending] = dataclasses.field(default_factory=collections.deque)
+    clock: float = 0.0  # when the last step's loss was read: a timed step runs from there to its own
 
     def train(self) -> None:
         """Every period from the run's step on: its steps, then its record and a checkpoint."""
         run, horizon = self.run, self.horizon
-        check_profile(self.profile, horizon.total)
+        check_profile(self.settings.profile, horizon.total)
         for start, stop in horizon.periods(run.step, run.since):
             started = time.perf_counter()
+            self.clock = started
             batches = self.data.batches(run.step, stop)
             for batch in self.say.bar(batches, horizon.title(start, stop), stop - start, run.step - start):
-                loss = self.take_step(to_global(batch, self.sharding))
-                run.first_loss = run.first_loss or first_loss(run.history, loss)
-                if not math.isfinite(loss) or loss > DIVERGED * run.first_loss:
-                    raise NonFiniteLossError(self.diverged(loss))
-                if run.step % self.say.every == 0:
-                    run.curve.append([run.step, loss])
-                    self.say.json(
-                        {"step": run.step, **horizon.epoch_of(run.step), "loss": loss, **self.rate()}
-                    )
-                if self.checkpoint_every and run.step % self.checkpoint_every == 0 and run.step < stop:
+                self.take_step(to_global(batch, self.sharding))
+                every = self.settings.checkpoint_every
+                if every and run.step % every == 0 and run.step < stop:
+                    self.settle(0)
                     self.save()  # (a period's last step is saved below, with its record)
+                    self.clock = time.perf_counter()  # a save is no step's time
+            self.settle(0)
             self.end_period(start, stop, started)
             self.save()
 
-    def diverged(self, loss: float) -> str:
+    def settle(self, in_flight: int) -> None:
+        """Read the losses of the steps dispatched but not yet read, until ``in_flight`` are left.
+
+        JAX dispatches a step and returns at once; reading its loss (``float``) waits for the chip.
+        Reading each step's loss only after the next is dispatched keeps the chip busy while the
+        host prepares the next batch. A loss that diverged stops the run before anything is saved.
+        """
+        run = self.run
+        while len(self.pending) > in_flight:
+            step, values, timed = self.pending.popleft()
+            measured = [float(value) for value in values]  # waits for the step
+            now = time.perf_counter()
+            if timed:
+                run.timed = (run.timed[0] + 1, run.timed[1] + now - self.clock)
+            self.clock = now
+            run.sums = [total + value for total, value in zip(run.sums, measured)]
+            loss = measured[0]
+            run.first_loss = run.first_loss or first_loss(run.history, loss)
+            if not math.isfinite(loss) or loss > DIVERGED * run.first_loss:
+                raise NonFiniteLossError(self.diverged(loss, step))
+            if step % self.say.every == 0:
+                run.curve.append([step, loss])
+                self.say.json({"step": step, **self.horizon.epoch_of(step), "loss": loss, **self.rate()})
+
+    def diverged(self, loss: float, step: int) -> str:
         """Why training stopped: a loss that is NaN, infinite, or ``DIVERGED`` times the first."""
         run = self.run
-        where = f"at step {run.step}{self.horizon.where(run.step)}{kept(self.checkpointer)}"
+        where = f"at step {step}{self.horizon.where(step)}{kept(self.checkpointer)}"
         grown = f", over {DIVERGED:,.0f} times the run's first ({run.first_loss:.3g}): diverged,"
         return f"loss is {loss:.3g}{grown if math.isfinite(loss) else ''} {where}. Try a smaller --lr."
 
-    def take_step(self, batch: dict[str, jax.Array]) -> float:
-        """One step; returns its loss. The first compiles: say how long that took, its memory and speed."""
+    def take_step(self, batch: dict[str, jax.Array]) -> None:
+        """Dispatch one step. The first compiles: say how long that took, its memory and speed."""
         run, step = self.run, self.train_step
         if not run.compiled:
             with compile_events() as events:
@@ -305,22 +303,30 @@ class _Loop:
             compiled = step.lower(run.model, run.opt_state, batch).compile()  # cached: free
             self.say.log(compile_summary(events, compiled))
             devices = list(self.sharding.mesh.devices.flat)
-            computes_in = self.precision.params if self.precision else "float32"
+            computes_in = self.settings.precision.params if self.settings.precision else "float32"
             model = unscheduled(run.whole_model())
-            self.speed = Speed.of_step(self.task.loss, model, batch, self.task.unit, devices, computes_in)
+            self.speed = Speed.of_step(
+                self.settings.task.loss, model, batch, self.settings.task.unit, devices, computes_in
+            )
             self.say.log(self.speed.said())
             run.compiled = True
-            measured = [float(value) for value in values]
-        else:
-            with self.profile.step(run.step + 1, self.say.log) if self.profile else contextlib.nullcontext():
-                started = time.perf_counter()  # the step alone: not a trace's start and flush
-                run.model, run.opt_state, *values = step(run.model, run.opt_state, batch)
-                # float() waits: on simulated devices XLA:CPU must not queue collectives unboundedly
-                measured = [float(value) for value in values]
-                run.timed = (run.timed[0] + 1, run.timed[1] + time.perf_counter() - started)
-        run.step += 1
-        run.sums = [total + value for total, value in zip(run.sums, measured)]
-        return measured[0]
+            run.step += 1
+            self.pending.append((run.step, values, False))
+            self.settle(0)  # the compiling step is not timed
+            return
+        profile = self.settings.profile
+        traced = profile is not None and profile.first <= run.step + 1 <= profile.last
+        if traced:
+            self.settle(0)  # a trace holds its step whole, and only it
+        with profile.step(run.step + 1, self.say.log) if profile else contextlib.nullcontext():
+            if traced:
+                self.clock = time.perf_counter()  # the trace's start is no step's time
+            run.model, run.opt_state, *values = step(run.model, run.opt_state, batch)
+            run.step += 1
+            self.pending.append((run.step, values, True))
+            self.settle(0 if traced else self.in_flight)
+        if traced:
+            self.clock = time.perf_counter()  # nor is its flush
 
     def rate(self) -> dict[str, Any]:
         """``{"speed": Speed.of(...)}`` of this period's timed steps, or nothing before any."""
@@ -330,7 +336,9 @@ class _Loop:
     def end_period(self, start: int, stop: int, started: float) -> None:
         """Record the period (its sums cover all its steps, resumed or not), evaluate, and start the next."""
         run = self.run
-        traced = self.profile.taken() if self.profile else 0.0  # said apart: a trace is no step
+        traced = (
+            self.settings.profile.taken() if self.settings.profile else 0.0
+        )  # said apart: a trace is no step
         record: dict[str, Any] = {
             **self.horizon.label(stop),
             "seconds": time.perf_counter() - started - traced,
@@ -351,7 +359,7 @@ class _Loop:
             return
         meta = {**self.horizon.position(run.step, run.since), **self.data.data_order}
         meta |= {"sums": run.sums, "curve": run.curve, "history": run.history, "model": run.signature}
-        meta |= {"info": self.info} if self.info else {}
+        meta |= {"info": self.settings.info} if self.settings.info else {}
         if self.abandoned:
             why = f"this run resumed before them and now saves step {run.step}"
             self.checkpointer.delete(self.abandoned, why)
@@ -368,13 +376,13 @@ class _Loop:
         def check(saved: int, meta: dict[str, Any]) -> None:
             horizon.since(meta, saved)
             signatures = run.signature, run.signature_before, before_dropout(run.signature)
-            check_meta(meta, self.data.data_order, signatures, directory, self.info)
+            check_meta(meta, self.data.data_order, signatures, directory, self.settings.info)
 
         try:
             found = restore(self.checkpointer, run.state(), step, check, self.say.log)
         except CheckpointMismatchError as error:  # other arrays: name the setting that built them, if saved
             meta = self.checkpointer.read_meta(step)[1]
-            if why := changed_setting(directory, meta, self.info):
+            if why := changed_setting(directory, meta, self.settings.info):
                 raise ResumeError(why) from None
             raise error from None
         if found is None:

@@ -28,7 +28,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 
-from minishard.context import CHUNKS, attention, permute, positions
+from minishard.context import CHUNKS, attention, held_order, permute
 from minishard.sequence import Attend, over_sequence
 from minishard.sharding import make_mesh
 from minishard.testing._cache import cached
@@ -62,7 +62,7 @@ class SequenceLayout:
 
     def holder(self, position: int) -> tuple[int, int]:
         """``(device, chunk)`` holding the token at ``position``."""
-        order = np.asarray(positions(self.shape[1], self.devices, self.layout))
+        order = np.asarray(held_order(self.shape[1], self.devices, self.layout))
         chunk_len = self.shape[1] // (self.devices * CHUNKS[self.layout])
         return int(np.flatnonzero(order == position)[0]) // (
             self.shape[1] // self.devices

@@ -70,7 +70,7 @@ from minishard.run.checkpoint.integrity import (
     verify,
     verify_meta,
 )
-from minishard.run.checkpoint.migrations import older_name, sgd_steps
+from minishard.run.checkpoint.migrations import older_names, sgd_steps
 from minishard.run.checkpoint.noise import quiet_orphaned_echoes, quiet_storage_noise, reason
 from minishard.run.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from minishard.tree import named_leaves
@@ -235,7 +235,7 @@ class Checkpointer:
     def read_meta(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
         """``(step, meta)`` of the latest checkpoint (or of ``step``), without reading its arrays.
 
-        What a run saved about itself (``fit(info=...)``: the model's flags, a
+        What a run saved about itself (``FitSettings(info=...)``: the model's flags, a
         vocabulary) is enough to build the target that ``restore`` reads into. Its
         checksum is checked; a broken latest step falls back to the one before, as ``restore`` does.
         """
@@ -313,7 +313,8 @@ class Checkpointer:
             stored = None
         if stored is None:  # unreadable metadata: the restore itself reports it, and falls back
             return {name: name for name, _ in named}, []
-        stored_as = {name: older_name(name) if older_name(name) in stored else name for name, _ in named}
+        found = {name: [old for old in older_names(name) if old in stored] for name, _ in named}
+        stored_as = {name: (olds or [name])[0] for name, olds in found.items()}
         wanted = {stored_as[name]: _shape_dtype(leaf) for name, leaf in named}
         have = {name: _shape_dtype(meta) for name, meta in stored.items()}
         missing = sorted(name for name in counters - have.keys() if wanted.get(name) == "() int32")

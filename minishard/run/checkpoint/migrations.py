@@ -6,6 +6,11 @@ never changes what a current checkpoint means.
 
 >>> older_name("opt_state.velocity.layers[0].weight")
 'opt_state.momentum.layers[0].weight'
+>>> for old in older_names("opt_state.velocity.embedding.position_table"):   # each rename undone
+...     print(old)
+opt_state.momentum.embedding.position_table
+opt_state.velocity.embedding.positions
+opt_state.momentum.embedding.positions
 """
 
 from __future__ import annotations
@@ -18,12 +23,24 @@ import jax
 from minishard.optim import SGDState
 from minishard.tree import path_str
 
-__all__ = ["before_dropout", "older_name", "sgd_steps"]
+__all__ = ["before_dropout", "before_position_table", "older_name", "older_names", "sgd_steps"]
 
 
 def older_name(name: str) -> str:
     """minishard 0.1 stored ``SGDState.velocity`` as ``momentum``: the name to look for instead."""
     return re.sub(r"(^|\.)velocity(?=\.|\[|$)", r"\1momentum", name)
+
+
+def before_position_table(name: str) -> str:
+    """Before issue 62 a learned position table (``Embedding``'s, ``PatchEmbedding``'s) was named
+    ``positions``, the word the tokens' places keep: the name to look for instead."""
+    return re.sub(r"(^|\.)position_table(?=\.|\[|$)", r"\1positions", name)
+
+
+def older_names(name: str) -> list[str]:
+    """The names an older minishard may have stored ``name``'s array under, newest rename first."""
+    candidates = [older_name(name), before_position_table(name), before_position_table(older_name(name))]
+    return [old for old in dict.fromkeys(candidates) if old != name]
 
 
 def before_dropout(signature: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any, cast
 import jax
 from jax.sharding import Mesh
 
-from minishard import context, memory, pipeline, plan
+from minishard import composition, memory, pipeline, plan
 from minishard.census import human_bytes
 from minishard.costs import HARDWARE, Memory
 from minishard.experts import MoE, capacity, moe_activations
@@ -81,8 +81,8 @@ def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> tupl
     (``("batch", "seq", "heads", "kv")`` for q, k, v): under ``fsdp`` the weights split over
     "data", the activations split by the batch, as the ordered rules say. Each style's chapter
     says what it changes: a pipeline keeps its stage's blocks of ``pipeline.in_flight``
-    microbatches, a ring attention what ``context.ring_kept`` says (and its chunks pass by,
-    ``context.ring_in_flight``), a mixture of experts its slots (``experts.moe_activations``).
+    microbatches, a ring attention what ``composition.ring_kept`` says (and its chunks pass by,
+    ``composition.ring_in_flight``), a mixture of experts its slots (``experts.moe_activations``).
     """
     leaves = {leaf.path: leaf for leaf in plan(model, mesh, rules).leaves}
     first = jax.tree.leaves(batch)[0]
@@ -128,12 +128,12 @@ def _transformer(
     moe = block.mlp if isinstance(block.mlp, MoE) else None
     hidden = 0 if moe else leaves[at + "mlp.layers[0].weight"].shape[-1] // ways("seq", "mlp")[2]
     ring = block.attention.core == "ring"
-    added = {"ring K/V": context.ring_in_flight(b, t, heads, head_dim)} if ring else {}
+    added = {"ring K/V": composition.ring_in_flight(b, t, heads, head_dim)} if ring else {}
 
     def one_block(examples: int, recompute: str) -> int:
         recompute = "selective" if ring and recompute == "none" else recompute  # the ring keeps no softmax
         kept = memory.block_activations(examples, t, width, heads, head_dim, hidden, sp, recompute)
-        kept += context.ring_kept(examples, t, heads) if ring and recompute == "selective" else 0
+        kept += composition.ring_kept(examples, t, heads) if ring and recompute == "selective" else 0
         if moe is None or recompute in ("full", "names"):  # these recompute the MLP from its input
             return kept
         slots = capacity(t, moe.n_experts, moe.k, moe.capacity_factor)

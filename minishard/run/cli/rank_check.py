@@ -1,4 +1,4 @@
-"""``minishard explain --compare --size gpt --check [N]``: the ranking's top layouts, compiled and measured.
+"""``minishard explain --compare --size S --check [N]``: the ranking's top layouts, compiled.
 
 ``--compare --size`` ranks layouts from a size's shapes (``minishard.layouts``), nothing compiled.
 For minishard's own GPT (``serving.MINISHARD_GPT``) on the process's devices, ``--check N`` compiles the
@@ -9,30 +9,51 @@ parameters and the memory a device holds, and the bytes each dimension's collect
 compiled step is float32, so the predictions are priced at 4 bytes a number (``price``'s
 ``itemsize``); the memory's prediction stays mixed precision's, 16 bytes a parameter, as is
 float32 AdamW's.
+
+A published size (``--size llama3-405b``) is compiled scaled down to 8 devices
+(``minishard.run.cli.scaled``: its model, its batch, and ``--layout`` if given), priced on 8 of its
+chip; with ``--topology v5e:2x4`` either is compiled by XLA:TPU for the slice, ahead of time
+(``minishard.run.topology``), and priced on its chips.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 
 from minishard import layouts, serving
-from minishard.census import as_asked, axis_name, human_bytes, instructions
+from minishard.census import axis_name, human_bytes, instructions
 from minishard.costs import StepCost, sent_bytes, step_cost
 from minishard.layouts import Layout, LayoutCost, human_seconds
 from minishard.report import explain
+from minishard.run.cli import scaled
 from minishard.run.cli.accelerators import simulate_devices
-from minishard.run.cli.flags import at_least
+from minishard.run.cli.flags import Error, at_least
 from minishard.run.cli.models import MODELS
+from minishard.run.cli.models.entry import ModelEntry
 from minishard.run.cli.styles import style_args, style_of, train_step
+from minishard.run.topology import chip_count, hardware_of, tpu_devices
 from minishard.sharding import Sharded, make_mesh
 from minishard.styles import DIMENSIONS
 
-__all__ = ["CHECKED", "FLOAT32", "Checked", "add_arguments", "check", "composition", "print_check"]
+__all__ = [
+    "CHECKED",
+    "FLOAT32",
+    "Built",
+    "Checked",
+    "add_arguments",
+    "check",
+    "check_scaled",
+    "compile_layout",
+    "composition",
+    "print_check",
+    "print_scaled_check",
+    "scaled_run",
+]
 
 CHECKED = 3
 """Layouts ``--check`` compiles without a count."""
@@ -47,23 +68,53 @@ def add_arguments(add: Callable[..., object]) -> None:
         type=at_least(1),
         nargs="?",
         const=CHECKED,
-        help=f"with --compare --size gpt: compile the N fastest layouts that fit (default {CHECKED})",
+        help=f"with --compare --size: compile the N fastest layouts that fit (default {CHECKED}); "
+        f"a published size scaled down to {scaled.DEVICES} devices; --topology: for a TPU slice",
     )
 
 
-def check(args: argparse.Namespace, error: Callable[[str], object]) -> None:
-    """``--check`` ranks, then compiles the GPT's step on every device of this process: before any work."""
+def check(args: argparse.Namespace, error: Error) -> None:
+    """``--check`` ranks, then compiles the GPT's step on every device of this process (a published
+    size's scaled down, ``check_scaled``), or of ``--topology``'s slice: before any work."""
+    args.check_devices = args.check_topology = None  # where it compiles, if not on this process's
     if args.check is None:
         return
-    if not args.compare:
-        error("argument --check: only with --compare --size gpt (it compiles the ranking's layouts)")
+    if not (args.compare and args.size):
+        error("argument --check: only with --compare --size (it compiles the ranking's layouts)")
     if args.size != "gpt":
-        error(f"argument --check: compiles minishard's own GPT (--size gpt), not --size {args.size}")
-    if args.context not in (None, positions := serving.MINISHARD_GPT.positions):
-        error(f"argument --context: --check compiles the default GPT, of {positions} positions")
+        return check_scaled(args, error)
+    if args.context not in (None, rows := serving.MINISHARD_GPT.position_rows):
+        error(f"argument --context: --check compiles the default GPT, of {rows} positions")
+    if args.topology is not None:
+        return _check_slice(args, error, priced_on=args.hardware)
     simulate_devices(args.devices)  # before the backend starts: the count the CLI simulates
     if args.devices != (there := len(jax.devices())):
         error(f"argument --devices: --check compiles on this process's devices, {there}, not {args.devices}")
+
+
+def check_scaled(args: argparse.Namespace, error: Error) -> None:
+    """A published size's ``--check``: its sequence must outlast ``scaled.WIDTH_CUT``; a
+    ``--topology`` has ``scaled.DEVICES`` chips, which price the scaled run."""
+    if args.context is not None and args.context < (cut := scaled.WIDTH_CUT):
+        error(f"argument --context: --check cuts the sequence by {cut}; {args.context} leaves none")
+    if args.topology is not None:
+        return _check_slice(args, error)
+    simulate_devices(scaled.DEVICES)
+
+
+def _check_slice(args: argparse.Namespace, error: Error, priced_on: str = "") -> None:
+    """--check --topology: a slice of ``scaled.DEVICES`` chips (the GPT's: of --hardware's chip),
+    whose devices it compiles on with XLA:TPU; ``--compare --size`` reads no other --topology."""
+    try:
+        chips, chip = chip_count(args.topology), hardware_of(args.topology)
+        if chips != (devices := scaled.DEVICES):
+            raise ValueError(f"--check compiles on {devices} devices; {args.topology} is {chips}")
+        if priced_on not in ("", chip):
+            raise ValueError(f"{args.topology}'s chips are {chip}, not --hardware {priced_on}")
+        args.check_devices = tpu_devices(args.topology)
+    except ValueError as why:
+        error(f"argument --topology: {why}")
+    args.check_topology, args.topology = args.topology, None
 
 
 def composition(layout: Layout) -> tuple[str, dict[str, int]] | str:
@@ -83,6 +134,14 @@ def composition(layout: Layout) -> tuple[str, dict[str, int]] | str:
     return "+".join(dims), layout.mesh() or {"data": 1}
 
 
+class Built(NamedTuple):
+    """What ``compile_layout`` compiles: a model's entry, the shapes that price it, the devices."""
+
+    entry: ModelEntry
+    size: serving.Decoder
+    devices: Sequence[jax.Device]
+
+
 class Checked(NamedTuple):
     """One layout, predicted (``layouts.price`` and ``bytes_sent`` at float32) and compiled: the step
     priced on the same chip (``costs.step_cost``), parameter bytes per device, bytes sent per dimension
@@ -96,26 +155,37 @@ class Checked(NamedTuple):
     seconds: float
 
 
-def compile_layout(args: argparse.Namespace, layout: Layout, name: str, shape: dict[str, int]) -> Checked:
+def compile_layout(
+    args: argparse.Namespace,
+    layout: Layout,
+    name: str,
+    shape: dict[str, int],
+    built: Built | None = None,
+) -> Checked:
     """Compile the GPT's train step of ``layout`` under ``name`` on ``shape``, as ``explain --hardware``
-    does, and price the same step from the size's shapes."""
-    entry, style, tokens = MODELS["gpt"], style_of(name), args.batch_size
+    does, and price the same step from the size's shapes; ``built``: another GPT's entry, the shapes
+    that price it and the devices it compiles on (a scaled run, a TPU slice: ``scaled_run``)."""
+    here = args.check_devices or jax.devices()[: args.devices]  # a slice's, or this process's
+    built = built or Built(MODELS["gpt"], serving.SIZES[args.size], here)
+    entry, style, tokens = built.entry, style_of(name), args.batch_size
     gpt = argparse.Namespace(**{**vars(args), "model": "gpt", "batch_size": tokens // args.context})
     own = style_args(gpt, entry, style, shape)  # its defaults, checked: ValueError says why not
-    mesh, rules = make_mesh(shape, devices=jax.devices()[: args.devices]), style.rules({})
+    mesh, rules = make_mesh(shape, devices=built.devices), style.rules({})
     started = time.perf_counter()
     step, _, step_args = train_step(own, entry, style, mesh)
-    lowered = Sharded(mesh, rules)(step).lower(*step_args)
-    compiled = step_cost(lowered, args.hardware)  # compiles; the census below reuses the program
+    # compiled once: a float32 step's collectives are as its partitioner asked (census.as_asked), so
+    # the price and the census read the one program (XLA:TPU's takes minutes on 2 cores)
+    program = Sharded(mesh, rules)(step).lower(*step_args).compile()
+    compiled = step_cost(program, args.hardware)
     sent: dict[str, float] = {}
     dims = {DIMENSIONS[dim].axis: dim for dim in layout.ways()}
-    for kind, nbytes, groups, devices in instructions(as_asked(lowered), mesh):
+    for kind, nbytes, groups, devices in instructions(program.as_text() or "", mesh):
         axes = [axis_name(label) for label in groups[0]]
         who = " x ".join(dims.get(axis, axis) for axis in axes)
         sent[who] = sent.get(who, 0.0) + sent_bytes(kind, nbytes, devices)
     seconds = time.perf_counter() - started
     parameters = explain(step_args[0], mesh, rules).device_bytes
-    model, chip, context = serving.SIZES[args.size], args.hardware, args.context
+    model, chip, context = built.size, args.hardware, args.context
     predicted = layouts.price(model, layout, tokens, chip, context=context, itemsize=FLOAT32)
     m = getattr(own, "microbatches", None) or 1  # the compiled pipeline's, which its sends follow
     expected = layouts.bytes_sent(model, layout, tokens, FLOAT32, context, m)
@@ -124,24 +194,13 @@ def compile_layout(args: argparse.Namespace, layout: Layout, name: str, shape: d
 
 def print_check(args: argparse.Namespace) -> int:
     """Compile the ``--check`` fastest layouts that fit and build; print predicted -> compiled."""
+    if args.size != "gpt":
+        return print_scaled_check(args)
     model, tokens, devices = serving.SIZES[args.size], args.batch_size, args.devices
     ranking = layouts.rank(model, tokens, devices, args.hardware, args.context)
-    checked: list[Checked] = []
-    print(f"\n--check {args.check}: the fastest that fit, compiled (the GPT's float32 step, XLA:CPU)")
-    for cost in (cost for cost in ranking.costs if cost.fits):
-        if len(checked) == args.check:
-            break
-        built = composition(cost.layout)
-        if isinstance(built, str):
-            print(f"  {cost.layout}: skipped, {built}")
-            continue
-        try:
-            checked.append(compile_layout(args, cost.layout, *built))
-        except ValueError as why:
-            print(f"  {cost.layout}: skipped, --parallel {built[0]} refuses it ({why})")
-            continue
-        mesh = ",".join(f"{axis}={size}" for axis, size in built[1].items())
-        print(f"  {cost.layout}: --parallel {built[0]} on {mesh}, compiled in {checked[-1].seconds:.1f} s")
+    compiled = f"the GPT's float32 step, {_compiler(args)}"
+    print(f"\n--check {args.check}: the fastest that fit, compiled ({compiled})")
+    checked = _compile_each(args, [cost.layout for cost in ranking.costs if cost.fits], args.check)
     print(_table(checked, model))
     print(_order(checked))
     return 0
@@ -184,3 +243,76 @@ def _order(checked: list[Checked]) -> str:
         why.append("each collective's latency, not its bytes, prices so small a model's step")
     why.append("the compiled price hides every collective behind the backward pass, not each pass's own")
     return f"the compiled steps rank them {', '.join(compiled)}, not as predicted: {'; '.join(why)}"
+
+
+# --- a published run, scaled down -----------------------------------------------------------
+
+
+def scaled_run(args: argparse.Namespace) -> tuple[argparse.Namespace, Built]:
+    """The flags of ``args``'s published run cut to ``scaled.DEVICES`` (``scaled``'s rules): the
+    GPT's shape flags, the batch and sequence, the devices, and the chip (a slice's, if given)."""
+    size, chip = scaled.scaled_down(serving.SIZES[args.size]), args.hardware
+    tokens, context = scaled.scaled_batch(args.batch_size, args.devices, args.context)
+    shape = {"width": size.width, "depth": size.layers, "heads": size.heads, "mlp_ratio": 1}
+    batch = {"batch_size": tokens, "context": context, "devices": scaled.DEVICES}
+    run = {**shape, **batch, "kv_heads": size.kv_heads}
+    chip = hardware_of(args.check_topology) if args.check_topology else args.hardware
+    own = argparse.Namespace(**{**vars(args), **run, "hardware": chip})
+    devices = args.check_devices or jax.devices()[: scaled.DEVICES]
+    return own, Built(scaled.entry_of(size), scaled.as_built(size, context), devices)
+
+
+def print_scaled_check(args: argparse.Namespace) -> int:
+    """Rank the scaled run on ``scaled.DEVICES``, compile its ``--check`` fastest that fit and the
+    published ``--layout`` scaled (``scaled.scaled_layout``); print predicted -> compiled."""
+    own, built = scaled_run(args)
+    size, tokens, context = built.size, own.batch_size, own.context
+    on = f"{scaled.DEVICES} devices of {own.hardware}"
+    compiled = f"compiled (float32, {_compiler(args)})"
+    print(f"\n--check {args.check}: {args.size} scaled down to {on}, {compiled}")
+    heads = f"{size.heads} heads ({size.kv_heads} key/value) of {size.head_dim}"
+    mlp = f"{'gated ' if size.gated else ''}MLP of {size.hidden}"
+    print(f"  {size.layers} layers of {size.width}, {heads}, {mlp}, ", end="")
+    print(f"vocabulary {size.vocab}: {size.params:,} parameters")
+    print(f"  {tokens // context} sequences of {context} tokens a step")
+    ranking = layouts.rank(size, tokens, scaled.DEVICES, own.hardware, context)
+    fastest = [cost.layout for cost in ranking.costs if cost.fits]
+    checked = _compile_each(own, fastest, args.check, built)
+    theirs = scaled.scaled_layout(args.layout) if args.layout is not None else None
+    if theirs is not None and theirs not in _layouts(checked):
+        print(f"  --layout {args.layout}, scaled:")
+        checked += _compile_each(own, [theirs], 1, built)
+    print(_table(checked, size))
+    print(_order(checked))
+    return 0
+
+
+def _compile_each(
+    args: argparse.Namespace, candidates: list[Layout], count: int, built: Built | None = None
+) -> list[Checked]:
+    """The first ``count`` of ``candidates`` that a composition builds, compiled; a line each."""
+    checked: list[Checked] = []
+    for layout in candidates:
+        if len(checked) == count:
+            break
+        made = composition(layout)
+        if isinstance(made, str):
+            print(f"  {layout}: skipped, {made}")
+            continue
+        try:
+            checked.append(compile_layout(args, layout, *made, built))
+        except ValueError as why:
+            print(f"  {layout}: skipped, --parallel {made[0]} refuses it ({why})")
+            continue
+        mesh = ",".join(f"{axis}={size}" for axis, size in made[1].items())
+        seconds = checked[-1].seconds
+        print(f"  {layout}: --parallel {made[0]} on {mesh}, compiled in {seconds:.1f} s")
+    return checked
+
+
+def _layouts(checked: list[Checked]) -> list[Layout]:
+    return [row.predicted.layout for row in checked]
+
+
+def _compiler(args: argparse.Namespace) -> str:
+    return f"XLA:TPU for {args.check_topology}" if args.check_topology else "XLA:CPU"

@@ -158,8 +158,12 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
         error("argument --hardware: --compare --size ranks layouts on a chip; add one (e.g. --hardware v5p)")
     if args.batch_size is None:
         error("argument --batch-size: --compare --size needs the batch in tokens (e.g. 4M)")
+    try:  # devices beyond a node are priced at the chip's scale-out figure, which it must have
+        hardware_named(args.hardware).bandwidth(args.devices)
+    except ValueError as why:
+        error(f"argument --devices: {why}")
     # a pipeline's microbatches are whole sequences: of a learned table's positions, or LLaMA's 4,096
-    args.context = args.context or serving.SIZES[args.size].positions or layouts.CONTEXT
+    args.context = args.context or serving.SIZES[args.size].position_rows or layouts.CONTEXT
     tokens, devices, context = args.batch_size, args.devices, args.context
     if tokens < devices:
         error(f"argument --batch-size: {tokens:,} tokens leave some of {devices:,} devices none")

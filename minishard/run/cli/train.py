@@ -47,7 +47,7 @@ from minishard.run.render import plot_history, show
 from minishard.run.resume import check_checkpoint_dir
 from minishard.run.steps import loss_scaled_for
 from minishard.run.tfds_reading import DataError
-from minishard.run.train import fit
+from minishard.run.train import FitSettings, fit
 from minishard.sharding import Sharded, make_mesh, plan
 from minishard.styles import dimensions
 
@@ -329,10 +329,7 @@ def _fit(
     rules: Any,
 ) -> list[dict[str, Any]]:
     """``fit``'s run of ``built``, as the flags, the model's entry and the style's entry say."""
-    _, _, history = fit(
-        built,
-        optimizer,
-        splits.train,
+    settings = FitSettings(
         mesh=mesh,
         rules=rules,
         epochs=args.epochs,
@@ -358,6 +355,7 @@ def _fit(
         profile=Profile(args.profile, *args.profile_steps) if args.profile else None,
         seed=args.seed if getattr(args, "dropout", None) else None,  # dropout's keys: from the run's seed
     )
+    _, _, history = fit(built, optimizer, splits.train, settings)
     return history
 
 

@@ -70,7 +70,7 @@ class SequenceSplit:
 @dataclasses.dataclass(frozen=True)
 class ExpertSplit:
     """Where a model's mixtures of experts are (ep, dp+ep), and inputs for a forward pass that counts
-    their routings (``with_stats(model)(inputs)``)."""
+    their routings (``collect(MoEStats, model)(inputs)``)."""
 
     flag: str  # the flag of the experts per layer (0: dense MLPs)
     layers: Callable[[Any], tuple[MoE, ...]]  # the built model's MoE layers, first to last

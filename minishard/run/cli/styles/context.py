@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minishard import context
+from minishard import composition
 from minishard.census import instructions
 from minishard.optim import Optimizer
 from minishard.run.cli.flags import Error
@@ -86,8 +86,8 @@ class ContextStyle(Style):
         # one device's K (or V)
         chunk = (b, getattr(args, model.sequence.flag) // p, heads, head_dim)
         program = step.lower(built, optimizer.init(built), batch)
-        hardware = args.hardware
-        print(context.ring_report(program, axis="context", blocks=blocks, chunk=chunk, hardware=hardware))
+        options = {"blocks": blocks, "chunk": chunk, "hardware": args.hardware}
+        print(composition.ring_report(program, axis="context", **options))
         if self.name not in SPLITS:  # a composition: whose each collective is
             print(by_dimension(self.name, instructions(program)))
         return None

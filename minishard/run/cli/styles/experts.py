@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from minishard.experts import MoEStats, capacity, expert_report
-from minishard.layers import with_stats
+from minishard.layers import collect
 from minishard.rules import AxisRules
 from minishard.run.cli.accelerators import first_devices
 from minishard.run.cli.flags import Error
@@ -96,4 +96,4 @@ def _forward(model: Any, inputs: jax.Array) -> tuple[Any, MoEStats | None]:
     """A forward pass, the outputs and the ``MoEStats``: what ``explain`` compiles under an expert
     style."""
     # the outputs too: without them XLA drops the last block's all-to-alls
-    return with_stats(model)(inputs)
+    return collect(MoEStats, model)(inputs)

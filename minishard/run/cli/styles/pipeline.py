@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from minishard import pipeline
 from minishard.census import instructions
+from minishard.composition import ComposedPipeline
 from minishard.costs import StepCost, cost_report
 from minishard.rules import AxisRules
 from minishard.run.cli.accelerators import first_devices
@@ -93,7 +94,7 @@ class PipelineStyle(Style):
         its tokens over "context", if the mesh has them."""
         data, tokens = (axis if axis in mesh.axis_names else None for axis in ("data", "context"))
         return model.replace(
-            pipeline=pipeline.Pipeline(mesh, args.microbatches, data_axis=data, sequence_axis=tokens)
+            pipeline=ComposedPipeline(mesh, args.microbatches, data_axis=data, sequence_axis=tokens)
         )
 
     def prepare(self, model: Any, args: Args, mesh: jax.sharding.Mesh) -> Any:

@@ -20,7 +20,7 @@ Their calling order, the one place it is written (``flags.finish_train``, ``trai
 
     parse      parsed (every style's defaults)
     train      finish -> mesh (unless --mesh) -> check_mesh -> fill -> check (the model's first)
-               -> rules -> build -> prepare -> make_step, microbatches (fit's arguments)
+               -> rules -> build -> prepare -> make_step, microbatches (fit's settings)
     explain    mesh -> check_explain -> fill -> ways (the batch split)
                -> before_explain (0, or the exit status of a refusal)
                -> the plan only:   rules -> build -> [plan printed] -> after_plan
@@ -165,7 +165,7 @@ class Style:
         return built
 
     def make_step(self, args: Args, mesh: jax.sharding.Mesh) -> Callable[[Optimizer], Any] | None:
-        """``fit``'s ``make_step``: None for ``fit``'s own ``Sharded`` step."""
+        """``FitSettings.make_step``: None for ``fit``'s own ``Sharded`` step."""
         return None
 
     def microbatches(self, args: Args) -> int:
