@@ -40,6 +40,13 @@ coordinates vary. Here, 2 groups of 4 devices each add up an f32[2000] on a
 >>> print(summary(collectives(hlo, mesh)))
 all-reduce  x1  8.0 kB  over ('y',)
 
+Each kind's run is a ``Collective`` (the kinds in ``KINDS`` order); ``instructions`` yields each
+instruction one at a time, as a ``Sent``, and ``bytes_by_mesh_axes`` sums the bytes per kind and
+mesh axes. A ``Program`` is what they read: a lowered or compiled program, or its HLO text, whose
+mesh ``mesh_of`` finds. ``axis_name`` gives the mesh axis a group's label names, and
+``human_bytes`` writes a byte count as interconnect bandwidths are quoted. On a CPU, ``as_asked``
+gives the program with each collective in the dtype the program sends (section 2).
+
 A rule of thumb from "How to Scale Your Model" (the scaling book) for reading
 them: an all-gather or a reduce-scatter of B bytes costs about B / bandwidth;
 an all-reduce about twice that (a reduce-scatter followed by an all-gather).
@@ -111,10 +118,12 @@ def collectives(program: Program, mesh: AnyMesh | None = None) -> dict[str, Coll
 def bytes_by_mesh_axes(
     program: Program, mesh: AnyMesh | None = None
 ) -> dict[tuple[str, tuple[str, ...]], int]:
-    r"""Bytes per (kind, mesh axes): separates, say, the all-reduce over "data" from the one over "model".
+    r"""Bytes per (kind, mesh axes): separates, say, the all-reduce over "data" from the one over
+    "model".
 
-    >>> hlo = "\n".join(["%a = f32[8]{0} all-reduce(%p), replica_groups=[2,4]<=[8], to_apply=%add",
-    ...                   "%b = f32[2]{0} all-reduce(%q), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add"])
+    >>> over_y = "%a = f32[8]{0} all-reduce(%p), replica_groups=[2,4]<=[8], to_apply=%add"
+    >>> over_x = "%b = f32[2]{0} all-reduce(%q), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add"
+    >>> hlo = "\n".join([over_y, over_x])
     >>> bytes_by_mesh_axes(hlo, jax.sharding.AbstractMesh((2, 4), ("x", "y")))
     {('all-reduce', ('y',)): 32, ('all-reduce', ('x',)): 8}
     """
@@ -126,8 +135,9 @@ def bytes_by_mesh_axes(
 
 
 class Sent(NamedTuple):
-    """One run of a collective instruction: ``kind``; ``bytes``, its result on one device; ``groups``,
-    the mesh axes of each distinct group shape, sorted (nearly always one); ``devices`` in a group."""
+    """One run of a collective instruction: ``kind``; ``bytes``, its result on one device;
+    ``groups``, the mesh axes of each distinct group shape, sorted (nearly always one); ``devices``
+    in a group."""
 
     kind: str
     bytes: int
@@ -139,7 +149,8 @@ def axis_name(label: str) -> str:
     """The mesh axis a group's label names: ``"y"`` for ``"y"`` and for ``"y(2 of 4)"``, 2 of its 4
     devices (``_hlo.PartOfAxis``); ``"?"`` for a group that is no sub-grid.
 
-    >>> hlo = "%ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add"
+    >>> hlo = ("%ar = f32[8]{0} all-reduce(%p), "
+    ...        "replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add")
     >>> [sent] = instructions(hlo, jax.sharding.AbstractMesh((2, 4), ("x", "y")))
     >>> sent.groups, [axis_name(label) for label in sent.groups[0]]
     ((('y(2 of 4)',),), ['y'])
@@ -151,30 +162,44 @@ def instructions(program: Program, mesh: AnyMesh | None = None) -> Iterator[Sent
     """Each collective the program runs, in program order, as a ``Sent``.
 
     An instruction inside a loop body is yielded once per trip (XLA's ``known_trip_count``).
-    Async pairs (``all-gather-start`` then ``all-gather-done``) count once: the start carries the groups,
-    the done the result; each done is paired with the oldest open start of its kind. XLA:TPU's
-    ``all-reduce-scatter`` fusion (an all-reduce and the slice each device keeps) is one reduce-scatter.
+    Async pairs (``all-gather-start`` then ``all-gather-done``) count once: the start carries the
+    groups, the done the result; each done is paired with the oldest open start of its kind.
+    XLA:TPU's ``all-reduce-scatter`` fusion (an all-reduce and the slice each device keeps) is one
+    reduce-scatter.
 
-    >>> hlo = "%ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add"
-    >>> list(instructions(hlo, jax.sharding.AbstractMesh((2, 4), ("x", "y"))))   # 2 of the 4 along y
+    >>> hlo = ("%ar = f32[8]{0} all-reduce(%p), "
+    ...        "replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add")
+    >>> mesh = jax.sharding.AbstractMesh((2, 4), ("x", "y"))
+    >>> list(instructions(hlo, mesh))  # 2 of the 4 along y
     [Sent(kind='all-reduce', bytes=32, groups=(('y(2 of 4)',),), devices=2)]
     """
     text, mesh = _text_and_mesh(program, mesh)
     started: dict[str, list[tuple[tuple[tuple[str, ...], ...], int]]] = {kind: [] for kind in KINDS}
-    runs, fused = _hlo.runs_per_call(text), _hlo.fused_reduce_scatters(text)
+    runs = _hlo.runs_per_call(text)
+    fused = _hlo.fused_reduce_scatters(text)
     for computation, match in _hlo.located(text):
         kind, phase, nbytes = _hlo.sent_as(match, fused.get(computation))
         if phase == "-done":  # the result of a start seen before
             groups, devices = started[kind].pop(0) if started[kind] else ((("?",),), 1)
-        elif mesh is None:
-            raise ValueError(f"found an {kind} but no mesh to name its devices; pass mesh=")
         else:
-            groups = tuple(sorted(_hlo.instruction_axes(match.string, mesh)))
-            devices = _hlo.group_size(match.string, mesh)
+            groups, devices = _groups(kind, match.string, mesh)
         if phase == "-start":
             started[kind].append((groups, devices))
         else:
             yield from [Sent(kind, nbytes, groups, devices)] * runs.get(computation, 1)
+
+
+def _groups(
+    kind: str,
+    instruction: str,
+    mesh: AnyMesh | None,
+) -> tuple[tuple[tuple[str, ...], ...], int]:
+    """The mesh axes of each distinct group shape of ``instruction``, sorted, and the devices in a
+    group."""
+    if mesh is None:
+        raise ValueError(f"found an {kind} but no mesh to name its devices; pass mesh=")
+    axes = tuple(sorted(_hlo.instruction_axes(instruction, mesh)))
+    return axes, _hlo.group_size(instruction, mesh)
 
 
 def _text_and_mesh(program: Program, mesh: AnyMesh | None) -> tuple[str, AnyMesh | None]:
@@ -201,11 +226,13 @@ def _row(c: Collective, width: int) -> str:
 
 def human_bytes(n: int) -> str:
     """Decimal units, as interconnect bandwidths are quoted: 1628200 -> '1.6 MB'."""
-    size, unit = float(n), "B"
+    size = float(n)
+    unit = "B"
     for bigger in ("kB", "MB", "GB", "TB"):
         if size < 1000:
             break
-        size, unit = size / 1000, bigger
+        size = size / 1000
+        unit = bigger
     return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
@@ -234,13 +261,21 @@ def as_asked(lowered: jax.stages.Lowered) -> str:
     >>> psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
     ...                              in_specs=jax.P("data"), out_specs=jax.P()))
     >>> lowered = psum.lower(jax.numpy.ones(8 * 1024, jax.numpy.bfloat16))
-    >>> collectives(lowered)["all-reduce"].bytes, collectives(as_asked(lowered), mesh)["all-reduce"].bytes
+    >>> on_cpu = collectives(lowered)["all-reduce"]
+    >>> on_an_accelerator = collectives(as_asked(lowered), mesh)["all-reduce"]
+    >>> on_cpu.bytes, on_an_accelerator.bytes
     (4096, 2048)
     """
-    with tempfile.TemporaryDirectory() as folder:  # the partitioner's output, dumped as the program compiles
-        text = lowered.compile({"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"}).as_text()
+    with tempfile.TemporaryDirectory() as folder:  # the partitioner's output, dumped as it compiles
+        dump: dict[str, str | bool] = {
+            "xla_dump_to": folder,
+            "xla_dump_hlo_pass_re": "spmd-partitioning",
+        }
+        text = lowered.compile(dump).as_text() or ""
         dumped = sorted(glob.glob(f"{folder}/*after_spmd-partitioning*"))
-        return narrowed(text or "", Path(dumped[0]).read_text()) if dumped else text or ""  # 1 device: none
+        if not dumped:  # 1 device: nothing dumped
+            return text
+        return narrowed(text, Path(dumped[0]).read_text())
 
 
 __all__ = [

@@ -20,8 +20,8 @@ sequences whose caches hold ``kv`` bytes each, on N chips of C FLOP/s and W byte
   ``latency_throughput``, a ``Point`` per batch size: slower steps, more tokens a second.
 
 The shapes priced are published ones, ``SIZES`` by name: ``LLAMA2_13B``, ``LLAMA3_8B``,
-``LLAMA3_70B``, ``LLAMA3_405B``, ``PALM_540B``, ``MEGATRON_1T``, and ``MINISHARD_GPT``,
-minishard's own.
+``LLAMA3_70B``, ``LLAMA3_405B``, ``PALM_540B``, ``MEGATRON_1T``, ``MIXTRAL_8X7B`` (a mixture of
+experts: each token runs 2 of its 8 MLPs), and ``MINISHARD_GPT``, minishard's own.
 
 Sources: the scaling book's inference chapter (jax-ml/scaling-book, ``inference.md``):
 its equations, its LLaMA-2 13B tables and pop quiz, which tests/test_serving.py reproduces.
@@ -114,7 +114,8 @@ class Decoder:
         return (3 if self.gated else 2) * self.width * self.hidden
 
     def _count(self, mlps: int) -> int:
-        """The parameters of a model whose layers hold ``mlps`` MLPs each, and a router if a mixture."""
+        """The parameters of a model whose layers hold ``mlps`` MLPs each, and a router if a
+        mixture."""
         width = self.width
         attention = 2 * self.width * self.head_dim * (self.heads + self.kv_heads)
         mlp = self._mlp * mlps + width * self.experts  # the router: D x experts (0: dense)

@@ -23,9 +23,19 @@ some logical axes over one mesh axis of its own (``DIMENSIONS``):
 * ``ep``: expert parallel. A mixture of experts' stacked experts (``minishard.experts``) over
   "expert", and the batch over it too, as is usual.
 
+Each dimension's rule is a ``Dimension``, data from which every composition is derived.
+``ORDER`` is the one order their splits take, ``MESH_AXES`` the order a composed mesh lists its
+axes in, ``CONFLICTS`` the pairs that cannot work together (each rule's ``excludes``), and
+``ALIASES`` the named styles that are other names for dimensions (``2d``). ``steps`` gives the
+dimensions of a style with a step of their own, the outermost first (``MAX_STEPS`` at most), and
+``batch_axes`` the mesh axes its batch splits over.
+
 A style is dimensions joined by ``+`` (``compose``): ``dp+tp+pp`` is a data x model x stage
 grid. Twelve have names (``SPLITS``): dp, tp, fsdp, pp, cp, ep alone, ``2d`` (dp+tp),
-``fsdp+tp``, ``dp+pp``, ``dp+cp``, ``tp+sp`` and ``dp+ep``.
+``fsdp+tp``, ``dp+pp``, ``dp+cp``, ``tp+sp`` and ``dp+ep``. Of them ``PIPELINED`` need a model
+with stacked blocks, ``SEQUENCE`` one whose activations name "seq", ``EXPERT`` a mixture of
+experts, and ``ANY_MODEL`` are the ones any model takes. ``style_rules`` gives a style's ordered
+rules, which end with each of the ``LOGICAL_AXES`` replicated.
 
 The rules are ordered (Flax's semantics): for an activation ``(batch, embed)``
 the batch rule comes first and takes "data", so ``embed`` falls back to its
@@ -170,7 +180,9 @@ several split, goes over all of their mesh axes at once."""
 MESH_AXES = ("data", "model", "stage", "context", "expert")
 """The mesh axes of the dimensions, in the order a composed mesh lists them."""
 CONFLICTS: dict[frozenset[str], str] = {
-    frozenset({dim.name, other}): why for dim in DIMENSIONS.values() for other, why in dim.excludes.items()
+    frozenset({dim.name, other}): why  # a pair, and why it cannot be
+    for dim in DIMENSIONS.values()
+    for other, why in dim.excludes.items()
 }
 """Pairs of dimensions that cannot work together, and why: each rule's ``excludes``."""
 MAX_STEPS = 2
@@ -196,7 +208,8 @@ def dimensions(name: str) -> tuple[str, ...]:
         )
     for dim in given:
         if dim not in DIMENSIONS:
-            raise ValueError(f"{name}: unknown dimension {dim!r}; the dimensions are {', '.join(DIMENSIONS)}")
+            known = ", ".join(DIMENSIONS)
+            raise ValueError(f"{name}: unknown dimension {dim!r}; the dimensions are {known}")
         if given.count(dim) > 1:
             raise ValueError(f"{name}: {dim} is named twice")
     for pair, why in CONFLICTS.items():
@@ -206,10 +219,8 @@ def dimensions(name: str) -> tuple[str, ...]:
     for rule in (DIMENSIONS[dim] for dim in given):
         if rule.needs and rule.needs not in given:
             axis = DIMENSIONS[rule.needs].axis
-            raise ValueError(
-                f"{name}: {rule.name} splits {rule.what} over {rule.needs}'s {axis!r} axis, "
-                f"and there is no {rule.needs}; add {rule.needs}"
-            )
+            split = f"{rule.name} splits {rule.what} over {rule.needs}'s {axis!r} axis"
+            raise ValueError(f"{name}: {split}, and there is no {rule.needs}; add {rule.needs}")
     return tuple(dim for dim in DIMENSIONS if dim in given)
 
 
@@ -272,10 +283,8 @@ def compose(name: str) -> tuple[tuple[str, MeshAxes], ...]:
 
 # --- 2. the named styles ------------------------------------------------------------------------
 
-SPLITS: dict[str, tuple[tuple[str, MeshAxes], ...]] = {
-    name: compose(name)
-    for name in ("dp", "tp", "2d", "fsdp", "fsdp+tp", "pp", "dp+pp", "cp", "dp+cp", "tp+sp", "ep", "dp+ep")
-}
+_NAMED = ("dp", "tp", "2d", "fsdp", "fsdp+tp", "pp", "dp+pp", "cp", "dp+cp", "tp+sp", "ep", "dp+ep")
+SPLITS: dict[str, tuple[tuple[str, MeshAxes], ...]] = {name: compose(name) for name in _NAMED}
 """What each named style splits, as ordered rules; every logical axis they leave is replicated."""
 PIPELINED = tuple(name for name, splits in SPLITS.items() if ("stage", "stage") in splits)
 """The styles that need a model with stacked blocks (``minishard.pipeline.Stacked``)."""
@@ -285,7 +294,16 @@ EXPERT = tuple(name for name, splits in SPLITS.items() if ("expert", "expert") i
 """The styles that split a mixture of experts' experts; a model without experts they leave as dp."""
 ANY_MODEL = tuple(name for name in SPLITS if name not in PIPELINED + SEQUENCE + EXPERT)
 """The styles any model takes."""
-LOGICAL_AXES = ("batch", "embed", "mlp", "heads", "kv", "seq", "patch", "classes", "stage", "expert", "vocab")
+LOGICAL_AXES = (
+    *("batch", "embed", "mlp", "heads", "kv", "seq"),  # the MLP's and the GPT's
+    *(
+        "patch",
+        "classes",
+        "stage",
+        "expert",
+        "vocab",
+    ),  # the ViT's, stacked blocks', experts', the vocabulary's
+)
 """Every logical axis minishard's MLP, ViT, GPT and MoE name: each style gives each one a rule."""
 
 

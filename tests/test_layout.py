@@ -125,7 +125,7 @@ CHAPTERS = {
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core.
 A budget grows where an idea needs the lines, with a comment saying why; it is never met by packing."""
 CORE = tuple(name for name in PUBLIC if name not in CHAPTERS)
-CORE_BUDGET = 2900  # issue 59: census.as_asked, the one home of "what an accelerator sends" (+5)
+CORE_BUDGET = 2920  # issue 59: census.as_asked, the one home of "what an accelerator sends" (+5)
 # issue 62: written to be read (+99 in tree, rules, constraints, losses, optim, sharding and report):
 # each public name said in its chapter's docstring, one value per assignment, lines under 100;
 # layers' typed collection (Collection, collect, sow, lifted: +45 over with_stats and keep),
@@ -133,6 +133,9 @@ CORE_BUDGET = 2900  # issue 59: census.as_asked, the one home of "what an accele
 # styles.Dimension, each dimension's rule as data, one field a line (+100), and the composition
 # derived from the rules, styles.steps and batch_axes (+27); census.axis_name, a group's axis
 # asked, never parsed back from its label (+13); lines wrapped to 100 characters (+5)
+# issue 62 §4: styles and census with no line over 100 characters and no packed assignment (+36:
+# census._groups, an instruction's groups, so instructions stays under 30 lines; the compiler's
+# dump options a line each) and each public name in their docstrings (+17)
 """Lines of the core modules, 2,393 measured (issue 43), then styles' composition (102, issue 46:
 seven dimensions, the one ORDER of their rules, CONFLICTS, ``dimensions`` and ``compose``, the named
 styles made compositions; a constraint inside a shard_map, ``constraints._without``, 11),
@@ -324,9 +327,6 @@ STILL_TO_CLEAN = {
     "experts": Gaps(long=1, packed=0, untaught=0),  # ExpertReport's printed line, as its doctest shows it
     "layouts": Gaps(long=17, packed=0, untaught=9),
     "costs": Gaps(long=21, packed=0, untaught=16),
-    "styles": Gaps(long=4, packed=0, untaught=14),
-    "census": Gaps(long=13, packed=3, untaught=10),
-    "serving": Gaps(long=1, packed=0, untaught=1),
 }
 """A known gap, bounded: the chapters other branches of issue 62 are rewriting, each at its count
 when the rules were drawn. A count may only fall; the branch that cleans a chapter drops its entry.
