@@ -44,8 +44,15 @@ them, whose T x T scores grow with the sequence unless a fused kernel keeps none
 On a two-level network (NVLink and InfiniBand, ICI and DCN) each dimension runs on the level
 ``PLACEMENT`` puts it (``Layout.inner``).
 
+The functions and records, by name. ``train_flops`` and ``train_seconds`` are a whole run's
+FLOPs and seconds (sequences of ``CONTEXT`` tokens unless told), ``checkpoint_bytes`` the residual
+streams a step keeps, ``optimal_fsdp`` the book's X_opt. ``layouts`` lists every layout of N chips,
+``price`` prices one as a ``LayoutCost`` (its collectives' seconds a ``CommSeconds`` per pass, from
+``pass_collectives``), and ``rank`` sorts them all into a ``Ranking``, whose report writes times
+with ``human_seconds``.
+
 >>> from minishard.serving import LLAMA3_70B as llama
->>> round(optimal_fsdp(4 * 2**20, 8960, llama.hidden))   # the book's X_opt: 1,618 from 4.19e6 tokens
+>>> round(optimal_fsdp(4 * 2**20, 8960, llama.hidden))  # the book's X_opt: 1,618 (4.19e6 tokens)
 1619
 >>> best = rank(llama, 4 * 2**20, 8960, "v5p").costs[0]   # sequences of 4,096
 >>> str(best.layout), best.verdict
@@ -95,13 +102,24 @@ def train_flops(model: Decoder, tokens: float, context: int = 0) -> float:
 
 
 def train_seconds(
-    model: Decoder, tokens: float, chips: int, hardware: Hardware | str, mfu: float, context: int = 0
+    model: Decoder,
+    tokens: float,
+    chips: int,
+    hardware: Hardware | str,
+    mfu: float,
+    context: int = 0,
 ) -> float:
     """Seconds to train on ``tokens`` with ``chips`` at ``mfu`` of their peak FLOP/s."""
     return train_flops(model, tokens, context) / (chips * hardware_named(hardware).flops * mfu)
 
 
-def optimal_fsdp(tokens: float, devices: int, hidden: int, fsdp_axes: int = 2, tensor_axes: int = 1) -> float:
+def optimal_fsdp(
+    tokens: float,
+    devices: int,
+    hidden: int,
+    fsdp_axes: int = 2,
+    tensor_axes: int = 1,
+) -> float:
     """The FSDP ways that send the least beside TP: ``X_opt = sqrt(B/F · M_X/M_Y · N)``.
 
     FSDP's gathers shrink as TP grows (each device gathers its tensor shard only) and TP's grow
@@ -110,7 +128,12 @@ def optimal_fsdp(tokens: float, devices: int, hidden: int, fsdp_axes: int = 2, t
     return math.sqrt(tokens / hidden * fsdp_axes / tensor_axes * devices)
 
 
-def checkpoint_bytes(model: Decoder, tokens: float, per_layer: int = CHECKPOINTS, tp: int = 1) -> float:
+def checkpoint_bytes(
+    model: Decoder,
+    tokens: float,
+    per_layer: int = CHECKPOINTS,
+    tp: int = 1,
+) -> float:
     """Bytes of the residual streams kept for the backward pass:
     ``2 · width · tokens · per_layer · layers``.
 
@@ -264,7 +287,9 @@ class LayoutCost:
     @property
     def busy_s(self) -> float:
         """Each pass's matmuls, or its collectives where they take longer."""
-        return max(self.compute_s, self.forward.total) + max(2 * self.compute_s, self.backward.total)
+        forward = max(self.compute_s, self.forward.total)
+        backward = max(2 * self.compute_s, self.backward.total)
+        return forward + backward
 
     @property
     def step_s(self) -> float:
@@ -319,7 +344,12 @@ def data_shards(layout: Layout) -> int:
     return math.prod(layout[name] for name in RANKED if "batch" in DIMENSIONS[name].splits)
 
 
-def microbatches(layout: Layout, tokens: float, hardware: Hardware | str, context: int = CONTEXT) -> int:
+def microbatches(
+    layout: Layout,
+    tokens: float,
+    hardware: Hardware | str,
+    context: int = CONTEXT,
+) -> int:
     """The most microbatches a pipeline's tokens split into (1 without pp): each whole sequences
     of ``context``, and at least ``costs.hbm_critical_batch`` tokens, below which a matmul
     reads its weights from HBM for fewer FLOPs than the reading takes (164 on a v5p).
@@ -348,7 +378,8 @@ def price(
     float32 step); ``fused``: attention keeps no T x T scores (``layer_bytes``).
 
     >>> from minishard.serving import LLAMA3_70B
-    >>> cost = price(LLAMA3_70B, Layout(fsdp=8960), 4 * 2**20, "v5p", context=0)  # pure FSDP, 3 axes
+    >>> pure_fsdp = Layout(fsdp=8960)  # over the v5p's 3 axes
+    >>> cost = price(LLAMA3_70B, pure_fsdp, 4 * 2**20, "v5p", context=0)
     >>> round(cost.tokens), round(cost.flips_at)   # the book (6P a token): 468 per chip, 850 needed
     (468, 850)
     """
@@ -419,11 +450,12 @@ def _fsdp_sends(step: Step) -> list[Send]:
     """FSDP gathers a stage's weights each pass (a pipeline's stage keeps its own through the
     backward pass) and reduce-scatters their gradients."""
     weights = step.weights
+    shard = weights / step.layout["fsdp"]
     whole = int(step.layout["pp"] == 1)
     return [
         Send("fsdp", "all-gather", weights, backward=False, of_weights=True),
         Send("fsdp", "all-gather", weights, backward=True, times=whole, of_weights=True),
-        Send("fsdp", "reduce-scatter", weights / step.layout["fsdp"], backward=True, of_weights=True),
+        Send("fsdp", "reduce-scatter", shard, backward=True, of_weights=True),
     ]
 
 
@@ -436,7 +468,8 @@ def _dp_sends(step: Step) -> list[Send]:
 def _tp_sends(step: Step) -> list[Send]:
     """Megatron's with the sequence split between blocks: each block gathers its input's tokens and
     reduce-scatters its output; the backward pass the forward's transposed, twice."""
-    stream = step.itemsize * step.group * step.model.width * 2 * step.model.layers / step.layout["pp"]
+    streams = step.itemsize * step.group * step.model.width * 2 * step.model.layers  # two a layer
+    stream = streams / step.layout["pp"]  # a stage's layers
     found = []
     for backward in (False, True):
         found += [
@@ -515,7 +548,12 @@ kinds)."""
 
 
 def sends(
-    model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0, microbatches: int = 1
+    model: Decoder,
+    layout: Layout,
+    tokens: float,
+    itemsize: int = 2,
+    context: int = 0,
+    microbatches: int = 1,
 ) -> list[Send]:
     """The collectives of one step of ``tokens`` in sequences of ``context``, by dimension
     (``SENDS``), numbers of ``itemsize`` bytes (bf16), a pipeline of ``microbatches``; those among
@@ -531,7 +569,12 @@ def sends(
 
 
 def bytes_sent(
-    model: Decoder, layout: Layout, tokens: float, itemsize: int = 2, context: int = 0, microbatches: int = 1
+    model: Decoder,
+    layout: Layout,
+    tokens: float,
+    itemsize: int = 2,
+    context: int = 0,
+    microbatches: int = 1,
 ) -> dict[str, float]:
     """Bytes each device sends in one step, by dimension: ``sends`` on rings (``costs.sent_bytes``),
     as a compiled step's census sums them (float32: dp's all-reduce of the GPT's 3.3 MB of
@@ -564,7 +607,8 @@ def pass_collectives(
     for send in sends(model, layout, tokens, itemsize, context, microbatches):
         n_axes = axes.get(send.dimension, 1)
         inner = layout.inner(send.dimension)
-        one = collective_time(send.kind, send.result_bytes, send.devices(layout), hardware, n_axes, inner)
+        devices = send.devices(layout)
+        one = collective_time(send.kind, send.result_bytes, devices, hardware, n_axes, inner)
         seconds[int(send.backward), int(send.of_weights)] += send.times * one
     forward = CommSeconds(weights=seconds[0, 1], activations=seconds[0, 0])
     backward = CommSeconds(weights=seconds[1, 1], activations=seconds[1, 0])
@@ -591,8 +635,8 @@ def _memory(
     if layout["fsdp"] > 1:
         gathered = model.layers // layout["pp"] if layout["pp"] > 1 else 1
         terms["gathered"] = 2 * params / model.layers * gathered / layout["tp"]
-    kept = checkpoint_bytes(model, microbatch * held, checkpoints, layout["tp"]) / layout["pp"] / layout["cp"]
-    terms["activations"] = kept
+    kept = checkpoint_bytes(model, microbatch * held, checkpoints, layout["tp"])
+    terms["activations"] = kept / layout["pp"] / layout["cp"]
     if attention[0]:
         recomputed = layer_bytes(model, microbatch, *attention)
         terms["recomputed layer"] = recomputed / layout["tp"] / layout["cp"]
@@ -621,15 +665,18 @@ def layouts(model: Decoder, devices: int, context: int = 0) -> list[Layout]:
             for cp in _divisors(math.gcd(devices // tp // pp, context or 1)):
                 for ep in _divisors(math.gcd(devices // tp // pp // cp, model.experts or 1)):
                     rest = devices // tp // pp // cp // ep
-                    found += [
-                        Layout(dp=dp, fsdp=rest // dp, tp=tp, pp=pp, cp=cp, ep=ep) for dp in _divisors(rest)
-                    ]
+                    for dp in _divisors(rest):
+                        found.append(Layout(dp=dp, fsdp=rest // dp, tp=tp, pp=pp, cp=cp, ep=ep))
     return found
 
 
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)})
+
+
+_COLUMNS = f"{'step':>9} {'bubble':>6} {'flips at':>9} {'memory':>9}"
+"""The heads of ``Ranking.table``'s columns after the layout's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -653,7 +700,7 @@ class Ranking:
                 shown.append(cost)
                 kinds.add(kind)
         width = max([34, *(len(_with_axes(cost)) for cost in shown)])  # 34 but for a longer layout
-        lines = [f"  {'layout':{width}} {'step':>9} {'bubble':>6} {'flips at':>9} {'memory':>9}  verdict"]
+        lines = [f"  {'layout':{width}} {_COLUMNS}  verdict"]
         for cost in shown:
             flips = "never" if cost.flips_at == math.inf else f"{cost.flips_at:,.0f}"
             mark = "*" if cost is fit[0] else " "
@@ -661,8 +708,8 @@ class Ranking:
             bubble = f"{cost.bubble:.1%}" if cost.layout["pp"] > 1 else "-"
             step = human_seconds(cost.step_s)
             memory = human_bytes(int(cost.memory.total))
-            cells = f"{step:>9} {bubble:>6} {flips:>9} {memory:>9}"
-            lines.append(f"{mark} {_with_axes(cost):{width}} {cells}  {cost.verdict}{rule}{_shares(cost)}")
+            cells = f"{step:>9} {bubble:>6} {flips:>9} {memory:>9}  {cost.verdict}"
+            lines.append(f"{mark} {_with_axes(cost):{width}} {cells}{rule}{_shares(cost)}")
         out = [cost for cost in self.costs if not cost.fits]
         rest = [f"{len(fit) - len(shown)} more fit, slower"] if len(fit) > len(shown) else []
         if out:
@@ -693,7 +740,8 @@ def rank(
         for layout in layouts(model, devices, context)
     ]
     costs.sort(key=lambda c: (not c.fits, c.step_s, c.bound, c.memory.total))
-    mixed = [c.layout for c in costs if "tp" in c.layout.sizes and set(c.layout.sizes) <= {"fsdp", "tp"}]
+    fsdp_and_tp = [c.layout for c in costs if set(c.layout.sizes) <= {"fsdp", "tp"}]
+    mixed = [layout for layout in fsdp_and_tp if "tp" in layout.sizes]
     best = optimal_fsdp(tokens, devices, model.hidden, fsdp_axes=max(1, hardware.axes - 1))
     nearest = min(mixed, key=lambda layout: abs(math.log(layout["fsdp"] / best)), default=None)
     rule = nearest if hardware.topology == "torus" else None

@@ -120,7 +120,10 @@ CHAPTERS = {
     # K/V (_sequence_sends: 35), PLACEMENT on a two-level network (Layout.inner: 20), shares said (15);
     # issue 62: Layout a mapping dimension -> size from styles' rules (mesh, __eq__: 35), each
     # dimension's sends its own function in SENDS from one Step (45), ep ranked (_ep_sends, data_shards: 40)
-    "layouts": 760,  # issue 62 §4: docstrings and comments rewrapped to 100 characters (10)
+    # issue 62 §4: docstrings and comments rewrapped to 100 characters (10); no line over 100 (+40:
+    # signatures one argument a line, the step's two passes and the table's columns named) and
+    # every public name in the docstring (+8)
+    "layouts": 808,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core.
 A budget grows where an idea needs the lines, with a comment saying why; it is never met by packing."""
@@ -325,7 +328,6 @@ class Gaps(typing.NamedTuple):
 STILL_TO_CLEAN = {
     "memory": Gaps(long=50, packed=4, untaught=21),
     "experts": Gaps(long=1, packed=0, untaught=0),  # ExpertReport's printed line, as its doctest shows it
-    "layouts": Gaps(long=17, packed=0, untaught=9),
     "costs": Gaps(long=21, packed=0, untaught=16),
 }
 """A known gap, bounded: the chapters other branches of issue 62 are rewriting, each at its count
