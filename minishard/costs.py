@@ -22,9 +22,22 @@ Scale Your Model" (jax-ml/scaling-book) applied to *your* step:
 * a ring (context parallelism) sends each K/V chunk behind one step's attention of it: hidden
   while seq·q_heads/(kv_heads·|CP|), MaxText's intensity, is large enough (``ring_bound``);
 * the flip: data parallelism and FSDP send weights, whose bytes do not grow with the
-  batch: the verdict flips at the per-device batch x k; for data parallelism, C / W (``critical_batch``).
+  batch: the verdict flips at the per-device batch x k; for data parallelism, C / W
+  (``critical_batch``).
 
->>> round(collective_time("all-gather", 2048 * 8192 * 2, 4, HARDWARE["v5e"]) * 1e6)  # µs, pop quiz 2
+The chapter's names, section by section. One collective: ``collective_time`` prices it on a
+``Hardware`` (``HARDWARE`` by name), and ``sent_bytes`` counts the bytes each device sends on a
+ring. Where a step flips: ``critical_batch`` for data parallelism, ``mixed_critical_batch`` for
+FSDP beside TP, ``hbm_critical_batch`` for a matmul against HBM, and ``ring_bound`` for a ring
+against its attention. One compiled step: ``step_cost`` prices it as a ``StepCost`` (with its
+``Memory``; the collectives hide behind ``BACKWARD``, the backward pass's share of the FLOPs),
+``compiled_for_a_chip`` says whether its HBM bytes are a chip's, and ``cost_report`` prices a step
+function on example arguments. Ranked: ``compare`` prices every style on each of its
+``mesh_shapes``, a ``Comparison`` of ``Candidate`` rows. What the model computes: ``model_flops``,
+three times the ``matmul_flops`` of its forward pass.
+
+>>> all_gather = collective_time("all-gather", 2048 * 8192 * 2, 4, HARDWARE["v5e"])
+>>> round(all_gather * 1e6)  # µs, pop quiz 2
 373
 >>> round(critical_batch(HARDWARE["v5p"]))  # tokens per chip where data parallelism flips
 2550
@@ -63,7 +76,12 @@ _SHARE: dict[str, Callable[[int], tuple[float, float]]] = {
 
 
 def collective_time(
-    kind: str, nbytes: float, devices: int, hardware: Hardware | str, n_axes: float = 1, inner: int = 1
+    kind: str,
+    nbytes: float,
+    devices: int,
+    hardware: Hardware | str,
+    n_axes: float = 1,
+    inner: int = 1,
 ) -> float:
     """Seconds for one collective over ``devices`` (along ``n_axes`` mesh axes, each ``inner``
     devices apart: ``Hardware.bandwidth``), whose result on one device is ``nbytes``.
@@ -78,7 +96,8 @@ def collective_time(
         return 0.0
     torus, switch = _SHARE[kind](devices)
     share = torus if hardware.topology == "torus" else switch
-    hops = 1 if kind == "collective-permute" else devices / 2 if hardware.topology == "torus" else devices - 1
+    around = devices / 2 if hardware.topology == "torus" else devices - 1  # the hops round the ring
+    hops = 1 if kind == "collective-permute" else around
     floor = hops * hardware.latency * (2 if kind == "all-reduce" else 1)
     width = hardware.bandwidth(devices, n_axes, inner, point_to_point=kind == "collective-permute")
     return max(floor, _whole(kind, nbytes, devices) * share / width)
@@ -104,7 +123,11 @@ def _whole(kind: str, result_bytes: float, devices: int) -> float:
     return result_bytes * devices if kind in ("reduce-scatter", "all-to-all") else result_bytes
 
 
-def critical_batch(hardware: Hardware | str, devices: int | None = None, n_axes: float = 1) -> float:
+def critical_batch(
+    hardware: Hardware | str,
+    devices: int | None = None,
+    n_axes: float = 1,
+) -> float:
     """Examples (tokens) per device above which data parallelism is compute-bound: C / W.
 
     The scaling book's derivation (training chapter), the one minishard uses. Per weight of
@@ -151,7 +174,13 @@ def hbm_critical_batch(hardware: Hardware | str, weight_bytes: float = 2) -> flo
 
 
 def ring_bound(
-    seq: int, q_heads: int, kv_heads: int, head_dim: int, devices: int, hardware: Hardware, batch: int = 1
+    seq: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    devices: int,
+    hardware: Hardware,
+    batch: int = 1,
 ) -> float:
     """k = a causal zig-zag ring step's sends over the attention they hide behind; > 1: the ring
     waits.
@@ -162,13 +191,16 @@ def ring_bound(
     byte go as c·q_heads/kv_heads: MaxText's intensity seq·q_heads/(kv_heads·|CP|). A longer
     context hides the ring; more devices on the same context expose it.
 
-    >>> [round(ring_bound(seq, 32, 8, 128, 8, HARDWARE["v5p"]), 2) for seq in (8192, 32768)]  # Llama-3 8B's
+    >>> llama3_8b = [ring_bound(seq, 32, 8, 128, 8, HARDWARE["v5p"]) for seq in (8192, 32768)]
+    >>> [round(k, 2) for k in llama3_8b]
     [2.49, 0.62]
     """
     chunk = seq / devices
     flops = 4 * batch * chunk**2 * q_heads * head_dim / 2
     kv_bytes = batch * chunk * kv_heads * head_dim * 2
-    return 2 * collective_time("collective-permute", kv_bytes, devices, hardware) / (flops / hardware.flops)
+    sends = 2 * collective_time("collective-permute", kv_bytes, devices, hardware)
+    attention = flops / hardware.flops
+    return sends / attention
 
 
 # --- 2. one compiled step ----------------------------------------------------------
@@ -247,18 +279,23 @@ class StepCost:
         hw = self.hardware
         mem = self.memory
         size = human_bytes
-        sent = ", ".join(f"{kind} {size(n)} {_time(s)}" for kind, n, s in self.communication) or "none"
+        kinds = [f"{kind} {size(n)} {_time(s)}" for kind, n, s in self.communication]
+        sent = ", ".join(kinds) or "none"
         flip = f"; flips at {self.flip_batch:,.0f} examples per device" if self.flip_batch else ""
         not_the_chips = "XLA:CPU's count: not the chip's, not priced"
         counted = "XLA:TPU's count" if self.chips_bytes else not_the_chips
+        per_device = f", {self.batch:g} examples per device" if self.batch else ""
+        peak = f"{self.flops:.3g} FLOP at {hw.flops:.3g} FLOP/s"
+        accessed = size(int(self.bytes_accessed))
+        held = f"{size(mem.total)} of {size(int(hw.hbm_bytes))}"
+        parts = f"outputs {size(mem.outputs)}, temporaries {size(mem.temporaries)}"
         lines = [
-            f"predicted step on {hw.name}" + (f", {self.batch:g} examples per device" if self.batch else ""),
-            f"  compute        {_time(self.compute_s):>9}  {self.flops:.3g} FLOP at {hw.flops:.3g} FLOP/s",
+            f"predicted step on {hw.name}{per_device}",
+            f"  compute        {_time(self.compute_s):>9}  {peak}",
             f"  communication  {_time(self.comm_s):>9}  {sent}",
-            f"  HBM traffic    {_time(self.hbm_s):>9}  {size(int(self.bytes_accessed))} ({counted})",
+            f"  HBM traffic    {_time(self.hbm_s):>9}  {accessed} ({counted})",
             f"  step           {_time(self.step_s):>9}  {self.verdict}{flip}",
-            f"  memory/device  {size(mem.total)} of {size(int(hw.hbm_bytes))}: arguments "
-            f"{size(mem.arguments)}, outputs {size(mem.outputs)}, temporaries {size(mem.temporaries)}",
+            f"  memory/device  {held}: arguments {size(mem.arguments)}, {parts}",
         ]
         return "\n".join(lines)
 
@@ -287,12 +324,12 @@ def step_cost(
     mesh = mesh if mesh is not None else mesh_of(compiled)
     text = as_asked(lowered) if lowered is not None else compiled.as_text() or ""
     analysis = compiled.cost_analysis() or {}  # per device: XLA analyses the partitioned program
-    # a loop's body runs n times
-    flops = float(analysis.get("flops", 0.0)) + repeated_dot_flops(text)
+    flops = float(analysis.get("flops", 0.0)) + repeated_dot_flops(text)  # a loop's body, n times
     accessed = float(analysis.get("bytes accessed", 0.0))
     communication = _communication(text, mesh, hardware)
     chips = compiled_for_a_chip(compiled)
-    return StepCost(hardware, flops, accessed, communication, Memory.of(compiled), batch, overlap, chips)
+    memory = Memory.of(compiled)
+    return StepCost(hardware, flops, accessed, communication, memory, batch, overlap, chips)
 
 
 def compiled_for_a_chip(compiled: jax.stages.Compiled) -> bool:
@@ -315,8 +352,9 @@ def cost_report(
     that one device holds. A ``step`` with ``.lower`` (a ``Sharded`` function, a
     ``zero.ZeroStep``) is lowered as it is, and ``rules`` go unused.
     """
-    sharded = step if hasattr(step, "lower") else Sharded(mesh, rules)(step)  # type: ignore[arg-type]
-    lowered = sharded.lower(*args)
+    if not hasattr(step, "lower"):  # a Sharded function, a zero.ZeroStep: lowered as it is
+        step = Sharded(mesh, rules)(step)  # type: ignore[arg-type]
+    lowered = step.lower(*args)
     # how the step splits the batch
     placed = jax.tree.leaves(lowered.compile().input_shardings[0][-1])[0]
     rows = placed.shard_shape(jax.tree.leaves(args[-1])[0].shape)[0]
@@ -342,7 +380,8 @@ class Comparison:
     candidates: tuple[Candidate, ...]
 
     def __str__(self) -> str:
-        lines = [f"  {'style':8} {'mesh':18} {'step':>9} {'compute':>9} {'comms':>9} {'memory':>9}  verdict"]
+        heads = f"{'step':>9} {'compute':>9} {'comms':>9} {'memory':>9}"
+        lines = [f"  {'style':8} {'mesh':18} {heads}  verdict"]
         for i, candidate in enumerate(self.candidates):
             cost = candidate.cost
             shape = "x".join(f"{k}={v}" for k, v in candidate.mesh.items())
@@ -351,7 +390,8 @@ class Comparison:
             if cost is None:
                 lines.append(head + candidate.why)
                 continue
-            cells = (t(cost.step_s), t(cost.compute_s), t(cost.comm_s), human_bytes(cost.memory.total))
+            memory = human_bytes(cost.memory.total)
+            cells = (t(cost.step_s), t(cost.compute_s), t(cost.comm_s), memory)
             lines.append(head + " ".join(f"{cell:>9}" for cell in cells) + f"  {cost.verdict}")
         return "\n".join([*lines, f"(* the fastest predicted step on {self.hardware.name})"])
 
@@ -393,7 +433,8 @@ def compare(
                 candidates.append(Candidate(style, shape, None, error.why))
                 continue
             candidates.append(Candidate(style, shape, cost))
-    fastest = sorted([*candidates, *others], key=lambda c: math.inf if c.cost is None else c.cost.step_s)
+    tried = [*candidates, *others]
+    fastest = sorted(tried, key=lambda c: math.inf if c.cost is None else c.cost.step_s)
     return Comparison(hardware, tuple(fastest))
 
 
@@ -410,7 +451,8 @@ def model_flops(loss: Callable[..., Any], *args: Any) -> float:
     embeddings). The backward pass does two matmuls per forward one (the weight's
     gradient and the input's): 3 x. Elementwise work is left out, small beside it.
 
-    >>> w, x = jax.ShapeDtypeStruct((784, 512), "float32"), jax.ShapeDtypeStruct((32, 784), "float32")
+    >>> w = jax.ShapeDtypeStruct((784, 512), "float32")
+    >>> x = jax.ShapeDtypeStruct((32, 784), "float32")
     >>> model_flops(lambda w, x: (x @ w).sum(), w, x) == 3 * 2 * 32 * 784 * 512
     True
     """
@@ -426,7 +468,8 @@ def matmul_flops(jaxpr: Any) -> float:
         if eqn.primitive.name == "dot_general":
             (contracted, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
-            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contracted)
+            output = math.prod(eqn.outvars[0].aval.shape)
+            total += 2 * output * math.prod(lhs[d] for d in contracted)
         inner = [matmul_flops(getattr(v, "jaxpr", v)) for v in eqn.params.values() if _is_jaxpr(v)]
         branches = [matmul_flops(b.jaxpr) for b in eqn.params.get("branches", ())]
         total += sum(inner) * eqn.params.get("length", 1) + max(branches, default=0.0)
@@ -437,7 +480,11 @@ def _is_jaxpr(value: Any) -> bool:
     return isinstance(value, jax.extend.core.Jaxpr | jax.extend.core.ClosedJaxpr)
 
 
-def _communication(text: str, mesh: AnyMesh | None, hardware: Hardware) -> tuple[tuple[str, int, float], ...]:
+def _communication(
+    text: str,
+    mesh: AnyMesh | None,
+    hardware: Hardware,
+) -> tuple[tuple[str, int, float], ...]:
     """``(kind, bytes, seconds)`` per kind: each instruction priced over its own group of
     devices."""
     sent: dict[str, tuple[int, float]] = {}

@@ -77,7 +77,10 @@ CHAPTERS = {
     # issue 49: model_flops (41 lines), MFU's numerator; issue 60: the roofline (chip_s, compiled_for_a_chip)
     # issue 62: the critical batches' one home, mixed_critical_batch (from layouts) and
     # hbm_critical_batch (the HBM roofline's, which serving and layouts share: 27); no tuple packing (6)
-    "costs": 485,  # issue 62 §4: docstrings and comments rewrapped to 100 characters (7)
+    # issue 62 §4: docstrings and comments rewrapped to 100 characters (7); no line over 100 (+34:
+    # signatures one argument a line, the report's cells and each formula's terms named, long
+    # doctests split) and every public name in the docstring, a paragraph by section (+13)
+    "costs": 526,
     # issue 43: stack, unstack (22 lines), the report (12); #45: in_flight; issue 62: the pp+cp, dp+pp
     # and pp+ep loop moved to composition (-25); the circular schedule's two steps named
     # (repeat_layers, circled_back: +25), GPipe's loop and Pipeline.run (+15); no line over 100
@@ -328,7 +331,6 @@ class Gaps(typing.NamedTuple):
 STILL_TO_CLEAN = {
     "memory": Gaps(long=50, packed=4, untaught=21),
     "experts": Gaps(long=1, packed=0, untaught=0),  # ExpertReport's printed line, as its doctest shows it
-    "costs": Gaps(long=21, packed=0, untaught=16),
 }
 """A known gap, bounded: the chapters other branches of issue 62 are rewriting, each at its count
 when the rules were drawn. A count may only fall; the branch that cleans a chapter drops its entry.
