@@ -216,7 +216,8 @@ def block_activations(
 def kept_by_policy(
     b: int, s: int, width: int, heads: int, head_dim: int, hidden: int, sp: int, policy: str
 ) -> int:
-    """Numbers a block keeps under a ``jax.checkpoint`` ``policy``: its input, ``sbh``, and what it saves.
+    """Numbers a block keeps under a ``jax.checkpoint`` ``policy``: its input, ``sbh``, and what it
+    saves.
 
     * ``"full"``: nothing more: ``sbh``;
     * ``"names"``: q, k, v and attention's output: ``sbh(2 + 3)`` = ``5sbh``;
@@ -224,16 +225,74 @@ def kept_by_policy(
       projection's and the MLP's first: ``sbh(2 + 4 + r + as/h)``.
 
     >>> s, b, h, a = 64, 2, 128, 4
-    >>> [kept_by_policy(b, s, h, a, h // a, 4 * h, 1, p) // (s * b * h) for p in ("full", "names", "dots")]
+    >>> policies = ("full", "names", "dots")
+    >>> [kept_by_policy(b, s, h, a, h // a, 4 * h, 1, p) // (s * b * h) for p in policies]
     [1, 5, 12]
     """
-    stream, qkv, scores = b * s * width // sp, 3 * b * s * heads * head_dim, b * heads * s * s
+    stream = b * s * width // sp  # the block's input (and attention's output: as wide)
+    qkv = 3 * b * s * heads * head_dim
+    scores = b * heads * s * s
+    summed = b * s * heads * head_dim  # the softmax's weights times the values
+    mlp_in = b * s * hidden
     kept = {
         "full": stream,  # the block's input alone; the backward pass runs the block again
         "names": 2 * stream + qkv,  # its input, q, k, v, and attention's output
-        "dots": 2 * stream + qkv + scores + qkv // 3 + b * s * hidden,
+        "dots": 2 * stream + qkv + scores + summed + mlp_in,
     }
     return kept[policy]
+
+
+COMPILERS = ("xla:cpu", "xla:tpu")
+"""Whose program a prediction is of. The two keep different things for the backward pass."""
+MXU = "bfloat16"
+"""The dtype a TPU's matrix unit reads at JAX's default precision, a float32 matmul's operands too."""
+
+
+def kept_on_tpu(
+    b: int, s: int, width: int, heads: int, head_dim: int, hidden: int, compute: str, policy: str
+) -> dict[str, int]:
+    """Bytes one of minishard's blocks keeps for its backward pass in XLA:TPU's program, by what they
+    hold, for one device's sizes in ``compute``'s dtype under remat ``policy``.
+
+    Read from XLA:TPU's buffer assignment at the step's peak (``benchmarks/memory_aot.py``). XLA:TPU
+    fuses elementwise work into the matmul or reduction beside it, and keeps what no fusion can
+    recompute from its own operands; ``block_activations`` counts XLA:CPU's, which keeps each
+    unfused intermediate. Without recomputation (``"none"``) a block keeps:
+
+    * the residual stream at each LayerNorm's input, ``2 b s width`` in ``compute`` (the norms'
+      outputs are recomputed inside the fusions that read them);
+    * q, k, v and attention's output, ``4 b s heads head_dim``, in bfloat16 even in a float32
+      step: the MXU reads a float32 operand as bfloat16 (``MXU``), and that copy is what is kept;
+    * the softmax's weights, ``b heads s²``, in float32, as ``context.attend`` computes them;
+    * the MLP's hidden units once, the Swish's input, in ``compute`` (its output is recomputed).
+
+    >>> kept = kept_on_tpu(16, 1024, 768, 12, 64, 3072, "bfloat16", "none")   # GPT-2 small's block
+    >>> {term: round(n / 2**20) for term, n in kept.items()}   # MiB
+    {'stream': 48, 'q, k, v, out': 96, 'softmax': 768, 'mlp hidden': 96}
+    """
+    _checks.one_of("kept_on_tpu: policy", policy, tuple(POLICIES))
+    c = itemsize(compute)
+    stream = b * s * width * c
+    projected = b * s * heads * head_dim  # q, k, v and attention's output, each
+    softmax = b * heads * s * s * 4
+    if policy == "full":  # the block's input alone
+        return {"stream": stream}
+    if policy == "names":  # its input, q, k, v (as named: in compute) and the out projection's
+        return {"stream": 2 * stream, "q, k, v": 3 * projected * c}
+    if policy == "dots":  # every matmul's output but the MLP's second: the scores, the sum in float32
+        return {
+            "stream": 2 * stream,
+            "q, k, v": 3 * projected * c,
+            "softmax": softmax,
+            "summed": projected * 4,
+            "mlp hidden": b * s * hidden * c,
+        }
+    return {
+        "stream": 2 * stream,
+        "q, k, v, out": 4 * projected * itemsize(MXU),
+        "softmax": softmax,
+        "mlp hidden": b * s * hidden * c,
+    }
 
 
 def head_activations(b: int, s: int, width: int, logits: int, sp: int = 1) -> int:
@@ -430,6 +489,7 @@ def _replicas_and_gathers(plan: Plan, mesh: AnyMesh, rules: AxisRules | None) ->
     tokens = set(batch)
     if rules is not None and "seq" in dict(rules.pairs):  # a rule may split the sequence's tokens too
         tokens |= _mesh_axes(rules.spec(("batch", "seq"), mesh))
+    tokens = {axis for axis in tokens if dict(mesh.shape)[axis] > 1}  # one device sums nothing
     gathered = reduced = 0
     for leaf in plan.leaves:
         if leaf.path[1] != "0":
