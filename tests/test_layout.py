@@ -83,8 +83,10 @@ CHAPTERS = {
     "experts": 436,  # issue 43 §4: moe_layers (10); #45 moe_activations; with_stats and keep (44 lines)
     # moved down to layers (pp+ep: the pipeline carries an MoE's stats out of its stages)
     "remat": 150,  # issue 45 §4: the policies, after_the_gradient (XLA:CPU schedules by it), StepFlops
-    "memory": 475,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
+    "memory": 580,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
     # §2: zero_budget, ZeRO's own step term by term (31), Budget.cast_each_step (ZeRO holds its bf16 weights)
+    # issue 60: kept_on_tpu and TPU_KEEPS, what XLA:TPU keeps (50); issue 62: no line over 100
+    # characters, each formula's terms one named line (50)
     "serving": 260,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too; GPT-2's
     # shape (gated, positions, biases) and minishard's own GPT as a size (14), which --check compiles;
     # issue 63: PaLM 540B and Megatron's 1T, the published runs' shapes (12)
