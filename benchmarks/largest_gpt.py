@@ -12,7 +12,15 @@ says 15.75 GiB are available to a program (its own refusal, docs/tpu.md).
   ``memory_analysis()`` (arguments + outputs + temporaries - aliased) fits in 15.75 GiB, found by
   bisection started at the prediction (compiles cached as ``benchmarks/memory_aot.py``'s);
 * on a chip, the default: 3 steps of each ``FOUND`` batch and of the next larger one, each said to
-  train or to run out of memory: ``python3 benchmarks/largest_gpt.py --json $OUT/largest.json``.
+  train or to run out of memory: ``python3 benchmarks/largest_gpt.py --json $OUT/largest.json``
+  (``--only full``: one policy, within a 10-minute command). Where ``FOUND`` has no batch yet for a
+  policy, the chip's own compiler finds it first, by the same search (each compile there, on the
+  chip's host, takes the time of GPT-2 small's; a batch fits where it compiles and its
+  ``memory_analysis()`` is within 15.75 GiB).
+
+Near the limit XLA:TPU rematerializes on its own (its ``HloRematerialization`` pass runs when a
+program would not fit): the compiled bytes then grow slower than the batch, and the largest batch
+it compiles lies above the one ``memory.budget`` predicts, which counts no such recomputation.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ BODY = [
 HBM = 15.75 * 2**30
 """Bytes a program may use on one TPU v5e, as XLA:TPU says when it refuses one."""
 POLICIES = ("none", "full", "dots", "names")
-FOUND = {"none": 0, "full": 0, "dots": 0, "names": 0}
+FOUND: dict[str, int] = {}
 """The largest batch ``--aot`` found per policy (docs/tpu.md); the chip trains each and one more."""
 
 
@@ -80,12 +88,35 @@ def aot_fits(policy: str, batch: int, cache: dict[str, Any]) -> bool:
     """Whether XLA:TPU compiles the step for one v5e and its memory_analysis fits ``HBM``."""
     seen = memory_aot.compiled(flags(policy, batch), cache, terms=False)
     memory_aot.write_json(memory_aot.CACHE, cache)
+    return fits(seen, f"{policy} batch {batch}")
+
+
+def fits(seen: dict[str, Any], what: str) -> bool:
+    """Whether ``seen`` (``memory_aot``'s numbers of one compile) fits ``HBM``; said in one line."""
     if "error" in seen:
-        print(f"  {policy} batch {batch}: XLA:TPU refuses it: {seen['error'][:120]}", flush=True)
+        print(f"  {what}: XLA:TPU refuses it: {seen['error'][:120]}", flush=True)
         return False
     total = seen["arguments"] + seen["outputs"] + seen["temporaries"] - seen["aliased"]
-    print(f"  {policy} batch {batch}: {total / 2**30:.2f} GiB compiled", flush=True)
+    print(f"  {what}: {total / 2**30:.2f} GiB compiled", flush=True)
     return total <= HBM
+
+
+def chip_fits(policy: str, batch: int) -> bool:
+    """Whether the chip's compiler compiles the step at ``batch`` within ``HBM`` (shapes only)."""
+    import jax
+
+    from minishard.run.cli import parse_args
+    from minishard.run.cli.memory import compiled_memory, predict
+
+    args = parse_args(["explain", "--memory", "--devices", "1", *flags(policy, batch)])
+    _, step_args, shape, rules = predict(args)
+    try:
+        memory = compiled_memory(args, step_args, shape, rules, jax.devices()[:1])
+    except jax.errors.JaxRuntimeError as error:  # RESOURCE_EXHAUSTED: over the chip's HBM
+        return fits({"error": str(error).splitlines()[0]}, f"{policy} batch {batch}")
+    seen = {"arguments": memory.arguments, "outputs": memory.outputs}
+    seen |= {"temporaries": memory.temporaries, "aliased": memory.aliased}
+    return fits(seen, f"{policy} batch {batch}")
 
 
 def on_the_chip(policy: str, batch: int, steps: int = 3) -> dict[str, Any]:
@@ -97,7 +128,7 @@ def on_the_chip(policy: str, batch: int, steps: int = 3) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         compiled = chip.compiled_step(["--remat", policy, "--batch-size", str(batch), *BODY], "bf16")
-        row["compiled_total"] = compiled.compiled.memory_analysis().temp_size_in_bytes
+        row["compiled_temporaries"] = compiled.compiled.memory_analysis().temp_size_in_bytes
         model, state = compiled.built, compiled.state
         for _ in range(steps):
             model, state, *rest = jax.block_until_ready(compiled.compiled(model, state, compiled.batch))
@@ -133,8 +164,10 @@ def main() -> None:
     else:
         rows = []
         for policy in policies:
-            for batch in (FOUND[policy], FOUND[policy] + 1):
-                row = on_the_chip(policy, batch)
+            predicted = largest(lambda b, p=policy: predicted_total(p, b) <= HBM, 16)
+            found = FOUND.get(policy) or largest(lambda b, p=policy: chip_fits(p, b), predicted)
+            for batch in (found, found + 1):
+                row = on_the_chip(policy, batch) | {"predicted": predicted, "found": found}
                 rows.append(row)
                 said = "trained" if row["trained"] else f"did not: {row.get('error')}"
                 print(f"{policy} batch {batch}: {said}", flush=True)
