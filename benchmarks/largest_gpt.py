@@ -18,9 +18,9 @@ says 15.75 GiB are available to a program (its own refusal, docs/tpu.md).
   chip's host, takes the time of GPT-2 small's; a batch fits where it compiles and its
   ``memory_analysis()`` is within 15.75 GiB).
 
-Near the limit XLA:TPU rematerializes on its own (its ``HloRematerialization`` pass runs when a
-program would not fit): the compiled bytes then grow slower than the batch, and the largest batch
-it compiles lies above the one ``memory.budget`` predicts, which counts no such recomputation.
+Near the limit the compiled bytes grow slower than the batch (XLA's own rematerialization, its
+``HloRematerialization`` pass, runs when a program would not fit), so the largest batch XLA:TPU
+compiles can lie above the one ``memory.budget`` predicts, which counts no such recomputation.
 """
 
 from __future__ import annotations

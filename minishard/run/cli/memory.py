@@ -57,8 +57,8 @@ def budget(
     precision: Precision = memory.FP32,
     compiler: str = "xla:cpu",
 ) -> Budget:
-    """``memory.step_budget`` of ``(model, opt_state, batch)``, what it keeps from ``activations``, as
-    ``compiler`` (``memory.COMPILERS``) keeps it."""
+    """``memory.step_budget`` of ``(model, opt_state, batch)``, what it keeps from
+    ``activations``, as ``compiler`` (``memory.COMPILERS``) keeps it."""
     model, _, batch = args
     kept = _kept(model, batch, mesh, rules, precision.params, compiler)
     return memory.step_budget(args, mesh, rules, precision, kept)
@@ -118,15 +118,17 @@ def activations(
     ends = (lambda m, ids: m.after(m.before(ids))) if stacked else (lambda m, ids: m(ids))
     logits = math.prod(jax.eval_shape(ends, model, first).shape[1:])  # per example: a GPT's, per token
     if hasattr(block, "attention"):
-        one_block, head, added = _transformer(block, at, leaves, b, x[1], logits, ways, dtype, compiler)
+        per_device = (b, x[1], logits)  # examples and tokens on one device, logits per example
+        one_block, head, added = _transformer(block, at, leaves, *per_device, ways, dtype, compiler)
     else:  # a pipeline's MLP: each block a Linear (w -> w) and its Swish
         width, added = x[-1], {}
-        one_block = lambda examples, _: c * memory.mlp_activations(examples, (width, width))  # noqa: E731
+        one_block = lambda n, _: c * memory.mlp_activations(n, (width, width))  # noqa: E731
         inputs = leaves["before.layers[0].weight"].shape[0]
         head = c * memory.mlp_activations(b, (inputs, width, logits))
     if stacked and model.pipeline is not None:  # each stage: its blocks, of every microbatch in flight
         pipe = model.pipeline
-        added["pipeline loop"] = 2 * c * math.prod(x) // ways()[0]  # its inputs and outputs: the batch's
+        # its inputs and outputs: the whole batch's
+        added["pipeline loop"] = 2 * c * math.prod(x) // ways()[0]
         in_flight = pipeline.in_flight(pipe.stages, pipe.microbatches, pipe.repeats)
         blocks = in_flight * (model.blocks.n // pipe.stages) * one_block(b // pipe.microbatches, "none")
         return int(blocks) + head, added
