@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("libtpu", reason="XLA:TPU compiles ahead of time only where libtpu is installed")
 
-from minishard import memory  # noqa: E402
-from minishard.costs import Memory  # noqa: E402
-from minishard.run.cli import parse_args  # noqa: E402
-from minishard.run.cli.memory import compiled_memory, compiler_of, predict  # noqa: E402
+from minishard import memory
+from minishard.costs import Memory
+from minishard.run.cli import parse_args
+from minishard.run.cli.memory import compiled_memory, compiler_of, predict
 
 SIZES = {
     "6x384": ["--depth", "6", "--width", "384", "--heads", "6", "--context", "256", "--batch-size", "64"],
