@@ -19,6 +19,18 @@ device) and sets them against the compiler's ``memory_analysis()`` and an
 accelerator's HBM. Nothing here compiles: an ``AbstractMesh`` and ``jax.eval_shape``
 are enough to ask about a model far bigger than this machine.
 
+The names, by section. 1: a step's dtypes are a ``Precision`` (``FP32``, ``MIXED``, ``BF16``,
+``FP16``; ``PRECISIONS`` by flag, of the ``DTYPES`` a number takes), each number's ``itemsize``,
+and ``bytes_per_parameter`` from them and the optimizer's ``MOMENTS``. 2: ``ZERO_SPLITS`` says
+which terms each ZeRO stage splits (``OPTIMIZER_STATE`` the optimizer's own), ``zero_bytes`` what
+remains on a device. 3: ``korthikanti`` is the paper's formula for its ``PAPER`` policies,
+``block_activations`` the same block's bytes under each of ``RECOMPUTE``, ``kept_by_policy`` what
+a ``jax.checkpoint`` policy keeps, ``head_activations`` and ``mlp_activations`` the rest of a
+model; ``kept_on_tpu`` is what XLA:TPU keeps instead (``TPU_KEEPS``, per policy: its ``MXU``
+copies in bf16, the softmax in float32), one of the ``COMPILERS`` a prediction is for. 4: a
+``Budget`` is a step's terms against the compiler's and the chip's bytes: ``step_budget`` for a
+``Sharded`` step, ``zero_budget`` for ZeRO's own.
+
 >>> terms = bytes_per_parameter(MIXED, "adamw")
 >>> terms, sum(terms.values())   # the Playbook's 16 bytes per parameter
 ({'parameters': 2, 'gradients': 2, 'master': 4, 'accumulated': 0, 'moments': 8}, 16)
@@ -65,7 +77,8 @@ class Precision:
 
     def __post_init__(self) -> None:
         for name, dtype in dataclasses.asdict(self).items():
-            _checks.one_of(f"Precision: {name}", dtype, (*DTYPES, None) if name in OPTIONAL else DTYPES)
+            allowed = (*DTYPES, None) if name in OPTIONAL else DTYPES
+            _checks.one_of(f"Precision: {name}", dtype, allowed)
         _checks.copies_as_wide(dataclasses.asdict(self))
 
     def compute(self, tree: Any) -> Any:
@@ -94,7 +107,8 @@ scale (``minishard.precision.LossScaled``): the gradients of the scaled loss, re
 PRECISIONS = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
 """The precisions ``--precision`` names."""
 MOMENTS = {"sgd": 0, "momentum": 1, "adamw": 2}
-"""float32 tensors per parameter each optimizer keeps: plain SGD none, its momentum one, AdamW two."""
+"""float32 tensors per parameter each optimizer keeps: plain SGD none, its momentum one, AdamW
+two."""
 
 
 def itemsize(dtype: str | None) -> int:
@@ -105,8 +119,8 @@ def itemsize(dtype: str | None) -> int:
 def bytes_per_parameter(precision: Precision = FP32, optimizer: str = "adamw") -> dict[str, int]:
     """Each term's bytes for one parameter: the Playbook's anatomy of a step's memory.
 
-    >>> sum(bytes_per_parameter(FP32, "adamw").values()), sum(bytes_per_parameter(FP32, "momentum").values())
-    (16, 12)
+    >>> [sum(bytes_per_parameter(FP32, optimizer).values()) for optimizer in ("adamw", "momentum")]
+    [16, 12]
     """
     _checks.one_of("bytes_per_parameter: optimizer", optimizer, tuple(MOMENTS))
     return {
@@ -138,26 +152,29 @@ def zero_bytes(terms: dict[str, float], stage: int, devices: int) -> float:
 
     ZeRO's paper, mixed precision with K = 12 (master and two moments), Ψ parameters:
     stage 1 is 2Ψ + 2Ψ + KΨ/N, stage 2 2Ψ + (2Ψ + KΨ)/N, stage 3 (2Ψ + 2Ψ + KΨ)/N.
-    Megatron-LM's distributed optimizer is stage 1: 8 + 8/N bytes per parameter in float32, 6 + 12/N
-    with bfloat16 weights (a float32 master split beside the moments), and so is ``minishard.zero``'s
-    level 1 compiled (``compute="bfloat16"``): the weights whole and the rest split are its arguments,
-    to the byte, and each device reduce-scatters its whole float32 gradient.
+    Megatron-LM's distributed optimizer is stage 1: 8 + 8/N bytes per parameter in float32,
+    6 + 12/N with bfloat16 weights (a float32 master split beside the moments), and so is
+    ``minishard.zero``'s level 1 compiled (``compute="bfloat16"``): the weights whole and the rest
+    split are its arguments, to the byte, and each device reduce-scatters its whole float32
+    gradient.
 
     >>> [zero_bytes(bytes_per_parameter(MIXED), stage, 8) for stage in (0, 1, 2, 3)]
     [16.0, 5.5, 3.75, 2.0]
     """
     _checks.one_of("zero_bytes: stage", stage, tuple(ZERO_SPLITS))
     _checks.count("zero_bytes: devices", devices)
-    return float(sum(size / devices if name in ZERO_SPLITS[stage] else size for name, size in terms.items()))
+    split = ZERO_SPLITS[stage]
+    return float(sum(size / devices if name in split else size for name, size in terms.items()))
 
 
 # --- 3. activations: what a transformer block keeps for its backward pass -------------------
 
 PAPER = ("none", "selective", "full")
-"""Korthikanti et al.'s: keep everything; recompute attention's core (the softmax) from q, k, v; or the
-block from its input."""
+"""Korthikanti et al.'s: keep everything; recompute attention's core (the softmax) from q, k, v;
+or the block from its input."""
 RECOMPUTE = (*POLICIES, "selective")
-"""What ``block_activations`` counts: each policy of ``minishard.remat``, and the paper's selective."""
+"""What ``block_activations`` counts: each policy of ``minishard.remat``, and the paper's
+selective."""
 
 
 def korthikanti(
@@ -168,6 +185,12 @@ def korthikanti(
     ``sbh(34 + 5as/h)``; tensor parallel over t: ``sbh(10 + 24/t + 5as/(ht))``;
     with sequence parallelism ``sbh(34 + 5as/h)/t``; selective recomputation drops the
     ``5as/h`` term (the softmax, its dropout mask and output); full keeps the input, ``2sbh``.
+
+    minishard's block (``block_activations``) keeps, with ``heads head_dim = h`` and r = hidden / h,
+    ``sbh(8 + 2r + as/h)`` numbers, for r = 4 in 16-bit bytes ``sbh(32 + 2as/h)`` against the
+    paper's ``sbh(34 + 5as/h)``: no dropout by default (``--dropout 0``), so no mask after attention
+    and after the MLP (``2sbh``), nor on the softmax's output (``3as²b`` less). Split over t, its
+    norms stay whole without ``sp`` (the paper's 10 is 4 + 4 + its 2 masks).
 
     >>> korthikanti(2048, 1, 12288, 96) / 2**20   # GPT-3's 175B layer, one sequence: MiB
     2736.0
@@ -182,25 +205,22 @@ def korthikanti(
 
 
 def block_activations(
-    b: int, s: int, width: int, heads: int, head_dim: int, hidden: int, sp: int = 1, recompute: str = "none"
+    b: int,
+    s: int,
+    width: int,
+    heads: int,
+    head_dim: int,
+    hidden: int,
+    sp: int = 1,
+    recompute: str = "none",
 ) -> int:
-    """Numbers one of minishard's blocks keeps for its backward pass, per device (not bytes).
+    """Numbers one of minishard's blocks keeps for its backward pass, per device (not bytes), as
+    XLA:CPU keeps them: each unfused intermediate the backward pass reads (below, one a line).
 
     All sizes are one device's: ``b`` examples of ``s`` tokens, ``heads`` of its heads,
     ``hidden`` of its MLP's units; ``sp`` splits the residual stream's tokens (``tp+sp``).
-    Without recomputation (``"none"``) a block keeps:
-
-    * the two LayerNorms' inputs and outputs (the projections' inputs): ``4 b s width / sp``;
-    * q, k and v, and attention's output (the out projection's input): ``4 b s heads head_dim``;
-    * the softmax's output: ``b heads s²``;
-    * the MLP's Swish, its input and output: ``2 b s hidden``.
-
-    With ``heads head_dim = h``, r = hidden / h: ``sbh(8 + 2r + as/h)``, for r = 4
-    ``sbh(16 + as/h)`` numbers, in 16-bit bytes ``sbh(32 + 2as/h)`` against the paper's
-    ``sbh(34 + 5as/h)``: no dropout by default (``--dropout 0``), so no mask after attention and after the
-    MLP (``2sbh``), and none on the softmax's output, nor its output (``3as²b``). Split over t:
-    the norms stay whole without ``sp`` (the paper's 10 is 4 + 4 + its 2 masks).
-    The paper's ``"selective"`` drops the softmax's ``b heads s²``; remat's policies: ``kept_by_policy``.
+    ``"selective"`` drops the softmax; remat's policies: ``kept_by_policy``; set against the
+    paper's count: ``korthikanti``.
 
     >>> s, b, h, a = 64, 2, 128, 4
     >>> block_activations(b, s, h, a, h // a, 4 * h) == s * b * h * (16 + a * s / h)
@@ -209,14 +229,18 @@ def block_activations(
     _checks.one_of("block_activations: recompute", recompute, RECOMPUTE)
     if recompute not in ("none", "selective"):
         return kept_by_policy(b, s, width, heads, head_dim, hidden, sp, recompute)
-    softmax = 0 if recompute == "selective" else b * heads * s * s
-    return 4 * b * s * width // sp + 4 * b * s * heads * head_dim + softmax + 2 * b * s * hidden
+    norms = 4 * b * s * width // sp  # the two LayerNorms' inputs and outputs
+    projected = 4 * b * s * heads * head_dim  # q, k, v and attention's output
+    softmax = 0 if recompute == "selective" else b * heads * s * s  # its output
+    swish = 2 * b * s * hidden  # the MLP's Swish, its input and output
+    return norms + projected + softmax + swish
 
 
 def kept_by_policy(
     b: int, s: int, width: int, heads: int, head_dim: int, hidden: int, sp: int, policy: str
 ) -> int:
-    """Numbers a block keeps under a ``jax.checkpoint`` ``policy``: its input, ``sbh``, and what it saves.
+    """Numbers a block keeps under a ``jax.checkpoint`` ``policy``: its input, ``sbh``, and what it
+    saves.
 
     * ``"full"``: nothing more: ``sbh``;
     * ``"names"``: q, k, v and attention's output: ``sbh(2 + 3)`` = ``5sbh``;
@@ -224,27 +248,80 @@ def kept_by_policy(
       projection's and the MLP's first: ``sbh(2 + 4 + r + as/h)``.
 
     >>> s, b, h, a = 64, 2, 128, 4
-    >>> [kept_by_policy(b, s, h, a, h // a, 4 * h, 1, p) // (s * b * h) for p in ("full", "names", "dots")]
+    >>> policies = ("full", "names", "dots")
+    >>> [kept_by_policy(b, s, h, a, h // a, 4 * h, 1, p) // (s * b * h) for p in policies]
     [1, 5, 12]
     """
-    stream, qkv, scores = b * s * width // sp, 3 * b * s * heads * head_dim, b * heads * s * s
+    stream = b * s * width // sp  # the block's input (and attention's output: as wide)
+    qkv = 3 * b * s * heads * head_dim
+    scores = b * heads * s * s
+    summed = b * s * heads * head_dim  # the softmax's weights times the values
+    mlp_in = b * s * hidden
     kept = {
         "full": stream,  # the block's input alone; the backward pass runs the block again
         "names": 2 * stream + qkv,  # its input, q, k, v, and attention's output
-        "dots": 2 * stream + qkv + scores + qkv // 3 + b * s * hidden,
+        "dots": 2 * stream + qkv + scores + summed + mlp_in,
     }
     return kept[policy]
 
 
+COMPILERS = ("xla:cpu", "xla:tpu")
+"""Whose program a prediction is of. The two keep different things for the backward pass."""
+MXU = "bfloat16"
+"""The dtype a TPU's matrix unit reads at JAX's default precision: a float32 matmul's operands
+too."""
+
+
+TPU_KEEPS = {
+    "none": ("stream", "q, k, v, out", "softmax", "mlp hidden"),
+    "full": ("input",),  # the block's input alone
+    "names": ("stream", "q, k, v"),  # its input, q, k, v as named, and the out projection's output
+    "dots": ("stream", "q, k, v", "softmax", "summed", "mlp hidden"),  # every matmul's but the last
+}
+"""The terms of ``kept_on_tpu`` each ``--remat`` policy keeps, read from XLA:TPU's programs."""
+
+
+def kept_on_tpu(
+    b: int, s: int, width: int, heads: int, head_dim: int, hidden: int, compute: str, policy: str
+) -> dict[str, int]:
+    """Bytes one of minishard's blocks keeps for its backward pass in XLA:TPU's program, by term,
+    for one device's sizes computed in ``compute`` under remat ``policy`` (``TPU_KEEPS``).
+
+    Read from XLA:TPU's buffers live at the step's peak (``benchmarks/memory_aot.py``). It fuses
+    elementwise work into its neighbours, keeping less than XLA:CPU (``block_activations``): the
+    stream at each LayerNorm's input, not their outputs; q, k, v and attention's output in bfloat16
+    even in float32 (the MXU reads bfloat16, ``MXU``, and keeps that copy); the softmax's weights in
+    float32, as ``context.attend`` computes them; the MLP's hidden units once, the Swish's input.
+
+    >>> kept = kept_on_tpu(16, 1024, 768, 12, 64, 3072, "bfloat16", "none")   # GPT-2 small's block
+    >>> {term: n // 2**20 for term, n in kept.items()}   # MiB
+    {'stream': 48, 'q, k, v, out': 96, 'softmax': 768, 'mlp hidden': 96}
+    """
+    _checks.one_of("kept_on_tpu: policy", policy, tuple(TPU_KEEPS))
+    c = itemsize(compute)
+    stream = b * s * width * c
+    projected = b * s * heads * head_dim  # numbers in each of q, k, v and attention's output
+    terms = {
+        "input": stream,
+        "stream": 2 * stream,  # the block's input and attention's (the second norm's input)
+        "q, k, v, out": 4 * projected * itemsize(MXU),
+        "q, k, v": 3 * projected * c,  # as the names policy saves them: the projections' outputs
+        "softmax": b * heads * s * s * 4,
+        "summed": projected * 4,  # the weights times the values, in float32
+        "mlp hidden": b * s * hidden * c,
+    }
+    return {name: terms[name] for name in TPU_KEEPS[policy]}
+
+
 def head_activations(b: int, s: int, width: int, logits: int, sp: int = 1) -> int:
-    """What the last LayerNorm and the head keep: the norm's input and output, and the logits' softmax
-    (``logits`` per example: the GPT's s·vocab, the ViT's classes)."""
+    """What the last LayerNorm and the head keep: the norm's input and output, and the logits'
+    softmax (``logits`` per example: the GPT's s·vocab, the ViT's classes)."""
     return 2 * b * s * width // sp + b * logits
 
 
 def mlp_activations(b: int, widths: tuple[int, ...]) -> int:
-    """Numbers an MLP of layer sizes ``widths`` (one device's) keeps for ``b`` examples: each Linear's
-    input, each activation's input, and the logits' softmax.
+    """Numbers an MLP of layer sizes ``widths`` (one device's) keeps for ``b`` examples: each
+    Linear's input, each activation's input, and the logits' softmax.
 
     >>> mlp_activations(8, (784, 512, 10))   # 8 x (784 + 512, the Linears; 512, the Swish; 10)
     14544
@@ -267,16 +344,20 @@ class Budget:
     """
 
     terms: dict[str, float]
-    split: float = 1.0  # the state (``split_terms``) in all over that on one device: the ways it is split
-    split_terms: tuple[str, ...] = ZERO_STATE  # the terms split so: ZeRO-1/2 split only the optimizer's
-    cast_each_step: bool = True  # with a master: the weights computed with are cast from it each step
+    # the state (``split_terms``) in all over that on one device: the ways it is split
+    split: float = 1.0
+    # the terms split so: ZeRO-1/2 split only the optimizer's
+    split_terms: tuple[str, ...] = ZERO_STATE
+    # with a master: the weights computed with are cast from it each step
+    cast_each_step: bool = True
 
     ARGUMENTS = ("parameters", "optimizer state", "master", "batch")
 
     @property
     def held(self) -> tuple[str, ...]:
-        """The terms a step is called with; with a master copy, the compute copy is made each step (but
-        ZeRO's bfloat16 step holds it whole, gathered from the master's shards: ``cast_each_step`` False)."""
+        """The terms a step is called with; with a master copy, the compute copy is made each step
+        (but ZeRO's bfloat16 step holds it whole, gathered from the master's shards:
+        ``cast_each_step`` False)."""
         cast = "master" in self.terms and self.cast_each_step
         return tuple(name for name in self.ARGUMENTS if name != "parameters" or not cast)
 
@@ -298,10 +379,12 @@ class Budget:
         sums = {"arguments": self.arguments, "temporaries": self.temporaries, "total": self.total}
         seen = None if compiled is None else _seen(compiled)
         for name, size in sums.items():
-            rows.append((name, human_bytes(int(size)), "" if seen is None else _versus(size, seen[name])))
+            beside = "" if seen is None else _versus(size, seen[name])
+            rows.append((name, human_bytes(int(size)), beside))
         width = max(len(row[0]) for row in rows)
-        lines = [f"{'term'.ljust(width)}  predicted  {'' if compiled is None else 'compiled'}".rstrip()]
-        return "\n".join(lines + [f"{n.ljust(width)}  {p.rjust(9)}  {c}".rstrip() for n, p, c in rows])
+        header = f"{'term'.ljust(width)}  predicted  {'' if compiled is None else 'compiled'}"
+        lines = [f"{n.ljust(width)}  {p.rjust(9)}  {c}".rstrip() for n, p, c in rows]
+        return "\n".join([header.rstrip(), *lines])
 
     def verdict(self, hardware: Hardware, devices: int) -> str:
         """Does it fit on one ``hardware``'s HBM? If not, its largest term, and what ZeRO-3 over all
@@ -313,13 +396,15 @@ class Budget:
         >>> Budget({"parameters": 112e9}).verdict(HARDWARE["h100"], 8)
         'does not fit: 112.0 GB > 80.0 GB (parameters 112.0 GB); ZeRO-3 over 8 would need 14.0 GB'
         """
-        total, hbm = human_bytes(int(self.total)), human_bytes(int(hardware.hbm_bytes))
+        total = human_bytes(int(self.total))
+        hbm = human_bytes(int(hardware.hbm_bytes))
         if self.total <= hardware.hbm_bytes:
             return f"fits on one {hardware.name}: {total} of {hbm}"
         largest = max(self.terms, key=self.terms.__getitem__)
         line = f"does not fit: {total} > {hbm} ({largest} {human_bytes(int(self.terms[largest]))})"
-        ways = {name: self.split if name in self.split_terms else 1 for name in ZERO_STATE}  # as split here
-        saved = sum(size * (1 - ways[name] / devices) for name, size in self.terms.items() if name in ways)
+        ways = {name: self.split if name in self.split_terms else 1 for name in ZERO_STATE}  # now
+        state = {name: size for name, size in self.terms.items() if name in ways}
+        saved = sum(size * (1 - ways[name] / devices) for name, size in state.items())
         zero3 = self.total - saved  # the whole state split over every device
         if zero3 > 0.99 * self.total:
             return f"{line}; its state is already split over the {devices} devices"
@@ -345,18 +430,18 @@ def step_budget(
     precision: Precision = FP32,
     kept: Mapping[str, float] | None = None,
 ) -> Budget:
-    """Per device: each term of a step on ``args``, ``(model, opt_state, batch)``, from ``Sharded``'s plan:
-    gradients lie as the parameters, twice where replicas all-reduce them; FSDP gathers a weight whole;
-    ``kept``: the activations, and what a style adds, by name (a pipeline's loop, the ring's chunks).
+    """Per device: each term of a step on ``args``, ``(model, opt_state, batch)``, from
+    ``Sharded``'s plan; ``kept``: the activations and a style's own terms, by name.
 
-    >>> from minishard import AdamW, mlp
-    >>> model, mesh = mlp([8, 16, 4], key=jax.random.key(0)), jax.sharding.AbstractMesh((8,), ("data",))
-    >>> args = (model, AdamW(1e-3).init(model), np.zeros((64, 8), np.float32))
+    >>> from minishard import mlp
+    >>> args = (mlp([8, 16, 4], key=jax.random.key(0)), (), np.zeros((64, 8), np.float32))  # SGD's
+    >>> mesh = jax.sharding.AbstractMesh((8,), ("data",))
     >>> step_budget(args, mesh, AxisRules(batch="data")).terms
-    {'parameters': 848, 'optimizer state': 1700, 'batch': 256, 'gradients': 848, 'reduced gradients': 848}
+    {'parameters': 848, 'batch': 256, 'gradients': 848, 'reduced gradients': 848}
     """
     shards = _shard_bytes(planned := Sharded(cast(Mesh, mesh), rules).plan_inputs(args), args)
-    (numbers, _, whole), (gathered, reduced) = shards["model"], _replicas_and_gathers(planned, mesh, rules)
+    numbers, _, whole = shards["model"]  # the parameters' numbers on one device, and in all
+    gathered, reduced = _replicas_and_gathers(planned, mesh, rules)
     terms = {
         "parameters": numbers * itemsize(precision.params),
         "optimizer state": shards["state"][1],
@@ -364,53 +449,60 @@ def step_budget(
         "batch": shards["batch"][1],
         "gradients": numbers * (itemsize(precision.grads) + itemsize(precision.accumulated)),
         **(kept or {}),
-        "reduced gradients": reduced * itemsize(precision.grads),
-        "gathered": gathered * itemsize(precision.params),
+        "reduced gradients": reduced * itemsize(precision.grads),  # where replicas all-reduce
+        "gathered": gathered * itemsize(precision.params),  # the most one weight FSDP gathers
     }
     return Budget({name: size for name, size in terms.items() if size}, whole / numbers)
 
 
 def zero_budget(step: ZeroStep, args: tuple[Any, Any, Any], kept: Mapping[str, float]) -> Budget:
-    """Per device: each term of ``minishard.zero``'s ``step`` on ``(model, opt_state, batch)``, placed by
-    ``step.placed_shapes``; ``kept``: the activations. Held: the weights whole in ``step.compute`` (levels
-    1, 2) or 1/N, padded by ``flat_padded`` (3), the state, float32 master and batch 1/N. The float32
-    gradients: levels 1, 2 the whole model's, each whole until its reduce-scatter (to 1/N); level 3 one
-    piece's (``ZeroStep.pieces``), the pieces' weights gathered, but the first's of several (its input,
-    the batch, takes no gradient: the backward pass has no use for them).
+    """Per device: each term of ``minishard.zero``'s ``step`` on ``(model, opt_state, batch)``,
+    placed by ``step.placed_shapes``; ``kept``: the activations. Held: the weights whole in
+    ``step.compute`` (levels 1, 2) or 1/N (3), the state, float32 master and batch 1/N. The float32
+    gradients: levels 1, 2 the whole model's, each whole until its reduce-scatter; level 3 one
+    piece's (``ZeroStep.pieces``), the pieces' weights gathered, but the first's of several.
 
     >>> from minishard import SGD, mlp
-    >>> model = jax.eval_shape(lambda: mlp([8, 16, 4], key=jax.random.key(0)))  # 212 numbers, 27 a device
+    >>> model = jax.eval_shape(lambda: mlp([8, 16, 4], key=jax.random.key(0)))  # 212 numbers
     >>> step = ZeroStep(SGD(0.1, momentum=0.9), jax.sharding.AbstractMesh((8,), ("data",)), level=3)
-    >>> terms = zero_budget(step, (*step.placed_shapes(model), np.zeros((64, 8), np.float32)), {}).terms
-    >>> terms["parameters"], terms["gradients"], terms["gathered"]  # 27 floats; the first Linear's, second's
+    >>> terms = zero_budget(step, (*step.placed_shapes(model), np.zeros((64, 8))), {}).terms
+    >>> terms["parameters"], terms["gradients"], terms["gathered"]  # 27 floats; the Linears' pieces
     (108, 576, 272)
     """
     model, state, batch = args
     master, inner = state if isinstance(state, Mastered) else (None, state)
-    pieces = [sum(leaf.size for leaf in jax.tree.leaves(piece)) * 4 for piece in step.pieces(step.shapes)]
+    pieces = [4 * _numbers(piece) for piece in step.pieces(step.shapes)]  # float32 gradients
     terms = {
         "parameters": held_bytes(model),
         "optimizer state": held_bytes(inner),
         "master": held_bytes(master),
-        "batch": sum(leaf.size * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(batch)) // step.n,
+        "batch": sum(np.dtype(leaf.dtype).itemsize * leaf.size for leaf in jax.tree.leaves(batch)),
         "gradients": max(pieces) if step.level == 3 else sum(pieces),
         **kept,
-        "reduced gradients": 4 * sum(-(-leaf.size // step.n) for leaf in jax.tree.leaves(step.shapes)),
-        "gathered": (sum(pieces[1:]) or pieces[0]) if step.level == 3 else 0,  # one piece: all of it
+        "reduced gradients": 4 * _numbers(step.shapes, step.n),
+        "gathered": (sum(pieces[1:]) or pieces[0]) if step.level == 3 else 0,  # one piece: all
     }
-    split = ZERO_STATE if step.level == 3 else ("optimizer state", "master")  # the terms split over n
-    return Budget({name: size for name, size in terms.items() if size}, step.n, split, cast_each_step=False)
+    terms["batch"] //= step.n
+    split = ZERO_STATE if step.level == 3 else ("optimizer state", "master")  # what n splits
+    return Budget({name: n for name, n in terms.items() if n}, step.n, split, cast_each_step=False)
+
+
+def _numbers(tree: Any, ways: int = 1) -> int:
+    """The numbers of ``tree``'s leaves, each split ``ways`` ways (rounded up)."""
+    return sum(-(-leaf.size // ways) for leaf in jax.tree.leaves(tree))
 
 
 def _shard_bytes(plan: Plan, args: tuple[Any, ...]) -> dict[str, tuple[int, int, int]]:
-    """Per argument of ``(model, opt_state, batch)``: numbers per device, their bytes, numbers in all.
+    """Per argument of ``(model, opt_state, batch)``: numbers per device, their bytes, numbers in
+    all.
 
     A plan's path starts with the argument's position ("[1].mu.layers[0].weight"); its
     leaves come in the order of the arguments' leaves, whose dtypes give the bytes.
     """
     found = {kind: [0, 0, 0] for kind in ("model", "state", "batch")}
     for leaf, array in zip(plan.leaves, jax.tree.leaves(args), strict=True):
-        kind, numbers = ("model", "state", "batch")[int(leaf.path[1])], math.prod(leaf.shard_shape)
+        kind = ("model", "state", "batch")[int(leaf.path[1])]
+        numbers = math.prod(leaf.shard_shape)
         found[kind][0] += numbers
         found[kind][1] += numbers * np.dtype(array.dtype).itemsize
         found[kind][2] += math.prod(leaf.shape)
@@ -418,7 +510,8 @@ def _shard_bytes(plan: Plan, args: tuple[Any, ...]) -> dict[str, tuple[int, int,
 
 
 def _replicas_and_gathers(plan: Plan, mesh: AnyMesh, rules: AxisRules | None) -> tuple[int, int]:
-    """Numbers FSDP gathers whole (the most one weight gains), and the parameters' numbers all-reduced.
+    """Numbers FSDP gathers whole (the most one weight gains), and the parameters' numbers
+    all-reduced.
 
     A parameter whole over a mesh axis that splits the tokens (the batch's axes, and under context
     parallelism the sequence's) is a data-parallel replica: its gradient is all-reduced, the sum
@@ -428,14 +521,16 @@ def _replicas_and_gathers(plan: Plan, mesh: AnyMesh, rules: AxisRules | None) ->
     """
     batch = {axis for leaf in plan.leaves if leaf.path[1] == "2" for axis in _mesh_axes(leaf.spec)}
     tokens = set(batch)
-    if rules is not None and "seq" in dict(rules.pairs):  # a rule may split the sequence's tokens too
+    if rules is not None and "seq" in dict(rules.pairs):  # a rule may split the sequence's too
         tokens |= _mesh_axes(rules.spec(("batch", "seq"), mesh))
+    tokens = {axis for axis in tokens if dict(mesh.shape)[axis] > 1}  # one device sums nothing
     gathered = reduced = 0
     for leaf in plan.leaves:
         if leaf.path[1] != "0":
             continue
         numbers = math.prod(leaf.shard_shape)
-        own = _mesh_axes([entry for axis, entry in zip(leaf.logical_axes, leaf.spec) if axis != "expert"])
+        by_own_axes = zip(leaf.logical_axes, leaf.spec)
+        own = _mesh_axes([entry for axis, entry in by_own_axes if axis != "expert"])
         if batch & own:
             gathered = max(gathered, math.prod(leaf.shape) - numbers)
         if tokens - _mesh_axes(leaf.spec):
@@ -444,7 +539,8 @@ def _replicas_and_gathers(plan: Plan, mesh: AnyMesh, rules: AxisRules | None) ->
 
 
 def _mesh_axes(spec: Any) -> set[str]:
-    return {axis for entry in spec if entry for axis in ((entry,) if isinstance(entry, str) else entry)}
+    entries = [(entry,) if isinstance(entry, str) else entry for entry in spec if entry]
+    return {axis for entry in entries for axis in entry}
 
 
 __all__ = [
@@ -458,13 +554,17 @@ __all__ = [
     "PAPER",
     "PRECISIONS",
     "RECOMPUTE",
+    "TPU_KEEPS",
     "ZERO_SPLITS",
+    "COMPILERS",
+    "MXU",
     "Budget",
     "Precision",
     "block_activations",
     "bytes_per_parameter",
     "head_activations",
     "kept_by_policy",
+    "kept_on_tpu",
     "itemsize",
     "korthikanti",
     "mlp_activations",

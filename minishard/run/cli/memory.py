@@ -39,6 +39,7 @@ __all__ = [
     "activations",
     "budget",
     "compiled_memory",
+    "compiler_of",
     "predict",
     "print_memory",
     "zero_step_budget",
@@ -50,32 +51,47 @@ COMPILES_UP_TO = 50_000_000
 
 
 def budget(
-    args: tuple[Any, Any, Any], mesh: AnyMesh, rules: AxisRules, precision: Precision = memory.FP32
+    args: tuple[Any, Any, Any],
+    mesh: AnyMesh,
+    rules: AxisRules,
+    precision: Precision = memory.FP32,
+    compiler: str = "xla:cpu",
 ) -> Budget:
-    """``memory.step_budget`` of ``(model, opt_state, batch)``, what it keeps from ``activations``."""
+    """``memory.step_budget`` of ``(model, opt_state, batch)``, what it keeps from
+    ``activations``, as ``compiler`` (``memory.COMPILERS``) keeps it."""
     model, _, batch = args
-    return memory.step_budget(
-        args, mesh, rules, precision, _kept(model, batch, mesh, rules, precision.params)
-    )
+    kept = _kept(model, batch, mesh, rules, precision.params, compiler)
+    return memory.step_budget(args, mesh, rules, precision, kept)
 
 
 def zero_step_budget(step: ZeroStep, model: Any, batch: Any, rules: AxisRules) -> Budget:
     """``memory.zero_budget`` of ZeRO's ``step`` on ``model`` (whole, as built) and ``batch``, placed as the
     step places them; it keeps the activations of data parallelism (``rules``: dp's), whose batch it splits.
     """
-    kept = _kept(model, batch, step.mesh, rules, step.compute)
+    kept = _kept(model, batch, step.mesh, rules, step.compute, "xla:cpu")
     return memory.zero_budget(step, (*step.placed_shapes(model), batch), kept)
 
 
-def _kept(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules, dtype: str) -> dict[str, int]:
-    """``activations`` and what the style adds, in bytes of ``dtype``, the one the step computes in."""
-    kept, added = activations(model, batch, mesh, rules)
-    return {name: n * memory.itemsize(dtype) for name, n in {"activations": kept, **added}.items()}
+def _kept(
+    model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules, dtype: str, compiler: str
+) -> dict[str, int]:
+    """``activations`` and what the style adds, in bytes, ``dtype`` the one the step computes in."""
+    kept, added = activations(model, batch, mesh, rules, dtype, compiler)
+    return {"activations": kept, **added}
 
 
-def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> tuple[int, dict[str, int]]:
-    """Numbers one device keeps for the backward pass (an MLP's, or a transformer's blocks and head),
-    and what its style adds beside them, by name.
+def activations(
+    model: Any,
+    batch: Any,
+    mesh: AnyMesh,
+    rules: AxisRules,
+    dtype: str = "float32",
+    compiler: str = "xla:cpu",
+) -> tuple[int, dict[str, int]]:
+    """Bytes one device keeps for the backward pass (an MLP's, or a transformer's blocks and head),
+    and what its style adds beside them, by name; ``dtype``: the one the step computes in. A
+    transformer's blocks keep what ``compiler`` keeps: ``memory.block_activations`` (XLA:CPU's),
+    ``memory.kept_on_tpu`` (XLA:TPU's).
 
     Each size is the whole one over the ways the rules split its *activation's* logical axes
     (``("batch", "seq", "heads", "kv")`` for q, k, v): under ``fsdp`` the weights split over
@@ -88,11 +104,13 @@ def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> tupl
     first = jax.tree.leaves(batch)[0]
     ways = lambda *axes: _ways(rules, mesh, ("batch", *axes))  # noqa: E731
     b = first.shape[0] // ways()[0]  # examples per device
+    c = memory.itemsize(dtype)
     if not hasattr(model, "blocks"):  # minishard.mlp: each Linear's input, then its output
         weights = [leaf for path, leaf in leaves.items() if path.endswith(".weight")]
         axes = [weights[0].logical_axes[0], *[leaf.logical_axes[1] for leaf in weights]]
         sizes = [weights[0].shape[0], *[leaf.shape[1] for leaf in weights]]
-        return memory.mlp_activations(b, tuple(n // ways(axis)[1] for n, axis in zip(sizes, axes))), {}
+        widths = tuple(n // ways(axis)[1] for n, axis in zip(sizes, axes))
+        return c * memory.mlp_activations(b, widths), {}
     stacked = isinstance(model, StackedModel)  # a pipeline's: its blocks on "stage"
     block, at = (model.blocks.block, "blocks.block.") if stacked else (model.blocks[0], "blocks[0].")
     before = model.before if stacked else model.embedding
@@ -100,14 +118,17 @@ def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> tupl
     ends = (lambda m, ids: m.after(m.before(ids))) if stacked else (lambda m, ids: m(ids))
     logits = math.prod(jax.eval_shape(ends, model, first).shape[1:])  # per example: a GPT's, per token
     if hasattr(block, "attention"):
-        one_block, head, added = _transformer(block, at, leaves, b, x[1], logits, ways)
+        per_device = (b, x[1], logits)  # examples and tokens on one device, logits per example
+        one_block, head, added = _transformer(block, at, leaves, *per_device, ways, dtype, compiler)
     else:  # a pipeline's MLP: each block a Linear (w -> w) and its Swish
         width, added = x[-1], {}
-        one_block = lambda examples, _: memory.mlp_activations(examples, (width, width))  # noqa: E731
-        head = memory.mlp_activations(b, (leaves["before.layers[0].weight"].shape[0], width, logits))
+        one_block = lambda n, _: c * memory.mlp_activations(n, (width, width))  # noqa: E731
+        inputs = leaves["before.layers[0].weight"].shape[0]
+        head = c * memory.mlp_activations(b, (inputs, width, logits))
     if stacked and model.pipeline is not None:  # each stage: its blocks, of every microbatch in flight
         pipe = model.pipeline
-        added["pipeline loop"] = 2 * math.prod(x) // ways()[0]  # its inputs and outputs: the whole batch's
+        # its inputs and outputs: the whole batch's
+        added["pipeline loop"] = 2 * c * math.prod(x) // ways()[0]
         in_flight = pipeline.in_flight(pipe.stages, pipe.microbatches, pipe.repeats)
         blocks = in_flight * (model.blocks.n // pipe.stages) * one_block(b // pipe.microbatches, "none")
         return int(blocks) + head, added
@@ -117,10 +138,19 @@ def activations(model: Any, batch: Any, mesh: AnyMesh, rules: AxisRules) -> tupl
 
 
 def _transformer(
-    block: Any, at: str, leaves: dict[str, Any], b: int, s: int, logits: int, ways: Any
+    block: Any,
+    at: str,
+    leaves: dict[str, Any],
+    b: int,
+    s: int,
+    logits: int,
+    ways: Any,
+    dtype: str,
+    compiler: str,
 ) -> tuple[Callable[[int, str], int], int, dict[str, int]]:
     """A transformer's block as a function of its examples and its policy, what the head keeps, for
-    ``b`` examples of ``s`` tokens on one device, and what the style adds (a ring: its chunks in flight)."""
+    ``b`` examples of ``s`` tokens on one device, and what the style adds (a ring: its chunks in
+    flight), in bytes of ``dtype`` (but what ``compiler`` keeps in another)."""
     width, heads, head_dim = leaves[at + "attention.query"].shape[-3:]
     _, seq, heads_split, _ = ways("seq", "heads", "kv")
     sp = ways("seq", "embed")[1] // seq  # the residual stream's tokens split further (tp+sp)
@@ -128,19 +158,24 @@ def _transformer(
     moe = block.mlp if isinstance(block.mlp, MoE) else None
     hidden = 0 if moe else leaves[at + "mlp.layers[0].weight"].shape[-1] // ways("seq", "mlp")[2]
     ring = block.attention.core == "ring"
-    added = {"ring K/V": composition.ring_in_flight(b, t, heads, head_dim)} if ring else {}
+    c = memory.itemsize(dtype)
+    added = {"ring K/V": c * composition.ring_in_flight(b, t, heads, head_dim)} if ring else {}
+    plain = not ring and moe is None and sp == 1  # what kept_on_tpu was read from
 
     def one_block(examples: int, recompute: str) -> int:
+        if compiler == "xla:tpu" and plain:
+            tpu = memory.kept_on_tpu(examples, t, width, heads, head_dim, hidden, dtype, recompute)
+            return sum(tpu.values())
         recompute = "selective" if ring and recompute == "none" else recompute  # the ring keeps no softmax
         kept = memory.block_activations(examples, t, width, heads, head_dim, hidden, sp, recompute)
         kept += composition.ring_kept(examples, t, heads) if ring and recompute == "selective" else 0
         if moe is None or recompute in ("full", "names"):  # these recompute the MLP from its input
-            return kept
+            return c * kept
         slots = capacity(t, moe.n_experts, moe.k, moe.capacity_factor)
         e_hidden = leaves[at + "mlp.experts.w_in"].shape[-1]
-        return kept + moe_activations(examples, t, moe.n_experts, slots, width, e_hidden)
+        return c * (kept + moe_activations(examples, t, moe.n_experts, slots, width, e_hidden))
 
-    return one_block, memory.head_activations(b, t, width, logits // seq, sp), added
+    return one_block, c * memory.head_activations(b, t, width, logits // seq, sp), added
 
 
 def _ways(rules: AxisRules, mesh: AnyMesh, axes: tuple[str, ...]) -> tuple[int, ...]:
@@ -171,7 +206,14 @@ def predict(args: argparse.Namespace) -> tuple[Budget, tuple[Any, Any, Any], dic
         step_args = (built, step.placed_shapes(built)[1], batch)
         return zero_step_budget(step, built, batch, rules), step_args, shape, rules
     step_args = (built, jax.eval_shape(optimizer.init, built), batch)
-    return budget(step_args, mesh, rules, precision), step_args, shape, rules
+    return budget(step_args, mesh, rules, precision, compiler_of(args)), step_args, shape, rules
+
+
+def compiler_of(args: argparse.Namespace) -> str:
+    """Whose program ``explain --memory`` predicts: XLA:TPU's for a ``--topology`` or on a TPU,
+    else XLA:CPU's (``memory.COMPILERS``; a GPU's is predicted as XLA:CPU's, unchecked)."""
+    on_tpu = getattr(args, "topology", None) is not None or jax.devices()[0].platform == "tpu"
+    return "xla:tpu" if on_tpu else "xla:cpu"
 
 
 def print_memory(args: argparse.Namespace) -> int:
