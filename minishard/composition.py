@@ -155,6 +155,8 @@ def over_the_batch(stat: jax.Array, pipeline: ComposedPipeline) -> jax.Array:
     return jax.lax.pmean(total / pipeline.microbatches, replicas)
 
 
+# === The ring inside others (grouped-query attention, cp decoding, a ring's memory and report) ===
+
 # --- the ring inside others: 1. grouped-query attention ----------------------------------------
 
 

@@ -11,7 +11,8 @@ given a key (a training step's): evaluation and decoding pass none and drop noth
 Each draw has a key a learner can follow: the step's (``fold_in(key(seed), step)``,
 ``minishard.run.steps``), then ``fold_in`` of the layer (0: the embeddings, block i: i + 1), then of
 the place in the block (``PLACES``). Nothing random is stored: a resumed run draws a straight run's
-masks. A mask is drawn on the array's *global* shape; JAX's threefry is partitionable
+masks. A mask (``keeps``) is drawn on the array's *global* shape, two neighbouring entries from each
+32-bit draw; JAX's threefry is partitionable
 (``jax_threefry_partitionable``), so each device draws its own shard of the same mask, and every
 layout (dp, fsdp, tp) drops the same entries.
 
@@ -49,10 +50,11 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 
 
 def keeps(key: jax.Array, rate: float, shape: tuple[int, ...]) -> jax.Array:
-    """A mask of ``shape``, each entry False with probability ``rate`` (to 1 / 2**16), from half the draws.
+    """A mask of ``shape``, each entry False with probability ``rate`` (to 1 / 2**16), from half
+    the random draws.
 
-    ``jax.random.bernoulli`` spends a whole 32-bit threefry draw on each entry; a drop needs 16 bits.
-    So each 32-bit draw decides two neighbours along the last axis, its high and its low half: half
+    ``jax.random.bernoulli`` spends a whole 32-bit threefry draw on each entry; a drop needs 16
+    bits. So each 32-bit draw decides two neighbours along the last axis, its high and its low half: half
     the threefry work, which is most of dropout's time on a TPU (the attention weights' mask is
     ``[batch, heads, T, T]``). Entry ``j`` of a row reads half ``j % 2`` of draw ``j // 2``, a pure
     function of its global index, so the mask is still the same in every layout.
