@@ -10,10 +10,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from minishard import hardware
+from minishard import hardware, make_mesh
 from minishard.hardware import DEVICE_KINDS, HARDWARE, chip_of
+from minishard.models.gpt import GPT
 from minishard.run.cli import accelerators, main, parse_args
+from minishard.run.next_token import next_token_loss
 from minishard.run.profiling import Speed, format_speed, peak_flops
+from minishard.styles import mesh_rules
+from minishard.testing import assert_sharded_equivalent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +151,23 @@ def test_on_the_chip_float32_at_default_precision_agrees_to_about_3_digits():
     default = a @ b
     relative = float(jnp.max(jnp.abs(default - exact)) / jnp.max(jnp.abs(exact)))
     assert 1e-5 < relative < 1e-2, relative  # a bf16 pass: not float32's 7 digits, about 3
+
+
+def loss_and_gradients(model, batch):
+    return jax.value_and_grad(lambda model: next_token_loss(model, batch)[0])(model)
+
+
+@pytest.mark.tpu
+def test_on_the_chip_the_equivalence_assertions_pass_at_their_default_tolerance():
+    """``minishard.testing`` compares at JAX's default precision on the backend that runs both sides:
+    on a TPU a float32 dot is one bf16 pass in each, so the GPT's loss and gradients under ``Sharded``
+    (dp over the chips there are) agree with ``jax.jit``'s to the default rtol of 1e-5."""
+    shape, rules = mesh_rules("dp", jax.device_count())
+    tokens = jax.random.randint(jax.random.key(1), (8 * jax.device_count(), 64), 0, 65)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+    model = GPT(key=jax.random.key(0))
+    mesh = make_mesh(shape)
+    assert_sharded_equivalent(loss_and_gradients, model, batch, mesh=mesh, rules=rules, require_split=False)
 
 
 def chip_benchmark():

@@ -61,6 +61,12 @@ def assert_sharded_equivalent(
     wrong annotation, which changes where arrays live but not the numbers:
     that is ``assert_placement``'s job.
 
+    Both runs compute at JAX's default matmul precision on the backend that
+    runs them: float32 on a CPU; on a TPU one bf16 pass for a float32 dot, the
+    same pass in both runs, so the default tolerance holds on a chip too
+    (tests/test_accelerators.py). A reference at ``precision="highest"`` differs
+    from that pass by about 1e-3 of the largest value (docs/tpu.md).
+
     With nothing split, both runs are the same program and the test passes
     vacuously. So first the split the test is about must happen, as
     ``require_split`` says:
