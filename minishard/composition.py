@@ -343,8 +343,8 @@ def ring_report(
     mesh = mesh_of(compiled)
     p = int(dict(mesh.shape)[axis]) if mesh is not None else 1  # no mesh: nothing sent
     found = instructions(compiled, mesh)
-    permutes = [(n, groups) for kind, n, groups, _ in found if kind == "collective-permute"]
-    over_axis = [n for n, groups in permutes if groups == ((axis,),)]
+    permutes = [send for send in found if send.kind == "collective-permute"]
+    over_axis = [send.result_bytes for send in permutes if send.groups == ((axis,),)]
     sent = (len(over_axis), sum(over_axis))
     return RingReport(axis, p, layout, blocks, tuple(chunk), sent, **options)
 

@@ -488,10 +488,11 @@ def _communication(
     """``(kind, bytes, seconds)`` per kind: each instruction priced over its own group of
     devices."""
     sent: dict[str, tuple[int, float]] = {}
-    for kind, nbytes, groups, devices in instructions(text, mesh):
-        seconds = collective_time(kind, nbytes, devices, hardware, n_axes=len(groups[0]))
-        total, time = sent.get(kind, (0, 0.0))
-        sent[kind] = (total + nbytes, time + seconds)
+    for send in instructions(text, mesh):
+        n_axes = len(send.groups[0])
+        seconds = collective_time(send.kind, send.result_bytes, send.devices, hardware, n_axes)
+        total, time = sent.get(send.kind, (0, 0.0))
+        sent[send.kind] = (total + send.result_bytes, time + seconds)
     return tuple((kind, n, s) for kind, (n, s) in sent.items())
 
 
