@@ -640,31 +640,31 @@ def _same_structure(
 
 # -- context parallelism (context.py, sequence.py) ------------------------------------------------
 # Plain values in, nothing from minishard imported: these guards need no other module.
-def sequence_layout(
-    seq_len: Any, p: Any, layout: Any, chunks: dict[str, int], where: str = "context"
+def chunked_sequence(
+    seq_len: Any, p: Any, order: Any, chunks: dict[str, int], where: str = "context"
 ) -> None:
-    """A known layout, whose chunks split the sequence evenly over ``p`` devices."""
-    ring(where, p, layout, chunks)
+    """A known chunk order, whose chunks split the sequence evenly over ``p`` devices."""
+    ring(where, p, order, chunks)
     count(f"{where}: seq_len", seq_len)
-    if seq_len % (p * chunks[layout]):
-        n = p * chunks[layout]
+    if seq_len % (p * chunks[order]):
+        n = p * chunks[order]
         raise ValueError(
-            f"{where}: a sequence of {seq_len} tokens does not split into {n} equal chunks ({chunks[layout]} "
-            f"on each of {p} devices, layout {layout!r}); use a multiple of {n} tokens"
+            f"{where}: a sequence of {seq_len} tokens does not split into {n} equal chunks ({chunks[order]} "
+            f"on each of {p} devices, chunk order {order!r}); use a multiple of {n} tokens"
         )
 
 
-def ring(where: str, p: Any, layout: Any, chunks: dict[str, int]) -> None:
-    """A ring of ``p`` devices (a positive int), its sequence dealt out in a known layout."""
+def ring(where: str, p: Any, order: Any, chunks: dict[str, int]) -> None:
+    """A ring of ``p`` devices (a positive int), its sequence dealt out in a known chunk order."""
     count(f"{where}: p (the devices of the ring)", p)
-    if layout not in chunks:
+    if order not in chunks:
         known = ", ".join(map(repr, chunks))
-        raise ValueError(f"{where}: unknown sequence layout {layout!r}; choose from {known}")
+        raise ValueError(f"{where}: unknown chunk order {order!r}; choose from {known}")
 
 
-def chunk_holder(device: Any, p: Any, layout: Any, chunks: dict[str, int]) -> None:
+def chunk_holder(device: Any, p: Any, order: Any, chunks: dict[str, int]) -> None:
     """A device of the ring: from 0 to p - 1 (checked when it is an int; traced, it cannot be wrong)."""
-    ring("chunks", p, layout, chunks)
+    ring("chunks", p, order, chunks)
     if isinstance(device, int | np.integer) and not 0 <= device < p:
         raise ValueError(
             f"chunks: device={device!r} is no device of a ring of p={p}; devices run 0 to {p - 1}"
@@ -710,9 +710,7 @@ def partials(out1: Any, lse1: Any, out2: Any, lse2: Any) -> None:
         )
 
 
-def context_inputs(
-    where: str, q: Any, k: Any, v: Any, axis: Any, layout: Any, chunks: dict[str, int]
-) -> None:
+def context_inputs(where: str, q: Any, k: Any, v: Any, axis: Any, order: Any, chunks: dict[str, int]) -> None:
     """Inside ``shard_map`` over ``axis``: q, k, v of one ``[batch, seq, heads, head_dim]`` shape."""
     qkv(where, q, k, v, here=" on this device", grouped=False)
     try:
@@ -722,13 +720,13 @@ def context_inputs(
             f"{where}: {axis!r} is no axis of a surrounding jax.shard_map; call it inside one whose mesh "
             "has it (minishard.sequence.over_sequence builds one)"
         ) from None
-    sequence_layout(jnp.shape(q)[1] * p, p, layout, chunks)
+    chunked_sequence(jnp.shape(q)[1] * p, p, order, chunks)
 
 
-def whole_sequence(q: Any, k: Any, v: Any, p: int, layout: Any, chunks: dict[str, int]) -> None:
+def whole_sequence(q: Any, k: Any, v: Any, p: int, order: Any, chunks: dict[str, int]) -> None:
     """``over_sequence``'s whole arrays: q, k, v alike, their sequence dealt out evenly over ``p`` devices."""
     qkv("over_sequence", q, k, v)
-    sequence_layout(jnp.shape(q)[1], p, layout, chunks, where="over_sequence")
+    chunked_sequence(jnp.shape(q)[1], p, order, chunks, where="over_sequence")
 
 
 def heads_split(where: str, heads: int, p: int, axis: str) -> None:
