@@ -52,7 +52,7 @@ Models (``minishard.models``): ``vit``, a Vision Transformer whose heads and MLP
 the MLP's; ``gpt``, a character-level GPT (nanoGPT's shape) with a KV cache; ``transformer``,
 the blocks they share.
 
-Tools (``minishard.testing``): strategies and assertions (numbers, layout, communication)
+Tools (``minishard.testing``): strategies and assertions (numbers, placement, communication)
 to property-test your own models' sharding.
 """
 

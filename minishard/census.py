@@ -21,7 +21,7 @@ there reads like::
     %all-reduce = f32[2000]{0} all-reduce(%fusion), channel_id=1,
                   replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
 
-* ``f32[2000]{0}``: the result *on one device* (``{0}`` is its memory layout);
+* ``f32[2000]{0}``: the result *on one device* (``{0}``: its dimensions' order in memory);
   long tuples of results are numbered with comments, ``/*index=5*/``;
 * ``replica_groups``: which devices combine their values, written in one of
   three notations: explicit lists ``{{0,1,2,3},{4,5,6,7}}``, an iota

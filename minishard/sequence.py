@@ -134,7 +134,7 @@ class ResidualMLP(Layer):
 
     ``up`` is ``("embed", "mlp")``, ``down`` ``("mlp", "embed")``: with ``mlp -> "model"``
     each device holds 1/p of the hidden units, and ``down`` gives partial sums. Where
-    they go is the residual stream's layout, ``("batch", "seq", "embed")``: with
+    they go is the residual stream's sharding, ``("batch", "seq", "embed")``: with
     ``seq -> None`` (tensor parallelism) every device needs all of the sum, an
     all-reduce; with ``seq -> "model"`` (sequence parallelism) each keeps its tokens'
     share, a reduce-scatter, and ``up`` gathers every token again, an all-gather. ``norm``

@@ -216,8 +216,9 @@ class ZeroStep:
         return jax.jit(init, out_shardings=placement)
 
     def placed_shapes(self, model: Any) -> tuple[Any, Any]:
-        """``shard(model)`` and its ``init``, as shapes and layouts only (``jax.ShapeDtypeStruct``):
-        what a compiler for chips that are not here takes (``minishard.run.topology``)."""
+        """``shard(model)`` and its ``init``, as shapes and shardings only
+        (``jax.ShapeDtypeStruct``): what a compiler for chips that are not here takes
+        (``minishard.run.topology``)."""
         placed = self._placing(model).eval_shape(model)
         return placed, self._initialising(model).eval_shape(model)
 

@@ -316,7 +316,7 @@ class Attention(Layer):
 
 def _projected(x: jax.Array, *weights: jax.Array) -> jax.Array:
     """``x`` through the ``[width, heads, head_dim]`` ``weights`` of one shape, stacked: ``[c, B, T, heads,
-    head_dim]``. On an Explicit mesh the contraction names its output's layout (output_sharding);
+    head_dim]``. On an Explicit mesh the contraction names its output's sharding (output_sharding);
     elsewhere output_sharding is None and XLA decides."""
     stacked = (None, *activation_axes(4, "seq", "heads", "kv"))  # [which weight, b, t, h, k]
     return jnp.einsum("bte,cehk->cbthk", x, jnp.stack(weights), out_sharding=output_sharding(stacked))
