@@ -28,13 +28,13 @@ idea, and imports only the ones before it.
 * ``composition``: how one dimension runs inside another (a ``ComposedPipeline``'s stages over
   "data" and "context", an MoE's statistics out of the pipeline's tick loop; the ring's
   grouped-query attention, decoding over a split cache, its memory terms and report);
+* ``precision``: mixed precision: a step's dtypes (``Precision``), fp16's dynamic loss scale
+  (against ``jmp``'s), the cast before FSDP's all-gather, the dtype gradients are reduced in;
 * ``memory``: will it fit? A step's bytes per device, term by term (parameters, gradients,
   optimizer state, master copy, activations), against the compiler's ``memory_analysis()`` and
   the published tables;
 * ``serving``: the inference roofline: prefill and decode priced on any chip, the KV cache, latency
   against throughput;
-* ``precision``: mixed precision's numbers: fp16's dynamic loss scale (against ``jmp``'s), the cast
-  before FSDP's all-gather, the dtype gradients are reduced in;
 * ``layouts``: which layout, at what size: every dp x fsdp x tp x pp split of N chips priced
   from a model's shapes (step, memory, where it turns compute-bound) and ranked, nothing
   compiled (the scaling book's LLaMA-3 walk-through).

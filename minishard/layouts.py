@@ -70,8 +70,9 @@ from minishard import _checks
 from minishard.census import Send, human_bytes
 from minishard.costs import collective_time, hbm_critical_batch, sent_bytes
 from minishard.hardware import Hardware, hardware_named
-from minishard.memory import MIXED, Budget, bytes_per_parameter, korthikanti
+from minishard.memory import Budget, bytes_per_parameter, korthikanti
 from minishard.pipeline import bubble_fraction
+from minishard.precision import MIXED
 from minishard.serving import Decoder
 from minishard.styles import DIMENSIONS, MESH_AXES
 

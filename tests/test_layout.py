@@ -59,9 +59,9 @@ ORDER = (
     "experts",
     "remat",
     "composition",
+    "precision",
     "memory",
     "serving",
-    "precision",
     "layouts",
 )
 """The import order of every module of the textbook, the private ones at their place.
@@ -109,7 +109,9 @@ CHAPTERS = {
     # an MoE's statistics out of its ticks (131 lines); the ring inside others (241 lines): GQA, cp
     # decoding, the ring's memory terms, its report
     "composition": 365,
-    "memory": 580,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
+    # issue 62 §3: Precision, FP32, MIXED, BF16, FP16 and PRECISIONS moved to the precision chapter,
+    # their home (-58)
+    "memory": 525,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
     # §2: zero_budget, ZeRO's own step term by term (31), Budget.cast_each_step (ZeRO holds its bf16 weights)
     # issue 60: kept_on_tpu and TPU_KEEPS, what XLA:TPU keeps (50); issue 62: no line over 100
     # characters, each formula's terms one named line (50)
@@ -118,8 +120,10 @@ CHAPTERS = {
     # issue 63: PaLM 540B and Megatron's 1T, the published runs' shapes (12); issue 62: each size's
     # shape and the decode step's terms one per line, every public name in the docstring (47); a
     # mixture's experts (active_params, expert_params: 25) and Mixtral 8x7B, the size ep is ranked on (12)
-    "precision": 262,  # issue 59: the loss scale's guards, one line each where they act (4 lines); issue 62:
+    "precision": 322,  # issue 59: the loss scale's guards, one line each where they act (4 lines); issue 62:
     # INITIAL, PERIOD, FACTOR and FLOOR each their line and sentence, no tuple of unrelated values (33)
+    # issue 62 §3: a step's dtypes, Precision and its named policies (FP32, MIXED, BF16, FP16,
+    # PRECISIONS), moved here from memory, their home, and taught in the docstring (+59)
     # issue 46 §3: pp ranked (bubble, microbatches, stage memory: 50), runner-up terms (25);
     # each dimension's collectives as records, Send (sends, bytes_sent: 38), which --check compiles against;
     # issue 63: attention's FLOPs and recomputed layer (layer_bytes: 25), cp ranked and a split sequence's
@@ -128,8 +132,8 @@ CHAPTERS = {
     # dimension's sends its own function in SENDS from one Step (45), ep ranked (_ep_sends, data_shards: 40)
     # issue 62 §4: docstrings and comments rewrapped to 100 characters (10); no line over 100 (+40:
     # signatures one argument a line, the step's two passes and the table's columns named) and
-    # every public name in the docstring (+8)
-    "layouts": 808,
+    # every public name in the docstring (+8); MIXED imported from its home, the precision chapter (+1)
+    "layouts": 809,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core.
 A budget grows where an idea needs the lines, with a comment saying why; it is never met by packing."""
@@ -158,7 +162,7 @@ two rows, their docstring, EXPERT), 5 lines of guards and docstrings, and ``cens
 back from ``_hlo``, where it had gone to fit the old budget; then (issue 43, one home per concept)
 the ``Optimizer`` protocol in optim (11) and ``Batch``, ``Loss`` and ``classification_loss`` in
 losses (23), each once, where zero.py and the workshop had their own; then (issue 45) ``tree.cast_floating``
-(7), jmp's cast to compute, shared by ``memory.Precision`` and ZeRO's bfloat16 step; then (issue 46)
+(7), jmp's cast to compute, shared by ``precision.Precision`` and ZeRO's bfloat16 step; then (issue 46)
 ``layers.with_stats`` and ``keep`` (44), down from experts, which the pipeline uses below it; then
 (issue 62) their typed successors ``Collection``, ``collect``, ``sow`` and ``lifted``."""
 PARSING = ("_hlo",)

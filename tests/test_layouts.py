@@ -17,8 +17,9 @@ from minishard import layouts
 from minishard.costs import critical_batch, mixed_critical_batch
 from minishard.hardware import HARDWARE
 from minishard.layouts import Layout, price, rank
-from minishard.memory import MIXED, bytes_per_parameter
+from minishard.memory import bytes_per_parameter
 from minishard.pipeline import bubble_fraction
+from minishard.precision import MIXED
 from minishard.serving import LLAMA3_70B, SIZES, decode_critical_batch
 
 POD = 8960  # 16 x 20 x 28 TPU v5p
