@@ -513,13 +513,14 @@ ONE_HOME = (
     "price",
     "as_asked",
     "Send",
+    "Precision",
 )
 """Names the package defines once (a class, a function or an assignment): a second definition of one
 of these concepts under the same name is a second meaning of it (issue 43; ``Layout``, ``Program`` and
 ``price`` had two or three; issue 59: ``census.as_asked`` and ``precision.partitioned`` both gave what
 an accelerator sends, and ``as_asked`` is now the one; ``census.Send``, one collective sent, which the
 census reads from a compiled program and ``layouts.sends`` predicts, once ``census.Sent`` and
-``layouts.Send``)."""
+``layouts.Send``; ``precision.Precision``, a step's dtypes, once in memory.py)."""
 
 
 def definitions(name: str) -> list[str]:
