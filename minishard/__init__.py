@@ -39,10 +39,12 @@ idea, and imports only the ones before it.
   from a model's shapes (step, memory, where it turns compute-bound) and ranked, nothing
   compiled (the scaling book's LLaMA-3 walk-through).
 
-Three private modules hold what a reader may skip, each at its place in that order:
-``_checks``, the guards (first: it imports nothing); ``_diagnose``, what went wrong
-after ``jax.jit`` refused a call (just before sharding); ``_hlo``, parsing XLA's text
-(just before the census).
+Private modules hold what a reader may skip, each at its place in that order:
+``_checks``, the guards of the first chapters and the checks every guard shares (first: it
+imports nothing), and one guard module for each later topic, just before the first chapter it
+guards (``_checks_costs``, ``_checks_pipeline``, ``_checks_context``, ``_checks_experts``,
+``_checks_precision``); ``_diagnose``, what went wrong after ``jax.jit`` refused a call (just
+before sharding); ``_hlo``, parsing XLA's text (just before the census).
 
 Running it (``minishard.run``, the workshop: it uses the names above as any user would):
 ``data``, ``checkpoint``, ``train``, ``distributed``, ``launch``, ``render`` (the report as

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from minishard import _checks, context
+from minishard import _checks_context, _checks_pipeline, context
 from minishard.census import human_bytes, instructions, mesh_of
 from minishard.costs import ring_bound
 from minishard.hardware import hardware_named
@@ -88,7 +88,7 @@ class ComposedPipeline(Pipeline):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _checks.composed_pipeline(self)
+        _checks_pipeline.composed_pipeline(self)
 
     def run(self, blocks: Stacked, x: jax.Array, *args: Any) -> jax.Array:
         return run_composed(blocks, x, self, *args)
@@ -105,7 +105,7 @@ def run_composed(
     ``args`` (a GPT's ``[T]`` positions) are the same for every microbatch: each device gets those
     of the tokens it holds. What the blocks sow, added up over the batch, is sown again outside.
     """
-    _checks.pipeline_batch("run_pipeline", x, pipeline, pipeline.data_axis)
+    _checks_pipeline.pipeline_batch("run_pipeline", x, pipeline, pipeline.data_axis)
     layers = stage_layers(blocks, pipeline)
     data = pipeline.data_axis
     tokens = pipeline.sequence_axis
@@ -194,7 +194,7 @@ def grouped_attention(
     >>> bool(jnp.allclose(ours, attention(q, *repeated, causal=True), atol=1e-6))
     True
     """
-    _checks.qkv("grouped_attention", q, k, v)  # float arrays, k's heads a divisor of q's
+    _checks_context.qkv("grouped_attention", q, k, v)  # float arrays, k's heads a divisor of q's
     q_pos = jnp.arange(q.shape[1]) if q_pos is None else q_pos
     k_pos = q_pos if k_pos is None else k_pos
     group = q.shape[2] // max(k.shape[2], 1)  # query heads per K/V head

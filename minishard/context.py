@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from minishard import _checks
+from minishard import _checks_context
 from minishard.pipeline import ring_pairs
 
 CHUNKS = {"in-order": 1, "zigzag": 2}
@@ -110,7 +110,8 @@ def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) ->
     >>> bool(jnp.allclose(merge(*left, *right)[0], attend(q, k, v, at, at)[0]))
     True
     """
-    _checks.partials(out1, lse1, out2, lse2)  # the same queries: outputs of one shape, lse per row
+    # the same queries: outputs of one shape, lse per row
+    _checks_context.partials(out1, lse1, out2, lse2)
     w1, w2, lse = merge_weights(lse1, lse2)
     return w1[..., None] * out1 + w2[..., None] * out2, lse
 
@@ -141,7 +142,8 @@ def attention(
     queries'). Keys and values of fewer heads (grouped-query attention) are
     ``minishard.composition.grouped_attention``'s.
     """
-    _checks.qkv("attention", q, k, v, grouped=False)  # float [batch, seq, heads, head_dim] arrays
+    # float [batch, seq, heads, head_dim] arrays
+    _checks_context.qkv("attention", q, k, v, grouped=False)
     q_pos = jnp.arange(q.shape[1]) if q_pos is None else q_pos
     k_pos = q_pos if k_pos is None else k_pos
     return attend(q, k, v, q_pos, k_pos, causal=causal)[0].astype(q.dtype)
@@ -153,7 +155,8 @@ def attention(
 def chunks(device: Any, p: int, order: str = "in-order") -> tuple[Any, ...]:
     """The sequence chunks ``device`` holds (ints or traced): in order, chunk ``device`` of
     ``p``; zig-zag, chunks ``device`` and ``2p-1-device`` of ``2p``, one from each end."""
-    _checks.chunk_holder(device, p, order, CHUNKS)  # a ring's device (an int), a known chunk order
+    # a ring's device (an int), a known chunk order
+    _checks_context.chunk_holder(device, p, order, CHUNKS)
     if order == "in-order":
         return (device,)
     return device, 2 * p - 1 - device
@@ -188,7 +191,7 @@ def pair_kinds(p: int, order: str = "in-order", causal: bool = True) -> list[lis
     >>> pair_kinds(p=2, order="zigzag")[1]   # device 1 (chunks 1, 2): its own, then device 0's
     [('masked', 'skipped', 'computed', 'masked'), ('computed', 'skipped', 'computed', 'skipped')]
     """
-    _checks.ring("pair_kinds", p, order, CHUNKS)  # p >= 1 devices, a known chunk order
+    _checks_context.ring("pair_kinds", p, order, CHUNKS)  # p >= 1 devices, a known chunk order
 
     def cell(device: int, step: int) -> Cell:
         mine, theirs = meets(device, step, p, order)
@@ -201,7 +204,7 @@ def balance(p: int, order: str = "in-order", causal: bool = True) -> float:
     """The slowest device's work over the mean, counting the pairs it computes or masks (a masked
     pair costs a computed one: the mask comes after the matmul). In order, device i works at
     i + 1 steps: 2p/(p+1); zig-zag, every device at 2p + 1 pairs: 1."""
-    _checks.ring("balance", p, order, CHUNKS)
+    _checks_context.ring("balance", p, order, CHUNKS)
     grid = pair_kinds(p, order, causal)
     work = [sum(k != "skipped" for cell in row for k in cell) for row in grid]
     mean = sum(work) / p
@@ -219,7 +222,7 @@ def held_order(seq_len: int, p: int, order: str = "in-order", device: Any = None
 
     Position embeddings and the causal mask must read these: under zig-zag, tokens are out of order.
     """
-    _checks.chunked_sequence(seq_len, p, order, CHUNKS, where="held_order")
+    _checks_context.chunked_sequence(seq_len, p, order, CHUNKS, where="held_order")
     size = seq_len // (p * CHUNKS[order])
     devices = range(p) if device is None else [device]
     return jnp.concatenate([span(c, size) for d in devices for c in chunks(d, p, order)])
@@ -250,7 +253,7 @@ def ring_forward(
     the last step sends nothing: 2(p-1) collective-permutes. ``jax.grad`` can differentiate this
     as it is, and then keeps every step's K, V and scores.
     """
-    _checks.context_inputs("ring_attention", q, k, v, axis, order, CHUNKS)
+    _checks_context.context_inputs("ring_attention", q, k, v, axis, order, CHUNKS)
     p = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
     qs = jnp.split(q, CHUNKS[order], axis=1)

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from minishard import _checks, context
+from minishard import _checks_context, context
 
 BLOCK = 512
 """The default block of queries and of keys, capped at T: large tiles keep the matrix unit fed."""
@@ -368,7 +368,8 @@ def flash_attention(
     ``interpret``: run in Pallas's TPU interpreter, on any backend (the tests do, on CPU).
     """
     blocks = (block_q or min(BLOCK, q.shape[1]), block_k or min(BLOCK, q.shape[1]))
-    _checks.flash(q, k, v, blocks, interpret, ROW_TILE_BYTES, SCORE_TILE_BYTES)  # fit VMEM, a TPU
+    # fit VMEM, a TPU
+    _checks_context.flash(q, k, v, blocks, interpret, ROW_TILE_BYTES, SCORE_TILE_BYTES)
     heads, head_dim = q.shape[2:]
     side_by_side = head_dim % 128 == 0  # each head a tile of the lanes as it lies
     scaled = (q.astype(jnp.float32) * head_dim**-0.5).astype(q.dtype)  # fused into the copy, if any

@@ -66,7 +66,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from minishard import _checks
+from minishard import _checks, _checks_costs
 from minishard.census import Send, human_bytes
 from minishard.costs import collective_time, hbm_critical_batch, sent_bytes
 from minishard.hardware import Hardware, hardware_named
@@ -187,7 +187,7 @@ class Layout:
     """
 
     def __init__(self, **sizes: int) -> None:
-        _checks.layout_sizes(sizes, RANKED)
+        _checks_costs.layout_sizes(sizes, RANKED)
         # the rules' order
         self.sizes = {name: sizes[name] for name in RANKED if sizes.get(name, 1) > 1}
 

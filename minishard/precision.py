@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from minishard import _checks
+from minishard import _checks, _checks_precision
 from minishard.constraints import activation_axes, constrain, environment
 from minishard.optim import Optimizer
 from minishard.rules import AxisRules
@@ -75,7 +75,7 @@ class Precision:
         for name, dtype in dataclasses.asdict(self).items():
             allowed = (*DTYPES, None) if name in OPTIONAL else DTYPES
             _checks.one_of(f"Precision: {name}", dtype, allowed)
-        _checks.copies_as_wide(dataclasses.asdict(self))
+        _checks_precision.copies_as_wide(dataclasses.asdict(self))
 
     def compute(self, tree: Any) -> Any:
         """``tree`` as the step computes with it: every floating array in ``params``'s dtype (jmp's
@@ -125,7 +125,7 @@ class LossScale(NamedTuple):
 
     @classmethod
     def start(cls, scale: float = INITIAL) -> LossScale:
-        _checks.loss_scale_start(scale)
+        _checks_precision.loss_scale_start(scale)
         return cls(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32))
 
 
@@ -157,8 +157,8 @@ def adjust(
     1.0 0
     1.0 1
     """
-    _checks.loss_scale("adjust", period, factor, floor)
-    _checks.scalar_bool("adjust: finite", finite)
+    _checks_precision.loss_scale("adjust", period, factor, floor)
+    _checks_precision.scalar_bool("adjust: finite", finite)
     doubled = jnp.where(jnp.isfinite(state.scale * factor), state.scale * factor, state.scale)
     grown = jnp.where(state.good == period - 1, doubled, state.scale)
     shrunk = jnp.maximum(floor, state.scale / factor)
@@ -197,9 +197,9 @@ class LossScaled:
         period: int = PERIOD,
         factor: float = FACTOR,
     ) -> None:
-        _checks.optimizer("LossScaled: optimizer", optimizer)
+        _checks_precision.optimizer("LossScaled: optimizer", optimizer)
         _checks.positive("LossScaled: initial", initial)
-        _checks.loss_scale("LossScaled", period, factor, FLOOR)
+        _checks_precision.loss_scale("LossScaled", period, factor, FLOOR)
         self.optimizer = optimizer
         self.initial = initial
         self.period = period
@@ -213,7 +213,7 @@ class LossScaled:
         self, params: Any, grads: Any, state: LossScaledState, *, axis_name: str | None = None
     ) -> tuple[Any, LossScaledState]:
         """One step on the gradients of the scaled loss, or none where they overflowed."""
-        _checks.loss_scaled_state("LossScaled.update", state, LossScaledState)
+        _checks_precision.loss_scaled_state("LossScaled.update", state, LossScaledState)
         unscaled = jax.tree.map(lambda g: g * (1 / state.loss_scale.scale), grads)
         finite = all_finite(unscaled)
         stepped = self.optimizer.update(params, unscaled, state.inner, axis_name=axis_name)

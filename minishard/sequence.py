@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from minishard import _checks
+from minishard import _checks_context
 from minishard.constraints import activation_axes, constrain
 from minishard.context import CHUNKS, attend, held_order
 from minishard.layers import Layer, Linear, Sequential
@@ -65,7 +65,7 @@ def over_sequence(
     ...  for f in (ring_attention, all_gather_attention, ulysses_attention)]
     [True, True, True]
     """
-    _checks.mesh_has("over_sequence", axis, tuple(mesh.axis_names))
+    _checks_context.mesh_has("over_sequence", axis, tuple(mesh.axis_names))
     spec = P(batch_axes, axis)
     attend_here = functools.partial(attend_fn, axis=axis, **options)
     own = {axis, *((batch_axes,) if isinstance(batch_axes, str) else batch_axes or ())}
@@ -73,7 +73,8 @@ def over_sequence(
     mapped = jax.shard_map(attend_here, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=own)
 
     def on_whole_arrays(q: Any, k: Any, v: Any) -> jax.Array:
-        _checks.whole_sequence(q, k, v, mesh.shape[axis], options.get("order", "in-order"), CHUNKS)
+        order = options.get("order", "in-order")
+        _checks_context.whole_sequence(q, k, v, mesh.shape[axis], order, CHUNKS)
         return mapped(q, k, v)
 
     return on_whole_arrays
@@ -91,7 +92,7 @@ def all_gather_attention(
     them into two reduce-scatters of dK and dV (``psum_scatter``). Nothing is skipped:
     a causal mask only masks, so the work is balanced in any chunk order.
     """
-    _checks.context_inputs("all_gather_attention", q, k, v, axis, order, CHUNKS)
+    _checks_context.context_inputs("all_gather_attention", q, k, v, axis, order, CHUNKS)
     p = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
     k, v = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))  # every device's
@@ -114,9 +115,9 @@ def ulysses_attention(
     its heads and attends it as on one device. Each all-to-all moves 1/p of an array:
     on a TPU's bidirectional ring it costs a quarter of an all-gather of that array.
     """
-    _checks.context_inputs("ulysses_attention", q, k, v, axis, order, CHUNKS)
+    _checks_context.context_inputs("ulysses_attention", q, k, v, axis, order, CHUNKS)
     p = jax.lax.axis_size(axis)
-    _checks.heads_split("ulysses_attention", q.shape[2], p, axis)
+    _checks_context.heads_split("ulysses_attention", q.shape[2], p, axis)
     all_to_all = functools.partial(jax.lax.all_to_all, axis_name=axis, tiled=True)
     to_heads = functools.partial(all_to_all, split_axis=2, concat_axis=1)  # the sequence for heads
     q, k, v = (to_heads(x) for x in (q, k, v))

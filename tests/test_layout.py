@@ -8,7 +8,8 @@
   skip, guards, diagnosis after a failure and HLO parsing; so a call from a public
   module into one is a statement (its value unused), except ``_hlo``'s parsing and
   diagnosis inside a ``raise``. Every module imports only the ones before it in
-  ``ORDER``, the private ones at their place; ``_checks`` imports nothing of minishard.
+  ``ORDER``, the private ones at their place; ``_checks`` imports nothing of minishard, and each
+  later topic's guards (``_checks_<topic>``) only ``_checks``.
 * The textbook fits in one sitting: line budgets from what each idea needs (guards
   against growth, not targets), no function over 30 lines; no ``# fmt: skip`` packing anywhere.
   A budget grows where an idea needs the lines (raised with a comment saying why); it is never met
@@ -47,18 +48,23 @@ ORDER = (
     "styles",
     "_hlo",
     "census",
+    "_checks_costs",
     "hardware",
     "costs",
     "report",
+    "_checks_pipeline",
     "pipeline",
     "pipeline_1f1b",
     "zero",
+    "_checks_context",
     "context",
     "flash",
     "sequence",
+    "_checks_experts",
     "experts",
     "remat",
     "composition",
+    "_checks_precision",
     "precision",
     "memory",
     "serving",
@@ -437,6 +443,8 @@ def test_every_module_imports_only_the_ones_before_it():
     missing, gone = sorted(files - set(ORDER)), sorted(set(ORDER) - files)
     assert not missing and not gone, f"put {missing} in ORDER; drop {gone}"
     assert minishard_imports(PACKAGE / "_checks.py") == set(), "the guards are a leaf: pass plain values"
+    guards = {p.stem: minishard_imports(p) - {"_checks"} for p in PACKAGE.glob("_checks_*.py")}
+    assert guards and not any(guards.values()), f"a topic's guards import only _checks: {guards}"
     later = {
         name: sorted(minishard_imports(PACKAGE / f"{name}.py") - set(ORDER[:i]))
         for i, name in enumerate(ORDER)
