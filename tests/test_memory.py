@@ -593,7 +593,7 @@ def test_each_gpt_block_adds_its_activations_and_gradients_to_the_compiled_step(
 
 @pytest.mark.slow
 def test_the_gpt_under_fsdp_computes_on_its_own_examples():
-    """The embedding's output is pinned to the activations' layout: left to XLA it took the token
+    """The embedding's output is pinned to the activations' sharding: left to XLA it took the token
     table's (embed over data) and every device computed the whole batch, 2.5x dp's temporaries."""
     fsdp, dp = (predicted_and_compiled("gpt", style)[1].temporaries for style in ("fsdp", "dp"))
     assert fsdp < 1.25 * dp
