@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minishard import memory
 from minishard.costs import Memory, step_cost
 from minishard.hardware import HARDWARE, chip_of
+from minishard.precision import PRECISIONS
 from minishard.run.cli import parse_args
 from minishard.run.cli.memory import predict
 from minishard.run.cli.models import MODELS
@@ -80,7 +80,7 @@ def compiled_step(flags: list[str], precision: str, attention: str = "dense") ->
         name: jnp.asarray(np.random.default_rng(0).integers(0, 2, like.shape), like.dtype)
         for name, like in batch_shapes.items()
     }
-    step = make_train_step(optimizer, entry.task.loss, 1, memory.PRECISIONS[precision])
+    step = make_train_step(optimizer, entry.task.loss, 1, PRECISIONS[precision])
     sharded = Sharded(mesh, rules, donate_argnums=(0, 1))(step)
     state = optimizer.init(built)
     started = time.perf_counter()
@@ -117,7 +117,7 @@ def measure(name: str, flags: list[str], precision: str, steps: int, rounds: int
         means.append((time.perf_counter() - started) / steps)
     measured = min(means)
     cost = step_cost(compiled, chip, mesh=step.mesh)
-    computes_in = memory.PRECISIONS[precision].params
+    computes_in = PRECISIONS[precision].params
     speed = Speed.of_step(step.entry.task.loss, built, batch, step.entry.task.unit, [device], computes_in)
     compiled_memory = Memory.of(compiled)
     stats = device.memory_stats() or {}

@@ -216,7 +216,7 @@ def minishard_model(problem: Problem) -> Any:
     model = jax.eval_shape(lambda: ms.mlp(list(problem.sizes), key=jax.random.key(0), activation="relu"))
     leaves, treedef = jax.tree_util.tree_flatten(model)
     ours = [jnp.asarray(a) for pair in problem.params for a in pair]
-    assert [leaf.shape for leaf in leaves] == [a.shape for a in ours], "unexpected minishard mlp layout"
+    assert [leaf.shape for leaf in leaves] == [a.shape for a in ours], "unexpected minishard mlp shapes"
     return jax.tree_util.tree_unflatten(treedef, ours)
 
 

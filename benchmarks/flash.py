@@ -5,7 +5,7 @@ sizes), XLA's ``jax.nn.dot_product_attention`` and JAX's own Pallas kernel
 Each contender's time is the best of ``--repeat`` calls of one jitted ``vjp`` (outputs and the three
 gradients, ``block_until_ready``) after two warm-up calls; its error is the largest difference of
 its output and gradients from XLA's, over XLA's largest value (bf16 rounds at about 0.4%).
-minishard's kernel and XLA's take the GPT's layout ``[batch, seq, heads, head_dim]`` (at head_dim 64
+minishard's kernel and XLA's take the GPT's shape ``[batch, seq, heads, head_dim]`` (at head_dim 64
 minishard's time includes its copies to ``[batch·heads, seq, head_dim]`` and back; at 128 there are
 none); JAX's kernel takes its own, ``[batch, heads, seq, head_dim]``, made before the clock starts.
 On the chip, from the repository's root (2 to 4 minutes, mostly compiling):

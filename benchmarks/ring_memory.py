@@ -30,7 +30,7 @@ PER_DEVICE, HEADS, HEAD_DIM = 128, 8, 16  # tokens per device
 def temporary_bytes(attend_fn, p: int) -> int:
     """Per device: the compiled gradient of ``sum(attention)`` over a ring of ``p`` devices."""
     mesh = ms.make_mesh({"seq": p}, devices=jax.devices()[:p])
-    run = sq.over_sequence(attend_fn, mesh, causal=True, layout="zigzag")
+    run = sq.over_sequence(attend_fn, mesh, causal=True, order="zigzag")
     x = jax.ShapeDtypeStruct((1, PER_DEVICE * p, HEADS, HEAD_DIM), jnp.float32)
     grad = jax.grad(lambda *qkv: jnp.sum(run(*qkv)), argnums=(0, 1, 2))
     return jax.jit(grad).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes

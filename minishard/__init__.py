@@ -28,21 +28,23 @@ idea, and imports only the ones before it.
 * ``composition``: how one dimension runs inside another (a ``ComposedPipeline``'s stages over
   "data" and "context", an MoE's statistics out of the pipeline's tick loop; the ring's
   grouped-query attention, decoding over a split cache, its memory terms and report);
+* ``precision``: mixed precision: a step's dtypes (``Precision``), fp16's dynamic loss scale
+  (against ``jmp``'s), the cast before FSDP's all-gather, the dtype gradients are reduced in;
 * ``memory``: will it fit? A step's bytes per device, term by term (parameters, gradients,
   optimizer state, master copy, activations), against the compiler's ``memory_analysis()`` and
   the published tables;
 * ``serving``: the inference roofline: prefill and decode priced on any chip, the KV cache, latency
   against throughput;
-* ``precision``: mixed precision's numbers: fp16's dynamic loss scale (against ``jmp``'s), the cast
-  before FSDP's all-gather, the dtype gradients are reduced in;
 * ``layouts``: which layout, at what size: every dp x fsdp x tp x pp split of N chips priced
   from a model's shapes (step, memory, where it turns compute-bound) and ranked, nothing
   compiled (the scaling book's LLaMA-3 walk-through).
 
-Three private modules hold what a reader may skip, each at its place in that order:
-``_checks``, the guards (first: it imports nothing); ``_diagnose``, what went wrong
-after ``jax.jit`` refused a call (just before sharding); ``_hlo``, parsing XLA's text
-(just before the census).
+Private modules hold what a reader may skip, each at its place in that order:
+``_checks``, the guards of the first chapters and the checks every guard shares (first: it
+imports nothing), and one guard module for each later topic, just before the first chapter it
+guards (``_checks_costs``, ``_checks_pipeline``, ``_checks_context``, ``_checks_experts``,
+``_checks_precision``); ``_diagnose``, what went wrong after ``jax.jit`` refused a call (just
+before sharding); ``_hlo``, parsing XLA's text (just before the census).
 
 Running it (``minishard.run``, the workshop: it uses the names above as any user would):
 ``data``, ``checkpoint``, ``train``, ``distributed``, ``launch``, ``render`` (the report as
@@ -52,7 +54,7 @@ Models (``minishard.models``): ``vit``, a Vision Transformer whose heads and MLP
 the MLP's; ``gpt``, a character-level GPT (nanoGPT's shape) with a KV cache; ``transformer``,
 the blocks they share.
 
-Tools (``minishard.testing``): strategies and assertions (numbers, layout, communication)
+Tools (``minishard.testing``): strategies and assertions (numbers, placement, communication)
 to property-test your own models' sharding.
 """
 

@@ -12,7 +12,10 @@ pytree structure are static), so they cost nothing per step.
 This module imports nothing from minishard, so every module may use it: it takes
 plain values, and where it names a leaf of a tree it is handed the one namer,
 ``minishard.tree.path_str``. ``ShardingError`` is defined here, under it, and
-``minishard.rules`` (and ``minishard``) export it. Sections follow the reading order.
+``minishard.rules`` (and ``minishard``) export it. Sections follow the reading order: the
+checks every guard shares, then the first chapters' guards; the later chapters' are each in a
+module of its own (``_checks_costs``, ``_checks_pipeline``, ``_checks_context``,
+``_checks_experts``, ``_checks_precision``), which uses the shared ones from here.
 """
 
 from __future__ import annotations
@@ -54,13 +57,23 @@ class ShardingError(ValueError):
 # -- the shared checks ---------------------------------------------------------------------------
 def count(where: str, value: Any, minimum: int = 1) -> None:
     """An int (a numpy one too, never a bool) of at least ``minimum``: a size, a count, steps."""
-    if not _is_count(value, minimum):
+    if not is_count(value, minimum):
         kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{where} must be {kind}, got {value!r}")
 
 
-def _is_count(value: Any, minimum: int = 1) -> bool:
+def is_count(value: Any, minimum: int = 1) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | np.integer) and bool(value >= minimum)
+
+
+def is_finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+def one_of(where: str, value: Any, allowed: Sequence[Any]) -> None:
+    """``value`` is one of ``allowed``: a choice among a few named ones."""
+    if value not in allowed:
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
 def logical_axes(where: str, axes: Any, shape: tuple[int, ...] | None = None) -> None:
@@ -239,7 +252,7 @@ def mesh_shape(shape: Any, names: Any) -> None:
         raise ShardingError("make_mesh: the mesh has no axes; name at least one, e.g. make_mesh({'data': 8})")
     if bad := [n for n in names if not isinstance(n, str)]:
         raise ShardingError(f"make_mesh: axis names must be str, got {', '.join(map(repr, bad))} in {names}")
-    if bad := [f"{n}={s!r}" for n, s in zip(names, sizes) if not _is_count(s)]:
+    if bad := [f"{n}={s!r}" for n, s in zip(names, sizes) if not is_count(s)]:
         raise ShardingError(f"make_mesh: axis sizes must be positive ints, got {', '.join(bad)}")
     if twice := sorted({n for n in names if names.count(n) > 1}):
         raise ShardingError(
@@ -493,6 +506,12 @@ def _not_a_pair(entry: Any) -> bool:
     return entry is None or isinstance(entry, str)  # a logical axis where a pair of them belongs
 
 
+def collected_kind(where: str, kind: Any) -> None:
+    """What a collection collects is a type: the class of the values layers sow into it."""
+    if not isinstance(kind, type):
+        raise TypeError(f"{where}: kind must be a type (the class of what is sown), got {kind!r}")
+
+
 # -- losses --------------------------------------------------------------------------------------
 def one_hot(labels: jax.Array, num_classes: Any) -> None:
     count("one_hot: num_classes", num_classes)
@@ -535,7 +554,7 @@ def warmup_cosine(warmup_steps: Any, decay_steps: Any, peak_value: float, end_va
         raise ValueError(
             f"warmup_cosine_decay: decay_steps {decay_steps} must exceed warmup_steps {warmup_steps}"
         )
-    if not _finite(end_value) or not 0 <= end_value <= peak_value:
+    if not is_finite(end_value) or not 0 <= end_value <= peak_value:
         raise ValueError(
             f"warmup_cosine_decay: end_value must be a number from 0 to peak_value {peak_value}, got "
             f"{end_value!r}; a negative learning rate climbs the loss"
@@ -636,476 +655,3 @@ def _same_structure(
         f"{where}: {other} have {len(g_leaves)} arrays, params {len(p_leaves)} (or other containers); "
         "compute grads with jax.grad with respect to the same params"
     )
-
-
-# -- context parallelism (context.py, sequence.py) ------------------------------------------------
-# Plain values in, nothing from minishard imported: these guards need no other module.
-def sequence_layout(
-    seq_len: Any, p: Any, layout: Any, chunks: dict[str, int], where: str = "context"
-) -> None:
-    """A known layout, whose chunks split the sequence evenly over ``p`` devices."""
-    ring(where, p, layout, chunks)
-    count(f"{where}: seq_len", seq_len)
-    if seq_len % (p * chunks[layout]):
-        n = p * chunks[layout]
-        raise ValueError(
-            f"{where}: a sequence of {seq_len} tokens does not split into {n} equal chunks ({chunks[layout]} "
-            f"on each of {p} devices, layout {layout!r}); use a multiple of {n} tokens"
-        )
-
-
-def ring(where: str, p: Any, layout: Any, chunks: dict[str, int]) -> None:
-    """A ring of ``p`` devices (a positive int), its sequence dealt out in a known layout."""
-    count(f"{where}: p (the devices of the ring)", p)
-    if layout not in chunks:
-        known = ", ".join(map(repr, chunks))
-        raise ValueError(f"{where}: unknown sequence layout {layout!r}; choose from {known}")
-
-
-def chunk_holder(device: Any, p: Any, layout: Any, chunks: dict[str, int]) -> None:
-    """A device of the ring: from 0 to p - 1 (checked when it is an int; traced, it cannot be wrong)."""
-    ring("chunks", p, layout, chunks)
-    if isinstance(device, int | np.integer) and not 0 <= device < p:
-        raise ValueError(
-            f"chunks: device={device!r} is no device of a ring of p={p}; devices run 0 to {p - 1}"
-        )
-
-
-def qkv(where: str, q: Any, k: Any, v: Any, *, here: str = "", grouped: bool = True) -> None:
-    """q, k and v: float ``[batch, seq, heads, head_dim]`` arrays, k and v of one shape, q of theirs but
-    its length (a cache's keys outnumber its queries) and, ``grouped``, its heads a multiple of theirs
-    (grouped-query attention); an int would be truncated."""
-    shapes = [jnp.shape(x) for x in (q, k, v)]
-    if (
-        {len(shapes[0]), len(shapes[1])} != {4}
-        or shapes[1] != shapes[2]
-        or shapes[0][::3] != shapes[1][::3]
-        or shapes[0][2] % max(shapes[1][2], 1)
-        or (not grouped and shapes[0][2] != shapes[1][2])
-    ):
-        heads = ", and hold a multiple of their heads" if grouped else ""
-        raise ValueError(
-            f"{where}: q, k and v must be [batch, seq, heads, head_dim] arrays of one shape (q may be "
-            f"shorter or longer{heads}), got {shapes}{here}"
-        )
-    if ints := [f"{n} {jnp.result_type(x)}" for n, x in zip("qkv", (q, k, v)) if not _floating(x)]:
-        raise TypeError(
-            f"{where}: q, k and v must be float arrays, got {', '.join(ints)}; attention's softmax weights "
-            "would be truncated to integers (cast with .astype(jnp.float32))"
-        )
-
-
-def _floating(x: Any) -> bool:
-    return bool(jnp.issubdtype(jnp.result_type(x), jnp.floating))
-
-
-def partials(out1: Any, lse1: Any, out2: Any, lse2: Any) -> None:
-    """Two attentions of the same queries: outputs ``[b, q, h, d]`` of one shape, each lse ``[b, q, h]``."""
-    shapes = [jnp.shape(x) for x in (out1, lse1, out2, lse2)]
-    if shapes[0] != shapes[2] or not shapes[1] == shapes[3] == shapes[0][:-1]:
-        raise ValueError(
-            f"merge: out1 {shapes[0]}, lse1 {shapes[1]}, out2 {shapes[2]}, lse2 {shapes[3]}; the two parts "
-            "attend the same queries: out1 and out2 of one shape [batch, queries, heads, head_dim], each lse "
-            "that shape without head_dim"
-        )
-
-
-def context_inputs(
-    where: str, q: Any, k: Any, v: Any, axis: Any, layout: Any, chunks: dict[str, int]
-) -> None:
-    """Inside ``shard_map`` over ``axis``: q, k, v of one ``[batch, seq, heads, head_dim]`` shape."""
-    qkv(where, q, k, v, here=" on this device", grouped=False)
-    try:
-        p = jax.lax.axis_size(axis)
-    except NameError:
-        raise ValueError(
-            f"{where}: {axis!r} is no axis of a surrounding jax.shard_map; call it inside one whose mesh "
-            "has it (minishard.sequence.over_sequence builds one)"
-        ) from None
-    sequence_layout(jnp.shape(q)[1] * p, p, layout, chunks)
-
-
-def whole_sequence(q: Any, k: Any, v: Any, p: int, layout: Any, chunks: dict[str, int]) -> None:
-    """``over_sequence``'s whole arrays: q, k, v alike, their sequence dealt out evenly over ``p`` devices."""
-    qkv("over_sequence", q, k, v)
-    sequence_layout(jnp.shape(q)[1], p, layout, chunks, where="over_sequence")
-
-
-def heads_split(where: str, heads: int, p: int, axis: str) -> None:
-    """DeepSpeed-Ulysses gives each device whole heads: they must split evenly."""
-    if heads % p:
-        raise ValueError(
-            f"{where}: {heads} heads do not split over the {p} devices of axis {axis!r}: Ulysses gives "
-            f"each device whole heads; use a multiple of {p} heads, or ring_attention"
-        )
-
-
-def mesh_has(where: str, axis: str, mesh_axes: tuple[str, ...]) -> None:
-    """The sequence's mesh axis is one of the mesh's."""
-    if axis not in mesh_axes:
-        raise ValueError(
-            f"{where}: axis={axis!r} is no axis of the mesh, whose axes are {mesh_axes}; split the "
-            "sequence over one of them, or make the mesh with it"
-        )
-
-
-# -- experts (plain values only: this section imports nothing from minishard) ------------------
-def moe(n_experts: Any, k: Any, capacity_factor: Any, balance_weight: Any, z_weight: Any) -> None:
-    """``MoE``'s routing arguments, before any weight is drawn."""
-    count("MoE: n_experts", n_experts)
-    if isinstance(k, bool) or not isinstance(k, int | np.integer) or not 1 <= k <= n_experts:
-        raise ValueError(
-            f"MoE: k={k!r} with n_experts={n_experts}; each token picks k distinct experts, "
-            f"so k must be an int from 1 to {n_experts} (1: Switch, 2: GShard)"
-        )
-    if not _finite(capacity_factor) or capacity_factor <= 0:
-        raise ValueError(
-            f"MoE: capacity_factor={capacity_factor!r}; it must be a number > 0 (1.25 is usual; "
-            f"n_experts / k = {n_experts / k:g} never drops a token)"
-        )
-    for name, weight in (("balance_weight", balance_weight), ("z_weight", z_weight)):
-        if not _finite(weight) or weight < 0:
-            raise ValueError(f"MoE: {name}={weight!r}; a loss weight must be a number >= 0")
-
-
-def experts(n: Any, features: Any, hidden: Any, activation: Any, activations: Sequence[str]) -> None:
-    """``Experts``' sizes and activation, before any weight is drawn."""
-    for name, size in (("n", n), ("features", features), ("hidden", hidden)):
-        count(f"Experts: {name}", size)
-    if activation not in activations:
-        raise ValueError(f"Experts: unknown activation {activation!r}; choose from {', '.join(activations)}")
-
-
-def _finite(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-
-
-def capacity(tokens: Any, n_experts: Any, k: Any, capacity_factor: Any) -> None:
-    """``capacity``'s counts and factor: each a positive number, as ``MoE`` takes them."""
-    for name, value in (("tokens", tokens), ("n_experts", n_experts), ("k", k)):
-        count(f"capacity: {name}", value)
-    positive("capacity: capacity_factor", capacity_factor)
-
-
-def moe_input(x: Any, features: int) -> None:
-    """An array ``[..., tokens, features]``: at least a group of tokens, each of the router's width."""
-    check_input("MoE", x)
-    if len(shape := np.shape(x)) < 2 or shape[-1] != features:
-        raise ValueError(
-            f"MoE: input of shape {shape}; it takes [..., tokens, {features}] (each leading index a group "
-            f"of tokens, routed together), with {features} features, the router's in_features"
-        )
-
-
-def expert_parallel(mesh_shape: dict[str, int], expert_axis: Any, data_axis: Any) -> None:
-    """The named mesh axes exist and differ; no other mesh axis splits anything."""
-    for name, axis in (("expert_axis", expert_axis), ("data_axis", data_axis)):
-        if axis is not None and axis not in mesh_shape:
-            raise ValueError(f"ExpertParallel: {name}={axis!r} is not an axis of the mesh {mesh_shape}")
-    if expert_axis is None or expert_axis == data_axis:
-        raise ValueError(
-            f"ExpertParallel: expert_axis={expert_axis!r}, data_axis={data_axis!r}; the experts need a mesh "
-            "axis of their own (the batch is split over it too), and data_axis another one or None"
-        )
-    if others := {a: n for a, n in mesh_shape.items() if a not in (expert_axis, data_axis) and n > 1}:
-        raise ValueError(
-            f"ExpertParallel: mesh axes {others} are neither the expert axis {expert_axis!r} nor the data "
-            f"axis {data_axis!r}; the all-to-all MoE composes with data parallelism only (place tensor-"
-            "parallel experts with rules and Sharded instead)"
-        )
-
-
-def experts_split(
-    n_experts: int, groups: int, mesh_shape: dict[str, int], batch_axes: tuple[str, ...]
-) -> None:
-    """Every device holds as many whole experts (``batch_axes[-1]``), and routes as many groups."""
-    expert_axis, devices = batch_axes[-1], math.prod(mesh_shape[a] for a in batch_axes)
-    if n_experts % mesh_shape[expert_axis]:
-        raise ValueError(
-            f"all_to_all_moe: {n_experts} experts do not split over mesh axis {expert_axis!r} of "
-            f"{mesh_shape[expert_axis]} devices; n_experts must be a multiple of {mesh_shape[expert_axis]}"
-        )
-    if groups % devices:
-        sizes = " x ".join(f"{a!r}={mesh_shape[a]}" for a in batch_axes)
-        raise ValueError(
-            f"all_to_all_moe: {groups} groups (the input's leading dimensions) do not split over mesh "
-            f"axes {sizes}; each device routes its own groups, so their number must divide by {devices}"
-        )
-
-
-def collected_kind(where: str, kind: Any) -> None:
-    """What a collection collects is a type: the class of the values layers sow into it."""
-    if not isinstance(kind, type):
-        raise TypeError(f"{where}: kind must be a type (the class of what is sown), got {kind!r}")
-
-
-# -- pipeline ------------------------------------------------------------------------------------
-def pipeline(pipe: Any) -> None:
-    """``Pipeline``'s fields: counts, and a stage axis the mesh has."""
-    count("Pipeline: microbatches", pipe.microbatches)
-    count("Pipeline: repeats", pipe.repeats)
-    mesh_shape, stage_axis = dict(pipe.mesh.shape), pipe.stage_axis
-    if stage_axis not in mesh_shape:
-        raise ValueError(
-            f"Pipeline: stage_axis={stage_axis!r} is not an axis of the mesh {mesh_shape}; make the mesh "
-            f"with it (make_mesh({{{stage_axis!r}: 4}})) or name the mesh's stage axis"
-        )
-
-
-def composed_pipeline(pipe: Any) -> None:
-    """``ComposedPipeline``'s axes besides the stage axis: the mesh's, none of them the stage axis."""
-    mesh_shape, stage_axis = dict(pipe.mesh.shape), pipe.stage_axis
-    for name, axis in (("data_axis", pipe.data_axis), ("sequence_axis", pipe.sequence_axis)):
-        if axis is not None and (axis not in mesh_shape or axis == stage_axis):
-            raise ValueError(
-                f"ComposedPipeline: {name}={axis!r} is not an axis of the mesh {mesh_shape} other than "
-                f"the stage axis {stage_axis!r}; name one, or None"
-            )
-
-
-def nothing_sown(where: str, sown: Any) -> None:
-    """A plain pipeline's blocks sowed nothing a collection asked for: its loop hands nothing out."""
-    if sown is not None:
-        raise ValueError(
-            f"{where}: the blocks sow a {type(sown).__name__} (an MoE's statistics) that a plain "
-            "Pipeline's ticks cannot hand out; use minishard.composition.ComposedPipeline"
-        )
-
-
-def pipeline_sizes(where: str, p: Any, m: Any, r: Any) -> None:
-    """Stages, microbatches and repeats of a schedule or a bubble: each a positive int."""
-    for name, value in (("p", p), ("m", m), ("r", r)):
-        count(f"{where}: {name}", value)
-
-
-def pipeline_batch(where: str, x: Any, pipe: Any, data_axis: Any = None) -> None:
-    """The batch splits into the pipeline's microbatches, each split over ``data_axis``, if any."""
-    rows, m = np.shape(x)[0], pipe.microbatches
-    data = int(pipe.mesh.shape[data_axis]) if data_axis else 1
-    if rows % (m * data):
-        over = f" x {data_axis}={data} devices" if data_axis else ""
-        raise ValueError(
-            f"{where}: a batch of {rows} does not split into m={m} microbatches{over}; "
-            f"use a batch that is a multiple of {m * data}, or other microbatches"
-        )
-
-
-def instance(where: str, value: Any, cls: type, hint: str) -> None:
-    """``value`` is a ``cls``, or an error naming what it is instead and what to pass."""
-    if not isinstance(value, cls):
-        raise TypeError(f"{where} must be a {cls.__name__}, got a {type(value).__name__}; {hint}")
-
-
-def stacked(n: Any, key: Any) -> None:
-    """``Stacked``'s count of blocks and key, before any block is built."""
-    count("Stacked: n", n)
-    check_key("Stacked", key)
-
-
-def blocks_keep_shape(body: Any, block: Any, x: Any) -> None:
-    """Stacked blocks run one after another (a ``lax.scan`` of ``body``): each must keep its input's shape."""
-    first = jax.tree.map(lambda a: a[0], block)
-    out = jax.eval_shape(lambda h, b: body(h, b)[0], jax.ShapeDtypeStruct(np.shape(x), x.dtype), first)
-    if (out.shape, out.dtype) != (np.shape(x), x.dtype):
-        raise ValueError(
-            f"Stacked: a block maps {x.dtype}{list(np.shape(x))} to {out.dtype}{list(out.shape)}; stacked "
-            "blocks run one after another, each on the previous one's output, so each must keep its "
-            "input's shape and dtype"
-        )
-
-
-def one_of(where: str, value: Any, allowed: Sequence[Any]) -> None:
-    """``value`` is one of ``allowed``: a choice among a few named ones."""
-    if value not in allowed:
-        raise ValueError(f"{where} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-
-
-def pipelined(where: str, pipeline: Any, args: Sequence[Any]) -> None:
-    """A pipeline is given, or one of ``args`` is a model with one (a ``StackedModel``)."""
-    if pipeline is None and not any(getattr(a, "pipeline", None) for a in args):
-        raise ValueError(
-            f"{where}: no argument is a model with a pipeline (a StackedModel with pipeline=...); "
-            "give the model its Pipeline, or pass pipeline="
-        )
-
-
-# -- costs ---------------------------------------------------------------------------------------
-def collective(kind: Any, nbytes: Any, devices: Any, kinds: Sequence[str]) -> None:
-    """``collective_time``'s arguments: a known kind, bytes >= 0, a device count >= 1."""
-    one_of("collective_time: kind", kind, kinds)
-    if not _finite(nbytes) or nbytes < 0:
-        raise ValueError(f"collective_time: nbytes must be a number of bytes >= 0, got {nbytes!r}")
-    count("collective_time: devices", devices)
-
-
-def layout_sizes(sizes: Mapping[str, Any], dimensions: Sequence[str]) -> None:
-    """A layout's sizes: each a dimension it splits (``layouts.RANKED``), each a positive int."""
-    for name, size in sizes.items():
-        if name not in dimensions:
-            raise ValueError(f"Layout: unknown dimension {name!r}; a layout splits {', '.join(dimensions)}")
-        count(f"Layout: {name}", size)
-
-
-def optional_count(where: str, value: Any) -> None:
-    """None, or a positive int."""
-    if value is not None:
-        count(where, value)
-
-
-def optional_positive(where: str, value: Any) -> None:
-    """None, or a finite number > 0."""
-    if value is not None:
-        positive(where, value)
-
-
-def program_mesh(where: str, given: Any, program: Any) -> None:
-    """A mesh passed for a program is the one it was compiled for: the same axes, sizes and devices."""
-    if given is None or program is None:
-        return
-    same = dict(given.shape) == dict(program.shape)
-    if same and all(isinstance(m, jax.sharding.Mesh) for m in (given, program)):
-        same = np.array_equal(given.device_ids, program.device_ids)
-    if not same:
-        raise ValueError(
-            f"{where}: mesh={dict(given.shape)} is not the mesh the program was compiled for, "
-            f"{dict(program.shape)}; omit mesh= (it is read from the program) or pass that mesh"
-        )
-
-
-# -- zero ----------------------------------------------------------------------------------------
-def batch_splits(where: str, batch: Any, n: int, axis: str) -> None:
-    """Every array of the batch splits evenly over the ``n`` devices of ``axis``: each its own examples."""
-    for leaf in jax.tree.leaves(batch):
-        rows = np.shape(leaf)[0] if np.ndim(leaf) else None
-        if rows is None or rows % n:
-            raise ValueError(
-                f"{where}: a batch of {rows} examples does not split over the {n} devices of axis {axis!r}; "
-                f"each device takes its own examples, so the batch must be a multiple of {n}"
-            )
-
-
-# -- hardware ------------------------------------------------------------------------------------
-def scale_out(name: str, bandwidth: Any, devices: int, node: int) -> None:
-    """A group wider than the fast level needs the slow level's figure: no silent NVLink or ICI speed."""
-    if bandwidth is None:
-        raise ValueError(
-            f"{name}: {devices:,} devices span more than a node of {node}, and it has no scale_out "
-            f"bandwidth beyond one; give Hardware(scale_out=bytes/s per device)"
-        )
-
-
-# -- memory and precision ------------------------------------------------------------------------
-def copies_as_wide(precision: Mapping[str, Any]) -> None:
-    """``Precision``'s copies hold more than what they copy: the master's numbers at least as wide as
-    the weights', the accumulated gradients' as the gradients' (a narrower copy loses what it keeps)."""
-    for copy, of in (("master", "params"), ("accumulated", "grads")):
-        if precision[copy] is not None and _bytes(precision[copy]) < _bytes(precision[of]):
-            raise ValueError(
-                f"Precision: {copy}={precision[copy]!r} is narrower than {of}={precision[of]!r}: a copy "
-                f"kept to hold what {of} lose must be at least as wide; give {copy}='float32', or None "
-                "for no copy"
-            )
-
-
-def _bytes(dtype: str) -> int:
-    return int(np.dtype(jnp.dtype(dtype)).itemsize)
-
-
-def loss_scale(where: str, period: Any, factor: Any, floor: Any) -> None:
-    """A dynamic loss scale's knobs: it grows by ``factor`` after ``period`` finite steps, shrinks by it
-    on an overflow, never below ``floor``; a factor <= 1 would invert or freeze it."""
-    count(f"{where}: period", period)
-    if not _finite(factor) or factor <= 1:
-        raise ValueError(
-            f"{where}: factor must be a finite number > 1 (the scale is multiplied by it after period "
-            f"finite steps, divided by it on an overflow), got {factor!r}; jmp's default is 2"
-        )
-    if not _finite(floor) or floor <= 0:
-        raise ValueError(f"{where}: floor must be a finite number > 0 (the smallest scale), got {floor!r}")
-
-
-def loss_scale_start(scale: Any) -> None:
-    """A loss scale's first value: a finite number > 0 (NaN or inf would skip every step for ever)."""
-    if not _finite(scale) or scale <= 0:
-        raise ValueError(
-            f"LossScale.start: scale must be a finite number > 0 (the loss is multiplied by it), got "
-            f"{scale!r}; jmp starts at 2**15"
-        )
-
-
-def scalar_bool(where: str, value: Any) -> None:
-    """One boolean (a Python bool, or an array of shape () and dtype bool): a single yes or no."""
-    if np.shape(value) != () or jnp.result_type(value) != jnp.bool_:
-        raise ValueError(
-            f"{where} must be one boolean (shape (), dtype bool), got dtype {jnp.result_type(value)} "
-            f"shape {np.shape(value)}; all_finite(grads) gives it"
-        )
-
-
-def optimizer(where: str, value: Any) -> None:
-    """An optimizer: an object with ``init``, ``update`` and ``learning_rate`` (``SGD``, ``AdamW``)."""
-    if not all(hasattr(value, name) for name in ("init", "update", "learning_rate")):
-        shown = f" {value!r}" if isinstance(value, str | numbers.Number) else ""
-        raise TypeError(
-            f"{where} must be an Optimizer (init, update, learning_rate), got a {type(value).__name__}"
-            f"{shown}; e.g. LossScaled(AdamW(1e-3))"
-        )
-
-
-def loss_scaled_state(where: str, state: Any, cls: type) -> None:
-    """The state ``LossScaled.init`` made (the inner optimizer's, beside the scale), not the inner one's."""
-    if not isinstance(state, cls):
-        raise TypeError(
-            f"{where}: state must be a {cls.__name__} (the optimizer's state and the loss scale), got a "
-            f"{type(state).__name__}; init it with the LossScaled optimizer, not the one inside it"
-        )
-
-
-def flash(q: Any, k: Any, v: Any, blocks: Any, interpret: bool, row_tile: int, score_tile: int) -> None:
-    """The flash kernel's inputs: q, k, v of one ``[batch, seq, heads, head_dim]`` shape, blocks that
-    tile the sequence (divisors of it, multiples of the TPU's 8 sublanes or the whole; on a TPU query
-    blocks of 128 lanes), tiles that fit VMEM, and a TPU to run on (or the interpreter)."""
-    qkv("flash_attention", q, k, v, grouped=False)
-    if jnp.shape(q) != jnp.shape(k):
-        raise ValueError(f"flash_attention: q {jnp.shape(q)} and k {jnp.shape(k)}: one sequence, one shape")
-    seq_len, head_dim = jnp.shape(q)[1], jnp.shape(q)[3]
-    for name, block in zip(("block_q", "block_k"), blocks):
-        if not _is_count(block) or seq_len % block or (block % 8 and block != seq_len):
-            fits = [n for n in range(8, min(seq_len, 1024) + 1, 8) if seq_len % n == 0] or [seq_len]
-            raise ValueError(
-                f"flash_attention: {name}={block} does not tile the sequence of {seq_len} tokens; use a "
-                f"divisor of it that is a multiple of 8 (the TPU's sublanes) or {seq_len} itself: "
-                f"{', '.join(map(str, fits[-4:]))}"
-            )
-    flash_tiles(blocks, head_dim, jnp.dtype(q.dtype).itemsize, row_tile, score_tile)
-    if not interpret and blocks[0] % 128 and blocks[0] != seq_len:
-        fits = [n for n in range(128, min(seq_len, 1024) + 1, 128) if seq_len % n == 0] or [seq_len]
-        raise ValueError(
-            f"flash_attention: block_q={blocks[0]}: on a TPU the backward pass lays a query block's lse "
-            f"along the 128 lanes, so block_q is a multiple of 128 or the whole sequence ({seq_len}): "
-            f"{', '.join(map(str, fits[-4:]))} (the interpreter takes any multiple of 8)"
-        )
-    device = getattr(jax.config, "jax_default_device", None) or jax.devices()[0]  # where it would run
-    platform = getattr(device, "platform", str(device))
-    if not interpret and platform != "tpu":
-        raise ValueError(
-            f"flash_attention: the Pallas kernel runs on a TPU, and this device is a {platform}; pass "
-            "interpret=True to run it here (slowly, as the tests do), or use minishard.context.attention"
-        )
-
-
-def flash_tiles(blocks: Any, head_dim: int, itemsize: int, row_tile: int, score_tile: int) -> None:
-    """The flash kernel's tiles fit VMEM: a ``[block, head_dim]`` tile and the float32 score tile."""
-    rows = max(blocks) * max(head_dim, 128) * itemsize  # a tile's lanes: 128 at least
-    if rows > row_tile:
-        raise ValueError(
-            f"flash_attention: head_dim {head_dim} makes [{max(blocks)}, {head_dim}] tiles of "
-            f"{rows / 2**20:g} MiB, over the {row_tile / 2**20:g} MiB that fit VMEM beside the rest; "
-            f"use smaller blocks (at most {row_tile // (max(head_dim, 128) * itemsize)} rows) or heads"
-        )
-    if blocks[0] * blocks[1] * 4 > score_tile:
-        raise ValueError(
-            f"flash_attention: block_q x block_k = {blocks[0]} x {blocks[1]} makes a float32 score tile of "
-            f"{blocks[0] * blocks[1] * 4 / 2**20:g} MiB, over the {score_tile / 2**20:g} MiB that fit "
-            f"VMEM three times; use blocks with block_q x block_k <= {score_tile // 4:,}"
-        )

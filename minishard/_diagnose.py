@@ -75,7 +75,7 @@ def failed_call(fn: Any, args: tuple[Any, ...], shardings: tuple[Any, ...]) -> N
             )
 
 
-def ambiguous_layout(fn: Any, args: tuple[Any, ...], layer_type: type, error: Exception) -> None:
+def ambiguous_sharding(fn: Any, args: tuple[Any, ...], layer_type: type, error: Exception) -> None:
     """An Explicit mesh's ``ShardingTypeError`` while tracing: name the layer it happened in."""
     if type(error).__name__ != "ShardingTypeError":  # jax._src.core's: not exported
         return

@@ -21,7 +21,7 @@ there reads like::
     %all-reduce = f32[2000]{0} all-reduce(%fusion), channel_id=1,
                   replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
 
-* ``f32[2000]{0}``: the result *on one device* (``{0}`` is its memory layout);
+* ``f32[2000]{0}``: the result *on one device* (``{0}``: its dimensions' order in memory);
   long tuples of results are numbered with comments, ``/*index=5*/``;
 * ``replica_groups``: which devices combine their values, written in one of
   three notations: explicit lists ``{{0,1,2,3},{4,5,6,7}}``, an iota
@@ -41,7 +41,7 @@ coordinates vary. Here, 2 groups of 4 devices each add up an f32[2000] on a
 all-reduce  x1  8.0 kB  over ('y',)
 
 Each kind's run is a ``Collective`` (the kinds in ``KINDS`` order); ``instructions`` yields each
-instruction one at a time, as a ``Sent``, and ``bytes_by_mesh_axes`` sums the bytes per kind and
+instruction one at a time, as a ``Send``, and ``bytes_by_mesh_axes`` sums the bytes per kind and
 mesh axes. A ``Program`` is what they read: a lowered or compiled program, or its HLO text, whose
 mesh ``mesh_of`` finds. ``axis_name`` gives the mesh axis a group's label names, and
 ``human_bytes`` writes a byte count as interconnect bandwidths are quoted. On a CPU, ``as_asked``
@@ -59,7 +59,7 @@ import glob
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import jax
 
@@ -108,10 +108,11 @@ def collectives(program: Program, mesh: AnyMesh | None = None) -> dict[str, Coll
     by default it is the one of the program's ``NamedSharding``\\ s.
     """
     found: dict[str, Collective] = {}
-    for kind, nbytes, groups, _ in instructions(program, mesh):
+    for send in instructions(program, mesh):
+        kind = send.kind
         seen = found.get(kind, Collective(kind, 0, 0, ()))
-        axes = tuple(sorted(set(seen.mesh_axes) | set(groups)))
-        found[kind] = Collective(kind, seen.count + 1, seen.bytes + nbytes, axes)
+        axes = tuple(sorted(set(seen.mesh_axes) | set(send.groups)))
+        found[kind] = Collective(kind, seen.count + 1, seen.bytes + send.result_bytes, axes)
     return {kind: found[kind] for kind in KINDS if kind in found}
 
 
@@ -128,21 +129,35 @@ def bytes_by_mesh_axes(
     {('all-reduce', ('y',)): 32, ('all-reduce', ('x',)): 8}
     """
     found: dict[tuple[str, tuple[str, ...]], int] = {}
-    for kind, nbytes, groups, _ in instructions(program, mesh):
+    for send in instructions(program, mesh):
+        groups = send.groups
         mesh_axes = groups[0] if len(groups) == 1 else ("?",)  # groups of different shapes: rare
-        found[kind, mesh_axes] = found.get((kind, mesh_axes), 0) + nbytes
+        found[send.kind, mesh_axes] = found.get((send.kind, mesh_axes), 0) + send.result_bytes
     return found
 
 
-class Sent(NamedTuple):
-    """One run of a collective instruction: ``kind``; ``bytes``, its result on one device;
-    ``groups``, the mesh axes of each distinct group shape, sorted (nearly always one); ``devices``
-    in a group."""
+Bytes = TypeVar("Bytes", int, float)
+"""A count of bytes: an ``int`` where the census counted them, a ``float`` where a layout predicts
+a share of them (``Send[float]``)."""
+
+
+class Send(NamedTuple, Generic[Bytes]):
+    """One collective sent: its ``kind`` and ``result_bytes``, its result on one device, among
+    ``devices`` in a group. The census reads each run of an instruction from a compiled program
+    (``instructions``), with ``groups``, the mesh axes of each distinct group shape, sorted (nearly
+    always one). A layout predicts the ones a step runs (``layouts.sends``): for a ``dimension``, in
+    the ``backward`` pass or the forward, ``times`` over, among ``devices`` where fewer than the
+    dimension's (0: all of them); ``of_weights``: its bytes are the weights' (whatever the batch),
+    not the activations'."""
 
     kind: str
-    bytes: int
-    groups: tuple[tuple[str, ...], ...]
-    devices: int
+    result_bytes: Bytes
+    devices: int = 0
+    groups: tuple[tuple[str, ...], ...] = ()
+    dimension: str = ""
+    backward: bool = False
+    times: int = 1
+    of_weights: bool = False
 
 
 def axis_name(label: str) -> str:
@@ -151,15 +166,15 @@ def axis_name(label: str) -> str:
 
     >>> hlo = ("%ar = f32[8]{0} all-reduce(%p), "
     ...        "replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add")
-    >>> [sent] = instructions(hlo, jax.sharding.AbstractMesh((2, 4), ("x", "y")))
-    >>> sent.groups, [axis_name(label) for label in sent.groups[0]]
+    >>> [send] = instructions(hlo, jax.sharding.AbstractMesh((2, 4), ("x", "y")))
+    >>> send.groups, [axis_name(label) for label in send.groups[0]]
     ((('y(2 of 4)',),), ['y'])
     """
     return label.axis if isinstance(label, PartOfAxis) else label
 
 
-def instructions(program: Program, mesh: AnyMesh | None = None) -> Iterator[Sent]:
-    """Each collective the program runs, in program order, as a ``Sent``.
+def instructions(program: Program, mesh: AnyMesh | None = None) -> Iterator[Send[int]]:
+    """Each collective the program runs, in program order, as a ``Send``.
 
     An instruction inside a loop body is yielded once per trip (XLA's ``known_trip_count``).
     Async pairs (``all-gather-start`` then ``all-gather-done``) count once: the start carries the
@@ -170,8 +185,9 @@ def instructions(program: Program, mesh: AnyMesh | None = None) -> Iterator[Sent
     >>> hlo = ("%ar = f32[8]{0} all-reduce(%p), "
     ...        "replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add")
     >>> mesh = jax.sharding.AbstractMesh((2, 4), ("x", "y"))
-    >>> list(instructions(hlo, mesh))  # 2 of the 4 along y
-    [Sent(kind='all-reduce', bytes=32, groups=(('y(2 of 4)',),), devices=2)]
+    >>> [send] = instructions(hlo, mesh)  # 2 of the 4 along y
+    >>> send.kind, send.result_bytes, send.groups, send.devices
+    ('all-reduce', 32, (('y(2 of 4)',),), 2)
     """
     text, mesh = _text_and_mesh(program, mesh)
     started: dict[str, list[tuple[tuple[tuple[str, ...], ...], int]]] = {kind: [] for kind in KINDS}
@@ -186,7 +202,7 @@ def instructions(program: Program, mesh: AnyMesh | None = None) -> Iterator[Sent
         if phase == "-start":
             started[kind].append((groups, devices))
         else:
-            yield from [Sent(kind, nbytes, groups, devices)] * runs.get(computation, 1)
+            yield from [Send(kind, nbytes, devices, groups)] * runs.get(computation, 1)
 
 
 def _groups(
@@ -282,7 +298,7 @@ __all__ = [
     "KINDS",
     "Collective",
     "Program",
-    "Sent",
+    "Send",
     "as_asked",
     "axis_name",
     "bytes_by_mesh_axes",

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from minishard import _checks, context
+from minishard import _checks_context, _checks_pipeline, context
 from minishard.census import human_bytes, instructions, mesh_of
 from minishard.costs import ring_bound
 from minishard.hardware import hardware_named
@@ -88,7 +88,7 @@ class ComposedPipeline(Pipeline):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _checks.composed_pipeline(self)
+        _checks_pipeline.composed_pipeline(self)
 
     def run(self, blocks: Stacked, x: jax.Array, *args: Any) -> jax.Array:
         return run_composed(blocks, x, self, *args)
@@ -105,7 +105,7 @@ def run_composed(
     ``args`` (a GPT's ``[T]`` positions) are the same for every microbatch: each device gets those
     of the tokens it holds. What the blocks sow, added up over the batch, is sown again outside.
     """
-    _checks.pipeline_batch("run_pipeline", x, pipeline, pipeline.data_axis)
+    _checks_pipeline.pipeline_batch("run_pipeline", x, pipeline, pipeline.data_axis)
     layers = stage_layers(blocks, pipeline)
     data = pipeline.data_axis
     tokens = pipeline.sequence_axis
@@ -194,7 +194,7 @@ def grouped_attention(
     >>> bool(jnp.allclose(ours, attention(q, *repeated, causal=True), atol=1e-6))
     True
     """
-    _checks.qkv("grouped_attention", q, k, v)  # float arrays, k's heads a divisor of q's
+    _checks_context.qkv("grouped_attention", q, k, v)  # float arrays, k's heads a divisor of q's
     q_pos = jnp.arange(q.shape[1]) if q_pos is None else q_pos
     k_pos = q_pos if k_pos is None else k_pos
     group = q.shape[2] // max(k.shape[2], 1)  # query heads per K/V head
@@ -268,13 +268,13 @@ class RingReport:
     """``ring_report``: a step's collective-permutes over ``axis`` (the census's ``(count,
     bytes)``), beside ``context.ring_permutes``'s formula for ``blocks`` rings of float32
     ``chunk``\\ s, one device's K (or V) ``[batch, seq / p, heads, head_dim]``; ``print`` shows
-    both and the two layouts' balance.
+    both and the two chunk orders' balance.
 
     >>> import functools, minishard as ms
     >>> from jax.sharding import PartitionSpec as P
     >>> from minishard.context import ring_attention
     >>> mesh = ms.make_mesh({"seq": 4}, devices=jax.devices()[:4])
-    >>> mine = functools.partial(ring_attention, axis="seq", causal=True, layout="zigzag")
+    >>> mine = functools.partial(ring_attention, axis="seq", causal=True, order="zigzag")
     >>> ring = jax.shard_map(mine, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
     >>> grads = jax.jit(jax.grad(lambda q, k, v: ring(q, k, v).sum(), argnums=(0, 1, 2)))
     >>> x = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)   # 16 tokens, 4 per device
@@ -291,7 +291,7 @@ class RingReport:
 
     axis: str
     p: int
-    layout: str
+    order: str
     blocks: int  # ring attentions in the step
     chunk: tuple[int, ...]
     sent: tuple[int, int]
@@ -307,7 +307,7 @@ class RingReport:
         p = self.p
         per_block = sum(context.ring_permutes(p))
         count, nbytes = self.sent
-        layout = "zig-zag" if self.layout == "zigzag" else "in order"
+        order = "zig-zag" if self.order == "zigzag" else "in order"
         zigzag = context.balance(p, "zigzag")
         in_order = context.balance(p)
         trips = p - 1
@@ -315,7 +315,7 @@ class RingReport:
         backward = f"backward: K and V x {trips} trips, dK and dV x {p} (the last one home)"
         chunks = f"{self.blocks} blocks x {per_block} chunks {list(self.chunk)} f32"
         lines = [
-            f"Ring attention over {self.axis!r}, p = {p}, {layout}. {forward}",
+            f"Ring attention over {self.axis!r}, p = {p}, {order}. {forward}",
             f"  {backward}: {per_block} permutes",
             f"  census: collective-permute over {self.axis} x{count}, {human_bytes(nbytes)}",
             f"  formula: {chunks} = {human_bytes(self.formula[1])}",
@@ -336,17 +336,17 @@ class RingReport:
 
 
 def ring_report(
-    program: Any, *, axis: str, blocks: int, chunk: Any, layout: str = "zigzag", **options: Any
+    program: Any, *, axis: str, blocks: int, chunk: Any, order: str = "zigzag", **options: Any
 ) -> RingReport:
     """A ``RingReport`` of a lowered (or compiled) training step; ``options``: its ``hardware``."""
     compiled = program.compile() if isinstance(program, jax.stages.Lowered) else program
     mesh = mesh_of(compiled)
     p = int(dict(mesh.shape)[axis]) if mesh is not None else 1  # no mesh: nothing sent
     found = instructions(compiled, mesh)
-    permutes = [(n, groups) for kind, n, groups, _ in found if kind == "collective-permute"]
-    over_axis = [n for n, groups in permutes if groups == ((axis,),)]
+    permutes = [send for send in found if send.kind == "collective-permute"]
+    over_axis = [send.result_bytes for send in permutes if send.groups == ((axis,),)]
     sent = (len(over_axis), sum(over_axis))
-    return RingReport(axis, p, layout, blocks, tuple(chunk), sent, **options)
+    return RingReport(axis, p, order, blocks, tuple(chunk), sent, **options)
 
 
 __all__ = [

@@ -1,8 +1,8 @@
-"""Where activations live: pin an intermediate array's layout by its logical axes.
+"""Where activations live: pin an intermediate array's sharding by its logical axes.
 
 ``Sharded`` gives every *parameter* and every *input* a sharding; everything
 computed in between is left to XLA's sharding propagation, which guesses each
-intermediate's layout from its neighbours. Usually it guesses well. When it
+intermediate's sharding from its neighbours. Usually it guesses well. When it
 does not (with FSDP, say, it may split a hidden activation over "data" along
 the wrong dimension and then pay all-to-alls and all-gathers to fix it up),
 ``constrain`` says where an activation must live, in the model's own
@@ -163,7 +163,8 @@ def activation_axes(ndim: int, *trailing: str | None) -> LogicalAxes:
 
 
 def constrain(x: Any, logical_axes: LogicalAxes) -> Any:
-    """Pin ``x``'s layout: its dimensions named by ``logical_axes``, mapped by the rules in effect.
+    """Pin ``x``'s sharding: its dimensions named by ``logical_axes``, mapped by the rules in
+    effect.
 
     The rank is checked everywhere (shapes are static: it is free); inside
     ``Sharded``, an unknown logical axis or a dimension its mesh axes cannot split
@@ -192,7 +193,7 @@ def output_sharding(logical_axes: LogicalAxes) -> NamedSharding | None:
     context = _CURRENT.get()
     if context is None or not context.explicit:
         return None
-    # An activation's layout is a choice, not a contract: where two of its dimensions want
+    # An activation's sharding is a choice, not a contract: where two of its dimensions want
     # the same mesh axis (strict rules batch->data, mlp->data), the later one is replicated.
     names = {name for name in logical_axes if name is not None and name in context.rules}
     fallbacks = [(name, None) for name in sorted(names)]
@@ -206,7 +207,7 @@ def as_activation(param: Any, activation_axes: LogicalAxes) -> Any:
     A bias or a scale is added to (or multiplied with) activations; under FSDP it
     is *stored* split over "data" while the activation's batch already uses
     "data", and adding the two is ambiguous. This reshards the parameter to the
-    activation's layout (the FSDP all-gather, said out loud). Elsewhere: ``param``.
+    activation's sharding (the FSDP all-gather, said out loud). Elsewhere: ``param``.
     """
     sharding = output_sharding(activation_axes)
     if sharding is None:

@@ -12,12 +12,12 @@ ways: all-gather, all-to-all, and Megatron's sequence parallelism):
    ``Dropped`` of the weights, in training), a ``Partial`` result ``(out, lse)``; ``merge`` two
    partial softmaxes through their log-sum-exp (``merge_weights``: the online softmax, across
    devices). ``attention`` is the whole of it on one device: the oracle.
-2. **Where the chunks live.** In order, or zig-zag (``CHUNKS``: device i holds chunks i and
-   2p-1-i of 2p); ``chunks`` names them, ``meets`` which chunks a device's queries meet at
-   each step, ``needed`` and ``kind`` whether a pair is computed, masked (the diagonal) or
-   skipped (all in the future), ``pair_kinds`` the whole grid (a ``Cell`` per device and step)
-   and ``balance`` its slowest device. ``span`` and ``held_order`` give the tokens' positions
-   as the devices hold them; ``permute`` deals a sequence out in that order.
+2. **Where the chunks live.** A sequence's chunk order, in order or zig-zag (``CHUNKS``: device
+   i holds chunks i and 2p-1-i of 2p); ``chunks`` names them, ``meets`` which chunks a device's
+   queries meet at each step, ``needed`` and ``kind`` whether a pair is computed, masked (the
+   diagonal) or skipped (all in the future), ``pair_kinds`` the whole grid (a ``Cell`` per
+   device and step) and ``balance`` its slowest device. ``span`` and ``held_order`` give the
+   tokens' positions as the devices hold them; ``permute`` deals a sequence out in that order.
 3. **The ring.** ``ring_forward``, p steps of ``attend`` and ``merge``, K and V passed on.
 4. **The backward ring.** ``ring_attention`` is ``ring_forward`` with a ``jax.custom_vjp``
    that sends K, V and their gradients round again, so the backward pass keeps one chunk per
@@ -27,9 +27,9 @@ ways: all-gather, all-to-all, and Megatron's sequence parallelism):
 What lets the ring serve other chapters (grouped-query attention, decoding over a split
 cache, its memory terms, a report of a compiled step) is ``minishard.composition``'s.
 
->>> balance(p=4, layout="in-order"), balance(p=4, layout="zigzag")   # slowest device / mean
+>>> balance(p=4, order="in-order"), balance(p=4, order="zigzag")   # slowest device / mean
 (1.6, 1.0)
->>> held_order(seq_len=8, p=2, layout="zigzag").tolist()   # device 0 holds chunks 0 and 3 of 4
+>>> held_order(seq_len=8, p=2, order="zigzag").tolist()   # device 0 holds chunks 0 and 3 of 4
 [0, 1, 6, 7, 2, 3, 4, 5]
 """
 
@@ -42,11 +42,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from minishard import _checks
+from minishard import _checks_context
 from minishard.pipeline import ring_pairs
 
 CHUNKS = {"in-order": 1, "zigzag": 2}
-"""The layouts of a sequence over the devices, and how many chunks each device holds."""
+"""The chunk orders of a sequence over the devices, and how many chunks each device holds."""
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 """A masked score: its weight ``exp(MASK_VALUE - lse)`` is 0, and no NaN appears."""
 Partial = tuple[jax.Array, jax.Array]
@@ -110,7 +110,8 @@ def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) ->
     >>> bool(jnp.allclose(merge(*left, *right)[0], attend(q, k, v, at, at)[0]))
     True
     """
-    _checks.partials(out1, lse1, out2, lse2)  # the same queries: outputs of one shape, lse per row
+    # the same queries: outputs of one shape, lse per row
+    _checks_context.partials(out1, lse1, out2, lse2)
     w1, w2, lse = merge_weights(lse1, lse2)
     return w1[..., None] * out1 + w2[..., None] * out2, lse
 
@@ -141,7 +142,8 @@ def attention(
     queries'). Keys and values of fewer heads (grouped-query attention) are
     ``minishard.composition.grouped_attention``'s.
     """
-    _checks.qkv("attention", q, k, v, grouped=False)  # float [batch, seq, heads, head_dim] arrays
+    # float [batch, seq, heads, head_dim] arrays
+    _checks_context.qkv("attention", q, k, v, grouped=False)
     q_pos = jnp.arange(q.shape[1]) if q_pos is None else q_pos
     k_pos = q_pos if k_pos is None else k_pos
     return attend(q, k, v, q_pos, k_pos, causal=causal)[0].astype(q.dtype)
@@ -150,24 +152,25 @@ def attention(
 # --- 2. where the chunks live, and what each step computes --------------------------
 
 
-def chunks(device: Any, p: int, layout: str = "in-order") -> tuple[Any, ...]:
+def chunks(device: Any, p: int, order: str = "in-order") -> tuple[Any, ...]:
     """The sequence chunks ``device`` holds (ints or traced): in order, chunk ``device`` of
     ``p``; zig-zag, chunks ``device`` and ``2p-1-device`` of ``2p``, one from each end."""
-    _checks.chunk_holder(device, p, layout, CHUNKS)  # a device of the ring (an int), a known layout
-    if layout == "in-order":
+    # a ring's device (an int), a known chunk order
+    _checks_context.chunk_holder(device, p, order, CHUNKS)
+    if order == "in-order":
         return (device,)
     return device, 2 * p - 1 - device
 
 
-def meets(device: Any, step: Any, p: int, layout: str = "in-order") -> tuple[Any, Any]:
+def meets(device: Any, step: Any, p: int, order: str = "in-order") -> tuple[Any, Any]:
     """At ``step`` of the ring: the chunks of ``device``'s queries, and of the K and V passing by,
     which move one device on per step: at step s, device d holds device (d - s)'s.
 
-    >>> meets(device=1, step=1, p=4, layout="zigzag")   # its own chunks 1 and 6; device 0's 0 and 7
+    >>> meets(device=1, step=1, p=4, order="zigzag")   # its own chunks 1 and 6; device 0's 0 and 7
     ((1, 6), (0, 7))
     """
     sender = (device - step) % p
-    return chunks(device, p, layout), chunks(sender, p, layout)
+    return chunks(device, p, order), chunks(sender, p, order)
 
 
 def needed(q_chunk: Any, k_chunk: Any, causal: bool) -> Any:
@@ -182,27 +185,27 @@ def kind(q_chunk: int, k_chunk: int, causal: bool = True) -> str:
     return "masked" if causal and q_chunk == k_chunk else "computed"
 
 
-def pair_kinds(p: int, layout: str = "in-order", causal: bool = True) -> list[list[Cell]]:
+def pair_kinds(p: int, order: str = "in-order", causal: bool = True) -> list[list[Cell]]:
     """Per device, per step: the ``kind`` of each pair that ``meets`` names, query chunks major.
 
-    >>> pair_kinds(p=2, layout="zigzag")[1]   # device 1 (chunks 1, 2): its own, then device 0's
+    >>> pair_kinds(p=2, order="zigzag")[1]   # device 1 (chunks 1, 2): its own, then device 0's
     [('masked', 'skipped', 'computed', 'masked'), ('computed', 'skipped', 'computed', 'skipped')]
     """
-    _checks.ring("pair_kinds", p, layout, CHUNKS)  # p >= 1 devices, a known layout
+    _checks_context.ring("pair_kinds", p, order, CHUNKS)  # p >= 1 devices, a known chunk order
 
     def cell(device: int, step: int) -> Cell:
-        mine, theirs = meets(device, step, p, layout)
+        mine, theirs = meets(device, step, p, order)
         return tuple(kind(q, k, causal) for q in mine for k in theirs)
 
     return [[cell(d, s) for s in range(p)] for d in range(p)]
 
 
-def balance(p: int, layout: str = "in-order", causal: bool = True) -> float:
+def balance(p: int, order: str = "in-order", causal: bool = True) -> float:
     """The slowest device's work over the mean, counting the pairs it computes or masks (a masked
     pair costs a computed one: the mask comes after the matmul). In order, device i works at
     i + 1 steps: 2p/(p+1); zig-zag, every device at 2p + 1 pairs: 1."""
-    _checks.ring("balance", p, layout, CHUNKS)
-    grid = pair_kinds(p, layout, causal)
+    _checks_context.ring("balance", p, order, CHUNKS)
+    grid = pair_kinds(p, order, causal)
     work = [sum(k != "skipped" for cell in row for k in cell) for row in grid]
     mean = sum(work) / p
     return max(work) / mean
@@ -213,22 +216,22 @@ def span(chunk: Any, size: int) -> jax.Array:
     return chunk * size + jnp.arange(size)
 
 
-def held_order(seq_len: int, p: int, layout: str = "in-order", device: Any = None) -> jax.Array:
+def held_order(seq_len: int, p: int, order: str = "in-order", device: Any = None) -> jax.Array:
     """The positions of the tokens ``device`` holds (by default all devices', in turn), in the
     order it holds them.
 
     Position embeddings and the causal mask must read these: under zig-zag, tokens are out of order.
     """
-    _checks.sequence_layout(seq_len, p, layout, CHUNKS, where="held_order")
-    size = seq_len // (p * CHUNKS[layout])
+    _checks_context.chunked_sequence(seq_len, p, order, CHUNKS, where="held_order")
+    size = seq_len // (p * CHUNKS[order])
     devices = range(p) if device is None else [device]
-    return jnp.concatenate([span(c, size) for d in devices for c in chunks(d, p, layout)])
+    return jnp.concatenate([span(c, size) for d in devices for c in chunks(d, p, order)])
 
 
-def permute(x: jax.Array, p: int, layout: str, *, axis: int = 1, inverse: bool = False) -> Any:
+def permute(x: jax.Array, p: int, order: str, *, axis: int = 1, inverse: bool = False) -> Any:
     """``x``'s sequence (dimension ``axis``) reordered as the devices hold it; ``inverse``: back."""
-    order = held_order(x.shape[axis], p, layout)
-    return jnp.take(x, jnp.argsort(order) if inverse else order, axis=axis)
+    held = held_order(x.shape[axis], p, order)
+    return jnp.take(x, jnp.argsort(held) if inverse else held, axis=axis)
 
 
 # --- 3. the ring --------------------------------------------------------------------
@@ -241,7 +244,7 @@ def ring_forward(
     *,
     axis: str,
     causal: bool = False,
-    layout: str = "in-order",
+    order: str = "in-order",
 ) -> Any:
     """The ring's forward pass in ``shard_map``: ``(out, lse)`` of this device's queries, float32.
 
@@ -250,19 +253,19 @@ def ring_forward(
     the last step sends nothing: 2(p-1) collective-permutes. ``jax.grad`` can differentiate this
     as it is, and then keeps every step's K, V and scores.
     """
-    _checks.context_inputs("ring_attention", q, k, v, axis, layout, CHUNKS)
+    _checks_context.context_inputs("ring_attention", q, k, v, axis, order, CHUNKS)
     p = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
-    qs = jnp.split(q, CHUNKS[layout], axis=1)
+    qs = jnp.split(q, CHUNKS[order], axis=1)
     no_keys_yet = [_nothing_seen(x) for x in qs]
 
     def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
         acc, kv = carry
         passed = jax.lax.ppermute(kv, axis, ring_pairs(p))  # sent now, used at the next step
-        return (_visit(acc, qs, kv, *meets(me, s, p, layout), causal), passed), None
+        return (_visit(acc, qs, kv, *meets(me, s, p, order), causal), passed), None
 
     (acc, kv), _ = jax.lax.scan(step, (tuple(no_keys_yet), (k, v)), jnp.arange(p - 1))
-    acc = _visit(acc, qs, kv, *meets(me, p - 1, p, layout), causal)
+    acc = _visit(acc, qs, kv, *meets(me, p - 1, p, order), causal)
     return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*acc))
 
 
@@ -321,13 +324,13 @@ def _nothing_seen(q: jax.Array) -> Partial:
 
 
 def ring_attention(
-    q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, layout: str = "in-order"
+    q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, order: str = "in-order"
 ) -> Any:
     """Attention of this device's queries over the whole sequence, inside ``shard_map`` over
     ``axis``.
 
-    ``q, k, v``: this device's ``[batch, seq / p, heads, head_dim]``, its chunks of
-    ``layout``. The forward pass is ``ring_forward``; the backward pass keeps only
+    ``q, k, v``: this device's ``[batch, seq / p, heads, head_dim]``, its chunks in the
+    chunk order ``order``. The forward pass is ``ring_forward``; the backward pass keeps only
     ``q, k, v, out, lse`` and sends K, V, dK, dV round the ring again.
 
     >>> import functools, minishard as ms
@@ -339,21 +342,21 @@ def ring_attention(
     >>> float(jnp.abs(ring(q, k, v) - attention(q, k, v, causal=True)).max()) < 1e-5
     True
     """
-    return _ring(q, k, v, axis, causal, layout)
+    return _ring(q, k, v, axis, causal, order)
 
 
-def _ring_fwd(q: Any, k: Any, v: Any, axis: str, causal: bool, layout: str) -> Any:
-    out, lse = ring_forward(q, k, v, axis=axis, causal=causal, layout=layout)
+def _ring_fwd(q: Any, k: Any, v: Any, axis: str, causal: bool, order: str) -> Any:
+    out, lse = ring_forward(q, k, v, axis=axis, causal=causal, order=order)
     return out.astype(q.dtype), (q, k, v, out, lse)  # one chunk of each: flat in p
 
 
-def _ring_bwd(axis: str, causal: bool, layout: str, residuals: Any, g: jax.Array) -> Any:
+def _ring_bwd(axis: str, causal: bool, order: str, residuals: Any, g: jax.Array) -> Any:
     """The backward ring: K, V and their gradients travel together; dK and dV are home after p
     sends."""
     q, k, v, out, lse = residuals
     p = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
-    pieces = CHUNKS[layout]
+    pieces = CHUNKS[order]
     qs = jnp.split(q, pieces, axis=1)
     split_up = (jnp.split(x, pieces, axis=1) for x in (out, g.astype(jnp.float32), lse))
     upstream = [_Upstream(*chunk) for chunk in zip(*split_up)]
@@ -363,11 +366,11 @@ def _ring_bwd(axis: str, causal: bool, layout: str, residuals: Any, g: jax.Array
     def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
         dqs, kv, dkv = carry
         passed = jax.lax.ppermute(kv, axis, ring_pairs(p))  # K and V, sent before this step's work
-        dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, *meets(me, s, p, layout), causal)
+        dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, *meets(me, s, p, order), causal)
         return (dqs, passed, jax.lax.ppermute(dkv, axis, ring_pairs(p))), None
 
     (dqs, kv, dkv), _ = jax.lax.scan(step, (dqs, (k, v), dkv), jnp.arange(p - 1))
-    dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, *meets(me, p - 1, p, layout), causal)
+    dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, *meets(me, p - 1, p, order), causal)
     dk, dv = jax.lax.ppermute(dkv, axis, ring_pairs(p))  # the last step's gradients, home
     return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 

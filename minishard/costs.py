@@ -53,7 +53,7 @@ from typing import Any
 import jax
 import jax.extend
 
-from minishard import _checks
+from minishard import _checks_costs
 from minishard._hlo import repeated_dot_flops
 from minishard.census import as_asked, human_bytes, instructions, mesh_of
 from minishard.hardware import HARDWARE, Hardware, hardware_named
@@ -90,7 +90,7 @@ def collective_time(
     a reduce-scatter or an all-to-all one device's 1/n of it. W is
     ``hardware.bandwidth(devices, n_axes)`` (``minishard.hardware``); ``hardware`` may be its name.
     """
-    _checks.collective(kind, nbytes, devices, tuple(_SHARE))
+    _checks_costs.collective(kind, nbytes, devices, tuple(_SHARE))
     hardware = hardware_named(hardware)
     if devices <= 1:
         return 0.0
@@ -139,7 +139,7 @@ def critical_batch(
     Behind a switch of ``devices`` GPUs the ring factor (n - 1) / n lowers it (the book's
     2,200 for H100 drops it, n → ∞).
     """
-    _checks.optional_count("critical_batch: devices", devices)
+    _checks_costs.optional_count("critical_batch: devices", devices)
     hardware = hardware_named(hardware)
     ring = 1.0 if devices is None or hardware.topology == "torus" else (devices - 1) / devices
     return hardware.flops * ring / hardware.bandwidth(devices or 1, n_axes)
@@ -315,12 +315,12 @@ def step_cost(
     for (``collectives.as_asked``: XLA:CPU widens bf16 collectives to f32); a
     ``Compiled`` one is counted as compiled. ``batch``: examples per device.
     """
-    _checks.optional_positive("step_cost: batch", batch)
+    _checks_costs.optional_positive("step_cost: batch", batch)
     hardware = hardware_named(hardware)
     lowered = program if isinstance(program, jax.stages.Lowered) else None
     compiled = lowered.compile() if lowered is not None else program
     assert isinstance(compiled, jax.stages.Compiled)
-    _checks.program_mesh("step_cost", mesh, mesh_of(compiled))
+    _checks_costs.program_mesh("step_cost", mesh, mesh_of(compiled))
     mesh = mesh if mesh is not None else mesh_of(compiled)
     text = as_asked(lowered) if lowered is not None else compiled.as_text() or ""
     analysis = compiled.cost_analysis() or {}  # per device: XLA analyses the partitioned program
@@ -488,10 +488,11 @@ def _communication(
     """``(kind, bytes, seconds)`` per kind: each instruction priced over its own group of
     devices."""
     sent: dict[str, tuple[int, float]] = {}
-    for kind, nbytes, groups, devices in instructions(text, mesh):
-        seconds = collective_time(kind, nbytes, devices, hardware, n_axes=len(groups[0]))
-        total, time = sent.get(kind, (0, 0.0))
-        sent[kind] = (total + nbytes, time + seconds)
+    for send in instructions(text, mesh):
+        n_axes = len(send.groups[0])
+        seconds = collective_time(send.kind, send.result_bytes, send.devices, hardware, n_axes)
+        total, time = sent.get(send.kind, (0, 0.0))
+        sent[send.kind] = (total + send.result_bytes, time + seconds)
     return tuple((kind, n, s) for kind, (n, s) in sent.items())
 
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from minishard import _checks
+from minishard import _checks_experts
 from minishard.census import Collective, collectives, summary
 from minishard.constraints import activation_axes, constrain
 from minishard.layers import ACTIVATIONS, Layer, Linear, sow
@@ -62,7 +62,7 @@ def capacity(tokens: int, n_experts: int, k: int, capacity_factor: float) -> int
     >>> capacity(64, 8, 2, 1.25), capacity(64, 8, 2, 8 / 2)
     (20, 64)
     """
-    _checks.capacity(tokens, n_experts, k, capacity_factor)  # positive counts, a factor > 0
+    _checks_experts.capacity(tokens, n_experts, k, capacity_factor)  # positive counts, a factor > 0
     even = k * tokens / n_experts  # routings per expert, spread evenly
     return math.ceil(round(even * capacity_factor, 9))  # round: 1.1·10 is 11.000000000000002
 
@@ -177,7 +177,7 @@ class Experts(Layer):
     def __init__(
         self, n: int, features: int, hidden: int, *, key: jax.Array, activation: str = "swish"
     ) -> None:
-        _checks.experts(n, features, hidden, activation, tuple(ACTIVATIONS))
+        _checks_experts.experts(n, features, hidden, activation, tuple(ACTIVATIONS))
         in_key, out_key = jax.random.split(key)
         self.w_in = jax.random.normal(in_key, (n, features, hidden)) / math.sqrt(features)  # fan-in
         self.w_out = jax.random.normal(out_key, (n, hidden, features)) / math.sqrt(hidden)
@@ -220,7 +220,7 @@ class MoE(Layer):
         z_weight: float = 0.001,
         parallel: ExpertParallel | None = None,
     ) -> None:
-        _checks.moe(n_experts, k, capacity_factor, balance_weight, z_weight)
+        _checks_experts.moe(n_experts, k, capacity_factor, balance_weight, z_weight)
         router_key, experts_key = jax.random.split(key)
         scale = (0.1 / features) ** 0.5  # Switch: a small router, near uniform at first; no bias
         self.router = Linear(
@@ -235,7 +235,7 @@ class MoE(Layer):
         self.parallel = parallel
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        _checks.moe_input(x, self.router.in_features)
+        _checks_experts.moe_input(x, self.router.in_features)
         if self.parallel is not None:
             y, stats = all_to_all_moe(self, x, self.parallel)
             sow(stats)
@@ -325,7 +325,7 @@ class ExpertParallel:
     data_axis: str | None = None
 
     def __post_init__(self) -> None:
-        _checks.expert_parallel(dict(self.mesh.shape), self.expert_axis, self.data_axis)
+        _checks_experts.expert_parallel(dict(self.mesh.shape), self.expert_axis, self.data_axis)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:  # the mesh axes that split the groups
@@ -341,7 +341,7 @@ def all_to_all_moe(moe: MoE, x: jax.Array, parallel: ExpertParallel) -> tuple[ja
     """
     groups = x.reshape(-1, *x.shape[-2:])  # [G, S, M]
     mesh_shape = dict(parallel.mesh.shape)
-    _checks.experts_split(moe.n_experts, groups.shape[0], mesh_shape, parallel.batch_axes)
+    _checks_experts.experts_split(moe.n_experts, groups.shape[0], mesh_shape, parallel.batch_axes)
     rules = AxisRules(expert=parallel.expert_axis, embed=None, mlp=None)  # the experts split
     batch = P(parallel.batch_axes)
     run = jax.shard_map(

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from minishard import _checks, context
+from minishard import _checks_context, context
 
 BLOCK = 512
 """The default block of queries and of keys, capped at T: large tiles keep the matrix unit fed."""
@@ -283,7 +283,7 @@ def _row(r: Any, block: Any, heads: int) -> tuple[Any, Any, Any]:
 
 
 def _forward(q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
-    """``out`` (q's layout) and ``lse [rows, T, 1]`` (rows: batch·heads), grid ``(rows, i, j)``."""
+    """``out`` (q's shape) and ``lse [rows, T, 1]`` (rows: batch·heads), grid ``(rows, i, j)``."""
     blocks, heads, head_dim = shape
     keys_at = functools.partial(key_tile, blocks=blocks, causal=causal)
     rows, per_row, keys = _tiles(shape, lambda i, j: i, keys_at)
@@ -300,7 +300,7 @@ def _per_row(q: Any, heads: int) -> jax.ShapeDtypeStruct:
 
 
 def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
-    """dq (q's layout) on the forward's grid ``(rows, i, j)``: the key blocks innermost."""
+    """dq (q's shape) on the forward's grid ``(rows, i, j)``: the key blocks innermost."""
     q, k = operands[:2]
     blocks, heads, head_dim = shape
     keys_at = functools.partial(key_tile, blocks=blocks, causal=causal)
@@ -313,7 +313,7 @@ def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
 
 
 def _dkv(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
-    """dk and dv (k's layout) on the grid ``(rows, j, i)``: the query blocks innermost, their lse,
+    """dk and dv (k's shape) on the grid ``(rows, j, i)``: the query blocks innermost, their lse,
     delta ``[rows, 1, T]``, a new tile at each step: dense, 4 bytes a query, not 128 lanes' 512."""
     q, k = operands[:2]
     blocks, heads, head_dim = shape
@@ -368,7 +368,8 @@ def flash_attention(
     ``interpret``: run in Pallas's TPU interpreter, on any backend (the tests do, on CPU).
     """
     blocks = (block_q or min(BLOCK, q.shape[1]), block_k or min(BLOCK, q.shape[1]))
-    _checks.flash(q, k, v, blocks, interpret, ROW_TILE_BYTES, SCORE_TILE_BYTES)  # fit VMEM, a TPU
+    # fit VMEM, a TPU
+    _checks_context.flash(q, k, v, blocks, interpret, ROW_TILE_BYTES, SCORE_TILE_BYTES)
     heads, head_dim = q.shape[2:]
     side_by_side = head_dim % 128 == 0  # each head a tile of the lanes as it lies
     scaled = (q.astype(jnp.float32) * head_dim**-0.5).astype(q.dtype)  # fused into the copy, if any

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from minishard import _checks
+from minishard import _checks_costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Hardware:
         fast = self.link_bandwidth * n_axes if self.topology == "torus" else self.link_bandwidth
         if self.node is None or devices * inner <= self.node:
             return fast
-        _checks.scale_out(self.name, self.scale_out, devices * inner, self.node)
+        _checks_costs.scale_out(self.name, self.scale_out, devices * inner, self.node)
         # the group's devices in a node
         per_node = 1 if point_to_point else max(1, self.node // inner)
         return min(fast, self.scale_out * per_node)  # type: ignore[operator]

@@ -26,7 +26,7 @@ the change), so minishard makes it impossible.
 
 The layers built on it: ``Linear`` (its logical axes: how it is sharded), ``Swish`` and ``ReLU``
 (``ACTIVATIONS`` by name), ``Sequential``, ``Residual``; ``mlp`` builds a perceptron,
-``megatron_axes`` its Megatron layout. ``check_input`` and ``check_key`` are the guards a user's
+``megatron_axes`` its Megatron sharding. ``check_input`` and ``check_key`` are the guards a user's
 own layer calls.
 
 What a layer measures besides its output (an MoE's statistics) it sows (``sow``) into a typed
@@ -298,7 +298,7 @@ class Linear(Layer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         _checks.linear_call(self, x)  # shapes and types: checked while tracing, free per step
-        # On an Explicit mesh the output's layout is named: (batch, ..., out); else None: XLA's.
+        # On an Explicit mesh the output's sharding is named: (batch, ..., out); else None: XLA's.
         out_axes = activation_axes(jnp.ndim(x), self.logical_axes[1])
         y = jnp.matmul(x, self.weight, out_sharding=output_sharding(out_axes))  # x @ weight
         return y if self.bias is None else y + as_activation(self.bias, out_axes)

@@ -32,8 +32,9 @@ book counts them). (``costs.StepCost`` reads a compiled program and cannot tell 
 hides every collective behind the backward pass.) A pipeline's step is that busy time over
 ``1 - bubble``. On a torus each split dimension but pp takes one of the chip's axes
 (``Hardware.axes``), the largest dimension those left; a stage sends to its neighbour. Each
-collective is a ``Send`` record (``sends``): priced in seconds, or counted in bytes per dimension
-(``bytes_sent``), which ``explain --check`` sets beside a compiled step's census. Memory per device:
+collective is a ``census.Send`` record (``sends``), the census's own: priced in seconds, or counted
+in bytes per dimension (``bytes_sent``), which ``explain --check`` sets beside a compiled step's
+census. Memory per device:
 the memory chapter's 16 bytes per parameter (mixed precision, AdamW) over fsdp x tp x pp, one
 layer's weights gathered whole (a pipeline's stage: all of its layers, kept through its
 microbatches, as torchtitan does: else FSDP gathers each microbatch again), and the activations the
@@ -65,12 +66,13 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from minishard import _checks
-from minishard.census import human_bytes
+from minishard import _checks, _checks_costs
+from minishard.census import Send, human_bytes
 from minishard.costs import collective_time, hbm_critical_batch, sent_bytes
 from minishard.hardware import Hardware, hardware_named
-from minishard.memory import MIXED, Budget, bytes_per_parameter, korthikanti
+from minishard.memory import Budget, bytes_per_parameter, korthikanti
 from minishard.pipeline import bubble_fraction
+from minishard.precision import MIXED
 from minishard.serving import Decoder
 from minishard.styles import DIMENSIONS, MESH_AXES
 
@@ -185,7 +187,7 @@ class Layout:
     """
 
     def __init__(self, **sizes: int) -> None:
-        _checks.layout_sizes(sizes, RANKED)
+        _checks_costs.layout_sizes(sizes, RANKED)
         # the rules' order
         self.sizes = {name: sizes[name] for name in RANKED if sizes.get(name, 1) > 1}
 
@@ -428,44 +430,31 @@ class Step(NamedTuple):
         return self.itemsize * dense / self.layout["tp"] / self.layout["pp"]
 
 
-class Send(NamedTuple):
-    """One collective a step runs for a dimension: in the ``backward`` pass or the forward,
-    ``times`` over, each leaving ``result_bytes`` on a device (what ``census.collectives`` counts);
-    ``over``: the devices it runs among, where fewer than the dimension's (0: all of them);
-    ``of_weights``: its bytes are the weights' (whatever the batch), not the activations'."""
-
-    dimension: str
-    kind: str
-    result_bytes: float
-    backward: bool
-    times: int = 1
-    over: int = 0
-    of_weights: bool = False
-
-    def devices(self, layout: Layout) -> int:
-        return self.over or layout[self.dimension]
+def _among(send: Send[float], layout: Layout) -> int:
+    """The devices ``send`` runs among: its own ``devices``, else all of its dimension's."""
+    return send.devices or layout[send.dimension]
 
 
-def _fsdp_sends(step: Step) -> list[Send]:
+def _fsdp_sends(step: Step) -> list[Send[float]]:
     """FSDP gathers a stage's weights each pass (a pipeline's stage keeps its own through the
     backward pass) and reduce-scatters their gradients."""
     weights = step.weights
     shard = weights / step.layout["fsdp"]
     whole = int(step.layout["pp"] == 1)
     return [
-        Send("fsdp", "all-gather", weights, backward=False, of_weights=True),
-        Send("fsdp", "all-gather", weights, backward=True, times=whole, of_weights=True),
-        Send("fsdp", "reduce-scatter", shard, backward=True, of_weights=True),
+        Send("all-gather", weights, dimension="fsdp", backward=False, of_weights=True),
+        Send("all-gather", weights, dimension="fsdp", backward=True, times=whole, of_weights=True),
+        Send("reduce-scatter", shard, dimension="fsdp", backward=True, of_weights=True),
     ]
 
 
-def _dp_sends(step: Step) -> list[Send]:
+def _dp_sends(step: Step) -> list[Send[float]]:
     """Each replica's gradients all-reduced, once FSDP scattered them."""
     shard = step.weights / step.layout["fsdp"]
-    return [Send("dp", "all-reduce", shard, backward=True, of_weights=True)]
+    return [Send("all-reduce", shard, dimension="dp", backward=True, of_weights=True)]
 
 
-def _tp_sends(step: Step) -> list[Send]:
+def _tp_sends(step: Step) -> list[Send[float]]:
     """Megatron's with the sequence split between blocks: each block gathers its input's tokens and
     reduce-scatters its output; the backward pass the forward's transposed, twice."""
     streams = step.itemsize * step.group * step.model.width * 2 * step.model.layers  # two a layer
@@ -473,13 +462,19 @@ def _tp_sends(step: Step) -> list[Send]:
     found = []
     for backward in (False, True):
         found += [
-            Send("tp", "all-gather", stream, backward, times=1 + backward),
-            Send("tp", "reduce-scatter", stream / step.layout["tp"], backward, times=1 + backward),
+            Send("all-gather", stream, dimension="tp", backward=backward, times=1 + backward),
+            Send(
+                "reduce-scatter",
+                stream / step.layout["tp"],
+                dimension="tp",
+                backward=backward,
+                times=1 + backward,
+            ),
         ]
     return found
 
 
-def _pp_sends(step: Step) -> list[Send]:
+def _pp_sends(step: Step) -> list[Send[float]]:
     """As ``minishard.pipeline`` compiles: a microbatch every one of its m + p - 1 ticks, the
     bubble's too, and an all-reduce over the stages that hands the last stage's output to every
     stage, each pass."""
@@ -489,13 +484,14 @@ def _pp_sends(step: Step) -> list[Send]:
     found = []
     for backward in (False, True):
         found += [
-            Send("pp", "collective-permute", hop * ticks, backward),
-            Send("pp", "all-reduce", hop, backward),  # the last stage's output, to every stage
+            Send("collective-permute", hop * ticks, dimension="pp", backward=backward),
+            # the last stage's output, to every stage
+            Send("all-reduce", hop, dimension="pp", backward=backward),
         ]
     return found
 
 
-def _cp_sends(step: Step) -> list[Send]:
+def _cp_sends(step: Step) -> list[Send[float]]:
     """The keys and values a split sequence gathers, each layer (Llama 3's all-gather context
     parallelism): over cp, and over the data shards that share a sequence where they exceed the
     sequences (the book's "sequence parallelism" under FSDP). Each device gathers them whole
@@ -512,18 +508,24 @@ def _cp_sends(step: Step) -> list[Send]:
         sharing = math.ceil(shards * context / tokens)
         # PLACEMENT's outermost
         outer = next(name for name in ("dp", "fsdp", "ep") if layout[name] > 1)
-        found += _gather_scatter(outer, kv * context * layers, sharing, over=sharing)
+        found += _gather_scatter(outer, kv * context * layers, sharing, devices=sharing)
     return found
 
 
-def _gather_scatter(dimension: str, gathered: float, ways: int, over: int = 0) -> list[Send]:
+def _gather_scatter(
+    dimension: str,
+    gathered: float,
+    ways: int,
+    devices: int = 0,
+) -> list[Send[float]]:
+    scattered = gathered / ways
     return [
-        Send(dimension, "all-gather", gathered, backward=False, over=over),
-        Send(dimension, "reduce-scatter", gathered / ways, backward=True, over=over),
+        Send("all-gather", gathered, dimension=dimension, backward=False, devices=devices),
+        Send("reduce-scatter", scattered, dimension=dimension, backward=True, devices=devices),
     ]
 
 
-def _ep_sends(step: Step) -> list[Send]:
+def _ep_sends(step: Step) -> list[Send[float]]:
     """Each MoE layer sends every token to its ``top_k`` experts and the results home (two
     all-to-alls a layer forward, their transposes backward: ``minishard.experts``), a token split by
     sp between blocks; the weights outside the experts, whole on each ep shard, all-reduce their
@@ -534,9 +536,9 @@ def _ep_sends(step: Step) -> list[Send]:
     layers = 2 * model.layers // layout["pp"]
     shard = step.dense_weights / layout["fsdp"]
     return [
-        Send("ep", "all-to-all", routed, backward=False, times=layers),
-        Send("ep", "all-to-all", routed, backward=True, times=layers),
-        Send("ep", "all-reduce", shard, backward=True, of_weights=True),
+        Send("all-to-all", routed, dimension="ep", backward=False, times=layers),
+        Send("all-to-all", routed, dimension="ep", backward=True, times=layers),
+        Send("all-reduce", shard, dimension="ep", backward=True, of_weights=True),
     ]
 
 
@@ -554,7 +556,7 @@ def sends(
     itemsize: int = 2,
     context: int = 0,
     microbatches: int = 1,
-) -> list[Send]:
+) -> list[Send[float]]:
     """The collectives of one step of ``tokens`` in sequences of ``context``, by dimension
     (``SENDS``), numbers of ``itemsize`` bytes (bf16), a pipeline of ``microbatches``; those among
     more than one device.
@@ -565,7 +567,7 @@ def sends(
     """
     step = Step(model, layout, tokens, itemsize, context, microbatches)
     found = [send for sends_of in SENDS.values() for send in sends_of(step)]
-    return [send for send in found if send.devices(layout) > 1 and send.times]
+    return [send for send in found if _among(send, layout) > 1 and send.times]
 
 
 def bytes_sent(
@@ -586,7 +588,7 @@ def bytes_sent(
     """
     found: dict[str, float] = {}
     for send in sends(model, layout, tokens, itemsize, context, microbatches):
-        sent = send.times * sent_bytes(send.kind, send.result_bytes, send.devices(layout))
+        sent = send.times * sent_bytes(send.kind, send.result_bytes, _among(send, layout))
         found[send.dimension] = found.get(send.dimension, 0.0) + sent
     return found
 
@@ -607,7 +609,7 @@ def pass_collectives(
     for send in sends(model, layout, tokens, itemsize, context, microbatches):
         n_axes = axes.get(send.dimension, 1)
         inner = layout.inner(send.dimension)
-        devices = send.devices(layout)
+        devices = _among(send, layout)
         one = collective_time(send.kind, send.result_bytes, devices, hardware, n_axes, inner)
         seconds[int(send.backward), int(send.of_weights)] += send.times * one
     forward = CommSeconds(weights=seconds[0, 1], activations=seconds[0, 0])
@@ -791,7 +793,6 @@ __all__ = [
     "LayoutCost",
     "Ranking",
     "CommSeconds",
-    "Send",
     "bytes_sent",
     "sends",
     "checkpoint_bytes",

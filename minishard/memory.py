@@ -19,18 +19,18 @@ device) and sets them against the compiler's ``memory_analysis()`` and an
 accelerator's HBM. Nothing here compiles: an ``AbstractMesh`` and ``jax.eval_shape``
 are enough to ask about a model far bigger than this machine.
 
-The names, by section. 1: a step's dtypes are a ``Precision`` (``FP32``, ``MIXED``, ``BF16``,
-``FP16``; ``PRECISIONS`` by flag, of the ``DTYPES`` a number takes), each number's ``itemsize``,
-and ``bytes_per_parameter`` from them and the optimizer's ``MOMENTS``. 2: ``ZERO_SPLITS`` says
-which terms each ZeRO stage splits (``OPTIMIZER_STATE`` the optimizer's own), ``zero_bytes`` what
-remains on a device. 3: ``korthikanti`` is the paper's formula for its ``PAPER`` policies,
-``block_activations`` the same block's bytes under each of ``RECOMPUTE``, ``kept_by_policy`` what
-a ``jax.checkpoint`` policy keeps, ``head_activations`` and ``mlp_activations`` the rest of a
-model; ``kept_on_tpu`` is what XLA:TPU keeps instead (``TPU_KEEPS``, per policy: its ``MXU``
-copies in bf16, the softmax in float32), one of the ``COMPILERS`` a prediction is for. 4: a
-``Budget`` is a step's terms against the compiler's and the chip's bytes: ``step_budget`` for a
-``Sharded`` step, ``zero_budget`` for ZeRO's own.
+The names, by section. 1: a step's dtypes are a ``Precision`` (the previous chapter's); each
+number's ``itemsize``, and ``bytes_per_parameter`` from them and the optimizer's ``MOMENTS``. 2:
+``ZERO_SPLITS`` says which terms each ZeRO stage splits (``OPTIMIZER_STATE`` the optimizer's own),
+``zero_bytes`` what remains on a device. 3: ``korthikanti`` is the paper's formula for its ``PAPER``
+policies, ``block_activations`` the same block's bytes under each of ``RECOMPUTE``,
+``kept_by_policy`` what a ``jax.checkpoint`` policy keeps, ``head_activations`` and
+``mlp_activations`` the rest of a model; ``kept_on_tpu`` is what XLA:TPU keeps instead
+(``TPU_KEEPS``, per policy: its ``MXU`` copies in bf16, the softmax in float32), one of the
+``COMPILERS`` a prediction is for. 4: a ``Budget`` is a step's terms against the compiler's and the
+chip's bytes: ``step_budget`` for a ``Sharded`` step, ``zero_budget`` for ZeRO's own.
 
+>>> from minishard.precision import MIXED
 >>> terms = bytes_per_parameter(MIXED, "adamw")
 >>> terms, sum(terms.values())   # the Playbook's 16 bytes per parameter
 ({'parameters': 2, 'gradients': 2, 'master': 4, 'accumulated': 0, 'moments': 8}, 16)
@@ -51,61 +51,15 @@ from minishard import _checks
 from minishard.census import human_bytes
 from minishard.costs import Memory
 from minishard.hardware import Hardware
+from minishard.precision import FP32, Precision
 from minishard.remat import POLICIES
 from minishard.rules import AnyMesh, AxisRules
 from minishard.sharding import Plan, Sharded
-from minishard.tree import cast_floating
 from minishard.zero import Mastered, ZeroStep, held_bytes
 
 # --- 1. bytes per parameter --------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Precision:
-    """The dtypes of a step's per-parameter arrays (``jmp``'s policy, seen from memory).
-
-    ``params``: the weights the step computes with; ``grads``: the gradients as
-    reduced; ``master``: a copy the optimizer updates, when ``params`` is lower
-    (bfloat16 weights lose small updates); ``accumulated``: a copy of the gradients
-    summed over microbatches (Megatron's "main grads"), when ``grads`` is lower.
-    """
-
-    params: str = "float32"
-    grads: str = "float32"
-    master: str | None = None
-    accumulated: str | None = None
-
-    def __post_init__(self) -> None:
-        for name, dtype in dataclasses.asdict(self).items():
-            allowed = (*DTYPES, None) if name in OPTIONAL else DTYPES
-            _checks.one_of(f"Precision: {name}", dtype, allowed)
-        _checks.copies_as_wide(dataclasses.asdict(self))
-
-    def compute(self, tree: Any) -> Any:
-        """``tree`` as the step computes with it: every floating array in ``params``'s dtype (jmp's
-        ``cast_to_compute``). Differentiated through, the gradients come back in the master's dtype.
-
-        >>> BF16.compute({"w": np.ones(2, np.float32), "ids": np.ones(2, np.int32)})["w"].dtype
-        dtype(bfloat16)
-        """
-        return cast_floating(tree, self.params)
-
-
-DTYPES = ("float32", "bfloat16", "float16")
-"""The dtypes a precision takes."""
-OPTIONAL = ("master", "accumulated")
-FP32 = Precision()
-"""minishard's default: everything in float32, no copies."""
-MIXED = Precision("bfloat16", "bfloat16", master="float32")
-"""Mixed precision: bfloat16 weights and gradients, a float32 master copy (and float32 moments)."""
-BF16 = Precision("bfloat16", "float32", master="float32")
-"""What ``train --precision bf16`` runs: the float32 model is the master copy, cast to bfloat16 for
-each step's forward and backward passes; its gradients come back (and are reduced) in float32."""
-FP16 = Precision("float16", "float32", master="float32")
-"""What ``train --precision fp16`` runs: BF16's policy in float16, whose 5 exponent bits need a loss
-scale (``minishard.precision.LossScaled``): the gradients of the scaled loss, reduced in float32."""
-PRECISIONS = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
-"""The precisions ``--precision`` names."""
 MOMENTS = {"sgd": 0, "momentum": 1, "adamw": 2}
 """float32 tensors per parameter each optimizer keeps: plain SGD none, its momentum one, AdamW
 two."""
@@ -158,6 +112,7 @@ def zero_bytes(terms: dict[str, float], stage: int, devices: int) -> float:
     split are its arguments, to the byte, and each device reduce-scatters its whole float32
     gradient.
 
+    >>> from minishard.precision import MIXED
     >>> [zero_bytes(bytes_per_parameter(MIXED), stage, 8) for stage in (0, 1, 2, 3)]
     [16.0, 5.5, 3.75, 2.0]
     """
@@ -544,22 +499,15 @@ def _mesh_axes(spec: Any) -> set[str]:
 
 
 __all__ = [
-    "BF16",
-    "DTYPES",
-    "FP16",
-    "FP32",
-    "MIXED",
     "MOMENTS",
     "OPTIMIZER_STATE",
     "PAPER",
-    "PRECISIONS",
     "RECOMPUTE",
     "TPU_KEEPS",
     "ZERO_SPLITS",
     "COMPILERS",
     "MXU",
     "Budget",
-    "Precision",
     "block_activations",
     "bytes_per_parameter",
     "head_activations",

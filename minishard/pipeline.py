@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from minishard import _checks
+from minishard import _checks, _checks_pipeline
 from minishard._hlo import collective_instructions
 from minishard.census import bytes_by_mesh_axes, collectives
 from minishard.layers import ACTIVATIONS, Layer, Linear, Sequential, lifted, sow
@@ -139,7 +139,7 @@ class Stacked(Layer):
     static_fields = ("n",)
 
     def __init__(self, make_block: Callable[[jax.Array], Layer], n: int, *, key: jax.Array) -> None:
-        _checks.stacked(n, key)
+        _checks_pipeline.stacked(n, key)
         self.block = jax.vmap(make_block)(jax.random.split(key, n))
         self.n = int(n)
 
@@ -158,7 +158,8 @@ def run_blocks(block: Any, x: jax.Array, *args: Any) -> jax.Array:
     output (``layers.lifted``), is added up over the blocks and sown again outside.
     """
     body = lambda h, one: lifted(one)(h, *args)  # noqa: E731
-    _checks.blocks_keep_shape(body, block, x)  # the scan's carry: each output is the next's input
+    # the scan's carry: each output is the next's input
+    _checks_pipeline.blocks_keep_shape(body, block, x)
     y, sown = jax.lax.scan(body, x, block)
     sow(jax.tree.map(lambda s: s.sum(0), sown))
     return y
@@ -264,7 +265,7 @@ class Pipeline:
     stage_axis: str = "stage"
 
     def __post_init__(self) -> None:
-        _checks.pipeline(self)
+        _checks_pipeline.pipeline(self)
 
     @property
     def stages(self) -> int:
@@ -278,7 +279,7 @@ class Pipeline:
         """``blocks(x, *args)``, pipelined: ``gpipe`` on every device of the stage axis, the only
         axis it runs by hand (another, "model" for tp, stays the annotations' inside a stage).
         ``args`` (a GPT's ``[T]`` positions) are the same for every microbatch and device."""
-        _checks.pipeline_batch("run_pipeline", x, self)
+        _checks_pipeline.pipeline_batch("run_pipeline", x, self)
         layers = stage_layers(blocks, self)
         loop = functools.partial(_blocks_alone, pipeline=self)
         in_specs = (P(self.stage_axis), P(), *(P(),) * len(args))
@@ -307,7 +308,7 @@ def schedule(p: int, m: int, r: int = 1) -> list[list[Any]]:
 
     With ``r > 1``, a cell is ``(microbatch, repeat)``.
     """
-    _checks.pipeline_sizes("schedule", p, m, r)
+    _checks_pipeline.pipeline_sizes("schedule", p, m, r)
     if r > 1 and m < p:  # microbatch 0 would come back round to stage 0 before the last one started
         raise ValueError(f"a circular schedule needs m >= p microbatches, got m={m} < p={p}")
 
@@ -364,7 +365,7 @@ def stage_layers(blocks: Stacked, pipeline: Pipeline) -> Any:
     with ``r > 1`` XLA moves the layers each step.
     """
     hint = "stack them: Stacked(make_block, n, key=key)"
-    _checks.instance("run_pipeline: blocks", blocks, Stacked, hint)
+    _checks_pipeline.instance("run_pipeline: blocks", blocks, Stacked, hint)
     p = pipeline.stages
     r = pipeline.repeats
     if blocks.n % (p * r):
@@ -410,7 +411,8 @@ def _blocks_alone(layers: Any, xs: jax.Array, *args: Any, pipeline: Pipeline) ->
 
     def stage_work(here: Any, x: jax.Array, busy: jax.Array) -> tuple[jax.Array, None]:
         y, sown = lifted(run_blocks)(here, x, *args)
-        _checks.nothing_sown("run_pipeline", sown)  # an MoE's statistics: a ComposedPipeline's
+        # an MoE's statistics: a ComposedPipeline's
+        _checks_pipeline.nothing_sown("run_pipeline", sown)
         return y, None
 
     outputs, _ = gpipe(layers, xs, pipeline, stage_work)
@@ -449,13 +451,13 @@ def bubble_fraction(p: int, m: int, r: int = 1) -> float:
 
     ``(p-1) / (r·m + p-1)``: ``p - 1`` ticks of bubble in ``r·m + p - 1``.
     """
-    _checks.pipeline_sizes("bubble_fraction", p, m, r)
+    _checks_pipeline.pipeline_sizes("bubble_fraction", p, m, r)
     return (p - 1) / (r * m + p - 1)
 
 
 def megatron_bubble(p: int, m: int, r: int = 1) -> float:
     """The bubble over the *ideal* time, as Megatron-LM writes it: ``(p-1)/(r·m)``. Grows past 1."""
-    _checks.pipeline_sizes("megatron_bubble", p, m, r)
+    _checks_pipeline.pipeline_sizes("megatron_bubble", p, m, r)
     return (p - 1) / (r * m)
 
 
@@ -471,7 +473,7 @@ def in_flight(p: int, m: int, r: int = 1) -> float:
     >>> in_flight(p=4, m=8), in_flight(p=4, m=8, r=2)
     (11.0, 9.5)
     """
-    _checks.pipeline_sizes("in_flight", p, m, r)
+    _checks_pipeline.pipeline_sizes("in_flight", p, m, r)
     return (r * m + p - 1) / r
 
 
@@ -523,7 +525,7 @@ def pipeline_report(
     """What ``explain`` prints for a pipelined step: stages, ticks, bubble, bytes sent, temp memory.
 
     ``pipeline``: by default that of the first ``StackedModel`` in ``args``."""
-    _checks.pipelined("pipeline_report", pipeline, args)
+    _checks_pipeline.pipelined("pipeline_report", pipeline, args)
     models = [a for a in args if isinstance(a, StackedModel)]
     pipeline = pipeline or next(model.pipeline for model in models if model.pipeline)
     p = pipeline.stages

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from minishard import _checks
+from minishard import _checks_pipeline
 from minishard.pipeline import (
     Pipeline,
     Stacked,
@@ -45,11 +45,11 @@ def one_f_one_b(
     (``jax.vjp``, recomputing the forward from its saved input): a stage saves the inputs of at
     most ``2p`` microbatches, however large ``m``. A plain ``Pipeline``, no repeats: the least."""
     hint = "stack them: Stacked(make_block, n, key=key)"
-    _checks.instance("one_f_one_b: blocks", blocks, Stacked, hint)
+    _checks_pipeline.instance("one_f_one_b: blocks", blocks, Stacked, hint)
     p = pipeline.stages
     m = pipeline.microbatches
     axis = pipeline.stage_axis
-    _checks.pipeline_batch("one_f_one_b", x, pipeline)
+    _checks_pipeline.pipeline_batch("one_f_one_b", x, pipeline)
     if type(pipeline).run is not Pipeline.run or pipeline.repeats != 1 or blocks.n % p:
         raise ValueError("one_f_one_b: one data replica, no repeats, blocks divisible by stages")
     loop = functools.partial(_one_f_one_b_loop, loss_fn=loss_fn, p=p, m=m, axis=axis)

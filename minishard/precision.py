@@ -1,11 +1,15 @@
-"""Mixed precision, the numbers: fp16's loss scale, where the cast sits, and the gradients'
+"""Mixed precision: a step's dtypes, fp16's loss scale, where the cast sits, and the gradients'
 dtype.
 
-``minishard.memory`` says what a precision costs in bytes held (``Precision``: the
-weights' dtype, the gradients', a float32 master copy). This chapter is what it
-costs in numbers and in bytes sent:
+This chapter is what a precision costs in numbers and in bytes sent; the next, ``minishard.memory``,
+what it costs in bytes held:
 
-1. **fp16 needs a loss scale.** float16 has 5 exponent bits: a gradient below
+1. **A step's dtypes.** A ``Precision`` names the dtype of each per-parameter array, of the
+   ``DTYPES`` a number takes: the weights the step computes with (``compute`` casts to it),
+   the gradients, a float32 master copy. ``FP32`` is minishard's default, ``MIXED`` the
+   Playbook's mixed precision, ``BF16`` and ``FP16`` what ``train --precision`` runs
+   (``PRECISIONS`` by flag).
+2. **fp16 needs a loss scale.** float16 has 5 exponent bits: a gradient below
    6e-8 rounds to zero. Multiply the loss by a large ``scale`` before ``grad``,
    divide the gradients by it after, and the small ones survive; where the scale
    is too large a gradient overflows to inf, and the step is skipped, the scale
@@ -17,12 +21,12 @@ costs in numbers and in bytes sent:
    halves it on an overflow, never below ``FLOOR``; ``all_finite`` tells which);
    ``scaled`` is the loss ``grad`` sees, and ``LossScaled`` the optimizer that
    unscales, its state a ``LossScaledState``.
-2. **Where the cast sits under FSDP.** Cast each weight's shard to bfloat16, and
+3. **Where the cast sits under FSDP.** Cast each weight's shard to bfloat16, and
    the all-gather moves 2 bytes a number; gather the float32 weight first, and 4
    (levanter#426); ``gathered`` is that all-gather, said out loud. ``census.as_asked``
    reads a step's collectives as XLA's SPMD partitioner wrote them, before XLA:CPU
    widens bfloat16 ones to float32.
-3. **In which dtype gradients are reduced.** Differentiated through the cast,
+4. **In which dtype gradients are reduced.** Differentiated through the cast,
    a gradient leaves the backward pass in the compute dtype, and the partitioner
    all-reduces it there, whatever the optimizer wants after (jax#27496).
    ``reduced_in`` makes the reduction the step's own: each replica's gradients,
@@ -43,12 +47,63 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from minishard import _checks
+from minishard import _checks, _checks_precision
 from minishard.constraints import activation_axes, constrain, environment
 from minishard.optim import Optimizer
 from minishard.rules import AxisRules
+from minishard.tree import cast_floating
 
-# --- 1. fp16: the dynamic loss scale ----------------------------------------------------------
+# --- 1. a step's dtypes -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The dtypes of a step's per-parameter arrays (``jmp``'s policy, seen from memory).
+
+    ``params``: the weights the step computes with; ``grads``: the gradients as
+    reduced; ``master``: a copy the optimizer updates, when ``params`` is lower
+    (bfloat16 weights lose small updates); ``accumulated``: a copy of the gradients
+    summed over microbatches (Megatron's "main grads"), when ``grads`` is lower.
+    """
+
+    params: str = "float32"
+    grads: str = "float32"
+    master: str | None = None
+    accumulated: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, dtype in dataclasses.asdict(self).items():
+            allowed = (*DTYPES, None) if name in OPTIONAL else DTYPES
+            _checks.one_of(f"Precision: {name}", dtype, allowed)
+        _checks_precision.copies_as_wide(dataclasses.asdict(self))
+
+    def compute(self, tree: Any) -> Any:
+        """``tree`` as the step computes with it: every floating array in ``params``'s dtype (jmp's
+        ``cast_to_compute``). Differentiated through, the gradients come back in the master's dtype.
+
+        >>> BF16.compute({"w": jnp.ones(2, jnp.float32), "ids": jnp.ones(2, jnp.int32)})["w"].dtype
+        dtype(bfloat16)
+        """
+        return cast_floating(tree, self.params)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a precision takes."""
+OPTIONAL = ("master", "accumulated")
+FP32 = Precision()
+"""minishard's default: everything in float32, no copies."""
+MIXED = Precision("bfloat16", "bfloat16", master="float32")
+"""Mixed precision: bfloat16 weights and gradients, a float32 master copy (and float32 moments)."""
+BF16 = Precision("bfloat16", "float32", master="float32")
+"""What ``train --precision bf16`` runs: the float32 model is the master copy, cast to bfloat16 for
+each step's forward and backward passes; its gradients come back (and are reduced) in float32."""
+FP16 = Precision("float16", "float32", master="float32")
+"""What ``train --precision fp16`` runs: BF16's policy in float16, whose 5 exponent bits need a loss
+scale (``LossScaled``): the gradients of the scaled loss, reduced in float32."""
+PRECISIONS = {"fp32": FP32, "bf16": BF16, "fp16": FP16}
+"""The precisions ``--precision`` names."""
+
+# --- 2. fp16: the dynamic loss scale ----------------------------------------------------------
 
 # jmp's ``DynamicLossScale`` defaults:
 INITIAL = 2.0**15
@@ -70,7 +125,7 @@ class LossScale(NamedTuple):
 
     @classmethod
     def start(cls, scale: float = INITIAL) -> LossScale:
-        _checks.loss_scale_start(scale)
+        _checks_precision.loss_scale_start(scale)
         return cls(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32))
 
 
@@ -102,8 +157,8 @@ def adjust(
     1.0 0
     1.0 1
     """
-    _checks.loss_scale("adjust", period, factor, floor)
-    _checks.scalar_bool("adjust: finite", finite)
+    _checks_precision.loss_scale("adjust", period, factor, floor)
+    _checks_precision.scalar_bool("adjust: finite", finite)
     doubled = jnp.where(jnp.isfinite(state.scale * factor), state.scale * factor, state.scale)
     grown = jnp.where(state.good == period - 1, doubled, state.scale)
     shrunk = jnp.maximum(floor, state.scale / factor)
@@ -142,9 +197,9 @@ class LossScaled:
         period: int = PERIOD,
         factor: float = FACTOR,
     ) -> None:
-        _checks.optimizer("LossScaled: optimizer", optimizer)
+        _checks_precision.optimizer("LossScaled: optimizer", optimizer)
         _checks.positive("LossScaled: initial", initial)
-        _checks.loss_scale("LossScaled", period, factor, FLOOR)
+        _checks_precision.loss_scale("LossScaled", period, factor, FLOOR)
         self.optimizer = optimizer
         self.initial = initial
         self.period = period
@@ -158,7 +213,7 @@ class LossScaled:
         self, params: Any, grads: Any, state: LossScaledState, *, axis_name: str | None = None
     ) -> tuple[Any, LossScaledState]:
         """One step on the gradients of the scaled loss, or none where they overflowed."""
-        _checks.loss_scaled_state("LossScaled.update", state, LossScaledState)
+        _checks_precision.loss_scaled_state("LossScaled.update", state, LossScaledState)
         unscaled = jax.tree.map(lambda g: g * (1 / state.loss_scale.scale), grads)
         finite = all_finite(unscaled)
         stepped = self.optimizer.update(params, unscaled, state.inner, axis_name=axis_name)
@@ -180,7 +235,7 @@ def scaled(loss: Callable[..., Any], scale: jax.Array) -> Callable[..., Any]:
     return scaled_loss
 
 
-# --- 2. where the cast sits under FSDP ------------------------------------------------------
+# --- 3. where the cast sits under FSDP ------------------------------------------------------
 
 
 def gathered(tree: Any) -> Any:
@@ -189,7 +244,7 @@ def gathered(tree: Any) -> Any:
     return jax.tree.map(lambda x: constrain(x, (None,) * jnp.ndim(x)), tree)
 
 
-# --- 3. in which dtype gradients are reduced ------------------------------------------------
+# --- 4. in which dtype gradients are reduced ------------------------------------------------
 
 
 def replicas() -> tuple[int, tuple[str, ...]]:
@@ -243,6 +298,13 @@ def _sum_rows(x: jax.Array) -> jax.Array:
 
 
 __all__ = [
+    "BF16",
+    "DTYPES",
+    "FP16",
+    "FP32",
+    "MIXED",
+    "PRECISIONS",
+    "Precision",
     "FACTOR",
     "FLOOR",
     "INITIAL",

@@ -36,14 +36,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from minishard import _checks
+from minishard import _checks_context
 from minishard.constraints import activation_axes, constrain
 from minishard.context import CHUNKS, attend, held_order
 from minishard.layers import Layer, Linear, Sequential
 from minishard.rules import AxisRules, MeshAxes
 from minishard.sharding import partition_specs
 
-Attend = Callable[..., jax.Array]  # (q, k, v, *, axis, causal, layout) -> out, inside shard_map
+Attend = Callable[..., jax.Array]  # (q, k, v, *, axis, causal, order) -> out, inside shard_map
 
 # --- 1. whole arrays in, whole arrays out -------------------------------------------
 
@@ -53,7 +53,7 @@ def over_sequence(
 ) -> Callable[..., jax.Array]:
     """``attend_fn`` on whole ``[batch, seq, heads, head_dim]`` arrays: a ``shard_map`` that splits
     the sequence over ``axis`` and the batch over ``batch_axes``; ``options`` (``causal``,
-    ``layout``) go to ``attend_fn``. The sequence must already be in the layout's order
+    ``order``) go to ``attend_fn``. The sequence must already be dealt out in the chunk order
     (``minishard.context.permute``).
 
     >>> import minishard as ms
@@ -65,7 +65,7 @@ def over_sequence(
     ...  for f in (ring_attention, all_gather_attention, ulysses_attention)]
     [True, True, True]
     """
-    _checks.mesh_has("over_sequence", axis, tuple(mesh.axis_names))
+    _checks_context.mesh_has("over_sequence", axis, tuple(mesh.axis_names))
     spec = P(batch_axes, axis)
     attend_here = functools.partial(attend_fn, axis=axis, **options)
     own = {axis, *((batch_axes,) if isinstance(batch_axes, str) else batch_axes or ())}
@@ -73,7 +73,8 @@ def over_sequence(
     mapped = jax.shard_map(attend_here, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=own)
 
     def on_whole_arrays(q: Any, k: Any, v: Any) -> jax.Array:
-        _checks.whole_sequence(q, k, v, mesh.shape[axis], options.get("layout", "in-order"), CHUNKS)
+        order = options.get("order", "in-order")
+        _checks_context.whole_sequence(q, k, v, mesh.shape[axis], order, CHUNKS)
         return mapped(q, k, v)
 
     return on_whole_arrays
@@ -83,21 +84,21 @@ def over_sequence(
 
 
 def all_gather_attention(
-    q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, layout: str = "in-order"
+    q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, order: str = "in-order"
 ) -> Any:
     """This device's queries over every key, inside ``shard_map``: ``all_gather`` K and V, attend.
 
     Two all-gathers of the whole K and V to every device; the backward pass transposes
     them into two reduce-scatters of dK and dV (``psum_scatter``). Nothing is skipped:
-    a causal mask only masks, so the work is balanced in any layout.
+    a causal mask only masks, so the work is balanced in any chunk order.
     """
-    _checks.context_inputs("all_gather_attention", q, k, v, axis, layout, CHUNKS)
+    _checks_context.context_inputs("all_gather_attention", q, k, v, axis, order, CHUNKS)
     p = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
     k, v = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))  # every device's
     seq_len = k.shape[1]
-    mine = held_order(seq_len, p, layout, me)  # this device's queries
-    everyone = held_order(seq_len, p, layout)  # every device's keys, in turn
+    mine = held_order(seq_len, p, order, me)  # this device's queries
+    everyone = held_order(seq_len, p, order)  # every device's keys, in turn
     out, _ = attend(q, k, v, mine, everyone, causal=causal)
     return out.astype(q.dtype)
 
@@ -106,7 +107,7 @@ def all_gather_attention(
 
 
 def ulysses_attention(
-    q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, layout: str = "in-order"
+    q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, order: str = "in-order"
 ) -> Any:
     """Trade the sequence split for a heads split (``all_to_all``), attend, and trade back.
 
@@ -114,13 +115,13 @@ def ulysses_attention(
     its heads and attends it as on one device. Each all-to-all moves 1/p of an array:
     on a TPU's bidirectional ring it costs a quarter of an all-gather of that array.
     """
-    _checks.context_inputs("ulysses_attention", q, k, v, axis, layout, CHUNKS)
+    _checks_context.context_inputs("ulysses_attention", q, k, v, axis, order, CHUNKS)
     p = jax.lax.axis_size(axis)
-    _checks.heads_split("ulysses_attention", q.shape[2], p, axis)
+    _checks_context.heads_split("ulysses_attention", q.shape[2], p, axis)
     all_to_all = functools.partial(jax.lax.all_to_all, axis_name=axis, tiled=True)
     to_heads = functools.partial(all_to_all, split_axis=2, concat_axis=1)  # the sequence for heads
     q, k, v = (to_heads(x) for x in (q, k, v))
-    at = held_order(q.shape[1], p, layout)  # the whole sequence now: every device's chunks
+    at = held_order(q.shape[1], p, order)  # the whole sequence now: every device's chunks
     out = attend(q, k, v, at, at, causal=causal)[0].astype(v.dtype)
     return all_to_all(out, split_axis=1, concat_axis=2)  # and back
 
@@ -134,7 +135,7 @@ class ResidualMLP(Layer):
 
     ``up`` is ``("embed", "mlp")``, ``down`` ``("mlp", "embed")``: with ``mlp -> "model"``
     each device holds 1/p of the hidden units, and ``down`` gives partial sums. Where
-    they go is the residual stream's layout, ``("batch", "seq", "embed")``: with
+    they go is the residual stream's sharding, ``("batch", "seq", "embed")``: with
     ``seq -> None`` (tensor parallelism) every device needs all of the sum, an
     all-reduce; with ``seq -> "model"`` (sequence parallelism) each keeps its tokens'
     share, a reduce-scatter, and ``up`` gathers every token again, an all-gather. ``norm``

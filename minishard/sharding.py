@@ -66,7 +66,7 @@ def make_mesh(
     partitioner, which propagates them through the program and inserts the
     collectives itself. ``explicit=True`` makes them ``Explicit`` (what
     ``jax.make_mesh`` gives by default): shardings become part of every array's
-    type, and an ambiguous layout is an error at trace time (docs/explicit.md).
+    type, and an ambiguous sharding is an error at trace time (docs/explicit.md).
     minishard's models run unchanged on both.
 
     >>> make_mesh({"data": 2, "model": 4}).shape
@@ -171,11 +171,11 @@ class _Walk:
             elif leading:  # an array of a stacked block that no Layer annotates: split by the stack
                 unnamed = (None,) * (np.ndim(node) - len(leading))
                 specs.append(self.param(at, node, (*leading, *unnamed)))
-            elif (layout := (self.outside if leading is None else replicated)(node)) is None:
+            elif (placed := (self.outside if leading is None else replicated)(node)) is None:
                 specs.append(None)  # unspecified: XLA chooses
             else:  # as ``outside`` says; in a Layer's sub-tree, unannotated: a replicated parameter
-                specs.append(layout[1])
-                self.leaves.append(_leaf_plan(at, tuple(np.shape(node)), *layout, self.mesh))
+                specs.append(placed[1])
+                self.leaves.append(_leaf_plan(at, tuple(np.shape(node)), *placed, self.mesh))
         return jax.tree_util.tree_unflatten(treedef, specs)
 
     def layer(self, layer: Layer, path: tuple[Any, ...], leading: LogicalAxes) -> Layer:
@@ -317,7 +317,7 @@ class Sharded:
         """Where a global batch goes: leading dimension split over the batch mesh axes."""
         return NamedSharding(self.mesh, P(self.logical_sharding.batch_target))
 
-    def batch_layout(self, leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:
+    def batch_placement(self, leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:
         """Arrays outside Layers: leading dim over the batch mesh axes; scalars replicated."""
         ndim = np.ndim(leaf)
         target = self.logical_sharding.batch_target
@@ -326,8 +326,8 @@ class Sharded:
         return (self.batch_axis,) + (None,) * (ndim - 1), P(target)
 
     def plan_inputs(self, args: tuple[Any, ...]) -> Plan:
-        """A call's arguments: Layers' parameters by the rules, the rest by ``batch_layout``."""
-        return plan(args, self.mesh, self.rules, self.batch_layout)
+        """A call's arguments: Layers' parameters by the rules, the rest by ``batch_placement``."""
+        return plan(args, self.mesh, self.rules, self.batch_placement)
 
 
 class _Compiled(NamedTuple):
@@ -464,7 +464,7 @@ class ShardedFunction:
             return jax.eval_shape(traced, *args)
         except Exception as error:
             _diagnose.arrays(self, args)  # a leaf that is no array, which jit cannot take
-            _diagnose.ambiguous_layout(self, args, Layer, error)
+            _diagnose.ambiguous_sharding(self, args, Layer, error)
             raise
 
 

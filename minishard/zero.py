@@ -62,7 +62,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from minishard import _checks
+from minishard import _checks, _checks_costs
 from minishard.census import Collective, collectives, human_bytes, summary
 from minishard.layers import Sequential
 from minishard.losses import Batch, Loss, classification_loss
@@ -216,8 +216,9 @@ class ZeroStep:
         return jax.jit(init, out_shardings=placement)
 
     def placed_shapes(self, model: Any) -> tuple[Any, Any]:
-        """``shard(model)`` and its ``init``, as shapes and layouts only (``jax.ShapeDtypeStruct``):
-        what a compiler for chips that are not here takes (``minishard.run.topology``)."""
+        """``shard(model)`` and its ``init``, as shapes and shardings only
+        (``jax.ShapeDtypeStruct``): what a compiler for chips that are not here takes
+        (``minishard.run.topology``)."""
         placed = self._placing(model).eval_shape(model)
         return placed, self._initialising(model).eval_shape(model)
 
@@ -239,7 +240,7 @@ class ZeroStep:
             raise ValueError(
                 "ZeroStep: place the model with step.shard(model) first (level 3 splits it)",
             )
-        _checks.batch_splits("ZeroStep", batch, self.n, self.axis)
+        _checks_costs.batch_splits("ZeroStep", batch, self.n, self.axis)
         body = self._zero3 if self.level == 3 else self._zero2
         model_spec = P(self.axis) if self.level == 3 else P()
         state_spec = self._state_specs(opt_state)

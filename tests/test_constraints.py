@@ -24,7 +24,7 @@ def test_constrain_is_exported_at_the_top():
     assert ms.constrain is constrain
 
 
-def test_constrain_is_a_no_op_outside_a_context_and_pins_the_layout_inside():
+def test_constrain_is_a_no_op_outside_a_context_and_pins_the_sharding_inside():
     x = jnp.ones((16, 8))
     assert constrain(x, ("batch", "embed")) is x
     step = ms.Sharded(MESH, RULES)(pinned)

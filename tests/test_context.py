@@ -3,7 +3,7 @@
 The oracle is always attention on one device, on the sequence in its natural order
 (``assert_attention_equivalent``): forward and gradients, float32, tight tolerance.
 Sizes come from small fixed sets and every distributed function is compiled once per
-(function, mesh, layout) and shape, so hypothesis's examples reuse programs. Every
+(function, mesh, chunk order) and shape, so hypothesis's examples reuse programs. Every
 sharded call is waited for before the next (simulated CPU devices deadlock otherwise).
 """
 
@@ -22,7 +22,7 @@ from minishard import context as cx
 from minishard import sequence as sq
 from minishard.models.transformer import LayerNorm
 from minishard.styles import style_rules
-from minishard.testing import SequenceLayout, assert_attention_equivalent, sequence_layouts
+from minishard.testing import SplitSequence, assert_attention_equivalent, split_sequences
 
 
 @functools.cache
@@ -30,26 +30,26 @@ def seq_mesh(p, axis="seq"):
     return ms.make_mesh({axis: p}, devices=jax.devices()[:p])
 
 
-def case(p, layout, shape):
-    return SequenceLayout(seq_mesh(p), "seq", layout, shape)
+def case(p, order, shape):
+    return SplitSequence(seq_mesh(p), "seq", order, shape)
 
 
 @functools.cache
 @functools.cache
-def whole(attend_fn, p, layout):
+def whole(attend_fn, p, order):
     """``attend_fn`` on whole arrays in sequence order: a reference for another flavour."""
 
     def reference(q, k, v, *, causal):
-        run = sq.over_sequence(attend_fn, seq_mesh(p), causal=causal, layout=layout)
-        return cx.permute(run(*(cx.permute(x, p, layout) for x in (q, k, v))), p, layout, inverse=True)
+        run = sq.over_sequence(attend_fn, seq_mesh(p), causal=causal, order=order)
+        return cx.permute(run(*(cx.permute(x, p, order) for x in (q, k, v))), p, order, inverse=True)
 
     return reference
 
 
 @functools.cache
-def compiled(attend_fn, p, layout, causal, shape, grad=False):
-    """The compiled forward (or gradient) of ``attend_fn`` on ``shape``, already in layout order."""
-    run = sq.over_sequence(attend_fn, seq_mesh(p), causal=causal, layout=layout)
+def compiled(attend_fn, p, order, causal, shape, grad=False):
+    """The compiled forward (or gradient) of ``attend_fn`` on ``shape``, already in its chunk order."""
+    run = sq.over_sequence(attend_fn, seq_mesh(p), causal=causal, order=order)
     fn = jax.grad(lambda *qkv: jnp.sum(run(*qkv)), argnums=(0, 1, 2)) if grad else run
     return jax.jit(fn).lower(*[jax.ShapeDtypeStruct(shape, jnp.float32)] * 3).compile()
 
@@ -81,17 +81,17 @@ def test_balance_in_order_is_2p_over_p_plus_1_and_zigzag_is_1(p):
     assert cx.balance(p, "in-order", causal=False) == cx.balance(p, "zigzag", causal=False) == 1.0
 
 
-@pytest.mark.parametrize("layout", ["in-order", "zigzag"])
+@pytest.mark.parametrize("order", ["in-order", "zigzag"])
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
-def test_every_query_chunk_meets_every_key_chunk_once(p, layout):
+def test_every_query_chunk_meets_every_key_chunk_once(p, order):
     met = {}
     for device in range(p):
         for step in range(p):
-            mine, theirs = cx.meets(device, step, p, layout)
+            mine, theirs = cx.meets(device, step, p, order)
             for q in mine:
                 for k in theirs:
                     met[q, k] = met.get((q, k), 0) + 1
-    n = p * cx.CHUNKS[layout]
+    n = p * cx.CHUNKS[order]
     assert met == {(q, k): 1 for q in range(n) for k in range(n)}
 
 
@@ -104,14 +104,14 @@ def test_the_schedule_skips_the_future_and_masks_the_diagonal():
     assert all(cell.count("skipped") == 2 for row in zigzag for cell in row[1:])
 
 
-@pytest.mark.parametrize("layout", ["in-order", "zigzag"])
-def test_held_order_lists_each_token_once_in_the_devices_order(layout):
-    order = np.asarray(cx.held_order(16, 4, layout))
-    assert sorted(order) == list(range(16))
-    per_device = [np.asarray(cx.held_order(16, 4, layout, device=d)) for d in range(4)]
-    np.testing.assert_array_equal(np.concatenate(per_device), order)
+@pytest.mark.parametrize("order", ["in-order", "zigzag"])
+def test_held_order_lists_each_token_once_in_the_devices_order(order):
+    held = np.asarray(cx.held_order(16, 4, order))
+    assert sorted(held) == list(range(16))
+    per_device = [np.asarray(cx.held_order(16, 4, order, device=d)) for d in range(4)]
+    np.testing.assert_array_equal(np.concatenate(per_device), held)
     x = jnp.arange(2 * 16).reshape(2, 16)
-    np.testing.assert_array_equal(cx.permute(cx.permute(x, 4, layout), 4, layout, inverse=True), x)
+    np.testing.assert_array_equal(cx.permute(cx.permute(x, 4, order), 4, order, inverse=True), x)
 
 
 # -- 3. the ring: equal to attention on one device ----------------------------------------
@@ -120,32 +120,32 @@ def test_the_ring_equals_attention_forward_and_gradients():  # the quick loop's 
 
 
 @pytest.mark.slow
-@given(layout=sequence_layouts(), causal=st.booleans(), seed=st.integers(0, 3))
-def test_the_ring_equals_attention_for_drawn_layouts(layout, causal, seed):
-    assert_attention_equivalent(cx.ring_attention, layout, causal=causal, seed=seed)
+@given(split=split_sequences(), causal=st.booleans(), seed=st.integers(0, 3))
+def test_the_ring_equals_attention_for_drawn_split_sequences(split, causal, seed):
+    assert_attention_equivalent(cx.ring_attention, split, causal=causal, seed=seed)
 
 
 @pytest.mark.slow
 @settings(max_examples=6)
-@given(layout=sequence_layouts(layouts=("zigzag",)), seed=st.integers(0, 3))
-def test_zigzag_equals_the_ring_in_order(layout, seed):
-    in_order = whole(cx.ring_attention, layout.devices, "in-order")
-    assert_attention_equivalent(cx.ring_attention, layout, causal=True, seed=seed, reference=in_order)
+@given(split=split_sequences(orders=("zigzag",)), seed=st.integers(0, 3))
+def test_zigzag_equals_the_ring_in_order(split, seed):
+    in_order = whole(cx.ring_attention, split.devices, "in-order")
+    assert_attention_equivalent(cx.ring_attention, split, causal=True, seed=seed, reference=in_order)
 
 
 @pytest.mark.slow
 @settings(max_examples=6)
-@given(layout=sequence_layouts(), causal=st.booleans(), seed=st.integers(0, 3))
-def test_all_gather_equals_the_ring(layout, causal, seed):
-    ring = whole(cx.ring_attention, layout.devices, layout.layout)
-    assert_attention_equivalent(sq.all_gather_attention, layout, causal=causal, seed=seed, reference=ring)
+@given(split=split_sequences(), causal=st.booleans(), seed=st.integers(0, 3))
+def test_all_gather_equals_the_ring(split, causal, seed):
+    ring = whole(cx.ring_attention, split.devices, split.order)
+    assert_attention_equivalent(sq.all_gather_attention, split, causal=causal, seed=seed, reference=ring)
 
 
 @pytest.mark.slow
 @settings(max_examples=6)
-@given(layout=sequence_layouts(heads=(1, 2), heads_per_device=True), causal=st.booleans())
-def test_ulysses_equals_attention(layout, causal):
-    assert_attention_equivalent(sq.ulysses_attention, layout, causal=causal)
+@given(split=split_sequences(heads=(1, 2), heads_per_device=True), causal=st.booleans())
+def test_ulysses_equals_attention(split, causal):
+    assert_attention_equivalent(sq.ulysses_attention, split, causal=causal)
 
 
 def test_all_gather_and_ulysses_equal_attention():  # the quick loop's case
@@ -255,9 +255,9 @@ def tiny_lm_loss(params, tokens, targets, positions, attend):
     return ms.cross_entropy(logits, ms.one_hot(targets, logits.shape[-1]))
 
 
-@pytest.mark.slow  # over 5 s for each layout
-@pytest.mark.parametrize("layout", ["in-order", "zigzag"])
-def test_a_model_on_a_permuted_sequence_has_the_loss_and_gradients_of_the_plain_one(layout):
+@pytest.mark.slow  # over 5 s for each chunk order
+@pytest.mark.parametrize("order", ["in-order", "zigzag"])
+def test_a_model_on_a_permuted_sequence_has_the_loss_and_gradients_of_the_plain_one(order):
     p, seq_len, vocab, width = 4, 16, 11, 8
     keys = jax.random.split(jax.random.key(0), 7)
     params = {
@@ -271,19 +271,19 @@ def test_a_model_on_a_permuted_sequence_has_the_loss_and_gradients_of_the_plain_
     want = jax.jit(jax.value_and_grad(tiny_lm_loss), static_argnums=4)(
         params, tokens, targets, jnp.arange(seq_len), plain
     )
-    ring = sq.over_sequence(cx.ring_attention, seq_mesh(p), causal=True, layout=layout)
-    held = [cx.permute(x, p, layout) for x in (tokens, targets)]
+    ring = sq.over_sequence(cx.ring_attention, seq_mesh(p), causal=True, order=order)
+    held = [cx.permute(x, p, order) for x in (tokens, targets)]
     got = jax.jit(jax.value_and_grad(tiny_lm_loss), static_argnums=4)(
-        params, *held, cx.held_order(seq_len, p, layout), ring
+        params, *held, cx.held_order(seq_len, p, order), ring
     )
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 # -- bad input: one line, before any work --------------------------------------------------
-def ring_on(p, shape, layout="in-order", attend_fn=cx.ring_attention):
+def ring_on(p, shape, order="in-order", attend_fn=cx.ring_attention):
     x = jnp.ones(shape)
-    return lambda: sq.over_sequence(attend_fn, seq_mesh(p), layout=layout)(x, x, x)
+    return lambda: sq.over_sequence(attend_fn, seq_mesh(p), order=order)(x, x, x)
 
 
 @pytest.mark.parametrize(
@@ -291,7 +291,7 @@ def ring_on(p, shape, layout="in-order", attend_fn=cx.ring_attention):
     [
         (
             lambda: cx.held_order(8, 2, "striped"),
-            ["unknown sequence layout 'striped'", "'in-order', 'zigzag'"],
+            ["unknown chunk order 'striped'", "'in-order', 'zigzag'"],
         ),
         (
             lambda: cx.held_order(10, 4, "zigzag"),
@@ -319,7 +319,7 @@ def ring_on(p, shape, layout="in-order", attend_fn=cx.ring_attention):
         (lambda: cx.held_order(16, 0), ["held_order: p (the devices of the ring) must be a positive int"]),
         (lambda: cx.held_order(0, 2), ["held_order: seq_len must be a positive int, got 0"]),
         (lambda: cx.pair_kinds(0), ["pair_kinds: p (the devices of the ring) must be a positive int, got 0"]),
-        (lambda: cx.pair_kinds(2, "striped"), ["pair_kinds: unknown sequence layout 'striped'"]),
+        (lambda: cx.pair_kinds(2, "striped"), ["pair_kinds: unknown chunk order 'striped'"]),
         (lambda: cx.balance(0), ["balance: p (the devices of the ring) must be a positive int, got 0"]),
         (
             lambda: cx.chunks(device=5, p=4),

@@ -100,7 +100,7 @@ def test_train_split_drops_the_partial_batch(mnist_train):
 
 
 @needs_mnist
-def test_pixels_are_float32_in_unit_range_with_both_layouts(mnist_test):
+def test_pixels_are_float32_in_unit_range_with_both_shapes(mnist_test):
     batch = next(mnist_test.epoch(0))
     image, label = batch["image"], batch["label"]
     assert image.dtype == np.float32 and image.shape == (128, 784)

@@ -25,7 +25,7 @@ from minishard.models.attention import ATTENTION_CORES, Attention, KVCache
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, weight_decay_mask
 from minishard.run.cli.sample import sample
-from minishard.run.next_token import in_sequence_layout, next_token_loss
+from minishard.run.next_token import in_chunk_order, next_token_loss
 from minishard.run.steps import make_train_step
 from minishard.run.text_data import Vocabulary
 from minishard.serving import Decoder
@@ -327,11 +327,11 @@ def test_under_dp_cp_the_ring_gpt_has_the_loss_and_gradients_of_dp(kv_heads):
 
 def test_the_batch_is_dealt_out_only_where_attention_splits_the_sequence():
     model, batch = small_gpt(), small_batch()
-    assert in_sequence_layout(model, batch) == (model, batch)  # outside Sharded: as given
+    assert in_chunk_order(model, batch) == (model, batch)  # outside Sharded: as given
     for style, dealt in (("dp+cp", True), ("tp+sp", False)):  # tp+sp: heads take "model" first
         shape, rules = mesh_rules(style, 8)
         env = LogicalSharding(ms.make_mesh(shape), rules)
-        held, inputs = env.wrap(lambda: in_sequence_layout(model, batch))()
+        held, inputs = env.wrap(lambda: in_chunk_order(model, batch))()
         order = np.asarray(cx.held_order(SMALL["context"], 4, "zigzag")) if dealt else np.arange(16)
         np.testing.assert_array_equal(inputs["targets"], batch["targets"][:, order])
         assert (held is not model) == dealt

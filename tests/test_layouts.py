@@ -17,8 +17,9 @@ from minishard import layouts
 from minishard.costs import critical_batch, mixed_critical_batch
 from minishard.hardware import HARDWARE
 from minishard.layouts import Layout, price, rank
-from minishard.memory import MIXED, bytes_per_parameter
+from minishard.memory import bytes_per_parameter
 from minishard.pipeline import bubble_fraction
+from minishard.precision import MIXED
 from minishard.serving import LLAMA3_70B, SIZES, decode_critical_batch
 
 POD = 8960  # 16 x 20 x 28 TPU v5p
@@ -313,9 +314,9 @@ def test_a_data_split_beyond_the_sequences_gathers_their_keys_and_values_and_say
     llama, tokens = LLAMA3_70B, BATCH
     split = price(llama, Layout(dp=16384, tp=64), tokens, "v5p")
     whole = price(llama, Layout(dp=1024, tp=64), tokens // 1024 * 1024, "v5p")
-    shared = [send for send in layouts.sends(llama, split.layout, tokens, context=4096) if send.over]
-    assert {(send.dimension, send.over) for send in shared} == {("dp", 16)}
-    assert not any(send.over for send in layouts.sends(llama, whole.layout, tokens, context=4096))
+    shared = [send for send in layouts.sends(llama, split.layout, tokens, context=4096) if send.devices]
+    assert {(send.dimension, send.devices) for send in shared} == {("dp", 16)}
+    assert not any(send.devices for send in layouts.sends(llama, whole.layout, tokens, context=4096))
     assert split.shard_sequences == 1 / 16
     ranking = rank(llama, tokens, 1000003, "v5p")  # a prime count: fsdp 1000003, 4 tokens a device
     row = ranking.table().splitlines()[1]

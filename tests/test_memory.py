@@ -13,13 +13,15 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from minishard import SGD, AdamW, Sharded, composition, make_mesh, megatron_axes, mlp
 from minishard import memory as mm
+from minishard import precision as mp
 from minishard.census import collectives, human_bytes
 from minishard.costs import Memory
 from minishard.hardware import HARDWARE
 from minishard.losses import classification_loss
-from minishard.memory import FP32, MIXED, Precision, bytes_per_parameter, zero_bytes
+from minishard.memory import bytes_per_parameter, zero_bytes
 from minishard.models.gpt import GPT
 from minishard.models.vit import ViT
+from minishard.precision import FP32, MIXED, Precision
 from minishard.run.cli import main, parse_args
 from minishard.run.cli.memory import budget, compiled_memory, gathered_early, predict, zero_step_budget
 from minishard.run.cli.models import MODELS
@@ -64,7 +66,7 @@ def test_megatrons_distributed_optimizer_table(precision, whole, replicated, spl
 
 
 @pytest.mark.slow  # two compiled steps each: ~10 s here
-@pytest.mark.parametrize(("compute", "precision"), [("float32", FP32), ("bfloat16", mm.BF16)])
+@pytest.mark.parametrize(("compute", "precision"), [("float32", FP32), ("bfloat16", mp.BF16)])
 def test_a_compiled_zero1_adamw_step_of_the_gpt_holds_megatrons_row(compute, precision):
     """zero_train_step(level=1) of the default GPT at d = 2, 8, two sequences per device: the step's
     arguments are the weights whole (float32 or bfloat16) and AdamW's moments (and the float32 master)
@@ -188,7 +190,7 @@ def predicted_and_compiled(name: str, style: str, precision: str = "fp32") -> tu
     shape, rules = mesh_rules(style, DEVICES)
     mesh = make_mesh(shape, devices=jax.devices()[:DEVICES])
     model, optimizer, batch, loss = _case(name)
-    args, cast = (model, optimizer.init(model), batch), mm.PRECISIONS[precision]
+    args, cast = (model, optimizer.init(model), batch), mp.PRECISIONS[precision]
     step = make_train_step(optimizer, loss, precision=None if precision == "fp32" else cast)
     compiled = Sharded(mesh, rules, donate_argnums=(0, 1))(step).lower(*args).compile()
     return budget(args, mesh, rules, cast), Memory.of(compiled)
@@ -591,7 +593,7 @@ def test_each_gpt_block_adds_its_activations_and_gradients_to_the_compiled_step(
 
 @pytest.mark.slow
 def test_the_gpt_under_fsdp_computes_on_its_own_examples():
-    """The embedding's output is pinned to the activations' layout: left to XLA it took the token
+    """The embedding's output is pinned to the activations' sharding: left to XLA it took the token
     table's (embed over data) and every device computed the whole batch, 2.5x dp's temporaries."""
     fsdp, dp = (predicted_and_compiled("gpt", style)[1].temporaries for style in ("fsdp", "dp"))
     assert fsdp < 1.25 * dp
@@ -654,7 +656,7 @@ def test_a_bf16_step_computes_in_bfloat16_on_the_float32_master():
     )
     windows = jax.random.randint(jax.random.key(1), (4, 16), 0, 65)
     args = (model, optimizer.init(model), {"inputs": windows, "targets": windows})
-    bf16 = make_train_step(optimizer, next_token_loss, precision=mm.BF16)
+    bf16 = make_train_step(optimizer, next_token_loss, precision=mp.BF16)
     # Every matrix product multiplies bfloat16 by bfloat16, forward and backward, attention's too
     # (context.F32: bf16 in, float32 sums out); only the softmax's gradient, a [4, 2, 16, 16] float32
     # array (the scores' shape), meets bf16 queries and keys in the backward pass.

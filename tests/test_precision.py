@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from minishard import SGD, AdamW, Sharded, make_mesh, megatron_axes, mlp
-from minishard import memory as mm
 from minishard import precision as mp
 from minishard.census import as_asked, collectives
 from minishard.losses import classification_loss
@@ -80,7 +79,7 @@ def _poisoned(model, batch):
 
 def test_an_fp16_step_with_an_inf_gradient_changes_nothing_and_halves_the_scale():
     model, optimizer, batch = _fp16_case()
-    step = jax.jit(make_train_step(optimizer, _poisoned, precision=mm.FP16))
+    step = jax.jit(make_train_step(optimizer, _poisoned, precision=mp.FP16))
     state = optimizer.init(model)
     new, new_state, *_ = step(model, state, {**batch, "poison": jnp.full(16, jnp.inf)})
     for before, after in zip(jax.tree.leaves((model, state.inner)), jax.tree.leaves((new, new_state.inner))):
@@ -133,7 +132,7 @@ def _gradients(initial: float | None, small: float = TINY):
         return value * small, aux
 
     optimizer = Gradients() if initial is None else mp.LossScaled(Gradients(), initial=initial)
-    step = make_train_step(optimizer, loss, precision=None if initial is None else mm.FP16)
+    step = make_train_step(optimizer, loss, precision=None if initial is None else mp.FP16)
     return jax.jit(step)(model, optimizer.init(model), batch)[0]
 
 
@@ -162,7 +161,7 @@ def test_the_loss_scaled_update_divides_the_gradients_by_the_scale():
 def test_an_fp16_step_matches_the_fp32_step_on_the_unscaled_gradients():
     model, _, batch = _fp16_case()
     sgd = SGD(1.0)
-    fp16 = jax.jit(make_train_step(mp.LossScaled(sgd), _poisoned, precision=mm.FP16))
+    fp16 = jax.jit(make_train_step(mp.LossScaled(sgd), _poisoned, precision=mp.FP16))
     fp32 = jax.jit(make_train_step(sgd, _poisoned))
     (_, _, loss, _), (_, _, reference_loss, _) = (
         fp16(model, mp.LossScaled(sgd).init(model), batch),
@@ -183,7 +182,7 @@ def test_gradients_that_underflow_in_fp16_survive_behind_the_loss_scale():
 
 def test_float16_without_a_loss_scale_is_refused_in_one_line():
     with pytest.raises(ValueError, match="make_train_step: float16 needs a loss scale") as caught:
-        make_train_step(SGD(0.1), precision=mm.FP16)
+        make_train_step(SGD(0.1), precision=mp.FP16)
     assert "\n" not in str(caught.value)
 
 
@@ -253,10 +252,10 @@ SPLIT = WEIGHTS - 10  # those fsdp splits over 4 devices, and gathers whole: all
 
 def test_under_fsdp_the_cast_before_the_gather_sends_half_the_bytes():
     def cast_after(model, batch):
-        return classification_loss(mm.BF16.compute(mp.gathered(model)), mm.BF16.compute(batch))
+        return classification_loss(mp.BF16.compute(mp.gathered(model)), mp.BF16.compute(batch))
 
     after = _compiled_collectives("fsdp", cast_after)["all-gather"]
-    before = _compiled_collectives("fsdp", classification_loss, mm.BF16)["all-gather"]  # --precision bf16
+    before = _compiled_collectives("fsdp", classification_loss, mp.BF16)["all-gather"]  # --precision bf16
     assert after.bytes == 4 * SPLIT  # float32, gathered whole, then cast
     assert before.bytes == 2 * SPLIT + 32 * 10 * 2  # bfloat16 shards gathered; and the logits, for the loss
     assert (before.bytes - 32 * 10 * 2) / after.bytes == 0.5
@@ -267,7 +266,7 @@ def test_under_fsdp_the_cast_before_the_gather_sends_half_the_bytes():
     [("bfloat16", "float32", 4), ("bfloat16", "bfloat16", 2), ("float32", "bfloat16", 2)],
 )
 def test_the_gradients_are_all_reduced_in_the_dtype_the_precision_names(compute, grads, itemsize):
-    precision = mm.Precision(compute, grads, master="float32")
+    precision = mp.Precision(compute, grads, master="float32")
     reduced = _compiled_collectives("dp", classification_loss, precision)["all-reduce"]
     assert reduced.bytes == WEIGHTS * itemsize + 2 * 4  # and two float32 scalars: the loss, the accuracy
 
@@ -308,12 +307,12 @@ FACTOR_ABOVE_1 = "factor must be a finite number > 1"
             "LossScaled.update: state must be a LossScaledState",
         ),
         (
-            lambda: mm.Precision(master="bfloat16"),
+            lambda: mp.Precision(master="bfloat16"),
             ValueError,
             "Precision: master='bfloat16' is narrower than params='float32'",
         ),
         (
-            lambda: mm.Precision("bfloat16", "float32", master="float32", accumulated="bfloat16"),
+            lambda: mp.Precision("bfloat16", "float32", master="float32", accumulated="bfloat16"),
             ValueError,
             "Precision: accumulated='bfloat16' is narrower than grads='float32'",
         ),
@@ -368,12 +367,12 @@ def _gpt_step_gradients(precision, style=None, rows=32):
 def test_a_bf16_step_sharded_is_within_its_tolerance_and_fp32_or_broken_steps_are_not():
     from minishard.testing.precision import assert_close_in
 
-    unsharded = _gpt_step_gradients(mm.BF16)
-    assert_close_in("bfloat16", _gpt_step_gradients(mm.BF16, "dp"), unsharded, replicas=8)
+    unsharded = _gpt_step_gradients(mp.BF16)
+    assert_close_in("bfloat16", _gpt_step_gradients(mp.BF16, "dp"), unsharded, replicas=8)
     with pytest.raises(AssertionError, match=r"assert_close_in: .* float32 over 1 replicas allows 3\.81e-06"):
         assert_close_in("float32", unsharded, _gpt_step_gradients(None))  # bfloat16 where fp32 was asked
     with pytest.raises(AssertionError, match=r"assert_close_in: .* bfloat16 over 8 replicas allows 0\.273"):
-        assert_close_in("bfloat16", _gpt_step_gradients(mm.BF16, rows=4), unsharded, replicas=8)  # 1 of 8
+        assert_close_in("bfloat16", _gpt_step_gradients(mp.BF16, rows=4), unsharded, replicas=8)  # 1 of 8
 
 
 def test_the_step_tolerance_is_epsilons_of_the_compute_dtype():

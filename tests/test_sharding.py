@@ -132,7 +132,7 @@ def test_sharded_step_computes_what_the_unsharded_step_computes(shape, rules, ax
     new_model = got[0]
     specs = jax.tree_util.tree_leaves(ms.partition_specs(new_model, rules, mesh))
     shardings = [leaf.sharding.spec for leaf in jax.tree_util.tree_leaves(new_model)]
-    assert shardings == specs  # the updated model keeps its layout
+    assert shardings == specs  # the updated model keeps its sharding
 
 
 # -- errors: what and where, before any work ---------------------------------------

@@ -110,7 +110,7 @@ def test_sgd_step_is_sharding_invariant_and_keeps_the_planned_shards(setup, seed
     assert_shards_as_planned(model, new_state.velocity, mesh, rules)  # velocities are laid out like params
 
 
-# -- layouts -----------------------------------------------------------------------
+# -- placement ---------------------------------------------------------------------
 @given(setups())
 def test_shard_places_the_shards_plan_computes(setup):
     mesh, rules, model, _ = setup
@@ -186,13 +186,13 @@ def test_compilations_sees_a_compile():
 CAUGHT = {  # mutation -> the assertions that must fail on it
     "correct": set(),
     "correct shard_map": set(),
-    "swapped halves": {"layout", "communication"},  # reduces (batch, hidden) instead of (batch, embed)
+    "swapped halves": {"placement", "communication"},  # reduces (batch, hidden) instead of (batch, embed)
     # XLA slices the replicated second weight on each device itself: Megatron's traffic, with the
-    # whole weight in every device's memory. Only the layout shows it.
-    "dropped annotation": {"layout"},
-    "mlp -> data rule": {"layout", "communication"},
+    # whole weight in every device's memory. Only the placement shows it.
+    "dropped annotation": {"placement"},
+    "mlp -> data rule": {"placement", "communication"},
     "extra all-gather": {"communication"},
-    "pmean for psum": {"numbers"},  # a bug in the numbers, not in the layout
+    "pmean for psum": {"numbers"},  # a bug in the numbers, not in the placement
 }
 
 
@@ -204,7 +204,7 @@ def test_each_assertion_catches_its_mutations_and_passes_the_correct_model(name)
         "numbers": lambda: assert_sharded_equivalent(
             fn, model, x, mesh=MESH, rules=rules, reference=residual_forward
         ),
-        "layout": lambda: assert_placement(
+        "placement": lambda: assert_placement(
             ms.shard(model, MESH, rules), MESH, intended_shards(HIDDEN, MESH.shape["model"]), rules=rules
         ),
         "communication": lambda: assert_collectives(
@@ -236,7 +236,7 @@ def test_a_failing_property_is_shrunk_reusing_compiled_programs(build, rules, wh
 
     @settings(settings.get_profile("minishard-ci"), database=None)
     @given(st.data())
-    def residual_property(data):  # the property of docs/testing.md, numbers and layout
+    def residual_property(data):  # the property of docs/testing.md, numbers and placement
         runs.append(data)
         mesh = data.draw(meshes(min_sizes={"model": 2}))
         model = data.draw(models(build, mesh, rules, fixed={"embed": EMBED}))

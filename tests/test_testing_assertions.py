@@ -1,4 +1,4 @@
-"""minishard.testing.assertions: numbers, at least something split, and layout."""
+"""minishard.testing.assertions: numbers, at least something split, and placement."""
 
 import itertools
 import re
@@ -47,7 +47,7 @@ def test_a_difference_is_reported_with_the_output_path():
         )
 
 
-def test_a_layout_failure_names_the_path_both_layouts_and_the_rules_at_work():
+def test_a_placement_failure_names_the_path_both_placements_and_the_rules_at_work():
     model, _ = model_and_batch(SWAPPED)
     with pytest.raises(AssertionError) as failure:
         assert_placement(ms.shard(model, MESH, RULES), MESH, intended_shards(HIDDEN, 4), rules=RULES)
@@ -282,7 +282,7 @@ def test_inside_hypothesis_an_example_where_nothing_is_split_is_rejected():
         never_split()
 
 
-# -- layouts: bad expectations are refused before comparing ---------------------------------
+# -- placement: bad expectations are refused before comparing ---------------------------------
 def test_assert_placement_refuses_a_spec_longer_than_the_array_or_naming_no_mesh_axis():
     placed = ms.shard(model_and_batch(MEGATRON)[0], MESH, RULES)
     with pytest.raises(

@@ -12,7 +12,7 @@ from named import assert_named
 
 import minishard as ms
 from minishard import context as cx
-from minishard.testing import SequenceLayout, assert_attention_equivalent, sequence_layouts
+from minishard.testing import SplitSequence, assert_attention_equivalent, split_sequences
 
 
 @functools.cache
@@ -20,7 +20,7 @@ def seq_mesh(p, axis="seq"):
     return ms.make_mesh({axis: p}, devices=jax.devices()[:p])
 
 
-ZIGZAG_2 = SequenceLayout(seq_mesh(2), "seq", "zigzag", (1, 8, 1, 4))
+ZIGZAG_2 = SplitSequence(seq_mesh(2), "seq", "zigzag", (1, 8, 1, 4))
 
 
 @pytest.mark.parametrize(
@@ -28,17 +28,17 @@ ZIGZAG_2 = SequenceLayout(seq_mesh(2), "seq", "zigzag", (1, 8, 1, 4))
     [
         (
             lambda: assert_attention_equivalent(
-                cx.ring_attention, SequenceLayout(seq_mesh(1), "seq", "zigzag", (1, 8, 1, 4)), causal=True
+                cx.ring_attention, SplitSequence(seq_mesh(1), "seq", "zigzag", (1, 8, 1, 4)), causal=True
             ),
             "assert_attention_equivalent: the case's axis 'seq' has 1 device, which splits nothing",
         ),
         (
-            lambda: SequenceLayout(seq_mesh(2), "context", "zigzag", (1, 8, 1, 4)),
-            "SequenceLayout: axis='context' is no axis of the mesh {'seq': 2}",
+            lambda: SplitSequence(seq_mesh(2), "context", "zigzag", (1, 8, 1, 4)),
+            "SplitSequence: axis='context' is no axis of the mesh {'seq': 2}",
         ),
         (
-            lambda: SequenceLayout(seq_mesh(2), "seq", "striped", (1, 8, 1, 4)),
-            "SequenceLayout: unknown layout 'striped'; choose from in-order, zigzag",
+            lambda: SplitSequence(seq_mesh(2), "seq", "striped", (1, 8, 1, 4)),
+            "SplitSequence: unknown chunk order 'striped'; choose from in-order, zigzag",
         ),
         (
             lambda: assert_attention_equivalent(cx.ring_attention, ZIGZAG_2, causal=True, rtol=-1e-5),
@@ -51,16 +51,17 @@ ZIGZAG_2 = SequenceLayout(seq_mesh(2), "seq", "zigzag", (1, 8, 1, 4))
             "assert_attention_equivalent: options={'window': 2} need a reference= that takes them",
         ),
         (
-            lambda: sequence_layouts(layouts=("bogus",)),
-            "sequence_layouts: layouts=('bogus',) names an unknown layout; choose from 'in-order', 'zigzag'",
+            lambda: split_sequences(orders=("bogus",)),
+            "split_sequences: orders=('bogus',) names an unknown chunk order; "
+            "choose from 'in-order', 'zigzag'",
         ),
         (
-            lambda: sequence_layouts(chunk_lengths=(0,)),
-            "sequence_layouts: chunk_lengths=(0,) must be positive ints (one at least)",
+            lambda: split_sequences(chunk_lengths=(0,)),
+            "split_sequences: chunk_lengths=(0,) must be positive ints (one at least)",
         ),
         (
-            lambda: sequence_layouts(devices=(2,), min_seq_len=9),
-            "sequence_layouts: min_seq_len=9, but the longest sequence these sizes make is 8 tokens",
+            lambda: split_sequences(devices=(2,), min_seq_len=9),
+            "split_sequences: min_seq_len=9, but the longest sequence these sizes make is 8 tokens",
         ),
     ],
 )
@@ -69,30 +70,30 @@ def test_what_would_pass_vacuously_or_fail_deep_is_refused_by_name(call, message
 
 
 @settings(max_examples=20, database=None)
-@given(sequence_layouts(devices=(2, 4), chunk_lengths=(1, 2, 3), min_seq_len=8))
+@given(split_sequences(devices=(2, 4), chunk_lengths=(1, 2, 3), min_seq_len=8))
 def test_min_seq_len_draws_only_long_enough_sequences(case):
-    assert case.shape[1] >= 8 and case.shape[1] % (case.devices * cx.CHUNKS[case.layout]) == 0
+    assert case.shape[1] >= 8 and case.shape[1] % (case.devices * cx.CHUNKS[case.order]) == 0
 
 
 def test_a_failing_example_prints_its_case_with_named_arguments():
-    one = {"devices": (2,), "layouts": ("zigzag",), "chunk_lengths": (2,), "heads": (1,), "head_dims": (4,)}
+    one = {"devices": (2,), "orders": ("zigzag",), "chunk_lengths": (2,), "heads": (1,), "head_dims": (4,)}
 
     @settings(max_examples=1, database=None)
-    @given(sequence_layouts(**one))
+    @given(split_sequences(**one))
     def fails(case):
         raise AssertionError("found a bug")
 
     with pytest.raises(AssertionError) as failure:
         fails()
     printed = "".join("".join(getattr(failure.value, "__notes__", [])).split())  # hypothesis wraps lines
-    assert "sequence_layout(devices=2,layout='zigzag',chunk_length=2,heads=1,head_dim=4,batch=1" in printed
+    assert "split_sequence(devices=2,order='zigzag',chunk_length=2,heads=1,head_dim=4,batch=1" in printed
 
 
 def test_the_reference_is_given_causal_and_the_mask_options():
     seen = []
 
-    def windowed_ring(q, k, v, *, axis, causal, layout, window):  # a window it ignores: a stand-in
-        return cx.ring_attention(q, k, v, axis=axis, causal=causal, layout=layout)
+    def windowed_ring(q, k, v, *, axis, causal, order, window):  # a window it ignores: a stand-in
+        return cx.ring_attention(q, k, v, axis=axis, causal=causal, order=order)
 
     def reference(q, k, v, *, causal, window):
         seen.append((causal, window))

@@ -26,9 +26,9 @@ from minishard import context
 from minishard.composition import ComposedPipeline
 from minishard.losses import cross_entropy, one_hot
 from minishard.models import gpt
-from minishard.models.attention import SEQUENCE_LAYOUT, sequence_axis
+from minishard.models.attention import CHUNK_ORDER, sequence_axis
 from minishard.models.transformer import moe_mlp
-from minishard.run.next_token import in_sequence_layout
+from minishard.run.next_token import in_chunk_order
 from minishard.styles import CONFLICTS, DIMENSIONS, compose, dimensions
 from minishard.testing import Composition, assert_sharded_equivalent, compositions, seeds, split_counts
 
@@ -131,7 +131,7 @@ def in_order(logits: jax.Array) -> jax.Array:
     _, p = sequence_axis()
     if p == 1:
         return logits
-    held = context.held_order(logits.shape[1], p, SEQUENCE_LAYOUT)  # the token at each place
+    held = context.held_order(logits.shape[1], p, CHUNK_ORDER)  # the token at each place
     return jnp.take(logits, jnp.argsort(held), axis=1)
 
 
@@ -139,7 +139,7 @@ def logits_loss_and_gradients(model, batch):
     """The forward pass (the logits, in order, and the next-token loss) and every parameter's gradient."""
 
     def loss(model):
-        held, dealt = in_sequence_layout(model, batch)  # cp: the batch zig-zag, the positions read
+        held, dealt = in_chunk_order(model, batch)  # cp: the batch zig-zag, the positions read
         logits = held(dealt["inputs"])
         return cross_entropy(logits, one_hot(dealt["targets"], SMALL["vocab"])), in_order(logits)
 

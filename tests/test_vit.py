@@ -197,7 +197,7 @@ def renamed_batch_axis(rules, name):
 @pytest.mark.slow  # over 5 s: two meshes, two compiles
 def test_the_vit_trains_with_any_batch_axis_name_on_an_explicit_mesh_as_on_an_auto_one():
     # "rows" where the style says "batch", and no rule for "batch": a layer that spelled
-    # "batch" in an activation's layout would fail with "logical axis 'batch' has no rule".
+    # "batch" in an activation's sharding would fail with "logical axis 'batch' has no rule".
     rows = renamed_batch_axis(style_rules("2d"), "rows")
     assert "batch" not in rows and "rows" in rows
     runs = {}

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import minishard as ms
 from minishard.census import collectives
-from minishard.memory import BF16
+from minishard.precision import BF16
 from minishard.run.steps import make_train_step
 from minishard.zero import Mastered, flat_padded, unpadded, zero_train_step
 

@@ -56,8 +56,9 @@ AttentionCore = Callable[..., jax.Array]
 """``core(q, k, v, q_positions, k_positions, *, causal) -> [B, T, H, D]``, as
 ``composition.grouped_attention``."""
 
-SEQUENCE_LAYOUT = "zigzag"
-"""How a split sequence is dealt out (``minishard.context.chunks``): device i holds chunks i and 2p-1-i."""
+CHUNK_ORDER = "zigzag"
+"""The chunk order a split sequence is dealt out in (``minishard.context.chunks``): device i holds chunks
+i and 2p-1-i."""
 
 
 def sequence_axis() -> tuple[str | None, int]:
@@ -75,8 +76,8 @@ def sequence_axis() -> tuple[str | None, int]:
 def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, causal: bool) -> jax.Array:
     """``minishard.context.ring_attention`` over the mesh axis of "seq", the batch split as the rules say.
 
-    The tokens must be held dealt out in ``SEQUENCE_LAYOUT`` (``minishard.run.next_token.in_sequence_layout``
-    does it to a batch): the ring reads their positions from the layout, not from its arguments.
+    The tokens must be held dealt out in ``CHUNK_ORDER`` (``minishard.run.next_token.in_chunk_order``
+    does it to a batch): the ring reads their positions from the chunk order, not from its arguments.
     Where the sequence is whole the ring has one device, and is ``composition.grouped_attention`` itself.
     Grouped keys and values travel repeated, one per query head: the ring sends what MHA's sends.
     """
@@ -86,7 +87,7 @@ def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, cau
         return composition.grouped_attention(q, k, v, q_positions, k_positions, causal=causal)
     k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))  # the ring's K/V: MHA's
     if axis in jax.sharding.get_abstract_mesh().manual_axes:  # in a pipeline's stages: each holds its tokens
-        return context.ring_attention(q, k, v, axis=axis, causal=causal, layout=SEQUENCE_LAYOUT)
+        return context.ring_attention(q, k, v, axis=axis, causal=causal, order=CHUNK_ORDER)
     batch_axes = env.spec(activation_axes(4, "seq", "heads", "kv"))[0]
     ring = over_sequence(
         context.ring_attention,
@@ -94,7 +95,7 @@ def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, cau
         axis=axis,
         batch_axes=batch_axes,
         causal=causal,
-        layout=SEQUENCE_LAYOUT,
+        order=CHUNK_ORDER,
     )
     return ring(q, k, v)
 
@@ -315,7 +316,7 @@ class Attention(Layer):
 
 def _projected(x: jax.Array, *weights: jax.Array) -> jax.Array:
     """``x`` through the ``[width, heads, head_dim]`` ``weights`` of one shape, stacked: ``[c, B, T, heads,
-    head_dim]``. On an Explicit mesh the contraction names its output's layout (output_sharding);
+    head_dim]``. On an Explicit mesh the contraction names its output's sharding (output_sharding);
     elsewhere output_sharding is None and XLA decides."""
     stacked = (None, *activation_axes(4, "seq", "heads", "kv"))  # [which weight, b, t, h, k]
     return jnp.einsum("bte,cehk->cbthk", x, jnp.stack(weights), out_sharding=output_sharding(stacked))
@@ -323,7 +324,7 @@ def _projected(x: jax.Array, *weights: jax.Array) -> jax.Array:
 
 __all__ = [
     "ATTENTION_CORES",
-    "SEQUENCE_LAYOUT",
+    "CHUNK_ORDER",
     "Attention",
     "AttentionCore",
     "KVCache",

@@ -112,7 +112,7 @@ class Embedding(Layer):
         positions = jnp.arange(ids.shape[1]) if positions is None else positions
         axes = activation_axes(3, "seq", "embed")  # where the tables' rows land (Explicit mode)
         tokens, table = as_activation(self.tokens, axes), as_activation(self.position_table, axes)
-        # A gather; on an Explicit mesh it names its output's layout, elsewhere None: XLA decides.
+        # A gather; on an Explicit mesh it names its output's sharding, elsewhere None: XLA decides.
         return tokens.at[ids].get(out_sharding=output_sharding(axes)) + table[positions]
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
@@ -183,7 +183,7 @@ class GPT(Layer):
         """Logits of ``ids``; given the step's ``key`` (training), with dropout at rate ``self.dropout``."""
         key = key if self.dropout else None  # dropout 0: no random op in the program, whatever the key
         # The tokens' states as the rules lay out activations: left to XLA, the gather would take the
-        # table's layout (under fsdp "embed" over "data") and every device compute the whole batch.
+        # table's sharding (under fsdp "embed" over "data") and every device compute the whole batch.
         x = constrain(self.embedding(ids, positions), activation_axes(3, "seq", "embed"))
         x = dropout(x, self.dropout, key_at(key, EMBEDDINGS))
         x = apply_blocks(self.blocks, x, positions, remat=self.remat, dropout=self.dropout, key=key)

@@ -35,7 +35,7 @@ The styles of ``minishard.styles`` (``dp``, ``tp``, ``2d``, ``fsdp``,
 ``fsdp+tp``) run the same model data-, tensor- (Megatron), 2-D- or fully
 sharded data-parallel; only the rules change. ``vit_rules(style)`` gives a
 style's rules. The model names the batch axis nowhere: every activation's
-layout comes from ``activation_axes``, so ``Sharded(batch_axis=...)`` can
+sharding comes from ``activation_axes``, so ``Sharded(batch_axis=...)`` can
 call it what it likes.
 
 Where the collectives of a Megatron block come from

@@ -1,9 +1,9 @@
-"""Training a language model on the next token: its loss, its evaluation, and the sequence layout of a batch.
+"""Training a language model on the next token: its loss, its evaluation, and the chunk order of a batch.
 
 The GPT (``minishard.models.gpt``) is the model; what it is trained to do lives
 here, on the run side, as nanoGPT keeps its model file apart from ``train.py``:
 
-* ``in_sequence_layout``: where the rules split attention's "seq" over p devices
+* ``in_chunk_order``: where the rules split attention's "seq" over p devices
   (``cp``, ``dp+cp``), every ``[B, T]`` array of a batch is dealt out zig-zag and the
   model reads the tokens' positions; elsewhere the batch is as given;
 * ``next_token_loss``: a ``minishard.losses.Loss``, the cross-entropy of every next
@@ -37,15 +37,15 @@ from minishard.context import held_order
 from minishard.experts import MoEStats
 from minishard.layers import collect
 from minishard.losses import Batch, accuracy, cross_entropy, one_hot
-from minishard.models.attention import SEQUENCE_LAYOUT, sequence_axis
+from minishard.models.attention import CHUNK_ORDER, sequence_axis
 
-__all__ = ["in_sequence_layout", "next_token_loss", "next_token_sums"]
+__all__ = ["in_chunk_order", "next_token_loss", "next_token_sums"]
 
 
-def in_sequence_layout(model: Any, batch: Batch) -> tuple[Callable[..., Any], Batch]:
+def in_chunk_order(model: Any, batch: Batch) -> tuple[Callable[..., Any], Batch]:
     """``model`` and ``batch`` as the devices hold the sequence, where the rules split attention's "seq".
 
-    Over p devices, every ``[B, T]`` array of the batch is dealt out in ``SEQUENCE_LAYOUT``
+    Over p devices, every ``[B, T]`` array of the batch is dealt out in ``CHUNK_ORDER``
     (``minishard.context.permute``: zig-zag) and the model reads the tokens' positions, so its
     position embeddings and causal mask follow them. A mean over tokens does not see their
     order: the loss and its gradients are those of the sequence in order. Elsewhere: as given.
@@ -53,9 +53,9 @@ def in_sequence_layout(model: Any, batch: Batch) -> tuple[Callable[..., Any], Ba
     _, p = sequence_axis()
     if p == 1:
         return model, batch
-    order = held_order(batch["inputs"].shape[1], p, SEQUENCE_LAYOUT)  # once, on the data
-    dealt = {name: jnp.take(x, order, axis=1) if jnp.ndim(x) == 2 else x for name, x in batch.items()}
-    return functools.partial(model, positions=order), dealt
+    positions = held_order(batch["inputs"].shape[1], p, CHUNK_ORDER)  # once, on the data
+    dealt = {name: jnp.take(x, positions, axis=1) if jnp.ndim(x) == 2 else x for name, x in batch.items()}
+    return functools.partial(model, positions=positions), dealt
 
 
 def next_token_loss(model: Any, batch: Batch, key: Any = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
@@ -64,7 +64,7 @@ def next_token_loss(model: Any, batch: Batch, key: Any = None) -> tuple[jax.Arra
     A GPT of MoE MLPs (``transformer.moe_mlp``) adds their auxiliary losses, ``stats.aux_loss``.
     ``key``: the step's, given by a train step that draws dropout (``make_train_step(..., seed=)``).
     """
-    held, batch = in_sequence_layout(model, batch)
+    held, batch = in_chunk_order(model, batch)
     held = held if key is None else functools.partial(held, key=key)
     logits, stats = collect(MoEStats, held)(batch["inputs"])
     loss = cross_entropy(logits, one_hot(batch["targets"], logits.shape[-1]))
@@ -74,7 +74,7 @@ def next_token_loss(model: Any, batch: Batch, key: Any = None) -> tuple[jax.Arra
 def next_token_sums(model: Any, batch: Batch) -> dict[str, jax.Array]:
     """The summed loss of the real windows of a (possibly padded) batch, how many are real (``count``),
     and with MoE MLPs the share of routings their capacity dropped (``dropped``, times ``count``)."""
-    held, batch = in_sequence_layout(model, batch)
+    held, batch = in_chunk_order(model, batch)
     logits, stats = collect(MoEStats, held)(batch["inputs"])
     per_window = jax.vmap(lambda lg, t: cross_entropy(lg, one_hot(t, lg.shape[-1])))(logits, batch["targets"])
     sums = {"loss": (per_window * batch["mask"]).sum(), "count": batch["mask"].sum()}

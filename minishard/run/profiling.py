@@ -222,7 +222,7 @@ class Speed:
     ) -> Speed:
         """Training ``model`` with ``loss`` on batches like ``batch`` (tokens: ``[B, T]``) on ``devices``,
         its matmuls in ``computes_in`` (a precision policy's compute dtype: the peak is that dtype's)."""
-        # shapes without their layouts: the model's FLOPs do not depend on them (and an Explicit
+        # shapes without their shardings: the model's FLOPs do not depend on them (and an Explicit
         # mesh's shardings would ask for the mesh the step is traced under)
         shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (model, batch))
         first = next(iter(batch.values())).shape

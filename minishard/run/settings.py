@@ -15,7 +15,7 @@ from typing import Any
 
 from jax.sharding import AxisType, Mesh
 
-from minishard.memory import Precision
+from minishard.precision import Precision
 from minishard.rules import AxisRules
 from minishard.run.data import EvalData
 from minishard.run.profiling import Profile
@@ -39,7 +39,7 @@ class FitSettings:
     good one, ``resume_from`` from that step; another run's checkpoints are refused unless
     ``overwrite``. What it says: ``log`` each line, ``metrics_log`` (JSON lines) every
     ``log_every`` steps, ``progress`` a bar. The step: ``microbatches > 1`` accumulates gradients,
-    ``precision`` casts each step (``memory.BF16``); ``make_step(optimizer)`` builds another step
+    ``precision`` casts each step (``precision.BF16``); ``make_step(optimizer)`` builds another step
     (``minishard.zero``'s); ``profile`` traces steps; ``seed`` (a model with dropout): each
     step's loss gets the key ``steps.step_key(seed, opt_state)``.
 

@@ -28,10 +28,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from minishard.losses import Batch, Loss, classification_loss
-from minishard.memory import Precision
 from minishard.optim import Optimizer
 from minishard.pipeline import microbatched
-from minishard.precision import LossScaled, LossScaledState, reduced_in, scaled
+from minishard.precision import LossScaled, LossScaledState, Precision, reduced_in, scaled
 from minishard.run.data import to_global
 
 __all__ = [
@@ -82,7 +81,7 @@ def make_train_step(
 
     ``microbatches`` > 1 accumulates the gradients over that many slices of the batch
     (``pipeline.microbatched``): the same step, one microbatch's activations alive at a
-    time (``minishard train --microbatches M``). ``precision`` (``minishard.memory.BF16``)
+    time (``minishard train --microbatches M``). ``precision`` (``minishard.precision.BF16``)
     computes the loss on its copies of the model and batch (``Precision.compute``); the
     model the step is given and returns stays the float32 master (``train --precision bf16``).
     Where its gradients' dtype is not the compute dtype, the step reduces them itself, in their

@@ -30,7 +30,7 @@ hypothesis strategies that keep the number of compiled programs small.
 * ``pipelines.py``: ``pipelines`` that fit a stacked model, ``assert_pipeline_equivalent``
   (pipelined == sequential, forward and gradients; ``rules=`` for tp inside pp; a leaking
   bubble is named);
-* ``attention.py``: ``sequence_layouts`` (meshes, layouts, shapes), ``assert_attention_equivalent``
+* ``attention.py``: ``split_sequences`` (meshes, chunk orders, shapes), ``assert_attention_equivalent``
   (a context-parallel attention == attention on one device; the first wrong token is named);
 * ``compositions.py``: ``compositions``, composed meshes (``Composition``: which dimensions of
   ``minishard.styles``, how many devices each, the composed rules) a model of given widths takes;
@@ -53,7 +53,7 @@ except ImportError as error:  # only the tests need hypothesis, so minishard doe
     ) from error
 
 from minishard.testing.assertions import assert_sharded_equivalent, assert_split
-from minishard.testing.attention import SequenceLayout, assert_attention_equivalent, sequence_layouts
+from minishard.testing.attention import SplitSequence, assert_attention_equivalent, split_sequences
 from minishard.testing.budgets import Limit, assert_collectives, data_parallel_limits, megatron_limits
 from minishard.testing.builders import LINEAR_AXES, mlps, models
 from minishard.testing.compositions import ANNOTATED, Composition, compositions
@@ -86,7 +86,7 @@ __all__ = [
     "Composition",
     "ExpectedPlacement",
     "Limit",
-    "SequenceLayout",
+    "SplitSequence",
     "assert_attention_equivalent",
     "assert_close_in",
     "assert_collectives",
@@ -110,7 +110,7 @@ __all__ = [
     "register_profiles",
     "pipelines",
     "seeds",
-    "sequence_layouts",
+    "split_sequences",
     "split_counts",
     "splittable_widths",
     "step_tolerance",

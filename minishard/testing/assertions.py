@@ -2,7 +2,7 @@
 
 The first cannot see a wrong annotation: sharding never changes the numbers, so
 a model with its two Megatron halves swapped computes exactly the same thing,
-only slower. ``assert_placement`` (``layouts.py``) can, because it compares with the layout *you*
+only slower. ``assert_placement`` (``placement.py``) can, because it compares with the placement *you*
 state; ``assert_split`` states less, only that something really is split over
 a mesh axis, which is what keeps an equivalence test from passing vacuously.
 """
@@ -117,7 +117,7 @@ def assert_sharded_equivalent(
     expected = jax.block_until_ready(jax.jit(reference or fn)(*on_one_device))
     actual = jax.block_until_ready(sharded(*args))
     treedef: Any = jax.tree_util.tree_structure(actual)  # Any: PyTreeDef comes without type stubs
-    declared = treedef.flatten_up_to(specs.outputs)  # None where Sharded left the layout to XLA
+    declared = treedef.flatten_up_to(specs.outputs)  # None where Sharded left the sharding to XLA
     leaves = zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree_util.tree_leaves(expected), declared)
     for (path, got), want, spec in leaves:
         where = f"output {path_str(path)}"
@@ -163,11 +163,11 @@ def _not_split(
     """Why the inputs are not split as ``required`` says (``require_split``), or None if they are."""
     named = dict(zip(_argument_names(fn, len(args)), args))  # paths read "model.layers[0].weight", "x"
 
-    def batch_layout(leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:  # Sharded's, the batch axis named
-        axes, spec = config.batch_layout(leaf)
+    def batch_placement(leaf: Any) -> tuple[LogicalAxes, PartitionSpec]:  # Sharded's, the batch axis named
+        axes, spec = config.batch_placement(leaf)
         return ((config.batch_axis, *axes[1:]) if axes else axes), spec
 
-    inputs = plan(named, config.mesh, config.rules, batch_layout).leaves
+    inputs = plan(named, config.mesh, config.rules, batch_placement).leaves
     if not isinstance(required, bool):  # logical axes (False never gets here)
         return _axes_not_split(inputs, _required_counts(required), config.mesh)
     parameters = {leaf.path for leaf in plan(named, config.mesh, config.rules, lambda leaf: None).leaves}
@@ -264,7 +264,7 @@ def assert_split(
 ) -> None:
     """At least ``at_least`` arrays of ``tree`` must be split over the mesh axis ``over``.
 
-    Not a whole intended layout (that is ``assert_placement``), only the least a
+    Not a whole intended placement (that is ``assert_placement``), only the least a
     test needs to test anything: on a mesh whose "model" axis is 1 wide, or
     under rules that replicate ``mlp``, a tensor-parallel test splits nothing
     and passes. ``over`` is a mesh axis, several (each must split the array),

@@ -1,16 +1,16 @@
-"""Property-test your own context-parallel attention: ``sequence_layouts``, ``assert_attention_equivalent``.
+"""Property-test your own context-parallel attention: ``split_sequences``, ``assert_attention_equivalent``.
 
 Context parallelism is written by hand (``minishard.context``, ``minishard.sequence``):
 a ``shard_map`` where a wrong mask on the diagonal chunk, a chunk skipped that should
 have run, or a position read in the wrong order computes something else without any
 error. The oracle is attention on one device, on the sequence in its natural order:
 the distributed output and its gradients, put back in order, must equal it, for every
-mesh, layout and shape. A failure names the first token that differs, the device and
+mesh, chunk order and shape. A failure names the first token that differs, the device and
 the chunk that hold it.
 
 Your attention takes the signature of ``minishard.context.ring_attention``:
-``attend_fn(q, k, v, *, axis, causal, layout)``, run inside ``shard_map`` on this
-device's ``[batch, seq / p, heads, head_dim]``, its chunks of ``layout``. Whatever else
+``attend_fn(q, k, v, *, axis, causal, order)``, run inside ``shard_map`` on this
+device's ``[batch, seq / p, heads, head_dim]``, its chunks in the chunk order ``order``. Whatever else
 shapes the mask (a window, say) is an argument too, ``options``, never a global: a traced
 function reads a global once, at its first trace, and keeps that value.
 """
@@ -36,25 +36,27 @@ from minishard.testing.assertions import _check_tolerances
 
 
 @dataclasses.dataclass(frozen=True)
-class SequenceLayout:
-    """Where a sequence's chunks live: ``mesh[axis]``'s devices, in ``layout``'s order,
+class SplitSequence:
+    """A sequence split over devices: its chunks on ``mesh[axis]``'s devices, in the chunk order
+    ``order``,
     for arrays of ``shape`` ``[batch, seq, heads, head_dim]``."""
 
     mesh: Mesh
     axis: str
-    layout: str
+    order: str
     shape: tuple[int, int, int, int]
 
     def __post_init__(self) -> None:
-        """A case that names an axis its mesh lacks, or an unknown layout, would fail deep in a trace."""
+        """A case that names an axis its mesh lacks, or an unknown chunk order, would fail deep in a
+        trace."""
         if self.axis not in self.mesh.axis_names:
             raise ValueError(
-                f"SequenceLayout: axis={self.axis!r} is no axis of the mesh {dict(self.mesh.shape)}; "
+                f"SplitSequence: axis={self.axis!r} is no axis of the mesh {dict(self.mesh.shape)}; "
                 "name one of its axes, or build the mesh with it"
             )
-        if self.layout not in CHUNKS:
+        if self.order not in CHUNKS:
             known = ", ".join(CHUNKS)
-            raise ValueError(f"SequenceLayout: unknown layout {self.layout!r}; choose from {known}")
+            raise ValueError(f"SplitSequence: unknown chunk order {self.order!r}; choose from {known}")
 
     @property
     def devices(self) -> int:
@@ -62,17 +64,17 @@ class SequenceLayout:
 
     def holder(self, position: int) -> tuple[int, int]:
         """``(device, chunk)`` holding the token at ``position``."""
-        order = np.asarray(held_order(self.shape[1], self.devices, self.layout))
-        chunk_len = self.shape[1] // (self.devices * CHUNKS[self.layout])
-        return int(np.flatnonzero(order == position)[0]) // (
+        held = np.asarray(held_order(self.shape[1], self.devices, self.order))
+        chunk_len = self.shape[1] // (self.devices * CHUNKS[self.order])
+        return int(np.flatnonzero(held == position)[0]) // (
             self.shape[1] // self.devices
         ), position // chunk_len
 
 
-def sequence_layouts(
+def split_sequences(
     *,
     devices: Sequence[int] = (2, 4, 8),
-    layouts: Sequence[str] = tuple(CHUNKS),
+    orders: Sequence[str] = tuple(CHUNKS),
     chunk_lengths: Sequence[int] = (1, 2),
     heads: Sequence[int] = (1, 2),
     head_dims: Sequence[int] = (4, 8),
@@ -80,54 +82,54 @@ def sequence_layouts(
     heads_per_device: bool = False,
     axis: str = "seq",
     min_seq_len: int = 1,
-) -> st.SearchStrategy[SequenceLayout]:
-    """Meshes, layouts and shapes to run a context-parallel attention on.
+) -> st.SearchStrategy[SplitSequence]:
+    """Meshes, chunk orders and shapes to run a context-parallel attention on.
 
     The sequence is ``devices * chunks per device * chunk length`` tokens, so every
-    layout splits it; ``heads_per_device``: ``heads`` counts heads per device (Ulysses
+    chunk order splits it; ``heads_per_device``: ``heads`` counts heads per device (Ulysses
     needs heads divisible by the devices); ``min_seq_len``: only sequences at least this
     long (a window of ``w`` tokens needs more than ``w``). Sizes come from small fixed
     sets: each new shape compiles. Device counts above ``jax.device_count()`` are left
-    out. A failing example prints its case by name: ``sequence_layout(devices=2, layout='zigzag', ...)``.
+    out. A failing example prints its case by name: ``split_sequence(devices=2, order='zigzag', ...)``.
 
-    >>> sequence_layouts(devices=(16,))
+    >>> split_sequences(devices=(16,))
     Traceback (most recent call last):
-    ValueError: sequence_layouts: no device count in (16,) fits the 8 devices of this process
-    >>> sequence_layouts(layouts=("striped",))
+    ValueError: split_sequences: no device count in (16,) fits the 8 devices of this process
+    >>> split_sequences(orders=("striped",))
     Traceback (most recent call last):
-    ValueError: sequence_layouts: layouts=('striped',) names an unknown layout; choose from 'in-order', ...
+    ValueError: split_sequences: orders=('striped',) names an unknown chunk order; choose from 'in-order', ...
     """
     _check_sizes(devices=devices, chunk_lengths=chunk_lengths, heads=heads, head_dims=head_dims, batch=batch)
-    if not layouts or not set(layouts) <= set(CHUNKS):
+    if not orders or not set(orders) <= set(CHUNKS):
         raise ValueError(
-            f"sequence_layouts: layouts={tuple(layouts)!r} names an unknown layout; choose from "
+            f"split_sequences: orders={tuple(orders)!r} names an unknown chunk order; choose from "
             + ", ".join(map(repr, CHUNKS))
         )
     fits = [p for p in devices if p <= jax.device_count()]
     if not fits:
         raise ValueError(
-            f"sequence_layouts: no device count in {tuple(devices)} fits the {jax.device_count()} devices "
+            f"split_sequences: no device count in {tuple(devices)} fits the {jax.device_count()} devices "
             "of this process"
         )
-    longest = max(fits) * max(CHUNKS[layout] for layout in layouts) * max(chunk_lengths)
+    longest = max(fits) * max(CHUNKS[order] for order in orders) * max(chunk_lengths)
     if longest < min_seq_len:
         raise ValueError(
-            f"sequence_layouts: min_seq_len={min_seq_len!r}, but the longest sequence these sizes make is "
+            f"split_sequences: min_seq_len={min_seq_len!r}, but the longest sequence these sizes make is "
             f"{longest} tokens; allow more devices or longer chunk_lengths"
         )
 
-    def sequence_layout(
-        *, devices: int, layout: str, chunk_length: int, heads: int, head_dim: int, batch: int
-    ) -> SequenceLayout:  # named arguments: a failing example prints them by name
-        seq_len = devices * CHUNKS[layout] * chunk_length
+    def split_sequence(
+        *, devices: int, order: str, chunk_length: int, heads: int, head_dim: int, batch: int
+    ) -> SplitSequence:  # named arguments: a failing example prints them by name
+        seq_len = devices * CHUNKS[order] * chunk_length
         shape = (batch, seq_len, heads * devices if heads_per_device else heads, head_dim)
-        return SequenceLayout(_mesh(devices, axis), axis, layout, shape)
+        return SplitSequence(_mesh(devices, axis), axis, order, shape)
 
     pick = st.sampled_from
     cases = st.builds(
-        sequence_layout,
+        split_sequence,
         devices=pick(fits),
-        layout=pick(layouts),
+        order=pick(orders),
         chunk_length=pick(chunk_lengths),
         heads=pick(heads),
         head_dim=pick(head_dims),
@@ -137,11 +139,11 @@ def sequence_layouts(
 
 
 def _check_sizes(**sizes: Sequence[int]) -> None:
-    """Each of ``sequence_layouts``' size choices: positive ints, at least one."""
+    """Each of ``split_sequences``' size choices: positive ints, at least one."""
     for name, choices in sizes.items():
         if not choices or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in choices):
             raise ValueError(
-                f"sequence_layouts: {name}={tuple(choices)!r} must be positive ints (one at least)"
+                f"split_sequences: {name}={tuple(choices)!r} must be positive ints (one at least)"
             )
 
 
@@ -153,7 +155,7 @@ def _mesh(p: int, axis: str) -> Mesh:
 
 def assert_attention_equivalent(
     attend_fn: Attend,
-    case: SequenceLayout,
+    case: SplitSequence,
     *,
     causal: bool,
     seed: int = 0,
@@ -165,7 +167,7 @@ def assert_attention_equivalent(
     """``attend_fn`` over ``case``'s devices equals ``reference`` (attention on one device), forward
     and gradients; returns the distributed output, in sequence order.
 
-    Random ``q, k, v`` in sequence order are permuted into ``case.layout``, attended in
+    Random ``q, k, v`` in sequence order are permuted into ``case.order``, attended in
     ``over_sequence``, and put back; the gradients are those of ``sum(sin(out))``.
     ``reference(q, k, v, causal=causal, **options)`` sees the sequence in order (default:
     ``attention``); ``options``, the mask's other parameters (``{"window": 4}``), go to
@@ -173,7 +175,7 @@ def assert_attention_equivalent(
     compare attention with itself.
 
     >>> from minishard.context import ring_attention
-    >>> case = SequenceLayout(_mesh(2, "seq"), "seq", "zigzag", (1, 8, 2, 4))
+    >>> case = SplitSequence(_mesh(2, "seq"), "seq", "zigzag", (1, 8, 2, 4))
     >>> assert_attention_equivalent(ring_attention, case, causal=True).shape
     (1, 8, 2, 4)
     """
@@ -181,7 +183,7 @@ def assert_attention_equivalent(
     _check_tolerances("assert_attention_equivalent", rtol, atol)
     mask = tuple(sorted((options or {}).items()))  # hashable: the compiled runs are cached by it
     q, k, v = np.random.default_rng(seed).normal(size=(3, *case.shape)).astype(np.float32)
-    distributed = _distributed(attend_fn, case.mesh, case.axis, case.layout, causal, mask)
+    distributed = _distributed(attend_fn, case.mesh, case.axis, case.order, causal, mask)
     got = jax.block_until_ready(distributed(q, k, v))
     want = jax.block_until_ready(_oracle(reference, causal, mask)(q, k, v))
     for name, a, b in zip(("output", "grad q", "grad k", "grad v"), got, want):
@@ -203,7 +205,7 @@ def _value_and_grads(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
     return jax.jit(value_and_grads)
 
 
-def _check_case(case: SequenceLayout, reference: Any, options: Mapping[str, Any] | None) -> None:
+def _check_case(case: SplitSequence, reference: Any, options: Mapping[str, Any] | None) -> None:
     """Refuse what would pass vacuously (one device) or cannot run (options the default reference lacks)."""
     if case.devices < 2:
         raise ValueError(
@@ -225,18 +227,19 @@ def _oracle(reference: Callable[..., jax.Array] | None, causal: bool, mask: tupl
 
 @cached
 def _distributed(
-    attend_fn: Attend, mesh: Mesh, axis: str, layout: str, causal: bool, mask: tuple[Any, ...]
+    attend_fn: Attend, mesh: Mesh, axis: str, order: str, causal: bool, mask: tuple[Any, ...]
 ) -> Any:
-    """The distributed run, in sequence order, compiled once per function, mesh, layout and mask."""
+    """The distributed run, in sequence order, compiled once per function, mesh, chunk order and
+    mask."""
     p = int(mesh.shape[axis])
-    run = over_sequence(attend_fn, mesh, axis=axis, causal=causal, layout=layout, **dict(mask))
+    run = over_sequence(attend_fn, mesh, axis=axis, causal=causal, order=order, **dict(mask))
     return _value_and_grads(
-        lambda *qkv: permute(run(*(permute(x, p, layout) for x in qkv)), p, layout, inverse=True)
+        lambda *qkv: permute(run(*(permute(x, p, order) for x in qkv)), p, order, inverse=True)
     )
 
 
 def _compare(
-    name: str, got: np.ndarray, want: np.ndarray, case: SequenceLayout, causal: bool, rtol: float, atol: float
+    name: str, got: np.ndarray, want: np.ndarray, case: SplitSequence, causal: bool, rtol: float, atol: float
 ) -> None:
     """Equal within tolerance, or an error naming the first token that differs and who holds it."""
     wrong = ~np.isclose(got, want, rtol=rtol, atol=atol).all(axis=(0, 2, 3))  # per position in the sequence
@@ -251,9 +254,10 @@ def _compare(
     )
     raise AssertionError(
         f"{name}: {int(wrong.sum())} of {wrong.size} tokens differ, the first at position {first} (device "
-        f"{device}, chunk {chunk}, layout {case.layout!r}, {case.devices} devices, causal={causal}){hint}; "
+        f"{device}, chunk {chunk}, chunk order {case.order!r}, {case.devices} devices, "
+        f"causal={causal}){hint}; "
         f"largest error {float(np.abs(got - want).max()):.2e}"
     )
 
 
-__all__ = ["SequenceLayout", "assert_attention_equivalent", "sequence_layouts"]
+__all__ = ["SplitSequence", "assert_attention_equivalent", "split_sequences"]

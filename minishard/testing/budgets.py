@@ -121,16 +121,17 @@ def assert_collectives(
     found = list(instructions(compiled, mesh))
     broken = []
     for limit in limits:
-        selected = [nbytes for kind, nbytes, groups, _ in found if limit.selects(kind, groups)]
+        selected = [send.result_bytes for send in found if limit.selects(send.kind, send.groups)]
         if (limit.count is not None and len(selected) > limit.count) or (
             limit.bytes is not None and sum(selected) > limit.bytes
         ):
             broken.append(f"  {limit}; found {len(selected)}, {_exact_bytes(sum(selected))}")
     if exhaustive:
-        for kind, nbytes, groups, _ in found:
-            if not any(limit.selects(kind, groups) for limit in limits):
-                over = ", ".join(map(str, groups))
-                broken.append(f"  {kind} over {over} ({_exact_bytes(nbytes)}): no limit allows it")
+        for send in found:
+            if not any(limit.selects(send.kind, send.groups) for limit in limits):
+                over = ", ".join(map(str, send.groups))
+                nbytes = _exact_bytes(send.result_bytes)
+                broken.append(f"  {send.kind} over {over} ({nbytes}): no limit allows it")
     table = collectives(compiled, mesh)
     if broken:
         raise AssertionError(

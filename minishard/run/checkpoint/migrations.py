@@ -1,7 +1,7 @@
 """Migrations: what checkpoints of older minishard versions stored differently, one function each.
 
 ``Checkpointer.restore`` applies all of them; the older checksum records are
-read in ``integrity``. A migration maps an old layout onto the current one and
+read in ``integrity``. A migration maps an old format onto the current one and
 never changes what a current checkpoint means.
 
 >>> older_name("opt_state.velocity.layers[0].weight")

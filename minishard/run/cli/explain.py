@@ -24,7 +24,7 @@ import jax
 
 from minishard.census import collectives, human_bytes, instructions, summary
 from minishard.costs import HARDWARE, Candidate, StepCost, compare, mesh_shapes
-from minishard.memory import PRECISIONS
+from minishard.precision import PRECISIONS
 from minishard.report import explain
 from minishard.rules import AxisRules, ShardingError
 from minishard.run.cli import decode, rank_check, ranking, styles

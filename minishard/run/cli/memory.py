@@ -23,8 +23,9 @@ from minishard import composition, memory, pipeline, plan
 from minishard.census import human_bytes
 from minishard.costs import HARDWARE, Memory
 from minishard.experts import MoE, capacity, moe_activations
-from minishard.memory import Budget, Precision
+from minishard.memory import Budget
 from minishard.pipeline import StackedModel
+from minishard.precision import FP32, PRECISIONS, Precision
 from minishard.rules import AnyMesh, AxisRules, ShardingError, as_mesh_axes
 from minishard.run.cli.accelerators import simulate_devices
 from minishard.run.cli.models import MODELS
@@ -54,7 +55,7 @@ def budget(
     args: tuple[Any, Any, Any],
     mesh: AnyMesh,
     rules: AxisRules,
-    precision: Precision = memory.FP32,
+    precision: Precision = FP32,
     compiler: str = "xla:cpu",
 ) -> Budget:
     """``memory.step_budget`` of ``(model, opt_state, batch)``, what it keeps from
@@ -198,7 +199,7 @@ def predict(args: argparse.Namespace) -> tuple[Budget, tuple[Any, Any, Any], dic
     mesh = jax.sharding.AbstractMesh(tuple(shape.values()), tuple(shape))
     built = jax.eval_shape(lambda: style.build(model, args, jax.random.key(0)))
     built = style.prepare(built, args, cast(Mesh, mesh))  # a pipeline's schedule needs only the mesh's shape
-    precision = memory.PRECISIONS[args.precision]
+    precision = PRECISIONS[args.precision]
     optimizer = loss_scaled_for(precision, model.compiled_optimizer(args))  # as train runs it
     batch = model.example(args, args.batch_size)
     if isinstance(style, ZeroStyle):  # ZeRO's own step: the state as it places it
@@ -296,14 +297,14 @@ def compiled_memory(
     """``memory_analysis()`` of the train step of ``predict``'s ``step_args``, as ``train`` compiles it
     from the same flags: the model and state donated, in ``--precision`` (ZeRO's step: placed by it); on
     ``devices`` (a TPU slice's, or simulated CPU devices; None: all of them)."""
-    model, precision, style = MODELS[args.model], memory.PRECISIONS[args.precision], style_of(args.parallel)
+    model, precision, style = MODELS[args.model], PRECISIONS[args.precision], style_of(args.parallel)
     if isinstance(style, ZeroStyle):  # its own step, placing the model and state itself
         zero = style.step(model.compiled_optimizer(args), make_mesh(shape, devices=devices), model.task)
         return Memory.of(zero.lower(*zero.placed_shapes(step_args[0]), step_args[2]).compile())
     step = make_train_step(
         loss_scaled_for(precision, model.compiled_optimizer(args)),  # fp16: as train runs it
         model.task.loss,
-        precision=None if precision == memory.FP32 else precision,
+        precision=None if precision == FP32 else precision,
     )
     sharded = Sharded(make_mesh(shape, devices=devices), rules, donate_argnums=(0, 1))(step)
     return Memory.of(sharded.lower(*step_args).compile())

@@ -179,10 +179,10 @@ def compile_layout(
     compiled = step_cost(program, args.hardware)
     sent: dict[str, float] = {}
     dims = {DIMENSIONS[dim].axis: dim for dim in layout.ways()}
-    for kind, nbytes, groups, devices in instructions(program.as_text() or "", mesh):
-        axes = [axis_name(label) for label in groups[0]]
+    for send in instructions(program.as_text() or "", mesh):
+        axes = [axis_name(label) for label in send.groups[0]]
         who = " x ".join(dims.get(axis, axis) for axis in axes)
-        sent[who] = sent.get(who, 0.0) + sent_bytes(kind, nbytes, devices)
+        sent[who] = sent.get(who, 0.0) + sent_bytes(send.kind, send.result_bytes, send.devices)
     seconds = time.perf_counter() - started
     parameters = explain(step_args[0], mesh, rules).device_bytes
     model, chip, context = built.size, args.hardware, args.context

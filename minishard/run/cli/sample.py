@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from minishard.census import collectives
-from minishard.memory import PRECISIONS
 from minishard.pipeline import StackedModel, unstack
+from minishard.precision import PRECISIONS
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli.flags import Error, at_least, positive
 from minishard.run.cli.models import MODELS

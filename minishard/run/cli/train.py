@@ -20,8 +20,8 @@ from typing import Any
 import jax  # importing is fine; the backend (and XLA_FLAGS) starts at the first jax.devices()
 
 from minishard.constraints import DEFAULT_BATCH_AXIS
-from minishard.memory import PRECISIONS
 from minishard.optim import Optimizer
+from minishard.precision import PRECISIONS
 from minishard.report import explain
 from minishard.rules import ShardingError
 from minishard.run import distributed

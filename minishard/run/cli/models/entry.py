@@ -59,7 +59,7 @@ class Stacking:
 class SequenceSplit:
     """How a model runs with its sequence over "context" (cp, dp+cp): every attention core a ring.
 
-    Its loss deals each batch out in the ring's layout, wherever the rules split "seq".
+    Its loss deals each batch out in the ring's chunk order, wherever the rules split "seq".
     """
 
     flag: str  # the flag of the sequence's length in tokens (the GPT's "context")

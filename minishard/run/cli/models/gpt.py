@@ -208,7 +208,7 @@ def check_moe(args: Args, error: Error) -> None:
                 f"argument --{name.replace('_', '-')}: only with --experts N (the MLPs are dense without it)"
             )
     if args.experts and getattr(args, "explicit", False):
-        error("argument --explicit: not with --experts (the MoE's einsums name no output layouts: Auto only)")
+        error("argument --explicit: not with --experts (the MoE's einsums name no out_sharding: Auto only)")
     if args.experts and args.top_k > args.experts:
         error(
             f"argument --top-k: {args.top_k} with --experts {args.experts}; each token picks k distinct "

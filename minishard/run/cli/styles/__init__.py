@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 import jax
 import jax.numpy as jnp
 
-from minishard.memory import PRECISIONS
+from minishard.precision import PRECISIONS
 from minishard.rules import AxisRules
 from minishard.run.cli.flags import at_least, fill_defaults
 from minishard.run.cli.styles.context import ContextStyle

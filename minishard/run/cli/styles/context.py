@@ -31,7 +31,7 @@ class ContextStyle(Style):
     (``minishard.context``).
 
     Its step is ``fit``'s ``Sharded`` one: the model's loss deals each batch out zig-zag (the GPT's:
-    ``run.next_token.in_sequence_layout``) and its ``"ring"`` attention cores send K and V round the
+    ``run.next_token.in_chunk_order``) and its ``"ring"`` attention cores send K and V round the
     devices of "context" (``ModelEntry.sequence``). ``explain`` compiles the step and shows the
     ring.
     """

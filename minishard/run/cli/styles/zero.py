@@ -108,7 +108,7 @@ class ZeroStyle(Style):
         n = args.devices
         mesh = make_mesh({"data": args.devices}, devices=first_devices(args))
         step = self.step(optimizer, mesh, model.task)
-        # shapes and layouts: a topology holds no arrays
+        # shapes and shardings: a topology holds no arrays
         step_args = (*step.placed_shapes(built), batch)
         print(f"{args.model} under zero (ZeRO-{self.LEVEL} by hand) on {n} devices, batch {args.batch_size}")
         print(zero_report(step, step_args))
