@@ -17,6 +17,7 @@ from minishard.models import gpt
 from minishard.models.attention import Attention
 from minishard.models.dropout import EMBEDDINGS, PLACES, dropout, keeps, key_at
 from minishard.optim import AdamW
+from minishard.pipeline import stack_blocks, unstack_blocks
 from minishard.precision import LossScaled
 from minishard.run.next_token import next_token_loss, next_token_sums
 from minishard.run.steps import make_train_step, step_key
@@ -93,6 +94,21 @@ def test_the_gpt_drops_where_nanogpt_does_with_the_keys_it_documents():
     x1 = x + dropout(attended, RATE, key_at(key, PLACES["attention out"]))
     x2 = x1 + dropout(block.mlp(block.norm2(x1)), RATE, key_at(key, PLACES["mlp out"]))
     np.testing.assert_allclose(block(x, dropout=RATE, key=key), x2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_scanned_gpt_draws_the_looped_gpts_masks_and_recomputes_them_so(remat):
+    looped = small_gpt().replace(remat=remat)
+    scanned = looped.replace(blocks=stack_blocks(looped.blocks))  # GPT(scan=True)'s form
+    batch = small_batch()
+    loss_and_grads = jax.jit(jax.value_and_grad(lambda m: next_token_loss(m, batch, KEY)[0]))
+    (want, want_grads), (got, got_grads) = loss_and_grads(looped), loss_and_grads(scanned)
+    np.testing.assert_allclose(got, want, rtol=1e-6)  # another layer's masks: 1e-2 away
+    program = str(jax.make_jaxpr(lambda m: m(batch["inputs"], key=KEY))(scanned))
+    assert ("scan[" in program) and ("remat" in program) == (remat != "none")  # the body checkpointed
+    unstacked = got_grads.replace(blocks=tuple(unstack_blocks(got_grads.blocks)))
+    for a, b in zip(jax.tree.leaves(unstacked), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_dropout_zero_is_the_old_model_not_one_random_op_in_its_program():
