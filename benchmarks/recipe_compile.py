@@ -10,6 +10,9 @@ tracing and lowering ``train``'s step (``lower``: the recipe's flags, one device
   chip needed (docs/tpu.md); ``build`` is not measured there (it runs on the CPU);
 * ``here``: the first device this process has (on the chip: the chip itself).
 
+Beside the seconds, the compiled step's temporaries (MB) and the bytes its compiler estimates it
+accesses (MB, ``cost_analysis``): what a scan adds to the step's traffic, before any chip runs it.
+
     python benchmarks/recipe_compile.py                          # cpu and tpu-aot, loop and scan
     python benchmarks/recipe_compile.py --targets here --rounds 3   # on the chip
 
@@ -68,8 +71,11 @@ def measure(target: str, flags: list[str]) -> dict[str, float]:
     lowered = sharded.lower(model, state, batch)
     times["lower"] = time.perf_counter() - start
     start = time.perf_counter()
-    lowered.compile()
+    compiled = lowered.compile()
     times["compile"] = time.perf_counter() - start
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
+    times["temporaries_mb"] = memory.temp_size_in_bytes / 1e6 if memory is not None else float("nan")
+    times["accessed_mb"] = float(cost.get("bytes accessed", float("nan"))) / 1e6  # the compiler's estimate
     return times
 
 
@@ -92,18 +98,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=["cpu", "tpu-aot"])
     parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--forms", nargs="+", choices=("loop", "scan"), default=["loop", "scan"])
     parser.add_argument("--rounds", type=int, default=1, help="fresh processes per case (the median)")
     parser.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train flags")
     parser.add_argument("--json", help="write every sample here")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     for target in args.targets:
-        for scan in (False, True):
+        for scan in (form == "scan" for form in args.forms):
             flags = ["--depth", str(args.depth), *(["--scan"] if scan else []), *args.flags]
             samples = [fresh(target, flags) for _ in range(args.rounds)]
             median = {part: statistics.median(s[part] for s in samples) for part in samples[0]}
             rows.append({"target": target, "scan": scan, "flags": flags, "samples": samples})
-            said = ", ".join(f"{part} {seconds:5.1f} s" for part, seconds in median.items())
+            said = ", ".join(f"{part} {value:5.1f}" for part, value in median.items())
             print(f"{target:8} depth {args.depth} {'scan' if scan else 'loop'}: {said}", flush=True)
     if args.json:
         with open(args.json, "w") as file:

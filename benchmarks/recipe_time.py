@@ -1,19 +1,19 @@
 """nanoGPT's Shakespeare recipe, looped and ``--scan``ned: wall time to val loss 1.47, phase by phase.
 
 Runs docs/gpt.md's recipe command as written there (read from the page, so the two cannot drift),
-once as it is and once with ``--scan`` added (a flag already in the command is not added twice),
-alternating, ``--rounds`` times, each in a fresh process from this checkout. The clock starts when
+once as it is and once with ``--scan`` added (or with each variant's flags given), alternating,
+``--rounds`` times, each in a fresh process from this checkout. The clock starts when
 the process starts; each phase ends at the first line that says it is done:
 
-* start: Python, JAX and the backend, up to ``Running on ...``;
+* start: Python, JAX and the backend, up to ``Running on ...`` (on a CPU: ``No accelerator ...``);
 * build: the model built, placed and planned, up to ``Rules: ...`` and the plan;
 * data + trace: up to ``Compiled train_step`` (whose own line says trace, lower and XLA seconds);
 * steps: up to the first evaluation with ``val loss <= --target`` (then the run is stopped).
 
 On the chip (issue 61 §3), from the repository root, with ``TFDS_DATA_DIR`` holding tiny_shakespeare:
 
-    python benchmarks/recipe_time.py                      # loop and scan, one round each
-    python benchmarks/recipe_time.py --rounds 2 --json recipe.json
+    python benchmarks/recipe_time.py                      # as written and --scan, one round each
+    python benchmarks/recipe_time.py --variant= --variant=--scan "--variant=--scan --remat dots" --rounds 2
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 VAL = re.compile(r"^Step (\d+) .*val loss (\d+\.\d+)")
 RECIPE = re.compile(r"^minishard train (--model gpt [^\n]*\\\n[^\n]*--dropout[^\n]*)$", re.M)
 """docs/gpt.md's recipe command: two lines, the second with its dropout."""
-MARKS = {"start": "Running on ", "plan": "Rules: ", "compiled": "Compiled train_step"}
+MARKS = {
+    "start": ("Running on ", "No accelerator"),  # a chip's line, or the CPU's
+    "plan": ("Rules: ",),
+    "compiled": ("Compiled train_step",),
+}
 
 
 def recipe_flags(page: Path = ROOT / "docs" / "gpt.md") -> list[str]:
@@ -57,8 +61,8 @@ def timed_run(flags: list[str], target: float) -> dict[str, Any]:
     assert run.stdout is not None
     for line in run.stdout:
         now = time.perf_counter() - start
-        for mark, prefix in MARKS.items():
-            if line.startswith(prefix) and mark not in seen:
+        for mark, prefixes in MARKS.items():
+            if line.startswith(prefixes) and mark not in seen:
                 seen[mark] = now
                 if mark == "compiled":
                     seen["compile_line"] = line.strip()
@@ -88,15 +92,21 @@ def said(run: dict[str, Any], target: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--variant", action="append", help='flags added to the command, a run each ("": none)'
+    )
     parser.add_argument("--target", type=float, default=1.47)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more train flags, for both")
+    parser.add_argument(
+        "--flags", nargs=argparse.REMAINDER, default=[], help="more train flags, for every run"
+    )
     parser.add_argument("--json", help="write every run here")
     args = parser.parse_args()
     if not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "tiny_shakespeare")):
         parser.error("TFDS_DATA_DIR must hold tiny_shakespeare (the runs read it offline)")
     recipe = [*recipe_flags(), *args.flags]
-    variants = {"loop": recipe, "scan": recipe if "--scan" in recipe else [*recipe, "--scan"]}
+    extras = args.variant or ["", "--scan"]
+    variants = {extra or "as written": [*recipe, *shlex.split(extra)] for extra in extras}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     for round_ in range(args.rounds):
         for name in list(variants) if round_ % 2 == 0 else list(variants)[::-1]:

@@ -207,4 +207,5 @@ def test_the_recipe_compile_worker_times_the_build_the_lowering_and_the_compile(
 
     tiny = ["--depth", "2", "--width", "16", "--heads", "2", "--context", "16", "--batch-size", "8", "--scan"]
     times = recipe_compile.measure("here", tiny)
-    assert set(times) == {"build", "lower", "compile"} and all(seconds > 0 for seconds in times.values())
+    assert set(times) == {"build", "lower", "compile", "temporaries_mb", "accessed_mb"}
+    assert all(times[part] > 0 for part in ("build", "lower", "compile", "temporaries_mb"))
