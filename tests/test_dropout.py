@@ -180,13 +180,14 @@ STEPS = 3
 
 
 @functools.cache
-def trained(style, rate=RATE):
-    """``STEPS`` AdamW steps of the small GPT with dropout ``rate`` under ``style``: its losses, and the
-    collectives of its compiled step (kind -> count, bytes)."""
+def trained(style, rate=RATE, scan=False):
+    """``STEPS`` AdamW steps of the small GPT with dropout ``rate`` under ``style`` (``scan``: its blocks
+    stacked and scanned): its losses, and the collectives of its compiled step (kind -> count, bytes)."""
     shape, rules = mesh_rules(style, 8)
     mesh = ms.make_mesh(shape)
     step = ms.Sharded(mesh, rules)(make_train_step(OPTIMIZER, next_token_loss, seed=3))
-    model = ms.shard(small_gpt(rate), mesh, rules)
+    built = small_gpt(rate)
+    model = ms.shard(built.replace(blocks=stack_blocks(built.blocks)) if scan else built, mesh, rules)
     state = ms.shard(OPTIMIZER.init(model), mesh, rules)
     sent = census.collectives(step.lower(model, state, small_batch()))
     losses = []
@@ -197,15 +198,17 @@ def trained(style, rate=RATE):
 
 
 @pytest.mark.slow  # each style compiles its own AdamW step on 8 devices
-@pytest.mark.parametrize("style", ["fsdp", "tp", "tp+sp"])
-def test_every_layout_draws_the_same_masks_and_trains_to_dp_s_losses(style):
+@pytest.mark.parametrize(
+    ("style", "scan"), [("fsdp", False), ("tp", False), ("tp+sp", False), ("dp", True), ("fsdp", True)]
+)
+def test_every_layout_draws_the_same_masks_and_trains_to_dp_s_losses(style, scan):
     expected, _ = trained("dp")
-    losses, sent = trained(style)
+    losses, sent = trained(style, scan=scan)
     np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=1e-5)
     assert min(abs(a - b) for a, b in zip(expected, trained("dp", 0.0)[0])) > 1e-3  # and dropout drew
     # Each device draws its own shard of the global mask (jax_threefry_partitionable): dropout sends
     # nothing. Unpartitionable, fsdp's masks cost 14 more all-gathers and 28 collective-permutes.
-    assert sent == trained(style, 0.0)[1]
+    assert sent == trained(style, 0.0, scan)[1]
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.2, 0.5])
