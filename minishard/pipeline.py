@@ -14,8 +14,8 @@ module writes that loop in five steps:
 2. **Stacked blocks.** ``Stacked``: ``n`` identical blocks, their parameters on a leading
    ``"stage"`` axis, run in order by ``run_blocks``; the rule ``stage -> "stage"`` (the ``pp``
    style) gives each device its layers. ``stack`` turns a built model's blocks into a
-   ``StackedModel`` (``unstack`` undoes it; ``stacked_mlp`` builds one): the same function of the
-   same numbers.
+   ``StackedModel`` (``unstack`` undoes it; ``stacked_mlp`` builds one; ``stack_blocks`` and
+   ``unstack_blocks`` do it to the blocks alone): the same function of the same numbers.
 3. **GPipe.** ``work(tick, stage)`` says what a stage does at a tick (``schedule`` lists it,
    ``draw`` draws it); ``gpipe`` is one device's tick loop, each tick its layers
    (``stage_layers``) on a microbatch and one ``ppermute`` round the ``ring_pairs``;
@@ -206,17 +206,31 @@ def stack(before: Any, blocks: Sequence[Layer], after: Any) -> StackedModel:
     >>> stacked.blocks.n, stacked.blocks.block.weight.shape
     (3, (3, 4, 4))
     """
+    return StackedModel(before, stack_blocks(blocks), after)
+
+
+def stack_blocks(blocks: Sequence[Layer]) -> Stacked:
+    """Equal built ``blocks`` as one ``Stacked``: each parameter's ``n`` copies in one array, block
+    ``i`` its slice ``i`` (a scanned GPT's blocks, ``minishard.models.gpt``; a pipeline's)."""
     like = jax.eval_shape(lambda: Stacked(lambda _: blocks[0], len(blocks), key=jax.random.key(0)))
     leaves = [jnp.stack(same) for same in zip(*map(jax.tree.leaves, blocks), strict=True)]
-    return StackedModel(before, jax.tree.unflatten(jax.tree.structure(like), leaves), after)
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def unstack_blocks(blocks: Stacked) -> list[Any]:
+    """``stack_blocks``' inverse: block ``i`` of the stack, each parameter's slice ``i``."""
+
+    def block(i: int) -> Any:
+        return jax.tree.map(lambda leaf: leaf[i], blocks.block)
+
+    return [block(i) for i in range(blocks.n)]
 
 
 def unstack(model: StackedModel, like: Any) -> Any:
     """``stack``'s inverse: a model shaped as ``like`` (``jax.eval_shape`` is enough) holding
     ``model``'s parameters, block ``i`` the stack's slice ``i``: its leaves are before's, the
     blocks', after's."""
-    stacked = jax.tree.leaves(model.blocks)
-    blocks = [leaf[i] for i in range(model.blocks.n) for leaf in stacked]  # block by block
+    blocks = [leaf for block in unstack_blocks(model.blocks) for leaf in jax.tree.leaves(block)]
     leaves = [*jax.tree.leaves(model.before), *blocks, *jax.tree.leaves(model.after)]
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
@@ -575,8 +589,10 @@ __all__ = [
     "schedule",
     "split_microbatches",
     "stack",
+    "stack_blocks",
     "stacked_mlp",
     "stage_layers",
     "unstack",
+    "unstack_blocks",
     "work",
 ]

@@ -187,3 +187,25 @@ def test_flash_smoke_times_every_contender_and_agrees_with_xla(tmp_path):
     assert {"XLA dot_product_attention", "JAX flash, default blocks", "minishard 128x128"} <= names
     assert all(row["ms"] > 0 and row["error"] < 2e-2 for row in rows)  # bf16: about 0.4% a rounding
     assert "| contender |" in done.stdout
+
+
+def test_the_recipe_timer_runs_docs_gpt_md_s_command_and_it_parses_looped_and_scanned():
+    import recipe_time
+
+    from minishard.run.cli import parse_args
+
+    flags = recipe_time.recipe_flags()
+    assert flags[:2] == ["--model", "gpt"] and "--dropout" in flags and "--scan" not in flags
+    for scan in ([], ["--scan"]):
+        args = parse_args(["train", *flags, *scan])
+        shape = (args.depth, args.width, args.context, args.dropout)
+        assert shape == (6, 384, 256, 0.2) and args.scan == bool(scan)
+
+
+def test_the_recipe_compile_worker_times_the_build_the_lowering_and_the_compile():
+    import recipe_compile
+
+    tiny = ["--depth", "2", "--width", "16", "--heads", "2", "--context", "16", "--batch-size", "8", "--scan"]
+    times = recipe_compile.measure("here", tiny)
+    assert set(times) == {"build", "lower", "compile", "temporaries_mb", "accessed_mb"}
+    assert all(times[part] > 0 for part in ("build", "lower", "compile", "temporaries_mb"))

@@ -25,7 +25,7 @@ from strategies import assert_trees_equal
 
 import minishard as ms
 from minishard.models.gpt import GPT, as_stacked, stream
-from minishard.pipeline import unstack
+from minishard.pipeline import Stacked, unstack
 from minishard.run.checkpoint import Checkpointer
 from minishard.run.cli import main, parse_args
 from minishard.run.cli.models import gpt as gpt_entry
@@ -102,6 +102,37 @@ def test_a_scanned_gpt_trains_to_the_looped_gpts_losses_and_its_checkpoint_sampl
         assert main([*sample, "--checkpoint-dir", directory]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1]  # the scanned checkpoint unstacks into the looped GPT
+
+
+@needs_shakespeare
+@pytest.mark.slow  # two short runs
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_scanned_gpt_with_dropout_trains_to_the_looped_gpts_losses(tmp_path, capsys, remat):
+    """Block i draws its masks from key_at(step key, i + 1) looped or scanned, and recomputes them so."""
+    flags = ["--depth", "3", "--steps", "4", "--eval-every", "2", "--dropout", "0.2", "--remat", remat]
+    assert main(["train", *TINY, *flags]) == 0
+    want = records(capsys.readouterr().out)
+    assert main(["train", *TINY, *flags, "--scan"]) == 0
+    assert records(capsys.readouterr().out) == want
+
+
+@needs_shakespeare
+@pytest.mark.slow  # two short runs
+def test_a_resumed_scanned_gpt_run_with_dropout_ends_bit_identical(tmp_path, capsys):
+    directory = str(tmp_path / "run")
+
+    def trained(*flags):
+        common = ["--depth", "2", "--steps", "6", "--eval-every", "3", "--dropout", "0.2", "--scan"]
+        assert main(["train", *TINY, *common, "--checkpoint-dir", directory, *flags]) == 0
+        with Checkpointer(directory, read_only=True) as checkpointer:
+            step, meta = checkpointer.read_meta()
+        return jax.device_get(restore(directory, step, meta["info"])), records(capsys.readouterr().out)
+
+    straight, straight_lines = trained("--checkpoint-every", "2")
+    resumed, resumed_lines = trained("--resume-from", "4")
+    assert isinstance(straight.blocks, Stacked)  # restored as trained: scanned
+    assert_trees_equal(resumed, straight)
+    assert resumed_lines == straight_lines[-1:]
 
 
 @needs_shakespeare
@@ -239,8 +270,6 @@ BAD_FLAGS = [
     (["--batch-size", "13"], "argument --batch-size: 13 cannot be split evenly over data=2 devices"),
     (["--parallel", "dp+pp", "--depth", "3"], "argument --depth: 3 blocks cannot split over 4 stages"),
     (["--weight-decay", "1.5"], "argument --weight-decay: must be a finite number in [0, 1), got 1.5"),
-    (["--scan", "--remat", "full"], "argument --scan: a scan of stacked blocks takes no --remat"),
-    (["--scan", "--dropout", "0.1"], "argument --scan: a scan of stacked blocks takes no --dropout"),
     (["--dropout", "1"], "argument --dropout: must be a finite number in [0, 1), got 1"),
     (["--dropout", "-0.1"], "argument --dropout: must be a finite number in [0, 1), got -0.1"),
     (

@@ -17,6 +17,7 @@ from minishard.models import gpt
 from minishard.models.attention import Attention
 from minishard.models.dropout import EMBEDDINGS, PLACES, dropout, keeps, key_at
 from minishard.optim import AdamW
+from minishard.pipeline import stack_blocks, unstack_blocks
 from minishard.precision import LossScaled
 from minishard.run.next_token import next_token_loss, next_token_sums
 from minishard.run.steps import make_train_step, step_key
@@ -95,6 +96,21 @@ def test_the_gpt_drops_where_nanogpt_does_with_the_keys_it_documents():
     np.testing.assert_allclose(block(x, dropout=RATE, key=key), x2, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_scanned_gpt_draws_the_looped_gpts_masks_and_recomputes_them_so(remat):
+    looped = small_gpt().replace(remat=remat)
+    scanned = looped.replace(blocks=stack_blocks(looped.blocks))  # GPT(scan=True)'s form
+    batch = small_batch()
+    loss_and_grads = jax.jit(jax.value_and_grad(lambda m: next_token_loss(m, batch, KEY)[0]))
+    (want, want_grads), (got, got_grads) = loss_and_grads(looped), loss_and_grads(scanned)
+    np.testing.assert_allclose(got, want, rtol=1e-6)  # another layer's masks: 1e-2 away
+    program = str(jax.make_jaxpr(lambda m: m(batch["inputs"], key=KEY))(scanned))
+    assert ("scan[" in program) and ("remat" in program) == (remat != "none")  # the body checkpointed
+    unstacked = got_grads.replace(blocks=tuple(unstack_blocks(got_grads.blocks)))
+    for a, b in zip(jax.tree.leaves(unstacked), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_dropout_zero_is_the_old_model_not_one_random_op_in_its_program():
     off, batch = small_gpt(0.0), small_batch()
     keyed = jax.make_jaxpr(lambda m, b, key: next_token_loss(m, b, key))(off, batch, KEY)
@@ -164,13 +180,14 @@ STEPS = 3
 
 
 @functools.cache
-def trained(style, rate=RATE):
-    """``STEPS`` AdamW steps of the small GPT with dropout ``rate`` under ``style``: its losses, and the
-    collectives of its compiled step (kind -> count, bytes)."""
+def trained(style, rate=RATE, scan=False):
+    """``STEPS`` AdamW steps of the small GPT with dropout ``rate`` under ``style`` (``scan``: its blocks
+    stacked and scanned): its losses, and the collectives of its compiled step (kind -> count, bytes)."""
     shape, rules = mesh_rules(style, 8)
     mesh = ms.make_mesh(shape)
     step = ms.Sharded(mesh, rules)(make_train_step(OPTIMIZER, next_token_loss, seed=3))
-    model = ms.shard(small_gpt(rate), mesh, rules)
+    built = small_gpt(rate)
+    model = ms.shard(built.replace(blocks=stack_blocks(built.blocks)) if scan else built, mesh, rules)
     state = ms.shard(OPTIMIZER.init(model), mesh, rules)
     sent = census.collectives(step.lower(model, state, small_batch()))
     losses = []
@@ -181,15 +198,17 @@ def trained(style, rate=RATE):
 
 
 @pytest.mark.slow  # each style compiles its own AdamW step on 8 devices
-@pytest.mark.parametrize("style", ["fsdp", "tp", "tp+sp"])
-def test_every_layout_draws_the_same_masks_and_trains_to_dp_s_losses(style):
+@pytest.mark.parametrize(
+    ("style", "scan"), [("fsdp", False), ("tp", False), ("tp+sp", False), ("dp", True), ("fsdp", True)]
+)
+def test_every_layout_draws_the_same_masks_and_trains_to_dp_s_losses(style, scan):
     expected, _ = trained("dp")
-    losses, sent = trained(style)
+    losses, sent = trained(style, scan=scan)
     np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=1e-5)
     assert min(abs(a - b) for a, b in zip(expected, trained("dp", 0.0)[0])) > 1e-3  # and dropout drew
     # Each device draws its own shard of the global mask (jax_threefry_partitionable): dropout sends
     # nothing. Unpartitionable, fsdp's masks cost 14 more all-gathers and 28 collective-permutes.
-    assert sent == trained(style, 0.0)[1]
+    assert sent == trained(style, 0.0, scan)[1]
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.2, 0.5])

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from strategies import assert_trees_equal
 
 import minishard as ms
 from minishard import context as cx
@@ -24,6 +25,7 @@ from minishard.models import gpt
 from minishard.models.attention import ATTENTION_CORES, Attention, KVCache
 from minishard.models.transformer import moe_mlp
 from minishard.optim import AdamW, weight_decay_mask
+from minishard.pipeline import stack_blocks
 from minishard.run.cli.sample import sample
 from minishard.run.next_token import in_chunk_order, next_token_loss
 from minishard.run.steps import make_train_step
@@ -575,6 +577,27 @@ def test_an_moe_gpt_adds_its_routers_losses_and_keeps_the_dense_gpts_active_para
     np.testing.assert_allclose(stacked_logits, logits, rtol=1e-5, atol=1e-5)
     assert int(stacked_stats.routed) == int(stats.routed)
     np.testing.assert_allclose(stacked_stats.aux_loss, stats.aux_loss, rtol=1e-5)
+
+
+def test_a_scanned_moe_gpt_sums_its_blocks_stats_out_of_the_scan_as_the_loop_does():
+    model, ids = moe_gpt(1.25), small_batch()["inputs"]
+    scanned = model.replace(blocks=stack_blocks(model.blocks))  # GPT(scan=True)'s form
+    run = jax.jit(lambda m, ids: collect(MoEStats, m)(ids))
+    (logits, stats), (scanned_logits, scanned_stats) = run(model, ids), run(scanned, ids)
+    np.testing.assert_allclose(scanned_logits, logits, rtol=1e-5, atol=1e-5)
+    assert int(scanned_stats.routed) == int(stats.routed) and int(scanned_stats.dropped) == int(stats.dropped)
+    np.testing.assert_allclose(scanned_stats.aux_loss, stats.aux_loss, rtol=1e-5)
+
+
+@pytest.mark.slow  # jax.random compiles a program per parameter shape: seconds per model on a CPU
+def test_gpt_scan_holds_the_looped_gpts_parameters_stacked_and_decodes_the_same_text():
+    sizes = dict(vocab=5, context=8, width=8, depth=3, heads=2, key=jax.random.key(2))
+    looped, scanned = gpt.GPT(**sizes), gpt.GPT(**sizes, scan=True)
+    assert scanned.blocks.n == 3 and scanned.blocks.block.attention.query.shape == (3, 8, 2, 4)
+    assert_trees_equal(scanned.looped_blocks(), looped.blocks)  # the same draws, bit for bit
+    assert_trees_equal(scanned.replace(blocks=looped.blocks), looped)
+    prompt = np.array([1, 2, 3])
+    np.testing.assert_array_equal(gpt.generate(scanned, prompt, 12), gpt.generate(looped, prompt, 12))
 
 
 @pytest.mark.slow  # two sharded programs compile

@@ -65,7 +65,7 @@ def keeps(key: jax.Array, rate: float, shape: tuple[int, ...]) -> jax.Array:
     return halves >= round(rate * 2**16)
 
 
-def key_at(key: jax.Array | None, *path: int) -> jax.Array | None:
+def key_at(key: jax.Array | None, *path: int | jax.Array) -> jax.Array | None:
     """``fold_in(fold_in(key, path[0]), path[1]) ...``: a layer's key, a place's; None stays None."""
     for number in path:
         key = None if key is None else jax.random.fold_in(key, number)

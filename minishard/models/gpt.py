@@ -73,7 +73,7 @@ from minishard.layers import Layer, Linear, Sequential, check_input, check_key
 from minishard.models.attention import KVCache
 from minishard.models.dropout import EMBEDDINGS, dropout, key_at
 from minishard.models.transformer import Block, LayerNorm, MLPBuilder, apply_blocks, dense_mlp
-from minishard.pipeline import StackedModel, stack
+from minishard.pipeline import Stacked, StackedModel, stack, stack_blocks, unstack_blocks
 from minishard.remat import POLICIES
 from minishard.rules import LogicalAxes
 
@@ -131,7 +131,9 @@ class GPT(Layer):
     group of ``heads / kv_heads`` query heads shares one key and value head, and
     the cache keeps ``kv_heads`` heads (``minishard.models.attention.Attention``). ``dropout`` (static)
     is the rate of nanoGPT's dropout, drawn only in a call given the step's ``key``: a training step's
-    (``minishard.models.dropout``); evaluation and decoding pass none.
+    (``minishard.models.dropout``); evaluation and decoding pass none. ``scan`` stacks the blocks
+    (``minishard.pipeline.stack_blocks``) and runs them as one ``lax.scan``: the same parameters and
+    the same function, masks and remat included, compiled as one block (``transformer.apply_blocks``).
 
     >>> import jax
     >>> model = GPT(vocab=5, context=8, width=16, depth=2, heads=2, key=jax.random.key(0))
@@ -157,6 +159,7 @@ class GPT(Layer):
         mlp: MLPBuilder = dense_mlp,
         kv_heads: int | None = None,
         dropout: float = 0.0,
+        scan: bool = False,
     ) -> None:
         check_key("GPT", key)
         if remat not in POLICIES:
@@ -173,7 +176,8 @@ class GPT(Layer):
         block = functools.partial(
             Block, width, heads, mlp_ratio * width, causal=True, core=core, mlp=mlp, kv_heads=kv_heads
         )
-        self.blocks = tuple(block(key=k) for k in keys[2:])
+        blocks = tuple(block(key=k) for k in keys[2:])
+        self.blocks = stack_blocks(blocks) if scan else blocks  # the same numbers, stacked or not
         self.norm = LayerNorm(width)
         self.head = Linear(width, vocab, key=keys[1], scale=width**-0.5, axes=("embed", "vocab"))
         self.remat = remat  # a policy of minishard.remat.POLICIES
@@ -195,16 +199,22 @@ class GPT(Layer):
         """Logits of ``ids`` ``[B, n]`` at positions ``start, start + 1, ...``; earlier ones in ``caches``."""
         positions = start + jnp.arange(ids.shape[1])
         x, written = self.embedding(ids, positions), []
-        for block, cache in zip(self.blocks, caches):
+        for block, cache in zip(self.looped_blocks(), caches):
             x, cache = block.cached(x, positions, cache)
             written.append(cache)
         return self.head(self.norm(x)), tuple(written)
 
     def init_cache(self, batch: int) -> tuple[KVCache, ...]:
         """An empty ``KVCache`` per block, room for the whole context, of the ``kv_heads`` heads."""
-        attention, length = self.blocks[0].attention, self.embedding.position_table.shape[0]
+        attention, length = self.looped_blocks()[0].attention, self.embedding.position_table.shape[0]
         head_dim = attention.width // attention.heads
-        return tuple(KVCache(batch, length, attention.kv_heads, head_dim) for _ in self.blocks)
+        return tuple(KVCache(batch, length, attention.kv_heads, head_dim) for _ in self.looped_blocks())
+
+    def looped_blocks(self) -> tuple[Block, ...]:
+        """The blocks one by one, as a loop runs them (decoding's): a scanned GPT's sliced from the stack."""
+        if isinstance(self.blocks, Stacked):
+            return tuple(unstack_blocks(self.blocks))
+        return self.blocks
 
     def param_logical_axes(self) -> dict[str, LogicalAxes]:
         return {}  # every parameter lives in a sub-layer, which answers for itself
@@ -221,7 +231,7 @@ def as_stacked(model: GPT) -> StackedModel:
         raise ValueError(
             f"as_stacked: a pipeline draws no dropout masks; give a GPT of dropout 0, not {model.dropout}"
         )
-    return stack(model.embedding, model.blocks, Sequential([model.norm, model.head]))
+    return stack(model.embedding, model.looped_blocks(), Sequential([model.norm, model.head]))
 
 
 def stacked_gpt(*args: Any, key: jax.Array, **kwargs: Any) -> StackedModel:

@@ -16,7 +16,8 @@ or characters in and the next character out. What they share lives here, once:
   ``tp+sp`` that is Megatron's sequence parallelism, under ``cp`` the tokens stay put;
   and its gradient is computed once (``_gradient_once``: a speed trick for XLA:CPU);
 * ``apply_blocks``: the blocks in order, each under a recomputation policy (``minishard.remat``; an
-  MoE's stats handed out of ``jax.checkpoint``'s trace, never left in it).
+  MoE's stats handed out of ``jax.checkpoint``'s trace, never left in it); ``Stacked`` blocks
+  (``minishard.pipeline``) as one ``lax.scan``, each block called, keyed and recomputed as the loop's.
 
 >>> import jax, jax.numpy as jnp
 >>> block = Block(8, 2, 16, key=jax.random.key(0), causal=True)
@@ -42,6 +43,7 @@ from minishard.layers import Layer, Sequential, lifted, mlp, sow
 from minishard.models.attention import Attention, KVCache
 from minishard.models.dropout import PLACES, key_at
 from minishard.models.dropout import dropout as drop
+from minishard.pipeline import Stacked
 from minishard.remat import checkpointed
 from minishard.rules import LogicalAxes
 
@@ -223,7 +225,7 @@ def _remat_block(policy: str, dropout: float) -> Callable[..., jax.Array]:
 
 
 def apply_blocks(
-    blocks: tuple[Block, ...],
+    blocks: tuple[Block, ...] | Stacked,
     x: jax.Array,
     positions: jax.Array | None = None,
     *,
@@ -232,13 +234,32 @@ def apply_blocks(
     key: Any = None,
 ) -> jax.Array:
     """The blocks in order, each under the recomputation policy ``remat`` (``minishard.remat.POLICIES``);
-    with a ``key`` (training), block i drops at rate ``dropout`` with ``key_at(key, i + 1)``."""
+    with a ``key`` (training), block i drops at rate ``dropout`` with ``key_at(key, i + 1)``.
+    ``Stacked`` blocks run as one ``lax.scan`` (``_scan_blocks``), each block called as the loop calls it."""
     call: Callable[..., jax.Array] = functools.partial(_call_block, dropout=dropout)
     if remat != "none":
         call = _remat_block(remat, dropout)
+    if isinstance(blocks, Stacked):
+        return _scan_blocks(call, blocks, x, positions, key)
     for layer, block in enumerate(blocks, start=1):  # a loop over layers (unrolled by jit), never examples
         x = call(block, x, positions, key_at(key, layer))
     return x
+
+
+def _scan_blocks(call: Callable[..., Any], blocks: Stacked, x: jax.Array, positions: Any, key: Any) -> Any:
+    """The loop of ``apply_blocks`` as one ``lax.scan`` over the stacked blocks and their layer numbers:
+    XLA compiles one block, not ``n`` (MaxText's ``scan_layers``). Block i is still called with
+    ``key_at(key, i + 1)`` (its layer number scanned beside its parameters) under the same policy, so
+    it draws the loop's masks; what the blocks sow leaves the scan and is summed (``run_blocks``)."""
+
+    def body(h: jax.Array, layer_and_block: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
+        layer, block = layer_and_block
+        return lifted(call)(block, h, positions, key_at(key, layer))
+
+    layers = jnp.arange(1, blocks.n + 1)  # the loop's layer numbers: block i is layer i + 1
+    y, sown = jax.lax.scan(body, x, (layers, blocks.block))
+    sow(jax.tree.map(lambda s: s.sum(0), sown))
+    return y
 
 
 __all__ = [

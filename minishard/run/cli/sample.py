@@ -263,7 +263,7 @@ def restore(directory: str, step: int, info: dict[str, Any]) -> Any:
     with Checkpointer(directory, read_only=True, log=_say) as checkpointer:
         _, restored, _ = checkpointer.restore(target, step)
     model = restored["model"]
-    if isinstance(model, StackedModel):  # a pipeline's or --scan's: back to the blocks a loop runs
+    if isinstance(model, StackedModel):  # a pipeline's: back to the blocks a loop runs (--scan's: a GPT)
         looped = argparse.Namespace(**{**vars(settings), "scan": False})
         model = unstack(model, jax.eval_shape(lambda: entry.build(looped, jax.random.key(0))))
     return model

@@ -140,17 +140,19 @@ def gpt_splits(args: Args) -> Splits:
 
 
 def _gpt(args: Args, key: jax.Array, stacked: bool = False) -> Any:
-    """``GPT`` (or, for a pipeline or --scan, ``stacked_gpt``) over --dataset's characters."""
+    """``GPT`` (with --scan its blocks stacked; a pipeline's ``stacked_gpt``) over --dataset's characters."""
     vocab = text_data.TEXT_DATASET_INFO[args.dataset].vocabulary_size
     shape = (vocab, args.context, args.width, args.depth, args.heads, args.mlp_ratio)
     kv_heads = args.kv_heads  # None (a checkpoint saved before --kv-heads): the heads
     # with --experts each expert mlp_ratio x width / k hidden units: the dense GPT's active parameters
     mlp = moe_mlp(args.experts, args.top_k, args.capacity_factor) if args.experts else dense_mlp
     core = _attention_core(args)
-    if stacked or getattr(args, "scan", False):  # no remat, no dropout: both refused with them
+    if stacked:  # a pipeline's: no remat, no dropout (both refused with pp)
         return stacked_gpt(*shape, key=key, kv_heads=kv_heads, mlp=mlp, core=core)
     dropout = getattr(args, "dropout", None) or 0.0  # a checkpoint saved before --dropout: none
-    return GPT(*shape, key=key, remat=args.remat, kv_heads=kv_heads, mlp=mlp, core=core, dropout=dropout)
+    scan = getattr(args, "scan", False)  # a checkpoint saved before --scan: a loop
+    options = {"remat": args.remat, "kv_heads": kv_heads, "mlp": mlp, "core": core}
+    return GPT(*shape, key=key, dropout=dropout, scan=scan, **options)
 
 
 def _fill_gpt(args: Args) -> None:
@@ -264,12 +266,6 @@ def _check_gpt(args: Args, error: Error) -> None:
                 f"argument --dropout: {args.dropout:g} with --attention flash, whose kernel never forms "
                 "the attention weights to drop; give --attention dense (auto picks it with --dropout)"
             )
-    scan_refuses = {"--remat": args.remat != "none", "--dropout": bool(args.dropout)}
-    if getattr(args, "scan", False) and (refused := [flag for flag, on in scan_refuses.items() if on]):
-        error(
-            f"argument --scan: a scan of stacked blocks takes no {refused[0]} (no step key or policy "
-            "reaches its body); drop one of them"
-        )
     if args.schedule != "cosine":
         error(
             f"argument --schedule: the GPT's AdamW warms up, then follows a cosine to lr/10; "
