@@ -92,7 +92,8 @@ CHAPTERS = {
     # and pp+ep loop moved to composition (-25); the circular schedule's two steps named
     # (repeat_layers, circled_back: +25), GPipe's loop and Pipeline.run (+15); no line over 100
     # characters, no packed assignment, signatures one argument a line (+60); the docstring's steps
-    # issue 61: stack_blocks and unstack_blocks, the blocks alone stacked (a scanned GPT's) (+11); the guards in _checks_pipeline (+2)
+    # issue 61: stack_blocks and unstack_blocks, the blocks alone stacked (a scanned GPT's) (+11);
+    # the guards imported from their own module, _checks_pipeline (+2)
     "pipeline": 598,
     "pipeline_1f1b": 105,  # issue 62: no line over 100, no packed assignment; _first_carry (+11)
     "zero": 455,  # issue 47: placed_shapes (10 lines); issue 45: compute="bfloat16" (51), Megatron's master;
