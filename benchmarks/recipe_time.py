@@ -50,7 +50,8 @@ def recipe_flags(page: Path = ROOT / "docs" / "gpt.md") -> list[str]:
 
 def timed_run(flags: list[str], target: float) -> dict[str, Any]:
     """Seconds from the process's start to each mark and to the first ``val loss <= target``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]  # the machine's own after ours
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     env.pop("XLA_FLAGS", None)
     start = time.perf_counter()
     run = subprocess.Popen(
