@@ -95,7 +95,9 @@ CHAPTERS = {
     # formulas named, the backward ring's operands named (_Pair, _Upstream, _Sums): about +110.
     # #61: merge_weights (11), the online softmax's one home, which the flash kernel shares; F32 (4),
     # the matrix unit's float32 sums of bf16 inputs, whose one home the flash kernel shares too
-    "context": 500,
+    # issue 63: grouped K/V travel at their own heads, repeated where they arrive and their
+    # gradients summed over each group before they travel (repeated, summed: +36)
+    "context": 530,
     "flash": 415,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397);
     # issue 62: the docstring names every public name (+6), refs, shapes and grid indices a name a line (+9)
     "sequence": 215,  # issue 62: lines within 100 characters, held_order's two results named (+22)
