@@ -20,7 +20,8 @@ A layout splits the N devices five ways, ``dp x fsdp x tp x pp x cp = N``, each 
   many, and each must keep enough tokens for its matmuls to outrun HBM (``microbatches``);
 * **cp**: splits each sequence (Llama 3's context parallelism): each layer gathers the keys and
   values of the whole sequence, and reduce-scatters their gradients: bytes that grow with the
-  batch but not with the heads (grouped-query attention's few K/V heads make them small).
+  batch but not with the heads (grouped-query attention's few K/V heads make them small); its
+  devices hold the same weights, so they all-reduce the gradients as dp's replicas do.
 
 Per device, with b = B / N tokens and P parameters, a forward pass does F = 2Pb FLOPs and the
 backward pass 2F (the book's 6P per token), and attention's ``12 L T N H`` a token in sequences of T
@@ -33,7 +34,8 @@ hides every collective behind the backward pass.) A pipeline's step is that busy
 ``1 - bubble``. On a torus each split dimension but pp takes one of the chip's axes
 (``Hardware.axes``), the largest dimension those left; a stage sends to its neighbour. Each
 collective is a ``Send`` record (``sends``): priced in seconds, or counted in bytes per dimension
-(``bytes_sent``), which ``explain --check`` sets beside a compiled step's census. Memory per device:
+(``bytes_sent``, a pipeline's loop sending its stages' ``every_tick``), which ``explain --check``
+sets beside a compiled step's census. Memory per device:
 the memory chapter's 16 bytes per parameter (mixed precision, AdamW) over fsdp x tp x pp, one
 layer's weights gathered whole (a pipeline's stage: all of its layers, kept through its
 microbatches, as torchtitan does: else FSDP gathers each microbatch again), and the activations the
@@ -480,16 +482,15 @@ def _tp_sends(step: Step) -> list[Send]:
 
 
 def _pp_sends(step: Step) -> list[Send]:
-    """As ``minishard.pipeline`` compiles: a microbatch every one of its m + p - 1 ticks, the
-    bubble's too, and an all-reduce over the stages that hands the last stage's output to every
-    stage, each pass."""
+    """As ``minishard.pipeline`` compiles: a microbatch every tick (``bytes_sent`` counts the
+    bubble's ticks, ``every_tick``), and an all-reduce over the stages that hands the last stage's
+    output to every stage, each pass."""
     # a stage's output, split by sp
     hop = step.itemsize * step.group * step.model.width / step.layout["tp"]
-    ticks = (step.microbatches + step.layout["pp"] - 1) / step.microbatches
     found = []
     for backward in (False, True):
         found += [
-            Send("pp", "collective-permute", hop * ticks, backward),
+            Send("pp", "collective-permute", hop, backward),
             Send("pp", "all-reduce", hop, backward),  # the last stage's output, to every stage
         ]
     return found
@@ -499,7 +500,9 @@ def _cp_sends(step: Step) -> list[Send]:
     """The keys and values a split sequence gathers, each layer (Llama 3's all-gather context
     parallelism): over cp, and over the data shards that share a sequence where they exceed the
     sequences (the book's "sequence parallelism" under FSDP). Each device gathers them whole
-    in the forward pass; the backward pass reduce-scatters their gradients, a 1/n each."""
+    in the forward pass; the backward pass reduce-scatters their gradients, a 1/n each. The
+    weights are the same on each of cp's devices, which saw other tokens: their gradients are
+    all-reduced over cp, as over dp (XLA runs the two one after the other)."""
     model = step.model
     layout = step.layout
     tokens = step.tokens
@@ -508,6 +511,8 @@ def _cp_sends(step: Step) -> list[Send]:
     layers = model.layers / layout["pp"]
     shards = data_shards(layout)
     found = _gather_scatter("cp", kv * tokens / shards * layers, layout["cp"])  # a shard's tokens
+    shard = step.weights / layout["fsdp"]  # what dp all-reduces
+    found.append(Send("cp", "all-reduce", shard, backward=True, of_weights=True))
     if context and shards * context > tokens:  # fewer sequences than data shards: they split them
         sharing = math.ceil(shards * context / tokens)
         # PLACEMENT's outermost
@@ -585,10 +590,25 @@ def bytes_sent(
     {'dp': 5713351.0}
     """
     found: dict[str, float] = {}
+    ticks = (microbatches + layout["pp"] - 1) / microbatches  # a pipeline's ticks a microbatch
     for send in sends(model, layout, tokens, itemsize, context, microbatches):
         sent = send.times * sent_bytes(send.kind, send.result_bytes, send.devices(layout))
+        sent *= ticks if every_tick(send, layout) else 1
         found[send.dimension] = found.get(send.dimension, 0.0) + sent
     return found
+
+
+def every_tick(send: Send, layout: Layout) -> bool:
+    """Whether a pipeline's loop runs ``send`` every one of its m + p - 1 ticks, the bubble's too
+    (``minishard.pipeline``): a stage's activations' collectives (tp's, cp's, ep's, the hop to the
+    next stage), not the weights' nor the all-reduce that hands the output out after the loop.
+    Its seconds need no such count: ``LayoutCost.step_s`` prices the bubble's ticks as busy ones.
+
+    >>> every_tick(Send("tp", "all-gather", 1.0, backward=False), Layout(tp=2, pp=4))
+    True
+    """
+    handed_out = send.dimension == "pp" and send.kind == "all-reduce"
+    return layout["pp"] > 1 and not send.of_weights and not handed_out
 
 
 def pass_collectives(
@@ -793,6 +813,7 @@ __all__ = [
     "CommSeconds",
     "Send",
     "bytes_sent",
+    "every_tick",
     "sends",
     "checkpoint_bytes",
     "layouts",

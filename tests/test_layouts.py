@@ -14,7 +14,7 @@ import math
 import pytest
 
 from minishard import layouts
-from minishard.costs import critical_batch, mixed_critical_batch
+from minishard.costs import critical_batch, mixed_critical_batch, sent_bytes
 from minishard.hardware import HARDWARE
 from minishard.layouts import Layout, price, rank
 from minishard.memory import MIXED, bytes_per_parameter
@@ -286,19 +286,25 @@ def test_without_a_fused_kernel_the_recomputed_layer_keeps_every_heads_scores() 
     assert held[4096, False] - held[4096, True] == pytest.approx(scores)
 
 
-def test_context_parallelism_gathers_each_layers_keys_and_values() -> None:
+def test_context_parallelism_gathers_each_layers_keys_and_values_and_all_reduces_gradients() -> None:
     llama, tokens = SIZES["llama3-8b"], 2**20
     sent = layouts.bytes_sent(llama, Layout(fsdp=4, cp=2), tokens, context=8192)
     kv = 2 * 2 * llama.kv_heads * llama.head_dim  # a token's K and V, bf16
     gathered = kv * tokens / 4 * llama.layers  # every token of an FSDP shard, each layer
-    assert sent["cp"] == pytest.approx(2 * gathered / 2)  # all-gather, reduce-scatter: (p-1)/p of it
+    gradients = 2 * llama.params / 4  # bf16, an FSDP shard's: cp's 2 devices hold the same
+    # all-gather, reduce-scatter: (p-1)/p of it; the all-reduce 2 (p-1)/p of the gradients
+    assert sent["cp"] == pytest.approx(2 * gathered / 2 + 2 * gradients / 2)
     assert all(layout["cp"] == 1 for layout in layouts.layouts(llama, 8))  # no sequence, no cp
     assert {layout["cp"] for layout in layouts.layouts(llama, 8, context=8192)} == {1, 2, 4, 8}
 
 
 def test_a_long_sequence_brings_context_parallelism_in() -> None:
     model, tokens, devices, chip = H100_RUN
-    assert rank(model, tokens, devices, chip, context=131072).costs[0].layout["cp"] > 1  # 128 sequences
+    costs = rank(model, tokens, devices, chip, context=131072).costs  # 128 sequences
+    # the fastest splits each sequence: over cp, or over data shards that share one (which gather
+    # its K/V as cp does, and all-reduce the gradients cp's devices all-reduce too); cp as fast
+    assert costs[0].layout["cp"] > 1 or costs[0].shard_sequences < 1
+    assert costs[0].step_s == min(cost.step_s for cost in costs if cost.layout["cp"] > 1)
 
 
 def test_dimensions_sit_innermost_first_tp_cp_ep_pp_fsdp_dp() -> None:
@@ -339,6 +345,22 @@ def test_a_pipeline_sends_a_microbatch_every_tick_and_hands_its_output_to_every_
         permute, reduce = ticks * hop, 2 * 3 / 4 * hop  # each pass: a permute, an all-reduce over 4
         sent = layouts.bytes_sent(LLAMA3_70B, layout, tokens, microbatches=m)["pp"]
         assert sent == pytest.approx(2 * (permute + reduce))
+
+
+def test_a_pipelines_loop_sends_its_stages_collectives_every_tick_priced_once_in_seconds() -> None:
+    layout, tokens, chip = Layout(tp=4, pp=4, cp=2), 2**20, HARDWARE["v5p"]
+    for m in (1, 8, 64):
+        ticks = (m + 4 - 1) / m  # the bubble's ticks run the stage's tp and cp collectives too
+        sent = layouts.bytes_sent(LLAMA3_70B, layout, tokens, context=4096, microbatches=m)
+        for dimension in ("tp", "cp"):
+            found = layouts.sends(LLAMA3_70B, layout, tokens, context=4096, microbatches=m)
+            once = [(s.times * sent_bytes(s.kind, s.result_bytes, s.devices(layout)), s) for s in found]
+            loop = sum(n for n, s in once if s.dimension == dimension and not s.of_weights)
+            weights = sum(n for n, s in once if s.dimension == dimension and s.of_weights)
+            assert sent[dimension] == pytest.approx(ticks * loop + weights)
+        # in seconds the bubble is LayoutCost.step_s's: a pass's collectives do not grow with it
+        seconds = layouts.pass_collectives(LLAMA3_70B, layout, tokens, chip, context=4096, microbatches=m)
+        assert seconds == layouts.pass_collectives(LLAMA3_70B, layout, tokens, chip, context=4096)
 
 
 # --- expert parallelism: a new dimension is its rule (styles.DIMENSIONS["ep"]) and its sends ------
