@@ -16,9 +16,10 @@ import pytest
 from minishard import layouts
 from minishard.costs import critical_batch, mixed_critical_batch, sent_bytes
 from minishard.hardware import HARDWARE
-from minishard.layouts import Layout, price, rank
-from minishard.memory import MIXED, bytes_per_parameter
+from minishard.layouts import CHECKPOINTS, Kept, Layout, price, rank
+from minishard.memory import MIXED, PRECISIONS, bytes_per_parameter
 from minishard.pipeline import bubble_fraction
+from minishard.remat import POLICIES
 from minishard.serving import LLAMA3_70B, SIZES, decode_critical_batch
 
 POD = 8960  # 16 x 20 x 28 TPU v5p
@@ -158,9 +159,42 @@ def test_fewer_tokens_than_devices_are_refused() -> None:
         rank(LLAMA3_70B, 100, POD, "v5p")
 
 
+def test_a_step_s_memory_in_each_precision_train_offers() -> None:
+    model, layout, tokens = SIZES["llama3-8b"], Layout(fsdp=8), 8 * 8192  # a sequence a device
+    mixed = price(model, layout, tokens, "h100", context=8192).memory.terms
+    for precision in PRECISIONS.values():  # fp32; bf16 and fp16 computing on a float32 master
+        held = price(model, layout, tokens, "h100", Kept(precision=precision), context=8192)
+        per_parameter = bytes_per_parameter(precision)
+        for name in ("parameters", "gradients"):
+            assert held.memory.terms[name] == per_parameter[name] * model.params / 8
+        assert held.memory.terms.get("master", 0) == per_parameter["master"] * model.params / 8
+        # activations in the dtype the step computes in: Korthikanti's 16 bits, float32 twice them
+        wide = {"float32": 2, "bfloat16": 1, "float16": 1}[precision.params]
+        for name in ("activations", "recomputed layer"):
+            assert held.memory.terms[name] == wide * mixed[name]
+
+
+def test_a_step_s_memory_under_each_remat_policy_train_offers() -> None:
+    model, layout, tokens = SIZES["llama3-8b"], Layout(fsdp=8), 8 * 8192
+    held = {
+        remat: price(model, layout, tokens, "h100", Kept(remat=remat), context=8192).memory.terms
+        for remat in POLICIES
+    }
+    streams = 2 * model.width * model.layers * 8192  # one bf16 stream a layer of a device's tokens
+    assert held["full"]["activations"] == CHECKPOINTS * streams  # the book's 4 a layer
+    # none: every layer's activations (Korthikanti's 34 sbh, fused), and nothing recomputed
+    assert held["none"]["activations"] == 34 / 2 * streams and "recomputed layer" not in held["none"]
+    qkv = (model.heads + 2 * model.kv_heads) * model.head_dim / model.width  # in streams: 1.5
+    assert held["names"]["activations"] == (2 + qkv) * streams  # its input, q, k, v, attention's out
+    assert held["full"]["activations"] < held["dots"]["activations"] < held["none"]["activations"]
+    with pytest.raises(ValueError, match="rank: remat must be one of 'none', 'full'"):
+        rank(model, tokens, 8, "h100", context=8192, kept=Kept(remat="selective"))
+
+
 def test_fewer_checkpoints_hold_less_and_change_nothing_else() -> None:
     four, one = (
-        price(LLAMA3_70B, Layout(fsdp=2240, tp=4), BATCH, "v5p", checkpoints=n, context=BOOK) for n in (4, 1)
+        price(LLAMA3_70B, Layout(fsdp=2240, tp=4), BATCH, "v5p", Kept(checkpoints=n), context=BOOK)
+        for n in (4, 1)
     )
     assert four.memory.terms["activations"] == 4 * one.memory.terms["activations"]
     assert four.step_s == one.step_s
