@@ -43,7 +43,7 @@ def measure(target: str, flags: list[str]) -> dict[str, float]:
     """In this process: seconds to build the parameters, to lower the step and to compile it."""
     import jax
 
-    from minishard.memory import PRECISIONS
+    from minishard.precision import PRECISIONS
     from minishard.run.cli import parse_args
     from minishard.run.cli.models import MODELS
     from minishard.run.cli.styles import style_of

@@ -86,8 +86,9 @@ def partials(out1: Any, lse1: Any, out2: Any, lse2: Any) -> None:
 
 
 def context_inputs(where: str, q: Any, k: Any, v: Any, axis: Any, order: Any, chunks: dict[str, int]) -> None:
-    """Inside ``shard_map`` over ``axis``: q, k, v of one ``[batch, seq, heads, head_dim]`` shape."""
-    qkv(where, q, k, v, here=" on this device", grouped=False)
+    """Inside ``shard_map`` over ``axis``: q, k, v of one ``[batch, seq, heads, head_dim]`` shape,
+    but k's and v's heads may be a divisor of q's (grouped-query attention)."""
+    qkv(where, q, k, v, here=" on this device")
     try:
         p = jax.lax.axis_size(axis)
     except NameError:

@@ -19,13 +19,16 @@ ways: all-gather, all-to-all, and Megatron's sequence parallelism):
    device and step) and ``balance`` its slowest device. ``span`` and ``held_order`` give the
    tokens' positions as the devices hold them; ``permute`` deals a sequence out in that order.
 3. **The ring.** ``ring_forward``, p steps of ``attend`` and ``merge``, K and V passed on.
+   Keys and values of fewer heads than the queries (grouped-query attention) travel as they
+   are, and are ``repeated`` for the query heads where they arrive: a group's bytes once.
 4. **The backward ring.** ``ring_attention`` is ``ring_forward`` with a ``jax.custom_vjp``
    that sends K, V and their gradients round again, so the backward pass keeps one chunk per
    device, whatever p; each pair's gradients come from the final ``(out, lse)``
-   (``attend_grads``). ``ring_permutes`` counts the collective-permutes both rings send.
+   (``attend_grads``), a group's ``summed`` before they travel. ``ring_permutes`` counts the
+   collective-permutes both rings send.
 
-What lets the ring serve other chapters (grouped-query attention, decoding over a split
-cache, its memory terms, a report of a compiled step) is ``minishard.composition``'s.
+What lets the ring serve other chapters (the dense core's grouped-query attention, decoding
+over a split cache, its memory terms, a report of a compiled step) is ``minishard.composition``'s.
 
 >>> balance(p=4, order="in-order"), balance(p=4, order="zigzag")   # slowest device / mean
 (1.6, 1.0)
@@ -237,6 +240,30 @@ def permute(x: jax.Array, p: int, order: str, *, axis: int = 1, inverse: bool = 
 # --- 3. the ring --------------------------------------------------------------------
 
 
+def repeated(x: jax.Array, group: int) -> jax.Array:
+    """Keys (or values) of fewer heads, each repeated for its ``group`` of query heads
+    (grouped-query attention): ``[b, t, heads / group, d]`` -> ``[b, t, heads, d]``, query head
+    ``h`` reading K/V head ``h // group``. The ring sends them unrepeated and repeats them where
+    they arrive: ``group`` times fewer bytes a step.
+
+    >>> repeated(jnp.arange(2.0).reshape(1, 1, 2, 1), 2)[0, 0, :, 0].tolist()
+    [0.0, 0.0, 1.0, 1.0]
+    """
+    return jnp.repeat(x, group, axis=2)
+
+
+def summed(grad: jax.Array, group: int) -> jax.Array:
+    """``repeated``'s transpose: the gradients of a group's repeated K (or V) heads added into
+    their one K/V head's, ``[b, t, heads, d]`` -> ``[b, t, heads / group, d]``: what the backward
+    ring sends.
+
+    >>> summed(jnp.arange(4.0).reshape(1, 1, 4, 1), 2)[0, 0, :, 0].tolist()
+    [1.0, 5.0]
+    """
+    b, t, heads, d = grad.shape
+    return grad.reshape(b, t, heads // group, group, d).sum(axis=3)
+
+
 def ring_forward(
     q: Any,
     k: Any,
@@ -278,8 +305,9 @@ def _visit(acc: Any, qs: Any, kv: Any, mine: Any, theirs: Any, causal: bool) -> 
 
     acc = list(acc)
     k, v = kv
-    ks = jnp.split(k, len(theirs), axis=1)
-    vs = jnp.split(v, len(theirs), axis=1)
+    group = qs[0].shape[2] // k.shape[2]  # query heads per K/V head: 1 but under GQA
+    ks = jnp.split(repeated(k, group), len(theirs), axis=1)  # repeated here, after the send
+    vs = jnp.split(repeated(v, group), len(theirs), axis=1)
     size = qs[0].shape[1]
     for a, b, run in _pairs(mine, theirs, causal):
         pair = _Pair(qs[a], ks[b], vs[b], span(mine[a], size), span(theirs[b], size))
@@ -330,7 +358,8 @@ def ring_attention(
     ``axis``.
 
     ``q, k, v``: this device's ``[batch, seq / p, heads, head_dim]``, its chunks in the
-    chunk order ``order``. The forward pass is ``ring_forward``; the backward pass keeps only
+    chunk order ``order``; k and v may have fewer heads, a divisor of q's (grouped-query
+    attention), and travel so. The forward pass is ``ring_forward``; the backward pass keeps only
     ``q, k, v, out, lse`` and sends K, V, dK, dV round the ring again.
 
     >>> import functools, minishard as ms
@@ -378,19 +407,24 @@ def _ring_bwd(axis: str, causal: bool, order: str, residuals: Any, g: jax.Array)
 def _visit_grads(
     dqs: Any, dkv: Any, qs: Any, upstream: Any, kv: Any, mine: Any, theirs: Any, causal: bool
 ) -> Any:
-    """A backward step: each needed pair adds to its dq (kept) and dk, dv (travelling with k, v)."""
-
-    def added(sums: _Sums, operands: tuple[_Pair, _Upstream]) -> _Sums:
-        pair, up = operands
-        grads = attend_grads(
-            pair.q, pair.k, pair.v, up.out, up.g, up.lse, pair.q_pos, pair.k_pos, causal=causal
-        )
-        return _Sums(*(total + grad for total, grad in zip(sums, grads)))
-
+    """A backward step: each needed pair adds to its dq (kept) and dk, dv (travelling with k, v,
+    of their heads)."""
     dqs = list(dqs)
     k, v = kv
     dk, dv = dkv
-    ks, vs, dks, dvs = (jnp.split(x, len(theirs), axis=1) for x in (k, v, dk, dv))
+    group = qs[0].shape[2] // k.shape[2]  # query heads per K/V head: 1 but under GQA
+
+    def added(sums: _Sums, operands: tuple[_Pair, _Upstream]) -> _Sums:
+        pair, up = operands
+        dq, dk_heads, dv_heads = attend_grads(  # dk and dv of the repeated heads
+            pair.q, pair.k, pair.v, up.out, up.g, up.lse, pair.q_pos, pair.k_pos, causal=causal
+        )
+        dk = summed(dk_heads, group)
+        dv = summed(dv_heads, group)
+        return _Sums(sums.dq + dq, sums.dk + dk, sums.dv + dv)
+
+    ks, vs = (jnp.split(repeated(x, group), len(theirs), axis=1) for x in (k, v))
+    dks, dvs = (jnp.split(x, len(theirs), axis=1) for x in (dk, dv))  # a K/V head's: travel
     size = qs[0].shape[1]
     for a, b, run in _pairs(mine, theirs, causal):
         pair = _Pair(qs[a], ks[b], vs[b], span(mine[a], size), span(theirs[b], size))
@@ -485,10 +519,12 @@ __all__ = [
     "needed",
     "pair_kinds",
     "permute",
+    "repeated",
     "ring_attention",
     "ring_forward",
     "ring_permutes",
     "scores",
     "span",
+    "summed",
     "visible",
 ]

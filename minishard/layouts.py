@@ -20,7 +20,8 @@ A layout splits the N devices five ways, ``dp x fsdp x tp x pp x cp = N``, each 
   many, and each must keep enough tokens for its matmuls to outrun HBM (``microbatches``);
 * **cp**: splits each sequence (Llama 3's context parallelism): each layer gathers the keys and
   values of the whole sequence, and reduce-scatters their gradients: bytes that grow with the
-  batch but not with the heads (grouped-query attention's few K/V heads make them small).
+  batch but not with the heads (grouped-query attention's few K/V heads make them small); its
+  devices hold the same weights, so they all-reduce the gradients as dp's replicas do.
 
 Per device, with b = B / N tokens and P parameters, a forward pass does F = 2Pb FLOPs and the
 backward pass 2F (the book's 6P per token), and attention's ``12 L T N H`` a token in sequences of T
@@ -33,8 +34,8 @@ hides every collective behind the backward pass.) A pipeline's step is that busy
 ``1 - bubble``. On a torus each split dimension but pp takes one of the chip's axes
 (``Hardware.axes``), the largest dimension those left; a stage sends to its neighbour. Each
 collective is a ``census.Send`` record (``sends``), the census's own: priced in seconds, or counted
-in bytes per dimension (``bytes_sent``), which ``explain --check`` sets beside a compiled step's
-census. Memory per device:
+in bytes per dimension (``bytes_sent``, a pipeline's loop sending its stages' ``every_tick``), which
+``explain --check`` sets beside a compiled step's census. Memory per device:
 the memory chapter's 16 bytes per parameter (mixed precision, AdamW) over fsdp x tp x pp, one
 layer's weights gathered whole (a pipeline's stage: all of its layers, kept through its
 microbatches, as torchtitan does: else FSDP gathers each microbatch again), and the activations the
@@ -47,10 +48,11 @@ On a two-level network (NVLink and InfiniBand, ICI and DCN) each dimension runs 
 
 The functions and records, by name. ``train_flops`` and ``train_seconds`` are a whole run's
 FLOPs and seconds (sequences of ``CONTEXT`` tokens unless told), ``checkpoint_bytes`` the residual
-streams a step keeps, ``optimal_fsdp`` the book's X_opt. ``layouts`` lists every layout of N chips,
-``price`` prices one as a ``LayoutCost`` (its collectives' seconds a ``CommSeconds`` per pass, from
-``pass_collectives``), and ``rank`` sorts them all into a ``Ranking``, whose report writes times
-with ``human_seconds``.
+streams a step keeps, ``kept_by_remat`` what its layers keep under each remat policy of a
+``Kept`` step (``KEPT``, the ranking's), ``optimal_fsdp`` the book's X_opt. ``layouts`` lists
+every layout of N chips, ``price`` prices one as a ``LayoutCost`` (its collectives' seconds a
+``CommSeconds`` per pass, from ``pass_collectives``), and ``rank`` sorts them all into a
+``Ranking``, whose report writes times with ``human_seconds``.
 
 >>> from minishard.serving import LLAMA3_70B as llama
 >>> round(optimal_fsdp(4 * 2**20, 8960, llama.hidden))  # the book's X_opt: 1,618 (4.19e6 tokens)
@@ -70,9 +72,10 @@ from minishard import _checks, _checks_costs
 from minishard.census import Send, human_bytes
 from minishard.costs import collective_time, hbm_critical_batch, sent_bytes
 from minishard.hardware import Hardware, hardware_named
-from minishard.memory import Budget, bytes_per_parameter, korthikanti
+from minishard.memory import Budget, bytes_per_parameter, itemsize, korthikanti
 from minishard.pipeline import bubble_fraction
-from minishard.precision import MIXED
+from minishard.precision import MIXED, Precision
+from minishard.remat import POLICIES
 from minishard.serving import Decoder
 from minishard.styles import DIMENSIONS, MESH_AXES
 
@@ -160,6 +163,53 @@ def layer_bytes(model: Decoder, tokens: float, context: int, fused: bool = True)
     """
     scores = 0 if fused else 5 * model.heads * context
     return tokens * (34 * model.width + scores)
+
+
+class Kept(NamedTuple):
+    """What a step keeps for its backward pass, and of its weights, as ``train`` runs it: under
+    ``remat`` (``remat.POLICIES``: ``--remat``'s) ``"full"``, ``checkpoints`` residual streams a
+    layer (the book's 4; Korthikanti's 1); its numbers in ``precision`` (``precision.PRECISIONS``:
+    ``--precision``'s, or mixed precision, bf16 beside a float32 master, the ranking's)."""
+
+    checkpoints: int = CHECKPOINTS
+    precision: Precision = MIXED
+    remat: str = "full"
+
+
+KEPT = Kept()
+"""The ranking's step: the book's 4 checkpoints a layer, mixed precision, each block recomputed."""
+
+
+def kept_by_remat(
+    model: Decoder,
+    tokens: float,
+    context: int,
+    kept: Kept = KEPT,
+    fused: bool = True,
+) -> float:
+    """Bytes in 16 bits all layers keep for the backward pass of ``tokens`` in sequences of
+    ``context``, under ``kept.remat``'s policy:
+
+    * ``"full"``: ``kept.checkpoints`` residual streams a layer (``checkpoint_bytes``);
+    * ``"none"``: everything, Korthikanti's ``sbh(34 + 5as/h)`` (``layer_bytes``);
+    * ``"names"``: its input, q, k and v, and attention's output (``remat.SAVED``);
+    * ``"dots"``: every matmul's output too: the scores (none in a fused kernel), their sum over
+      the values, and the MLP's first (two, gated).
+
+    >>> from minishard.serving import LLAMA3_8B
+    >>> [kept_by_remat(LLAMA3_8B, 1, 8192, Kept(remat=remat)) / 4096 / 32 for remat in POLICIES]
+    [34.0, 8.0, 23.0, 7.0]
+    """
+    _checks.one_of("kept_by_remat: remat", kept.remat, tuple(POLICIES))
+    if kept.remat == "full":
+        return checkpoint_bytes(model, tokens, kept.checkpoints)
+    if kept.remat == "none":
+        return model.layers * layer_bytes(model, tokens, context, fused)
+    qkv = (model.heads + 2 * model.kv_heads) * model.head_dim
+    names = 2 * model.width + qkv  # the input and attention's output, as wide, and q, k, v
+    scores = 0 if fused else model.heads * context
+    dots = names + scores + model.heads * model.head_dim + model.hidden * (1 + model.gated)
+    return model.layers * 2 * tokens * (names if kept.remat == "names" else dots)
 
 
 # --- 2. one layout, priced ------------------------------------------------------------------------
@@ -370,14 +420,14 @@ def price(
     layout: Layout,
     tokens: int,
     hardware: Hardware | str,
-    checkpoints: int = CHECKPOINTS,
+    kept: Kept = KEPT,
     context: int = CONTEXT,
     itemsize: int = 2,
     fused: bool = True,
 ) -> LayoutCost:
     """One training step of ``tokens`` in sequences of ``context`` on ``layout``, from the model's
     shapes: nothing is compiled; its collectives' numbers of ``itemsize`` bytes (bf16; 4 prices a
-    float32 step); ``fused``: attention keeps no T x T scores (``layer_bytes``).
+    float32 step); ``fused``: attention keeps no T x T scores (``layer_bytes``); ``kept``: ``Kept``.
 
     >>> from minishard.serving import LLAMA3_70B
     >>> pure_fsdp = Layout(fsdp=8960)  # over the v5p's 3 axes
@@ -391,7 +441,7 @@ def price(
     per_device = tokens / layout.devices
     compute = train_flops(model, per_device, context) / 3 / hardware.flops  # the forward's third
     microbatch = tokens / data_shards(layout) / m  # a pipeline's, or all of a shard's tokens
-    memory = _memory(model, layout, microbatch, min(m, layout["pp"]), checkpoints, (context, fused))
+    memory = _memory(model, layout, microbatch, min(m, layout["pp"]), kept, (context, fused))
     sequences = tokens / context if context else 0.0
     bubble = bubble_fraction(layout["pp"], m)
     return LayoutCost(layout, hardware, per_device, compute, *passes, memory, m, bubble, sequences)
@@ -475,16 +525,15 @@ def _tp_sends(step: Step) -> list[Send[float]]:
 
 
 def _pp_sends(step: Step) -> list[Send[float]]:
-    """As ``minishard.pipeline`` compiles: a microbatch every one of its m + p - 1 ticks, the
-    bubble's too, and an all-reduce over the stages that hands the last stage's output to every
-    stage, each pass."""
+    """As ``minishard.pipeline`` compiles: a microbatch every tick (``bytes_sent`` counts the
+    bubble's ticks, ``every_tick``), and an all-reduce over the stages that hands the last stage's
+    output to every stage, each pass."""
     # a stage's output, split by sp
     hop = step.itemsize * step.group * step.model.width / step.layout["tp"]
-    ticks = (step.microbatches + step.layout["pp"] - 1) / step.microbatches
     found = []
     for backward in (False, True):
         found += [
-            Send("collective-permute", hop * ticks, dimension="pp", backward=backward),
+            Send("collective-permute", hop, dimension="pp", backward=backward),
             # the last stage's output, to every stage
             Send("all-reduce", hop, dimension="pp", backward=backward),
         ]
@@ -495,7 +544,9 @@ def _cp_sends(step: Step) -> list[Send[float]]:
     """The keys and values a split sequence gathers, each layer (Llama 3's all-gather context
     parallelism): over cp, and over the data shards that share a sequence where they exceed the
     sequences (the book's "sequence parallelism" under FSDP). Each device gathers them whole
-    in the forward pass; the backward pass reduce-scatters their gradients, a 1/n each."""
+    in the forward pass; the backward pass reduce-scatters their gradients, a 1/n each. The
+    weights are the same on each of cp's devices, which saw other tokens: their gradients are
+    all-reduced over cp, as over dp (XLA runs the two one after the other)."""
     model = step.model
     layout = step.layout
     tokens = step.tokens
@@ -504,6 +555,8 @@ def _cp_sends(step: Step) -> list[Send[float]]:
     layers = model.layers / layout["pp"]
     shards = data_shards(layout)
     found = _gather_scatter("cp", kv * tokens / shards * layers, layout["cp"])  # a shard's tokens
+    shard = step.weights / layout["fsdp"]  # what dp all-reduces
+    found.append(Send("all-reduce", shard, dimension="cp", backward=True, of_weights=True))
     if context and shards * context > tokens:  # fewer sequences than data shards: they split them
         sharing = math.ceil(shards * context / tokens)
         # PLACEMENT's outermost
@@ -587,10 +640,25 @@ def bytes_sent(
     {'dp': 5713351.0}
     """
     found: dict[str, float] = {}
+    ticks = (microbatches + layout["pp"] - 1) / microbatches  # a pipeline's ticks a microbatch
     for send in sends(model, layout, tokens, itemsize, context, microbatches):
         sent = send.times * sent_bytes(send.kind, send.result_bytes, _among(send, layout))
+        sent *= ticks if every_tick(send, layout) else 1
         found[send.dimension] = found.get(send.dimension, 0.0) + sent
     return found
+
+
+def every_tick(send: Send, layout: Layout) -> bool:
+    """Whether a pipeline's loop runs ``send`` every one of its m + p - 1 ticks, the bubble's too
+    (``minishard.pipeline``): a stage's activations' collectives (tp's, cp's, ep's, the hop to the
+    next stage), not the weights' nor the all-reduce that hands the output out after the loop.
+    Its seconds need no such count: ``LayoutCost.step_s`` prices the bubble's ticks as busy ones.
+
+    >>> every_tick(Send("all-gather", 1.0, dimension="tp"), Layout(tp=2, pp=4))
+    True
+    """
+    handed_out = send.dimension == "pp" and send.kind == "all-reduce"
+    return layout["pp"] > 1 and not send.of_weights and not handed_out
 
 
 def pass_collectives(
@@ -622,25 +690,27 @@ def _memory(
     layout: Layout,
     microbatch: float,
     held: int,
-    checkpoints: int,
+    kept: Kept,
     attention: tuple[int, bool],
 ) -> Budget:
-    """Per device: the per-parameter terms over the dimensions whose rules split the weights
-    (fsdp x tp x pp; a mixture's experts over ep too), a gathered layer (a stage's layers, under
-    pp), the checkpoints of a stage's layers for the ``held`` microbatches it keeps, and the one
-    layer the backward pass recomputes from its checkpoint for one microbatch (``layer_bytes`` of
-    ``attention``'s context and kernel), split over tp and cp."""
+    """Per device: the per-parameter terms of ``kept``'s precision over the dimensions whose rules
+    split the weights (fsdp x tp x pp; a mixture's experts over ep too), a gathered layer (a
+    stage's layers, under pp), what a stage's layers keep for the ``held`` microbatches it holds
+    (``kept_by_remat``), and the one layer the backward pass recomputes for one microbatch
+    (``layer_bytes`` of ``attention``'s context and kernel; none without remat), split over tp
+    and cp. Activations are Korthikanti's 16-bit bytes scaled to the step's compute dtype."""
     shards = layout["fsdp"] * layout["tp"] * layout["pp"]
     params = model.params - model.expert_params + model.expert_params / layout["ep"]
-    per_parameter = bytes_per_parameter(MIXED, "adamw")
+    per_parameter = bytes_per_parameter(kept.precision, "adamw")
     terms = {name: size * params / shards for name, size in per_parameter.items() if size}
+    weight = itemsize(kept.precision.params)  # the dtype the step computes in
     if layout["fsdp"] > 1:
         gathered = model.layers // layout["pp"] if layout["pp"] > 1 else 1
-        terms["gathered"] = 2 * params / model.layers * gathered / layout["tp"]
-    kept = checkpoint_bytes(model, microbatch * held, checkpoints, layout["tp"])
-    terms["activations"] = kept / layout["pp"] / layout["cp"]
-    if attention[0]:
-        recomputed = layer_bytes(model, microbatch, *attention)
+        terms["gathered"] = weight * params / model.layers * gathered / layout["tp"]
+    layers = kept_by_remat(model, microbatch * held, attention[0], kept, attention[1])
+    terms["activations"] = weight / 2 * layers / layout["tp"] / layout["pp"] / layout["cp"]
+    if attention[0] and kept.remat != "none":
+        recomputed = weight / 2 * layer_bytes(model, microbatch, *attention)
         terms["recomputed layer"] = recomputed / layout["tp"] / layout["cp"]
     return Budget(terms, shards * layout["ep"] if model.experts else shards)
 
@@ -728,17 +798,19 @@ def rank(
     hardware: Hardware | str,
     context: int = CONTEXT,
     fused: bool = True,
+    kept: Kept = KEPT,
 ) -> Ranking:
     """``price`` every layout of ``devices``, of ``tokens`` in sequences of ``context`` (``fused``:
-    attention keeps no scores); those that fit first, fastest first (then the one that waits least
-    for its collectives, then the smaller).
+    attention keeps no scores; ``kept``: what the step keeps); those that fit first, fastest first
+    (then the one that waits least for its collectives, then the smaller).
 
     ``rule``: on a torus, the FSDP x TP layout nearest the book's ``optimal_fsdp`` (TP on one axis).
     """
     _checks.count("rank: tokens", tokens, minimum=devices)
+    _checks.one_of("rank: remat", kept.remat, tuple(POLICIES))
     hardware = hardware_named(hardware)
     costs = [
-        price(model, layout, tokens, hardware, context=context, fused=fused)
+        price(model, layout, tokens, hardware, kept, context=context, fused=fused)
         for layout in layouts(model, devices, context)
     ]
     costs.sort(key=lambda c: (not c.fits, c.step_s, c.bound, c.memory.total))
@@ -794,6 +866,7 @@ __all__ = [
     "Ranking",
     "CommSeconds",
     "bytes_sent",
+    "every_tick",
     "sends",
     "checkpoint_bytes",
     "layouts",
@@ -802,6 +875,9 @@ __all__ = [
     "price",
     "rank",
     "human_seconds",
+    "KEPT",
+    "Kept",
+    "kept_by_remat",
     "microbatches",
     "CONTEXT",
     "train_flops",

@@ -143,8 +143,8 @@ DIMENSIONS: dict[str, Dimension] = {
             ("seq",),
             step="context",
             inside=("pp",),
-            # the ring; Llama 3's, ranked
-            sends=("collective-permute", "all-gather", "reduce-scatter"),
+            # the ring; Llama 3's, ranked; the gradients of the weights its devices share
+            sends=("collective-permute", "all-gather", "reduce-scatter", "all-reduce"),
         ),
         Dimension(
             "ep",

@@ -20,6 +20,7 @@ from named import assert_named
 import minishard as ms
 from minishard import context as cx
 from minishard import sequence as sq
+from minishard.composition import grouped_attention
 from minishard.models.transformer import LayerNorm
 from minishard.styles import style_rules
 from minishard.testing import SplitSequence, assert_attention_equivalent, split_sequences
@@ -194,6 +195,34 @@ def test_a_wrong_position_in_the_middle_is_named_with_its_device_and_chunk(monke
         AssertionError,
         words,
     )
+
+
+# -- grouped-query attention: K and V travel at their own heads ---------------------------
+def grouped_ring(p, order="zigzag"):
+    """The ring on whole arrays in sequence order, its value and gradients of ``sum(sin(out))``."""
+    ring = sq.over_sequence(cx.ring_attention, seq_mesh(p), causal=True, order=order)
+
+    def loss(q, k, v):
+        held = (cx.permute(x, p, order) for x in (q, k, v))
+        return jnp.sum(jnp.sin(cx.permute(ring(*held), p, order, inverse=True)))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def test_the_ring_of_grouped_keys_sends_them_unrepeated_and_equals_grouped_attention():
+    p, heads, kv_heads = 4, 4, 2  # groups of 2 query heads
+    q = jax.random.normal(jax.random.key(0), (1, 16, heads, 4))
+    k, v = jax.random.normal(jax.random.key(1), (2, 1, 16, kv_heads, 4))
+    dense = lambda q, k, v: jnp.sum(jnp.sin(grouped_attention(q, k, v, causal=True)))  # noqa: E731
+    want_loss, want = jax.value_and_grad(dense, argnums=(0, 1, 2))(q, k, v)
+    got_loss, got = grouped_ring(p)(q, k, v)
+    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5)
+    for name, a, b in zip("qkv", got, want, strict=True):  # dk and dv: a group's summed
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+    program = grouped_ring(p).lower(q, k, v).compile()
+    permutes = ms.collectives(program)["collective-permute"]
+    kv_chunk = 1 * 16 // p * kv_heads * 4 * 4  # one device's K (or V): [1, 4, 2, 4] float32
+    assert permutes.bytes == sum(cx.ring_permutes(p)) * kv_chunk  # not the 4 query heads'
 
 
 # -- the ring's census and memory ----------------------------------------------------------

@@ -306,7 +306,7 @@ def value_and_grads(model, batch):  # module level: Sharded caches compiled code
 
 
 @pytest.mark.slow  # two programs compile on 8 devices
-@pytest.mark.parametrize("kv_heads", [8, 2])  # grouped: K and V travel repeated, as many bytes
+@pytest.mark.parametrize("kv_heads", [8, 2])  # grouped: K and V travel at their 2 heads, 1/4 the bytes
 def test_under_dp_cp_the_ring_gpt_has_the_loss_and_gradients_of_dp(kv_heads):
     # The batch dealt out zig-zag over "context" = 4, positions following; K and V round the ring.
     batch, results = small_batch(), {}
@@ -321,8 +321,9 @@ def test_under_dp_cp_the_ring_gpt_has_the_loss_and_gradients_of_dp(kv_heads):
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(results["dp"][1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # Per block: 2(p-1) permutes of a K or V chunk forward, as many backward and 2p of dK, dV:
-    # 20 chunks of [batch 8/2, 16/4 tokens, 8 heads, 4] float32, 2,048 bytes each.
-    chunk = BATCH // 2 * SMALL["context"] // 4 * SMALL["width"] * 4
+    # 20 chunks of [batch 8/2, 16/4 tokens, kv_heads, 4] float32, 2,048 bytes each at 8 heads.
+    head_dim = SMALL["width"] // SMALL["heads"]
+    chunk = BATCH // 2 * SMALL["context"] // 4 * kv_heads * head_dim * 4
     sent = ms.census.bytes_by_mesh_axes(program)[("collective-permute", ("context",))]
     assert sent == SMALL["depth"] * (2 * 3 + 2 * 3 + 2 * 4) * chunk
 

@@ -104,7 +104,9 @@ CHAPTERS = {
     # formulas named, the backward ring's operands named (_Pair, _Upstream, _Sums): about +110.
     # #61: merge_weights (11), the online softmax's one home, which the flash kernel shares; F32 (4),
     # the matrix unit's float32 sums of bf16 inputs, whose one home the flash kernel shares too
-    "context": 500,
+    # issue 63: grouped K/V travel at their own heads, repeated where they arrive and their
+    # gradients summed over each group before they travel (repeated, summed: +36)
+    "context": 530,
     "flash": 415,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397);
     # issue 62: the docstring names every public name (+6), refs, shapes and grid indices a name a line (+9)
     "sequence": 215,  # issue 62: lines within 100 characters, held_order's two results named (+22)
@@ -141,7 +143,10 @@ CHAPTERS = {
     # issue 62 §4: docstrings and comments rewrapped to 100 characters (10); no line over 100 (+40:
     # signatures one argument a line, the step's two passes and the table's columns named) and
     # every public name in the docstring (+8); MIXED imported from its home, the precision chapter (+1)
-    "layouts": 809,
+    # issue 63: cp's devices all-reduce the gradients (+4); every_tick, the sends a pipeline's loop
+    # runs each of its ticks, counted once in bytes_sent and not twice in seconds (+17); the memory
+    # of each precision and remat policy train offers: Kept, KEPT, kept_by_remat (+55)
+    "layouts": 887,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core.
 A budget grows where an idea needs the lines, with a comment saying why; it is never met by packing."""

@@ -14,12 +14,13 @@ import math
 import pytest
 
 from minishard import layouts
-from minishard.costs import critical_batch, mixed_critical_batch
+from minishard.costs import critical_batch, mixed_critical_batch, sent_bytes
 from minishard.hardware import HARDWARE
-from minishard.layouts import Layout, price, rank
+from minishard.layouts import CHECKPOINTS, Kept, Layout, _among, price, rank
 from minishard.memory import bytes_per_parameter
 from minishard.pipeline import bubble_fraction
-from minishard.precision import MIXED
+from minishard.precision import MIXED, PRECISIONS
+from minishard.remat import POLICIES
 from minishard.serving import LLAMA3_70B, SIZES, decode_critical_batch
 
 POD = 8960  # 16 x 20 x 28 TPU v5p
@@ -159,9 +160,42 @@ def test_fewer_tokens_than_devices_are_refused() -> None:
         rank(LLAMA3_70B, 100, POD, "v5p")
 
 
+def test_a_step_s_memory_in_each_precision_train_offers() -> None:
+    model, layout, tokens = SIZES["llama3-8b"], Layout(fsdp=8), 8 * 8192  # a sequence a device
+    mixed = price(model, layout, tokens, "h100", context=8192).memory.terms
+    for precision in PRECISIONS.values():  # fp32; bf16 and fp16 computing on a float32 master
+        held = price(model, layout, tokens, "h100", Kept(precision=precision), context=8192)
+        per_parameter = bytes_per_parameter(precision)
+        for name in ("parameters", "gradients"):
+            assert held.memory.terms[name] == per_parameter[name] * model.params / 8
+        assert held.memory.terms.get("master", 0) == per_parameter["master"] * model.params / 8
+        # activations in the dtype the step computes in: Korthikanti's 16 bits, float32 twice them
+        wide = {"float32": 2, "bfloat16": 1, "float16": 1}[precision.params]
+        for name in ("activations", "recomputed layer"):
+            assert held.memory.terms[name] == wide * mixed[name]
+
+
+def test_a_step_s_memory_under_each_remat_policy_train_offers() -> None:
+    model, layout, tokens = SIZES["llama3-8b"], Layout(fsdp=8), 8 * 8192
+    held = {
+        remat: price(model, layout, tokens, "h100", Kept(remat=remat), context=8192).memory.terms
+        for remat in POLICIES
+    }
+    streams = 2 * model.width * model.layers * 8192  # one bf16 stream a layer of a device's tokens
+    assert held["full"]["activations"] == CHECKPOINTS * streams  # the book's 4 a layer
+    # none: every layer's activations (Korthikanti's 34 sbh, fused), and nothing recomputed
+    assert held["none"]["activations"] == 34 / 2 * streams and "recomputed layer" not in held["none"]
+    qkv = (model.heads + 2 * model.kv_heads) * model.head_dim / model.width  # in streams: 1.5
+    assert held["names"]["activations"] == (2 + qkv) * streams  # its input, q, k, v, attention's out
+    assert held["full"]["activations"] < held["dots"]["activations"] < held["none"]["activations"]
+    with pytest.raises(ValueError, match="rank: remat must be one of 'none', 'full'"):
+        rank(model, tokens, 8, "h100", context=8192, kept=Kept(remat="selective"))
+
+
 def test_fewer_checkpoints_hold_less_and_change_nothing_else() -> None:
     four, one = (
-        price(LLAMA3_70B, Layout(fsdp=2240, tp=4), BATCH, "v5p", checkpoints=n, context=BOOK) for n in (4, 1)
+        price(LLAMA3_70B, Layout(fsdp=2240, tp=4), BATCH, "v5p", Kept(checkpoints=n), context=BOOK)
+        for n in (4, 1)
     )
     assert four.memory.terms["activations"] == 4 * one.memory.terms["activations"]
     assert four.step_s == one.step_s
@@ -287,19 +321,25 @@ def test_without_a_fused_kernel_the_recomputed_layer_keeps_every_heads_scores() 
     assert held[4096, False] - held[4096, True] == pytest.approx(scores)
 
 
-def test_context_parallelism_gathers_each_layers_keys_and_values() -> None:
+def test_context_parallelism_gathers_each_layers_keys_and_values_and_all_reduces_gradients() -> None:
     llama, tokens = SIZES["llama3-8b"], 2**20
     sent = layouts.bytes_sent(llama, Layout(fsdp=4, cp=2), tokens, context=8192)
     kv = 2 * 2 * llama.kv_heads * llama.head_dim  # a token's K and V, bf16
     gathered = kv * tokens / 4 * llama.layers  # every token of an FSDP shard, each layer
-    assert sent["cp"] == pytest.approx(2 * gathered / 2)  # all-gather, reduce-scatter: (p-1)/p of it
+    gradients = 2 * llama.params / 4  # bf16, an FSDP shard's: cp's 2 devices hold the same
+    # all-gather, reduce-scatter: (p-1)/p of it; the all-reduce 2 (p-1)/p of the gradients
+    assert sent["cp"] == pytest.approx(2 * gathered / 2 + 2 * gradients / 2)
     assert all(layout["cp"] == 1 for layout in layouts.layouts(llama, 8))  # no sequence, no cp
     assert {layout["cp"] for layout in layouts.layouts(llama, 8, context=8192)} == {1, 2, 4, 8}
 
 
 def test_a_long_sequence_brings_context_parallelism_in() -> None:
     model, tokens, devices, chip = H100_RUN
-    assert rank(model, tokens, devices, chip, context=131072).costs[0].layout["cp"] > 1  # 128 sequences
+    costs = rank(model, tokens, devices, chip, context=131072).costs  # 128 sequences
+    # the fastest splits each sequence: over cp, or over data shards that share one (which gather
+    # its K/V as cp does, and all-reduce the gradients cp's devices all-reduce too); cp as fast
+    assert costs[0].layout["cp"] > 1 or costs[0].shard_sequences < 1
+    assert costs[0].step_s == min(cost.step_s for cost in costs if cost.layout["cp"] > 1)
 
 
 def test_dimensions_sit_innermost_first_tp_cp_ep_pp_fsdp_dp() -> None:
@@ -340,6 +380,22 @@ def test_a_pipeline_sends_a_microbatch_every_tick_and_hands_its_output_to_every_
         permute, reduce = ticks * hop, 2 * 3 / 4 * hop  # each pass: a permute, an all-reduce over 4
         sent = layouts.bytes_sent(LLAMA3_70B, layout, tokens, microbatches=m)["pp"]
         assert sent == pytest.approx(2 * (permute + reduce))
+
+
+def test_a_pipelines_loop_sends_its_stages_collectives_every_tick_priced_once_in_seconds() -> None:
+    layout, tokens, chip = Layout(tp=4, pp=4, cp=2), 2**20, HARDWARE["v5p"]
+    for m in (1, 8, 64):
+        ticks = (m + 4 - 1) / m  # the bubble's ticks run the stage's tp and cp collectives too
+        sent = layouts.bytes_sent(LLAMA3_70B, layout, tokens, context=4096, microbatches=m)
+        for dimension in ("tp", "cp"):
+            found = layouts.sends(LLAMA3_70B, layout, tokens, context=4096, microbatches=m)
+            once = [(s.times * sent_bytes(s.kind, s.result_bytes, _among(s, layout)), s) for s in found]
+            loop = sum(n for n, s in once if s.dimension == dimension and not s.of_weights)
+            weights = sum(n for n, s in once if s.dimension == dimension and s.of_weights)
+            assert sent[dimension] == pytest.approx(ticks * loop + weights)
+        # in seconds the bubble is LayoutCost.step_s's: a pass's collectives do not grow with it
+        seconds = layouts.pass_collectives(LLAMA3_70B, layout, tokens, chip, context=4096, microbatches=m)
+        assert seconds == layouts.pass_collectives(LLAMA3_70B, layout, tokens, chip, context=4096)
 
 
 # --- expert parallelism: a new dimension is its rule (styles.DIMENSIONS["ep"]) and its sends ------

@@ -30,7 +30,7 @@ RUNS = {  # size, chip, chips, tokens a batch, sequence, published layout, publi
     "megatron-1t": (MEGATRON_1T, "a100", 3072, 3072 * 2048, 2048, Layout(dp=6, tp=8, pp=64), 0.52 * 3 / 4),
 }
 TABLE = {  # docs/compose.md: the published layout's rank, of how many fit; the first choice
-    "llama3-405b": (108, 446, Layout(dp=32, fsdp=4, tp=16, pp=2, cp=4)),
+    "llama3-405b": (106, 446, Layout(fsdp=128, tp=16, pp=2, cp=4)),
     "palm-540b": (1, 136, Layout(fsdp=1024, tp=6)),
     "megatron-1t": (186, 257, Layout(fsdp=192, tp=16)),
 }

@@ -79,13 +79,13 @@ def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, cau
     The tokens must be held dealt out in ``CHUNK_ORDER`` (``minishard.run.next_token.in_chunk_order``
     does it to a batch): the ring reads their positions from the chunk order, not from its arguments.
     Where the sequence is whole the ring has one device, and is ``composition.grouped_attention`` itself.
-    Grouped keys and values travel repeated, one per query head: the ring sends what MHA's sends.
+    Grouped keys and values travel as they are, ``kv_heads`` heads: the ring repeats them for the
+    query heads where they arrive (``context.repeated``).
     """
     axis, p = sequence_axis()
     env = environment()
     if env is None or axis is None or p == 1:
         return composition.grouped_attention(q, k, v, q_positions, k_positions, causal=causal)
-    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))  # the ring's K/V: MHA's
     if axis in jax.sharding.get_abstract_mesh().manual_axes:  # in a pipeline's stages: each holds its tokens
         return context.ring_attention(q, k, v, axis=axis, causal=causal, order=CHUNK_ORDER)
     batch_axes = env.spec(activation_axes(4, "seq", "heads", "kv"))[0]

@@ -7,8 +7,8 @@ its mesh axis: dp and fsdp "data", tp "model", pp "stage"), as ``explain --model
 NAME`` does, and sets what the ranking predicted beside what XLA compiled: the step's price, the
 parameters and the memory a device holds, and the bytes each dimension's collectives send. The
 compiled step is float32, so the predictions are priced at 4 bytes a number (``price``'s
-``itemsize``); the memory's prediction stays mixed precision's, 16 bytes a parameter, as is
-float32 AdamW's.
+``itemsize``), and its memory as the step compiled keeps it (``layouts.Kept``): float32
+activations, none recomputed, beside 16 bytes a parameter (float32 AdamW's, as mixed precision's).
 
 A published size (``--size llama3-405b``) is compiled scaled down to 8 devices
 (``minishard.run.cli.scaled``: its model, its batch, and ``--layout`` if given), priced on 8 of its
@@ -29,6 +29,7 @@ from minishard import layouts, serving
 from minishard.census import axis_name, human_bytes, instructions
 from minishard.costs import StepCost, sent_bytes, step_cost
 from minishard.layouts import Layout, LayoutCost, human_seconds
+from minishard.precision import FP32
 from minishard.report import explain
 from minishard.run.cli import scaled
 from minishard.run.cli.accelerators import simulate_devices
@@ -186,7 +187,9 @@ def compile_layout(
     seconds = time.perf_counter() - started
     parameters = explain(step_args[0], mesh, rules).device_bytes
     model, chip, context = built.size, args.hardware, args.context
-    predicted = layouts.price(model, layout, tokens, chip, context=context, itemsize=FLOAT32)
+    # its memory as compiled: float32, recomputing what the GPT's --remat says (none by default)
+    kept = layouts.Kept(precision=FP32, remat=getattr(own, "remat", None) or "none")
+    predicted = layouts.price(model, layout, tokens, chip, kept, context=context, itemsize=FLOAT32)
     m = getattr(own, "microbatches", None) or 1  # the compiled pipeline's, which its sends follow
     expected = layouts.bytes_sent(model, layout, tokens, FLOAT32, context, m)
     return Checked(predicted, expected, compiled, parameters, sent, seconds)

@@ -5,7 +5,8 @@ numbers (``--hardware``), the chips (``--devices``) and the batch in tokens (``-
 ``4M`` being 4 x 1024 x 1024 as the scaling book writes it). It prints the run's size, the days
 a token budget takes (``--tokens``, each size's paper's by default, at ``--mfu``) and the book's
 rules, then the fastest layouts that fit, the best of every other kind, and why the runner-up
-loses.
+loses. Their memory is mixed precision's, each block recomputed, unless ``--remat`` names
+another policy (``layouts.Kept``).
 """
 
 from __future__ import annotations
@@ -150,8 +151,11 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
     """A chip, a batch in tokens, at least a token per device, whole sequences of ``--context``; none
     of the flags it would ignore. Before any work."""
     why = "--compare --size ranks layouts from a size's shapes"
-    # --quantize: decode.check refused it already
-    refuse_ignored(args, (*STEP_WORK, "parallel"), model_flags, why, error)
+    # --quantize: decode.check refused it already; --remat prices the memory of its policy
+    priced_flags = [flag for flag in model_flags if flag != "remat"]
+    refuse_ignored(args, (*STEP_WORK, "parallel"), priced_flags, why, error)
+    if getattr(args, "remat", None) and getattr(args, "check", None):
+        error("argument --remat: --check compiles the GPT's step without remat; drop --remat")
     if args.precision != "fp32":
         error("argument --precision: --compare --size prices mixed precision (bf16, float32 master)")
     if args.hardware is None:
@@ -213,7 +217,8 @@ def print_ranking(args: argparse.Namespace) -> int:
         print(
             f"  FSDP + TP {mixed:,.0f} (4 a^2 / M_X M_Y F), at X_opt = {optimal:,.0f} (sqrt(B/F M_X/M_Y N))"
         )
-    ranking = layouts.rank(model, tokens, devices, chip, context, fused=not args.unfused)
+    kept = layouts.Kept(remat=getattr(args, "remat", None) or "full")  # mixed precision's memory
+    ranking = layouts.rank(model, tokens, devices, chip, context, fused=not args.unfused, kept=kept)
     print(ranking.table(TOP))
     print("(* the fastest that fits; flips at: the tokens per device above which it is compute-bound;")
     print(" [...]: a data shard (dp x fsdp) holds part of a sequence, its keys and values gathered as")
@@ -224,7 +229,8 @@ def print_ranking(args: argparse.Namespace) -> int:
     if len(fit) > 1:
         print(_runner_up(fit[0], fit[1]))
     if args.layout is not None:
-        layout = layouts.price(model, args.layout, tokens, chip, context=context, fused=not args.unfused)
+        fused = not args.unfused
+        layout = layouts.price(model, args.layout, tokens, chip, kept, context=context, fused=fused)
         print(_placed(layout, fit))
     if (fastest := min(ranking.costs, key=lambda cost: cost.step_s)) not in fit[:1]:
         needs, has = human_bytes(int(fastest.memory.total)), human_bytes(int(chip.hbm_bytes))

@@ -62,9 +62,10 @@ def ring_cores(model: Any) -> Any:
 
 
 def attention_shape(model: Any) -> tuple[int, int, int]:
-    """``(attention layers, heads, head_dim)`` of ``model``'s blocks: what a ring sends per layer."""
+    """``(attention layers, key/value heads, head_dim)`` of ``model``'s blocks: what a ring sends
+    per layer (grouped keys and values travel at their own heads)."""
     attention = model.blocks[0].attention  # every block alike
-    return len(model.blocks), attention.heads, attention.width // attention.heads
+    return len(model.blocks), attention.kv_heads, attention.width // attention.heads
 
 
 TRANSFORMER_FLAGS = {

@@ -80,11 +80,11 @@ class ContextStyle(Style):
         """The ring's collective-permutes, read from the compiled ``step`` against the formula, and
         its balance; then (None) the plan's report."""
         assert model.sequence is not None  # checked with the flags
-        shape, (blocks, heads, head_dim) = self.mesh(args.devices), model.sequence.attention(built)
+        shape, (blocks, kv_heads, head_dim) = self.mesh(args.devices), model.sequence.attention(built)
         p = shape["context"]
         b = args.batch_size // shape.get("data", 1)
         # one device's K (or V)
-        chunk = (b, getattr(args, model.sequence.flag) // p, heads, head_dim)
+        chunk = (b, getattr(args, model.sequence.flag) // p, kv_heads, head_dim)
         program = step.lower(built, optimizer.init(built), batch)
         options = {"blocks": blocks, "chunk": chunk, "hardware": args.hardware}
         print(composition.ring_report(program, axis="context", **options))
