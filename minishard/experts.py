@@ -409,7 +409,8 @@ class ExpertReport:
     One forward pass, compiled:
       all-reduce  x2  20 B  over ('expert',)
       all-to-all  x2  2.0 kB  over ('expert',)
-      2 all-to-alls per block, each E x G/D x C x M = 8 x 2 x 2 x 8 x 4 B = 1,024 B: 2 in all, 2,048 B
+      2 all-to-alls per block, each E x G/D x C x M = 8 x 2 x 2 x 8 x 4 B = 1,024 B
+      2 in all: 2,048 B
       dropped 14 of 96 routings (14.6%) at init
     """
 
@@ -432,14 +433,12 @@ class ExpertReport:
         shape = " x ".join(map(str, self.slots))
         homes = [f"  {_span(first, end)}: devices {_ids(d)}" for (first, end), d in self.homes]
         sent = ["  " + line for line in summary(self.found).splitlines()]
-        formula = (
-            f"  2 all-to-alls per block, each E x G/D x C x M = {shape} x {self.itemsize} B = "
-            f"{total // count:,} B: {count} in all, {total:,} B"
-        )
+        each = f"  2 all-to-alls per block, each E x G/D x C x M = {shape} x {self.itemsize} B = "
+        formula_lines = [f"{each}{total // count:,} B", f"  {count} in all: {total:,} B"]
         dropped = f"  dropped {self.dropped:,} of {self.routed:,} routings ({share:.1%}) at init"
         where = f"Where each expert lives ({self.slots[0]} per block, every block alike):"
         compiled = "One forward pass, compiled:"
-        return "\n".join([where, *homes, "", compiled, *sent, formula, dropped])
+        return "\n".join([where, *homes, "", compiled, *sent, *formula_lines, dropped])
 
 
 def _span(first: int, end: int) -> str:

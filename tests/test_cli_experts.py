@@ -82,7 +82,7 @@ def test_explain_shows_where_each_expert_lives_two_all_to_alls_per_block_and_the
     assert "experts 0-1: devices 0, 4" in out and "experts 6-7: devices 3, 7" in out  # data=2 x expert=4
     # 4 blocks x 2; each 8 experts x 16/8 groups x 20 slots x 128 features x 4 bytes = 163,840 B
     assert re.search(r"all-to-all  x8  1\.3 MB  over \('expert',\)", out), out
-    assert "8 x 2 x 20 x 128 x 4 B = 163,840 B: 8 in all, 1,310,720 B" in out
+    assert "8 x 2 x 20 x 128 x 4 B = 163,840 B\n  8 in all: 1,310,720 B" in out
     dropped, routed = map(
         lambda n: int(n.replace(",", "")), re.search(r"dropped ([\d,]+) of ([\d,]+)", out).groups()
     )
