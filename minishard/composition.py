@@ -251,24 +251,30 @@ def ring_kept(b: int, t: int, heads: int) -> int:
     return b * t * heads
 
 
-def ring_in_flight(b: int, t: int, heads: int, head_dim: int) -> int:
+def ring_in_flight(b: int, t: int, heads: int, head_dim: int, kv_heads: int | None = None) -> int:
     """Numbers passing by while one ring attention's backward pass runs, per device, beside what
     it kept: K and V, the next K and V, dK and dV and the next ones (the backward ring's carry
     and its two ``ppermute``\\ s), and the dQ being added up: 9 chunks ``[b, t, heads, head_dim]``.
+    Under grouped-query attention the 8 of K and V (and their gradients, ``context.summed``)
+    have ``kv_heads`` heads; the dQ keeps ``heads``.
 
     >>> ring_in_flight(b=1, t=16, heads=2, head_dim=8)   # 9 chunks of 256
     2304
+    >>> ring_in_flight(b=1, t=16, heads=2, head_dim=8, kv_heads=1)   # 8 of 128, the dQ of 256
+    1280
     """
-    chunks = 9
-    return chunks * b * t * heads * head_dim
+    kv_heads = heads if kv_heads is None else kv_heads
+    kv_chunks = 8  # K, V, the next K and V, dK, dV and the next ones
+    return (kv_chunks * kv_heads + heads) * b * t * head_dim
 
 
 @dataclasses.dataclass(frozen=True)
 class RingReport:
     """``ring_report``: a step's collective-permutes over ``axis`` (the census's ``(count,
     bytes)``), beside ``context.ring_permutes``'s formula for ``blocks`` rings of float32
-    ``chunk``\\ s, one device's K (or V) ``[batch, seq / p, heads, head_dim]``; ``print`` shows
-    both and the two chunk orders' balance.
+    ``chunk``\\ s, one device's K (or V) ``[batch, seq / p, kv_heads, head_dim]``; ``print`` shows
+    both and the two chunk orders' balance. ``heads``: the queries' (by default the chunk's; more
+    under grouped-query attention), what each step computes with while the chunk's bytes travel.
 
     >>> import functools, minishard as ms
     >>> from jax.sharding import PartitionSpec as P
@@ -296,6 +302,7 @@ class RingReport:
     chunk: tuple[int, ...]
     sent: tuple[int, int]
     hardware: str | None = None  # a key of HARDWARE: then say if the sends hide behind the work
+    heads: int | None = None  # query heads; None: the chunk's (no grouped-query attention)
 
     @property
     def formula(self) -> tuple[int, int]:
@@ -325,9 +332,10 @@ class RingReport:
 
     def _hidden(self) -> str:
         """``costs.ring_bound``'s verdict on ``hardware``: do the sends hide behind the work?"""
-        b, t, heads, head_dim = self.chunk
+        b, t, kv_heads, head_dim = self.chunk  # the bytes sent: K and V at their own heads
+        q_heads = kv_heads if self.heads is None else self.heads  # the work: every query head's
         hardware = hardware_named(str(self.hardware))
-        k = ring_bound(t * self.p, heads, heads, head_dim, self.p, hardware, batch=b)
+        k = ring_bound(t * self.p, q_heads, kv_heads, head_dim, self.p, hardware, batch=b)
         hidden = "hidden behind the blocks"
         waits = "the ring waits; a longer context hides it"
         verdict = hidden if k <= 1 else waits

@@ -220,6 +220,18 @@ def kept_by_policy(
     return kept[policy]
 
 
+def grouped_kv(b: int, s: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Numbers a block keeps fewer under grouped-query attention than ``block_activations`` and
+    ``kept_by_policy`` count at ``heads``: k and v have ``kv_heads`` heads, each
+    ``b·s·(heads - kv_heads)·head_dim`` numbers fewer, wherever the policy keeps them (all but
+    ``"full"``). The ring sends them so too (``minishard.composition.ring_in_flight``).
+
+    >>> grouped_kv(b=2, s=16, heads=4, kv_heads=1, head_dim=8)   # k and v: 1 head of 8, not 4
+    1536
+    """
+    return 2 * b * s * (heads - kv_heads) * head_dim
+
+
 COMPILERS = ("xla:cpu", "xla:tpu")
 """Whose program a prediction is of. The two keep different things for the backward pass."""
 MXU = "bfloat16"

@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 from named import assert_named
 
 import minishard as ms
+from minishard import composition
 from minishard import context as cx
 from minishard import sequence as sq
 from minishard.composition import grouped_attention
+from minishard.hardware import HARDWARE
 from minishard.models.transformer import LayerNorm
 from minishard.styles import style_rules
 from minishard.testing import SplitSequence, assert_attention_equivalent, split_sequences
@@ -226,6 +228,24 @@ def test_the_ring_of_grouped_keys_sends_them_unrepeated_and_equals_grouped_atten
 
 
 # -- the ring's census and memory ----------------------------------------------------------
+def test_a_grouped_rings_verdict_sends_its_kv_heads_against_the_query_heads_work():
+    """LLaMA-3 8B's attention (32 query heads, 8 K/V) on 8 devices of v5p, 32768 tokens: its sends
+    hide (costs.ring_bound 0.62); the same 32 heads ungrouped send 4 times the bytes and wait."""
+    p, seq, heads, kv_heads, head_dim = 8, 32768, 32, 8, 128
+
+    def verdict(kv: int, queries: int | None) -> str:
+        chunk = (1, seq // p, kv, head_dim)
+        report = composition.RingReport("context", p, "zigzag", 32, chunk, (0, 0), "v5p", queries)
+        return str(report)
+
+    ungrouped, grouped = verdict(heads, None), verdict(kv_heads, heads)
+    for text, kv in ((ungrouped, heads), (grouped, kv_heads)):
+        k = ms.costs.ring_bound(seq, heads, kv, head_dim, p, HARDWARE["v5p"])
+        assert f"hide behind = {k:.3g}:" in text.splitlines()[-1]
+    assert ungrouped.endswith("the ring waits; a longer context hides it")
+    assert grouped.endswith("hidden behind the blocks")
+
+
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_a_ring_forward_sends_k_and_v_2_p_minus_1_times(p):
     shape = (1, 4 * p, 2, 4)

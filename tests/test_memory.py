@@ -350,6 +350,60 @@ def test_where_xla_keeps_otherwise_the_chapters_styles_are_off_by_the_documented
     gap.check(f"gpt {style}", *predicted_and_compiled_by_cli(style, flags))
 
 
+@pytest.mark.slow  # compiles the GPT's cp step twice
+def test_under_grouped_queries_the_rings_predicted_temporaries_fall_as_the_compilers_do():
+    """At one K/V head of the GPT's 4 (cp on 4 devices, batch 16), K and V and their chunks in
+    flight are a quarter as large: the prediction falls (2.36 MB) as the compiled temporaries
+    do (2.07 MB), within 15%, and stays within 15% of them."""
+    grouped = ("--kv-heads", "1")
+    (before, compiled_before), (after, compiled_after) = (
+        predicted_and_compiled_by_cli("cp", flags) for flags in ((), grouped)
+    )
+    fall = before.temporaries - after.temporaries
+    compiled_fall = compiled_before.temporaries - compiled_after.temporaries
+    falls = f"predicted {fall / 1e6:.2f} MB, compiled {compiled_fall / 1e6:.2f} MB"
+    print(f"kv_heads 4 -> 1: the temporaries fall {falls}")
+    assert 0.85 <= fall / compiled_fall <= 1.15
+    ratio = after.temporaries / compiled_after.temporaries
+    assert 0.85 <= ratio <= 1.15, after.table(compiled_after)
+
+
+def test_under_grouped_queries_the_ring_and_its_blocks_keep_k_and_v_at_their_heads():
+    """The GPT (4 heads of 32, 16 tokens a device under cp on 4 devices, batch 16) with 1 K/V head:
+    its blocks keep k and v of 1 head, and 8 of the ring's 9 chunks in flight have 1 head (the dQ
+    has 4); nothing compiled."""
+
+    def terms(*flags: str) -> dict[str, float]:
+        argv = ["explain", "--model", "gpt", "--memory", "--devices", "4", "--parallel", "cp"]
+        return predict(parse_args([*argv, "--batch-size", "16", *flags]))[0].terms
+
+    grouped, ungrouped = terms("--kv-heads", "1"), terms()
+    assert grouped["ring K/V"] == 4 * composition.ring_in_flight(16, 16, 4, 32, kv_heads=1)
+    assert grouped["ring K/V"] == ungrouped["ring K/V"] * (8 * 1 + 4) / (9 * 4)
+    k_and_v = 4 * 2 * 16 * 16 * 32  # one block's k and v of one head, float32 bytes
+    assert ungrouped["activations"] - grouped["activations"] == 4 * (4 - 1) * k_and_v  # 4 blocks
+    assert k_and_v * (4 - 1) == 4 * mm.grouped_kv(16, 16, heads=4, kv_heads=1, head_dim=32)
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "names", "dots"])
+def test_grouped_keys_and_values_are_kept_at_their_heads_under_each_remat_policy(policy):
+    """The GPT (4 blocks, 4 heads of 32, 64 tokens; 4 sequences a device under dp on 4 devices) with
+    1 K/V head: each block's k and v that the policy keeps have 1 head (memory.grouped_kv); the
+    block recomputed at a time keeps them all (none's); nothing compiled."""
+
+    def activations(*flags: str) -> float:
+        argv = ["explain", "--model", "gpt", "--memory", "--devices", "4", "--parallel", "dp"]
+        budget = predict(parse_args([*argv, "--batch-size", "16", "--remat", policy, *flags]))[0]
+        return budget.terms["activations"]
+
+    fewer = mm.grouped_kv(b=4, s=64, heads=4, kv_heads=1, head_dim=32)
+    assert fewer == 2 * 4 * 64 * (4 - 1) * 32
+    kept_fewer = 0 if policy == "full" else fewer
+    float32 = 4
+    # 4 blocks keep what the policy keeps; the last recomputed one what none keeps, whole: 3 + 1
+    assert activations() - activations("--kv-heads", "1") == float32 * (3 * kept_fewer + fewer)
+
+
 def test_each_style_adds_its_own_terms_as_its_chapter_counts_them():
     """A pipeline keeps its stage's blocks of pipeline.in_flight microbatches: 4 microbatches over 4
     stages keep 7 of one block's, 16 keep 19 (not 4 times as many: the bubble's 3 stay); the ring

@@ -156,19 +156,24 @@ def _transformer(
     _, seq, heads_split, _ = ways("seq", "heads", "kv")
     sp = ways("seq", "embed")[1] // seq  # the residual stream's tokens split further (tp+sp)
     t, heads = s // seq, heads // heads_split  # one device's tokens and heads
+    kv_heads = leaves[at + "attention.key"].shape[-2] // heads_split  # grouped-query: fewer
     moe = block.mlp if isinstance(block.mlp, MoE) else None
     hidden = 0 if moe else leaves[at + "mlp.layers[0].weight"].shape[-1] // ways("seq", "mlp")[2]
     ring = block.attention.core == "ring"
     c = memory.itemsize(dtype)
-    added = {"ring K/V": c * composition.ring_in_flight(b, t, heads, head_dim)} if ring else {}
+    in_flight = composition.ring_in_flight(b, t, heads, head_dim, kv_heads)
+    added = {"ring K/V": c * in_flight} if ring else {}
     plain = not ring and moe is None and sp == 1  # what kept_on_tpu was read from
 
     def one_block(examples: int, recompute: str) -> int:
+        sizes = (examples, t, width, heads, head_dim, hidden)
         if compiler == "xla:tpu" and plain:
-            tpu = memory.kept_on_tpu(examples, t, width, heads, head_dim, hidden, dtype, recompute)
+            tpu = memory.kept_on_tpu(*sizes, dtype, recompute)
             return sum(tpu.values())
         recompute = "selective" if ring and recompute == "none" else recompute  # the ring keeps no softmax
-        kept = memory.block_activations(examples, t, width, heads, head_dim, hidden, sp, recompute)
+        kept = memory.block_activations(*sizes, sp, recompute)
+        grouped = memory.grouped_kv(examples, t, heads, kv_heads, head_dim)  # k and v: fewer heads
+        kept -= 0 if recompute == "full" else grouped
         kept += composition.ring_kept(examples, t, heads) if ring and recompute == "selective" else 0
         if moe is None or recompute in ("full", "names"):  # these recompute the MLP from its input
             return c * kept

@@ -64,7 +64,8 @@ class SequenceSplit:
 
     flag: str  # the flag of the sequence's length in tokens (the GPT's "context")
     ring: Callable[[Any], Any]  # the built model, every attention core "ring" (minishard.context)
-    attention: Callable[[Any], tuple[int, int, int]]  # the built model's (attention layers, heads, head_dim)
+    # the built model's (attention layers, query heads, key/value heads, head_dim)
+    attention: Callable[[Any], tuple[int, int, int, int]]
 
 
 @dataclasses.dataclass(frozen=True)

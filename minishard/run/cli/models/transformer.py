@@ -61,11 +61,12 @@ def ring_cores(model: Any) -> Any:
     return model.replace(blocks=tuple(ring(b) for b in model.blocks))
 
 
-def attention_shape(model: Any) -> tuple[int, int, int]:
-    """``(attention layers, key/value heads, head_dim)`` of ``model``'s blocks: what a ring sends
-    per layer (grouped keys and values travel at their own heads)."""
+def attention_shape(model: Any) -> tuple[int, int, int, int]:
+    """``(attention layers, query heads, key/value heads, head_dim)`` of ``model``'s blocks: what a
+    ring sends per layer (grouped keys and values travel at their own heads) and computes."""
     attention = model.blocks[0].attention  # every block alike
-    return len(model.blocks), attention.kv_heads, attention.width // attention.heads
+    head_dim = attention.width // attention.heads
+    return len(model.blocks), attention.heads, attention.kv_heads, head_dim
 
 
 TRANSFORMER_FLAGS = {

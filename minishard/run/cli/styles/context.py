@@ -80,13 +80,14 @@ class ContextStyle(Style):
         """The ring's collective-permutes, read from the compiled ``step`` against the formula, and
         its balance; then (None) the plan's report."""
         assert model.sequence is not None  # checked with the flags
-        shape, (blocks, kv_heads, head_dim) = self.mesh(args.devices), model.sequence.attention(built)
+        shape = self.mesh(args.devices)
+        blocks, heads, kv_heads, head_dim = model.sequence.attention(built)
         p = shape["context"]
         b = args.batch_size // shape.get("data", 1)
         # one device's K (or V)
         chunk = (b, getattr(args, model.sequence.flag) // p, kv_heads, head_dim)
         program = step.lower(built, optimizer.init(built), batch)
-        options = {"blocks": blocks, "chunk": chunk, "hardware": args.hardware}
+        options = {"blocks": blocks, "chunk": chunk, "hardware": args.hardware, "heads": heads}
         print(composition.ring_report(program, axis="context", **options))
         if self.name not in SPLITS:  # a composition: whose each collective is
             print(by_dimension(self.name, instructions(program)))
