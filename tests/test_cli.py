@@ -870,15 +870,15 @@ def test_train_gpt_under_dp_cp_with_ring_attention_matches_dp(tmp_path, capsys):
 
 @pytest.mark.slow  # compiles one GPT step
 def test_explain_dp_cp_shows_the_rings_permutes_against_the_formula_and_its_balance(capsys):
-    argv = ["explain", "--model", "gpt", "--context", "32", "--parallel", "dp+cp", "--hardware", "v5p"]
-    assert main(argv) == 0
+    gpt = ["--model", "gpt", "--depth", "2", "--context", "32"]  # 2 blocks: half the default's compile
+    assert main(["explain", *gpt, "--parallel", "dp+cp", "--hardware", "v5p"]) == 0
     out = capsys.readouterr().out
     # p = 4 over "context", batch 16 (the GPT's default on 8 devices) over data = 2: chunks of
-    # [8, 8 tokens, 4 heads, 32] float32 = 32,768 bytes; 20 of them a block, 4 blocks.
-    sent = human_bytes(4 * 20 * 8 * 8 * 128 * 4)
+    # [8, 8 tokens, 4 heads, 32] float32 = 32,768 bytes; 20 of them a block, 2 blocks.
+    sent = human_bytes(2 * 20 * 8 * 8 * 128 * 4)
     assert "Ring attention over 'context', p = 4, zig-zag. Per block, forward: K and V x 3 trips;" in out
-    assert f"census: collective-permute over context x80, {sent}" in out
-    assert f"formula: 4 blocks x 20 chunks [8, 8, 4, 32] f32 = {sent}" in out
+    assert f"census: collective-permute over context x40, {sent}" in out
+    assert f"formula: 2 blocks x 20 chunks [8, 8, 4, 32] f32 = {sent}" in out
     assert "balance (slowest device / mean): zig-zag 1.0, in order 1.6" in out
     assert "on v5p: a step's sends / the attention they hide behind = " in out
     assert "gpt under dp+cp on 8 devices" in out and "P('context', None)" in out  # the position table
