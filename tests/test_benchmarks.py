@@ -33,19 +33,6 @@ def run_tiny(tmp_path: Path, sections: str) -> dict:
     return json.loads(out.read_text())
 
 
-TINY_SECTIONS = "steps,flatten,compile,parallel,roofline,variants,phases,gpt"
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> tuple[dict, Path]:
-    """One ``run.py --tiny`` of every section (epoch's where MNIST is prepared) and its JSON's path,
-    shared by the tests below: each section's keys are its own, and one process pays JAX's import
-    and the machine's measurements once instead of once a section."""
-    tmp_path = tmp_path_factory.mktemp("tiny")
-    sections = TINY_SECTIONS + (",epoch" if os.environ.get("TFDS_DATA_DIR") else "")
-    return run_tiny(tmp_path, sections), tmp_path / "bench.json"
-
-
 def is_stat(entry: dict) -> bool:
     return set(entry) == {"median", "range"} and entry["range"][0] <= entry["median"] <= entry["range"][1]
 
@@ -93,8 +80,8 @@ def test_targets_and_report_render_from_a_synthetic_result(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_run_writes_every_promised_key_and_renders(tmp_path, tiny_run):
-    doc, written = tiny_run
+def test_tiny_run_writes_every_promised_key_and_renders(tmp_path):
+    doc = run_tiny(tmp_path, "steps,flatten,compile,parallel,roofline,variants,phases")
     for key in ("machine", "versions", "date", "loadavg_start", "loadavg_end", "targets"):
         assert key in doc
     contenders = {"raw", "minimal_pytree", "minishard_jit", "minishard_sharded", "nnx_jit", "nnx_fast",
@@ -122,7 +109,7 @@ def test_tiny_run_writes_every_promised_key_and_renders(tmp_path, tiny_run):
 
     chart = tmp_path / "chart.png"
     done = subprocess.run(
-        [sys.executable, str(REPORT), str(written), "--chart", str(chart)],
+        [sys.executable, str(REPORT), str(tmp_path / "bench.json"), "--chart", str(chart)],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -132,16 +119,16 @@ def test_tiny_run_writes_every_promised_key_and_renders(tmp_path, tiny_run):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("TFDS_DATA_DIR"), reason="needs prepared MNIST (TFDS_DATA_DIR)")
-def test_tiny_epoch_section_compares_the_loops_on_equal_losses(tiny_run):
-    doc, _ = tiny_run
+def test_tiny_epoch_section_compares_the_loops_on_equal_losses(tmp_path):
+    doc = run_tiny(tmp_path, "epoch")
     assert is_stat(doc["epoch_ratio"])
     assert doc["epoch"]["fit"]["same_loss"]
     assert doc["epoch"]["input_pipeline"]["images_per_s"]["median"] > 0
 
 
 @pytest.mark.slow
-def test_tiny_gpt_section_times_minishard_against_a_handwritten_step_of_equal_losses(tiny_run):
-    doc, _ = tiny_run
+def test_tiny_gpt_section_times_minishard_against_a_handwritten_step_of_equal_losses(tmp_path):
+    doc = run_tiny(tmp_path, "gpt")
     assert is_stat(doc["gpt_step_ratio"])
     losses = doc["gpt_step"]["losses_first_three_steps"]
     np.testing.assert_allclose(losses["minishard"], losses["handwritten"], rtol=1e-5)
