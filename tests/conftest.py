@@ -78,10 +78,10 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_collection_finish(session):
-    """What collecting imported (JAX, every test module: 150,000 objects for five files) lives to the
-    end of the run: frozen, out of the collector's sight, so that a full collection walks what the
-    tests made, not all of it again (0.3-2.9 s each, docs/benchmarks.md; five files' 1.8 s of them
-    became 0.6 s)."""
+    """What collecting imported (JAX, the test modules: 150,000-175,000 objects for 3-5 files) lives
+    to the end of the run: frozen, out of the collector's sight, so that a full collection walks what
+    the tests made, not all of it again (0.3-2.9 s each in a full run, docs/benchmarks.md). Measured
+    on a few files' quick tests: 1.8-3.4 s of full collections became 0.6-1.7 s."""
     gc.collect()
     gc.freeze()
 
