@@ -755,12 +755,26 @@ def test_devices_below_those_simulated_are_the_first_n_said_in_one_line(capsys, 
 @pytest.mark.slow  # each compiles a step on 4 devices
 @pytest.mark.parametrize(
     ("flags", "heading", "sends"),
-    [  # the paths that refused ("4 asked, there are 8") or only planned; the GPT's 4 heads under tp
+    [  # the paths that refused ("4 asked, there are 8") or only planned; the GPT's 4 heads under tp.
+        # the GPT of one block, whose step shows each path in a third to a half of four blocks' compile
+        # time: under tp 4 all-reduces a block
         ([], "mlp under 2d on 4 devices", "all-reduce  x2"),  # the learner's `explain --devices 4`
-        (["--model", "gpt", "--parallel", "tp"], "gpt under tp on 4 devices", "all-reduce  x16"),
+        (
+            ["--model", "gpt", "--depth", "1", "--parallel", "tp"],
+            "gpt under tp on 4 devices",
+            "all-reduce  x4",
+        ),
         (["--parallel", "zero"], "mlp under zero (ZeRO-3 by hand) on 4 devices", "reduce-scatter  x4"),
-        (["--model", "gpt", "--parallel", "cp"], "gpt under cp on 4 devices, batch 16", "collective-permute"),
-        (["--model", "gpt", "--parallel", "dp+cp"], "gpt under dp+cp on 4 devices", "collective-permute"),
+        (
+            ["--model", "gpt", "--depth", "1", "--parallel", "cp"],
+            "gpt under cp on 4 devices, batch 16",
+            "collective-permute",
+        ),
+        (
+            ["--model", "gpt", "--depth", "1", "--parallel", "dp+cp"],
+            "gpt under dp+cp on 4 devices",
+            "collective-permute",
+        ),
         (
             ["--model", "gpt", "--experts", "4", "--parallel", "dp+ep"],
             "gpt under dp+ep on 4 devices",
@@ -858,15 +872,15 @@ def test_train_gpt_under_dp_cp_with_ring_attention_matches_dp(tmp_path, capsys):
 
 @pytest.mark.slow  # compiles one GPT step
 def test_explain_dp_cp_shows_the_rings_permutes_against_the_formula_and_its_balance(capsys):
-    argv = ["explain", "--model", "gpt", "--context", "32", "--parallel", "dp+cp", "--hardware", "v5p"]
-    assert main(argv) == 0
+    gpt = ["--model", "gpt", "--depth", "2", "--context", "32"]  # 2 blocks: half the default's compile
+    assert main(["explain", *gpt, "--parallel", "dp+cp", "--hardware", "v5p"]) == 0
     out = capsys.readouterr().out
     # p = 4 over "context", batch 16 (the GPT's default on 8 devices) over data = 2: chunks of
-    # [8, 8 tokens, 4 heads, 32] float32 = 32,768 bytes; 20 of them a block, 4 blocks.
-    sent = human_bytes(4 * 20 * 8 * 8 * 128 * 4)
+    # [8, 8 tokens, 4 heads, 32] float32 = 32,768 bytes; 20 of them a block, 2 blocks.
+    sent = human_bytes(2 * 20 * 8 * 8 * 128 * 4)
     assert "Ring attention over 'context', p = 4, zig-zag. Per block, forward: K and V x 3 trips;" in out
-    assert f"census: collective-permute over context x80, {sent}" in out
-    assert f"formula: 4 blocks x 20 chunks [8, 8, 4, 32] f32 = {sent}" in out
+    assert f"census: collective-permute over context x40, {sent}" in out
+    assert f"formula: 2 blocks x 20 chunks [8, 8, 4, 32] f32 = {sent}" in out
     assert "balance (slowest device / mean): zig-zag 1.0, in order 1.6" in out
     assert "on v5p: a step's sends / the attention they hide behind = " in out
     assert "gpt under dp+cp on 8 devices" in out and "P('context', None)" in out  # the position table
