@@ -122,11 +122,11 @@ CHAPTERS = {
     "composition": 371,
     # issue 62 §3: Precision, FP32, MIXED, BF16, FP16 and PRECISIONS moved to the precision chapter,
     # their home (-58)
-    "memory": 534,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
+    "memory": 555,  # issue 45 §4: kept_by_policy, what each remat policy keeps (23); per-parameter replicas;
     # §2: zero_budget, ZeRO's own step term by term (31), Budget.cast_each_step (ZeRO holds its bf16 weights)
     # issue 60: kept_on_tpu and TPU_KEEPS, what XLA:TPU keeps (50); issue 62: no line over 100
     # characters, each formula's terms one named line (50); issue 63: grouped_kv, the k and v a
-    # block keeps fewer under GQA (12 lines)
+    # block keeps fewer under GQA (12 lines); grouped_kv_on_tpu, the same in XLA:TPU's dtypes (+20)
     "serving": 345,  # issue 46: LLaMA-3 8B and 405B (11 lines), the sizes --compare ranks too; GPT-2's
     # shape (gated, positions, biases) and minishard's own GPT as a size (14), which --check compiles;
     # issue 63: PaLM 540B and Megatron's 1T, the published runs' shapes (12); issue 62: each size's

@@ -169,7 +169,8 @@ def _transformer(
         sizes = (examples, t, width, heads, head_dim, hidden)
         if compiler == "xla:tpu" and plain:
             tpu = memory.kept_on_tpu(*sizes, dtype, recompute)
-            return sum(tpu.values())
+            grouped = memory.grouped_kv_on_tpu(examples, t, heads, kv_heads, head_dim, dtype, recompute)
+            return sum(tpu.values()) - grouped  # k and v: fewer heads
         recompute = "selective" if ring and recompute == "none" else recompute  # the ring keeps no softmax
         kept = memory.block_activations(*sizes, sp, recompute)
         grouped = memory.grouped_kv(examples, t, heads, kv_heads, head_dim)  # k and v: fewer heads
