@@ -595,8 +595,14 @@ def _ep_sends(step: Step) -> list[Send[float]]:
     ]
 
 
-SENDS = {"fsdp": _fsdp_sends, "dp": _dp_sends, "tp": _tp_sends, "pp": _pp_sends, "cp": _cp_sends}
-SENDS["ep"] = _ep_sends
+SENDS = {
+    "fsdp": _fsdp_sends,
+    "dp": _dp_sends,
+    "tp": _tp_sends,
+    "pp": _pp_sends,
+    "cp": _cp_sends,
+    "ep": _ep_sends,
+}
 """Each dimension's collectives and their bytes, from one ``Step``: the weights' first, then the
 activations'. A new dimension adds its own here (its rule, ``styles.Dimension``, names their
 kinds)."""
@@ -699,6 +705,7 @@ def _memory(
     (``kept_by_remat``), and the one layer the backward pass recomputes for one microbatch
     (``layer_bytes`` of ``attention``'s context and kernel; none without remat), split over tp
     and cp. Activations are Korthikanti's 16-bit bytes scaled to the step's compute dtype."""
+    context, fused = attention
     shards = layout["fsdp"] * layout["tp"] * layout["pp"]
     params = model.params - model.expert_params + model.expert_params / layout["ep"]
     per_parameter = bytes_per_parameter(kept.precision, "adamw")
@@ -707,10 +714,10 @@ def _memory(
     if layout["fsdp"] > 1:
         gathered = model.layers // layout["pp"] if layout["pp"] > 1 else 1
         terms["gathered"] = weight * params / model.layers * gathered / layout["tp"]
-    layers = kept_by_remat(model, microbatch * held, attention[0], kept, attention[1])
+    layers = kept_by_remat(model, microbatch * held, context, kept, fused)
     terms["activations"] = weight / 2 * layers / layout["tp"] / layout["pp"] / layout["cp"]
-    if attention[0] and kept.remat != "none":
-        recomputed = weight / 2 * layer_bytes(model, microbatch, *attention)
+    if context and kept.remat != "none":
+        recomputed = weight / 2 * layer_bytes(model, microbatch, context, fused)
         terms["recomputed layer"] = recomputed / layout["tp"] / layout["cp"]
     return Budget(terms, shards * layout["ep"] if model.experts else shards)
 

@@ -119,7 +119,7 @@ def flash_core(
     on its own (a ``shard_map``: XLA cannot split a kernel). Grouped K/V heads go in repeated.
     """
     del q_positions, k_positions  # in order: the kernel's causal skip reads the index
-    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+    k, v = (context.repeated(x, q.shape[2] // x.shape[2]) for x in (k, v))
     attend = functools.partial(flash.flash_attention, causal=causal, interpret=interpret)
     env = environment()
     if env is None or jax.sharding.get_abstract_mesh().manual_axes:  # whole, or inside a shard_map
@@ -279,7 +279,7 @@ class Attention(Layer):
         elif self.core != "dense":  # only the dense core forms the weights: not a ring's or flash's tiles
             raise ValueError(f"Attention: core {self.core!r} cannot drop attention weights; use 'dense'")
         else:  # nanoGPT's attention dropout: the softmax's weights, where context.attend makes them
-            k, v = (jnp.repeat(x, self.heads // self.kv_heads, axis=2) for x in (k, v))  # one per query head
+            k, v = (context.repeated(x, self.heads // self.kv_heads) for x in (k, v))  # one per query head
             dropped = functools.partial(drop, rate=dropout, key=key)
             out, _ = context.attend(q, k, v, positions, positions, causal=self.causal, dropped=dropped)
             mixed = out.astype(q.dtype)

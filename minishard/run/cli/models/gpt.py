@@ -151,8 +151,9 @@ def _gpt(args: Args, key: jax.Array, stacked: bool = False) -> Any:
         return stacked_gpt(*shape, key=key, kv_heads=kv_heads, mlp=mlp, core=core)
     dropout = getattr(args, "dropout", None) or 0.0  # a checkpoint saved before --dropout: none
     scan = getattr(args, "scan", False)  # a checkpoint saved before --scan: a loop
-    options = {"remat": args.remat, "kv_heads": kv_heads, "mlp": mlp, "core": core}
-    return GPT(*shape, key=key, dropout=dropout, scan=scan, **options)
+    return GPT(
+        *shape, key=key, remat=args.remat, kv_heads=kv_heads, mlp=mlp, core=core, dropout=dropout, scan=scan
+    )
 
 
 def _fill_gpt(args: Args) -> None:
