@@ -28,7 +28,8 @@ from minishard.rules import (
 )
 from minishard.sharding import Sharded, make_mesh
 
-MESH_AXES = ("data", "model")
+DEFAULT_MESH_AXES = ("data", "model")
+"""The mesh axes a drawn mesh names unless told (``styles.MESH_AXES`` are every dimension's)."""
 
 DEFAULT_CHOICES: Mapping[str, Sequence[MeshAxes]] = {
     "batch": ("data", None),
@@ -48,7 +49,7 @@ seeds = st.integers(0, 2**32 - 1)
 
 
 def meshes(
-    mesh_axes: Sequence[str] = MESH_AXES,
+    mesh_axes: Sequence[str] = DEFAULT_MESH_AXES,
     *,
     shapes: Sequence[Sequence[int]] | None = None,
     min_sizes: Mapping[str, int] | None = None,
@@ -277,7 +278,7 @@ def batches(
 
 __all__ = [
     "DEFAULT_CHOICES",
-    "MESH_AXES",
+    "DEFAULT_MESH_AXES",
     "MULTIPLES",
     "axis_rules",
     "batch_sizes",
