@@ -27,13 +27,16 @@ Per device, with b = B / N tokens and P parameters, a forward pass does F = 2Pb 
 backward pass 2F (the book's 6P per token), and attention's ``12 L T N H`` a token in sequences of T
 (``train_flops``; the book leaves it out: ``context=0``). Those are the model's FLOPs, MFU's
 numerator (PaLM's); the backward pass also runs again the R FLOPs of the forward that its remat
-policy did not keep (``recomputed_flops``; MFU leaves them out, HFU counts them). Under ``full``
-Megatron runs the layers' whole forward again: Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models") count ``72·B·s·l·h²·(1 + s/6h + V/12hl)`` FLOPs a step
-without it, ``96·B·s·l·h²·(1 + s/6h + V/16hl)`` with it (Narayanan et al. 2021's count), four
-passes where the model's are three. JAX's is less by each layer's last matmul, about a quarter of
-a pass: R is 0.72 F for LLaMA-3 70B at 4,096. (PaLM, trained in JAX, reports 57.8% hardware and
-46.2% model FLOPs utilisation, 1.25 times: this count gives 1.23, the whole pass 1.33.) Each pass
+policy did not keep (``recomputed_flops``; MFU leaves them out, HFU counts them). The scaling
+book's transformers chapter ("Gradient checkpointing"): block remat repeats "essentially all
+forward pass FLOPs", 6ND to "roughly 8ND"; saving the big matmuls' outputs (``dots``), none of
+them. Under ``full`` Megatron runs the layers' whole forward again: Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models") count
+``72·B·s·l·h²·(1 + s/6h + V/12hl)`` FLOPs a step without it, ``96·B·s·l·h²·(1 + s/6h + V/16hl)``
+with it (Narayanan et al. 2021's count), four passes where the model's are three. JAX's is less
+by each layer's last matmul, about a quarter of a pass: R is 0.72 F for LLaMA-3 70B at 4,096.
+(PaLM, trained in JAX, reports 57.8% hardware and 46.2% model FLOPs utilisation, 1.25 times: this
+count gives 1.23, the whole pass 1.33.) Each pass
 hides its own collectives behind its own matmuls, so
 ``step = max(F, sent forward) + max(2F + R, sent backward)``: the forward pass sends
 the FSDP gathers and the tensor collectives, the backward pass the gathers again, the
