@@ -25,8 +25,20 @@ A layout splits the N devices five ways, ``dp x fsdp x tp x pp x cp = N``, each 
 
 Per device, with b = B / N tokens and P parameters, a forward pass does F = 2Pb FLOPs and the
 backward pass 2F (the book's 6P per token), and attention's ``12 L T N H`` a token in sequences of T
-(``train_flops``; the book leaves it out: ``context=0``). Each pass hides its own collectives behind
-its own matmuls, so ``step = max(F, sent forward) + max(2F, sent backward)``: the forward pass sends
+(``train_flops``; the book leaves it out: ``context=0``). Those are the model's FLOPs, MFU's
+numerator (PaLM's); the backward pass also runs again the R FLOPs of the forward that its remat
+policy did not keep (``recomputed_flops``; MFU leaves them out, HFU counts them). The scaling
+book's transformers chapter ("Gradient checkpointing"): block remat repeats "essentially all
+forward pass FLOPs", 6ND to "roughly 8ND"; saving the big matmuls' outputs (``dots``), none of
+them. Under ``full`` Megatron runs the layers' whole forward again: Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models") count
+``72·B·s·l·h²·(1 + s/6h + V/12hl)`` FLOPs a step without it, ``96·B·s·l·h²·(1 + s/6h + V/16hl)``
+with it (Narayanan et al. 2021's count), four passes where the model's are three. JAX's is less
+by each layer's last matmul, about a quarter of a pass: R is 0.72 F for LLaMA-3 70B at 4,096.
+(PaLM, trained in JAX, reports 57.8% hardware and 46.2% model FLOPs utilisation, 1.25 times: this
+count gives 1.23, the whole pass 1.33.) Each pass
+hides its own collectives behind its own matmuls, so
+``step = max(F, sent forward) + max(2F + R, sent backward)``: the forward pass sends
 the FSDP gathers and the tensor collectives, the backward pass the gathers again, the
 reduce-scatters, the all-reduce and the tensor collectives transposed (twice the forward's, as the
 book counts them). (``costs.StepCost`` reads a compiled program and cannot tell the passes apart: it
@@ -47,7 +59,8 @@ On a two-level network (NVLink and InfiniBand, ICI and DCN) each dimension runs 
 ``PLACEMENT`` puts it (``Layout.inner``).
 
 The functions and records, by name. ``train_flops`` and ``train_seconds`` are a whole run's
-FLOPs and seconds (sequences of ``CONTEXT`` tokens unless told), ``checkpoint_bytes`` the residual
+FLOPs and seconds (sequences of ``CONTEXT`` tokens unless told), ``recomputed_flops`` what its
+backward passes run again, ``checkpoint_bytes`` the residual
 streams a step keeps, ``kept_by_remat`` what its layers keep under each remat policy of a
 ``Kept`` step (``KEPT``, the ranking's), ``optimal_fsdp`` the book's X_opt. ``layouts`` lists
 every layout of N chips, ``price`` prices one as a ``LayoutCost`` (its collectives' seconds a
@@ -104,6 +117,31 @@ def train_flops(model: Decoder, tokens: float, context: int = 0) -> float:
     """
     attention = 12 * model.layers * context * model.heads * model.head_dim
     return (6 * model.active_params + attention) * tokens
+
+
+def recomputed_flops(model: Decoder, tokens: float, context: int = 0, remat: str = "full") -> float:
+    """The FLOPs the backward pass runs again under ``remat``'s policy (``remat.POLICIES``), not the
+    model's (``train_flops``, MFU's): the forward matmuls whose outputs the policy does not keep and
+    the backward pass reads, for ``tokens`` in sequences of ``context``. A token and layer:
+
+    * ``"none"``, ``"dots"``: no matmul (dots runs only norms, softmax and Swish again);
+    * ``"names"``: attention's ``core`` (q·kᵀ and the scores times v) and the MLP's first matrices
+      (two, gated; a mixture's ``top_k`` and its router), which ``remat.SAVED`` does not name;
+    * ``"full"``: those and the ``projections`` (q, k, v and the output): all but the MLP's second
+      matrix, whose output only the residual sum reads (JAX drops it: ``minishard.remat``).
+
+    >>> from minishard.serving import LLAMA3_70B as llama
+    >>> [f"{recomputed_flops(llama, 1, 4096, remat) / 1e11:.3g}" for remat in POLICIES]
+    ['0', '1.1', '0', '0.859']
+    """
+    _checks.one_of("recomputed_flops: remat", remat, tuple(POLICIES))
+    projections = 2 * model.width * model.head_dim * (2 * model.heads + 2 * model.kv_heads)
+    core = 4 * context * model.heads * model.head_dim
+    mlp_in = 2 * model.width * model.hidden * (1 + model.gated) * max(model.top_k, 1)
+    router = 2 * model.width * model.experts  # a mixture's (a dense MLP: 0)
+    again = {"none": 0, "dots": 0, "names": core + mlp_in + router}
+    again["full"] = again["names"] + projections
+    return model.layers * tokens * again[remat]
 
 
 def train_seconds(
@@ -316,19 +354,25 @@ class CommSeconds(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class LayoutCost:
     """One layout's predicted step, per device: ``compute_s`` of the forward pass (the backward's
-    is twice it), each pass's collectives, ``tokens`` per device, the memory by term, and the
-    pipeline's ``microbatches`` and ``bubble`` (1 and 0 without pp)."""
+    is twice it), ``recomputed_s`` of the forward's matmuls the backward pass runs again
+    (``recomputed_flops``), each pass's collectives, ``tokens`` per device, the memory by term, and
+    the pipeline's ``microbatches`` and ``bubble`` (1 and 0 without pp)."""
 
     layout: Layout
     hardware: Hardware
     tokens: float
     compute_s: float
+    recomputed_s: float
     forward: CommSeconds
     backward: CommSeconds
     memory: Budget
     microbatches: int = 1
-    bubble: float = 0.0
     sequences: float = 0.0  # the batch's: each data shard's share of them, ``shard_sequences``
+
+    @property
+    def bubble(self) -> float:
+        """The share of the step a pipeline's stages idle (``pipeline.bubble_fraction``)."""
+        return bubble_fraction(self.layout["pp"], self.microbatches)
 
     @property
     def shard_sequences(self) -> float:
@@ -337,10 +381,15 @@ class LayoutCost:
         return self.sequences / data_shards(self.layout)
 
     @property
+    def backward_s(self) -> float:
+        """The backward pass's matmuls: twice the forward's, and the forward's it recomputes."""
+        return 2 * self.compute_s + self.recomputed_s
+
+    @property
     def busy_s(self) -> float:
         """Each pass's matmuls, or its collectives where they take longer."""
         forward = max(self.compute_s, self.forward.total)
-        backward = max(2 * self.compute_s, self.backward.total)
+        backward = max(self.backward_s, self.backward.total)
         return forward + backward
 
     @property
@@ -350,7 +399,7 @@ class LayoutCost:
     @property
     def waiting_s(self) -> float:
         """Of the busy time, what the matmuls do not hide: the collectives' exposed seconds."""
-        return self.busy_s - 3 * self.compute_s
+        return self.busy_s - self.compute_s - self.backward_s
 
     @property
     def idle_s(self) -> float:
@@ -359,14 +408,20 @@ class LayoutCost:
 
     @property
     def mfu(self) -> float:
-        """The share of the chips' peak the step would use: its matmuls over its whole time."""
+        """The share of the chips' peak the step would use: the model's matmuls (``train_flops``)
+        over its whole time; the recomputed pass is not the model's."""
         return 3 * self.compute_s / self.step_s
+
+    @property
+    def hfu(self) -> float:
+        """The hardware FLOPs' share, the recomputed pass included (PaLM's "HFU")."""
+        return (self.compute_s + self.backward_s) / self.step_s
 
     @property
     def bound(self) -> float:
         """k = sends over the compute they hide behind, in the pass where it is largest: > 1
         waits."""
-        return max(self.forward.total / self.compute_s, self.backward.total / (2 * self.compute_s))
+        return max(self.forward.total / self.compute_s, self.backward.total / self.backward_s)
 
     @property
     def verdict(self) -> str:
@@ -377,7 +432,7 @@ class LayoutCost:
         """Tokens per device above which this layout is compute-bound: the weights' bytes stay,
         the compute and the activations' bytes grow with the batch. ``inf``: TP alone waits."""
         flips = []
-        for compute, sent in ((self.compute_s, self.forward), (2 * self.compute_s, self.backward)):
+        for compute, sent in ((self.compute_s, self.forward), (self.backward_s, self.backward)):
             left = compute - sent.activations  # per b tokens: what hides the weights
             flips.append(self.tokens * sent.weights / left if left > 0 else math.inf)
         return max(flips)
@@ -430,8 +485,7 @@ def price(
     float32 step); ``fused``: attention keeps no T x T scores (``layer_bytes``); ``kept``: ``Kept``.
 
     >>> from minishard.serving import LLAMA3_70B
-    >>> pure_fsdp = Layout(fsdp=8960)  # over the v5p's 3 axes
-    >>> cost = price(LLAMA3_70B, pure_fsdp, 4 * 2**20, "v5p", context=0)
+    >>> cost = price(LLAMA3_70B, Layout(fsdp=8960), 4 * 2**20, "v5p", context=0)  # over 3 axes
     >>> round(cost.tokens), round(cost.flips_at)   # the book (6P a token): 468 per chip, 850 needed
     (468, 850)
     """
@@ -440,11 +494,11 @@ def price(
     passes = pass_collectives(model, layout, tokens, hardware, itemsize, context, m)
     per_device = tokens / layout.devices
     compute = train_flops(model, per_device, context) / 3 / hardware.flops  # the forward's third
+    again = recomputed_flops(model, per_device, context, kept.remat) / hardware.flops  # backward
     microbatch = tokens / data_shards(layout) / m  # a pipeline's, or all of a shard's tokens
     memory = _memory(model, layout, microbatch, min(m, layout["pp"]), kept, (context, fused))
     sequences = tokens / context if context else 0.0
-    bubble = bubble_fraction(layout["pp"], m)
-    return LayoutCost(layout, hardware, per_device, compute, *passes, memory, m, bubble, sequences)
+    return LayoutCost(layout, hardware, per_device, compute, again, *passes, memory, m, sequences)
 
 
 class Step(NamedTuple):
@@ -887,6 +941,7 @@ __all__ = [
     "kept_by_remat",
     "microbatches",
     "CONTEXT",
+    "recomputed_flops",
     "train_flops",
     "train_seconds",
 ]

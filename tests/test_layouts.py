@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+import numpy as np
 import pytest
 
 from minishard import layouts
@@ -18,10 +20,12 @@ from minishard.costs import critical_batch, mixed_critical_batch, sent_bytes
 from minishard.hardware import HARDWARE
 from minishard.layouts import CHECKPOINTS, Kept, Layout, _among, price, rank
 from minishard.memory import bytes_per_parameter
+from minishard.models.gpt import GPT
 from minishard.pipeline import bubble_fraction
 from minishard.precision import MIXED, PRECISIONS
-from minishard.remat import POLICIES
-from minishard.serving import LLAMA3_70B, SIZES, decode_critical_batch
+from minishard.remat import POLICIES, step_flops
+from minishard.run.next_token import next_token_loss
+from minishard.serving import LLAMA3_70B, MINISHARD_GPT, SIZES, decode_critical_batch
 
 POD = 8960  # 16 x 20 x 28 TPU v5p
 BATCH = 4 * 2**20  # "4M tokens": the book's 4 * 1024 * 1024 / 8960 = 468
@@ -190,6 +194,32 @@ def test_a_step_s_memory_under_each_remat_policy_train_offers() -> None:
     assert held["full"]["activations"] < held["dots"]["activations"] < held["none"]["activations"]
     with pytest.raises(ValueError, match="rank: remat must be one of 'none', 'full'"):
         rank(model, tokens, 8, "h100", context=8192, kept=Kept(remat="selective"))
+
+
+@pytest.mark.parametrize("remat", list(POLICIES))
+def test_the_recomputed_flops_are_those_the_gpts_step_runs_again(remat: str) -> None:
+    """From shapes, what minishard's GPT under ``--remat`` runs beyond its model FLOPs, counted from
+    its step's jaxprs (``remat.step_flops``, nothing compiled), grouped K/V heads too."""
+    window = jax.ShapeDtypeStruct((2, 64), np.int32)
+    gpt = GPT(key=jax.random.key(0), remat=remat, kv_heads=2)  # MINISHARD_GPT's shape, 2 K/V heads
+    flops = step_flops(next_token_loss, gpt, {"inputs": window, "targets": window})
+    size = dataclasses.replace(MINISHARD_GPT, kv_heads=2)
+    assert flops.hardware - flops.model == layouts.recomputed_flops(size, 2 * 64, 64, remat)
+
+
+def test_the_step_counts_what_its_remat_policy_recomputes_and_mfu_only_the_models() -> None:
+    model, layout, tokens = SIZES["llama3-8b"], Layout(fsdp=8), 8 * 8192
+    costs = {
+        remat: price(model, layout, tokens, "h100", Kept(remat=remat), context=8192) for remat in POLICIES
+    }
+    again = layouts.recomputed_flops(model, tokens / 8, 8192)  # full: all but each MLP's last matmul
+    assert costs["full"].recomputed_s * HARDWARE["h100"].flops == pytest.approx(again)
+    assert costs["none"].recomputed_s == costs["dots"].recomputed_s == 0
+    full, none = costs["full"], costs["none"]  # compute-bound, both
+    assert full.step_s - none.step_s == pytest.approx(full.recomputed_s)
+    assert full.mfu * full.step_s == pytest.approx(3 * full.compute_s)  # the model's FLOPs alone
+    assert full.hfu / full.mfu == pytest.approx(1 + again / layouts.train_flops(model, tokens / 8, 8192))
+    assert 1.2 < full.hfu / full.mfu < 4 / 3  # Korthikanti's whole pass again would be 4/3
 
 
 def test_fewer_checkpoints_hold_less_and_change_nothing_else() -> None:

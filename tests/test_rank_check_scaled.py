@@ -18,6 +18,7 @@ import pytest
 from minishard import context, layouts, serving
 from minishard.costs import sent_bytes
 from minishard.layouts import Layout
+from minishard.precision import FP32
 from minishard.run.cli import main, parse_args, rank_check
 from minishard.run.cli.scaled import (
     DEVICES,
@@ -223,7 +224,9 @@ def test_a_published_size_s_check_tries_its_scaled_run_then_its_layout(capsys, m
     header = "megatron-1t scaled down to 8 devices of a100, compiled (float32, XLA:CPU)"
     assert out.startswith(header)
     assert f"{small.params:,} parameters" in out and "256 sequences of 64 tokens a step" in out
-    ranking = layouts.rank(small, 256 * 64, 8, "a100", 64)
+    compiled = rank_check.compiled_kept(argparse.Namespace())  # float32, nothing recomputed
+    assert compiled == layouts.Kept(precision=FP32, remat="none")
+    ranking = layouts.rank(small, 256 * 64, 8, "a100", 64, kept=compiled)  # ranked as compiled
     fastest = [cost.layout for cost in ranking.costs if cost.fits]
     building = [layout for layout in fastest if not isinstance(rank_check.composition(layout), str)]
     # each that builds is tried (none compiles here), then the published layout, scaled

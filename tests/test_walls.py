@@ -148,8 +148,11 @@ CHAPTERS = {
     # issue 63: cp's devices all-reduce the gradients (+4); every_tick, the sends a pipeline's loop
     # runs each of its ticks, counted once in bytes_sent and not twice in seconds (+17); the memory
     # of each precision and remat policy train offers: Kept, KEPT, kept_by_remat (+55); SENDS one
-    # dimension a line, _memory's context and kernel named (+5)
-    "layouts": 892,
+    # dimension a line, _memory's context and kernel named (+5); the FLOPs each remat policy
+    # recomputes, counted in the step's backward pass apart from the model's: recomputed_flops, its
+    # terms named, their sources (the scaling book, Korthikanti, Megatron, PaLM) said, LayoutCost's
+    # recomputed_s, backward_s and hfu (+55)
+    "layouts": 947,
 }
 """Chapters with a budget of their own (measured, plus a little room); the rest of the path is the core.
 A budget grows where an idea needs the lines, with a comment saying why; it is never met by packing."""

@@ -9,6 +9,8 @@ parameters and the memory a device holds, and the bytes each dimension's collect
 compiled step is float32, so the predictions are priced at 4 bytes a number (``price``'s
 ``itemsize``), and its memory as the step compiled keeps it (``layouts.Kept``): float32
 activations, none recomputed, beside 16 bytes a parameter (float32 AdamW's, as mixed precision's).
+The layouts it compiles are the fastest of that step (``compiled_kept``): nothing recomputed,
+where ``--compare``'s own table ranks each block recomputed.
 
 A published size (``--size llama3-405b``) is compiled scaled down to 8 devices
 (``minishard.run.cli.scaled``: its model, its batch, and ``--layout`` if given), priced on 8 of its
@@ -49,6 +51,7 @@ __all__ = [
     "add_arguments",
     "check",
     "check_scaled",
+    "compiled_kept",
     "compile_layout",
     "composition",
     "print_check",
@@ -187,12 +190,18 @@ def compile_layout(
     seconds = time.perf_counter() - started
     parameters = explain(step_args[0], mesh, rules).device_bytes
     model, chip, context = built.size, args.hardware, args.context
-    # its memory as compiled: float32, recomputing what the GPT's --remat says (none by default)
-    kept = layouts.Kept(precision=FP32, remat=getattr(own, "remat", None) or "none")
+    kept = compiled_kept(own)
     predicted = layouts.price(model, layout, tokens, chip, kept, context=context, itemsize=FLOAT32)
     m = getattr(own, "microbatches", None) or 1  # the compiled pipeline's, which its sends follow
     expected = layouts.bytes_sent(model, layout, tokens, FLOAT32, context, m)
     return Checked(predicted, expected, compiled, parameters, sent, seconds)
+
+
+def compiled_kept(args: argparse.Namespace) -> layouts.Kept:
+    """What the compiled step keeps and recomputes: float32, under the GPT's --remat (none by
+    default). The layouts ``--check`` compiles are ranked under it too: the fastest of the step
+    compiled, whose recomputed FLOPs (``layouts.recomputed_flops``) and memory are its own."""
+    return layouts.Kept(precision=FP32, remat=getattr(args, "remat", None) or "none")
 
 
 def print_check(args: argparse.Namespace) -> int:
@@ -200,7 +209,8 @@ def print_check(args: argparse.Namespace) -> int:
     if args.size != "gpt":
         return print_scaled_check(args)
     model, tokens, devices = serving.SIZES[args.size], args.batch_size, args.devices
-    ranking = layouts.rank(model, tokens, devices, args.hardware, args.context)
+    kept = compiled_kept(args)  # ranked as the step compiled: its memory, what it recomputes
+    ranking = layouts.rank(model, tokens, devices, args.hardware, args.context, kept=kept)
     compiled = f"the GPT's float32 step, {_compiler(args)}"
     print(f"\n--check {args.check}: the fastest that fit, compiled ({compiled})")
     checked = _compile_each(args, [cost.layout for cost in ranking.costs if cost.fits], args.check)
@@ -278,7 +288,8 @@ def print_scaled_check(args: argparse.Namespace) -> int:
     print(f"  {size.layers} layers of {size.width}, {heads}, {mlp}, ", end="")
     print(f"vocabulary {size.vocab}: {size.params:,} parameters")
     print(f"  {tokens // context} sequences of {context} tokens a step")
-    ranking = layouts.rank(size, tokens, scaled.DEVICES, own.hardware, context)
+    kept = compiled_kept(own)  # ranked as the step compiled: its memory, what it recomputes
+    ranking = layouts.rank(size, tokens, scaled.DEVICES, own.hardware, context, kept=kept)
     fastest = [cost.layout for cost in ranking.costs if cost.fits]
     checked = _compile_each(own, fastest, args.check, built)
     theirs = scaled.scaled_layout(args.layout) if args.layout is not None else None

@@ -6,7 +6,8 @@ numbers (``--hardware``), the chips (``--devices``) and the batch in tokens (``-
 a token budget takes (``--tokens``, each size's paper's by default, at ``--mfu``) and the book's
 rules, then the fastest layouts that fit, the best of every other kind, and why the runner-up
 loses. Their memory is mixed precision's, each block recomputed, unless ``--remat`` names
-another policy (``layouts.Kept``).
+another policy (``layouts.Kept``); their step counts the FLOPs that policy recomputes
+(``layouts.recomputed_flops``), which the first line prints beside the model's, and MFU leaves out.
 """
 
 from __future__ import annotations
@@ -202,10 +203,12 @@ def print_ranking(args: argparse.Namespace) -> int:
     why the runner-up loses."""
     model, chip = serving.SIZES[args.size], hardware_named(args.hardware)
     devices, tokens, context = args.devices, args.batch_size, args.context
+    kept = layouts.Kept(remat=getattr(args, "remat", None) or "full")  # mixed precision's memory
     flops = layouts.train_flops(model, 1, context)
+    again = layouts.recomputed_flops(model, 1, context, kept.remat)  # not the model's: not in MFU
     count = f"{model.params / 1e9:.2f}e9" if model.params >= 1e9 else f"{model.params:,}"
     print(f"{args.size}: {count} parameters, {flops:.3g} FLOPs a token (attention's at {context:,})", end="")
-    print(f"; {devices:,} {chip.name}")
+    print(f", {again:.3g} more recomputed (--remat {kept.remat}); {devices:,} {chip.name}")
     sequences = f"{tokens // context:,} sequences of {context:,}"
     print(f"batch {tokens:,} tokens ({sequences}): {tokens / devices:,.0f} per device")
     if chip.topology == "torus":
@@ -217,7 +220,6 @@ def print_ranking(args: argparse.Namespace) -> int:
         print(
             f"  FSDP + TP {mixed:,.0f} (4 a^2 / M_X M_Y F), at X_opt = {optimal:,.0f} (sqrt(B/F M_X/M_Y N))"
         )
-    kept = layouts.Kept(remat=getattr(args, "remat", None) or "full")  # mixed precision's memory
     ranking = layouts.rank(model, tokens, devices, chip, context, fused=not args.unfused, kept=kept)
     print(ranking.table(TOP))
     print("(* the fastest that fits; flips at: the tokens per device above which it is compute-bound;")
@@ -258,7 +260,8 @@ def _placed(cost: layouts.LayoutCost, fit: list[layouts.LayoutCost]) -> str:
         needs, has = human_bytes(int(cost.memory.total)), human_bytes(int(cost.hardware.hbm_bytes))
         return f"{line}: {step}, {cost.verdict}, but does not fit: {needs} a device, over {has}"
     place = 1 + sum(other.step_s < cost.step_s for other in fit)
-    return f"{line}: {step}, {cost.mfu:.0%} MFU, {cost.verdict}: ranks {place:,} of the {len(fit):,} that fit"
+    utilization = f"{cost.mfu:.0%} MFU, {cost.hfu:.0%} HFU"  # HFU: the recomputed pass counted
+    return f"{line}: {step}, {utilization}, {cost.verdict}: ranks {place:,} of the {len(fit):,} that fit"
 
 
 def _runner_up(best: layouts.LayoutCost, second: layouts.LayoutCost) -> str:
