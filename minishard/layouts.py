@@ -604,8 +604,8 @@ def _tp_sends(step: Step) -> list[Send[float]]:
 def _pp_sends(step: Step) -> list[Send[float]]:
     """As ``minishard.pipeline`` compiles: a microbatch every tick (``bytes_sent`` counts the
     bubble's ticks, ``every_tick``), ``repeats`` times round the stages (Narayanan et al. 2021,
-    §2.2.2: the interleaved schedule's "amount of communication also increases by v"), and an
-    all-reduce over the stages that hands the last stage's output to every stage, each pass."""
+    §2.2.2: interleaving v chunks a stage multiplies these sends by v), and an all-reduce over
+    the stages that hands the last stage's output to every stage, each pass."""
     # a stage's output, split by sp
     hop = step.itemsize * step.group * step.model.width / step.layout["tp"]
     found = []
