@@ -666,6 +666,8 @@ LAYOUT_FLAGS = [
      "argument --layout: fsdp 1792 x cp 5: cp 5 does not divide the --context 4,096 sequence"),
     # a pipeline's interleaved schedule: r chunks of a stage's layers, at least as many microbatches
     (["--batch-size", "4M", "--repeats", "0"], "argument --repeats: must be 1 or more chunks a stage, got 0"),
+    (["--batch-size", "4M", "--repeats", "2", "--check"],
+     "argument --repeats: --check compiles each pipeline un-interleaved (r = 1)"),
     (["--batch-size", "4M", "--repeats", "3", "--layout", "fsdp=112,pp=80"],
      "fsdp 112 x pp 80: pp 80 x --repeats 3 does not divide llama3-70b's 80 layers"),
     (["--batch-size", "4M", "--repeats", "2", "--layout", "fsdp=448,pp=20"],
