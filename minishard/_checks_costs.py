@@ -31,6 +31,18 @@ def layout_sizes(sizes: Mapping[str, Any], dimensions: Sequence[str]) -> None:
         count(f"Layout: {name}", size)
 
 
+def repeats(layers: int, stages: int, microbatches: int, r: Any) -> None:
+    """An interleaved pipeline's chunks a stage: r >= 1; r > 1 divides a stage's layers and runs
+    at least as many microbatches as stages (``pipeline.schedule``'s circular schedule)."""
+    count("price: repeats", r)
+    if r > 1 and (stages == 1 or layers % (stages * r) or microbatches < stages):
+        raise ValueError(
+            f"price: repeats {r} needs a pipeline whose stages each hold a multiple of {r} of the "
+            f"{layers} layers and at least as many microbatches as stages; got pp {stages}, "
+            f"{microbatches} microbatches"
+        )
+
+
 def optional_count(where: str, value: Any) -> None:
     """None, or a positive int."""
     if value is not None:

@@ -17,7 +17,10 @@ A layout splits the N devices five ways, ``dp x fsdp x tp x pp x cp = N``, each 
 * **pp**: splits the layers into stages (``minishard.pipeline``): each device gathers, holds and
   updates only its stage's weights, and sends one residual stream a step to the next stage, but
   idles in the pipeline's bubble, ``pipeline.bubble_fraction``: fewest where the microbatches are
-  many, and each must keep enough tokens for its matmuls to outrun HBM (``microbatches``);
+  many, and each must keep enough tokens for its matmuls to outrun HBM (``microbatches``). Its
+  stage may hold ``repeats`` chunks of layers, the interleaved schedule's r (Narayanan et al. 2021,
+  §2.2.2): a bubble r times shorter, for r times the sends between stages; not a split of the
+  devices, so not ranked: ``rank(..., repeats=r)`` prices every pipeline so;
 * **cp**: splits each sequence (Llama 3's context parallelism): each layer gathers the keys and
   values of the whole sequence, and reduce-scatters their gradients: bytes that grow with the
   batch but not with the heads (grouped-query attention's few K/V heads make them small); its
@@ -53,7 +56,8 @@ layer's weights gathered whole (a pipeline's stage: all of its layers, kept thro
 microbatches, as torchtitan does: else FSDP gathers each microbatch again), and the activations the
 backward pass needs: the residual stream, ``CHECKPOINTS`` times per layer (``memory.korthikanti``
 fully recomputed), of the whole batch, or of the ``p`` microbatches a pipeline's first stage holds
-at once when it runs 1F1B (``pipeline_1f1b``; GPipe's bubble), and the one layer recomputed from
+at once when it runs 1F1B (``pipeline_1f1b``; GPipe's bubble; ``held_microbatches`` when it
+interleaves), and the one layer recomputed from
 them, whose T x T scores grow with the sequence unless a fused kernel keeps none (``layer_bytes``).
 On a two-level network (NVLink and InfiniBand, ICI and DCN) each dimension runs on the level
 ``PLACEMENT`` puts it (``Layout.inner``).
@@ -356,7 +360,8 @@ class LayoutCost:
     """One layout's predicted step, per device: ``compute_s`` of the forward pass (the backward's
     is twice it), ``recomputed_s`` of the forward's matmuls the backward pass runs again
     (``recomputed_flops``), each pass's collectives, ``tokens`` per device, the memory by term, and
-    the pipeline's ``microbatches`` and ``bubble`` (1 and 0 without pp)."""
+    the pipeline's ``microbatches``, ``repeats`` (chunks of layers a stage holds, the circular or
+    interleaved schedule's ``r``) and ``bubble`` (1, 1 and 0 without pp)."""
 
     layout: Layout
     hardware: Hardware
@@ -368,11 +373,13 @@ class LayoutCost:
     memory: Budget
     microbatches: int = 1
     sequences: float = 0.0  # the batch's: each data shard's share of them, ``shard_sequences``
+    repeats: int = 1
 
     @property
     def bubble(self) -> float:
-        """The share of the step a pipeline's stages idle (``pipeline.bubble_fraction``)."""
-        return bubble_fraction(self.layout["pp"], self.microbatches)
+        """The share of the step a pipeline's stages idle (``pipeline.bubble_fraction``): r chunks
+        a stage each take 1/r of its ticks, so its p - 1 ticks of bubble are r times shorter."""
+        return bubble_fraction(self.layout["pp"], self.microbatches, self.repeats)
 
     @property
     def shard_sequences(self) -> float:
@@ -479,10 +486,10 @@ def price(
     context: int = CONTEXT,
     itemsize: int = 2,
     fused: bool = True,
+    repeats: int = 1,
 ) -> LayoutCost:
-    """One training step of ``tokens`` in sequences of ``context`` on ``layout``, from the model's
-    shapes: nothing is compiled; its collectives' numbers of ``itemsize`` bytes (bf16; 4 prices a
-    float32 step); ``fused``: attention keeps no T x T scores (``layer_bytes``); ``kept``: ``Kept``.
+    """One step of ``tokens`` in sequences of ``context`` on ``layout`` from the model's shapes,
+    compiling nothing: ``itemsize`` bytes a number sent (4: float32); the rest as ``rank`` takes.
 
     >>> from minishard.serving import LLAMA3_70B
     >>> cost = price(LLAMA3_70B, Layout(fsdp=8960), 4 * 2**20, "v5p", context=0)  # over 3 axes
@@ -491,20 +498,35 @@ def price(
     """
     hardware = hardware_named(hardware)
     m = microbatches(layout, tokens, hardware, context)
-    passes = pass_collectives(model, layout, tokens, hardware, itemsize, context, m)
+    _checks_costs.repeats(model.layers, layout["pp"], m, repeats)
+    passes = pass_collectives(model, layout, tokens, hardware, itemsize, context, m, repeats)
     per_device = tokens / layout.devices
     compute = train_flops(model, per_device, context) / 3 / hardware.flops  # the forward's third
     again = recomputed_flops(model, per_device, context, kept.remat) / hardware.flops  # backward
-    microbatch = tokens / data_shards(layout) / m  # a pipeline's, or all of a shard's tokens
-    memory = _memory(model, layout, microbatch, min(m, layout["pp"]), kept, (context, fused))
+    memory = _memory(model, layout, tokens, (m, repeats), kept, (context, fused))
     sequences = tokens / context if context else 0.0
-    return LayoutCost(layout, hardware, per_device, compute, again, *passes, memory, m, sequences)
+    cost = (layout, hardware, per_device, compute, again, *passes, memory, m, sequences, repeats)
+    return LayoutCost(*cost)
+
+
+def held_microbatches(p: int, m: int, r: int = 1) -> float:
+    """The microbatches whose activations, through all of its layers, a 1F1B pipeline's first stage
+    holds at once: ``p`` (``pipeline_1f1b``), and under the interleaved schedule (``r`` > 1 chunks
+    a stage) ``p + (p-1)/r``: its warm-up runs ``2(p-1) + (r-1)p + 1`` forward chunks, each 1/r of
+    the stage, before the first backward. Megatron-LM counts the same ("Memory penalty from
+    interleaved schedule", ``1 + (p-1)/(p·v)`` times p: ``megatron/training/
+    theoretical_memory_usage.py``); no more than the ``m`` microbatches there are.
+
+    >>> held_microbatches(4, 8), held_microbatches(4, 8, r=2), held_microbatches(4, 8, r=3)
+    (4, 5.5, 5.0)
+    """
+    return min(m, p if r == 1 else p + (p - 1) / r)
 
 
 class Step(NamedTuple):
     """One training step as the ranking sizes its collectives: ``tokens`` in sequences of
     ``context`` (0: none) on ``layout``, numbers of ``itemsize`` bytes (bf16), a pipeline's
-    ``microbatches``."""
+    ``microbatches`` and ``repeats``."""
 
     model: Decoder
     layout: Layout
@@ -512,6 +534,7 @@ class Step(NamedTuple):
     itemsize: int = 2
     context: int = 0
     microbatches: int = 1
+    repeats: int = 1
 
     @property
     def group(self) -> float:
@@ -580,14 +603,15 @@ def _tp_sends(step: Step) -> list[Send[float]]:
 
 def _pp_sends(step: Step) -> list[Send[float]]:
     """As ``minishard.pipeline`` compiles: a microbatch every tick (``bytes_sent`` counts the
-    bubble's ticks, ``every_tick``), and an all-reduce over the stages that hands the last stage's
-    output to every stage, each pass."""
+    bubble's ticks, ``every_tick``), ``repeats`` times round the stages (Narayanan et al. 2021,
+    §2.2.2: interleaving v chunks a stage multiplies these sends by v), and an all-reduce over
+    the stages that hands the last stage's output to every stage, each pass."""
     # a stage's output, split by sp
     hop = step.itemsize * step.group * step.model.width / step.layout["tp"]
     found = []
     for backward in (False, True):
         found += [
-            Send("collective-permute", hop, dimension="pp", backward=backward),
+            Send("collective-permute", hop, dimension="pp", backward=backward, times=step.repeats),
             # the last stage's output, to every stage
             Send("all-reduce", hop, dimension="pp", backward=backward),
         ]
@@ -669,16 +693,17 @@ def sends(
     itemsize: int = 2,
     context: int = 0,
     microbatches: int = 1,
+    repeats: int = 1,
 ) -> list[Send[float]]:
     """The collectives of one step of ``tokens`` in sequences of ``context``, by dimension
-    (``SENDS``), numbers of ``itemsize`` bytes (bf16), a pipeline of ``microbatches``; those among
-    more than one device.
+    (``SENDS``), numbers of ``itemsize`` bytes (bf16), a pipeline of ``microbatches`` and
+    ``repeats``; those among more than one device.
 
     >>> from minishard.serving import MINISHARD_GPT
     >>> [send.kind for send in sends(MINISHARD_GPT, Layout(fsdp=8), 1024)]
     ['all-gather', 'all-gather', 'reduce-scatter']
     """
-    step = Step(model, layout, tokens, itemsize, context, microbatches)
+    step = Step(model, layout, tokens, itemsize, context, microbatches, repeats)
     found = [send for sends_of in SENDS.values() for send in sends_of(step)]
     return [send for send in found if _among(send, layout) > 1 and send.times]
 
@@ -690,6 +715,7 @@ def bytes_sent(
     itemsize: int = 2,
     context: int = 0,
     microbatches: int = 1,
+    repeats: int = 1,
 ) -> dict[str, float]:
     """Bytes each device sends in one step, by dimension: ``sends`` on rings (``costs.sent_bytes``),
     as a compiled step's census sums them (float32: dp's all-reduce of the GPT's 3.3 MB of
@@ -700,8 +726,9 @@ def bytes_sent(
     {'dp': 5713351.0}
     """
     found: dict[str, float] = {}
-    ticks = (microbatches + layout["pp"] - 1) / microbatches  # a pipeline's ticks a microbatch
-    for send in sends(model, layout, tokens, itemsize, context, microbatches):
+    work = repeats * microbatches  # a stage's work items: r chunks of each microbatch
+    ticks = (work + layout["pp"] - 1) / work  # a pipeline's ticks a work item
+    for send in sends(model, layout, tokens, itemsize, context, microbatches, repeats):
         sent = send.times * sent_bytes(send.kind, send.result_bytes, _among(send, layout))
         sent *= ticks if every_tick(send, layout) else 1
         found[send.dimension] = found.get(send.dimension, 0.0) + sent
@@ -729,12 +756,13 @@ def pass_collectives(
     itemsize: int = 2,
     context: int = 0,
     microbatches: int = 1,
+    repeats: int = 1,
 ) -> tuple[CommSeconds, CommSeconds]:
     """The seconds of the forward pass's ``sends`` and of the backward pass's, each over its torus
     axes and its network level (``Layout.inner``), split into the weights' and the activations'."""
     axes = layout.axes(hardware)
     seconds = dict.fromkeys([(0, 0), (0, 1), (1, 0), (1, 1)], 0.0)
-    for send in sends(model, layout, tokens, itemsize, context, microbatches):
+    for send in sends(model, layout, tokens, itemsize, context, microbatches, repeats):
         n_axes = axes.get(send.dimension, 1)
         inner = layout.inner(send.dimension)
         devices = _among(send, layout)
@@ -748,18 +776,19 @@ def pass_collectives(
 def _memory(
     model: Decoder,
     layout: Layout,
-    microbatch: float,
-    held: int,
+    tokens: float,
+    schedule: tuple[int, int],
     kept: Kept,
     attention: tuple[int, bool],
 ) -> Budget:
-    """Per device: the per-parameter terms of ``kept``'s precision over the dimensions whose rules
-    split the weights (fsdp x tp x pp; a mixture's experts over ep too), a gathered layer (a
-    stage's layers, under pp), what a stage's layers keep for the ``held`` microbatches it holds
-    (``kept_by_remat``), and the one layer the backward pass recomputes for one microbatch
-    (``layer_bytes`` of ``attention``'s context and kernel; none without remat), split over tp
-    and cp. Activations are Korthikanti's 16-bit bytes scaled to the step's compute dtype."""
+    """Per device: ``kept``'s per-parameter terms over the dimensions splitting the weights (fsdp,
+    tp, pp; ep a mixture's experts), a gathered layer (a stage's, under pp), what a stage's layers
+    keep (``kept_by_remat``) for the ``held_microbatches`` of ``schedule`` (microbatches, repeats),
+    and the layer the backward pass recomputes (``layer_bytes`` of ``attention``'s context and
+    kernel; none without remat), over tp and cp, in Korthikanti's 16-bit bytes scaled to dtype."""
     context, fused = attention
+    microbatch = tokens / data_shards(layout) / schedule[0]  # a pipeline's, or a shard's tokens
+    held = held_microbatches(layout["pp"], *schedule)
     shards = layout["fsdp"] * layout["tp"] * layout["pp"]
     params = model.params - model.expert_params + model.expert_params / layout["ep"]
     per_parameter = bytes_per_parameter(kept.precision, "adamw")
@@ -779,10 +808,10 @@ def _memory(
 # --- 3. every layout, ranked ----------------------------------------------------------------------
 
 
-def layouts(model: Decoder, devices: int, context: int = 0) -> list[Layout]:
+def layouts(model: Decoder, devices: int, context: int = 0, repeats: int = 1) -> list[Layout]:
     """Every ``dp x fsdp x tp x pp x cp x ep = devices`` whose tp divides the heads and the MLP's
-    width, whose pp the layers, whose cp the ``context`` (0: no cp) and whose ep a mixture's experts
-    (a dense model: no ep).
+    width, whose pp the layers (in ``repeats`` chunks a stage), whose cp the ``context`` (0: no cp)
+    and whose ep a mixture's experts (a dense model: no ep).
 
     >>> from minishard.serving import LLAMA3_70B as llama
     >>> len(layouts(llama, 8)), [str(layout) for layout in layouts(llama, 2, context=4096)]
@@ -793,7 +822,8 @@ def layouts(model: Decoder, devices: int, context: int = 0) -> list[Layout]:
     for tp in _divisors(devices):
         if model.heads % tp or model.hidden % tp:
             continue
-        for pp in (pp for pp in _divisors(devices // tp) if model.layers % pp == 0):
+        splits = _divisors(devices // tp)  # pp 1: no pipeline, nothing to repeat
+        for pp in (pp for pp in splits if pp == 1 or model.layers % (pp * repeats) == 0):
             # cp divides the sequence
             for cp in _divisors(math.gcd(devices // tp // pp, context or 1)):
                 for ep in _divisors(math.gcd(devices // tp // pp // cp, model.experts or 1)):
@@ -860,10 +890,11 @@ def rank(
     context: int = CONTEXT,
     fused: bool = True,
     kept: Kept = KEPT,
+    repeats: int = 1,
 ) -> Ranking:
     """``price`` every layout of ``devices``, of ``tokens`` in sequences of ``context`` (``fused``:
-    attention keeps no scores; ``kept``: what the step keeps); those that fit first, fastest first
-    (then the one that waits least for its collectives, then the smaller).
+    attention keeps no scores; ``kept``: what the step keeps; ``repeats``: a pipeline stage's
+    chunks); those that fit first, fastest first (then the one waiting least, then the smaller).
 
     ``rule``: on a torus, the FSDP x TP layout nearest the book's ``optimal_fsdp`` (TP on one axis).
     """
@@ -871,8 +902,8 @@ def rank(
     _checks.one_of("rank: remat", kept.remat, tuple(POLICIES))
     hardware = hardware_named(hardware)
     costs = [
-        price(model, layout, tokens, hardware, kept, context=context, fused=fused)
-        for layout in layouts(model, devices, context)
+        price(model, layout, tokens, hardware, kept, context, fused=fused, repeats=r)
+        for layout, r in _schedules(model, devices, tokens, hardware, context, repeats)
     ]
     costs.sort(key=lambda c: (not c.fits, c.step_s, c.bound, c.memory.total))
     fsdp_and_tp = [c.layout for c in costs if set(c.layout.sizes) <= {"fsdp", "tp"}]
@@ -881,6 +912,20 @@ def rank(
     nearest = min(mixed, key=lambda layout: abs(math.log(layout["fsdp"] / best)), default=None)
     rule = nearest if hardware.topology == "torus" else None
     return Ranking(model, tokens, tuple(costs), rule)
+
+
+def _schedules(
+    model: Decoder, devices: int, tokens: int, hardware: Hardware, context: int, repeats: int
+) -> list[tuple[Layout, int]]:
+    """Each of the ``layouts`` and its stage's chunks: ``repeats``, 1 without a pipeline; a pipeline
+    of fewer microbatches than stages left out (the circular schedule cannot run it:
+    ``pipeline.schedule``)."""
+    found = []
+    for layout in layouts(model, devices, context, repeats):
+        r = repeats if layout["pp"] > 1 else 1
+        if r == 1 or microbatches(layout, tokens, hardware, context) >= layout["pp"]:
+            found.append((layout, r))
+    return found
 
 
 def _kind(layout: Layout) -> tuple[str, ...]:
@@ -931,6 +976,7 @@ __all__ = [
     "sends",
     "checkpoint_bytes",
     "layouts",
+    "held_microbatches",
     "optimal_fsdp",
     "pass_collectives",
     "price",

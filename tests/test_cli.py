@@ -16,6 +16,7 @@ from minishard import layouts, serving
 from minishard.census import human_bytes
 from minishard.costs import ring_bound
 from minishard.hardware import HARDWARE
+from minishard.pipeline import bubble_fraction
 from minishard.run.cli import main, parse_args
 from minishard.run.cli import ranking as ranking_cli
 from minishard.run.cli.models import MODELS
@@ -607,6 +608,22 @@ def test_explain_compare_size_says_where_a_given_layout_ranks(capsys):
     assert capsys.readouterr().out.splitlines()[-1].endswith(f"ranks 1 of the {len(fit):,} that fit")
 
 
+def test_explain_compare_size_repeats_prices_every_pipeline_interleaved(capsys):
+    # --repeats 2: Megatron's 1T pipeline of 64 stages, 2 of its 128 layers a stage, one a chunk
+    argv = ["explain", "--compare", "--size", "megatron-1t", "--hardware", "a100", "--devices", "3072",
+            "--batch-size", str(3072 * 2048), "--context", "2048", "--layout", "dp=6,tp=8,pp=64"]
+    assert main([*argv, "--repeats", "2"]) == 0
+    ranking = layouts.rank(serving.MEGATRON_1T, 3072 * 2048, 3072, "a100", 2048, repeats=2)
+    fit = [cost for cost in ranking.costs if cost.fits]
+    theirs = layouts.Layout(dp=6, tp=8, pp=64)
+    priced = layouts.price(serving.MEGATRON_1T, theirs, 3072 * 2048, "a100", context=2048, repeats=2)
+    assert priced.bubble == bubble_fraction(64, priced.microbatches, 2)
+    place = 1 + sum(cost.step_s < priced.step_s for cost in fit)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith(f"ranks {place:,} of the {len(fit):,} that fit"), last
+    assert f"{priced.mfu:.0%} MFU" in last
+
+
 def test_explain_compare_size_without_a_fused_kernel_keeps_the_scores(capsys):
     # issue 63: at 128K a sequence, every head's T x T scores no longer fit the fused kernel's choice
     argv = ["explain", "--compare", "--size", "llama3-405b", "--hardware", "h100", "--devices", "16384",
@@ -647,6 +664,14 @@ LAYOUT_FLAGS = [
      "argument --layout: fsdp 128 x pp 70: pp 70 does not divide llama3-70b's 80 layers"),
     (["--batch-size", "4M", "--layout", "fsdp=1792,cp=5"],
      "argument --layout: fsdp 1792 x cp 5: cp 5 does not divide the --context 4,096 sequence"),
+    # a pipeline's interleaved schedule: r chunks of a stage's layers, at least as many microbatches
+    (["--batch-size", "4M", "--repeats", "0"], "argument --repeats: must be 1 or more chunks a stage, got 0"),
+    (["--batch-size", "4M", "--repeats", "2", "--check"],
+     "argument --repeats: --check compiles each pipeline un-interleaved (r = 1)"),
+    (["--batch-size", "4M", "--repeats", "3", "--layout", "fsdp=112,pp=80"],
+     "fsdp 112 x pp 80: pp 80 x --repeats 3 does not divide llama3-70b's 80 layers"),
+    (["--batch-size", "4M", "--repeats", "2", "--layout", "fsdp=448,pp=20"],
+     "fsdp 448 x pp 20: pp 20 at --repeats 2 runs 2 microbatches, fewer than its stages"),
 ]  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from minishard.hardware import HARDWARE
 from minishard.layouts import CHECKPOINTS, Kept, Layout, _among, price, rank
 from minishard.memory import bytes_per_parameter
 from minishard.models.gpt import GPT
-from minishard.pipeline import bubble_fraction
+from minishard.pipeline import bubble_fraction, in_flight
 from minishard.precision import MIXED, PRECISIONS
 from minishard.remat import POLICIES, step_flops
 from minishard.run.next_token import next_token_loss
@@ -426,6 +426,65 @@ def test_a_pipelines_loop_sends_its_stages_collectives_every_tick_priced_once_in
         # in seconds the bubble is LayoutCost.step_s's: a pass's collectives do not grow with it
         seconds = layouts.pass_collectives(LLAMA3_70B, layout, tokens, chip, context=4096, microbatches=m)
         assert seconds == layouts.pass_collectives(LLAMA3_70B, layout, tokens, chip, context=4096)
+
+
+def test_an_interleaved_pipeline_idles_r_times_less_for_r_times_the_hops_between_stages() -> None:
+    # Narayanan et al. 2021, §2.2.2: r chunks a stage shrink the bubble to (p-1)/(r·m + p-1) of
+    # the step and multiply the sends between stages by r; the matmuls and the other sends stay
+    layout = Layout(fsdp=4, tp=8, pp=4)  # 20 of 70B's 80 layers a stage: r of 2, 4, 5, 10, 20
+    plain = price(LLAMA3_70B, layout, BATCH, "v5p")
+    m = plain.microbatches
+    for r in (2, 4):
+        cost = price(LLAMA3_70B, layout, BATCH, "v5p", repeats=r)
+        assert cost.repeats == r and cost.bubble == bubble_fraction(4, m, r) == 3 / (r * m + 3)
+        assert cost.compute_s == plain.compute_s and cost.recomputed_s == plain.recomputed_s
+        found = layouts.sends(LLAMA3_70B, layout, BATCH, context=4096, microbatches=m, repeats=r)
+        hops = [send.times for send in found if send.kind == "collective-permute"]
+        assert hops == [r, r]  # each pass: every microbatch crosses every stage r times
+        # the sends but the hops are the 1F1B pipeline's, so the seconds grow by r - 1 hops a pass
+        once = layouts.sends(LLAMA3_70B, layout, BATCH, context=4096, microbatches=m)
+        assert [s for s in found if s.kind != "collective-permute"] == [
+            s for s in once if s.kind != "collective-permute"
+        ]
+
+
+def test_a_pipelines_loop_runs_r_times_as_many_shorter_ticks_and_sends_a_hop_each() -> None:
+    layout, tokens = Layout(fsdp=4, pp=4), 2**20
+    hop = 2 * tokens / 4 * LLAMA3_70B.width  # a shard's residual stream, bf16
+    for m, r in ((4, 2), (8, 5), (64, 20)):
+        ticks = r * m + 4 - 1  # pipeline.Pipeline.ticks: r·m work items and the bubble's p - 1
+        reduce = 2 * 3 / 4 * hop  # each pass hands the output out once, whatever r
+        sent = layouts.bytes_sent(LLAMA3_70B, layout, tokens, microbatches=m, repeats=r)["pp"]
+        assert sent == pytest.approx(2 * (ticks * hop / m + reduce))
+
+
+def test_an_interleaved_stage_holds_p_plus_p_minus_1_over_r_microbatches() -> None:
+    # Megatron-LM (theoretical_memory_usage.py): interleaving multiplies 1F1B's p microbatches in
+    # flight by 1 + (p-1)/(p·v); its first stage's warm-up: 2(p-1) + (r-1)p + 1 chunks, 1/r a stage
+    for p, r in ((4, 2), (16, 4), (64, 2)):
+        held = layouts.held_microbatches(p, 4 * p, r)
+        warm_up = 2 * (p - 1) + (r - 1) * p + 1  # chunks, each 1/r of the stage's layers
+        assert held == pytest.approx(p * (1 + (p - 1) / (p * r))) == warm_up / r
+        assert held == in_flight(p, p, r)  # GPipe's count (pipeline.in_flight) of p microbatches
+        assert layouts.held_microbatches(p, 4 * p) == p < held  # 1F1B's p: interleaving holds more
+    assert layouts.held_microbatches(4, 4, 2) == 4  # no more than the microbatches there are
+    layout = Layout(fsdp=4, tp=8, pp=4)
+    plain, chunked = (price(LLAMA3_70B, layout, BATCH, "v5p", repeats=r) for r in (1, 2))
+    ratio = chunked.memory.terms["activations"] / plain.memory.terms["activations"]
+    assert ratio == pytest.approx((4 + 3 / 2) / 4)
+    assert chunked.memory.terms["recomputed layer"] == plain.memory.terms["recomputed layer"]
+
+
+def test_interleaving_needs_stages_whose_layers_split_into_r_and_as_many_microbatches() -> None:
+    with pytest.raises(ValueError, match="repeats 3 needs a pipeline whose stages each hold"):
+        price(LLAMA3_70B, Layout(fsdp=4, tp=8, pp=4), BATCH, "v5p", repeats=3)  # 20 layers a stage
+    with pytest.raises(ValueError, match="got pp 1"):
+        price(LLAMA3_70B, Layout(fsdp=32, tp=8), BATCH, "v5p", repeats=2)
+    with pytest.raises(ValueError, match="got pp 16, 2 microbatches"):  # 1,024 sequences / 512
+        price(LLAMA3_70B, Layout(dp=256, fsdp=2, pp=16), BATCH, "v5p", repeats=5)
+    # the ranking at r lists the pipelines whose stages split into r chunks, and those without pp
+    found = layouts.layouts(LLAMA3_70B, POD, repeats=4)
+    assert {layout["pp"] for layout in found} == {1, 2, 4, 5, 10, 20}
 
 
 # --- expert parallelism: a new dimension is its rule (styles.DIMENSIONS["ep"]) and its sends ------

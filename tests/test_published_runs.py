@@ -11,6 +11,11 @@ Sources (each number checked with the search tool; what it could not confirm is 
 * Megatron-LM 1T: Narayanan et al. 2021: 3072 A100, "502 petaFLOP/s", "52% of theoretical
   peak", vocabulary 51,200, sequences of 2,048; its shape (128 layers, 25,600 wide, 160 heads)
   and split (tp 8, pp 64, batch 3,072 sequences) are Table 1's, which the stored pages did not quote.
+
+A pipeline's chunks a stage (the interleaved schedule's r, ``layouts.price``'s ``repeats``): neither
+paper publishes its run's. Meta's pp 16 does not split LLaMA-3 405B's 126 layers, so it is priced at
+r = 1; the 1T's 128 layers over 64 stages leave 2 a stage, so its interleaved schedule is r = 2, one
+layer a chunk, priced beside r = 1.
 """
 
 from __future__ import annotations
@@ -29,17 +34,21 @@ RUNS = {  # size, chip, chips, tokens a batch, sequence, published layout, publi
     # "52% of theoretical peak" counts the recomputed forward pass (four passes): 3/4 of it is MFU
     "megatron-1t": (MEGATRON_1T, "a100", 3072, 3072 * 2048, 2048, Layout(dp=6, tp=8, pp=64), 0.52 * 3 / 4),
 }
+REPEATS = {"llama3-405b": 1, "palm-540b": 1, "megatron-1t": 2}  # each pipeline's r: the docstring's
 TABLE = {  # docs/compose.md: the published layout's rank, of how many fit; the first choice
     "llama3-405b": (171, 446, Layout(dp=16, fsdp=4, tp=16, pp=2, cp=8)),
     "palm-540b": (1, 136, Layout(fsdp=1024, tp=6)),
-    "megatron-1t": (186, 257, Layout(dp=4, fsdp=48, tp=16)),
+    "megatron-1t": (183, 222, Layout(dp=4, fsdp=48, tp=16)),  # among the pipelines of r = 2
 }
 
 
-def placed(name: str) -> tuple[layouts.LayoutCost, list[layouts.LayoutCost], float]:
+def placed(name: str, r: int = 0) -> tuple[layouts.LayoutCost, list[layouts.LayoutCost], float]:
+    """The run's layout priced, and those that fit, at its own r (``REPEATS``) unless told."""
     size, chip, chips, tokens, context, theirs, published = RUNS[name]
-    fit = [cost for cost in layouts.rank(size, tokens, chips, chip, context=context).costs if cost.fits]
-    return layouts.price(size, theirs, tokens, chip, context=context), fit, published
+    r = r or REPEATS[name]
+    ranking = layouts.rank(size, tokens, chips, chip, context=context, repeats=r)
+    fit = [cost for cost in ranking.costs if cost.fits]
+    return layouts.price(size, theirs, tokens, chip, context=context, repeats=r), fit, published
 
 
 def test_the_sizes_are_the_papers() -> None:
@@ -64,6 +73,9 @@ def test_meta_s_pipeline_is_outside_the_ranking_and_idles_half_its_step() -> Non
     priced, fit, published = placed("llama3-405b")
     assert LLAMA3_405B.layers % 16 and all(cost.layout != priced.layout for cost in fit)  # 126 layers
     assert priced.microbatches == 16 and priced.bubble == pytest.approx(15 / 31)  # un-interleaved
+    # its r is not published, and none but 1 prices: 16 stages do not split 126 layers
+    with pytest.raises(ValueError, match="repeats 2 needs a pipeline"):
+        layouts.price(LLAMA3_405B, META, 16 * 2**20, "h100", context=8192, repeats=2)
     # predicted within 1.5x of the published MFU: the bubble of 16 un-interleaved stages costs as
     # much as what the bound leaves out (docs/compose.md)
     assert round(priced.mfu, 2) == 0.41 and 1 < priced.mfu / published < 1.05
@@ -84,8 +96,24 @@ def test_megatron_s_pipeline_fits_without_fsdp_and_its_hfu_counts_the_recomputed
     priced, fit, published = placed("megatron-1t")
     no_fsdp = [cost for cost in fit if cost.layout["fsdp"] == 1]
     assert all(cost.layout["pp"] > 1 for cost in no_fsdp)  # without FSDP, only a pipeline fits 1T
-    assert priced.microbatches == 512 and round(priced.bubble, 2) == 0.11
-    assert round(priced.mfu, 2) == 0.73 and 1.8 < priced.mfu / published < 1.9
+    # interleaved: 2 layers a stage, one a chunk, the only r > 1 there is
+    assert [r for r in range(2, 129) if MEGATRON_1T.layers % (64 * r) == 0] == [2]
+    assert priced.microbatches == 512 and priced.bubble == pytest.approx(63 / (2 * 512 + 63))
+    assert round(priced.mfu, 2) == 0.77 and 1.9 < priced.mfu / published < 2.0
     # the published 52% counts Megatron's recomputation, the whole forward again (4/3 of MFU); JAX's
     # leaves out each layer's last matmul: the predicted HFU is 1.22 times its MFU
-    assert round(priced.hfu, 2) == 0.89 and 1.2 < priced.hfu / priced.mfu < 4 / 3
+    assert round(priced.hfu, 2) == 0.94 and 1.2 < priced.hfu / priced.mfu < 4 / 3
+
+
+def test_megatron_s_pipeline_un_interleaved_idles_1_9_times_as_long_and_ranks_186() -> None:
+    # r = 1 beside it (1F1B): a bubble of 63 / (512 + 63), and the ranking of 1F1B's pipelines
+    plain, fit, published = placed("megatron-1t", r=1)
+    batch = 3072 * 2048
+    interleaved = layouts.price(MEGATRON_1T, plain.layout, batch, "a100", context=2048, repeats=2)
+    assert round(plain.bubble, 2) == 0.11  # 1.89 times the interleaved one's:
+    assert plain.bubble / interleaved.bubble == pytest.approx((2 * 512 + 63) / (512 + 63))
+    assert 1 + sum(cost.step_s < plain.step_s for cost in fit) == 186 and len(fit) == 257
+    assert round(plain.mfu, 2) == 0.73 and 1.8 < plain.mfu / published < 1.9
+    # r = 2 hops twice between stages, and holds p + (p-1)/2 microbatches where 1F1B holds p
+    assert interleaved.forward.activations > plain.forward.activations
+    assert interleaved.memory.total > plain.memory.total and interleaved.fits

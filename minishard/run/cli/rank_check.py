@@ -85,6 +85,8 @@ def check(args: argparse.Namespace, error: Error) -> None:
         return
     if not (args.compare and args.size):
         error("argument --check: only with --compare --size (it compiles the ranking's layouts)")
+    if (args.repeats or 1) > 1:  # what it compiles is minishard's pipeline, GPipe's, r = 1
+        error("argument --repeats: --check compiles each pipeline un-interleaved (r = 1)")
     if args.size != "gpt":
         return check_scaled(args, error)
     if args.context not in (None, rows := serving.MINISHARD_GPT.position_rows):

@@ -55,6 +55,7 @@ BUDGET_FLAGS = {
     "mfu": ("--mfu", "the days a token budget takes"),
     "layout": ("--layout", "where a layout ranks"),
     "unfused": ("--unfused-attention", "the memory of attention's scores"),
+    "repeats": ("--repeats", "a pipeline's interleaved schedule"),
 }
 """The flags only ``--compare --size`` reads, by their names in ``args``: the flag, what it prices."""
 TOP = 5
@@ -73,6 +74,7 @@ def add_arguments(add: Callable[..., object]) -> None:
         const=True,
         help="with --compare --size: attention keeps its T x T scores (no FlashAttention)",
     )
+    add("--repeats", type=int, help="with --compare --size: layer chunks a pipeline stage holds")
 
 
 def token_count(text: str) -> float:
@@ -174,6 +176,8 @@ def check(args: argparse.Namespace, model_flags: Iterable[str], error: Callable[
         error(f"argument --batch-size: {tokens:,} tokens leave some of {devices:,} devices none")
     if tokens % context:
         error(f"argument --batch-size: {tokens:,} tokens are not whole --context {context} sequences")
+    if args.repeats is not None and args.repeats < 1:
+        error(f"argument --repeats: must be 1 or more chunks a stage, got {args.repeats}")
     if args.layout is not None:
         _check_layout(args.layout, serving.SIZES[args.size], args, error)
     args.budget, args.mfu = args.budget or TRAINED_ON.get(args.size), args.mfu or MFU
@@ -185,11 +189,16 @@ def _check_layout(
     """``--layout`` splits what the size can split: its devices, heads, layers and sequence."""
     size = args.size
     tp, pp, cp, ep = (layout[name] for name in ("tp", "pp", "cp", "ep"))
+    r = (args.repeats or 1) if pp > 1 else 1  # a pipeline's chunks a stage
+    chunks = f" x --repeats {r}" if r > 1 else ""
+    sets = pp * r  # the layer sets it splits into
+    m = layouts.microbatches(layout, args.batch_size, args.hardware, args.context)
     why = {
         f"its {layout.devices:,} devices are not --devices {args.devices:,}": layout.devices != args.devices,
         f"tp {tp} does not divide {size}'s {model.heads} heads": bool(model.heads % tp),
         f"tp {tp} does not divide {size}'s MLP of {model.hidden:,}": bool(model.hidden % tp),
-        f"pp {pp} does not divide {size}'s {model.layers} layers": bool(model.layers % pp),
+        f"pp {pp}{chunks} does not divide {size}'s {model.layers} layers": bool(model.layers % sets),
+        f"pp {pp} at --repeats {r} runs {m} microbatches, fewer than its stages": r > 1 and m < pp,
         f"cp {cp} does not divide the --context {args.context:,} sequence": bool(args.context % cp),
         f"ep {ep} splits a mixture's experts, and {size} has none": ep > 1 and not model.experts,
         f"ep {ep} does not divide {size}'s {model.experts} experts": bool(model.experts % ep),
@@ -220,7 +229,8 @@ def print_ranking(args: argparse.Namespace) -> int:
         print(
             f"  FSDP + TP {mixed:,.0f} (4 a^2 / M_X M_Y F), at X_opt = {optimal:,.0f} (sqrt(B/F M_X/M_Y N))"
         )
-    ranking = layouts.rank(model, tokens, devices, chip, context, fused=not args.unfused, kept=kept)
+    repeats = args.repeats or 1
+    ranking = layouts.rank(model, tokens, devices, chip, context, not args.unfused, kept, repeats)
     print(ranking.table(TOP))
     print("(* the fastest that fits; flips at: the tokens per device above which it is compute-bound;")
     print(" [...]: a data shard (dp x fsdp) holds part of a sequence, its keys and values gathered as")
@@ -232,7 +242,9 @@ def print_ranking(args: argparse.Namespace) -> int:
         print(_runner_up(fit[0], fit[1]))
     if args.layout is not None:
         fused = not args.unfused
-        layout = layouts.price(model, args.layout, tokens, chip, kept, context=context, fused=fused)
+        theirs = args.layout
+        r = repeats if theirs["pp"] > 1 else 1
+        layout = layouts.price(model, theirs, tokens, chip, kept, context, fused=fused, repeats=r)
         print(_placed(layout, fit))
     if (fastest := min(ranking.costs, key=lambda cost: cost.step_s)) not in fit[:1]:
         needs, has = human_bytes(int(fastest.memory.total)), human_bytes(int(chip.hbm_bytes))
