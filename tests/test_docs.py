@@ -290,7 +290,7 @@ def test_the_error_a_page_shows_is_compared_with_stderr(tmp_path):
 
 # over 5 s each
 SLOW_PAGES = {
-    "compose.md",  # --check compiles the GPT's step for two layouts
+    "compose.md",  # --check compiles the GPT's step for three layouts, a scaled Megatron-LM's for two
     "context.md",
     "costs.md",
     "experts.md",

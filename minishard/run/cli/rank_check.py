@@ -178,7 +178,7 @@ def compile_layout(
     own = style_args(gpt, entry, style, shape)  # its defaults, checked: ValueError says why not
     mesh, rules = make_mesh(shape, devices=built.devices), style.rules({})
     started = time.perf_counter()
-    step, _, step_args = train_step(own, entry, style, mesh)
+    step, _, step_args = train_step(own, entry, style, mesh, shapes=True)  # compiled, never run
     # compiled once: a float32 step's collectives are as its partitioner asked (census.as_asked), so
     # the price and the census read the one program (XLA:TPU's takes minutes on 2 cores)
     program = Sharded(mesh, rules)(step).lower(*step_args).compile()
