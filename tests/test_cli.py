@@ -838,36 +838,8 @@ def test_explain_checks_a_pipelines_microbatches_and_devices_before_any_work(cap
 
 
 # -- context parallelism: --parallel cp, dp+cp (docs/context.md) -----------------------------
-needs_shakespeare = pytest.mark.skipif(
-    not os.path.isdir(os.path.join(os.environ.get("TFDS_DATA_DIR", "/nonexistent"), "tiny_shakespeare")),
-    reason="needs tiny_shakespeare prepared by tfds: set TFDS_DATA_DIR (make test does)",
-)
-SMALL_GPT = ["--model", "gpt", "--context", "32", "--width", "32", "--depth", "2", "--batch-size", "8"]
-
-
-@needs_shakespeare
-@pytest.mark.slow  # two short GPT trainings, about 30 s
-def test_train_gpt_under_dp_cp_with_ring_attention_matches_dp(tmp_path, capsys):
-    losses = {}
-    for style in ("dp", "dp+cp"):
-        log = tmp_path / f"{style}.jsonl"
-        argv = [
-            "train",
-            *SMALL_GPT,
-            "--parallel",
-            style,
-            "--steps",
-            "4",
-            "--eval-every",
-            "2",
-            "--log",
-            str(log),
-        ]
-        assert main(argv) == 0
-        records = [json.loads(line) for line in log.read_text().splitlines()]
-        losses[style] = [r[k] for r in records for k in ("loss", "val_loss", "test_loss") if k in r]
-    assert "blocks[0].attention" in capsys.readouterr().out
-    assert len(losses["dp"]) == 5 and losses["dp+cp"] == pytest.approx(losses["dp"], rel=1e-4)
+# dp+cp's training through the command line, ring attention printing dp's losses, is
+# tests/test_compose.py's test_train_prints_the_val_loss_of_dp_under_compositions (one dp run for all).
 
 
 @pytest.mark.slow  # compiles one GPT step
