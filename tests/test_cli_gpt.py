@@ -106,10 +106,12 @@ def test_a_scanned_gpt_trains_to_the_looped_gpts_losses_and_its_checkpoint_sampl
 
 @needs_shakespeare
 @pytest.mark.slow  # two short runs
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_a_scanned_gpt_with_dropout_trains_to_the_looped_gpts_losses(tmp_path, capsys, remat):
-    """Block i draws its masks from key_at(step key, i + 1) looped or scanned, and recomputes them so."""
-    flags = ["--depth", "3", "--steps", "4", "--eval-every", "2", "--dropout", "0.2", "--remat", remat]
+def test_a_scanned_gpt_with_dropout_trains_to_the_looped_gpts_losses(tmp_path, capsys):
+    """Block i draws its masks from key_at(step key, i + 1) looped or scanned. That it recomputes them
+    so under --remat full is tests/test_dropout.py's test_a_scanned_gpt_draws_the_looped_gpts_masks_and_
+    recomputes_them_so[full] (the scanned GPT's loss and gradients against the looped one's); --remat's
+    way to the model is test_under_remat_each_line_gives_the_hfu_of_the_flops_the_step_runs's."""
+    flags = ["--depth", "3", "--steps", "4", "--eval-every", "2", "--dropout", "0.2"]
     assert main(["train", *TINY, *flags]) == 0
     want = records(capsys.readouterr().out)
     assert main(["train", *TINY, *flags, "--scan"]) == 0
