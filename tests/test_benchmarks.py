@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN, REPORT = ROOT / "benchmarks" / "run.py", ROOT / "benchmarks" / "report.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark modules import each other by name
 
 import harness  # noqa: E402
@@ -24,12 +23,13 @@ import report  # noqa: E402
 
 
 def run_tiny(tmp_path: Path, sections: str) -> dict:
+    """``benchmarks/run.py --tiny``'s JSON, run in this process: what it writes does not depend on the
+    process (a fresh one cost 3-8 s importing JAX, Flax and Equinox; the compile section still starts
+    its own processes), and the epoch section reads MNIST as conftest cached it."""
+    import run
+
     out = tmp_path / "bench.json"
-    done = subprocess.run(
-        [sys.executable, str(RUN), "--tiny", "--sections", sections, "--json", str(out)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=600, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert run.main(["--tiny", "--sections", sections, "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
 
@@ -80,7 +80,7 @@ def test_targets_and_report_render_from_a_synthetic_result(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_run_writes_every_promised_key_and_renders(tmp_path):
+def test_tiny_run_writes_every_promised_key_and_renders(tmp_path, capsys):
     doc = run_tiny(tmp_path, "steps,flatten,compile,parallel,roofline,variants,phases")
     for key in ("machine", "versions", "date", "loadavg_start", "loadavg_end", "targets"):
         assert key in doc
@@ -108,12 +108,10 @@ def test_tiny_run_writes_every_promised_key_and_renders(tmp_path):
     assert doc["figures"][0]["figure"].startswith("`Sharded` host overhead")
 
     chart = tmp_path / "chart.png"
-    done = subprocess.run(
-        [sys.executable, str(REPORT), str(tmp_path / "bench.json"), "--chart", str(chart)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "### Targets" in done.stdout and "### 9. One `Sharded` call" in done.stdout
+    capsys.readouterr()  # the run's own lines
+    assert report.main([str(tmp_path / "bench.json"), "--chart", str(chart)]) == 0
+    rendered = capsys.readouterr().out
+    assert "### Targets" in rendered and "### 9. One `Sharded` call" in rendered
     assert chart.stat().st_size > 0
 
 

@@ -106,33 +106,16 @@ def test_a_scanned_gpt_trains_to_the_looped_gpts_losses_and_its_checkpoint_sampl
 
 @needs_shakespeare
 @pytest.mark.slow  # two short runs
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_a_scanned_gpt_with_dropout_trains_to_the_looped_gpts_losses(tmp_path, capsys, remat):
-    """Block i draws its masks from key_at(step key, i + 1) looped or scanned, and recomputes them so."""
-    flags = ["--depth", "3", "--steps", "4", "--eval-every", "2", "--dropout", "0.2", "--remat", remat]
+def test_a_scanned_gpt_with_dropout_trains_to_the_looped_gpts_losses(tmp_path, capsys):
+    """Block i draws its masks from key_at(step key, i + 1) looped or scanned. That it recomputes them
+    so under --remat full is tests/test_dropout.py's test_a_scanned_gpt_draws_the_looped_gpts_masks_and_
+    recomputes_them_so[full] (the scanned GPT's loss and gradients against the looped one's); --remat's
+    way to the model is test_under_remat_each_line_gives_the_hfu_of_the_flops_the_step_runs's."""
+    flags = ["--depth", "3", "--steps", "4", "--eval-every", "2", "--dropout", "0.2"]
     assert main(["train", *TINY, *flags]) == 0
     want = records(capsys.readouterr().out)
     assert main(["train", *TINY, *flags, "--scan"]) == 0
     assert records(capsys.readouterr().out) == want
-
-
-@needs_shakespeare
-@pytest.mark.slow  # two short runs
-def test_a_resumed_scanned_gpt_run_with_dropout_ends_bit_identical(tmp_path, capsys):
-    directory = str(tmp_path / "run")
-
-    def trained(*flags):
-        common = ["--depth", "2", "--steps", "6", "--eval-every", "3", "--dropout", "0.2", "--scan"]
-        assert main(["train", *TINY, *common, "--checkpoint-dir", directory, *flags]) == 0
-        with Checkpointer(directory, read_only=True) as checkpointer:
-            step, meta = checkpointer.read_meta()
-        return jax.device_get(restore(directory, step, meta["info"])), records(capsys.readouterr().out)
-
-    straight, straight_lines = trained("--checkpoint-every", "2")
-    resumed, resumed_lines = trained("--resume-from", "4")
-    assert isinstance(straight.blocks, Stacked)  # restored as trained: scanned
-    assert_trees_equal(resumed, straight)
-    assert resumed_lines == straight_lines[-1:]
 
 
 @needs_shakespeare
@@ -178,10 +161,15 @@ def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys
 
 @needs_shakespeare
 @pytest.mark.slow  # three short runs, each compiling its steps
-def test_a_resumed_gpt_run_with_dropout_ends_bit_identical_and_keeps_its_rate(tmp_path, capsys):
+def test_a_resumed_scanned_gpt_run_with_dropout_ends_bit_identical_and_keeps_its_rate(tmp_path, capsys):
+    """Scanned: the looped GPT draws the same masks (test_a_scanned_gpt_with_dropout_trains_to_the_
+    looped_gpts_losses) and resumes bit-identical (test_a_resumed_gpt_run_ends_bit_identical_to_a_
+    straight_one); one run of the two here, where a looped and a scanned test each trained their own."""
+    scanned = ["--depth", "2", "--scan"]
+
     def trained(path, *flags):
         directory = str(path)
-        common = ["--steps", "6", "--eval-every", "3", "--checkpoint-dir", directory]
+        common = ["--steps", "6", "--eval-every", "3", "--checkpoint-dir", directory, *scanned]
         assert main(["train", *TINY, *common, *flags]) == 0
         with Checkpointer(directory, read_only=True) as checkpointer:
             step, meta = checkpointer.read_meta()
@@ -193,9 +181,11 @@ def test_a_resumed_gpt_run_with_dropout_ends_bit_identical_and_keeps_its_rate(tm
     resumed, _, resumed_lines = trained(tmp_path / "run", "--dropout", "0.2", "--resume-from", "4")
     assert_trees_equal(resumed, straight)
     assert resumed_lines == straight_lines[-1:] and rate == 0.2 and straight.dropout == 0.2  # sample: none
+    assert isinstance(straight.blocks, Stacked)  # restored as trained: scanned
     undropped, _, _ = trained(tmp_path / "none")  # the same run at --dropout 0 ends elsewhere
     assert not np.array_equal(undropped.head.weight, straight.head.weight)
-    assert main(["train", *TINY, "--steps", "6", "--checkpoint-dir", str(tmp_path / "run"), "--resume"]) == 1
+    resume = ["--steps", "6", "--checkpoint-dir", str(tmp_path / "run"), "--resume", *scanned]
+    assert main(["train", *TINY, *resume]) == 1
     assert "was saved under --dropout 0.2, this run --dropout 0.0," in capsys.readouterr().err
 
 

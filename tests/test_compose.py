@@ -368,8 +368,11 @@ def val_losses(tmp_path, name: str) -> list[float]:
 
 
 @needs_shakespeare
-@pytest.mark.slow  # three GPT trainings of 30 steps
-def test_train_prints_the_val_loss_of_dp_under_fsdp_tp_pp_and_dp_tp_cp(tmp_path):
+@pytest.mark.slow  # four GPT trainings of 30 steps
+def test_train_prints_the_val_loss_of_dp_under_compositions(tmp_path, capsys):
+    """The issue's two compositions, and dp+cp: ring attention alone (tests/test_cli.py's own run of it
+    compiled a dp baseline of its own)."""
     expected = val_losses(tmp_path, "dp")
-    for name in ("fsdp+tp+pp", "dp+tp+cp"):
+    for name in ("fsdp+tp+pp", "dp+tp+cp", "dp+cp"):
         assert val_losses(tmp_path, name) == pytest.approx(expected, rel=1e-4), name
+    assert "blocks[0].attention" in capsys.readouterr().out  # the plan, printed before training
