@@ -73,8 +73,8 @@ def test_a_compiled_zero1_adamw_step_of_the_gpt_holds_megatrons_row(compute, pre
     split, to the byte; each device's float32 gradients are whole, the reduce-scatter's operand (d times
     its result). Together Ψ(a + b/d), Ψ padded per array to split d ways: 8 + 8/d in float32, 6 + 12/d
     in bfloat16. No term of the temporaries shrinks with d: ZeRO-1 splits no gradient. The rows are per
-    parameter, so one block shows them as the default GPT's four do (docs/memory.md prints those), in a
-    third of the compile time."""
+    parameter, so one block shows them as the default GPT's four would, in a third of the compile time
+    (docs/memory.md prints them for the same one-block GPT at d = 2, 4, 8)."""
     model = GPT(depth=1, key=jax.random.key(0))
     terms, psi = bytes_per_parameter(precision, "adamw"), sum(leaf.size for leaf in jax.tree.leaves(model))
     whole = sum(size for name, size in terms.items() if name not in mm.ZERO_SPLITS[1])
