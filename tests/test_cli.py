@@ -610,8 +610,22 @@ def test_explain_compare_size_says_where_a_given_layout_ranks(capsys):
 
 def test_explain_compare_size_repeats_prices_every_pipeline_interleaved(capsys):
     # --repeats 2: Megatron's 1T pipeline of 64 stages, 2 of its 128 layers a stage, one a chunk
-    argv = ["explain", "--compare", "--size", "megatron-1t", "--hardware", "a100", "--devices", "3072",
-            "--batch-size", str(3072 * 2048), "--context", "2048", "--layout", "dp=6,tp=8,pp=64"]
+    argv = [
+        "explain",
+        "--compare",
+        "--size",
+        "megatron-1t",
+        "--hardware",
+        "a100",
+        "--devices",
+        "3072",
+        "--batch-size",
+        str(3072 * 2048),
+        "--context",
+        "2048",
+        "--layout",
+        "dp=6,tp=8,pp=64",
+    ]
     assert main([*argv, "--repeats", "2"]) == 0
     ranking = layouts.rank(serving.MEGATRON_1T, 3072 * 2048, 3072, "a100", 2048, repeats=2)
     fit = [cost for cost in ranking.costs if cost.fits]

@@ -75,6 +75,7 @@ def test_grouped_queries_are_predicted_within_15_percent():
     predicted, compiled = predicted_and_compiled([*SIZES["6x384"], "--precision", "bf16", "--kv-heads", "2"])
     assert 0.85 <= predicted.temporaries / compiled.temporaries <= 1.15, predicted.table(compiled)
 
+
 IN_THE_SUITE = {("6x384", "fp32", "none")}
 """One compile of the table's eight in ``make test`` (20-60 s on 2 cores): the chapter's claim, within
 15%. The rest, the known gaps among them, run where XLA:TPU compiles in seconds, on the chip
