@@ -158,7 +158,8 @@ def test_the_gpt_refuses_bad_input_before_any_work():
     with pytest.raises(ValueError, match=r"character ids \[B, T\]"):
         small_gpt()(jnp.zeros((2, 16)))  # floats, not ids
     with pytest.raises(
-        ValueError, match="unknown core 'sparse'; choose from dense, ring, flash, flash-interpreted"
+        ValueError,
+        match="unknown core 'sparse'; choose from dense, ring, flash, flash-interpreted, ring-flash, ",
     ):
         Attention(8, 2, key=jax.random.key(0), core="sparse")
     with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0"):
