@@ -1,4 +1,5 @@
-"""minishard.flash: the Pallas kernels, in Pallas's TPU interpreter on the CPU.
+"""minishard.flash: the Pallas kernels, in Pallas's TPU interpreter on the CPU; alone, and as a
+ring's pairs of chunks (``flash_pairs``) on simulated devices.
 
 The oracle is ``context.attention`` (the one softmax attention): forward and gradients, float32.
 Interpreted, each grid step costs milliseconds, so the shapes are tiny and the examples few:
@@ -275,19 +276,20 @@ def ring_by_kernels(p, order, causal, pair_core):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
+@pytest.mark.slow  # interpreted kernels, each call a barrier of every device: 30 s at p = 2
 @pytest.mark.parametrize(
-    ("order", "causal"),
-    [("zigzag", True), pytest.param("in-order", False, marks=pytest.mark.slow)],
+    ("p", "order", "causal", "chunk", "block"),
+    [(4, "zigzag", True, 16, 8), (4, "in-order", False, 16, 8)],  # tiles across the diagonal
 )
-def test_the_ring_with_flash_pairs_is_attention_forward_and_gradients(order, causal):
-    """4 devices, chunks of 16 tokens in blocks of 8 (tiles across the diagonal), 2 query heads on
-    one K/V head: the kernels' pairs, merged and summed by the ring, are grouped attention."""
-    p, heads, kv_heads, seq_len = 4, 2, 1, 16 * 4 * context.CHUNKS[order]
-    q = jax.random.normal(jax.random.key(0), (1, seq_len, heads, 8))
-    k, v = jax.random.normal(jax.random.key(1), (2, 1, seq_len, kv_heads, 8))
+def test_the_ring_with_flash_pairs_is_attention_forward_and_gradients(p, order, causal, chunk, block):
+    """2 query heads on one K/V head: the kernels' pairs, merged and summed by the ring, are
+    grouped attention, forward and gradients."""
+    seq_len = chunk * p * context.CHUNKS[order]
+    q = jax.random.normal(jax.random.key(0), (1, seq_len, 2, 8))
+    k, v = jax.random.normal(jax.random.key(1), (2, 1, seq_len, 1, 8))
     dense = lambda q, k, v: jnp.sum(jnp.sin(grouped_attention(q, k, v, causal=causal)))  # noqa: E731
     want_loss, want = jax.value_and_grad(dense, argnums=(0, 1, 2))(q, k, v)
-    pairs = flash.flash_pairs(block_q=8, block_k=8, interpret=True)
+    pairs = flash.flash_pairs(block_q=block, block_k=block, interpret=True)
     got_loss, got = jax.block_until_ready(ring_by_kernels(p, order, causal, pairs)(q, k, v))
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5)
     for name, a, b in zip("qkv", got, want, strict=True):
