@@ -123,51 +123,64 @@ def mesh_has(where: str, axis: str, mesh_axes: tuple[str, ...]) -> None:
         )
 
 
-def flash(q: Any, k: Any, v: Any, blocks: Any, interpret: bool, row_tile: int, score_tile: int) -> None:
+def flash(
+    q: Any,
+    k: Any,
+    v: Any,
+    blocks: Any,
+    interpret: bool,
+    row_tile: int,
+    score_tile: int,
+    where: str = "flash_attention",
+    tokens: str = "sequence",
+) -> None:
     """The flash kernel's inputs: q, k, v of one ``[batch, seq, heads, head_dim]`` shape, blocks that
     tile the sequence (divisors of it, multiples of the TPU's 8 sublanes or the whole; on a TPU query
-    blocks of 128 lanes), tiles that fit VMEM, and a TPU to run on (or the interpreter)."""
-    qkv("flash_attention", q, k, v, grouped=False)
+    blocks of 128 lanes), tiles that fit VMEM, and a TPU to run on (or the interpreter). ``where``
+    names the caller, ``tokens`` what its sequence is (a ring's pair's: "chunk")."""
+    qkv(where, q, k, v, grouped=False)
     if jnp.shape(q) != jnp.shape(k):
-        raise ValueError(f"flash_attention: q {jnp.shape(q)} and k {jnp.shape(k)}: one sequence, one shape")
+        raise ValueError(f"{where}: q {jnp.shape(q)} and k {jnp.shape(k)}: one sequence, one shape")
     seq_len, head_dim = jnp.shape(q)[1], jnp.shape(q)[3]
     for name, block in zip(("block_q", "block_k"), blocks):
         if not is_count(block) or seq_len % block or (block % 8 and block != seq_len):
             fits = [n for n in range(8, min(seq_len, 1024) + 1, 8) if seq_len % n == 0] or [seq_len]
             raise ValueError(
-                f"flash_attention: {name}={block} does not tile the sequence of {seq_len} tokens; use a "
+                f"{where}: {name}={block} does not tile the {tokens} of {seq_len} tokens; use a "
                 f"divisor of it that is a multiple of 8 (the TPU's sublanes) or {seq_len} itself: "
                 f"{', '.join(map(str, fits[-4:]))}"
             )
-    flash_tiles(blocks, head_dim, jnp.dtype(q.dtype).itemsize, row_tile, score_tile)
+    flash_tiles(blocks, head_dim, jnp.dtype(q.dtype).itemsize, row_tile, score_tile, where)
     if not interpret and blocks[0] % 128 and blocks[0] != seq_len:
         fits = [n for n in range(128, min(seq_len, 1024) + 1, 128) if seq_len % n == 0] or [seq_len]
         raise ValueError(
-            f"flash_attention: block_q={blocks[0]}: on a TPU the backward pass lays a query block's lse "
-            f"along the 128 lanes, so block_q is a multiple of 128 or the whole sequence ({seq_len}): "
+            f"{where}: block_q={blocks[0]}: on a TPU the backward pass lays a query block's lse "
+            f"along the 128 lanes, so block_q is a multiple of 128 or the whole {tokens} ({seq_len}): "
             f"{', '.join(map(str, fits[-4:]))} (the interpreter takes any multiple of 8)"
         )
     device = getattr(jax.config, "jax_default_device", None) or jax.devices()[0]  # where it would run
     platform = getattr(device, "platform", str(device))
     if not interpret and platform != "tpu":
         raise ValueError(
-            f"flash_attention: the Pallas kernel runs on a TPU, and this device is a {platform}; pass "
+            f"{where}: the Pallas kernel runs on a TPU, and this device is a {platform}; pass "
             "interpret=True to run it here (slowly, as the tests do), or use minishard.context.attention"
         )
 
 
-def flash_tiles(blocks: Any, head_dim: int, itemsize: int, row_tile: int, score_tile: int) -> None:
+def flash_tiles(
+    blocks: Any, head_dim: int, itemsize: int, row_tile: int, score_tile: int, where: str = "flash_attention"
+) -> None:
     """The flash kernel's tiles fit VMEM: a ``[block, head_dim]`` tile and the float32 score tile."""
     rows = max(blocks) * max(head_dim, 128) * itemsize  # a tile's lanes: 128 at least
     if rows > row_tile:
         raise ValueError(
-            f"flash_attention: head_dim {head_dim} makes [{max(blocks)}, {head_dim}] tiles of "
+            f"{where}: head_dim {head_dim} makes [{max(blocks)}, {head_dim}] tiles of "
             f"{rows / 2**20:g} MiB, over the {row_tile / 2**20:g} MiB that fit VMEM beside the rest; "
             f"use smaller blocks (at most {row_tile // (max(head_dim, 128) * itemsize)} rows) or heads"
         )
     if blocks[0] * blocks[1] * 4 > score_tile:
         raise ValueError(
-            f"flash_attention: block_q x block_k = {blocks[0]} x {blocks[1]} makes a float32 score tile of "
+            f"{where}: block_q x block_k = {blocks[0]} x {blocks[1]} makes a float32 score tile of "
             f"{blocks[0] * blocks[1] * 4 / 2**20:g} MiB, over the {score_tile / 2**20:g} MiB that fit "
             f"VMEM three times; use blocks with block_q x block_k <= {score_tile // 4:,}"
         )

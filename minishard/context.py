@@ -15,12 +15,15 @@ ways: all-gather, all-to-all, and Megatron's sequence parallelism):
 2. **Where the chunks live.** A sequence's chunk order, in order or zig-zag (``CHUNKS``: device
    i holds chunks i and 2p-1-i of 2p); ``chunks`` names them, ``meets`` which chunks a device's
    queries meet at each step, ``needed`` and ``kind`` whether a pair is computed, masked (the
-   diagonal) or skipped (all in the future), ``pair_kinds`` the whole grid (a ``Cell`` per
-   device and step) and ``balance`` its slowest device. ``span`` and ``held_order`` give the
-   tokens' positions as the devices hold them; ``permute`` deals a sequence out in that order.
+   diagonal) or skipped (all in the future): ``KINDS``, by ``kind_index``; ``pair_kinds`` the
+   whole grid (a ``Cell`` per device and step) and ``balance`` its slowest device. ``span`` and
+   ``held_order`` give the tokens' positions as the devices hold them; ``permute`` deals a
+   sequence out in that order.
 3. **The ring.** ``ring_forward``, p steps of ``attend`` and ``merge``, K and V passed on.
    Keys and values of fewer heads than the queries (grouped-query attention) travel as they
-   are, and are ``repeated`` for the query heads where they arrive: a group's bytes once.
+   are, and are ``repeated`` for the query heads where they arrive: a group's bytes once. A
+   ``PairCore`` attends each pair of chunks, by its kind: ``DENSE_PAIRS`` (``attend``) unless
+   the ring is given another (``minishard.flash``'s kernels, which come later in the book).
 4. **The backward ring.** ``ring_attention`` is ``ring_forward`` with a ``jax.custom_vjp``
    that sends K, V and their gradients round again, so the backward pass keeps one chunk per
    device, whatever p; each pair's gradients come from the final ``(out, lse)``
@@ -38,6 +41,7 @@ over a split cache, its memory terms, a report of a compiled step) is ``minishar
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -60,6 +64,9 @@ Dropped = Callable[[jax.Array], jax.Array] | None
 """What becomes of the softmax's weights (a model's dropout), or None."""
 Cell = tuple[str, ...]
 """One device's step in ``pair_kinds``: the ``kind`` of each pair of chunks it meets."""
+KINDS = ("skipped", "computed", "masked")
+"""What a pair of chunks costs, by ``kind_index``: nothing (all its keys in the future), every
+score, or every score with the future's masked (the diagonal)."""
 
 # --- 1. attention in pieces: the online softmax ------------------------------------
 
@@ -183,9 +190,20 @@ def needed(q_chunk: Any, k_chunk: Any, causal: bool) -> Any:
 
 def kind(q_chunk: int, k_chunk: int, causal: bool = True) -> str:
     """``"computed"``, ``"masked"`` (the diagonal: half of it is in the future) or ``"skipped"``."""
-    if not needed(q_chunk, k_chunk, causal):
-        return "skipped"
-    return "masked" if causal and q_chunk == k_chunk else "computed"
+    return KINDS[kind_index(q_chunk, k_chunk, causal)]
+
+
+def kind_index(q_chunk: Any, k_chunk: Any, causal: bool = True) -> Any:
+    """The pair's ``kind`` as its index in ``KINDS``: an int, or traced where the chunks are (in
+    the ring, always: a device's chunks are its ``axis_index``'s), for a ``lax.switch`` to pick by.
+
+    >>> [KINDS[kind_index(q_chunk=1, k_chunk=k)] for k in (0, 1, 2)]
+    ['computed', 'masked', 'skipped']
+    """
+    if not causal:
+        return 1
+    diagonal = q_chunk == k_chunk
+    return needed(q_chunk, k_chunk, causal) * (1 + diagonal)
 
 
 def pair_kinds(p: int, order: str = "in-order", causal: bool = True) -> list[list[Cell]]:
@@ -272,14 +290,14 @@ def ring_forward(
     axis: str,
     causal: bool = False,
     order: str = "in-order",
+    pair_core: PairCore | None = None,
 ) -> Any:
     """The ring's forward pass in ``shard_map``: ``(out, lse)`` of this device's queries, float32.
 
-    p steps, each attending and merging the needed pairs that ``meets`` names. The next step's
-    K and V leave *before* this step's work, so a GPU or TPU can hide the transfer behind it;
-    the last step sends nothing: 2(p-1) collective-permutes. ``jax.grad`` can differentiate this
-    as it is, and then keeps every step's K, V and scores.
-    """
+    p steps, each attending (by ``pair_core``: ``DENSE_PAIRS`` if None) and merging the needed
+    pairs that ``meets`` names. K and V leave *before* a step's work, so a GPU or TPU can hide
+    the transfer behind it; the last step sends nothing: 2(p-1) collective-permutes. ``jax.grad``
+    can differentiate this as it is, and then keeps every step's K, V and scores."""
     _checks_context.context_inputs("ring_attention", q, k, v, axis, order, CHUNKS)
     p = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
@@ -289,30 +307,52 @@ def ring_forward(
     def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
         acc, kv = carry
         passed = jax.lax.ppermute(kv, axis, ring_pairs(p))  # sent now, used at the next step
-        return (_visit(acc, qs, kv, *meets(me, s, p, order), causal), passed), None
+        return (_visit(acc, qs, kv, meets(me, s, p, order), causal, pair_core), passed), None
 
     (acc, kv), _ = jax.lax.scan(step, (tuple(no_keys_yet), (k, v)), jnp.arange(p - 1))
-    acc = _visit(acc, qs, kv, *meets(me, p - 1, p, order), causal)
+    acc = _visit(acc, qs, kv, meets(me, p - 1, p, order), causal, pair_core)
     return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*acc))
 
 
-def _visit(acc: Any, qs: Any, kv: Any, mine: Any, theirs: Any, causal: bool) -> Any:
+class PairCore(NamedTuple):
+    """How the ring attends one pair of chunks: ``attend``, of ``attend``'s signature, the pair's
+    ``Partial``; ``grads``, of ``attend_grads``', its share of ``(dq, dk, dv)``.
+
+    The ring calls each with ``causal=True`` on the diagonal (a chunk and itself) and
+    ``causal=False`` on a pair whose keys all come before its queries; a skipped pair, never. So a
+    core may take the mask from the index, as ``minishard.flash.flash_pairs`` (the Pallas kernels)
+    does. ``DENSE_PAIRS`` (``attend``, ``attend_grads``) is the default.
+    """
+
+    attend: Callable[..., Partial]
+    grads: Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def _visit(acc: Any, qs: Any, kv: Any, meeting: Any, causal: bool, core: PairCore | None) -> Any:
     """One step: each needed pair attended and merged into its query chunk's running result."""
-
-    def merged(running: Partial, pair: _Pair) -> Partial:
-        part = attend(pair.q, pair.k, pair.v, pair.q_pos, pair.k_pos, causal=causal)
-        return merge(*running, *part)
-
+    mine, theirs = meeting  # the chunks of this device's queries, and of the K and V passing by
+    merged = functools.partial(_merged, core or DENSE_PAIRS)
     acc = list(acc)
     k, v = kv
     group = qs[0].shape[2] // k.shape[2]  # query heads per K/V head: 1 but under GQA
     ks = jnp.split(repeated(k, group), len(theirs), axis=1)  # repeated here, after the send
     vs = jnp.split(repeated(v, group), len(theirs), axis=1)
     size = qs[0].shape[1]
-    for a, b, run in _pairs(mine, theirs, causal):
+    for a, b, which in _pairs(mine, theirs, causal):
         pair = _Pair(qs[a], ks[b], vs[b], span(mine[a], size), span(theirs[b], size))
-        acc[a] = _when(run, merged, acc[a], pair)
+        acc[a] = _by_kind(which, merged, acc[a], pair)
     return tuple(acc)
+
+
+def _merged(core: PairCore, masked: bool) -> Callable[[Partial, _Pair], Partial]:
+    """A pair attended by ``core.attend`` (``masked``: the diagonal's), merged into the running
+    result of its query chunk."""
+
+    def attended(running: Partial, pair: _Pair) -> Partial:
+        part = core.attend(pair.q, pair.k, pair.v, pair.q_pos, pair.k_pos, causal=masked)
+        return merge(*running, *part)
+
+    return attended
 
 
 class _Pair(NamedTuple):
@@ -327,17 +367,19 @@ class _Pair(NamedTuple):
 
 def _pairs(mine: Any, theirs: Any, causal: bool) -> Iterator[tuple[int, int, Any]]:
     """A step's pairs: the query chunk's index in ``mine``, the key chunk's in ``theirs``, and
-    whether the pair is needed (traced where the chunks are)."""
+    the pair's ``kind_index`` (traced where the chunks are)."""
     for a, b in itertools.product(range(len(mine)), range(len(theirs))):
-        yield a, b, needed(mine[a], theirs[b], causal)
+        yield a, b, kind_index(mine[a], theirs[b], causal)
 
 
-def _when(run: Any, fn: Callable[[Any, Any], Any], kept: Any, operands: Any) -> Any:
-    """``fn(kept, operands)`` if ``run``, else ``kept``: a ``lax.cond``, so a skipped pair
-    costs nothing."""
-    if run is True:
-        return fn(kept, operands)
-    return jax.lax.cond(run, fn, lambda kept, _: kept, kept, operands)
+def _by_kind(which: Any, work: Callable[[bool], Any], kept: Any, operands: Any) -> Any:
+    """``work(masked)(kept, operands)`` as ``KINDS[which]`` says, masked on the diagonal; ``kept``
+    if skipped. A ``lax.switch`` where ``which`` is traced: a skipped pair costs nothing, and each
+    other kind runs code of its own (a kernel's causal grid, or its full one)."""
+    branches = [lambda kept, _: kept, work(False), work(True)]
+    if isinstance(which, int):
+        return branches[which](kept, operands)
+    return jax.lax.switch(which, branches, kept, operands)
 
 
 def _nothing_seen(q: jax.Array) -> Partial:
@@ -352,7 +394,14 @@ def _nothing_seen(q: jax.Array) -> Partial:
 
 
 def ring_attention(
-    q: Any, k: Any, v: Any, *, axis: str, causal: bool = False, order: str = "in-order"
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    axis: str,
+    causal: bool = False,
+    order: str = "in-order",
+    pair_core: PairCore | None = None,
 ) -> Any:
     """Attention of this device's queries over the whole sequence, inside ``shard_map`` over
     ``axis``.
@@ -360,7 +409,9 @@ def ring_attention(
     ``q, k, v``: this device's ``[batch, seq / p, heads, head_dim]``, its chunks in the
     chunk order ``order``; k and v may have fewer heads, a divisor of q's (grouped-query
     attention), and travel so. The forward pass is ``ring_forward``; the backward pass keeps only
-    ``q, k, v, out, lse`` and sends K, V, dK, dV round the ring again.
+    ``q, k, v, out, lse`` and sends K, V, dK, dV round the ring again. ``pair_core`` attends and
+    differentiates each pair (``DENSE_PAIRS`` by default; ``minishard.flash.flash_pairs()``, the
+    Pallas kernels).
 
     >>> import functools, minishard as ms
     >>> from jax.sharding import PartitionSpec as P
@@ -371,18 +422,18 @@ def ring_attention(
     >>> float(jnp.abs(ring(q, k, v) - attention(q, k, v, causal=True)).max()) < 1e-5
     True
     """
-    return _ring(q, k, v, axis, causal, order)
+    return _ring(q, k, v, axis, causal, order, pair_core or DENSE_PAIRS)
 
 
-def _ring_fwd(q: Any, k: Any, v: Any, axis: str, causal: bool, order: str) -> Any:
-    out, lse = ring_forward(q, k, v, axis=axis, causal=causal, order=order)
+def _ring_fwd(q: Any, k: Any, v: Any, axis: str, causal: bool, order: str, core: PairCore) -> Any:
+    out, lse = ring_forward(q, k, v, axis=axis, causal=causal, order=order, pair_core=core)
     return out.astype(q.dtype), (q, k, v, out, lse)  # one chunk of each: flat in p
 
 
-def _ring_bwd(axis: str, causal: bool, order: str, residuals: Any, g: jax.Array) -> Any:
+def _ring_bwd(axis: str, causal: bool, order: str, core: PairCore, saved: Any, g: Any) -> Any:
     """The backward ring: K, V and their gradients travel together; dK and dV are home after p
     sends."""
-    q, k, v, out, lse = residuals
+    q, k, v, out, lse = saved
     p = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
     pieces = CHUNKS[order]
@@ -395,44 +446,54 @@ def _ring_bwd(axis: str, causal: bool, order: str, residuals: Any, g: jax.Array)
     def step(carry: Any, s: jax.Array) -> tuple[Any, None]:
         dqs, kv, dkv = carry
         passed = jax.lax.ppermute(kv, axis, ring_pairs(p))  # K and V, sent before this step's work
-        dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, *meets(me, s, p, order), causal)
+        meeting = meets(me, s, p, order)
+        dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, meeting, causal, core)
         return (dqs, passed, jax.lax.ppermute(dkv, axis, ring_pairs(p))), None
 
     (dqs, kv, dkv), _ = jax.lax.scan(step, (dqs, (k, v), dkv), jnp.arange(p - 1))
-    dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, *meets(me, p - 1, p, order), causal)
+    meeting = meets(me, p - 1, p, order)
+    dqs, dkv = _visit_grads(dqs, dkv, qs, upstream, kv, meeting, causal, core)
     dk, dv = jax.lax.ppermute(dkv, axis, ring_pairs(p))  # the last step's gradients, home
     return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def _visit_grads(
-    dqs: Any, dkv: Any, qs: Any, upstream: Any, kv: Any, mine: Any, theirs: Any, causal: bool
+    dqs: Any, dkv: Any, qs: Any, upstream: Any, kv: Any, meeting: Any, causal: bool, core: PairCore
 ) -> Any:
     """A backward step: each needed pair adds to its dq (kept) and dk, dv (travelling with k, v,
     of their heads)."""
+    mine, theirs = meeting  # the chunks of this device's queries, and of the K and V passing by
     dqs = list(dqs)
     k, v = kv
     dk, dv = dkv
     group = qs[0].shape[2] // k.shape[2]  # query heads per K/V head: 1 but under GQA
+    added = functools.partial(_added, core, group)
+    ks, vs = (jnp.split(repeated(x, group), len(theirs), axis=1) for x in (k, v))
+    dks, dvs = (jnp.split(x, len(theirs), axis=1) for x in (dk, dv))  # a K/V head's: travel
+    size = qs[0].shape[1]
+    for a, b, which in _pairs(mine, theirs, causal):
+        pair = _Pair(qs[a], ks[b], vs[b], span(mine[a], size), span(theirs[b], size))
+        sums = _by_kind(which, added, _Sums(dqs[a], dks[b], dvs[b]), (pair, upstream[a]))
+        dqs[a] = sums.dq
+        dks[b] = sums.dk
+        dvs[b] = sums.dv
+    return tuple(dqs), (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
 
-    def added(sums: _Sums, operands: tuple[_Pair, _Upstream]) -> _Sums:
+
+def _added(core: PairCore, group: int, masked: bool) -> Callable[[_Sums, Any], _Sums]:
+    """A pair's gradients by ``core.grads``, added to its sums: dk and dv of the repeated heads,
+    ``summed`` over each group of query heads. ``masked``: the diagonal's."""
+
+    def differentiated(sums: _Sums, operands: tuple[_Pair, _Upstream]) -> _Sums:
         pair, up = operands
-        dq, dk_heads, dv_heads = attend_grads(  # dk and dv of the repeated heads
-            pair.q, pair.k, pair.v, up.out, up.g, up.lse, pair.q_pos, pair.k_pos, causal=causal
+        dq, dk_heads, dv_heads = core.grads(
+            pair.q, pair.k, pair.v, up.out, up.g, up.lse, pair.q_pos, pair.k_pos, causal=masked
         )
         dk = summed(dk_heads, group)
         dv = summed(dv_heads, group)
         return _Sums(sums.dq + dq, sums.dk + dk, sums.dv + dv)
 
-    ks, vs = (jnp.split(repeated(x, group), len(theirs), axis=1) for x in (k, v))
-    dks, dvs = (jnp.split(x, len(theirs), axis=1) for x in (dk, dv))  # a K/V head's: travel
-    size = qs[0].shape[1]
-    for a, b, run in _pairs(mine, theirs, causal):
-        pair = _Pair(qs[a], ks[b], vs[b], span(mine[a], size), span(theirs[b], size))
-        sums = _when(run, added, _Sums(dqs[a], dks[b], dvs[b]), (pair, upstream[a]))
-        dqs[a] = sums.dq
-        dks[b] = sums.dk
-        dvs[b] = sums.dv
-    return tuple(dqs), (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
+    return differentiated
 
 
 def attend_grads(
@@ -482,7 +543,9 @@ class _Sums(NamedTuple):
     dv: jax.Array
 
 
-_ring = jax.custom_vjp(lambda *args: _ring_fwd(*args)[0], nondiff_argnums=(3, 4, 5))
+DENSE_PAIRS = PairCore(attend, attend_grads)
+"""The ring's default ``PairCore``: each pair's scores in full, ``[b, h, chunk, chunk]``, by XLA."""
+_ring = jax.custom_vjp(lambda *args: _ring_fwd(*args)[0], nondiff_argnums=(3, 4, 5, 6))
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
@@ -502,9 +565,12 @@ def ring_permutes(p: int) -> tuple[int, int]:
 __all__ = [
     "CHUNKS",
     "Cell",
+    "DENSE_PAIRS",
     "Dropped",
     "F32",
+    "KINDS",
     "MASK_VALUE",
+    "PairCore",
     "Partial",
     "attend",
     "attend_grads",
@@ -513,6 +579,7 @@ __all__ = [
     "chunks",
     "held_order",
     "kind",
+    "kind_index",
     "meets",
     "merge",
     "merge_weights",

@@ -29,6 +29,10 @@ lives; this one never writes the scores anywhere:
 4. **The kernels called.** ``flash_attention`` lays the arrays out as the kernels tile them
    (``laid``; a ``Shape``: the blocks, the heads side by side in a row, ``head_dim``) and runs
    the three kernels as one ``jax.custom_vjp``.
+5. **A ring's pairs.** ``flash_pairs`` hands ``context.ring_attention`` the kernels as its
+   ``context.PairCore``: ``flash_attend``, a pair's partial softmax ``(out, lse)``, and
+   ``flash_attend_grads``, its gradients from the ring's whole ``out``, ``g`` and ``lse``; the
+   causal grid on the diagonal, the full one where every key is visible.
 
 >>> causal_share(seq_len=4096, block_q=512, block_k=512)   # 36 of 64 blocks run
 0.5625
@@ -251,16 +255,23 @@ def dkv_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 def _pallas(kernel: Any, grid: Any, tiles: Any, outs: Any, scratch: Any, interpret: bool) -> Any:
     """``kernel`` over ``grid``: ``tiles`` the inputs' ``BlockSpec``\\ s, ``outs`` ``(array, tile)``
     per output, ``scratch`` the float32 VMEM shapes that live across the grid's last axis."""
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=tiles,
-        out_specs=[tile for _, tile in outs],
-        out_shape=[array for array, _ in outs],
-        scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=SEMANTICS),
-        interpret=pltpu.InterpretParams() if interpret else False,
-    )
+
+    def call(*operands: Any) -> Any:
+        # Inside a shard_map (a ring's), the outputs vary over its axes as q, the first input, does.
+        varying = jax.typeof(operands[0]).manual_axis_type
+        arrays = [jax.ShapeDtypeStruct(a.shape, a.dtype, manual_axis_type=varying) for a, _ in outs]
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            in_specs=tiles,
+            out_specs=[tile for _, tile in outs],
+            out_shape=arrays,
+            scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=SEMANTICS),
+            interpret=pltpu.InterpretParams() if interpret else False,
+        )(*operands)
+
+    return call
 
 
 def _tiles(shape: Shape, rows_at: Any, keys_at: Any, lanes: bool = False) -> Any:
@@ -282,13 +293,17 @@ def _row(r: Any, block: Any, heads: int) -> tuple[Any, Any, Any]:
     return r // heads, block, r % heads
 
 
-def _forward(q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
-    """``out`` (q's shape) and ``lse [rows, T, 1]`` (rows: batch·heads), grid ``(rows, i, j)``."""
+def _forward(
+    q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bool, out_dtype: Any = None
+) -> Any:
+    """``out`` (q's shape, in ``out_dtype``: q's by default) and ``lse [rows, T, 1]`` (rows:
+    batch·heads), grid ``(rows, i, j)``."""
     blocks, heads, head_dim = shape
     keys_at = functools.partial(key_tile, blocks=blocks, causal=causal)
     rows, per_row, keys = _tiles(shape, lambda i, j: i, keys_at)
     grid = (q.shape[0] * heads, q.shape[1] // blocks[0], k.shape[1] // blocks[1])
-    outs = [(jax.ShapeDtypeStruct(q.shape, q.dtype), rows), (_per_row(q, heads), per_row)]
+    out = jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype)
+    outs = [(out, rows), (_per_row(q, heads), per_row)]
     scratch = [(blocks[0], head_dim), (blocks[0], 1)]
     kernel = functools.partial(forward_kernel, blocks=blocks, causal=causal)
     return _pallas(kernel, grid, [rows, keys, keys], outs, scratch, interpret)(q, k, v)
@@ -299,7 +314,7 @@ def _per_row(q: Any, heads: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((q.shape[0] * heads, q.shape[1], 1), jnp.float32)
 
 
-def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
+def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool, out_dtype: Any = None) -> Any:
     """dq (q's shape) on the forward's grid ``(rows, i, j)``: the key blocks innermost."""
     q, k = operands[:2]
     blocks, heads, head_dim = shape
@@ -307,12 +322,12 @@ def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
     rows, per_row, keys = _tiles(shape, lambda i, j: i, keys_at)
     grid = (q.shape[0] * heads, q.shape[1] // blocks[0], k.shape[1] // blocks[1])
     kernel = functools.partial(dq_kernel, blocks=blocks, causal=causal)
-    outs = [(jax.ShapeDtypeStruct(q.shape, q.dtype), rows)]
+    outs = [(jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype), rows)]
     tiles = [rows, keys, keys, rows, per_row, per_row]
     return _pallas(kernel, grid, tiles, outs, [(blocks[0], head_dim)], interpret)(*operands)[0]
 
 
-def _dkv(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
+def _dkv(operands: Any, shape: Shape, causal: bool, interpret: bool, out_dtype: Any = None) -> Any:
     """dk and dv (k's shape) on the grid ``(rows, j, i)``: the query blocks innermost, their lse,
     delta ``[rows, 1, T]``, a new tile at each step: dense, 4 bytes a query, not 128 lanes' 512."""
     q, k = operands[:2]
@@ -321,7 +336,7 @@ def _dkv(operands: Any, shape: Shape, causal: bool, interpret: bool) -> Any:
     rows, per_row, keys = _tiles(shape, rows_at, lambda j, i: j, lanes=True)
     grid = (q.shape[0] * heads, k.shape[1] // blocks[1], q.shape[1] // blocks[0])
     kernel = functools.partial(dkv_kernel, blocks=blocks, causal=causal)
-    outs = [(jax.ShapeDtypeStruct(k.shape, k.dtype), keys)] * 2
+    outs = [(jax.ShapeDtypeStruct(k.shape, out_dtype or k.dtype), keys)] * 2
     tiles = [rows, keys, keys, rows, per_row, per_row]
     return _pallas(kernel, grid, tiles, outs, [(blocks[1], head_dim)] * 2, interpret)(*operands)
 
@@ -331,9 +346,12 @@ def _flash_fwd(q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bo
     return out, (q, k, v, out, lse)  # what the backward pass keeps: no weights, one lse per query
 
 
-def _flash_bwd(shape: Shape, causal: bool, interpret: bool, residuals: Any, g: Any) -> Any:
+def _flash_bwd(
+    shape: Shape, causal: bool, interpret: bool, residuals: Any, g: Any, out_dtype: Any = None
+) -> Any:
     """Two grids: dq summed over the key blocks, dk and dv over the query blocks. ``delta =
-    Σ g·out`` per query and head (``context.attend_grads``' step 3): one XLA reduction, before."""
+    Σ g·out`` per query and head (``context.attend_grads``' step 3): one XLA reduction, before.
+    The gradients in ``out_dtype``: the inputs' by default."""
     q, k, v, out, lse = residuals
     rows, seq_len = q.shape[:2]  # rows: batch·heads, or batch with the heads side by side
     heads = shape[1]
@@ -341,8 +359,8 @@ def _flash_bwd(shape: Shape, causal: bool, interpret: bool, residuals: Any, g: A
     delta = per_head.sum(-1).swapaxes(1, 2).reshape(rows * heads, seq_len, 1)  # as lse is laid
     tiles = (q, k, v, g.astype(q.dtype))
     along_lanes = (lse.swapaxes(1, 2), delta.swapaxes(1, 2))  # [rows, 1, T]
-    dk, dv = _dkv((*tiles, *along_lanes), shape, causal, interpret)
-    return _dq((*tiles, lse, delta), shape, causal, interpret), dk, dv
+    dk, dv = _dkv((*tiles, *along_lanes), shape, causal, interpret, out_dtype)
+    return _dq((*tiles, lse, delta), shape, causal, interpret, out_dtype), dk, dv
 
 
 _flash = jax.custom_vjp(lambda *args: _flash_fwd(*args)[0], nondiff_argnums=(3, 4, 5))
@@ -367,15 +385,43 @@ def flash_attention(
     before the tokens first, ``[batch · heads, T, head_dim]``, one XLA copy there and one back.
     ``interpret``: run in Pallas's TPU interpreter, on any backend (the tests do, on CPU).
     """
-    blocks = (block_q or min(BLOCK, q.shape[1]), block_k or min(BLOCK, q.shape[1]))
-    # fit VMEM, a TPU
-    _checks_context.flash(q, k, v, blocks, interpret, ROW_TILE_BYTES, SCORE_TILE_BYTES)
-    heads, head_dim = q.shape[2:]
-    side_by_side = head_dim % 128 == 0  # each head a tile of the lanes as it lies
-    scaled = (q.astype(jnp.float32) * head_dim**-0.5).astype(q.dtype)  # fused into the copy, if any
-    shape = (blocks, heads if side_by_side else 1, head_dim)
-    out = _flash(*(laid(x, side_by_side) for x in (scaled, k, v)), shape, causal, interpret)
-    return laid(out, side_by_side, like=q)
+    asked = (block_q, block_k)
+    shape = _kernel_shape(q, k, v, asked, interpret, where="flash_attention", tokens="sequence")
+    out = _flash(*_kernel_inputs(q, k, v), shape, causal, interpret)
+    return laid(out, _side_by_side(q), like=q)
+
+
+def _kernel_shape(
+    q: Any,
+    k: Any,
+    v: Any,
+    asked: Any,
+    interpret: bool,
+    *,
+    where: str,
+    tokens: str,
+) -> Shape:
+    """The kernels' ``Shape`` of q, k, v: the ``asked`` blocks (``BLOCK`` capped at T, where
+    None), checked to tile T, fit VMEM and run here; the heads side by side or not; head_dim.
+    ``where`` and ``tokens`` (what T is) name them in an error."""
+    seq_len, heads, head_dim = q.shape[1:]
+    blocks = (asked[0] or min(BLOCK, seq_len), asked[1] or min(BLOCK, seq_len))
+    limits = (ROW_TILE_BYTES, SCORE_TILE_BYTES)
+    # blocks that tile T and fit VMEM, a TPU (or the interpreter)
+    _checks_context.flash(q, k, v, blocks, interpret, *limits, where=where, tokens=tokens)
+    return blocks, heads if _side_by_side(q) else 1, head_dim
+
+
+def _side_by_side(x: Any) -> bool:
+    """Each head a tile of the lanes as it lies: ``head_dim`` a multiple of the TPU's 128 lanes."""
+    return x.shape[3] % 128 == 0
+
+
+def _kernel_inputs(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """q scaled by ``1/sqrt(head_dim)``, k and v: each ``laid`` as the kernels tile it."""
+    scaled = (q.astype(jnp.float32) * q.shape[3] ** -0.5).astype(q.dtype)  # fused into the copy
+    side_by_side = _side_by_side(q)
+    return laid(scaled, side_by_side), laid(k, side_by_side), laid(v, side_by_side)
 
 
 def laid(x: Any, side_by_side: bool, like: Any = None) -> Any:
@@ -393,6 +439,93 @@ def laid(x: Any, side_by_side: bool, like: Any = None) -> Any:
     return x.reshape(b, t, h * d) if side_by_side else x.swapaxes(1, 2).reshape(b * h, t, d)
 
 
+# --- 5. a ring's pairs of chunks, by the kernels ------------------------------------------------
+
+
+def flash_attend(
+    q: Any,
+    k: Any,
+    v: Any,
+    q_pos: Any,
+    k_pos: Any,
+    *,
+    causal: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret: bool = False,
+) -> context.Partial:
+    """``context.attend`` by the forward kernel: ``(out, lse)`` of the queries over these keys
+    alone, float32, for a ring to ``context.merge``. The mask is the index's, so ``q_pos`` and
+    ``k_pos`` go unread: a ring's pair is a chunk and itself (``causal``) or keys all before the
+    queries (not), and on both the index's mask is the positions'.
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 16, 2, 8))
+    >>> at = jnp.arange(16)
+    >>> _, lse = flash_attend(q, k, v, at, at, causal=True, block_q=8, block_k=8, interpret=True)
+    >>> bool(jnp.allclose(lse, context.attend(q, k, v, at, at, causal=True)[1], atol=1e-5))
+    True
+    """
+    del q_pos, k_pos  # the diagonal, or all visible: the index's mask is right
+    asked = (block_q, block_k)
+    shape = _kernel_shape(q, k, v, asked, interpret, where="flash_attend", tokens="chunk")
+    out, lse = _forward(*_kernel_inputs(q, k, v), shape, causal, interpret, out_dtype=jnp.float32)
+    batch, seq_len, heads = q.shape[:3]
+    per_head = lse.reshape(batch, heads, seq_len).swapaxes(1, 2)  # [b, T, h], as attend's
+    return laid(out, _side_by_side(q), like=q), per_head
+
+
+def flash_attend_grads(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    g: Any,
+    lse: Any,
+    q_pos: Any,
+    k_pos: Any,
+    causal: bool,
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``context.attend_grads`` by the backward kernels: one pair's share of ``(dq, dk, dv)``,
+    float32, from the *whole* softmax's ``out``, its gradient ``g`` and ``lse`` (a ring's), the
+    mask the index's as in ``flash_attend``."""
+    del q_pos, k_pos  # the diagonal, or all visible: the index's mask is right
+    asked = (block_q, block_k)
+    shape = _kernel_shape(q, k, v, asked, interpret, where="flash_attend_grads", tokens="chunk")
+    side_by_side = _side_by_side(q)
+    batch, seq_len, heads = lse.shape
+    lse_rows = lse.swapaxes(1, 2).reshape(batch * heads, seq_len, 1)  # as the forward writes it
+    residuals = (*_kernel_inputs(q, k, v), laid(out, side_by_side), lse_rows)
+    grads = _flash_bwd(shape, causal, interpret, residuals, laid(g, side_by_side), jnp.float32)
+    dq_scaled, dk, dv = (laid(x, side_by_side, like=q) for x in grads)
+    dq = dq_scaled * q.shape[3] ** -0.5  # the kernels' q came scaled: the chain rule's factor
+    return dq, dk, dv
+
+
+@functools.cache  # one object per blocks: a ring's custom_vjp sees the same core each time
+def flash_pairs(
+    block_q: int | None = None, block_k: int | None = None, interpret: bool = False
+) -> context.PairCore:
+    """A ring's ``context.PairCore`` by the kernels: ``flash_attend`` and ``flash_attend_grads``,
+    blocks of ``BLOCK`` capped at the chunk unless given. The ring switches each pair of chunks to
+    the causal grid on its diagonal and the full one where every key is visible.
+
+    ``context.ring_attention(q, k, v, axis="seq", causal=True, pair_core=flash_pairs())`` in a
+    ``shard_map`` (tests/test_flash.py runs it interpreted, on 4 CPU devices).
+
+    >>> pairs = flash_pairs(block_q=8, interpret=True)
+    >>> pairs is flash_pairs(block_q=8, interpret=True), pairs.attend.func.__name__
+    (True, 'flash_attend')
+    """
+    options: dict[str, Any] = {"block_q": block_q, "block_k": block_k, "interpret": interpret}
+    attend = functools.partial(flash_attend, **options)
+    grads = functools.partial(flash_attend_grads, **options)
+    return context.PairCore(attend, grads)
+
+
 __all__ = [
     "BLOCK",
     "Blocks",
@@ -403,7 +536,10 @@ __all__ = [
     "crosses",
     "dkv_kernel",
     "dq_kernel",
+    "flash_attend",
+    "flash_attend_grads",
     "flash_attention",
+    "flash_pairs",
     "forward_kernel",
     "key_tile",
     "laid",

@@ -287,8 +287,14 @@ BAD_FLAGS = [
     ),
     (
         ["--attention", "flash", "--context", "600"],
-        "argument --attention: flash tiles --context into blocks of 512 tokens (a shorter context whole, a "
-        "multiple of 8); 600 is neither: give a multiple of 512",
+        "argument --attention: flash tiles --context into blocks of 512 tokens (a shorter one whole); 600 "
+        "is not a multiple of 512: give a --context that is a multiple of 512, or at most 512",
+    ),
+    (  # under cp the kernels attend each pair of the ring's chunks: 2 devices, 2 zig-zag chunks each
+        ["--attention", "flash", "--parallel", "cp", "--devices", "2", "--context", "2560"],
+        "argument --attention: flash tiles each of the ring's 4 chunks (640 tokens) into blocks of 512 "
+        "tokens (a shorter one whole); 640 is not a multiple of 512: give a --context that is a multiple of "
+        "2048, or at most 2048",
     ),
     (
         ["--steps", "50", "--warmup-steps", "50"],

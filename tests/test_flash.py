@@ -1,4 +1,5 @@
-"""minishard.flash: the Pallas kernels, in Pallas's TPU interpreter on the CPU.
+"""minishard.flash: the Pallas kernels, in Pallas's TPU interpreter on the CPU; alone, and as a
+ring's pairs of chunks (``flash_pairs``) on simulated devices.
 
 The oracle is ``context.attention`` (the one softmax attention): forward and gradients, float32.
 Interpreted, each grid step costs milliseconds, so the shapes are tiny and the examples few:
@@ -19,10 +20,16 @@ from jax.sharding import SingleDeviceSharding
 
 import minishard as ms
 from minishard import context, flash
+from minishard.composition import grouped_attention
+from minishard.context import ring_attention
 from minishard.models.gpt import GPT
+from minishard.run.cli.models.transformer import ring_cores
 from minishard.run.next_token import next_token_loss
 from minishard.run.topology import tpu_devices
+from minishard.sequence import over_sequence
 from minishard.styles import mesh_rules
+
+KEY = jax.random.key(0)
 
 
 @functools.cache
@@ -166,6 +173,30 @@ def test_the_gpt_with_the_flash_core_has_the_dense_loss_and_gradients_whole_and_
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # the kernels interpreted in a ring of 2 devices
+def test_the_gpt_under_cp_with_flash_asked_attends_its_chunks_by_the_kernels_and_has_the_dense_loss():
+    """cp's build makes the core "flash" a ring of the kernels (``RINGS``), and it trains as dense."""
+    ids = np.random.default_rng(0).integers(0, 11, (2, 17)).astype(np.int32)
+    batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+    sizes = dict(vocab=11, context=16, width=32, depth=1, heads=4, kv_heads=2)  # chunks of 4 tokens
+    (want, _), want_grads = gpt_loss_and_grads(GPT(**sizes, key=jax.random.key(0)), batch)
+    model = ring_cores(GPT(**sizes, core="flash-interpreted", key=jax.random.key(0)))
+    assert {block.attention.core for block in model.blocks} == {"ring-flash-interpreted"}
+    shape, rules = mesh_rules("cp", 2)
+    run = ms.Sharded(ms.make_mesh(shape, devices=jax.devices()[:2]), rules)(gpt_loss_and_grads)
+    (loss, _), grads = jax.block_until_ready(run(model, batch))
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_cp_makes_each_core_a_ring_of_its_own_pairs():
+    cores = {"dense": "ring", "flash": "ring-flash", "flash-interpreted": "ring-flash-interpreted"}
+    for core, ring in cores.items():
+        model = ring_cores(GPT(vocab=11, context=16, width=32, depth=2, heads=2, core=core, key=KEY))
+        assert [block.attention.core for block in model.blocks] == [ring, ring]
+
+
 @pytest.mark.slow  # two programs compile on 2 devices
 def test_under_dp_each_device_runs_the_kernel_on_its_own_rows_and_sends_what_dense_sends():
     """A kernel XLA cannot split: without the core's shard_map it would gather the batch (measured:
@@ -221,3 +252,56 @@ def test_on_the_chip_the_kernel_is_attention_at_the_chips_precision(context_leng
         scale = float(jnp.max(jnp.abs(exact)))
         worst = float(jnp.max(jnp.abs(mine.astype(jnp.float32) - exact))) / scale
         assert worst < 2e-2, (name, worst)  # bf16 keeps 8 bits: 0.4% a value, sums of them more
+
+
+# -- the ring, each pair of chunks by the kernels ------------------------------------------------
+# Pallas's TPU interpreter meets every device of a shard_map at a barrier in each kernel call, so
+# the devices must call the kernels alike: zig-zag's do (each attends 3 pairs, then 2 a step);
+# in order, device i attends i + 1 pairs causally, and the interpreter would wait for ever. Causal
+# in order runs on the chip; here in order runs without the mask, every pair attended everywhere.
+def ring_by_kernels(p, order, causal, pair_core):
+    """The ring on whole arrays in sequence order: ``sum(sin(out))`` and its gradients, jitted."""
+    ring = over_sequence(
+        ring_attention,
+        ms.make_mesh({"seq": p}, devices=jax.devices()[:p]),
+        causal=causal,
+        order=order,
+        pair_core=pair_core,
+    )
+
+    def loss(q, k, v):
+        held = (context.permute(x, p, order) for x in (q, k, v))
+        return jnp.sum(jnp.sin(context.permute(ring(*held), p, order, inverse=True)))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+@pytest.mark.slow  # interpreted kernels, each call a barrier of every device: 30 s at p = 2
+@pytest.mark.parametrize(
+    ("p", "order", "causal", "chunk", "block"),
+    [(4, "zigzag", True, 16, 8), (4, "in-order", False, 16, 8)],  # tiles across the diagonal
+)
+def test_the_ring_with_flash_pairs_is_attention_forward_and_gradients(p, order, causal, chunk, block):
+    """2 query heads on one K/V head: the kernels' pairs, merged and summed by the ring, are
+    grouped attention, forward and gradients."""
+    seq_len = chunk * p * context.CHUNKS[order]
+    q = jax.random.normal(jax.random.key(0), (1, seq_len, 2, 8))
+    k, v = jax.random.normal(jax.random.key(1), (2, 1, seq_len, 1, 8))
+    dense = lambda q, k, v: jnp.sum(jnp.sin(grouped_attention(q, k, v, causal=causal)))  # noqa: E731
+    want_loss, want = jax.value_and_grad(dense, argnums=(0, 1, 2))(q, k, v)
+    pairs = flash.flash_pairs(block_q=block, block_k=block, interpret=True)
+    got_loss, got = jax.block_until_ready(ring_by_kernels(p, order, causal, pairs)(q, k, v))
+    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=f"d{name}")
+
+
+def test_a_chunk_the_blocks_cannot_tile_is_refused_in_one_line_before_the_ring_runs():
+    x = jnp.zeros((1, 48, 2, 8))  # 4 devices, in order: chunks of 12 tokens
+    pairs = flash.flash_pairs(block_q=8, block_k=8, interpret=True)
+    with pytest.raises(ValueError) as caught:
+        ring_by_kernels(4, "in-order", True, pairs)(x, x, x)
+    assert str(caught.value) == (
+        "flash_attend: block_q=8 does not tile the chunk of 12 tokens; use a divisor of it that is a "
+        "multiple of 8 (the TPU's sublanes) or 12 itself: 12"
+    )

@@ -98,9 +98,12 @@ def test_the_attention_core_matches_a_masked_reference_and_is_causal_by_position
 
 
 def test_under_dp_and_dp_cp_every_chunk_of_attention_is_the_textbooks_attend(monkeypatch):
-    # One softmax attention: the dense core is grouped_attention's, each ring step's pair context.attend.
+    # One softmax attention: the dense core is grouped_attention's, each ring step's pair context.attend
+    # (the ring's default PairCore, DENSE_PAIRS).
     calls = []
-    monkeypatch.setattr(cx, "attend", lambda *a, **kw: calls.append(a[0].shape) or ATTEND(*a, **kw))
+    counted = lambda *a, **kw: calls.append(a[0].shape) or ATTEND(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(cx, "attend", counted)
+    monkeypatch.setattr(cx, "DENSE_PAIRS", cx.PairCore(counted, cx.attend_grads))
     for style, core, chunk in (("dp", "dense", (8, 16, 8, 4)), ("dp+cp", "ring", (4, 2, 8, 4))):
         shape, rules = mesh_rules(style, 8)
         calls.clear()
@@ -158,7 +161,8 @@ def test_the_gpt_refuses_bad_input_before_any_work():
     with pytest.raises(ValueError, match=r"character ids \[B, T\]"):
         small_gpt()(jnp.zeros((2, 16)))  # floats, not ids
     with pytest.raises(
-        ValueError, match="unknown core 'sparse'; choose from dense, ring, flash, flash-interpreted"
+        ValueError,
+        match="unknown core 'sparse'; choose from dense, ring, flash, flash-interpreted, ring-flash, ",
     ):
         Attention(8, 2, key=jax.random.key(0), core="sparse")
     with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0"):

@@ -106,9 +106,16 @@ CHAPTERS = {
     # the matrix unit's float32 sums of bf16 inputs, whose one home the flash kernel shares too
     # issue 63: grouped K/V travel at their own heads, repeated where they arrive and their
     # gradients summed over each group before they travel (repeated, summed: +36)
-    "context": 530,
-    "flash": 415,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397);
+    # issue 61 §1, the ring by the kernels: a pair's KINDS by kind_index, picked by one lax.switch
+    # (_by_kind: skipped, computed, masked), the ring's PairCore argument and DENSE_PAIRS, the
+    # signatures it grows one argument a line (+69)
+    "context": 598,
+    "flash": 552,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397);
     # issue 62: the docstring names every public name (+6), refs, shapes and grid indices a name a line (+9)
+    # issue 61 §1, the ring by the kernels (section 5): flash_attend, flash_attend_grads, flash_pairs
+    # (85, signatures one argument a line); the kernels' shape and inputs shared with flash_attention
+    # (_kernel_shape, _kernel_inputs: +20); float32 outputs for the ring's sums, the outputs' varying
+    # axes inside a shard_map (+16); its signatures one argument a line (+5)
     "sequence": 215,  # issue 62: lines within 100 characters, held_order's two results named (+22)
     # issue 43 §4: moe_layers (10); #45 moe_activations; issue 62: no line over 100 characters and
     # no packed assignment (+60: the statistics' psums one a line, the report's parts named)

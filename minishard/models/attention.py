@@ -10,6 +10,8 @@
   their positions, and the same mask stays right;
 * ``ring_core``: ring attention (``minishard.context``) over the devices the rules give "seq";
 * ``flash_core``: flash attention, the Pallas kernel for a TPU (``minishard.flash``), in order;
+* ``ring_flash_core``: the ring, each pair of chunks attended by the kernels (``RINGS``: what a
+  split sequence makes of each core);
 * ``KVCache``: one block's keys and values, a pytree ``Sharded`` lays out like the heads;
 * ``Attention``: the projections around the core, heads as a dimension of
   their own. Its static field ``core`` names the core in ``ATTENTION_CORES``,
@@ -73,30 +75,36 @@ def sequence_axis() -> tuple[str | None, int]:
     return axis, int(env.mesh.shape[axis])
 
 
-def ring_core(q: Any, k: Any, v: Any, q_positions: Any, k_positions: Any, *, causal: bool) -> jax.Array:
+def ring_core(
+    q: Any,
+    k: Any,
+    v: Any,
+    q_positions: Any,
+    k_positions: Any,
+    *,
+    causal: bool,
+    pair_core: context.PairCore | None = None,
+) -> jax.Array:
     """``minishard.context.ring_attention`` over the mesh axis of "seq", the batch split as the rules say.
 
     The tokens must be held dealt out in ``CHUNK_ORDER`` (``minishard.run.next_token.in_chunk_order``
     does it to a batch): the ring reads their positions from the chunk order, not from its arguments.
     Where the sequence is whole the ring has one device, and is ``composition.grouped_attention`` itself.
     Grouped keys and values travel as they are, ``kv_heads`` heads: the ring repeats them for the
-    query heads where they arrive (``context.repeated``).
+    query heads where they arrive (``context.repeated``). ``pair_core`` attends each pair of chunks
+    (``context.DENSE_PAIRS`` by default).
     """
     axis, p = sequence_axis()
     env = environment()
     if env is None or axis is None or p == 1:
         return composition.grouped_attention(q, k, v, q_positions, k_positions, causal=causal)
-    if axis in jax.sharding.get_abstract_mesh().manual_axes:  # in a pipeline's stages: each holds its tokens
-        return context.ring_attention(q, k, v, axis=axis, causal=causal, order=CHUNK_ORDER)
-    batch_axes = env.spec(activation_axes(4, "seq", "heads", "kv"))[0]
-    ring = over_sequence(
-        context.ring_attention,
-        env.mesh,
-        axis=axis,
-        batch_axes=batch_axes,
-        causal=causal,
-        order=CHUNK_ORDER,
+    ring_here = functools.partial(
+        context.ring_attention, causal=causal, order=CHUNK_ORDER, pair_core=pair_core
     )
+    if axis in jax.sharding.get_abstract_mesh().manual_axes:  # in a pipeline's stages: each holds its tokens
+        return ring_here(q, k, v, axis=axis)
+    batch_axes = env.spec(activation_axes(4, "seq", "heads", "kv"))[0]
+    ring = over_sequence(ring_here, env.mesh, axis=axis, batch_axes=batch_axes)
     return ring(q, k, v)
 
 
@@ -126,10 +134,31 @@ def flash_core(
         return attend(q, k, v)
     spec = env.spec(activation_axes(4, "seq", "heads", "kv"))  # [batch, seq, heads, head_dim]
     if spec[1:2] not in ((), (None,)):
-        raise ValueError(f"Attention: core 'flash' and 'seq' split over {spec[1]}: use 'ring'")
+        raise ValueError(f"Attention: core 'flash' and 'seq' split over {spec[1]}: use 'ring-flash'")
     # check_vma off: a kernel's outputs do not say how they vary over the mesh (each device its own)
     on_each = jax.shard_map(attend, mesh=env.mesh, in_specs=spec, out_specs=spec, check_vma=False)
     return on_each(q, k, v)
+
+
+def ring_flash_core(
+    q: Any,
+    k: Any,
+    v: Any,
+    q_positions: Any,
+    k_positions: Any,
+    *,
+    causal: bool,
+    interpret: bool = False,
+) -> jax.Array:
+    """``ring_core`` with each pair of chunks attended by the Pallas kernels
+    (``minishard.flash.flash_pairs``: the causal grid on the diagonal, the full one below it); where
+    the sequence is whole (one device on "seq"), ``flash_core``. ``interpret``: in Pallas's TPU
+    interpreter (the ``"ring-flash-interpreted"`` core, the tests' on CPU)."""
+    axis, p = sequence_axis()
+    if axis is None or p == 1:
+        return flash_core(q, k, v, q_positions, k_positions, causal=causal, interpret=interpret)
+    pairs = flash.flash_pairs(interpret=interpret)
+    return ring_core(q, k, v, q_positions, k_positions, causal=causal, pair_core=pairs)
 
 
 ATTENTION_CORES: dict[str, AttentionCore] = {
@@ -137,8 +166,18 @@ ATTENTION_CORES: dict[str, AttentionCore] = {
     "ring": ring_core,
     "flash": flash_core,
     "flash-interpreted": functools.partial(flash_core, interpret=True),
+    "ring-flash": ring_flash_core,
+    "ring-flash-interpreted": functools.partial(ring_flash_core, interpret=True),
 }
 """The cores ``Attention(core=...)`` can name."""
+RINGS = {
+    "dense": "ring",
+    "ring": "ring",
+    "flash": "ring-flash",
+    "flash-interpreted": "ring-flash-interpreted",
+}
+"""The core each core becomes where the sequence splits over devices (cp's build): a ring whose
+pairs of chunks are attended as the core attends (XLA's dense, or the kernels)."""
 
 
 def cached_attention(q: Any, keys: Any, values: Any, q_positions: Any) -> jax.Array:
@@ -328,7 +367,9 @@ __all__ = [
     "Attention",
     "AttentionCore",
     "KVCache",
+    "RINGS",
     "cached_attention",
     "ring_core",
+    "ring_flash_core",
     "sequence_axis",
 ]

@@ -32,7 +32,8 @@ head                   ``("embed", "vocab")``        replicated
 MoE experts            ``("expert", "embed", ...)``  over "expert" (``ep``)
 =====================  ============================  =========================
 
-Under context parallelism (``cp``, ``dp+cp``: ``core="ring"``) the blocks attend by ring
+Under context parallelism (``cp``, ``dp+cp``: ``core="ring"``, or ``"ring-flash"`` for the
+Pallas kernels on each pair of chunks) the blocks attend by ring
 attention over the tokens at ``positions``: the run side deals each batch out zig-zag over the
 devices of "context" (``minishard.run.next_token``); ``docs/context.md`` measures it against ``dp``.
 

@@ -24,6 +24,7 @@ from minishard.census import human_bytes
 from minishard.costs import HARDWARE, Memory
 from minishard.experts import MoE, capacity, moe_activations
 from minishard.memory import Budget
+from minishard.models.attention import RINGS
 from minishard.pipeline import StackedModel
 from minishard.precision import FP32, PRECISIONS, Precision
 from minishard.rules import AnyMesh, AxisRules, ShardingError, as_mesh_axes
@@ -159,7 +160,7 @@ def _transformer(
     kv_heads = leaves[at + "attention.key"].shape[-2] // heads_split  # grouped-query: fewer
     moe = block.mlp if isinstance(block.mlp, MoE) else None
     hidden = 0 if moe else leaves[at + "mlp.layers[0].weight"].shape[-1] // ways("seq", "mlp")[2]
-    ring = block.attention.core == "ring"
+    ring = block.attention.core in RINGS.values()  # its pairs dense or by the kernels: K/V in flight
     c = memory.itemsize(dtype)
     in_flight = composition.ring_in_flight(b, t, heads, head_dim, kv_heads)
     added = {"ring K/V": c * in_flight} if ring else {}

@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from minishard import flash
+from minishard.context import CHUNKS
 from minishard.experts import moe_layers
+from minishard.models.attention import CHUNK_ORDER
 from minishard.models.gpt import GPT, stacked_gpt, stream
 from minishard.models.transformer import dense_mlp, moe_mlp
 from minishard.optim import AdamW, warmup_cosine_decay
@@ -261,7 +263,7 @@ def _check_gpt(args: Args, error: Error) -> None:
             f"validation split of {held_out:,}; give at most {held_out - 1:,}"
         )
     if getattr(args, "attention", "dense") == "flash":
-        _check_flash_blocks(args.context, error)
+        _check_flash_blocks(args.context, args.mesh.get("context", 1), error)
         if args.dropout:
             error(
                 f"argument --dropout: {args.dropout:g} with --attention flash, whose kernel never forms "
@@ -274,14 +276,18 @@ def _check_gpt(args: Args, error: Error) -> None:
         )
 
 
-def _check_flash_blocks(context: int, error: Error) -> None:
-    """The kernel's blocks, of up to ``flash.BLOCK`` tokens, tile the context (the TPU: built)."""
-    block = min(flash.BLOCK, context)
-    if context % block or (block % 8 and block != context):
+def _check_flash_blocks(context: int, ring: int, error: Error) -> None:
+    """The kernel's blocks, of up to ``flash.BLOCK`` tokens, tile the context (the TPU: built), or
+    under cp each of the ring's chunks (``ring`` devices on "context", two chunks each)."""
+    chunks = CHUNKS[CHUNK_ORDER] * ring if ring > 1 else 1
+    tokens = context // chunks  # what one call of the kernel attends
+    block = min(flash.BLOCK, tokens)
+    if tokens % block or (block % 8 and block != tokens):
+        what = "--context" if chunks == 1 else f"each of the ring's {chunks} chunks ({tokens} tokens)"
         error(
-            f"argument --attention: flash tiles --context into blocks of {flash.BLOCK} tokens (a "
-            f"shorter context whole, a multiple of 8); {context} is neither: give a multiple of "
-            f"{flash.BLOCK}"
+            f"argument --attention: flash tiles {what} into blocks of {flash.BLOCK} tokens (a "
+            f"shorter one whole); {tokens} is not a multiple of {flash.BLOCK}: give a --context "
+            f"that is a multiple of {chunks * flash.BLOCK}, or at most {chunks * flash.BLOCK}"
         )
 
 

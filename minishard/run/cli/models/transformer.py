@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from minishard.models.attention import RINGS
 from minishard.pipeline import StackedModel
 from minishard.remat import POLICIES
 from minishard.run.cli.flags import Error, Flag, at_least
@@ -53,9 +54,10 @@ def check_depth_stages(args: Args, stages: int, error: Error) -> None:
 
 
 def ring_cores(model: Any) -> Any:
-    """``model`` with every block's attention core ``"ring"`` (``minishard.context``): cp's build; a
-    pipeline's model (``StackedModel``) has one stacked block."""
-    ring = lambda b: b.replace(attention=b.attention.replace(core="ring"))  # noqa: E731
+    """``model`` with every block's attention core a ring (``minishard.context``), its pairs of
+    chunks attended as its core attends (``RINGS``: ``--attention flash``'s by the kernels): cp's
+    build; a pipeline's model (``StackedModel``) has one stacked block."""
+    ring = lambda b: b.replace(attention=b.attention.replace(core=RINGS[b.attention.core]))  # noqa: E731
     if isinstance(model, StackedModel):
         return model.replace(blocks=model.blocks.replace(block=ring(model.blocks.block)))
     return model.replace(blocks=tuple(ring(b) for b in model.blocks))
