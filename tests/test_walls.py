@@ -106,7 +106,10 @@ CHAPTERS = {
     # the matrix unit's float32 sums of bf16 inputs, whose one home the flash kernel shares too
     # issue 63: grouped K/V travel at their own heads, repeated where they arrive and their
     # gradients summed over each group before they travel (repeated, summed: +36)
-    "context": 530,
+    # #61 §3: narrow_attend, a bf16 step's attention whose backward keeps bf16 weights (its custom
+    # VJP, dropout's transpose, lse's gradient), shifted_exp and softmax_grad, the softmax's forward
+    # parts and backward that the flash kernel and the ring share (+95)
+    "context": 630,
     "flash": 415,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397);
     # issue 62: the docstring names every public name (+6), refs, shapes and grid indices a name a line (+9)
     "sequence": 215,  # issue 62: lines within 100 characters, held_order's two results named (+22)
