@@ -256,12 +256,10 @@ def kept_on_tpu(
     """Bytes one of minishard's blocks keeps for its backward pass in XLA:TPU's program, by term,
     for one device's sizes computed in ``compute`` under remat ``policy`` (``TPU_KEEPS``).
 
-    Read from XLA:TPU's buffers live at the step's peak (``benchmarks/memory_aot.py``). It fuses
-    elementwise work into its neighbours, keeping less than XLA:CPU (``block_activations``): the
-    stream at each LayerNorm's input, not their outputs; q, k, v and attention's output in bfloat16
-    even in float32 (the MXU reads bfloat16, ``MXU``, and keeps that copy); the softmax's weights in
-    ``compute`` (``context.narrow_attend`` keeps bf16's), or under ``dots`` the float32 scores, a
-    matmul's output; the MLP's hidden units once, the Swish's input.
+    Read from XLA:TPU's buffers live at the step's peak (``benchmarks/memory_aot.py``), fewer than
+    XLA:CPU's (``block_activations``): each LayerNorm's input; q, k, v and attention's output in
+    the MXU's bfloat16 (``MXU``) even in float32; the softmax's weights in ``compute``
+    (``context.narrow_attend``), or under ``dots`` the float32 scores; the MLP's hidden units once.
 
     >>> kept = kept_on_tpu(16, 1024, 768, 12, 64, 3072, "bfloat16", "none")   # GPT-2 small's block
     >>> {term: n // 2**20 for term, n in kept.items()}   # MiB
