@@ -12,8 +12,8 @@ ways: all-gather, all-to-all, and Megatron's sequence parallelism):
    ``Dropped`` of the weights, in training), a ``Partial`` result ``(out, lse)``; ``merge`` two
    partial softmaxes through their log-sum-exp (``merge_weights``: the online softmax, across
    devices). ``attention`` is the whole of it on one device: the oracle. In a bf16 step,
-   ``narrow_attend``: the weights made as a flash tile makes them (``shifted_exp``), in bf16, and
-   a backward of its own that keeps them so, half the bytes of float32's; ``softmax_grad`` is the
+   ``narrow_attend``: the weights as a flash tile holds them (``shifted_exp``), in bf16, and a
+   backward of its own that keeps them so, half the bytes of float32's; ``softmax_grad`` is the
    softmax's backward, ``dS = P·(dP - rowsum(dP·P))``, which the ring and the kernel share.
 2. **Where the chunks live.** A sequence's chunk order, in order or zig-zag (``CHUNKS``: device
    i holds chunks i and 2p-1-i of 2p); ``chunks`` names them, ``meets`` which chunks a device's
@@ -141,14 +141,15 @@ def softmax_grad(weights: Any, d_weights: Any, delta: Any) -> Any:
 def narrow_attend(
     q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, *, causal: bool = False, dropped: Dropped = None
 ) -> Partial:
-    """``attend``, its weights made in the values' dtype, by a backward (``_narrow_bwd``) that keeps
-    q, k, v, ``out`` and those weights, where autodiff's would keep them in float32 (``exp``'s
-    gradient reads its output): in a bf16 step, half the bytes of the largest array attention
-    keeps, ``[b, h, q, k]``. The flash kernel keeps no weights, and recomputes them.
+    """``attend``, by a backward (``_narrow_bwd``) that keeps q, k, v, ``out`` and the weights in
+    the values' dtype, where autodiff's keeps float32 ones (``exp``'s gradient reads its output):
+    in a bf16 step, half the bytes of the largest array attention keeps, ``[b, h, q, k]``.
 
-    ``dropped`` must scale each weight by its own factor (dropout's mask): its transpose is then
-    itself, and ``delta = Σ g·out`` still holds. Its closed-over key becomes an operand
-    (``jax.closure_convert``), as ``custom_vjp`` needs.
+    The weights are kept as a flash tile holds them, ``exp(s - top)`` (``shifted_exp``), and each
+    query's output is divided by its ``total`` once: no pass over ``[b, h, q, k]`` divides them.
+    ``dropped`` must scale each weight by its own factor (dropout's mask): then it commutes with
+    that division, its transpose is itself, and ``delta = Σ g·out`` holds. Its closed-over key
+    becomes an operand (``jax.closure_convert``), as ``custom_vjp`` needs.
     """
     if dropped is None:
         return _narrow(q, k, v, q_pos, k_pos, (), causal, None)
@@ -161,28 +162,30 @@ def _narrow_fwd(
     q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, operands: Any, causal: bool, drop: Any
 ) -> Any:
     weights, top, total = shifted_exp(scores(q, k, q_pos, k_pos, causal))
-    narrow = (weights / total).astype(v.dtype)  # the softmax, in the values' dtype
+    shifted = weights.astype(v.dtype)  # exp(s - top), in the values' dtype: the softmax · total
     lse = (top + jnp.log(total))[..., 0].swapaxes(1, 2)
-    kept = narrow
+    per_query = (1 / total).swapaxes(1, 2)  # 1 / total, [b, q, h, 1] as out is laid
+    kept = shifted
     undrop = None
     if drop is not None:  # the weights dropped, and the drop's transpose (its mask, kept)
-        kept, undrop = jax.vjp(lambda w: drop(w, *operands), narrow)
-    out = jnp.einsum("bhqk,bkhd->bqhd", kept, v, **F32)
-    return (out, lse), (q, k, v, narrow, kept, undrop, out.astype(v.dtype))
+        kept, undrop = jax.vjp(lambda w: drop(w, *operands), shifted)
+    out = jnp.einsum("bhqk,bkhd->bqhd", kept, v, **F32) * per_query
+    return (out, lse), (q, k, v, shifted, kept, undrop, out.astype(v.dtype), per_query)
 
 
 def _narrow_bwd(causal: bool, drop: Any, residuals: Any, grads: Any) -> Any:
-    """FlashAttention's steps (``attend_grads``'), on the kept weights: each matmul reads bf16 in a
-    bf16 step and sums in float32."""
-    q, k, v, narrow, kept, undrop, out = residuals
+    """FlashAttention's steps (``attend_grads``'), on the kept weights ``P = shifted / total``:
+    each matmul reads bf16 in a bf16 step and sums in float32."""
+    q, k, v, shifted, kept, undrop, out, per_query = residuals
     g, d_lse = grads
     g_in = g.astype(v.dtype)  # as the matrix unit reads it
-    dv = jnp.einsum("bhqk,bqhd->bkhd", kept, g_in, **F32)  # 1. dv = Pᵀ·g, the weights as dropped
+    g_per_total = (g * per_query).astype(v.dtype)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", kept, g_per_total, **F32)  # 1. dv = Pᵀ·g (P as dropped)
     d_kept = jnp.einsum("bqhd,bkhd->bhqk", g_in, v, **F32)  # 2. dP = g·vᵀ
     d_weights = d_kept if undrop is None else undrop(d_kept.astype(v.dtype))[0].astype(jnp.float32)
     delta = jnp.sum(g * out.astype(jnp.float32), axis=-1) - d_lse  # 3. Σ g·out, less lse's
     delta_per_row = delta.swapaxes(1, 2)[..., None]
-    weights = narrow.astype(jnp.float32)
+    weights = shifted.astype(jnp.float32) * per_query.swapaxes(1, 2)  # P, [b, h, q, k]
     ds = softmax_grad(weights, d_weights, delta_per_row) * q.shape[-1] ** -0.5  # 4. dS of q·k/√d
     dq = jnp.einsum("bhqk,bkhd->bqhd", ds.astype(k.dtype), k, **F32)  # 5. dq = dS·k
     dk = jnp.einsum("bhqk,bqhd->bkhd", ds.astype(q.dtype), q, **F32)  # 6. dk = dSᵀ·q
