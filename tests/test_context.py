@@ -79,7 +79,7 @@ def test_merging_two_partial_softmaxes_is_attention_over_all_keys(cut, causal, s
 
 # -- 1b. the backward that keeps the weights in the values' dtype (issue 61 §3) ----------------
 def autodiffs_attend(q, k, v, q_pos, k_pos, *, causal=False, dropped=None):
-    """``attend`` as it was before ``kept_weights``: float32 weights, differentiated by JAX (which
+    """``attend`` as it was before ``narrow_attend``: float32 weights, differentiated by JAX (which
     keeps them in float32 for exp's gradient), cast to the values' dtype for the matrix unit."""
     s = cx.scores(q, k, q_pos, k_pos, causal)
     lse = jax.nn.logsumexp(s, axis=-1)
@@ -161,7 +161,7 @@ def test_float32_attend_is_autodiffs_bit_for_bit():
 @pytest.mark.parametrize("ring", ["ring_attention", "ring_forward differentiated"])
 def test_a_bf16_ring_has_float32_attentions_gradients_within_bf16s_precision(ring):
     """Under the ring, bf16: its own backward (``attend_grads``, ``softmax_grad``), and JAX's through
-    ``ring_forward``, where each ``merge`` gives a pair's lse a gradient (``kept_weights``' dlse)."""
+    ``ring_forward``, where each ``merge`` gives a pair's lse a gradient (``narrow_attend``'s dlse)."""
     p, shape = 4, (1, 16, 2, 4)
     fns = {
         "ring_attention": cx.ring_attention,
