@@ -147,42 +147,36 @@ def narrow_attend(
 
     The weights are kept as a flash tile holds them, ``exp(s - top)`` (``shifted_exp``), and each
     query's output is divided by its ``total`` once: no pass over ``[b, h, q, k]`` divides them.
-    ``dropped`` must scale each weight by its own factor (dropout's mask): then it commutes with
-    that division, its transpose is itself, and ``delta = Σ g·out`` holds. Its closed-over key
-    becomes an operand (``jax.closure_convert``), as ``custom_vjp`` needs.
+    ``dropped`` must scale each weight by its own factor (dropout's mask), ``dropped(1)``: an
+    operand of the custom VJP, made outside it (its random key never enters it); such a scaling
+    commutes with that division, is its own transpose, and keeps ``delta = Σ g·out``.
     """
-    if dropped is None:
-        return _narrow(q, k, v, q_pos, k_pos, (), causal, None)
-    like = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), v.dtype)
-    drop, operands = jax.closure_convert(dropped, like)
-    return _narrow(q, k, v, q_pos, k_pos, tuple(operands), causal, drop)
+    like = jnp.ones((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), v.dtype)  # [b, h, q, k]
+    factors = None if dropped is None else dropped(like)  # each weight's: 0 or 1 / (1 - rate)
+    return _narrow(q, k, v, q_pos, k_pos, factors, causal)
 
 
-def _narrow_fwd(
-    q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, operands: Any, causal: bool, drop: Any
-) -> Any:
+def _narrow_fwd(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, factors: Any, causal: bool) -> Any:
     weights, top, total = shifted_exp(scores(q, k, q_pos, k_pos, causal))
     shifted = weights.astype(v.dtype)  # exp(s - top), in the values' dtype: the softmax · total
     lse = (top + jnp.log(total))[..., 0].swapaxes(1, 2)
     per_query = (1 / total).swapaxes(1, 2)  # 1 / total, [b, q, h, 1] as out is laid
-    kept = shifted
-    undrop = None
-    if drop is not None:  # the weights dropped, and the drop's transpose (its mask, kept)
-        kept, undrop = jax.vjp(lambda w: drop(w, *operands), shifted)
+    kept = shifted if factors is None else shifted * factors  # the weights dropped
     out = jnp.einsum("bhqk,bkhd->bqhd", kept, v, **F32) * per_query
-    return (out, lse), (q, k, v, shifted, kept, undrop, out.astype(v.dtype), per_query)
+    return (out, lse), (q, k, v, shifted, factors, out.astype(v.dtype), per_query)
 
 
-def _narrow_bwd(causal: bool, drop: Any, residuals: Any, grads: Any) -> Any:
+def _narrow_bwd(causal: bool, residuals: Any, grads: Any) -> Any:
     """FlashAttention's steps (``attend_grads``'), on the kept weights ``P = shifted / total``:
     each matmul reads bf16 in a bf16 step and sums in float32."""
-    q, k, v, shifted, kept, undrop, out, per_query = residuals
+    q, k, v, shifted, factors, out, per_query = residuals
     g, d_lse = grads
     g_in = g.astype(v.dtype)  # as the matrix unit reads it
     g_per_total = (g * per_query).astype(v.dtype)
+    kept = shifted if factors is None else shifted * factors
     dv = jnp.einsum("bhqk,bqhd->bkhd", kept, g_per_total, **F32)  # 1. dv = Pᵀ·g (P as dropped)
     d_kept = jnp.einsum("bqhd,bkhd->bhqk", g_in, v, **F32)  # 2. dP = g·vᵀ
-    d_weights = d_kept if undrop is None else undrop(d_kept.astype(v.dtype))[0].astype(jnp.float32)
+    d_weights = d_kept if factors is None else d_kept * factors  # the drop's transpose: itself
     delta = jnp.sum(g * out.astype(jnp.float32), axis=-1) - d_lse  # 3. Σ g·out, less lse's
     delta_per_row = delta.swapaxes(1, 2)[..., None]
     weights = shifted.astype(jnp.float32) * per_query.swapaxes(1, 2)  # P, [b, h, q, k]
@@ -190,10 +184,10 @@ def _narrow_bwd(causal: bool, drop: Any, residuals: Any, grads: Any) -> Any:
     dq = jnp.einsum("bhqk,bkhd->bqhd", ds.astype(k.dtype), k, **F32)  # 5. dq = dS·k
     dk = jnp.einsum("bhqk,bqhd->bkhd", ds.astype(q.dtype), q, **F32)  # 6. dk = dSᵀ·q
     grads_in = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
-    return (*grads_in, None, None, None)  # none of the positions, nor of dropout's key
+    return (*grads_in, None, None, None)  # none of the positions, nor of the drop's factors
 
 
-_narrow = jax.custom_vjp(lambda *args: _narrow_fwd(*args)[0], nondiff_argnums=(6, 7))
+_narrow = jax.custom_vjp(lambda *args: _narrow_fwd(*args)[0], nondiff_argnums=(6,))
 _narrow.defvjp(_narrow_fwd, _narrow_bwd)
 
 

@@ -149,6 +149,25 @@ def test_a_bf16_attend_keeps_only_bf16_weights_for_its_backward_pass():
     assert jnp.dtype(jnp.float32) in kept(autodiffs_attend)
 
 
+def test_a_bf16_attend_with_dropout_differentiates_under_remat():
+    """The drop's key never enters the custom VJP (its factors do): ``jax.checkpoint`` traces the
+    attention again in the backward pass, and the same gradients come out, no tracer leaked."""
+    q, k, v, g = jax.random.normal(jax.random.key(0), (4, 2, 16, 3, 8))
+    narrow = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    at = jnp.arange(16)
+
+    def grads(remat):
+        def loss(q, k, v, key):
+            dropped = functools.partial(dropout, rate=0.25, key=key)
+            attend = functools.partial(cx.attend, q_pos=at, k_pos=at, causal=True, dropped=dropped)
+            out = (jax.checkpoint(attend) if remat else attend)(q, k, v)[0]
+            return jnp.sum(out * g)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*narrow, jax.random.key(7))
+
+    assert_within_bf16(grads(remat=True), grads(remat=False), bound=1e-3)
+
+
 def test_float32_attend_is_autodiffs_bit_for_bit():
     q, k, v, g = jax.random.normal(jax.random.key(2), (4, 2, 16, 3, 8))
     dropped = functools.partial(dropout, rate=0.25, key=jax.random.key(7))
