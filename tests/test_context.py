@@ -156,12 +156,13 @@ def test_a_bf16_attend_with_dropout_differentiates_under_remat():
     narrow = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     at = jnp.arange(16)
 
+    def block(q, k, v, key):  # a layer's key, folded in where the block is traced (as the GPT's)
+        dropped = functools.partial(dropout, rate=0.25, key=jax.random.fold_in(key, 1))
+        return cx.attend(q, k, v, at, at, causal=True, dropped=dropped)[0]
+
     def grads(remat):
         def loss(q, k, v, key):
-            dropped = functools.partial(dropout, rate=0.25, key=key)
-            attend = functools.partial(cx.attend, q_pos=at, k_pos=at, causal=True, dropped=dropped)
-            out = (jax.checkpoint(attend) if remat else attend)(q, k, v)[0]
-            return jnp.sum(out * g)
+            return jnp.sum((jax.checkpoint(block) if remat else block)(q, k, v, key) * g)
 
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*narrow, jax.random.key(7))
 
