@@ -11,7 +11,10 @@ ways: all-gather, all-to-all, and Megatron's sequence parallelism):
    ``MASK_VALUE`` where a key is not ``visible``; ``attend`` the queries over some keys (what is
    ``Dropped`` of the weights, in training), a ``Partial`` result ``(out, lse)``; ``merge`` two
    partial softmaxes through their log-sum-exp (``merge_weights``: the online softmax, across
-   devices). ``attention`` is the whole of it on one device: the oracle.
+   devices). ``attention`` is the whole of it on one device: the oracle. In a bf16 step,
+   ``narrow_attend``: the weights as a flash tile holds them (``shifted_exp``), in bf16, and a
+   backward of its own that keeps them so, half the bytes of float32's; ``softmax_grad`` is the
+   softmax's backward, ``dS = P·(dP - rowsum(dP·P))``, which the ring and the kernel share.
 2. **Where the chunks live.** A sequence's chunk order, in order or zig-zag (``CHUNKS``: device
    i holds chunks i and 2p-1-i of 2p); ``chunks`` names them, ``meets`` which chunks a device's
    queries meet at each step, ``needed`` and ``kind`` whether a pair is computed, masked (the
@@ -87,6 +90,21 @@ def scores(q: jax.Array, k: jax.Array, q_pos: Any, k_pos: Any, causal: bool) -> 
     return jnp.where(visible(q_pos, k_pos)[None, None], s, MASK_VALUE) if causal else s
 
 
+def shifted_exp(s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A row's softmax in parts, as a flash tile takes it: ``exp(s - top)`` (no exponential
+    overflows), the row's ``top`` score and ``total``, the sum of the first; the softmax is the
+    first over ``total``, ``lse`` is ``top + log(total)``.
+
+    >>> weights, top, total = shifted_exp(jnp.log(jnp.array([1.0, 3.0])))   # scores log 1, log 3
+    >>> lse = top + jnp.log(total)   # log 4
+    >>> (weights / total).round(2).tolist(), round(float(lse[0]), 3)
+    ([0.25, 0.75], 1.386)
+    """
+    top = jnp.max(s, axis=-1, keepdims=True)
+    weights = jnp.exp(s - top)
+    return weights, top, jnp.sum(weights, axis=-1, keepdims=True)
+
+
 def attend(
     q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, *, causal: bool = False, dropped: Dropped = None
 ) -> Partial:
@@ -95,8 +113,11 @@ def attend(
 
     ``lse``, the log of the softmax's denominator, is all a later ``merge`` needs of the scores.
     ``dropped``: a function of the weights ``[b, h, q, k]`` (a model's dropout, in training), or
-    None.
+    None. Float32 values: the weights are float32, and autodiff's backward keeps them. Narrower
+    (bf16 in a bf16 step): ``narrow_attend``, whose backward keeps them in the values' dtype.
     """
+    if v.dtype != jnp.float32:
+        return narrow_attend(q, k, v, q_pos, k_pos, causal=causal, dropped=dropped)
     s = scores(q, k, q_pos, k_pos, causal)
     lse = jax.nn.logsumexp(s, axis=-1)  # [b, h, q]
     weights = jnp.exp(s - lse[..., None])  # the softmax, [b, h, q, k]
@@ -105,6 +126,76 @@ def attend(
     # [b, h, q, k] array the matrix unit reads), summed in float32, as the flash kernel does.
     out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v, **F32)
     return out, lse.swapaxes(1, 2)
+
+
+def softmax_grad(weights: Any, d_weights: Any, delta: Any) -> Any:
+    """The softmax's backward: the scores' gradient ``dS = P·(dP - delta)`` from the weights ``P``,
+    their gradient ``dP`` and, per query, ``delta = rowsum(dP·P)``; ``narrow_attend``'s, the
+    ring's (``attend_grads``) and the flash kernel's (``flash.tile_grads``).
+
+    Since ``dP_j/dS_i = P_j·(1[i=j] - P_i)``, ``dS_i = Σ_j dP_j·P_j·(1[i=j] - P_i)``, which is
+    ``P_i·(dP_i - rowsum(dP·P))``. With ``out = P·v``, ``rowsum(dP·P) = Σ g·out`` (``g`` the
+    gradient of ``out``: FlashAttention's form, a sum over head_dim, not keys); a gradient ``dL``
+    of ``lse`` adds ``P·dL`` (``dlse/dS = P``): ``delta`` less ``dL``.
+
+    >>> p = jnp.array([[0.25, 0.75]])   # a row's weights; dP = (1, 1): the sum is constant
+    >>> softmax_grad(p, jnp.ones((1, 2)), jnp.sum(p, axis=-1, keepdims=True)).tolist()
+    [[0.0, 0.0]]
+    """
+    return weights * (d_weights - delta)
+
+
+def narrow_attend(
+    q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, *, causal: bool = False, dropped: Dropped = None
+) -> Partial:
+    """``attend``, by a backward (``_narrow_bwd``) that keeps q, k, v, ``out`` and the weights in
+    the values' dtype, where autodiff's keeps float32 ones (``exp``'s gradient reads its output):
+    in a bf16 step, half the bytes of the largest array attention keeps, ``[b, h, q, k]``.
+
+    The weights are kept as a flash tile holds them, ``exp(s - top)`` (``shifted_exp``), and each
+    query's output is divided by its ``total`` once: no pass over ``[b, h, q, k]`` divides them.
+    ``dropped`` must scale each weight by its own factor (dropout's mask), ``dropped(1)``: an
+    operand of the custom VJP, made outside it (its random key never enters it); such a scaling
+    commutes with that division, is its own transpose, and keeps ``delta = Σ g·out``.
+    """
+    like = jnp.ones((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), v.dtype)  # [b, h, q, k]
+    factors = None if dropped is None else dropped(like)  # each weight's: 0 or 1 / (1 - rate)
+    return _narrow(q, k, v, q_pos, k_pos, factors, causal)
+
+
+def _narrow_fwd(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, factors: Any, causal: bool) -> Any:
+    weights, top, total = shifted_exp(scores(q, k, q_pos, k_pos, causal))
+    shifted = weights.astype(v.dtype)  # exp(s - top), in the values' dtype: the softmax · total
+    lse = (top + jnp.log(total))[..., 0].swapaxes(1, 2)
+    per_query = (1 / total).swapaxes(1, 2)  # 1 / total, [b, q, h, 1] as out is laid
+    kept = shifted if factors is None else shifted * factors  # the weights dropped
+    out = jnp.einsum("bhqk,bkhd->bqhd", kept, v, **F32) * per_query
+    return (out, lse), (q, k, v, shifted, factors, out.astype(v.dtype), per_query)
+
+
+def _narrow_bwd(causal: bool, residuals: Any, grads: Any) -> Any:
+    """FlashAttention's steps (``attend_grads``'), on the kept weights ``P = shifted / total``:
+    each matmul reads bf16 in a bf16 step and sums in float32."""
+    q, k, v, shifted, factors, out, per_query = residuals
+    g, d_lse = grads
+    g_in = g.astype(v.dtype)  # as the matrix unit reads it
+    g_per_total = (g * per_query).astype(v.dtype)
+    kept = shifted if factors is None else shifted * factors
+    dv = jnp.einsum("bhqk,bqhd->bkhd", kept, g_per_total, **F32)  # 1. dv = Pᵀ·g (P as dropped)
+    d_kept = jnp.einsum("bqhd,bkhd->bhqk", g_in, v, **F32)  # 2. dP = g·vᵀ
+    d_weights = d_kept if factors is None else d_kept * factors  # the drop's transpose: itself
+    delta = jnp.sum(g * out.astype(jnp.float32), axis=-1) - d_lse  # 3. Σ g·out, less lse's
+    delta_per_row = delta.swapaxes(1, 2)[..., None]
+    weights = shifted.astype(jnp.float32) * per_query.swapaxes(1, 2)  # P, [b, h, q, k]
+    ds = softmax_grad(weights, d_weights, delta_per_row) * q.shape[-1] ** -0.5  # 4. dS of q·k/√d
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds.astype(k.dtype), k, **F32)  # 5. dq = dS·k
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds.astype(q.dtype), q, **F32)  # 6. dk = dSᵀ·q
+    grads_in = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    return (*grads_in, None, None, None)  # none of the positions, nor of the drop's factors
+
+
+_narrow = jax.custom_vjp(lambda *args: _narrow_fwd(*args)[0], nondiff_argnums=(6,))
+_narrow.defvjp(_narrow_fwd, _narrow_bwd)
 
 
 def merge(out1: jax.Array, lse1: jax.Array, out2: jax.Array, lse2: jax.Array) -> Partial:
@@ -520,7 +611,7 @@ def attend_grads(
     dw = jnp.einsum("bqhd,bkhd->bhqk", g, v32)  # 2. dw = g·vᵀ, the weights' gradient
     delta = jnp.sum(g * out, axis=-1)  # 3. delta = Σ g·out per query: what the softmax takes back
     delta_per_row = delta.swapaxes(1, 2)[..., None]
-    ds = w * (dw - delta_per_row) * q.shape[-1] ** -0.5  # 4. ds = w·(dw - delta)/√d: the scores'
+    ds = softmax_grad(w, dw, delta_per_row) * q.shape[-1] ** -0.5  # 4. ds = w·(dw - delta)/√d
     dq = jnp.einsum("bhqk,bkhd->bqhd", ds, k32)  # 5. dq = ds·k
     dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q32)  # 6. dk = dsᵀ·q
     return dq, dk, dv
@@ -583,6 +674,7 @@ __all__ = [
     "meets",
     "merge",
     "merge_weights",
+    "narrow_attend",
     "needed",
     "pair_kinds",
     "permute",
@@ -591,6 +683,8 @@ __all__ = [
     "ring_forward",
     "ring_permutes",
     "scores",
+    "shifted_exp",
+    "softmax_grad",
     "span",
     "summed",
     "visible",

@@ -142,9 +142,7 @@ def _forward_step(refs: Any, blocks: Blocks, masked: bool) -> None:
     """One tile's partial softmax ``(out, lse)``, merged into the running one in VMEM scratch."""
     q_ref, k_ref, v_ref, _, _, out_sum, lse_sum = refs
     s = tile_scores(q_ref[...], k_ref[...], (pl.program_id(1), pl.program_id(2)), blocks, masked)
-    top = jnp.max(s, axis=1, keepdims=True)  # [block_q, 1]: no exponential overflows
-    weights = jnp.exp(s - top)
-    total = jnp.sum(weights, axis=1, keepdims=True)
+    weights, top, total = context.shifted_exp(s)  # top and total [block_q, 1]
     # the tile's out, times total
     values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **context.F32)
     w_sum, w_tile, lse = context.merge_weights(lse_sum[...], top + jnp.log(total))
@@ -179,13 +177,13 @@ def forward_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
 
 def tile_grads(tiles: Any, at: Any, blocks: Blocks, masked: bool, keys_major: bool = False) -> Any:
     """One tile's weights ``w = exp(s - lse)``, recomputed, and the scores' gradient
-    ``ds = w·(dp - delta)``, as ``context.attend_grads`` (q already scaled, so no ``1/sqrt(d)``).
+    ``ds = w·(dp - delta)`` (``context.softmax_grad``; q already scaled, so no ``1/sqrt(d)``).
     ``keys_major``: both transposed, ``[block_k, block_q]``; lse and delta rows of the queries."""
     q, k, v, g, lse, delta = tiles
     w = jnp.exp(tile_scores(q, k, at, blocks, masked, keys_major) - lse)
     pair = (v, g) if keys_major else (g, v)
     dp = jax.lax.dot_general(*pair, CONTRACT_LAST, **context.F32)  # g·vᵀ: the weights' gradient
-    return w, w * (dp - delta)
+    return w, context.softmax_grad(w, dp, delta)
 
 
 def _dq_step(refs: Any, blocks: Blocks, masked: bool) -> None:

@@ -27,7 +27,7 @@ policies, ``block_activations`` the same block's bytes under each of ``RECOMPUTE
 ``kept_by_policy`` what a ``jax.checkpoint`` policy keeps (``grouped_kv`` the k and v it keeps
 fewer under grouped-query attention), ``head_activations`` and
 ``mlp_activations`` the rest of a model; ``kept_on_tpu`` is what XLA:TPU keeps instead
-(``TPU_KEEPS``, per policy: its ``MXU`` copies in bf16, the softmax in float32;
+(``TPU_KEEPS``, per policy: its ``MXU`` copies in bf16, the softmax in the step's dtype;
 ``grouped_kv_on_tpu`` what it keeps fewer of k and v under grouped-query attention), one of the
 ``COMPILERS`` a prediction is for. 4: a ``Budget`` is a step's terms against the compiler's and the
 chip's bytes: ``step_budget`` for a ``Sharded`` step, ``zero_budget`` for ZeRO's own.
@@ -245,7 +245,7 @@ TPU_KEEPS = {
     "none": ("stream", "q, k, v, out", "softmax", "mlp hidden"),
     "full": ("input",),  # the block's input alone
     "names": ("stream", "q, k, v"),  # its input, q, k, v as named, and the out projection's output
-    "dots": ("stream", "q, k, v", "softmax", "summed", "mlp hidden"),  # every matmul's but the last
+    "dots": ("stream", "q, k, v", "scores", "summed", "mlp hidden"),  # every matmul's but the last
 }
 """The terms of ``kept_on_tpu`` each ``--remat`` policy keeps, read from XLA:TPU's programs."""
 
@@ -256,15 +256,14 @@ def kept_on_tpu(
     """Bytes one of minishard's blocks keeps for its backward pass in XLA:TPU's program, by term,
     for one device's sizes computed in ``compute`` under remat ``policy`` (``TPU_KEEPS``).
 
-    Read from XLA:TPU's buffers live at the step's peak (``benchmarks/memory_aot.py``). It fuses
-    elementwise work into its neighbours, keeping less than XLA:CPU (``block_activations``): the
-    stream at each LayerNorm's input, not their outputs; q, k, v and attention's output in bfloat16
-    even in float32 (the MXU reads bfloat16, ``MXU``, and keeps that copy); the softmax's weights in
-    float32, as ``context.attend`` computes them; the MLP's hidden units once, the Swish's input.
+    Read from XLA:TPU's buffers live at the step's peak (``benchmarks/memory_aot.py``), fewer than
+    XLA:CPU's (``block_activations``): each LayerNorm's input; q, k, v and attention's output in
+    the MXU's bfloat16 (``MXU``) even in float32; the softmax's weights in ``compute``
+    (``context.narrow_attend``), or under ``dots`` the float32 scores; the MLP's hidden units once.
 
     >>> kept = kept_on_tpu(16, 1024, 768, 12, 64, 3072, "bfloat16", "none")   # GPT-2 small's block
     >>> {term: n // 2**20 for term, n in kept.items()}   # MiB
-    {'stream': 48, 'q, k, v, out': 96, 'softmax': 768, 'mlp hidden': 96}
+    {'stream': 48, 'q, k, v, out': 96, 'softmax': 384, 'mlp hidden': 96}
     """
     _checks.one_of("kept_on_tpu: policy", policy, tuple(TPU_KEEPS))
     c = itemsize(compute)
@@ -275,7 +274,8 @@ def kept_on_tpu(
         "stream": 2 * stream,  # the block's input and attention's (the second norm's input)
         "q, k, v, out": 4 * projected * itemsize(MXU),
         "q, k, v": 3 * projected * c,  # as the names policy saves them: the projections' outputs
-        "softmax": b * heads * s * s * 4,
+        "softmax": b * heads * s * s * c,  # the weights, as attention keeps them
+        "scores": b * heads * s * s * 4,  # q·kᵀ, float32 out of the matrix unit
         "summed": projected * 4,  # the weights times the values, in float32
         "mlp hidden": b * s * hidden * c,
     }

@@ -23,6 +23,7 @@ from minishard import context as cx
 from minishard import sequence as sq
 from minishard.composition import grouped_attention
 from minishard.hardware import HARDWARE
+from minishard.models.dropout import dropout
 from minishard.models.transformer import LayerNorm
 from minishard.styles import style_rules
 from minishard.testing import SplitSequence, assert_attention_equivalent, split_sequences
@@ -74,6 +75,131 @@ def test_merging_two_partial_softmaxes_is_attention_over_all_keys(cut, causal, s
     (out, lse), (want, want_lse) = merged_halves(cut, causal, q, k, v)
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-6)
+
+
+# -- 1b. the backward that keeps the weights in the values' dtype (issue 61 §3) ----------------
+def autodiffs_attend(q, k, v, q_pos, k_pos, *, causal=False, dropped=None):
+    """``attend`` as it was before ``narrow_attend``: float32 weights, differentiated by JAX (which
+    keeps them in float32 for exp's gradient), cast to the values' dtype for the matrix unit."""
+    s = cx.scores(q, k, q_pos, k_pos, causal)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    weights = jnp.exp(s - lse[..., None])
+    weights = weights if dropped is None else dropped(weights)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v, **cx.F32)
+    return out, lse.swapaxes(1, 2)
+
+
+def loss_of(attend_fn, g, causal, dropped=None):
+    """``(out, lse)`` of ``attend_fn`` and the gradients in q, k, v of a loss that reads both,
+    ``Σ g·out + Σ sin(lse)``, so lse's gradient (what a merge gives it) is not zero; jitted."""
+
+    def loss(q, k, v):
+        at = jnp.arange(q.shape[1])
+        out, lse = attend_fn(q, k, v, at, at, causal=causal, dropped=dropped)
+        return jnp.sum(out * g) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+    return jax.jit(lambda *qkv: jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(*qkv)[::-1])
+
+
+def assert_within_bf16(got, want, bound=2e-2):
+    """Each array within ``bound`` of the largest of ``want``'s: bf16 keeps 8 bits, 0.4% a value."""
+    for mine, exact in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        scale = float(jnp.max(jnp.abs(exact)))
+        worst = float(jnp.max(jnp.abs(jnp.asarray(mine, jnp.float32) - exact))) / scale
+        assert worst < bound, (worst, mine.shape)
+
+
+@pytest.mark.parametrize(("causal", "rate"), [(False, 0.0), (True, 0.25)])
+def test_narrow_attends_backward_is_autodiffs_in_float32_lse_and_dropout_included(causal, rate):
+    """``narrow_attend``'s own backward (``softmax_grad``, lse's gradient, dropout's transpose) in
+    float32 against JAX's derivative of the float32 ``attend``."""
+    q, k, v, g = jax.random.normal(jax.random.key(1), (4, 2, 8, 3, 4))
+    dropped = functools.partial(dropout, rate=rate, key=jax.random.key(7)) if rate else None
+    mine = loss_of(cx.narrow_attend, g, causal, dropped)(q, k, v)
+    autodiff = loss_of(cx.attend, g, causal, dropped)(q, k, v)
+    for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(autodiff), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("causal", "rate"), [(False, 0.0), (True, 0.0), (False, 0.25), (True, 0.25)])
+def test_a_bf16_attend_has_the_loss_and_gradients_of_autodiffs_within_bf16s_precision(causal, rate):
+    """With and without the mask and dropout: bf16 ``attend`` (weights kept in bf16) and the float32
+    weights' autodiff agree within bf16's rounding, and both with float32's exact gradients."""
+    q, k, v, g = jax.random.normal(jax.random.key(0), (4, 2, 16, 3, 8))
+    dropped = functools.partial(dropout, rate=rate, key=jax.random.key(7)) if rate else None
+    narrow = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    mine = loss_of(cx.attend, g, causal, dropped)(*narrow)
+    before = loss_of(autodiffs_attend, g, causal, dropped)(*narrow)
+    exact = loss_of(cx.attend, g, causal, dropped)(q, k, v)
+    assert_within_bf16(mine, before)
+    assert_within_bf16(mine, exact)
+
+
+def test_a_bf16_attend_keeps_only_bf16_weights_for_its_backward_pass():
+    """What ``jax.vjp`` keeps of ``[b, h, q, k]`` (its pullback's arrays): bf16 weights alone, where
+    autodiff of the float32 softmax keeps float32 weights (and scores, and the mask's booleans)."""
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 16, 3, 8), jnp.bfloat16)
+    at = jnp.arange(16)
+
+    def kept(attend_fn):
+        _, pullback = jax.vjp(lambda q, k, v: attend_fn(q, k, v, at, at, causal=True), q, k, v)
+        return {x.dtype for x in jax.tree.leaves(pullback) if x.shape == (2, 3, 16, 16)}
+
+    assert kept(cx.attend) == {jnp.dtype(jnp.bfloat16)}
+    assert jnp.dtype(jnp.float32) in kept(autodiffs_attend)
+
+
+def test_a_bf16_attend_with_dropout_differentiates_under_remat():
+    """The drop's key never enters the custom VJP (its factors do): ``jax.checkpoint`` traces the
+    attention again in the backward pass, and the same gradients come out, no tracer leaked."""
+    q, k, v, g = jax.random.normal(jax.random.key(0), (4, 2, 16, 3, 8))
+    narrow = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    at = jnp.arange(16)
+
+    def block(q, k, v, key):  # a layer's key, folded in where the block is traced (as the GPT's)
+        dropped = functools.partial(dropout, rate=0.25, key=jax.random.fold_in(key, 1))
+        return cx.attend(q, k, v, at, at, causal=True, dropped=dropped)[0]
+
+    def grads(remat):
+        def loss(q, k, v, key):
+            return jnp.sum((jax.checkpoint(block) if remat else block)(q, k, v, key) * g)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*narrow, jax.random.key(7))
+
+    assert_within_bf16(grads(remat=True), grads(remat=False), bound=1e-3)
+
+
+def test_float32_attend_is_autodiffs_bit_for_bit():
+    q, k, v, g = jax.random.normal(jax.random.key(2), (4, 2, 16, 3, 8))
+    dropped = functools.partial(dropout, rate=0.25, key=jax.random.key(7))
+    mine = loss_of(cx.attend, g, True, dropped)(q, k, v)
+    before = loss_of(autodiffs_attend, g, True, dropped)(q, k, v)
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("ring", ["ring_attention", "ring_forward differentiated"])
+def test_a_bf16_ring_has_float32_attentions_gradients_within_bf16s_precision(ring):
+    """Under the ring, bf16: its own backward (``attend_grads``, ``softmax_grad``), and JAX's through
+    ``ring_forward``, where each ``merge`` gives a pair's lse a gradient (``narrow_attend``'s dlse)."""
+    p, shape = 4, (1, 16, 2, 4)
+    fns = {
+        "ring_attention": cx.ring_attention,
+        "ring_forward differentiated": lambda q, k, v, **kw: cx.ring_forward(q, k, v, **kw)[0],
+    }
+    run = sq.over_sequence(fns[ring], seq_mesh(p), causal=True, order="zigzag")
+    q, k, v, g = jax.random.normal(jax.random.key(3), (4, *shape))
+
+    def loss(attend_fn, *qkv):
+        out = attend_fn(*qkv)
+        return jnp.sum(jnp.asarray(out, jnp.float32) * g), out
+
+    q, k, v, g = (cx.permute(x, p, "zigzag") for x in (q, k, v, g))  # as the devices hold them
+    narrow = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    mine = jax.jit(jax.grad(functools.partial(loss, run), (0, 1, 2), has_aux=True))(*narrow)
+    whole = functools.partial(cx.attention, q_pos=cx.held_order(16, p, "zigzag"), causal=True)
+    exact = jax.jit(jax.grad(functools.partial(loss, whole), (0, 1, 2), has_aux=True))(q, k, v)
+    assert_within_bf16(mine, exact)
 
 
 # -- 2. where the chunks live -----------------------------------------------------------

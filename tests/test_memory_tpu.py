@@ -44,13 +44,17 @@ def test_a_topology_predicts_what_xla_tpu_keeps_not_what_xla_cpu_keeps():
     assert 0.55 < tpu / cpu[0].terms["activations"] < 0.65
 
 
-def test_xla_tpu_keeps_the_softmax_in_float32_and_q_k_v_in_bfloat16_whatever_the_precision():
+def test_xla_tpu_keeps_the_softmax_in_the_steps_dtype_and_q_k_v_in_bfloat16_whatever_the_precision():
+    """The softmax's weights in bf16 in a bf16 step (``context.narrow_attend``; float32's before:
+    XLA:TPU's 6 x 384 step keeps 1,080 MB, 1,391 MB before); under ``dots``, float32 scores."""
     b, s, width, heads, hidden = 16, 1024, 768, 12, 3072
     fp32, bf16 = (
         memory.kept_on_tpu(b, s, width, heads, width // heads, hidden, dtype, "none")
         for dtype in ("float32", "bfloat16")
     )
-    assert fp32["softmax"] == bf16["softmax"] == 4 * b * heads * s * s
+    assert fp32["softmax"] == 2 * bf16["softmax"] == 4 * b * heads * s * s
+    dots = memory.kept_on_tpu(b, s, width, heads, width // heads, hidden, "bfloat16", "dots")
+    assert dots["scores"] == 4 * b * heads * s * s and "softmax" not in dots
     assert fp32["q, k, v, out"] == bf16["q, k, v, out"] == 2 * 4 * b * s * width
     assert fp32["stream"] == 2 * bf16["stream"]
     full = memory.kept_on_tpu(b, s, width, heads, width // heads, hidden, "bfloat16", "full")
@@ -80,9 +84,11 @@ IN_THE_SUITE = {("6x384", "fp32", "none")}
 """One compile of the table's eight in ``make test`` (20-60 s on 2 cores): the chapter's claim, within
 15%. The rest, the known gaps among them, run where XLA:TPU compiles in seconds, on the chip
 (``make test-tpu``), and ``benchmarks/memory_aot.py`` prints them all."""
-KNOWN_GAPS = {("6x384", "bf16", "full"): 1.20, ("6x384", "bf16", "names"): 1.20}
+KNOWN_GAPS = {("6x384", "bf16", "full"): 1.25, ("6x384", "bf16", "names"): 1.16}
 """Over 15%, measured (docs/tpu.md): since ``context.F32`` a bf16 step's recomputed block holds no
-float32 copies of q and k, which ``kept_on_tpu``'s terms were read with."""
+float32 copies of q and k, which ``kept_on_tpu``'s terms were read with (1.20 and 1.20); since
+``context.narrow_attend`` its recomputed attention keeps bf16 weights, not float32's (``full``:
+264 MB compiled, 318 before)."""
 CASES = [
     pytest.param(
         size,
@@ -121,12 +127,13 @@ def test_gpt2_smalls_body_in_bf16_is_predicted_within_15_percent():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("precision", "documented"),
-    [pytest.param("fp32", 2.68, marks=pytest.mark.tpu), ("bf16", 2.08)],  # one compile in the suite
+    [pytest.param("fp32", 2.68, marks=pytest.mark.tpu), ("bf16", 1.82)],  # one compile in the suite
 )
 def test_the_default_gpts_step_lives_in_vmem_off_by_the_documented_ratio(precision, documented):
     """A known gap (docs/memory.md): the default GPT's live set, ~20 MB, fits the v5e's 128 MiB of
     VMEM, where XLA:TPU's memory-space assignment places most of it; its HBM temporaries are ~10 MB
-    under every policy, which the chapter's terms do not model."""
+    under every policy, which the chapter's terms do not model (bf16: 2.08 before the terms kept
+    the softmax in bf16, ``context.narrow_attend``)."""
     predicted, compiled = predicted_and_compiled(["--precision", precision])
     ratio = predicted.temporaries / compiled.temporaries
     assert 0.85 * documented <= ratio <= 1.15 * documented, predicted.table(compiled)
