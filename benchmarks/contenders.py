@@ -263,7 +263,8 @@ def nnx_model(problem: Problem) -> Any:
 
     model = nnx.eval_shape(build)  # the structure without running the random initialisation
     for linear, (w, b) in zip(model.layers[::2], problem.params):
-        linear.kernel.value, linear.bias.value = jnp.asarray(w), jnp.asarray(b)
+        linear.kernel.set_value(jnp.asarray(w))  # flax's setter (``.value =`` is deprecated)
+        linear.bias.set_value(jnp.asarray(b))
     return model
 
 
