@@ -279,7 +279,9 @@ def ring_by_kernels(p, order, causal, pair_core):
 @pytest.mark.slow  # interpreted kernels, each call a barrier of every device: 30 s at p = 2
 @pytest.mark.parametrize(
     ("p", "order", "causal", "chunk", "block"),
-    [(4, "zigzag", True, 16, 8), (4, "in-order", False, 16, 8)],  # tiles across the diagonal
+    # zigzag over 2 devices holds chunks 0, 3 and 1, 2: every kind of pair (diagonal, below, skipped)
+    # and tiles across the diagonal: 49 s against 68 s on 4 devices, measured back to back
+    [(2, "zigzag", True, 16, 8), (4, "in-order", False, 16, 8)],
 )
 def test_the_ring_with_flash_pairs_is_attention_forward_and_gradients(p, order, causal, chunk, block):
     """2 query heads on one K/V head: the kernels' pairs, merged and summed by the ring, are
