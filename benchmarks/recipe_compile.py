@@ -79,19 +79,25 @@ def measure(target: str, flags: list[str]) -> dict[str, float]:
     return times
 
 
+def in_fresh_process(module: str, call: str, env: dict[str, str]) -> dict[str, Any]:
+    """``module.call`` (a module of this folder) run in a new Python process with ``env``, its
+    JSON-printed result read back: each measurement starts from a cold JAX."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    printed = f"print(json.dumps({module}.{call}))"
+    code = f"import json, sys; sys.path.insert(0, {here!r}); import {module}; {printed}"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{module}.{call} failed:\n{done.stderr[-3000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def fresh(target: str, flags: list[str]) -> dict[str, float]:
     """``measure`` in a new process, XLA's default flags (no simulated devices)."""
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     env.pop("XLA_FLAGS", None)
     if target == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
-    here = os.path.dirname(os.path.abspath(__file__))
-    call = f"print(json.dumps(recipe_compile.measure({target!r}, {flags!r})))"
-    code = f"import json, sys; sys.path.insert(0, {here!r}); import recipe_compile; {call}"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{target} {flags} failed:\n{done.stderr[-3000:]}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return in_fresh_process("recipe_compile", f"measure({target!r}, {flags!r})", env)
 
 
 def main() -> int:

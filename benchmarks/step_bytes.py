@@ -20,9 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from recipe_compile import in_fresh_process  # this directory's
 
 SHAPES = {
     "6x384 ctx256": ({"depth": 6, "width": 384, "heads": 6, "context": 256}, 64),
@@ -92,13 +95,7 @@ def fresh(contender: str, shape_name: str, hlo: str | None) -> dict[str, Any]:
     """``measure`` in a new process, without the tests' simulated devices."""
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     env.pop("XLA_FLAGS", None)
-    here = os.path.dirname(os.path.abspath(__file__))
-    call = f"print(json.dumps(step_bytes.measure({contender!r}, {shape_name!r}, {hlo!r})))"
-    code = f"import json, sys; sys.path.insert(0, {here!r}); import step_bytes; {call}"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{contender} {shape_name} failed:\n{done.stderr[-3000:]}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return in_fresh_process("step_bytes", f"measure({contender!r}, {shape_name!r}, {hlo!r})", env)
 
 
 def main() -> int:
