@@ -10,7 +10,7 @@ Both steps of ``chip_speed.py`` (minishard's ``train`` step in bf16 with dense a
 * ``--hlo DIR``: the optimized programs' text, to put side by side.
 
     python benchmarks/step_bytes.py --json step_bytes.json              # nanoGPT's shape
-    python benchmarks/step_bytes.py --shapes "12x768 ctx1024" --hlo /tmp/hlo
+    python benchmarks/step_bytes.py --shapes "12x768 ctx1024" --hlo hlo
 
 Each contender compiles in a fresh process (XLA's default flags, no simulated devices).
 """

@@ -18,7 +18,7 @@ ways: all-gather, all-to-all, and Megatron's sequence parallelism):
 2. **Where the chunks live.** A sequence's chunk order, in order or zig-zag (``CHUNKS``: device
    i holds chunks i and 2p-1-i of 2p); ``chunks`` names them, ``meets`` which chunks a device's
    queries meet at each step, ``needed`` and ``kind`` whether a pair is computed, masked (the
-   diagonal) or skipped (all in the future): ``KINDS``, by ``kind_index``; ``pair_kinds`` the
+   diagonal) or skipped (all in the future): ``PAIR_KINDS``, by ``kind_index``; ``pair_kinds`` the
    whole grid (a ``Cell`` per device and step) and ``balance`` its slowest device. ``span`` and
    ``held_order`` give the tokens' positions as the devices hold them; ``permute`` deals a
    sequence out in that order.
@@ -67,7 +67,7 @@ Dropped = Callable[[jax.Array], jax.Array] | None
 """What becomes of the softmax's weights (a model's dropout), or None."""
 Cell = tuple[str, ...]
 """One device's step in ``pair_kinds``: the ``kind`` of each pair of chunks it meets."""
-KINDS = ("skipped", "computed", "masked")
+PAIR_KINDS = ("skipped", "computed", "masked")
 """What a pair of chunks costs, by ``kind_index``: nothing (all its keys in the future), every
 score, or every score with the future's masked (the diagonal)."""
 
@@ -281,14 +281,15 @@ def needed(q_chunk: Any, k_chunk: Any, causal: bool) -> Any:
 
 def kind(q_chunk: int, k_chunk: int, causal: bool = True) -> str:
     """``"computed"``, ``"masked"`` (the diagonal: half of it is in the future) or ``"skipped"``."""
-    return KINDS[kind_index(q_chunk, k_chunk, causal)]
+    return PAIR_KINDS[kind_index(q_chunk, k_chunk, causal)]
 
 
 def kind_index(q_chunk: Any, k_chunk: Any, causal: bool = True) -> Any:
-    """The pair's ``kind`` as its index in ``KINDS``: an int, or traced where the chunks are (in
-    the ring, always: a device's chunks are its ``axis_index``'s), for a ``lax.switch`` to pick by.
+    """The pair's ``kind`` as its index in ``PAIR_KINDS``: an int, or traced where the chunks are
+    (in the ring, always: a device's chunks are its ``axis_index``'s), for a ``lax.switch`` to pick
+    by.
 
-    >>> [KINDS[kind_index(q_chunk=1, k_chunk=k)] for k in (0, 1, 2)]
+    >>> [PAIR_KINDS[kind_index(q_chunk=1, k_chunk=k)] for k in (0, 1, 2)]
     ['computed', 'masked', 'skipped']
     """
     if not causal:
@@ -464,9 +465,9 @@ def _pairs(mine: Any, theirs: Any, causal: bool) -> Iterator[tuple[int, int, Any
 
 
 def _by_kind(which: Any, work: Callable[[bool], Any], kept: Any, operands: Any) -> Any:
-    """``work(masked)(kept, operands)`` as ``KINDS[which]`` says, masked on the diagonal; ``kept``
-    if skipped. A ``lax.switch`` where ``which`` is traced: a skipped pair costs nothing, and each
-    other kind runs code of its own (a kernel's causal grid, or its full one)."""
+    """``work(masked)(kept, operands)`` as ``PAIR_KINDS[which]`` says, masked on the diagonal;
+    ``kept`` if skipped. A ``lax.switch`` where ``which`` is traced: a skipped pair costs nothing,
+    and each other kind runs code of its own (a kernel's causal grid, or its full one)."""
     branches = [lambda kept, _: kept, work(False), work(True)]
     if isinstance(which, int):
         return branches[which](kept, operands)
@@ -659,8 +660,8 @@ __all__ = [
     "DENSE_PAIRS",
     "Dropped",
     "F32",
-    "KINDS",
     "MASK_VALUE",
+    "PAIR_KINDS",
     "PairCore",
     "Partial",
     "attend",

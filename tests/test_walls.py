@@ -106,7 +106,7 @@ CHAPTERS = {
     # the matrix unit's float32 sums of bf16 inputs, whose one home the flash kernel shares too
     # issue 63: grouped K/V travel at their own heads, repeated where they arrive and their
     # gradients summed over each group before they travel (repeated, summed: +36)
-    # issue 61 §1, the ring by the kernels: a pair's KINDS by kind_index, picked by one lax.switch
+    # issue 61 §1, the ring by the kernels: a pair's PAIR_KINDS by kind_index, picked by one lax.switch
     # (_by_kind: skipped, computed, masked), the ring's PairCore argument and DENSE_PAIRS, the
     # signatures it grows one argument a line (+69)
     # #61 §3: narrow_attend, a bf16 step's attention whose backward keeps bf16 weights (its custom
