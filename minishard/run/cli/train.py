@@ -26,7 +26,7 @@ from minishard.report import explain
 from minishard.rules import ShardingError
 from minishard.run import distributed
 from minishard.run.cli import flags, styles
-from minishard.run.cli.accelerators import SIMULATE, run_devices, simulate_devices
+from minishard.run.cli.accelerators import SIMULATE, built_on_the_host, run_devices, simulate_devices
 from minishard.run.cli.flags import Error, at_least, default_text, finish_train
 from minishard.run.cli.models import MODELS
 from minishard.run.cli.models.entry import ModelEntry, Splits
@@ -278,7 +278,9 @@ def train_on_mesh(args: argparse.Namespace) -> int:
     mesh = make_mesh(args.mesh, devices=devices, explicit=args.explicit)
     rules = cli_rules(args, mesh.axis_names)
     check_batch_split(Sharded(mesh, rules).batch_sharding, args.batch_size)
-    built = style.prepare(style.build(model, args, jax.random.key(args.seed)), args, mesh)
+    with built_on_the_host():  # its many small operations compile in milliseconds there
+        built = style.build(model, args, jax.random.key(args.seed))
+    built = style.prepare(built, args, mesh)
     if refused := _check_rule_names(args, built, mesh, rules):
         return refused
     if distributed.is_main_process():
