@@ -123,14 +123,20 @@ def train_flops(model: Decoder, tokens: float, context: int = 0) -> float:
     return (6 * model.active_params + attention) * tokens
 
 
-def recomputed_flops(model: Decoder, tokens: float, context: int = 0, remat: str = "full") -> float:
-    """The FLOPs the backward pass runs again under ``remat``'s policy (``remat.POLICIES``), not the
-    model's (``train_flops``, MFU's): the forward matmuls whose outputs the policy does not keep and
-    the backward pass reads, for ``tokens`` in sequences of ``context``. A token and layer:
+def recomputed_flops(
+    model: Decoder,
+    tokens: float,
+    context: int = 0,
+    remat: str = "full",
+    capacity_factor: float = 1.0,
+) -> float:
+    """The FLOPs the backward pass runs again under ``remat`` (``remat.POLICIES``), not the model's
+    (``train_flops``, MFU's), for ``tokens`` in sequences of ``context``; a token and layer:
 
     * ``"none"``, ``"dots"``: no matmul (dots runs only norms, softmax and Swish again);
-    * ``"names"``: attention's ``core`` (q·kᵀ and the scores times v) and the MLP's first matrices
-      (two, gated; a mixture's ``top_k`` and its router), which ``remat.SAVED`` does not name;
+    * ``"names"``: attention's ``core`` (q·kᵀ, the scores times v) and the MLP's first matrices
+      (two, gated; a mixture's router, its experts' at ``top_k · capacity_factor`` slots a token,
+      empty ones too: ``experts.capacity``; 1: dropless), which ``remat.SAVED`` does not name;
     * ``"full"``: those and the ``projections`` (q, k, v and the output): all but the MLP's second
       matrix, whose output only the residual sum reads (JAX drops it: ``minishard.remat``).
 
@@ -141,7 +147,8 @@ def recomputed_flops(model: Decoder, tokens: float, context: int = 0, remat: str
     _checks.one_of("recomputed_flops: remat", remat, tuple(POLICIES))
     projections = 2 * model.width * model.head_dim * (2 * model.heads + 2 * model.kv_heads)
     core = 4 * context * model.heads * model.head_dim
-    mlp_in = 2 * model.width * model.hidden * (1 + model.gated) * max(model.top_k, 1)
+    slots = model.top_k * capacity_factor if model.experts else 1  # a token's, in the experts
+    mlp_in = 2 * model.width * model.hidden * (1 + model.gated) * slots
     router = 2 * model.width * model.experts  # a mixture's (a dense MLP: 0)
     again = {"none": 0, "dots": 0, "names": core + mlp_in + router}
     again["full"] = again["names"] + projections

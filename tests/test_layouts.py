@@ -15,12 +15,13 @@ import jax
 import numpy as np
 import pytest
 
-from minishard import layouts
+from minishard import experts, layouts
 from minishard.costs import critical_batch, mixed_critical_batch, sent_bytes
 from minishard.hardware import HARDWARE
 from minishard.layouts import CHECKPOINTS, Kept, Layout, _among, price, rank
 from minishard.memory import bytes_per_parameter
 from minishard.models.gpt import GPT
+from minishard.models.transformer import moe_mlp
 from minishard.pipeline import bubble_fraction, in_flight
 from minishard.precision import MIXED, PRECISIONS
 from minishard.remat import POLICIES, step_flops
@@ -205,6 +206,28 @@ def test_the_recomputed_flops_are_those_the_gpts_step_runs_again(remat: str) -> 
     flops = step_flops(next_token_loss, gpt, {"inputs": window, "targets": window})
     size = dataclasses.replace(MINISHARD_GPT, kv_heads=2)
     assert flops.hardware - flops.model == layouts.recomputed_flops(size, 2 * 64, 64, remat)
+
+
+def test_a_mixture_recomputes_its_experts_at_their_capacity_and_its_one_hot_dispatch() -> None:
+    """minishard's mixture (4 experts, 2 a token, capacity factor 4) runs every expert at its
+    capacity, empty slots too: what it runs again is ``recomputed_flops`` at that capacity factor
+    (top_k slots alone: 3.2 times too few), and its one-hot dispatch, 2·S·(E·C)·M a sequence and
+    layer, which a dropless kernel does not run; beside them the masks' einsums (3.5%)."""
+    window = jax.ShapeDtypeStruct((2, 64), np.int32)
+    batch = {"inputs": window, "targets": window}
+
+    def hardware_flops(remat: str) -> float:
+        gpt = GPT(key=jax.random.key(0), remat=remat, mlp=moe_mlp(4, k=2, capacity_factor=4.0))
+        return step_flops(next_token_loss, gpt, batch).hardware
+
+    size = dataclasses.replace(MINISHARD_GPT, experts=4, top_k=2)
+    slots = 4 * experts.capacity(64, 4, 2, 4.0)  # E·C of a sequence
+    dispatch = size.layers * 2 * (2 * 64 * slots * size.width)  # two sequences, each a group
+    plain = hardware_flops("none")
+    for remat in ("names", "full"):
+        again = hardware_flops(remat) - plain
+        formula = layouts.recomputed_flops(size, 2 * 64, 64, remat, capacity_factor=4.0)
+        assert formula + dispatch <= again <= formula + 1.04 * dispatch, remat
 
 
 def test_the_step_counts_what_its_remat_policy_recomputes_and_mfu_only_the_models() -> None:
