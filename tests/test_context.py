@@ -255,7 +255,9 @@ def test_the_ring_equals_attention_for_drawn_split_sequences(split, causal, seed
 
 
 @pytest.mark.slow
-@settings(max_examples=6)
+# 2 examples, not 6 (9.9 s): each order's ring equals attention in the drawn property above, so
+# zigzag's equals in order's through it; here the two rings side by side, on 2 drawn meshes
+@settings(max_examples=2)
 @given(split=split_sequences(orders=("zigzag",)), seed=st.integers(0, 3))
 def test_zigzag_equals_the_ring_in_order(split, seed):
     in_order = whole(cx.ring_attention, split.devices, "in-order")

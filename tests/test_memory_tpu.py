@@ -19,6 +19,7 @@ from minishard.run.cli.memory import compiled_memory, compiler_of, predict
 
 SIZES = {
     "6x384": ["--depth", "6", "--width", "384", "--heads", "6", "--context", "256", "--batch-size", "64"],
+    "2x384": ["--depth", "2", "--width", "384", "--heads", "6", "--context", "256", "--batch-size", "64"],
     "12x768": ["--depth", "12", "--width", "768", "--heads", "12", "--context", "1024", "--batch-size", "16"],
 }
 ON_A_V5E = ["explain", "--memory", "--model", "gpt", "--topology", "v5e:1x1"]
@@ -80,26 +81,25 @@ def test_grouped_queries_are_predicted_within_15_percent():
     assert 0.85 <= predicted.temporaries / compiled.temporaries <= 1.15, predicted.table(compiled)
 
 
-IN_THE_SUITE = {("6x384", "fp32", "none")}
-"""One compile of the table's eight in ``make test`` (20-60 s on 2 cores): the chapter's claim, within
-15%. The rest, the known gaps among them, run where XLA:TPU compiles in seconds, on the chip
-(``make test-tpu``), and ``benchmarks/memory_aot.py`` prints them all."""
+IN_THE_SUITE = ("2x384", "fp32", "none")
+"""One compile in ``make test``: the chapter's claim, within 15% (1.00), of 6 x 384's first case cut to
+2 of its blocks (XLA:TPU's compile here is mostly a fixed cost: 75-82 s against 96 s at 6 blocks
+on a loaded machine; 6 x 384's 40 s in the suite). The table's eight, the known gaps among them, run
+where XLA:TPU compiles in seconds, on the chip (``make test-tpu``), and ``benchmarks/memory_aot.py``
+prints them all."""
 KNOWN_GAPS = {("6x384", "bf16", "full"): 1.25, ("6x384", "bf16", "names"): 1.16}
 """Over 15%, measured (docs/tpu.md): since ``context.F32`` a bf16 step's recomputed block holds no
 float32 copies of q and k, which ``kept_on_tpu``'s terms were read with (1.20 and 1.20); since
 ``context.narrow_attend`` its recomputed attention keeps bf16 weights, not float32's (``full``:
 264 MB compiled, 318 before)."""
 CASES = [
-    pytest.param(
-        size,
-        precision,
-        policy,
-        id=f"{size}-{precision}-{policy}",
-        marks=pytest.mark.slow if (size, precision, policy) in IN_THE_SUITE else pytest.mark.tpu,
-    )
-    for size in ("6x384",)
-    for precision in ("fp32", "bf16")
-    for policy in memory.TPU_KEEPS
+    pytest.param(*IN_THE_SUITE, id="-".join(IN_THE_SUITE), marks=pytest.mark.slow),
+    *(
+        pytest.param(size, precision, policy, id=f"{size}-{precision}-{policy}", marks=pytest.mark.tpu)
+        for size in ("6x384",)
+        for precision in ("fp32", "bf16")
+        for policy in memory.TPU_KEEPS
+    ),
 ]
 
 
