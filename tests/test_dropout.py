@@ -138,6 +138,7 @@ def test_evaluation_and_decoding_drop_nothing():
 def test_recomputed_under_remat_a_block_draws_the_same_masks():
     batch = small_batch()
 
+    @jax.jit  # one program each, not op by op (jax.checkpoint's barriers keep the recomputation)
     def loss_and_grads(model):
         return jax.value_and_grad(lambda m: next_token_loss(m, batch, KEY)[0])(model)
 
