@@ -134,7 +134,7 @@ def test_evaluation_and_decoding_drop_nothing():
     )
 
 
-@pytest.mark.slow  # two gradients compile (8 s under load)
+@pytest.mark.slow  # two gradients compile
 def test_recomputed_under_remat_a_block_draws_the_same_masks():
     batch = small_batch()
 
