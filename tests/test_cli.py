@@ -910,15 +910,16 @@ def test_explain_dp_cp_shows_the_rings_permutes_against_the_formula_and_its_bala
 
 @pytest.mark.slow  # compiles one GPT step
 def test_explain_cp_of_grouped_heads_counts_the_ring_s_chunks_at_the_key_value_heads(capsys):
-    gpt = ["--model", "gpt", "--depth", "2", "--context", "32"]  # 2 blocks, as above: sends are per block
+    # 1 block: the test above shows the sends per block times 2 blocks; here what one block sends
+    gpt = ["--model", "gpt", "--depth", "1", "--context", "32"]
     argv = ["explain", *gpt, "--parallel", "dp+cp", "--kv-heads", "2"]
     assert main([*argv, "--hardware", "v5p"]) == 0
     out = capsys.readouterr().out
     # as above, but K and V of 2 heads travel as they are (repeated for the 4 query heads where
     # they arrive): chunks of [8, 8 tokens, 2 heads, 32] float32, half the multi-head ring's
-    sent = human_bytes(2 * 20 * 8 * 8 * 2 * 32 * 4)
-    assert f"census: collective-permute over context x40, {sent}" in out
-    assert f"formula: 2 blocks x 20 chunks [8, 8, 2, 32] f32 = {sent}" in out
+    sent = human_bytes(20 * 8 * 8 * 2 * 32 * 4)
+    assert f"census: collective-permute over context x20, {sent}" in out
+    assert f"formula: 1 blocks x 20 chunks [8, 8, 2, 32] f32 = {sent}" in out
     # the verdict: the 2 heads' bytes sent, against the 4 query heads' work
     k = ring_bound(32, 4, 2, 32, 4, HARDWARE["v5p"], batch=8)
     assert f"on v5p: a step's sends / the attention they hide behind = {k:.3g}:" in out

@@ -88,7 +88,7 @@ def test_the_gpt_trains_by_steps_and_its_checkpoint_samples_without_data(tmp_pat
 @pytest.mark.slow  # two short runs and a sample
 def test_a_scanned_gpt_trains_to_the_looped_gpts_losses_and_its_checkpoint_samples_as_one(tmp_path, capsys):
     """--scan stacks the blocks and runs them as one lax.scan: the same function of the same numbers."""
-    flags = ["--depth", "3", "--steps", "4", "--eval-every", "2"]
+    flags = ["--depth", "2", "--steps", "4", "--eval-every", "2"]  # 2 blocks: a scan of more than one
     looped, scanned = (str(tmp_path / name) for name in ("looped", "scanned"))
     assert main(["train", *TINY, *flags, "--checkpoint-dir", looped]) == 0
     want = records(capsys.readouterr().out)
@@ -111,7 +111,7 @@ def test_a_scanned_gpt_with_dropout_trains_to_the_looped_gpts_losses(tmp_path, c
     so under --remat full is tests/test_dropout.py's test_a_scanned_gpt_draws_the_looped_gpts_masks_and_
     recomputes_them_so[full] (the scanned GPT's loss and gradients against the looped one's); --remat's
     way to the model is test_under_remat_each_line_gives_the_hfu_of_the_flops_the_step_runs's."""
-    flags = ["--depth", "3", "--steps", "4", "--eval-every", "2", "--dropout", "0.2"]
+    flags = ["--depth", "2", "--steps", "4", "--eval-every", "2", "--dropout", "0.2"]  # 2 blocks: 2 keys
     assert main(["train", *TINY, *flags]) == 0
     want = records(capsys.readouterr().out)
     assert main(["train", *TINY, *flags, "--scan"]) == 0
@@ -666,7 +666,10 @@ def test_sample_sharded_prints_the_same_texts_as_on_one_device_row_b_as_seed_b(t
         checkpointer.save(5, state, {"info": info | {"flags": settings | {"weight_decay": 0.1}}})
     flags = ["sample", "--checkpoint-dir", directory, "--prompt", "ROMEO:", "--tokens", "12", "--seed", "4"]
     texts = {}
-    styles = ("tp", "dp", "2d", "cp", "dp+cp")  # cp: the 8 positions of the cache, one per device
+    # 2d splits the rows over "data" and the heads over "model" (dp's and tp's cache splits at once;
+    # dp and tp alone decoded here too, each compiling its own prefill and decode, and could fail only
+    # with 2d); cp: the 8 positions of the cache, one per device; dp+cp: rows and positions at once.
+    styles = ("2d", "cp", "dp+cp")
     for parallel in ("none", *styles):  # 12 tokens past a context of 8: the restart too
         assert main([*flags, "--parallel", parallel, "--batch", "8"]) == 0
         texts[parallel] = capsys.readouterr().out

@@ -134,10 +134,11 @@ def test_evaluation_and_decoding_drop_nothing():
     )
 
 
-@pytest.mark.slow  # two gradients compile (8 s under load)
+@pytest.mark.slow  # two gradients compile
 def test_recomputed_under_remat_a_block_draws_the_same_masks():
     batch = small_batch()
 
+    @jax.jit  # one program each, not op by op (jax.checkpoint's barriers keep the recomputation)
     def loss_and_grads(model):
         return jax.value_and_grad(lambda m: next_token_loss(m, batch, KEY)[0])(model)
 
@@ -180,13 +181,14 @@ STEPS = 3
 
 
 @functools.cache
-def trained(style, rate=RATE, scan=False):
-    """``STEPS`` AdamW steps of the small GPT with dropout ``rate`` under ``style`` (``scan``: its blocks
-    stacked and scanned): its losses, and the collectives of its compiled step (kind -> count, bytes)."""
+def trained(style, rate=RATE, scan=False, depth=1):
+    """``STEPS`` AdamW steps of the small GPT of ``depth`` blocks with dropout ``rate`` under ``style``
+    (``scan``: its blocks stacked and scanned): its losses, and the collectives of its compiled step
+    (kind -> count, bytes)."""
     shape, rules = mesh_rules(style, 8)
     mesh = ms.make_mesh(shape)
     step = ms.Sharded(mesh, rules)(make_train_step(OPTIMIZER, next_token_loss, seed=3))
-    built = small_gpt(rate)
+    built = small_gpt(rate, depth=depth)
     model = ms.shard(built.replace(blocks=stack_blocks(built.blocks)) if scan else built, mesh, rules)
     state = ms.shard(OPTIMIZER.init(model), mesh, rules)
     sent = census.collectives(step.lower(model, state, small_batch()))
@@ -202,13 +204,18 @@ def trained(style, rate=RATE, scan=False):
     ("style", "scan"), [("fsdp", False), ("tp", False), ("tp+sp", False), ("dp", True), ("fsdp", True)]
 )
 def test_every_layout_draws_the_same_masks_and_trains_to_dp_s_losses(style, scan):
-    expected, _ = trained("dp")
-    losses, sent = trained(style, scan=scan)
+    # 1 block holds every array a layout splits and draws each place's mask (XLA's compile is most of
+    # each case). That each block of a scan draws its own key's masks, as the looped blocks draw them:
+    # test_a_scanned_gpt_draws_the_looped_gpts_masks_and_recomputes_them_so (2 blocks).
+    depth = 1
+    expected, _ = trained("dp", depth=depth)
+    losses, sent = trained(style, scan=scan, depth=depth)
     np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=1e-5)
-    assert min(abs(a - b) for a, b in zip(expected, trained("dp", 0.0)[0])) > 1e-3  # and dropout drew
+    undropped, _ = trained("dp", 0.0, depth=depth)
+    assert min(abs(a - b) for a, b in zip(expected, undropped)) > 1e-3  # and dropout drew
     # Each device draws its own shard of the global mask (jax_threefry_partitionable): dropout sends
     # nothing. Unpartitionable, fsdp's masks cost 14 more all-gathers and 28 collective-permutes.
-    assert sent == trained(style, 0.0, scan)[1]
+    assert sent == trained(style, 0.0, scan, depth)[1]
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.2, 0.5])

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from named import assert_named
 from strategies import array_trees, assert_trees_close, mlp_sizes, random_like, seeds
@@ -108,6 +108,7 @@ def test_sgd_matches_optax_on_trees_of_arrays(params, lr, momentum, seed):
 
 
 @pytest.mark.slow  # over 5 s
+@settings(max_examples=4)  # as AdamW's below: test_sgd_matches_optax_on_trees_of_arrays sweeps 10 trees
 @given(sizes=mlp_sizes(), lr=learning_rates, momentum=momenta, seed=seeds)
 def test_sgd_matches_optax_on_models_under_jit(sizes, lr, momentum, seed):
     model = mlp(sizes, key=jax.random.key(seed), scale=1.0)
@@ -240,6 +241,10 @@ def test_adamw_matches_optax_clip_and_adamw_on_trees_of_arrays(params, lr, hyper
 
 
 @pytest.mark.slow  # over 5 s: jitted steps for every example
+# 4 examples, not the profile's 10: each compiles its own gradient and update (its sizes, its lr); the
+# update is the same code leaf by leaf for any tree, which the 10 trees of
+# test_adamw_matches_optax_clip_and_adamw_on_trees_of_arrays sweep.
+@settings(max_examples=4)  # the loaded profile's settings (tests/conftest.py), four examples
 @given(sizes=mlp_sizes(), lr=st.floats(1e-3, 0.1), seed=seeds)
 def test_adamw_matches_optax_on_models_under_jit_with_nanogpts_schedule(sizes, lr, seed):
     model = mlp(sizes, key=jax.random.key(seed), scale=1.0)

@@ -631,13 +631,14 @@ def test_remat_gives_the_same_gradients_and_recomputes_each_block():
 @needs_mnist
 @pytest.mark.slow
 def test_a_small_vit_learns_mnist_on_a_2d_mesh():
-    # 128 steps of a 2-block, 32-wide ViT on an 8,192-image slice, heads and MLP split over
+    # 128 steps of a 1-block, 32-wide ViT on an 8,192-image slice, heads and MLP split over
     # "model", the batch over "data". Chance is 0.10 and a linear model needs more steps than
-    # this to pass 0.80 (measured: 0.72 after one epoch, 0.88 after two).
+    # this to pass 0.80 (measured: 0.66 after one epoch, 0.84 after two; 2 blocks: 0.72, 0.88,
+    # in 1.4x the time).
     train, test = mnist("train[:8192]", 128, flatten=False), mnist("test[:2048]", 128, flatten=False)
     steps = 2 * train.steps_per_epoch
     optimizer = ms.SGD(ms.warmup_cosine_decay(0.1, 50, steps), momentum=0.9)
-    model = ViT(width=32, depth=2, heads=4, key=jax.random.key(0))
+    model = ViT(width=32, depth=1, heads=4, key=jax.random.key(0))
     mesh = ms.make_mesh({"data": 2, "model": 4})
     _, _, history = fit(
         model,
