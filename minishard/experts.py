@@ -390,7 +390,7 @@ class ExpertReport:
     >>> moe = ms.shard(moe, mesh, AxisRules(expert="expert", embed=None, mlp=None))
     >>> x = jax.random.normal(jax.random.key(1), (8, 6, 8))   # 8 groups of 6 tokens: 2 per device
     >>> forward = jax.jit(lambda moe, x: collect(MoEStats, moe)(x)).lower(moe, x)
-    >>> compiled = forward.compile()   # one program: its census, its scopes, and the stats it returns
+    >>> compiled = forward.compile()   # one program: its census, its scopes, its stats
     >>> stats = compiled(moe, x)[1]
     >>> slots = capacity(6, 8, 2, 1.25)
     >>> report = expert_report(forward, moe.experts.w_in, stats, groups=2, slots=slots)
