@@ -224,7 +224,7 @@ def merge_across(out: jax.Array, lse: jax.Array, axis: str) -> tuple[jax.Array, 
     ...     here = 2 * jax.lax.axis_index("seq") + jnp.arange(2)
     ...     return merge_across(*attend(q, k, v, at, here), "seq")[0]
     >>> specs = (P(), P(None, "seq"), P(None, "seq"))
-    >>> merged = jax.shard_map(mine, mesh=mesh, in_specs=specs, out_specs=P())
+    >>> merged = jax.jit(jax.shard_map(mine, mesh=mesh, in_specs=specs, out_specs=P()))
     >>> bool(jnp.allclose(merged(q, k, v), attend(q, k, v, at, at)[0], atol=1e-6))
     True
     """

@@ -511,7 +511,7 @@ def ring_attention(
     >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 16, 2, 8))   # 16 tokens, 4 a device
     >>> mine = functools.partial(ring_attention, axis="seq", causal=True)
     >>> ring = jax.shard_map(mine, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"))
-    >>> float(jnp.abs(ring(q, k, v) - attention(q, k, v, causal=True)).max()) < 1e-5
+    >>> float(jnp.abs(jax.jit(ring)(q, k, v) - attention(q, k, v, causal=True)).max()) < 1e-5
     True
     """
     return _ring(q, k, v, axis, causal, order, pair_core or DENSE_PAIRS)

@@ -390,12 +390,13 @@ class ExpertReport:
     >>> moe = ms.shard(moe, mesh, AxisRules(expert="expert", embed=None, mlp=None))
     >>> x = jax.random.normal(jax.random.key(1), (8, 6, 8))   # 8 groups of 6 tokens: 2 per device
     >>> forward = jax.jit(lambda moe, x: collect(MoEStats, moe)(x)).lower(moe, x)
-    >>> stats = collect(MoEStats, moe)(x)[1]
+    >>> compiled = forward.compile()   # one program: its census, its scopes, its stats
+    >>> stats = compiled(moe, x)[1]
     >>> slots = capacity(6, 8, 2, 1.25)
     >>> report = expert_report(forward, moe.experts.w_in, stats, groups=2, slots=slots)
     >>> report.found["all-to-all"].bytes == report.formula[1]
     True
-    >>> hlo = forward.compile().as_text().splitlines()   # each all-to-all named by its scope
+    >>> hlo = compiled.as_text().splitlines()   # each all-to-all named by its scope
     >>> named = lambda scope: any(f"/{scope}/all_to_all" in line for line in hlo)
     >>> [scope for scope in ("dispatch", "combine") if named(scope)]
     ['dispatch', 'combine']

@@ -19,7 +19,8 @@ evaluation the share of routings dropped; a dense one reports None.
 >>> from minishard.models.gpt import GPT
 >>> model = GPT(vocab=5, context=8, width=16, depth=1, heads=2, key=jax.random.key(0))
 >>> ids = np.zeros((2, 9), np.int32)
->>> loss, (accuracy,) = next_token_loss(model, {"inputs": ids[:, :-1], "targets": ids[:, 1:]})
+>>> batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+>>> loss, (accuracy,) = jax.jit(next_token_loss)(model, batch)   # one program, as a step runs it
 >>> bool(loss > 0), bool(0 <= accuracy <= 1)
 (True, True)
 """

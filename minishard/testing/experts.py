@@ -46,7 +46,7 @@ def moe_reference(moe: MoE, x: Any) -> tuple[np.ndarray, int]:
     >>> moe = MoE(4, k=2, capacity_factor=2.0, features=8, hidden=16, key=jax.random.key(0))
     >>> x = np.random.default_rng(0).normal(size=(2, 5, 8))
     >>> y, dropped = moe_reference(moe, x)
-    >>> bool(np.allclose(y, moe(jnp.asarray(x, jnp.float32)), atol=1e-5)), dropped
+    >>> bool(np.allclose(y, jax.jit(moe)(jnp.asarray(x, jnp.float32)), atol=1e-5)), dropped
     (True, 0)
     """
     weights = (moe.router.weight, moe.experts.w_in, moe.experts.w_out)
