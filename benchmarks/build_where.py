@@ -53,7 +53,8 @@ def main() -> None:
     parser.add_argument("--once", choices=["chip", "host"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.once:
-        return build_once(args.once)
+        build_once(args.once)
+        return
     for _ in range(args.rounds):
         for where in ("chip", "host"):
             subprocess.run([sys.executable, __file__, "--once", where], check=True)
