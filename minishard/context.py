@@ -79,15 +79,20 @@ def visible(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
     return k_pos[None, :] <= q_pos[:, None]
 
 
-def scores(q: jax.Array, k: jax.Array, q_pos: Any, k_pos: Any, causal: bool) -> jax.Array:
-    """``q·k / sqrt(head_dim)`` per ``[batch, head, query, key]`` in float32; causal: the future
-    masked. Heads come before queries: a split of heads and of the sequence propagates as the
-    model's layers have it.
+def scores(
+    q: jax.Array, k: jax.Array, q_pos: Any, k_pos: Any, causal: bool, dtype: Any = jnp.float32
+) -> jax.Array:
+    """``q·k / sqrt(head_dim)`` per ``[batch, head, query, key]``; causal: the future masked.
+    Heads come before queries: a split of heads and of the sequence propagates as the model's
+    layers have it.
 
-    bf16 inputs go into the matrix unit as they are, its sums come out in float32 (``F32``): the
-    softmax is taken in float32, and no float32 copy of q or k is made."""
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, **F32) * q.shape[-1] ** -0.5
-    return jnp.where(visible(q_pos, k_pos)[None, None], s, MASK_VALUE) if causal else s
+    bf16 inputs go into the matrix unit as they are (no float32 copy of q or k is made), and it
+    sums in float32; its sums come out in ``dtype``. Float32 (``F32``) keeps every digit; bf16, a
+    bf16 step's (``narrow_attend``), writes half the bytes of the largest array the step makes, as
+    a plain bf16 step and PyTorch's autocast do; the softmax is taken in float32 either way."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=dtype) * q.shape[-1] ** -0.5
+    masked = jnp.finfo(dtype).min  # MASK_VALUE in float32; bf16's least (MASK_VALUE rounds to -inf)
+    return jnp.where(visible(q_pos, k_pos)[None, None], s, masked) if causal else s
 
 
 def shifted_exp(s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -164,7 +169,8 @@ def narrow_attend(
 
 
 def _narrow_fwd(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, factors: Any, causal: bool) -> Any:
-    weights, top, total = shifted_exp(scores(q, k, q_pos, k_pos, causal))
+    s = scores(q, k, q_pos, k_pos, causal, v.dtype)  # bf16 in a bf16 step
+    weights, top, total = shifted_exp(s.astype(jnp.float32))
     shifted = weights.astype(v.dtype)  # exp(s - top), in the values' dtype: the softmax · total
     lse = (top + jnp.log(total))[..., 0].swapaxes(1, 2)
     per_query = (1 / total).swapaxes(1, 2)  # 1 / total, [b, q, h, 1] as out is laid

@@ -259,7 +259,7 @@ def kept_on_tpu(
     Read from XLA:TPU's buffers live at the step's peak (``benchmarks/memory_aot.py``), fewer than
     XLA:CPU's (``block_activations``): each LayerNorm's input; q, k, v and attention's output in
     the MXU's bfloat16 (``MXU``) even in float32; the softmax's weights in ``compute``
-    (``context.narrow_attend``), or under ``dots`` the float32 scores; the MLP's hidden units once.
+    (``context.narrow_attend``), the scores too under ``dots``; the MLP's hidden units once.
 
     >>> kept = kept_on_tpu(16, 1024, 768, 12, 64, 3072, "bfloat16", "none")   # GPT-2 small's block
     >>> {term: n // 2**20 for term, n in kept.items()}   # MiB
@@ -275,7 +275,7 @@ def kept_on_tpu(
         "q, k, v, out": 4 * projected * itemsize(MXU),
         "q, k, v": 3 * projected * c,  # as the names policy saves them: the projections' outputs
         "softmax": b * heads * s * s * c,  # the weights, as attention keeps them
-        "scores": b * heads * s * s * 4,  # q·kᵀ, float32 out of the matrix unit
+        "scores": b * heads * s * s * c,  # q·kᵀ, out of the matrix unit in compute (context.scores)
         "summed": projected * 4,  # the weights times the values, in float32
         "mlp hidden": b * s * hidden * c,
     }

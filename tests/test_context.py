@@ -8,6 +8,7 @@ sharded call is waited for before the next (simulated CPU devices deadlock other
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,25 @@ def test_a_bf16_attend_keeps_only_bf16_weights_for_its_backward_pass():
 
     assert kept(cx.attend) == {jnp.dtype(jnp.bfloat16)}
     assert jnp.dtype(jnp.float32) in kept(autodiffs_attend)
+
+
+def test_a_bf16_attends_scores_leave_the_matrix_unit_in_bf16_and_its_softmax_is_float32():
+    """As the plain bf16 step and PyTorch's autocast take them: ``q·kᵀ`` summed in float32 inside
+    the matrix unit, written out in bf16 (half the bytes of the step's largest array, traced on the
+    chip: docs/benchmarks.md), then ``exp`` in float32. Float32 attention's scores stay float32."""
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 16, 3, 8))
+    at = jnp.arange(16)
+
+    def program(dtype):  # the dtypes of the [b, h, q, k] scores and of exp's, in the lowered program
+        args = [x.astype(dtype) for x in (q, k, v)]
+        attend = jax.jit(lambda q, k, v: cx.attend(q, k, v, at, at, causal=True))
+        text = attend.lower(*args).as_text()
+        scores = re.findall(r"dot_general .* -> tensor<2x3x16x16x(\w+)>", text)
+        exps = re.findall(r"stablehlo.exponential .* : tensor<2x3x16x16x(\w+)>", text)
+        return set(scores), set(exps)
+
+    assert program(jnp.bfloat16) == ({"bf16"}, {"f32"})
+    assert program(jnp.float32) == ({"f32"}, {"f32"})
 
 
 def test_a_bf16_attend_with_dropout_differentiates_under_remat():

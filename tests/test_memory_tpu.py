@@ -87,11 +87,16 @@ IN_THE_SUITE = ("2x384", "fp32", "none")
 on a loaded machine; 6 x 384's 40 s in the suite). The table's eight, the known gaps among them, run
 where XLA:TPU compiles in seconds, on the chip (``make test-tpu``), and ``benchmarks/memory_aot.py``
 prints them all."""
-KNOWN_GAPS = {("6x384", "bf16", "full"): 1.25, ("6x384", "bf16", "names"): 1.16}
+KNOWN_GAPS = {("6x384", "bf16", "full"): 1.67, ("6x384", "bf16", "names"): 1.28}
 """Over 15%, measured (docs/tpu.md): since ``context.F32`` a bf16 step's recomputed block holds no
 float32 copies of q and k, which ``kept_on_tpu``'s terms were read with (1.20 and 1.20); since
 ``context.narrow_attend`` its recomputed attention keeps bf16 weights, not float32's (``full``:
-264 MB compiled, 318 before)."""
+264 MB compiled, 318 before: 1.25 and 1.16); since a bf16 step's scores come out of the matrix
+unit in bf16 (``context.scores``), its recomputed block's transient scores are half their bytes
+(``full``: 198 MB compiled; ``names``: 454 MB, 504 before). The buffers XLA:TPU lists live at
+``full``'s peak (``memory_aot.py --terms``): q, k, v and out 63 MB, one softmax 50 MB, two of the
+stream's 25 MB, 22 MB more; not the six blocks' inputs, an MLP's hidden units and the head, which
+the chapter adds (266 MB)."""
 CASES = [
     pytest.param(*IN_THE_SUITE, id="-".join(IN_THE_SUITE), marks=pytest.mark.slow),
     *(
@@ -127,13 +132,13 @@ def test_gpt2_smalls_body_in_bf16_is_predicted_within_15_percent():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("precision", "documented"),
-    [pytest.param("fp32", 2.68, marks=pytest.mark.tpu), ("bf16", 1.82)],  # one compile in the suite
+    [pytest.param("fp32", 2.68, marks=pytest.mark.tpu), ("bf16", 1.77)],  # one compile in the suite
 )
 def test_the_default_gpts_step_lives_in_vmem_off_by_the_documented_ratio(precision, documented):
     """A known gap (docs/memory.md): the default GPT's live set, ~20 MB, fits the v5e's 128 MiB of
     VMEM, where XLA:TPU's memory-space assignment places most of it; its HBM temporaries are ~10 MB
     under every policy, which the chapter's terms do not model (bf16: 2.08 before the terms kept
-    the softmax in bf16, ``context.narrow_attend``)."""
+    the softmax in bf16, ``context.narrow_attend``; 1.82 before the scores came out in bf16)."""
     predicted, compiled = predicted_and_compiled(["--precision", precision])
     ratio = predicted.temporaries / compiled.temporaries
     assert 0.85 * documented <= ratio <= 1.15 * documented, predicted.table(compiled)

@@ -111,8 +111,9 @@ CHAPTERS = {
     # signatures it grows one argument a line (+69)
     # #61 §3: narrow_attend, a bf16 step's attention whose backward keeps bf16 weights (its custom
     # VJP, dropout's transpose, lse's gradient), shifted_exp and softmax_grad, the softmax's forward
-    # parts and backward that the flash kernel and the ring share (+95)
-    "context": 693,
+    # parts and backward that the flash kernel and the ring share (+95); scores' dtype, a bf16 step's
+    # scores out of the matrix unit in bf16 and the mask in that dtype, its signature a line (+5)
+    "context": 698,
     "flash": 552,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397);
     # issue 62: the docstring names every public name (+6), refs, shapes and grid indices a name a line (+9)
     # issue 61 §1, the ring by the kernels (section 5): flash_attend, flash_attend_grads, flash_pairs
