@@ -32,14 +32,19 @@ def layout_sizes(sizes: Mapping[str, Any], dimensions: Sequence[str]) -> None:
 
 
 def repeats(layers: int, stages: int, microbatches: int, r: Any) -> None:
-    """An interleaved pipeline's chunks a stage: r >= 1; r > 1 divides a stage's layers and runs
-    at least as many microbatches as stages (``pipeline.schedule``'s circular schedule)."""
+    """A pipeline's stages and chunks a stage: a layer at least a stage, and no more chunks than the
+    fullest stage's layers; r > 1 runs at least as many microbatches as stages
+    (``pipeline.schedule``'s circular schedule)."""
     count("price: repeats", r)
-    if r > 1 and (stages == 1 or layers % (stages * r) or microbatches < stages):
+    if stages > layers:
+        raise ValueError(f"price: pp {stages} is more stages than the {layers} layers")
+    fullest = -(-layers // stages)  # the ceiling of layers / stages
+    if r > fullest:
+        raise ValueError(f"price: repeats {r} is more chunks than a stage's layers ({fullest} at most)")
+    if r > 1 and (stages == 1 or microbatches < stages):
         raise ValueError(
-            f"price: repeats {r} needs a pipeline whose stages each hold a multiple of {r} of the "
-            f"{layers} layers and at least as many microbatches as stages; got pp {stages}, "
-            f"{microbatches} microbatches"
+            f"price: repeats {r} needs a pipeline of at least as many microbatches as stages; "
+            f"got pp {stages}, {microbatches} microbatches"
         )
 
 

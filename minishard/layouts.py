@@ -20,7 +20,9 @@ A layout splits the N devices five ways, ``dp x fsdp x tp x pp x cp = N``, each 
   many, and each must keep enough tokens for its matmuls to outrun HBM (``microbatches``). Its
   stage may hold ``repeats`` chunks of layers, the interleaved schedule's r (Narayanan et al. 2021,
   §2.2.2): a bubble r times shorter, for r times the sends between stages; not a split of the
-  devices, so not ranked: ``rank(..., repeats=r)`` prices every pipeline so;
+  devices, so not ranked: ``rank(..., repeats=r)`` prices every pipeline so. The ranking splits
+  the layers evenly; ``price`` takes uneven stages too (LLaMA-3 405B's 126 layers over Meta's 16),
+  at the pace of the fullest (``uneven``);
 * **cp**: splits each sequence (Llama 3's context parallelism): each layer gathers the keys and
   values of the whole sequence, and reduce-scatters their gradients: bytes that grow with the
   batch but not with the heads (grouped-query attention's few K/V heads make them small); its
@@ -381,6 +383,7 @@ class LayoutCost:
     microbatches: int = 1
     sequences: float = 0.0  # the batch's: each data shard's share of them, ``shard_sequences``
     repeats: int = 1
+    uneven: float = 1.0  # the fullest stage's layers over a stage's average share (``uneven``)
 
     @property
     def bubble(self) -> float:
@@ -408,7 +411,8 @@ class LayoutCost:
 
     @property
     def step_s(self) -> float:
-        return self.busy_s / (1 - self.bubble)
+        """The busy time of the fullest stage, which the others wait on, over the bubble's share."""
+        return self.busy_s * self.uneven / (1 - self.bubble)
 
     @property
     def waiting_s(self) -> float:
@@ -417,7 +421,7 @@ class LayoutCost:
 
     @property
     def idle_s(self) -> float:
-        """The pipeline's bubble, in seconds."""
+        """The pipeline's idle seconds: its bubble, its lighter stages waiting on the fullest."""
         return self.step_s - self.busy_s
 
     @property
@@ -513,7 +517,19 @@ def price(
     memory = _memory(model, layout, tokens, (m, repeats), kept, (context, fused))
     sequences = tokens / context if context else 0.0
     cost = (layout, hardware, per_device, compute, again, *passes, memory, m, sequences, repeats)
-    return LayoutCost(*cost)
+    return LayoutCost(*cost, uneven=uneven(model.layers, layout["pp"], repeats))
+
+
+def uneven(layers: int, stages: int, repeats: int = 1) -> float:
+    """The fullest stage's layers over a stage's average share, ``layers / stages``: each of its
+    ``repeats`` chunks holds ``ceil(layers / (stages · repeats))`` layers, and the pipeline ticks
+    at its pace. Meta's LLaMA-3 405B drops a layer from its first and last stage (Dubey et al. 2024,
+    "Parallelism for Model Scaling"): 126 layers in 16 stages of 8 places.
+
+    >>> uneven(126, 16), uneven(126, 16, repeats=8), uneven(128, 64, repeats=2)
+    (1.0158730158730158, 1.0158730158730158, 1.0)
+    """
+    return math.ceil(layers / (stages * repeats)) * repeats * stages / layers
 
 
 def held_microbatches(p: int, m: int, r: int = 1) -> float:
@@ -795,21 +811,38 @@ def _memory(
     kernel; none without remat), over tp and cp, in Korthikanti's 16-bit bytes scaled to dtype."""
     context, fused = attention
     microbatch = tokens / data_shards(layout) / schedule[0]  # a pipeline's, or a shard's tokens
+    fullest = uneven(model.layers, layout["pp"], schedule[1])  # the fullest stage holds the most
     held = held_microbatches(layout["pp"], *schedule)
     shards = layout["fsdp"] * layout["tp"] * layout["pp"]
-    params = model.params - model.expert_params + model.expert_params / layout["ep"]
-    per_parameter = bytes_per_parameter(kept.precision, "adamw")
-    terms = {name: size * params / shards for name, size in per_parameter.items() if size}
+    terms = _weights(model, layout, kept.precision, fullest)
     weight = itemsize(kept.precision.params)  # the dtype the step computes in
-    if layout["fsdp"] > 1:
-        gathered = model.layers // layout["pp"] if layout["pp"] > 1 else 1
-        terms["gathered"] = weight * params / model.layers * gathered / layout["tp"]
     layers = kept_by_remat(model, microbatch * held, context, kept, fused)
-    terms["activations"] = weight / 2 * layers / layout["tp"] / layout["pp"] / layout["cp"]
+    stage = layers / layout["pp"] * fullest  # the fullest stage's layers' share
+    terms["activations"] = weight / 2 * stage / layout["tp"] / layout["cp"]
     if context and kept.remat != "none":
         recomputed = weight / 2 * layer_bytes(model, microbatch, context, fused)
         terms["recomputed layer"] = recomputed / layout["tp"] / layout["cp"]
     return Budget(terms, shards * layout["ep"] if model.experts else shards)
+
+
+def _weights(
+    model: Decoder,
+    layout: Layout,
+    precision: Precision,
+    fullest: float,
+) -> dict[str, float]:
+    """The fullest stage's weights, per device: each per-parameter term over the dimensions that
+    split them (fsdp, tp, pp; ep a mixture's experts), and the layer FSDP gathers (a stage's
+    layers, under pp), ``fullest`` (``uneven``) times an even stage's."""
+    shards = layout["fsdp"] * layout["tp"] * layout["pp"]
+    params = model.params - model.expert_params + model.expert_params / layout["ep"]
+    per_parameter = bytes_per_parameter(precision, "adamw")
+    terms = {name: size * params / shards * fullest for name, size in per_parameter.items() if size}
+    if layout["fsdp"] > 1:
+        gathered = model.layers / layout["pp"] * fullest if layout["pp"] > 1 else 1
+        layer = itemsize(precision.params) * params / model.layers  # one layer's weights, whole
+        terms["gathered"] = layer * gathered / layout["tp"]
+    return terms
 
 
 # --- 3. every layout, ranked ----------------------------------------------------------------------

@@ -674,8 +674,8 @@ LAYOUT_FLAGS = [
      "argument --layout: tp 8: its 8 devices are not --devices 8,960"),
     (["--batch-size", "4M", "--layout", "fsdp=1792,tp=5"],
      "argument --layout: fsdp 1792 x tp 5: tp 5 does not divide llama3-70b's 64 heads"),
-    (["--batch-size", "4M", "--layout", "fsdp=128,pp=70"],
-     "argument --layout: fsdp 128 x pp 70: pp 70 does not divide llama3-70b's 80 layers"),
+    (["--batch-size", "4M", "--layout", "fsdp=56,pp=160"],
+     "argument --layout: fsdp 56 x pp 160: pp 160 is more stages than llama3-70b's 80 layers"),
     (["--batch-size", "4M", "--layout", "fsdp=1792,cp=5"],
      "argument --layout: fsdp 1792 x cp 5: cp 5 does not divide the --context 4,096 sequence"),
     # a pipeline's interleaved schedule: r chunks of a stage's layers, at least as many microbatches
@@ -683,7 +683,7 @@ LAYOUT_FLAGS = [
     (["--batch-size", "4M", "--repeats", "2", "--check"],
      "argument --repeats: --check compiles each pipeline un-interleaved (r = 1)"),
     (["--batch-size", "4M", "--repeats", "3", "--layout", "fsdp=112,pp=80"],
-     "fsdp 112 x pp 80: pp 80 x --repeats 3 does not divide llama3-70b's 80 layers"),
+     "fsdp 112 x pp 80: pp 80 x --repeats 3 is more chunks than a stage's layers (1 at most)"),
     (["--batch-size", "4M", "--repeats", "2", "--layout", "fsdp=448,pp=20"],
      "fsdp 448 x pp 20: pp 20 at --repeats 2 runs 2 microbatches, fewer than its stages"),
 ]  # fmt: skip

@@ -498,16 +498,31 @@ def test_an_interleaved_stage_holds_p_plus_p_minus_1_over_r_microbatches() -> No
     assert chunked.memory.terms["recomputed layer"] == plain.memory.terms["recomputed layer"]
 
 
-def test_interleaving_needs_stages_whose_layers_split_into_r_and_as_many_microbatches() -> None:
-    with pytest.raises(ValueError, match="repeats 3 needs a pipeline whose stages each hold"):
-        price(LLAMA3_70B, Layout(fsdp=4, tp=8, pp=4), BATCH, "v5p", repeats=3)  # 20 layers a stage
+def test_a_pipeline_needs_a_layer_a_stage_no_more_chunks_than_its_layers_and_its_microbatches() -> None:
+    with pytest.raises(ValueError, match="pp 160 is more stages than the 80 layers"):
+        price(LLAMA3_70B, Layout(fsdp=4, tp=8, pp=160), BATCH, "v5p")
+    with pytest.raises(ValueError, match=r"repeats 21 is more chunks than a stage's layers \(20 at most\)"):
+        price(LLAMA3_70B, Layout(fsdp=4, tp=8, pp=4), BATCH, "v5p", repeats=21)
     with pytest.raises(ValueError, match="got pp 1"):
         price(LLAMA3_70B, Layout(fsdp=32, tp=8), BATCH, "v5p", repeats=2)
     with pytest.raises(ValueError, match="got pp 16, 2 microbatches"):  # 1,024 sequences / 512
         price(LLAMA3_70B, Layout(dp=256, fsdp=2, pp=16), BATCH, "v5p", repeats=5)
-    # the ranking at r lists the pipelines whose stages split into r chunks, and those without pp
+    # the ranking at r lists the pipelines whose stages split evenly into r chunks, and those without pp
     found = layouts.layouts(LLAMA3_70B, POD, repeats=4)
     assert {layout["pp"] for layout in found} == {1, 2, 4, 5, 10, 20}
+
+
+def test_uneven_stages_run_at_the_fullest_stages_pace_and_it_holds_the_most() -> None:
+    """80 layers over 4 stages of 3 chunks: chunks of ceil(80 / 12) = 7 layers, 21 a stage on the
+    fullest against 20 on average. Its busy time and its memory are 21/20 of an even stage's; the
+    idle places are not the model's FLOPs, so MFU falls by as much."""
+    layout = Layout(fsdp=4, tp=8, pp=4)
+    even, odd = (price(LLAMA3_70B, layout, BATCH, "v5p", repeats=r) for r in (1, 3))
+    assert (even.uneven, odd.uneven) == (1.0, 21 / 20)
+    assert odd.step_s == pytest.approx(odd.busy_s * 21 / 20 / (1 - odd.bubble))
+    assert odd.mfu == pytest.approx(3 * odd.compute_s / odd.step_s)
+    for name in ("parameters", "moments", "gradients"):  # the weights' terms: r does not move them
+        assert odd.memory.terms[name] == pytest.approx(even.memory.terms[name] * 21 / 20)
 
 
 # --- expert parallelism: a new dimension is its rule (styles.DIMENSIONS["ep"]) and its sends ------

@@ -73,12 +73,27 @@ def test_meta_s_pipeline_is_outside_the_ranking_and_idles_half_its_step() -> Non
     priced, fit, published = placed("llama3-405b")
     assert LLAMA3_405B.layers % 16 and all(cost.layout != priced.layout for cost in fit)  # 126 layers
     assert priced.microbatches == 16 and priced.bubble == pytest.approx(15 / 31)  # un-interleaved
-    # its r is not published, and none but 1 prices: 16 stages do not split 126 layers
-    with pytest.raises(ValueError, match="repeats 2 needs a pipeline"):
-        layouts.price(LLAMA3_405B, META, 16 * 2**20, "h100", context=8192, repeats=2)
+    assert priced.uneven == 8 * 16 / 126  # 16 stages of 8 places, two of them empty
     # predicted within 1.5x of the published MFU: the bubble of 16 un-interleaved stages costs as
     # much as what the bound leaves out (docs/compose.md)
     assert round(priced.mfu, 2) == 0.41 and 1 < priced.mfu / published < 1.05
+
+
+@pytest.mark.parametrize(
+    ("r", "bubble", "mfu", "place", "fitting"), [(2, 0.32, 0.54, 19, 288), (4, 0.19, 0.64, 1, 288)]
+)
+def test_meta_s_pipeline_interleaved_ranks_higher_and_its_mfu_leaves_the_published_one(
+    r, bubble, mfu, place, fitting
+):
+    """Its r is not published: with 8 places a stage it could be 2, 4 or 8 (8 needs more than the
+    ranking's even stages: its chunks of one layer leave two empty). Interleaved, the bubble shrinks
+    and the bound rises past 1.3x the published MFU: what the bound leaves out grows in its place."""
+    priced, fit, published = placed("llama3-405b", r=r)
+    assert round(priced.bubble, 2) == bubble and round(priced.mfu, 2) == mfu
+    assert priced.mfu / published > 1.3
+    assert 1 + sum(cost.step_s < priced.step_s for cost in fit) == place and len(fit) == fitting
+    eight = layouts.price(LLAMA3_405B, META, 16 * 2**20, "h100", context=8192, repeats=8)
+    assert round(eight.bubble, 2) == 0.10 and eight.uneven == priced.uneven
 
 
 def test_palm_ranks_first_and_its_bound_is_1_8_times_the_published_mfu() -> None:

@@ -191,13 +191,14 @@ def _check_layout(
     tp, pp, cp, ep = (layout[name] for name in ("tp", "pp", "cp", "ep"))
     r = (args.repeats or 1) if pp > 1 else 1  # a pipeline's chunks a stage
     chunks = f" x --repeats {r}" if r > 1 else ""
-    sets = pp * r  # the layer sets it splits into
+    fullest = math.ceil(model.layers / pp)  # the fullest stage's layers
     m = layouts.microbatches(layout, args.batch_size, args.hardware, args.context)
     why = {
         f"its {layout.devices:,} devices are not --devices {args.devices:,}": layout.devices != args.devices,
         f"tp {tp} does not divide {size}'s {model.heads} heads": bool(model.heads % tp),
         f"tp {tp} does not divide {size}'s MLP of {model.hidden:,}": bool(model.hidden % tp),
-        f"pp {pp}{chunks} does not divide {size}'s {model.layers} layers": bool(model.layers % sets),
+        f"pp {pp} is more stages than {size}'s {model.layers} layers": pp > model.layers,
+        f"pp {pp}{chunks} is more chunks than a stage's layers ({fullest} at most)": r > fullest,
         f"pp {pp} at --repeats {r} runs {m} microbatches, fewer than its stages": r > 1 and m < pp,
         f"cp {cp} does not divide the --context {args.context:,} sequence": bool(args.context % cp),
         f"ep {ep} splits a mixture's experts, and {size} has none": ep > 1 and not model.experts,
