@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 
 import numpy as np
 
@@ -50,8 +51,14 @@ def collective_instructions(text: str) -> Iterator[re.Match[str]]:
     ``phase`` is ``-start`` or ``-done`` for the two halves of an async collective, else None.
     """
     for line in text.splitlines():
-        if match := _INSTRUCTION.match(_COMMENT.sub("", line)):
+        if _may_be_collective(line) and (match := _INSTRUCTION.match(_COMMENT.sub("", line))):
             yield match
+
+
+def _may_be_collective(line: str) -> bool:
+    """A quick test before the regular expression, which most lines of a program would fail slowly:
+    the line names a collective somewhere."""
+    return any(kind in line for kind in KINDS)
 
 
 # A computation starts at column 0: `%body.3 (p: (s32[], f32[8])) -> (s32[], f32[8]) {`.
@@ -68,7 +75,13 @@ _BELOW = re.compile(  # a loop condition: `ROOT %lt = pred[] compare(%i, %n), di
 )
 
 
-def runs_per_call(text: str) -> dict[str, int]:
+# What names a called computation, tested as text before the regular expressions run (a program's
+# lines are mostly instructions that call nothing)
+_CALLING = ("body=", "calls=", "to_apply=", "branch_computations=")
+
+
+@functools.lru_cache(maxsize=4)  # a program is priced and censused from one text: read it once
+def runs_per_call(text: str) -> Mapping[str, int]:
     r"""How many times each computation of an HLO module runs when the program is called once.
 
     A ``lax.scan`` or ``fori_loop`` becomes a ``while`` whose body XLA proves runs a
@@ -90,6 +103,8 @@ def runs_per_call(text: str) -> dict[str, int]:
         if header := _COMPUTATION.match(line):
             computation = header["name"]
             continue
+        if not any(attribute in line for attribute in _CALLING):
+            continue
         trips = _TRIP_COUNT.search(line)
         bound = counted.get(condition["name"], 1) if (condition := _CONDITION.search(line)) else 1
         for called in _CALLS.finditer(line):
@@ -101,7 +116,7 @@ def runs_per_call(text: str) -> dict[str, int]:
         parent, times = caller.get(name, ("", 1))
         return times * runs(parent) if parent else times
 
-    return {name: runs(name) for name in caller}
+    return MappingProxyType({name: runs(name) for name in caller})  # shared by every caller: read-only
 
 
 def _counted(text: str) -> dict[str, int]:
@@ -113,9 +128,9 @@ def _counted(text: str) -> dict[str, int]:
     for line in text.splitlines():
         if header := _COMPUTATION.match(line):
             computation, constants = header["name"], {}
-        elif constant := _CONSTANT.match(line):
+        elif "constant(" in line and (constant := _CONSTANT.match(line)):  # the text test: quick
             constants[constant["name"]] = int(constant["value"])
-        elif (below := _BELOW.match(line)) and below["bound"] in constants:
+        elif "direction=LT" in line and (below := _BELOW.match(line)) and below["bound"] in constants:
             bounds[computation] = constants[below["bound"]]
     return bounds
 
@@ -137,10 +152,10 @@ def repeated_dot_flops(text: str) -> float:
     for line in text.splitlines():
         if header := _COMPUTATION.match(line):
             computation, shapes = header["name"], {}
-        elif defined := _DEFINED.match(line):
+        elif runs.get(computation, 1) > 1 and (defined := _DEFINED.match(line)):  # others miss nothing
             shapes[defined["name"]] = dims = _ints(_ARRAY.match(defined["shape"])[2])  # type: ignore[index]
             dot = _DOT.search(line) if defined["op"] == "dot" else None
-            if dot and runs.get(computation, 1) > 1:
+            if dot:
                 lhs = shapes[dot["lhs"]]
                 contracted = math.prod(lhs[int(i)] for i in dot["dims"].split(",") if i)
                 missed += (runs[computation] - 1) * 2 * math.prod(dims) * contracted
@@ -153,7 +168,7 @@ def located(text: str) -> Iterator[tuple[str, re.Match[str]]]:
     for line in text.splitlines():
         if header := _COMPUTATION.match(line):
             computation = header["name"]
-        elif match := _INSTRUCTION.match(_COMMENT.sub("", line)):
+        elif _may_be_collective(line) and (match := _INSTRUCTION.match(_COMMENT.sub("", line))):
             yield computation, match
 
 
@@ -311,6 +326,8 @@ def narrowed(text: str, partitioned: str) -> str:
 
     lines = text.splitlines()
     for i, line in enumerate(lines):
+        if not _may_be_collective(line):
+            continue
         if compiled := _INSTRUCTION.match(stripped := _COMMENT.sub("", line)):
             shape = _ARRAY.sub(functools.partial(_written, asked, compiled["kind"]), compiled["shape"])
             lines[i] = stripped.replace(compiled["shape"], shape, 1)
