@@ -842,15 +842,18 @@ def test_every_explain_path_compiles_on_the_first_n_devices_and_says_so_once(fla
 
 
 @needs_mnist
-@pytest.mark.slow  # about 15 s: 120 steps of the stacked MLP on data 2 x stage 4
+@pytest.mark.slow  # compiles the pipelined step and its evaluation
 def test_the_cli_trains_a_pipeline_on_data_and_stage_axes(capsys):
-    assert main(["train", "--parallel", "dp+pp", "--steps", "120", "--microbatches", "4"]) == 0
+    # That it learns (the stacked MLP on data 2 x stage 4, through the command line) is
+    # test_pipeline.py's test_minishard_train_parallel_dp_pp_reaches_97_percent_in_two_epochs; here
+    # --microbatches reaches the pipeline, in 2 steps (120 steps to 0.889 took 10 s more).
+    assert main(["train", "--parallel", "dp+pp", "--steps", "2", "--microbatches", "4"]) == 0
     out = capsys.readouterr().out
     assert "Pipeline: 4 blocks over 4 stages, 4 microbatches of 32 examples, 7 ticks; bubble 0.429" in out
     assert (
         "blocks.block.layers[0].weight  (4, 256, 256)  ('stage', None, None)  P('stage', None, None)" in out
     )
-    assert float(re.findall(r"Step 120 .* test acc ([\d.]+)", out)[-1]) > 0.85  # measured 0.889
+    assert 0 <= float(re.findall(r"Step 2 .* test acc ([\d.]+)", out)[-1]) <= 1  # 2 steps, then evaluated
 
 
 @pytest.mark.slow  # compiles one training step
