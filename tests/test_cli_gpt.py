@@ -87,8 +87,14 @@ def test_the_gpt_trains_by_steps_and_its_checkpoint_samples_without_data(tmp_pat
 @needs_shakespeare
 @pytest.mark.slow  # two short runs and a sample
 def test_a_scanned_gpt_trains_to_the_looped_gpts_losses_and_its_checkpoint_samples_as_one(tmp_path, capsys):
-    """--scan stacks the blocks and runs them as one lax.scan: the same function of the same numbers."""
-    flags = ["--depth", "2", "--steps", "4", "--eval-every", "2"]  # 2 blocks: a scan of more than one
+    """--scan stacks the blocks and runs them as one lax.scan: the same function of the same numbers.
+    With dropout: block i draws its masks from key_at(step key, i + 1) looped or scanned, so the
+    training losses hold the masks and the val and test losses the undropped forward (evaluation
+    drops nothing: tests/test_dropout.py), one pair of runs for both (a test of its own trained a
+    second pair). That the masks are recomputed so under --remat full is tests/test_dropout.py's
+    test_a_scanned_gpt_draws_the_looped_gpts_masks_and_recomputes_them_so[full]; --remat's way to
+    the model is test_under_remat_each_line_gives_the_hfu_of_the_flops_the_step_runs's."""
+    flags = ["--depth", "2", "--steps", "4", "--eval-every", "2", "--dropout", "0.2"]  # 2 blocks: 2 keys
     looped, scanned = (str(tmp_path / name) for name in ("looped", "scanned"))
     assert main(["train", *TINY, *flags, "--checkpoint-dir", looped]) == 0
     want = records(capsys.readouterr().out)
@@ -102,20 +108,6 @@ def test_a_scanned_gpt_trains_to_the_looped_gpts_losses_and_its_checkpoint_sampl
         assert main([*sample, "--checkpoint-dir", directory]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1]  # the scanned checkpoint unstacks into the looped GPT
-
-
-@needs_shakespeare
-@pytest.mark.slow  # two short runs
-def test_a_scanned_gpt_with_dropout_trains_to_the_looped_gpts_losses(tmp_path, capsys):
-    """Block i draws its masks from key_at(step key, i + 1) looped or scanned. That it recomputes them
-    so under --remat full is tests/test_dropout.py's test_a_scanned_gpt_draws_the_looped_gpts_masks_and_
-    recomputes_them_so[full] (the scanned GPT's loss and gradients against the looped one's); --remat's
-    way to the model is test_under_remat_each_line_gives_the_hfu_of_the_flops_the_step_runs's."""
-    flags = ["--depth", "2", "--steps", "4", "--eval-every", "2", "--dropout", "0.2"]  # 2 blocks: 2 keys
-    assert main(["train", *TINY, *flags]) == 0
-    want = records(capsys.readouterr().out)
-    assert main(["train", *TINY, *flags, "--scan"]) == 0
-    assert records(capsys.readouterr().out) == want
 
 
 @needs_shakespeare
@@ -162,9 +154,10 @@ def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys
 @needs_shakespeare
 @pytest.mark.slow  # three short runs, each compiling its steps
 def test_a_resumed_scanned_gpt_run_with_dropout_ends_bit_identical_and_keeps_its_rate(tmp_path, capsys):
-    """Scanned: the looped GPT draws the same masks (test_a_scanned_gpt_with_dropout_trains_to_the_
-    looped_gpts_losses) and resumes bit-identical (test_a_resumed_gpt_run_ends_bit_identical_to_a_
-    straight_one); one run of the two here, where a looped and a scanned test each trained their own."""
+    """Scanned: the looped GPT draws the same masks (test_a_scanned_gpt_trains_to_the_looped_gpts_
+    losses_and_its_checkpoint_samples_as_one) and resumes bit-identical (test_a_resumed_gpt_run_ends_
+    bit_identical_to_a_straight_one); one run of the two here, where a looped and a scanned test each
+    trained their own."""
     scanned = ["--depth", "2", "--scan"]
 
     def trained(path, *flags):
