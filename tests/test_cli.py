@@ -842,15 +842,18 @@ def test_every_explain_path_compiles_on_the_first_n_devices_and_says_so_once(fla
 
 
 @needs_mnist
-@pytest.mark.slow  # about 15 s: 120 steps of the stacked MLP on data 2 x stage 4
+@pytest.mark.slow  # compiles the pipelined step and its evaluation
 def test_the_cli_trains_a_pipeline_on_data_and_stage_axes(capsys):
-    assert main(["train", "--parallel", "dp+pp", "--steps", "120", "--microbatches", "4"]) == 0
+    # That it learns (the stacked MLP on data 2 x stage 4, through the command line) is
+    # test_pipeline.py's test_minishard_train_parallel_dp_pp_reaches_97_percent_in_two_epochs; here
+    # --microbatches reaches the pipeline, in 2 steps (120 steps to 0.889 took 10 s more).
+    assert main(["train", "--parallel", "dp+pp", "--steps", "2", "--microbatches", "4"]) == 0
     out = capsys.readouterr().out
     assert "Pipeline: 4 blocks over 4 stages, 4 microbatches of 32 examples, 7 ticks; bubble 0.429" in out
     assert (
         "blocks.block.layers[0].weight  (4, 256, 256)  ('stage', None, None)  P('stage', None, None)" in out
     )
-    assert float(re.findall(r"Step 120 .* test acc ([\d.]+)", out)[-1]) > 0.85  # measured 0.889
+    assert 0 <= float(re.findall(r"Step 2 .* test acc ([\d.]+)", out)[-1]) <= 1  # 2 steps, then evaluated
 
 
 @pytest.mark.slow  # compiles one training step
@@ -894,35 +897,24 @@ def test_explain_checks_a_pipelines_microbatches_and_devices_before_any_work(cap
 
 @pytest.mark.slow  # compiles one GPT step
 def test_explain_dp_cp_shows_the_rings_permutes_against_the_formula_and_its_balance(capsys):
+    # Grouped heads, 2 blocks: one compile shows the sends per block times the blocks, and that K and
+    # V travel at their 2 heads (repeated for the 4 query heads where they arrive). The multi-head
+    # ring's bytes (kv heads = heads) are tests/test_gpt.py's test_under_dp_cp_the_ring_gpt_has_the_
+    # loss_and_gradients_of_dp[8]; a test of its own compiled a second GPT here for the grouped one.
     gpt = ["--model", "gpt", "--depth", "2", "--context", "32"]  # 2 blocks: half the default's compile
-    assert main(["explain", *gpt, "--parallel", "dp+cp", "--hardware", "v5p"]) == 0
+    assert main(["explain", *gpt, "--parallel", "dp+cp", "--kv-heads", "2", "--hardware", "v5p"]) == 0
     out = capsys.readouterr().out
     # p = 4 over "context", batch 16 (the GPT's default on 8 devices) over data = 2: chunks of
-    # [8, 8 tokens, 4 heads, 32] float32 = 32,768 bytes; 20 of them a block, 2 blocks.
-    sent = human_bytes(2 * 20 * 8 * 8 * 128 * 4)
+    # [8, 8 tokens, 2 kv heads, 32] float32 = 16,384 bytes; 20 of them a block, 2 blocks.
+    sent = human_bytes(2 * 20 * 8 * 8 * 2 * 32 * 4)
     assert "Ring attention over 'context', p = 4, zig-zag. Per block, forward: K and V x 3 trips;" in out
     assert f"census: collective-permute over context x40, {sent}" in out
-    assert f"formula: 2 blocks x 20 chunks [8, 8, 4, 32] f32 = {sent}" in out
+    assert f"formula: 2 blocks x 20 chunks [8, 8, 2, 32] f32 = {sent}" in out
     assert "balance (slowest device / mean): zig-zag 1.0, in order 1.6" in out
-    assert "on v5p: a step's sends / the attention they hide behind = " in out
-    assert "gpt under dp+cp on 8 devices" in out and "P('context', None)" in out  # the position table
-
-
-@pytest.mark.slow  # compiles one GPT step
-def test_explain_cp_of_grouped_heads_counts_the_ring_s_chunks_at_the_key_value_heads(capsys):
-    # 1 block: the test above shows the sends per block times 2 blocks; here what one block sends
-    gpt = ["--model", "gpt", "--depth", "1", "--context", "32"]
-    argv = ["explain", *gpt, "--parallel", "dp+cp", "--kv-heads", "2"]
-    assert main([*argv, "--hardware", "v5p"]) == 0
-    out = capsys.readouterr().out
-    # as above, but K and V of 2 heads travel as they are (repeated for the 4 query heads where
-    # they arrive): chunks of [8, 8 tokens, 2 heads, 32] float32, half the multi-head ring's
-    sent = human_bytes(20 * 8 * 8 * 2 * 32 * 4)
-    assert f"census: collective-permute over context x20, {sent}" in out
-    assert f"formula: 1 blocks x 20 chunks [8, 8, 2, 32] f32 = {sent}" in out
     # the verdict: the 2 heads' bytes sent, against the 4 query heads' work
     k = ring_bound(32, 4, 2, 32, 4, HARDWARE["v5p"], batch=8)
     assert f"on v5p: a step's sends / the attention they hide behind = {k:.3g}:" in out
+    assert "gpt under dp+cp on 8 devices" in out and "P('context', None)" in out  # the position table
 
 
 @pytest.mark.parametrize(

@@ -85,40 +85,6 @@ def test_the_gpt_trains_by_steps_and_its_checkpoint_samples_without_data(tmp_pat
 
 
 @needs_shakespeare
-@pytest.mark.slow  # two short runs and a sample
-def test_a_scanned_gpt_trains_to_the_looped_gpts_losses_and_its_checkpoint_samples_as_one(tmp_path, capsys):
-    """--scan stacks the blocks and runs them as one lax.scan: the same function of the same numbers."""
-    flags = ["--depth", "2", "--steps", "4", "--eval-every", "2"]  # 2 blocks: a scan of more than one
-    looped, scanned = (str(tmp_path / name) for name in ("looped", "scanned"))
-    assert main(["train", *TINY, *flags, "--checkpoint-dir", looped]) == 0
-    want = records(capsys.readouterr().out)
-    assert main(["train", *TINY, *flags, "--scan", "--checkpoint-dir", scanned]) == 0
-    out = capsys.readouterr().out
-    assert "blocks.block.attention.query" in out  # the plan names the stacked blocks
-    assert records(out) == want
-    sample = ["sample", "--prompt", "ROMEO:", "--tokens", "20", "--seed", "0"]
-    texts = []
-    for directory in (looped, scanned):
-        assert main([*sample, "--checkpoint-dir", directory]) == 0
-        texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1]  # the scanned checkpoint unstacks into the looped GPT
-
-
-@needs_shakespeare
-@pytest.mark.slow  # two short runs
-def test_a_scanned_gpt_with_dropout_trains_to_the_looped_gpts_losses(tmp_path, capsys):
-    """Block i draws its masks from key_at(step key, i + 1) looped or scanned. That it recomputes them
-    so under --remat full is tests/test_dropout.py's test_a_scanned_gpt_draws_the_looped_gpts_masks_and_
-    recomputes_them_so[full] (the scanned GPT's loss and gradients against the looped one's); --remat's
-    way to the model is test_under_remat_each_line_gives_the_hfu_of_the_flops_the_step_runs's."""
-    flags = ["--depth", "2", "--steps", "4", "--eval-every", "2", "--dropout", "0.2"]  # 2 blocks: 2 keys
-    assert main(["train", *TINY, *flags]) == 0
-    want = records(capsys.readouterr().out)
-    assert main(["train", *TINY, *flags, "--scan"]) == 0
-    assert records(capsys.readouterr().out) == want
-
-
-@needs_shakespeare
 @pytest.mark.slow  # two short runs, each compiling its steps
 def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys):
     directory = str(tmp_path / "run")
@@ -160,33 +126,50 @@ def test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one(tmp_path, capsys
 
 
 @needs_shakespeare
-@pytest.mark.slow  # three short runs, each compiling its steps
-def test_a_resumed_scanned_gpt_run_with_dropout_ends_bit_identical_and_keeps_its_rate(tmp_path, capsys):
-    """Scanned: the looped GPT draws the same masks (test_a_scanned_gpt_with_dropout_trains_to_the_
-    looped_gpts_losses) and resumes bit-identical (test_a_resumed_gpt_run_ends_bit_identical_to_a_
-    straight_one); one run of the two here, where a looped and a scanned test each trained their own."""
-    scanned = ["--depth", "2", "--scan"]
+@pytest.mark.slow  # four short runs, each compiling its steps, and two samples
+def test_a_scanned_gpt_trains_to_the_looped_gpts_losses_resumes_bit_identical_and_samples_as_one(
+    tmp_path, capsys
+):
+    """--scan stacks the blocks and runs them as one lax.scan: the same function of the same numbers.
+    With dropout: block i draws its masks from key_at(step key, i + 1) looped or scanned, so the
+    training losses hold the masks and the val and test losses the undropped forward (evaluation
+    drops nothing: tests/test_dropout.py). The scanned run resumes bit-identical, as the looped one
+    does (test_a_resumed_gpt_run_ends_bit_identical_to_a_straight_one). One looped run for all, where
+    a test of scanned-vs-looped trained a pair of its own. That the masks are recomputed so under
+    --remat full is tests/test_dropout.py's test_a_scanned_gpt_draws_the_looped_gpts_masks_and_
+    recomputes_them_so[full]; --remat's way to the model is test_under_remat_each_line_gives_the_hfu_
+    of_the_flops_the_step_runs's."""
 
-    def trained(path, *flags):
-        directory = str(path)
-        common = ["--steps", "6", "--eval-every", "3", "--checkpoint-dir", directory, *scanned]
-        assert main(["train", *TINY, *common, *flags]) == 0
+    def trained(name, *flags):
+        directory = str(tmp_path / name)
+        common = ["--depth", "2", "--steps", "6", "--eval-every", "3", "--checkpoint-dir", directory]
+        assert main(["train", *TINY, *common, *flags]) == 0  # 2 blocks: a scan of more than one, 2 keys
         with Checkpointer(directory, read_only=True) as checkpointer:
             step, meta = checkpointer.read_meta()
         model = jax.device_get(restore(directory, step, meta["info"]))
-        return model, meta["info"]["flags"]["dropout"], records(capsys.readouterr().out)
+        return model, meta["info"]["flags"]["dropout"], capsys.readouterr().out
 
+    _, _, looped_out = trained("looped", "--dropout", "0.2")
     # the masks' keys come from (seed, step), the step from the optimizer's state: nothing else to save
-    straight, rate, straight_lines = trained(tmp_path / "run", "--dropout", "0.2", "--checkpoint-every", "2")
-    resumed, _, resumed_lines = trained(tmp_path / "run", "--dropout", "0.2", "--resume-from", "4")
+    straight, rate, out = trained("run", "--scan", "--dropout", "0.2", "--checkpoint-every", "2")
+    assert "blocks.block.attention.query" in out  # the plan names the stacked blocks
+    straight_lines = records(out)
+    assert straight_lines == records(looped_out)
+    resumed, _, resumed_out = trained("run", "--scan", "--dropout", "0.2", "--resume-from", "4")
     assert_trees_equal(resumed, straight)
-    assert resumed_lines == straight_lines[-1:] and rate == 0.2 and straight.dropout == 0.2  # sample: none
+    assert records(resumed_out) == straight_lines[-1:] and rate == 0.2 and straight.dropout == 0.2
     assert isinstance(straight.blocks, Stacked)  # restored as trained: scanned
-    undropped, _, _ = trained(tmp_path / "none")  # the same run at --dropout 0 ends elsewhere
+    undropped, _, _ = trained("none", "--scan")  # the same run at --dropout 0 ends elsewhere
     assert not np.array_equal(undropped.head.weight, straight.head.weight)
-    resume = ["--steps", "6", "--checkpoint-dir", str(tmp_path / "run"), "--resume", *scanned]
+    resume = ["--steps", "6", "--checkpoint-dir", str(tmp_path / "run"), "--resume", "--depth", "2", "--scan"]
     assert main(["train", *TINY, *resume]) == 1
     assert "was saved under --dropout 0.2, this run --dropout 0.0," in capsys.readouterr().err
+    sample = ["sample", "--prompt", "ROMEO:", "--tokens", "20", "--seed", "0"]  # sampling drops nothing
+    texts = []
+    for name in ("looped", "run"):
+        assert main([*sample, "--checkpoint-dir", str(tmp_path / name)]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]  # the scanned checkpoint unstacks into the looped GPT
 
 
 @needs_shakespeare

@@ -272,10 +272,12 @@ def trained(style, depth=1):
     return losses, model, state
 
 
+STYLES = ["tp", "2d", "fsdp", "fsdp+tp", "pp", "dp+pp", "zero", "zero-2", "cp", "dp+cp", "tp+sp"]
+"""The styles trained below; tests/test_compose.py leaves its compositions among them to this test."""
+
+
 @pytest.mark.slow  # each style compiles its own AdamW step
-@pytest.mark.parametrize(
-    "style", ["tp", "2d", "fsdp", "fsdp+tp", "pp", "dp+pp", "zero", "zero-2", "cp", "dp+cp", "tp+sp"]
-)
+@pytest.mark.parametrize("style", STYLES)
 def test_every_style_trains_the_same_gpt_to_the_same_losses(style):
     depth = DEPTH.get(style, 1)
     expected, _, _ = trained("dp", depth)

@@ -59,6 +59,17 @@ def both_learning_rates(lr):
     return (lr, lr) if isinstance(lr, float) else (lr.minishard(), lr.optax())
 
 
+def optax_step_of(transform, jitted):
+    """optax's update and apply: one program under jit, as ours runs there (each op its own compile,
+    eagerly: most of a model's example), else op by op as ours runs outside jit."""
+
+    def step(params, grads, state):
+        updates, state = transform.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(step) if jitted else step
+
+
 def assert_sgd_matches_optax(lr, momentum, params, grad_fn, steps, update=None):
     """Run minishard's SGD and optax.sgd side by side; compare params after every step.
 
@@ -68,13 +79,13 @@ def assert_sgd_matches_optax(lr, momentum, params, grad_fn, steps, update=None):
     ours_lr, optax_lr = both_learning_rates(lr)
     ours = SGD(ours_lr, momentum)
     theirs = optax.sgd(optax_lr, momentum=momentum or None)
+    optax_step = optax_step_of(theirs, jitted=update is not None)
     update = update or ours.update
     ours_params, ours_state = params, ours.init(params)
     optax_params, optax_state = params, theirs.init(params)
     for step in range(steps):
         ours_params, ours_state = update(ours_params, grad_fn(ours_params, step), ours_state)
-        updates, optax_state = theirs.update(grad_fn(optax_params, step), optax_state, optax_params)
-        optax_params = optax.apply_updates(optax_params, updates)
+        optax_params, optax_state = optax_step(optax_params, grad_fn(optax_params, step), optax_state)
         assert_trees_close(ours_params, optax_params, rtol=1e-6, atol=1e-6)  # a few float32 ulps at O(1)
     assert int(ours_state.step) == steps  # a constant rate counts its steps too
 
@@ -211,6 +222,7 @@ def assert_adamw_matches_optax(params, grad_fn, steps, *, lr, warmup=None, updat
             mask=weight_decay_mask(params),
         ),
     )
+    optax_step = optax_step_of(theirs, jitted=update is not None)
     update = update or ours.update
     ours_params, ours_state = params, ours.init(params)
     optax_params, optax_state = params, theirs.init(params)
@@ -219,8 +231,7 @@ def assert_adamw_matches_optax(params, grad_fn, steps, *, lr, warmup=None, updat
         # last-ulp difference in the params into a visible one in the next step's direction.
         grads = grad_fn(optax_params, step)
         ours_params, ours_state = update(ours_params, grads, ours_state)
-        updates, optax_state = theirs.update(grads, optax_state, optax_params)
-        optax_params = optax.apply_updates(optax_params, updates)
+        optax_params, optax_state = optax_step(optax_params, grads, optax_state)
         assert_trees_close(ours_params, optax_params, rtol=1e-5, atol=1e-6)
     assert int(ours_state.step) == steps
 

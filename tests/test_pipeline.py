@@ -180,7 +180,10 @@ def test_one_circular_pipeline_on_data_x_stage_equals_sequential_and_runs_its_ti
 
 
 @pytest.mark.slow
-@settings(max_examples=5)
+# 3 examples, each compiling a pipelined and a sequential gradient: the schedule itself is swept for
+# every p, m and r without compiling (test_the_schedule_visits_every_chunk_once_in_order), and the
+# circular case on data x stage is the fixed test above; these draws add the compiled loop's shapes.
+@settings(max_examples=3)
 @given(
     p=st.sampled_from([2, 4, 8]),
     m_per_p=st.sampled_from([1, 2]),
@@ -368,6 +371,8 @@ def test_minishard_train_parallel_dp_pp_reaches_97_percent_in_two_epochs(tmp_pat
     run = subprocess.run([*command, "--log", str(log)], env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Pipeline: 4 blocks over 4 stages, 8 microbatches of 16 examples, 11 ticks" in run.stdout
+    stacked = "blocks.block.layers[0].weight  (4, 256, 256)  ('stage', None, None)  P('stage', None, None)"
+    assert stacked in run.stdout  # the blocks stacked over "stage": the plan, printed before training
     epochs = [r for r in map(json.loads, log.read_text().splitlines()) if "test_acc" in r]
     assert [r["epoch"] for r in epochs] == [1, 2] and epochs[-1]["test_acc"] >= 0.97, (
         epochs

@@ -153,19 +153,23 @@ def sequential(model, batch):
 
 
 @functools.cache
-def small_gpt(experts: bool) -> gpt.GPT:
+def small_gpt(experts: bool, depth: int) -> gpt.GPT:
     """The GPT of seed 0, built once; ring attention, which is the dense core where "seq" is whole."""
-    return gpt.GPT(**SMALL, core="ring", key=jax.random.key(0), **({"mlp": EXPERTS} if experts else {}))
+    mlp = {"mlp": EXPERTS} if experts else {}
+    return gpt.GPT(**{**SMALL, "depth": depth}, core="ring", key=jax.random.key(0), **mlp)
 
 
 def model_for(composition: Composition, pipeline: type[ComposedPipeline] = ComposedPipeline):
     """The GPT as ``composition`` runs it: under pp its blocks stacked and pipelined over "stage" (a
     microbatch per stage; its rows over "data", its tokens over "context", where the mesh has them),
-    under ep its MLPs mixtures of experts."""
-    model = small_gpt("ep" in composition.dimensions)
-    if "pp" not in composition.dimensions:
-        return model
+    under ep its MLPs mixtures of experts. One block, or one per stage: a block holds every array a
+    dimension splits (attention, MLP or experts, norms), and the sharded and the reference programs
+    compile fewer blocks than 4 (test_compose.py's depth() says the same; several blocks to a stage:
+    tests/test_pipeline.py's per_stage)."""
     mesh = composition.mesh
+    if "pp" not in composition.dimensions:
+        return small_gpt("ep" in composition.dimensions, 1)
+    model = small_gpt("ep" in composition.dimensions, mesh.shape["stage"])
     data, tokens = (axis if axis in mesh.shape else None for axis in ("data", "context"))
     piped = pipeline(mesh, mesh.shape["stage"], data_axis=data, sequence_axis=tokens)
     return gpt.as_stacked(model).replace(pipeline=piped)
