@@ -42,10 +42,11 @@ BODY = [
 HBM = 15.75 * 2**30
 """Bytes a program may use on one TPU v5e, as XLA:TPU says when it refuses one."""
 POLICIES = ("none", "full", "dots", "names")
-FOUND = {"none": 35, "full": 156, "dots": 22, "names": 133}
+FOUND = {"none": 35, "full": 156, "dots": 41, "names": 133}
 """The largest batch ``--aot`` found per policy (docs/tpu.md): ``none``, ``full`` and ``names``
 searched after ``context.narrow_attend`` (a bf16 step keeps its softmax weights in bf16), ``dots``
-after ``context.F32``; the chip trains each and one more."""
+after the scores left the matrix unit in bf16 (``context.scores``); the chip trains each and one
+more."""
 
 
 def flags(policy: str, batch: int) -> list[str]:
