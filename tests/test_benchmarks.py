@@ -209,3 +209,50 @@ def test_the_recipe_compile_worker_times_the_build_the_lowering_and_the_compile(
     times = recipe_compile.measure("here", tiny)
     assert set(times) == {"build", "lower", "compile", "temporaries_mb", "accessed_mb"}
     assert all(times[part] > 0 for part in ("build", "lower", "compile", "temporaries_mb"))
+
+
+def test_chip_trace_sums_each_op_and_each_kind_on_the_first_tpu_only(tmp_path):
+    """benchmarks/chip_trace.py reads a ``jax.profiler`` trace: the "XLA Ops" line of TPU:0, each op's
+    microseconds summed over its events with its HLO kept, and per kind (the op's name less its
+    number); other chips' and other lines' events are not the step's."""
+    import gzip
+
+    import chip_trace
+
+    def meta(pid, tid, what, name):
+        return {"ph": "M", "pid": pid, "tid": tid, "name": what, "args": {"name": name}}
+
+    def op(pid, tid, name, dur):
+        return {
+            "ph": "X",
+            "pid": pid,
+            "tid": tid,
+            "name": name,
+            "dur": dur,
+            "args": {"long_name": f"%{name} = hlo"},
+        }
+
+    events = [
+        meta(1, 0, "process_name", "/device:TPU:0"),
+        meta(2, 0, "process_name", "/device:TPU:1"),
+        meta(1, 7, "thread_name", "XLA Ops"),
+        meta(1, 8, "thread_name", "Steps"),
+        meta(2, 7, "thread_name", "XLA Ops"),
+        *(op(1, 7, "fusion.1", 10.0) for _ in range(3)),
+        op(1, 7, "fusion.22", 5.0),
+        op(1, 7, "convolution.3", 4.0),
+        op(1, 8, "fusion.1", 100.0),  # the step's own line, not an op
+        op(2, 7, "fusion.1", 100.0),  # another chip
+    ]
+    folder = tmp_path / "plugins" / "profile"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "host.trace.json.gz", "wt") as out:
+        json.dump({"traceEvents": events}, out)
+    ops, count = chip_trace.op_times(str(tmp_path))
+    assert count == 5 and ops == {
+        "fusion.1": (30.0, "%fusion.1 = hlo"),
+        "fusion.22": (5.0, "%fusion.22 = hlo"),
+        "convolution.3": (4.0, "%convolution.3 = hlo"),
+    }
+    kinds, _ = chip_trace.busy_ops(str(tmp_path))
+    assert kinds == {"fusion": 35.0, "convolution": 4.0}
