@@ -431,16 +431,9 @@ def test_the_other_flavours_census():
     assert (swapped["all-to-all"].count, swapped["all-to-all"].bytes) == (4, 4 * whole_bytes // p)
 
 
-@pytest.mark.slow
-def test_the_custom_vjp_backward_keeps_less_than_jax_grad_through_the_scan():
-    p, shape = 8, (1, 512, 4, 16)
-    flat = (
-        compiled(cx.ring_attention, p, "zigzag", True, shape, grad=True).memory_analysis().temp_size_in_bytes
-    )
-    naive_fn = lambda q, k, v, **kw: cx.ring_forward(q, k, v, **kw)[0]  # noqa: E731  differentiated by JAX
-    naive = compiled(naive_fn, p, "zigzag", True, shape, grad=True).memory_analysis().temp_size_in_bytes
-    scores_per_step = 1 * 64 * 4 * 64 * 4  # one [1, 64 queries, 4 heads, 64 keys] float32 block
-    assert naive - flat > (p - 1) * scores_per_step, (naive, flat)
+# The custom_vjp ring's backward keeps less than jax.grad through the scan, by more than every step's
+# scores: docs/context.md compiles both at p = 8 (1,024 tokens, 8 heads) and asserts it, once (this file
+# compiled the same pair at 512 tokens again: 4.9 s).
 
 
 # -- positions: a permuted sequence computes the same loss -----------------------------------
