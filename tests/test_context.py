@@ -364,12 +364,13 @@ def test_the_ring_of_grouped_keys_sends_them_unrepeated_and_equals_grouped_atten
     q = jax.random.normal(jax.random.key(0), (1, 16, heads, 4))
     k, v = jax.random.normal(jax.random.key(1), (2, 1, 16, kv_heads, 4))
     dense = lambda q, k, v: jnp.sum(jnp.sin(grouped_attention(q, k, v, causal=True)))  # noqa: E731
-    want_loss, want = jax.value_and_grad(dense, argnums=(0, 1, 2))(q, k, v)
-    got_loss, got = grouped_ring(p)(q, k, v)
+    want_loss, want = jax.jit(jax.value_and_grad(dense, argnums=(0, 1, 2)))(q, k, v)  # one program
+    ring = grouped_ring(p)  # one jit: its call's program is the one lowered below, compiled once
+    got_loss, got = ring(q, k, v)
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5)
     for name, a, b in zip("qkv", got, want, strict=True):  # dk and dv: a group's summed
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
-    program = grouped_ring(p).lower(q, k, v).compile()
+    program = ring.lower(q, k, v).compile()
     permutes = ms.collectives(program)["collective-permute"]
     kv_chunk = 1 * 16 // p * kv_heads * 4 * 4  # one device's K (or V): [1, 4, 2, 4] float32
     assert permutes.bytes == sum(cx.ring_permutes(p)) * kv_chunk  # not the 4 query heads'
@@ -431,16 +432,9 @@ def test_the_other_flavours_census():
     assert (swapped["all-to-all"].count, swapped["all-to-all"].bytes) == (4, 4 * whole_bytes // p)
 
 
-@pytest.mark.slow
-def test_the_custom_vjp_backward_keeps_less_than_jax_grad_through_the_scan():
-    p, shape = 8, (1, 512, 4, 16)
-    flat = (
-        compiled(cx.ring_attention, p, "zigzag", True, shape, grad=True).memory_analysis().temp_size_in_bytes
-    )
-    naive_fn = lambda q, k, v, **kw: cx.ring_forward(q, k, v, **kw)[0]  # noqa: E731  differentiated by JAX
-    naive = compiled(naive_fn, p, "zigzag", True, shape, grad=True).memory_analysis().temp_size_in_bytes
-    scores_per_step = 1 * 64 * 4 * 64 * 4  # one [1, 64 queries, 4 heads, 64 keys] float32 block
-    assert naive - flat > (p - 1) * scores_per_step, (naive, flat)
+# The custom_vjp ring's backward keeps less than jax.grad through the scan, by more than every step's
+# scores: docs/context.md compiles both at p = 8 (1,024 tokens, 8 heads) and asserts it, once (this file
+# compiled the same pair at 512 tokens again: 4.9 s).
 
 
 # -- positions: a permuted sequence computes the same loss -----------------------------------

@@ -14,7 +14,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from minishard import SGD, AdamW, Sharded, composition, make_mesh, megatron_axes, mlp
 from minishard import memory as mm
 from minishard import precision as mp
-from minishard.census import collectives, human_bytes
+from minishard.census import human_bytes
 from minishard.costs import Memory
 from minishard.hardware import HARDWARE
 from minishard.losses import classification_loss
@@ -65,42 +65,10 @@ def test_megatrons_distributed_optimizer_table(precision, whole, replicated, spl
     assert zero_bytes(terms, 1, d) == pytest.approx(replicated + split / d)
 
 
-@pytest.mark.slow  # two compiled steps each: ~5 s here
-@pytest.mark.parametrize(("compute", "precision"), [("float32", FP32), ("bfloat16", mp.BF16)])
-def test_a_compiled_zero1_adamw_step_of_the_gpt_holds_megatrons_row(compute, precision):
-    """zero_train_step(level=1) of a one-block GPT at d = 2, 8, two sequences per device: the step's
-    arguments are the weights whole (float32 or bfloat16) and AdamW's moments (and the float32 master)
-    split, to the byte; each device's float32 gradients are whole, the reduce-scatter's operand (d times
-    its result). Together Ψ(a + b/d), Ψ padded per array to split d ways: 8 + 8/d in float32, 6 + 12/d
-    in bfloat16. No term of the temporaries shrinks with d: ZeRO-1 splits no gradient. The rows are per
-    parameter, so one block shows them as the default GPT's four would, in a third of the compile time
-    (docs/memory.md prints them for the same one-block GPT at d = 2, 4, 8)."""
-    model = GPT(depth=1, key=jax.random.key(0))
-    terms, psi = bytes_per_parameter(precision, "adamw"), sum(leaf.size for leaf in jax.tree.leaves(model))
-    whole = sum(size for name, size in terms.items() if name not in mm.ZERO_SPLITS[1])
-    split = sum(size for name, size in terms.items() if name in mm.ZERO_SPLITS[1])
-    assert (whole, split) == {"float32": (8, 8), "bfloat16": (6, 12)}[compute]  # the table's a and b
-    seen, temporaries = {}, {}
-    for d in (2, 8):  # docs/memory.md prints d = 4 too
-        mesh = make_mesh({"data": d}, devices=jax.devices()[:d])
-        step = zero_train_step(AdamW(1e-3), mesh, level=1, loss=next_token_loss, compute=compute)
-        placed, state = step.placed_shapes(model)
-        windows = jax.ShapeDtypeStruct((2 * d, 64), jnp.int32)
-        compiled = step.lower(placed, state, {"inputs": windows, "targets": windows}).compile()
-        memory, sent = Memory.of(compiled), collectives(compiled)
-        padded = sum(-(-leaf.size // d) * d for leaf in jax.tree.leaves(model))  # Ψ, each array padded
-        held = memory.arguments - 2 * 2 * 64 * 4 - 4  # less the batch's shard and AdamW's step counter
-        assert held == terms["parameters"] * psi + split * padded / d  # the weights whole, the rest split
-        gradients = d * sent["reduce-scatter"].bytes  # each device's whole gradient, reduced 1/d to each
-        assert gradients == terms["gradients"] * padded
-        seen[d], temporaries[d] = held + gradients, memory.temporaries
-    ratios = {d: psi * (whole + split / d) / bytes_ for d, bytes_ in seen.items()}
-    says = ", ".join(
-        f"d={d}: {psi * (whole + split / d):,.0f} / {seen[d]:,} = {r:.6f}" for d, r in ratios.items()
-    )
-    assert all(1 - 1e-4 < ratio <= 1 for ratio in ratios.values()), f"predicted / compiled: {says}"
-    assert max(temporaries.values()) / min(temporaries.values()) < 1.05, temporaries
-    print(f"Megatron's {compute} row, predicted / compiled: {says}; temporaries {temporaries}")
+# A compiled ZeRO-1 AdamW step holds Megatron's rows (the weights whole, AdamW's moments and the float32
+# master split, to the byte; whole float32 gradients; temporaries that do not shrink with d): docs/memory.md
+# compiles the one-block GPT's step at d = 2, 4, 8 in float32 and bfloat16 and asserts it, held formula by
+# formula, once (this file compiled the same steps at d = 2, 8 again: 5.75 s).
 
 
 @pytest.mark.parametrize("n", [1, 4, 64, 1024])
