@@ -635,13 +635,13 @@ def explained_fsdp_bf16(*flags: str) -> tuple[mm.Budget, Memory, Any, dict[str, 
 
 @pytest.mark.slow  # three compiles of the GPT's fsdp step on 8 devices
 def test_under_fsdp_xla_cpu_keeps_every_weight_gathered_so_recomputation_leaves_its_peak():
-    """docs/memory.md: the bf16 gap is its documented 0.35; the compiled temporaries hold at least the
+    """docs/memory.md: the bf16 gap is its documented 0.39; the compiled temporaries hold at least the
     formula's, less its one gathered weight, plus every weight whole in float32; --remat full and dots,
     whose activations the formula tells apart 2.5 times, compile to the same temporaries, to 5%."""
     none, full, dots = (
         explained_fsdp_bf16(*flags) for flags in ((), ("--remat", "full"), ("--remat", "dots"))
     )
-    Gap(0.35, GATHERED_EARLY).check("gpt fsdp bf16", none[0], none[1])
+    Gap(0.39, GATHERED_EARLY).check("gpt fsdp bf16", none[0], none[1])
     weights = 4 * sum(leaf.size for leaf in jax.tree.leaves(none[2]))  # every weight whole, float32
     for predicted, compiled, *_ in (none, full, dots):
         assert compiled.temporaries >= predicted.temporaries - predicted.terms["gathered"] + weights
