@@ -108,12 +108,14 @@ def query_tile(k_block: Any, q_block: Any, blocks: Blocks, causal: bool) -> Any:
 
 
 def _when_runs(step: Any, q_block: Any, k_block: Any, blocks: Blocks, causal: bool) -> None:
-    """``step(masked)`` if tile ``(i, j)`` runs: masked only where it crosses the diagonal."""
+    """``step(at, masked)`` if tile ``at = (i, j)`` runs: masked only where it crosses the diagonal.
+    The grid's indices are read here, outside the branches: each branch is handed them."""
+    at = (q_block, k_block)
     if not causal:
-        return step(False)
+        return step(at, False)
     crossing = crosses(q_block, k_block, blocks)
-    pl.when(runs(q_block, k_block, blocks, causal) & crossing)(lambda: step(True))
-    pl.when(runs(q_block, k_block, blocks, causal) & ~crossing)(lambda: step(False))
+    pl.when(runs(q_block, k_block, blocks, causal) & crossing)(lambda: step(at, True))
+    pl.when(runs(q_block, k_block, blocks, causal) & ~crossing)(lambda: step(at, False))
     return None
 
 
@@ -138,10 +140,10 @@ def tile_scores(
     return jnp.where(keys <= queries, s, context.MASK_VALUE)
 
 
-def _forward_step(refs: Any, blocks: Blocks, masked: bool) -> None:
-    """One tile's partial softmax ``(out, lse)``, merged into the running one in VMEM scratch."""
+def _forward_step(refs: Any, blocks: Blocks, at: Any, masked: bool) -> None:
+    """Tile ``at``'s partial softmax ``(out, lse)``, merged into the running one in VMEM scratch."""
     q_ref, k_ref, v_ref, _, _, out_sum, lse_sum = refs
-    s = tile_scores(q_ref[...], k_ref[...], (pl.program_id(1), pl.program_id(2)), blocks, masked)
+    s = tile_scores(q_ref[...], k_ref[...], at, blocks, masked)
     weights, top, total = context.shifted_exp(s)  # top and total [block_q, 1]
     # the tile's out, times total
     values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **context.F32)
@@ -186,12 +188,12 @@ def tile_grads(tiles: Any, at: Any, blocks: Blocks, masked: bool, keys_major: bo
     return w, context.softmax_grad(w, dp, delta)
 
 
-def _dq_step(refs: Any, blocks: Blocks, masked: bool) -> None:
-    """dq += ds·k for one tile."""
+def _dq_step(refs: Any, blocks: Blocks, at: Any, masked: bool) -> None:
+    """dq += ds·k for tile ``at``."""
     k_ref = refs[1]
     dq_sum = refs[-1]  # the scratch sum, last
     tiles = [ref[...] for ref in refs[:6]]
-    _, ds = tile_grads(tiles, (pl.program_id(1), pl.program_id(2)), blocks, masked)
+    _, ds = tile_grads(tiles, at, blocks, masked)
     dq_sum[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], **context.F32)
 
 
@@ -214,13 +216,12 @@ def dq_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
         dq_ref[...] = dq_sum[...].astype(dq_ref.dtype)
 
 
-def _dkv_step(refs: Any, blocks: Blocks, masked: bool) -> None:
-    """dv += wᵀ·g and dk += dsᵀ·q for one tile, ``wᵀ`` and ``dsᵀ`` computed keys major: no
+def _dkv_step(refs: Any, blocks: Blocks, at: Any, masked: bool) -> None:
+    """dv += wᵀ·g and dk += dsᵀ·q for tile ``at``, ``wᵀ`` and ``dsᵀ`` computed keys major: no
     transpose of a tile, and lse and delta come as rows, dense along the 128 lanes."""
     q_ref, _, _, g_ref = refs[:4]  # the tiles of q, k, v, g
     dk_sum, dv_sum = refs[-2:]  # the scratch sums, last
     tiles = [ref[...] for ref in refs[:6]]
-    at = (pl.program_id(2), pl.program_id(1))  # (i, j): this grid runs keys major
     w_t, ds_t = tile_grads(tiles, at, blocks, masked, keys_major=True)  # [block_k, block_q]
     dv_sum[...] += jnp.dot(w_t.astype(g_ref.dtype), g_ref[...], **context.F32)
     dk_sum[...] += jnp.dot(ds_t.astype(q_ref.dtype), q_ref[...], **context.F32)
