@@ -41,8 +41,10 @@ lives; this one never writes the scores anywhere:
 >>> bool(jnp.allclose(out, context.attention(q, k, v, causal=True), atol=1e-5))
 True
 
-On a CPU, ``interpret=True`` runs the same kernel in Pallas's TPU interpreter (slowly): the tests'
-way. On the chip the tiles go in as they come (bf16 into the matrix unit, float32 out).
+On a CPU, ``interpret=True`` runs the same kernel in a Pallas interpreter (slowly): the tests'
+way. Its plain one, the grid a loop of XLA operations, or inside a ``shard_map`` whose axes q
+varies over (a ring's), its TPU one, every load and store a call back into Python. On the chip
+the tiles go in as they come (bf16 into the matrix unit, float32 out).
 """
 
 from __future__ import annotations
@@ -259,6 +261,10 @@ def _pallas(kernel: Any, grid: Any, tiles: Any, outs: Any, scratch: Any, interpr
         # Inside a shard_map (a ring's), the outputs vary over its axes as q, the first input, does.
         varying = jax.typeof(operands[0]).manual_axis_type
         arrays = [jax.ShapeDtypeStruct(a.shape, a.dtype, manual_axis_type=varying) for a, _ in outs]
+        # Interpreted: Pallas's plain interpreter (the grid a loop of XLA ops, quick to compile), or
+        # its TPU one where q varies over a shard_map's axes (the plain one's scratch cannot vary,
+        # and JAX refuses to mix them: "Primitive max requires varying manual axes to match")
+        interpreter = (pltpu.InterpretParams() if varying.varying else True) if interpret else False
         return pl.pallas_call(
             kernel,
             grid=grid,
@@ -267,7 +273,7 @@ def _pallas(kernel: Any, grid: Any, tiles: Any, outs: Any, scratch: Any, interpr
             out_shape=arrays,
             scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch],
             compiler_params=pltpu.CompilerParams(dimension_semantics=SEMANTICS),
-            interpret=pltpu.InterpretParams() if interpret else False,
+            interpret=interpreter,
         )(*operands)
 
     return call
@@ -382,7 +388,7 @@ def flash_attention(
     A tile's lanes are ``head_dim`` wide: a multiple of 128 (the TPU's lanes), each head is a tile
     of the arrays as they are, ``[batch, T, heads · head_dim]``, no copy; narrower, the heads go
     before the tokens first, ``[batch · heads, T, head_dim]``, one XLA copy there and one back.
-    ``interpret``: run in Pallas's TPU interpreter, on any backend (the tests do, on CPU).
+    ``interpret``: run in a Pallas interpreter, on any backend (the tests do, on CPU).
     """
     asked = (block_q, block_k)
     shape = _kernel_shape(q, k, v, asked, interpret, where="flash_attention", tokens="sequence")

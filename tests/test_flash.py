@@ -1,5 +1,5 @@
-"""minishard.flash: the Pallas kernels, in Pallas's TPU interpreter on the CPU; alone, and as a
-ring's pairs of chunks (``flash_pairs``) on simulated devices.
+"""minishard.flash: the Pallas kernels, interpreted on the CPU; alone (Pallas's plain interpreter),
+and as a ring's pairs of chunks (``flash_pairs``) on simulated devices (its TPU interpreter).
 
 The oracle is ``context.attention`` (the one softmax attention): forward and gradients, float32.
 Interpreted, each grid step costs milliseconds, so the shapes are tiny and the examples few:
