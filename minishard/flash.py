@@ -298,6 +298,13 @@ def _row(r: Any, block: Any, heads: int) -> tuple[Any, Any, Any]:
     return r // heads, block, r % heads
 
 
+# A ring calls each kernel at each step alike: jitted, each is traced and lowered once per shape
+# (XLA compiles it in at each call, so the program, on a TPU too, is the same)
+_STATIC = ("shape", "causal", "interpret", "out_dtype")  # what picks a kernel, beside the arrays
+_traced_once = functools.partial(jax.jit, static_argnames=_STATIC)
+
+
+@_traced_once
 def _forward(
     q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bool, out_dtype: Any = None
 ) -> Any:
@@ -319,6 +326,7 @@ def _per_row(q: Any, heads: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((q.shape[0] * heads, q.shape[1], 1), jnp.float32)
 
 
+@_traced_once
 def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool, out_dtype: Any = None) -> Any:
     """dq (q's shape) on the forward's grid ``(rows, i, j)``: the key blocks innermost."""
     q, k = operands[:2]
@@ -332,6 +340,7 @@ def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool, out_dtype: A
     return _pallas(kernel, grid, tiles, outs, [(blocks[0], head_dim)], interpret)(*operands)[0]
 
 
+@_traced_once
 def _dkv(operands: Any, shape: Shape, causal: bool, interpret: bool, out_dtype: Any = None) -> Any:
     """dk and dv (k's shape) on the grid ``(rows, j, i)``: the query blocks innermost, their lse,
     delta ``[rows, 1, T]``, a new tile at each step: dense, 4 bytes a query, not 128 lanes' 512."""
