@@ -12,7 +12,8 @@ On the chip, from the repository's root (2 to 4 minutes, mostly compiling):
 
     PYTHONPATH=. python benchmarks/flash.py --json runs/flash.json
 
-``--smoke``: tiny shapes on any backend, the Pallas kernels in the TPU interpreter (the test's run).
+``--smoke``: tiny shapes on any backend, the kernels interpreted (the test's run): minishard's in
+Pallas's plain interpreter, JAX's in its TPU one.
 """
 
 from __future__ import annotations

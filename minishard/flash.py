@@ -41,8 +41,10 @@ lives; this one never writes the scores anywhere:
 >>> bool(jnp.allclose(out, context.attention(q, k, v, causal=True), atol=1e-5))
 True
 
-On a CPU, ``interpret=True`` runs the same kernel in Pallas's TPU interpreter (slowly): the tests'
-way. On the chip the tiles go in as they come (bf16 into the matrix unit, float32 out).
+On a CPU, ``interpret=True`` runs the same kernel in a Pallas interpreter (slowly): the tests'
+way. Its plain one, the grid a loop of XLA operations, or inside a ``shard_map`` whose axes q
+varies over (a ring's), its TPU one, every load and store a call back into Python. On the chip
+the tiles go in as they come (bf16 into the matrix unit, float32 out).
 """
 
 from __future__ import annotations
@@ -108,12 +110,14 @@ def query_tile(k_block: Any, q_block: Any, blocks: Blocks, causal: bool) -> Any:
 
 
 def _when_runs(step: Any, q_block: Any, k_block: Any, blocks: Blocks, causal: bool) -> None:
-    """``step(masked)`` if tile ``(i, j)`` runs: masked only where it crosses the diagonal."""
+    """``step(at, masked)`` if tile ``at = (i, j)`` runs: masked only where it crosses the diagonal.
+    The grid's indices are read here, outside the branches: each branch is handed them."""
+    at = (q_block, k_block)
     if not causal:
-        return step(False)
+        return step(at, False)
     crossing = crosses(q_block, k_block, blocks)
-    pl.when(runs(q_block, k_block, blocks, causal) & crossing)(lambda: step(True))
-    pl.when(runs(q_block, k_block, blocks, causal) & ~crossing)(lambda: step(False))
+    pl.when(runs(q_block, k_block, blocks, causal) & crossing)(lambda: step(at, True))
+    pl.when(runs(q_block, k_block, blocks, causal) & ~crossing)(lambda: step(at, False))
     return None
 
 
@@ -138,10 +142,10 @@ def tile_scores(
     return jnp.where(keys <= queries, s, context.MASK_VALUE)
 
 
-def _forward_step(refs: Any, blocks: Blocks, masked: bool) -> None:
-    """One tile's partial softmax ``(out, lse)``, merged into the running one in VMEM scratch."""
+def _forward_step(refs: Any, blocks: Blocks, at: Any, masked: bool) -> None:
+    """Tile ``at``'s partial softmax ``(out, lse)``, merged into the running one in VMEM scratch."""
     q_ref, k_ref, v_ref, _, _, out_sum, lse_sum = refs
-    s = tile_scores(q_ref[...], k_ref[...], (pl.program_id(1), pl.program_id(2)), blocks, masked)
+    s = tile_scores(q_ref[...], k_ref[...], at, blocks, masked)
     weights, top, total = context.shifted_exp(s)  # top and total [block_q, 1]
     # the tile's out, times total
     values = jnp.dot(weights.astype(v_ref.dtype), v_ref[...], **context.F32)
@@ -186,12 +190,12 @@ def tile_grads(tiles: Any, at: Any, blocks: Blocks, masked: bool, keys_major: bo
     return w, context.softmax_grad(w, dp, delta)
 
 
-def _dq_step(refs: Any, blocks: Blocks, masked: bool) -> None:
-    """dq += ds·k for one tile."""
+def _dq_step(refs: Any, blocks: Blocks, at: Any, masked: bool) -> None:
+    """dq += ds·k for tile ``at``."""
     k_ref = refs[1]
     dq_sum = refs[-1]  # the scratch sum, last
     tiles = [ref[...] for ref in refs[:6]]
-    _, ds = tile_grads(tiles, (pl.program_id(1), pl.program_id(2)), blocks, masked)
+    _, ds = tile_grads(tiles, at, blocks, masked)
     dq_sum[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], **context.F32)
 
 
@@ -214,13 +218,12 @@ def dq_kernel(*refs: Any, blocks: Blocks, causal: bool) -> None:
         dq_ref[...] = dq_sum[...].astype(dq_ref.dtype)
 
 
-def _dkv_step(refs: Any, blocks: Blocks, masked: bool) -> None:
-    """dv += wᵀ·g and dk += dsᵀ·q for one tile, ``wᵀ`` and ``dsᵀ`` computed keys major: no
+def _dkv_step(refs: Any, blocks: Blocks, at: Any, masked: bool) -> None:
+    """dv += wᵀ·g and dk += dsᵀ·q for tile ``at``, ``wᵀ`` and ``dsᵀ`` computed keys major: no
     transpose of a tile, and lse and delta come as rows, dense along the 128 lanes."""
     q_ref, _, _, g_ref = refs[:4]  # the tiles of q, k, v, g
     dk_sum, dv_sum = refs[-2:]  # the scratch sums, last
     tiles = [ref[...] for ref in refs[:6]]
-    at = (pl.program_id(2), pl.program_id(1))  # (i, j): this grid runs keys major
     w_t, ds_t = tile_grads(tiles, at, blocks, masked, keys_major=True)  # [block_k, block_q]
     dv_sum[...] += jnp.dot(w_t.astype(g_ref.dtype), g_ref[...], **context.F32)
     dk_sum[...] += jnp.dot(ds_t.astype(q_ref.dtype), q_ref[...], **context.F32)
@@ -258,6 +261,10 @@ def _pallas(kernel: Any, grid: Any, tiles: Any, outs: Any, scratch: Any, interpr
         # Inside a shard_map (a ring's), the outputs vary over its axes as q, the first input, does.
         varying = jax.typeof(operands[0]).manual_axis_type
         arrays = [jax.ShapeDtypeStruct(a.shape, a.dtype, manual_axis_type=varying) for a, _ in outs]
+        # Interpreted: Pallas's plain interpreter (the grid a loop of XLA ops, quick to compile), or
+        # its TPU one where q varies over a shard_map's axes (the plain one's scratch cannot vary,
+        # and JAX refuses to mix them: "Primitive max requires varying manual axes to match")
+        interpreter = (pltpu.InterpretParams() if varying.varying else True) if interpret else False
         return pl.pallas_call(
             kernel,
             grid=grid,
@@ -266,7 +273,7 @@ def _pallas(kernel: Any, grid: Any, tiles: Any, outs: Any, scratch: Any, interpr
             out_shape=arrays,
             scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch],
             compiler_params=pltpu.CompilerParams(dimension_semantics=SEMANTICS),
-            interpret=pltpu.InterpretParams() if interpret else False,
+            interpret=interpreter,
         )(*operands)
 
     return call
@@ -291,6 +298,13 @@ def _row(r: Any, block: Any, heads: int) -> tuple[Any, Any, Any]:
     return r // heads, block, r % heads
 
 
+# A ring calls each kernel at each step alike: jitted, each is traced and lowered once per shape
+# (XLA compiles it in at each call, so the program, on a TPU too, is the same)
+_STATIC = ("shape", "causal", "interpret", "out_dtype")  # what picks a kernel, beside the arrays
+_traced_once = functools.partial(jax.jit, static_argnames=_STATIC)
+
+
+@_traced_once
 def _forward(
     q: Any, k: Any, v: Any, shape: Shape, causal: bool, interpret: bool, out_dtype: Any = None
 ) -> Any:
@@ -312,6 +326,7 @@ def _per_row(q: Any, heads: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((q.shape[0] * heads, q.shape[1], 1), jnp.float32)
 
 
+@_traced_once
 def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool, out_dtype: Any = None) -> Any:
     """dq (q's shape) on the forward's grid ``(rows, i, j)``: the key blocks innermost."""
     q, k = operands[:2]
@@ -325,6 +340,7 @@ def _dq(operands: Any, shape: Shape, causal: bool, interpret: bool, out_dtype: A
     return _pallas(kernel, grid, tiles, outs, [(blocks[0], head_dim)], interpret)(*operands)[0]
 
 
+@_traced_once
 def _dkv(operands: Any, shape: Shape, causal: bool, interpret: bool, out_dtype: Any = None) -> Any:
     """dk and dv (k's shape) on the grid ``(rows, j, i)``: the query blocks innermost, their lse,
     delta ``[rows, 1, T]``, a new tile at each step: dense, 4 bytes a query, not 128 lanes' 512."""
@@ -381,7 +397,7 @@ def flash_attention(
     A tile's lanes are ``head_dim`` wide: a multiple of 128 (the TPU's lanes), each head is a tile
     of the arrays as they are, ``[batch, T, heads · head_dim]``, no copy; narrower, the heads go
     before the tokens first, ``[batch · heads, T, head_dim]``, one XLA copy there and one back.
-    ``interpret``: run in Pallas's TPU interpreter, on any backend (the tests do, on CPU).
+    ``interpret``: run in a Pallas interpreter, on any backend (the tests do, on CPU).
     """
     asked = (block_q, block_k)
     shape = _kernel_shape(q, k, v, asked, interpret, where="flash_attention", tokens="sequence")

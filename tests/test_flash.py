@@ -1,5 +1,5 @@
-"""minishard.flash: the Pallas kernels, in Pallas's TPU interpreter on the CPU; alone, and as a
-ring's pairs of chunks (``flash_pairs``) on simulated devices.
+"""minishard.flash: the Pallas kernels, interpreted on the CPU; alone (Pallas's plain interpreter),
+and as a ring's pairs of chunks (``flash_pairs``) on simulated devices (its TPU interpreter).
 
 The oracle is ``context.attention`` (the one softmax attention): forward and gradients, float32.
 Interpreted, each grid step costs milliseconds, so the shapes are tiny and the examples few:
@@ -165,8 +165,9 @@ def test_the_gpt_with_the_flash_core_has_the_dense_loss_and_gradients_whole_and_
     def model(core):
         return GPT(**sizes, core=core, key=jax.random.key(0))
 
-    (want, _), want_grads = gpt_loss_and_grads(model("dense"), batch)
-    runs = {"whole": gpt_loss_and_grads}
+    whole = jax.jit(gpt_loss_and_grads)  # one program a core: op by op, the dense one took 4.7 s
+    (want, _), want_grads = whole(model("dense"), batch)
+    runs = {"whole": whole}
     shape, rules = mesh_rules("tp", 2)
     runs["tp"] = ms.Sharded(ms.make_mesh(shape, devices=jax.devices()[:2]), rules)(gpt_loss_and_grads)
     for style, run in runs.items():
@@ -189,7 +190,7 @@ def test_the_gpt_under_cp_with_flash_asked_attends_its_chunks_by_the_kernels_and
     ids = np.random.default_rng(0).integers(0, 11, (2, 17)).astype(np.int32)
     batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
     sizes = dict(vocab=11, context=16, width=32, depth=1, heads=4, kv_heads=2)  # chunks of 4 tokens
-    want = gpt_loss(GPT(**sizes, key=jax.random.key(0)), batch)
+    want = jax.jit(gpt_loss)(GPT(**sizes, key=jax.random.key(0)), batch)  # op by op: 2.7 s
     model = ring_cores(GPT(**sizes, core="flash-interpreted", key=jax.random.key(0)))
     assert {block.attention.core for block in model.blocks} == {"ring-flash-interpreted"}
     shape, rules = mesh_rules("cp", 2)
@@ -297,7 +298,7 @@ def test_the_ring_with_flash_pairs_is_attention_forward_and_gradients(p, order, 
     q = jax.random.normal(jax.random.key(0), (1, seq_len, 2, 8))
     k, v = jax.random.normal(jax.random.key(1), (2, 1, seq_len, 1, 8))
     dense = lambda q, k, v: jnp.sum(jnp.sin(grouped_attention(q, k, v, causal=causal)))  # noqa: E731
-    want_loss, want = jax.value_and_grad(dense, argnums=(0, 1, 2))(q, k, v)
+    want_loss, want = jax.jit(jax.value_and_grad(dense, argnums=(0, 1, 2)))(q, k, v)  # op by op: 1.2 s
     pairs = flash.flash_pairs(block_q=block, block_k=block, interpret=True)
     got_loss, got = jax.block_until_ready(ring_by_kernels(p, order, causal, pairs)(q, k, v))
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5)

@@ -114,12 +114,13 @@ CHAPTERS = {
     # parts and backward that the flash kernel and the ring share (+95); scores' dtype, a bf16 step's
     # scores out of the matrix unit in bf16 and the mask in that dtype, its signature a line (+5)
     "context": 698,
-    "flash": 552,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397);
+    "flash": 564,  # issue 61: causal flash attention as a Pallas TPU kernel: forward, dq, dk/dv (397);
     # issue 62: the docstring names every public name (+6), refs, shapes and grid indices a name a line (+9)
     # issue 61 §1, the ring by the kernels (section 5): flash_attend, flash_attend_grads, flash_pairs
     # (85, signatures one argument a line); the kernels' shape and inputs shared with flash_attention
     # (_kernel_shape, _kernel_inputs: +20); float32 outputs for the ring's sums, the outputs' varying
-    # axes inside a shard_map (+16); its signatures one argument a line (+5)
+    # axes inside a shard_map (+16); its signatures one argument a line (+5); the tests' interpreter,
+    # plain or TPU, chosen and said why (+3); each kernel jitted, traced once for a ring's many calls (+9)
     "sequence": 215,  # issue 62: lines within 100 characters, held_order's two results named (+22)
     # issue 43 §4: moe_layers (10); #45 moe_activations; issue 62: no line over 100 characters and
     # no packed assignment (+60: the statistics' psums one a line, the report's parts named)

@@ -118,8 +118,8 @@ def flash_core(
     causal: bool,
     interpret: bool = False,
 ) -> jax.Array:
-    """``minishard.flash.flash_attention``, the Pallas kernel, on a TPU (``interpret``: in Pallas's
-    TPU interpreter, anywhere: the ``"flash-interpreted"`` core, the tests' on CPU).
+    """``minishard.flash.flash_attention``, the Pallas kernel, on a TPU (``interpret``: in a Pallas
+    interpreter, anywhere: the ``"flash-interpreted"`` core, the tests' on CPU).
 
     The kernel's mask is the index's: the tokens must be in order, at ``0 .. T - 1`` (a training
     window; a split sequence attends by ring, a cache by ``cached_attention``), so the positions go
