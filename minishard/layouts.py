@@ -370,7 +370,7 @@ class LayoutCost:
     is twice it), ``recomputed_s`` of the forward's matmuls the backward pass runs again
     (``recomputed_flops``), each pass's collectives, ``tokens`` per device, the memory by term, and
     the pipeline's ``microbatches``, ``repeats`` (chunks of layers a stage holds, the circular or
-    interleaved schedule's ``r``) and ``bubble`` (1, 1 and 0 without pp)."""
+    interleaved schedule's ``r``), ``bubble`` and ``uneven`` (1, 1, 0 and 1 without pp)."""
 
     layout: Layout
     hardware: Hardware
@@ -804,8 +804,7 @@ def _memory(
     kept: Kept,
     attention: tuple[int, bool],
 ) -> Budget:
-    """Per device: ``kept``'s per-parameter terms over the dimensions splitting the weights (fsdp,
-    tp, pp; ep a mixture's experts), a gathered layer (a stage's, under pp), what a stage's layers
+    """Per device of the fullest stage (``uneven``): its weights (``_weights``), what its layers
     keep (``kept_by_remat``) for the ``held_microbatches`` of ``schedule`` (microbatches, repeats),
     and the layer the backward pass recomputes (``layer_bytes`` of ``attention``'s context and
     kernel; none without remat), over tp and cp, in Korthikanti's 16-bit bytes scaled to dtype."""
