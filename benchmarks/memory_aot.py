@@ -89,7 +89,7 @@ def compile_here(flags: list[str]) -> dict[str, Any]:
 def compiled(flags: list[str], cache: dict[str, Any], terms: bool) -> dict[str, Any]:
     """XLA:TPU's numbers for ``flags``, from the cache or compiled in a child process (its own dump)."""
     key = " ".join(flags)
-    if key in cache and (not terms or "peak" in cache[key]):
+    if key in cache and (not terms or "vmem" in cache[key]):
         return dict(cache[key])
     with tempfile.TemporaryDirectory() as dump:
         env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -104,6 +104,7 @@ def compiled(flags: list[str], cache: dict[str, Any], terms: bool) -> dict[str, 
         found = json.loads(out.stdout.strip().splitlines()[-1])
         if terms:
             found["peak"] = peak_buffers(dump)
+            found["vmem"] = vmem_bytes(dump)
     cache[key] = found
     return dict(found)
 
@@ -124,6 +125,15 @@ def peak_buffers(dump: str) -> list[tuple[str, str, int]]:
         at = int(index.split(",")[0]) if index and len(parts) > 1 else 0
         buffers.append((name, parts[min(at, len(parts) - 1)], int(size)))
     return buffers
+
+
+def vmem_bytes(dump: str) -> int:
+    """What XLA:TPU's memory-space assignment placed in VMEM: its allocations there, from the buffer
+    assignment's memory-usage report ("Memory Space: vmem (color=1)"), none of which the HBM
+    temporaries count."""
+    report = read(glob.glob(f"{dump}/*train_step*memory-usage-report.txt")[0])
+    found = re.search(r"Memory Space: vmem \(color=1\)\nTotal bytes: (\d+)", report)
+    return int(found.group(1)) if found else 0
 
 
 def classify(buffers: list[tuple[str, str, int]], sizes: dict[str, int]) -> dict[str, int]:
@@ -210,6 +220,7 @@ def main() -> None:
                         print(f"    at the peak: {kind:26} {n / 1e6:10.1f} MB")
                     terms = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in guess["terms"].items())
                     print(f"    predicted: {terms}")
+                    print(f"    in VMEM (memory-space assignment): {seen['vmem'] / 1e6:.1f} MB")
     if args.json:
         write_json(args.json, rows)
 

@@ -256,3 +256,22 @@ def test_chip_trace_sums_each_op_and_each_kind_on_the_first_tpu_only(tmp_path):
     }
     kinds, _ = chip_trace.busy_ops(str(tmp_path))
     assert kinds == {"fusion": 35.0, "convolution": 4.0}
+
+
+def test_matmul_peak_says_each_shapes_share_of_the_chips_published_peak(tmp_path, monkeypatch):
+    """benchmarks/matmul_peak.py --smoke: a tiny matmul timed, its FLOPs 2mkn over its time, and its
+    share of the peak of the chip ``device_kind`` names (here a v5e's, as on the chip)."""
+    import matmul_peak
+
+    from minishard.hardware import HARDWARE
+
+    out = tmp_path / "matmul.json"
+    monkeypatch.setattr(matmul_peak, "chip_of", lambda kind: HARDWARE["v5e"])
+    monkeypatch.setattr(sys, "argv", ["matmul_peak.py", "--smoke", "--repeat", "2", "--json", str(out)])
+    matmul_peak.main()
+    found = json.loads(out.read_text())
+    assert found["peak"] == 197e12
+    (row,) = found["rows"]
+    m, k, n = row["mkn"]
+    assert row["us"] > 0 and row["flops"] == pytest.approx(2 * m * k * n / (row["us"] * 1e-6))
+    assert row["of_peak"] == pytest.approx(row["flops"] / 197e12)
