@@ -90,15 +90,14 @@ on a loaded machine; 6 x 384's 40 s in the suite). The table's eight, the known 
 where XLA:TPU compiles in seconds, on the chip (``make test-tpu``), and ``benchmarks/memory_aot.py``
 prints them all."""
 KNOWN_GAPS = {("6x384", "bf16", "full"): 1.67, ("6x384", "bf16", "names"): 1.28}
-"""Over 15%, measured (docs/tpu.md): since ``context.F32`` a bf16 step's recomputed block holds no
-float32 copies of q and k, which ``kept_on_tpu``'s terms were read with (1.20 and 1.20); since
-``context.narrow_attend`` its recomputed attention keeps bf16 weights, not float32's (``full``:
-264 MB compiled, 318 before: 1.25 and 1.16); since a bf16 step's scores come out of the matrix
-unit in bf16 (``context.scores``), its recomputed block's transient scores are half their bytes
-(``full``: 198 MB compiled; ``names``: 454 MB, 504 before). The buffers XLA:TPU lists live at
-``full``'s peak (``memory_aot.py --terms``): q, k, v and out 63 MB, one softmax 50 MB, two of the
-stream's 25 MB, 22 MB more; not the six blocks' inputs, an MLP's hidden units and the head, which
-the chapter adds (266 MB)."""
+"""Over 15%, measured (docs/tpu.md): each gap is the size of the chip's VMEM (``VMEM``). XLA:TPU's
+memory-space assignment fills it in every case of 6 x 384 (115-118 MB, ``memory_aot.py --terms``),
+and the HBM temporaries count none of it; the chapter counts a step's live set whole. Under ``full``
+and ``names`` in bf16 the live set is small (198 and 454 MB compiled), and the share VMEM takes is
+the whole gap: 132.9 and 128.9 MB. In fp32 the same share goes, and the chapter's terms, read from
+XLA:TPU's HBM peak, agree within 3%; at GPT-2 small it is 1.5% of the temporaries."""
+VMEM = 128 * 2**20
+"""A TPU v5e's vector memory (the scaling book's TPU chapter: 128 MiB)."""
 CASES = [
     pytest.param(*IN_THE_SUITE, id="-".join(IN_THE_SUITE), marks=pytest.mark.slow),
     *(
@@ -119,6 +118,7 @@ def test_predicted_temporaries_are_xla_tpus_within_15_percent(size, precision, p
     print(f"{size} {precision} remat={policy}: predicted / XLA:TPU's temporaries {ratio:.2f}")
     if (gap := KNOWN_GAPS.get((size, precision, policy))) is not None:
         assert abs(ratio - gap) <= 0.05, predicted.table(compiled)  # the gap at its documented size
+        assert predicted.temporaries - compiled.temporaries <= VMEM  # no more than VMEM could hold
     else:
         assert 0.85 <= ratio <= 1.15, predicted.table(compiled)
     assert abs(predicted.arguments - compiled.arguments) < 0.01 * compiled.arguments  # its tile padding
