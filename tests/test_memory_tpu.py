@@ -90,12 +90,12 @@ on a loaded machine; 6 x 384's 40 s in the suite). The table's eight, the known 
 where XLA:TPU compiles in seconds, on the chip (``make test-tpu``), and ``benchmarks/memory_aot.py``
 prints them all."""
 KNOWN_GAPS = {("6x384", "bf16", "full"): 1.67, ("6x384", "bf16", "names"): 1.28}
-"""Over 15%, measured (docs/tpu.md): each gap is the size of the chip's VMEM (``VMEM``). XLA:TPU's
+"""Over 15%, measured (docs/tpu.md): each gap is about the chip's VMEM (``VMEM``). XLA:TPU's
 memory-space assignment fills it in every case of 6 x 384 (115-118 MB, ``memory_aot.py --terms``),
-and the HBM temporaries count none of it; the chapter counts a step's live set whole. Under ``full``
-and ``names`` in bf16 the live set is small (198 and 454 MB compiled), and the share VMEM takes is
-the whole gap: 132.9 and 128.9 MB. In fp32 the same share goes, and the chapter's terms, read from
-XLA:TPU's HBM peak, agree within 3%; at GPT-2 small it is 1.5% of the temporaries."""
+and the HBM temporaries count none of it. Under ``full`` and ``names`` in bf16 it holds 117.3 and
+115.2 MB of buffers the chapter's terms count: the gaps are 132.9 and 128.9 MB (the ratios 1.08
+and 1.03 with that share counted as held). In the other cases the terms, read from XLA:TPU's HBM
+peak, agree without it; at GPT-2 small the share is 1.5% of the temporaries."""
 VMEM = 128 * 2**20
 """A TPU v5e's vector memory (the scaling book's TPU chapter: 128 MiB)."""
 CASES = [
