@@ -315,6 +315,16 @@ def _ints(text: str | None) -> list[int]:
 # which inserted them, wrote each in the dtype the program sends.
 
 
+# A float narrower than f32 in a program's text ("tensor<8xbf16>", "f8E4M3FN"): without one,
+# nothing was widened, and the compiled program's collectives are already as the partitioner wrote.
+_NARROW = re.compile(r"f16|f8E|f6E|f4E")
+
+
+def names_a_narrow_float(program: str) -> bool:
+    """Whether ``program`` (a lowered or compiled program's text) has a float narrower than f32."""
+    return _NARROW.search(program) is not None
+
+
 def narrowed(text: str, partitioned: str) -> str:
     """``text`` (a compiled program) with each collective's f32 arrays written in the dtype the SPMD
     partitioner gave the collective of that kind and shape (``partitioned``, its output), in order:

@@ -282,6 +282,8 @@ def as_asked(lowered: jax.stages.Lowered) -> str:
     >>> on_cpu.bytes, on_an_accelerator.bytes
     (4096, 2048)
     """
+    if not _hlo.names_a_narrow_float(lowered.as_text()):  # nothing to widen: compiled once, shared
+        return lowered.compile().as_text() or ""
     with tempfile.TemporaryDirectory() as folder:  # the partitioner's output, dumped as it compiles
         dump: dict[str, str | bool] = {
             "xla_dump_to": folder,
@@ -289,9 +291,7 @@ def as_asked(lowered: jax.stages.Lowered) -> str:
         }
         text = lowered.compile(dump).as_text() or ""
         dumped = sorted(glob.glob(f"{folder}/*after_spmd-partitioning*"))
-        if not dumped:  # 1 device: nothing dumped
-            return text
-        return narrowed(text, Path(dumped[0]).read_text())
+        return narrowed(text, Path(dumped[0]).read_text()) if dumped else text  # none: 1 device
 
 
 __all__ = [

@@ -1,5 +1,6 @@
-"""minishard.flash: the Pallas kernels, interpreted on the CPU; alone (Pallas's plain interpreter),
-and as a ring's pairs of chunks (``flash_pairs``) on simulated devices (its TPU interpreter).
+"""minishard.flash: the Pallas kernels, interpreted on the CPU (Pallas's plain interpreter): alone,
+and as a ring's pairs of chunks (``flash_pairs``) on simulated devices, whose typed program is
+lowered in its TPU interpreter too.
 
 The oracle is ``context.attention`` (the one softmax attention): forward and gradients, float32.
 Interpreted, each grid step costs milliseconds, so the shapes are tiny and the examples few:
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
 import minishard as ms
@@ -263,19 +265,23 @@ def test_on_the_chip_the_kernel_is_attention_at_the_chips_precision(context_leng
 
 
 # -- the ring, each pair of chunks by the kernels ------------------------------------------------
-# Pallas's TPU interpreter meets every device of a shard_map at a barrier in each kernel call, so
-# the devices must call the kernels alike: zig-zag's do (each attends 3 pairs, then 2 a step);
-# in order, device i attends i + 1 pairs causally, and the interpreter would wait for ever. Causal
-# in order runs on the chip; here in order runs without the mask, every pair attended everywhere.
-def ring_by_kernels(p, order, causal, pair_core):
-    """The ring on whole arrays in sequence order: ``sum(sin(out))`` and its gradients, jitted."""
-    ring = over_sequence(
-        ring_attention,
-        ms.make_mesh({"seq": p}, devices=jax.devices()[:p]),
-        causal=causal,
-        order=order,
-        pair_core=pair_core,
-    )
+# The chapter's shard_map (``over_sequence``) types each value by the mesh axes it varies over; a
+# ring's kernels then run in Pallas's TPU interpreter (``flash._pallas``), which calls back into
+# Python at every load and store and meets every device at a barrier in each kernel call: compiling
+# the [2-zigzag] ring's gradients took 20-60 s. Untyped (check_vma off) they run in the plain
+# interpreter, the same kernel jaxprs as a loop of XLA ops: the numbers are checked there, and the
+# typed ring's program (the TPU interpreter's, gradients included) is lowered, not run.
+def ring_by_kernels(p, order, causal, pair_core, typed=True):
+    """The ring on whole arrays in sequence order: ``sum(sin(out))`` and its gradients, jitted;
+    ``typed``: in the chapter's ``over_sequence``, else in a shard_map with check_vma off."""
+    mesh = ms.make_mesh({"seq": p}, devices=jax.devices()[:p])
+    options = dict(causal=causal, order=order, pair_core=pair_core)
+    if typed:
+        ring = over_sequence(ring_attention, mesh, **options)
+    else:
+        attend = functools.partial(ring_attention, axis="seq", **options)
+        spec = P(None, "seq")
+        ring = jax.shard_map(attend, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
 
     def loss(q, k, v):
         held = (context.permute(x, p, order) for x in (q, k, v))
@@ -284,26 +290,47 @@ def ring_by_kernels(p, order, causal, pair_core):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-@pytest.mark.slow  # interpreted kernels, each call a barrier of every device: 30 s at p = 2
+def ring_inputs(p, order, chunk):
+    """2 query heads on one K/V head, ``chunk`` tokens a chunk."""
+    seq_len = chunk * p * context.CHUNKS[order]
+    q = jax.random.normal(jax.random.key(0), (1, seq_len, 2, 8))
+    k, v = jax.random.normal(jax.random.key(1), (2, 1, seq_len, 1, 8))
+    return q, k, v
+
+
+@pytest.mark.slow  # the kernels interpreted in a ring, forward and gradients
 @pytest.mark.parametrize(
     ("p", "order", "causal", "chunk", "block"),
     # zigzag over 2 devices holds chunks 0, 3 and 1, 2: every kind of pair (diagonal, below, skipped)
-    # and tiles across the diagonal: 49 s against 68 s on 4 devices, measured back to back
+    # and tiles across the diagonal; in order over 4, each device attends its own number of pairs
     [(2, "zigzag", True, 8, 8), (4, "in-order", False, 8, 8)],
 )
 def test_the_ring_with_flash_pairs_is_attention_forward_and_gradients(p, order, causal, chunk, block):
     """2 query heads on one K/V head: the kernels' pairs, merged and summed by the ring, are
     grouped attention, forward and gradients."""
-    seq_len = chunk * p * context.CHUNKS[order]
-    q = jax.random.normal(jax.random.key(0), (1, seq_len, 2, 8))
-    k, v = jax.random.normal(jax.random.key(1), (2, 1, seq_len, 1, 8))
+    q, k, v = ring_inputs(p, order, chunk)
     dense = lambda q, k, v: jnp.sum(jnp.sin(grouped_attention(q, k, v, causal=causal)))  # noqa: E731
     want_loss, want = jax.jit(jax.value_and_grad(dense, argnums=(0, 1, 2)))(q, k, v)  # op by op: 1.2 s
     pairs = flash.flash_pairs(block_q=block, block_k=block, interpret=True)
-    got_loss, got = jax.block_until_ready(ring_by_kernels(p, order, causal, pairs)(q, k, v))
+    got_loss, got = jax.block_until_ready(ring_by_kernels(p, order, causal, pairs, typed=False)(q, k, v))
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5)
     for name, a, b in zip("qkv", got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=f"d{name}")
+
+
+def test_in_the_chapters_typed_ring_the_kernels_and_their_gradients_lower_in_the_tpu_interpreter():
+    """The ring as a model runs it (``over_sequence``, values typed by how they vary): each kernel's
+    outputs vary as its q does, so the ring and its gradients type-check and lower, the kernels in
+    Pallas's TPU interpreter (its calls back into Python); untyped, in its plain one (none).
+    Zig-zag over 2 devices: the devices call the kernels alike, as the TPU interpreter's barriers
+    need (in order, device i attends i + 1 pairs causally, and would wait for ever)."""
+    q, k, v = ring_inputs(2, "zigzag", 8)
+    pairs = flash.flash_pairs(block_q=8, block_k=8, interpret=True)
+    callbacks = {
+        typed: ring_by_kernels(2, "zigzag", True, pairs, typed).lower(q, k, v).as_text().count("callback")
+        for typed in (True, False)
+    }
+    assert callbacks[True] > 0 and callbacks[False] == 0, callbacks
 
 
 def test_a_chunk_the_blocks_cannot_tile_is_refused_in_one_line_before_the_ring_runs():

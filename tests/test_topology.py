@@ -147,15 +147,28 @@ def test_more_chips_than_simulated_devices_compile_for_xla_tpu_alone_said_first(
     )
 
 
-@pytest.mark.slow  # 6-10 s: a fresh JAX, the step compiled by both compilers
-def test_explain_on_a_topology_simulates_the_cpu_devices_its_twin_needs():
-    """docs/tpu.md's command without the suite's XLA_FLAGS: explain asks for the slice's 8 CPU devices."""
+@pytest.mark.slow  # 6-10 s: a fresh JAX, the default MLP's step compiled by both compilers
+def test_explain_on_a_topology_simulates_the_cpu_devices_its_twin_needs_and_prints_both_programs():
+    """docs/tpu.md's command without the suite's XLA_FLAGS: explain asks for the slice's 8 CPU devices,
+    and prints XLA:TPU's report and both programs' collectives (one process does both: its output)."""
     flags = " ".join(flag for flag in os.environ["XLA_FLAGS"].split() if "device_count" not in flag)
     env = {**os.environ, "XLA_FLAGS": flags}
     command = [sys.executable, "-m", "minishard", "explain", "--parallel", "fsdp", "--topology", TOPOLOGY]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*command, "--batch-size", "4096"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
-    assert "One step, per device, compiled by XLA:CPU (8 simulated devices) and XLA:TPU:" in done.stdout
+    report, programs = done.stdout.split("compiled by XLA:CPU (8 simulated devices) and XLA:TPU:\n")
+    assert report.endswith("One step, per device, ")
+    assert "predicted step on TPU v5e, 512 examples per device" in report  # the slice's chips price it
+    # the first weight's gradient, 784 x 512 float32, reduce-scattered: each chip its 784 / 8 = 98 rows,
+    # padded to XLA:TPU's tile of 8 rows: 104
+    rows_per_chip = -(-(784 // 8) // 8) * 8
+    scattered = human_bytes(rows_per_chip * 512 * 4)
+    assert re.search(rf"\n  reduce-scatter +x1  {scattered}  over \('data',\)\n", report)  # XLA:TPU's census
+    rows = {line.split()[0]: line for line in programs.splitlines()}
+    assert rows["reduce-scatter"].split()[1] == "-"  # XLA:CPU all-reduces the gradient whole
+    assert rows["reduce-scatter"].split()[2:] == ["x1", *scattered.split(), "over", "data"]
 
 
 class PinnedLinear(ms.Linear):
@@ -220,22 +233,6 @@ def test_a_tp_gpt_step_sends_megatrons_four_all_reduces_per_block_on_both_compil
         assert found["all-reduce"].count == 4 * sizes["depth"], program.compiler
         assert found["all-reduce"].bytes == 4 * sizes["depth"] * activation, program.compiler
         assert found["all-reduce"].mesh_axes == (("model",),), program.compiler
-
-
-@pytest.mark.slow  # 8-15 s: the default MLP's step compiled by both compilers
-def test_explain_on_a_topology_prints_xla_tpus_report_and_both_programs(capsys):
-    assert main(["explain", "--parallel", "fsdp", "--topology", TOPOLOGY, "--batch-size", "4096"]) == 0
-    out = capsys.readouterr().out
-    report, programs = out.split("compiled by XLA:CPU (8 simulated devices) and XLA:TPU:\n")
-    assert "predicted step on TPU v5e, 512 examples per device" in report  # the slice's chips price it
-    # the first weight's gradient, 784 x 512 float32, reduce-scattered: each chip its 784 / 8 = 98 rows,
-    # padded to XLA:TPU's tile of 8 rows: 104
-    rows_per_chip = -(-(784 // 8) // 8) * 8
-    scattered = human_bytes(rows_per_chip * 512 * 4)
-    assert re.search(rf"\n  reduce-scatter +x1  {scattered}  over \('data',\)\n", report)  # XLA:TPU's census
-    rows = {line.split()[0]: line for line in programs.splitlines()}
-    assert rows["reduce-scatter"].split()[1] == "-"  # XLA:CPU all-reduces the gradient whole
-    assert rows["reduce-scatter"].split()[2:] == ["x1", *scattered.split(), "over", "data"]
 
 
 @pytest.mark.slow  # 9 s: ZeRO-3's shard_map step compiled by XLA:TPU
