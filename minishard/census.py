@@ -291,7 +291,9 @@ def as_asked(lowered: jax.stages.Lowered) -> str:
         }
         text = lowered.compile(dump).as_text() or ""
         dumped = sorted(glob.glob(f"{folder}/*after_spmd-partitioning*"))
-        return narrowed(text, Path(dumped[0]).read_text()) if dumped else text  # none: 1 device
+        if not dumped:  # 1 device: nothing dumped
+            return text
+        return narrowed(text, Path(dumped[0]).read_text())
 
 
 __all__ = [
