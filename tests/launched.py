@@ -42,12 +42,20 @@ def synthetic_mnist(split: str, batch_size: int, *, shuffle_seed: int = 0, flatt
     )
 
 
+LAUNCHER = [sys.executable, str(ROOT / "minishard" / "run" / "launch.py")]
+"""``minishard launch``, its module run as a file: the same ``Launch`` of the same processes, started in
+0.2 s instead of 4. ``python -m minishard`` first imports JAX and every command, which the launcher
+needs only to check the flags of a ``train ...`` it starts (never ``python tests/launched.py``). The
+runs started so are about their processes; tests/test_launch.py's signal tests, at every moment, and
+its noisy-peer test start ``python -m minishard launch`` as a user does."""
+
+
 def launch_command(args: list[str], *, processes: int = 2, devices: int = 4, grace: float = 5.0) -> list[str]:
-    """``minishard launch -n 2 --devices-per-process 4 -- python tests/test_launch.py <args>``.
+    """``minishard launch -n 2 --devices-per-process 4 -- python tests/launched.py <args>`` (``LAUNCHER``).
 
     The launched runs share one persistent compilation cache: the second one compiles little.
     """
-    command = [sys.executable, "-m", "minishard", "launch", "-n", str(processes), "--grace", str(grace)]
+    command = [*LAUNCHER, "-n", str(processes), "--grace", str(grace)]
     command += ["--devices-per-process", str(devices), "--", sys.executable, __file__, *args]
     return [*command, "--compile-cache", str(COMPILE_CACHE)] if args[0] == "train" else command
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launched import ROOT, TRAIN, fresh_compile_cache, launch_command
+from launched import LAUNCHER, ROOT, TRAIN, fresh_compile_cache, launch_command
 
 from minishard.run import cli, launch
 
@@ -76,8 +76,9 @@ SLEEPER = [sys.executable, "-c", "import time; print('ready', flush=True); time.
 
 
 def start_sleepers() -> tuple[subprocess.Popen, dict[int, int]]:
-    """A launcher of two processes that only sleep (no JAX: quick); returns it and its children's pids."""
-    command = [sys.executable, "-m", "minishard", "launch", "-n", "2", "--grace", str(GRACE), "--", *SLEEPER]
+    """A launcher of two processes that only sleep (no JAX: quick; ``LAUNCHER``, no JAX there either);
+    returns it and its children's pids."""
+    command = [*LAUNCHER, "-n", "2", "--grace", str(GRACE), "--", *SLEEPER]
     launcher = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
     )
