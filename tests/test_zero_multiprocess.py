@@ -2,14 +2,14 @@
 
 A JAX issue reported wrong ``psum_scatter`` results on multi-process CPU for chunks
 over 256 KiB, and this suite saw them under load, so ``minishard.zero.reduce_scatter``
-steps around gloo's reduce-scatter there; both are measured. The runs are real processes
-through the launcher,
+steps around gloo's reduce-scatter there; both are measured. One launch of real processes holds
+both tests: ZeRO trains on a synthetic MNIST (``tests/launched.py``'s), then the same two processes
+probe the scatters,
 
-    minishard launch -n 2 --devices-per-process 4 -- python tests/test_zero_multiprocess.py probe
-    minishard launch -n 2 --devices-per-process 4 -- python tests/launched.py train --parallel zero ...
+    minishard launch -n 2 -- python tests/test_zero_multiprocess.py train --parallel zero ...
 
-(this file doubles as the probe, see ``__main__``; ``tests/launched.py`` trains on a
-synthetic MNIST). Every subprocess runs under a timeout.
+(this file doubles as the program, see ``__main__``; the launcher started as ``launched.LAUNCHER``).
+Every subprocess runs under a timeout.
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from launched import ROOT, fresh_compile_cache, run_launch, synthetic_mnist
+from launched import LAUNCHER, ROOT, synthetic_mnist
 from test_distributed import epoch_lines, logged_losses
 
 from minishard.run import cli, data
-
-pytestmark = pytest.mark.usefixtures(fresh_compile_cache.__name__)
 
 CASES = [(8, kib) for kib in (16, 255, 256, 257, 512, 1024)] + [(2, kib) for kib in (256, 1024, 4096)]
 """(devices in each psum_scatter group, KiB of float32 each device receives): over all 8 devices as
@@ -38,16 +37,15 @@ TRAIN_ZERO = ["train", "--parallel", "zero", "--mesh", "data=8", "--layers", "78
 
 
 def probe() -> None:
-    """One process of a launched run: ``jax.lax.psum_scatter`` and ``minishard.zero.reduce_scatter`` in
-    groups over both processes, per case and repeat; prints the largest error of this process's
-    results against the sum done by NumPy."""
+    """One process of the launched run, after its training: ``jax.lax.psum_scatter`` and
+    ``minishard.zero.reduce_scatter`` in groups over both processes, per case and repeat; prints the
+    largest error of this process's results against the sum done by NumPy."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import minishard as ms
-    from minishard.run import distributed
     from minishard.zero import reduce_scatter
 
     scatters = {
@@ -55,8 +53,7 @@ def probe() -> None:
         "reduce_scatter": reduce_scatter,
     }
 
-    distributed.initialize(timeout=60)
-    devices = jax.device_count()
+    devices = jax.device_count()  # of both processes: the training joined them
     for group, kib in CASES:
         mesh = ms.make_mesh({"data": group, "rest": devices // group})  # "data" spans both processes
         blocks, chunk = NamedSharding(mesh, P("data", "rest")), kib * 1024 // 4
@@ -76,12 +73,22 @@ def probe() -> None:
             print(f"{name} groups of {group}, {kib} KiB: max error {max(errors):g}", flush=True)
 
 
-@pytest.mark.slow
-def test_zeros_reduce_scatter_is_exact_across_two_processes_at_every_chunk_size():
-    command = [sys.executable, "-m", "minishard", "launch", "-n", "2", "--devices-per-process", "4", "--"]
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+    """The one launch: ZeRO's 2 epochs in 2 processes, then the probe. Its output, the training's
+    flags (the 1-process run repeats them) and its ``--log``."""
+    argv = [*TRAIN_ZERO, "--batch-size", "64", "--epochs", "2"]
+    log = tmp_path_factory.mktemp("zero") / "two.jsonl"
+    command = [*LAUNCHER, "-n", "2", "--devices-per-process", "4", "--", sys.executable, __file__]
     run = subprocess.run(
-        [*command, sys.executable, __file__, "probe"], capture_output=True, text=True, timeout=240, cwd=ROOT
+        [*command, *argv, "--log", str(log)], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
+    return run, argv, log
+
+
+@pytest.mark.slow
+def test_zeros_reduce_scatter_is_exact_across_two_processes_at_every_chunk_size(launched):
+    run, _, _ = launched
     assert run.returncode == 0, run.stdout + run.stderr
     found = re.findall(r"\[rank (\d)\] (\w+) groups of (\d+), (\d+) KiB: max error (\S+)", run.stdout)
     cases = sorted((name, int(rank), int(group), int(kib)) for rank, name, group, kib, _ in found)
@@ -98,16 +105,15 @@ def test_zeros_reduce_scatter_is_exact_across_two_processes_at_every_chunk_size(
 
 
 @pytest.mark.slow
-def test_two_processes_train_zero_like_one(tmp_path, monkeypatch, capsys):
+def test_two_processes_train_zero_like_one(launched, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(data.DATASETS, "mnist", synthetic_mnist)
-    argv = [*TRAIN_ZERO, "--batch-size", "64", "--epochs", "2"]
-    run = run_launch([*argv, "--log", str(tmp_path / "two.jsonl")], timeout=240)
+    run, argv, log = launched
     assert run.returncode == 0, run.stdout + run.stderr
     assert "[rank 0] 2 processes x 4 devices: 8 in all" in run.stdout and "ZeRO-3 by hand" in run.stdout
     assert cli.main([*argv, "--log", str(tmp_path / "one.jsonl")]) == 0
     single = capsys.readouterr().out
     assert len(epoch_lines(single)) == 2 and epoch_lines(run.stdout) == epoch_lines(single)
-    two, one = logged_losses(tmp_path / "two.jsonl"), logged_losses(tmp_path / "one.jsonl")
+    two, one = logged_losses(log), logged_losses(tmp_path / "one.jsonl")
     assert len(one) == 3  # the epochs' means and the loss at step 20
     gap = max(abs(a - b) for a, b in zip(two, one))
     print(f"2 vs 1 process: {epoch_lines(single)[-1]}; max |loss difference| {gap:.2g}", file=sys.__stderr__)
@@ -116,5 +122,9 @@ def test_two_processes_train_zero_like_one(tmp_path, monkeypatch, capsys):
     assert two == pytest.approx(one, rel=1e-5)
 
 
-if __name__ == "__main__":
-    probe() if sys.argv[1:] == ["probe"] else sys.exit(f"usage: {sys.argv[0]} probe")
+if __name__ == "__main__":  # one process of the launched run: ZeRO trains (the real CLI), then the probe
+    data.DATASETS["mnist"] = synthetic_mnist
+    status = cli.main(sys.argv[1:])
+    if status == 0:
+        probe()
+    sys.exit(status)
