@@ -48,8 +48,8 @@ LAUNCHER = [sys.executable, str(ROOT / "minishard" / "run" / "launch.py")]
 """``minishard launch``, its module run as a file: the same ``Launch`` of the same processes, started in
 0.2 s instead of 4. ``python -m minishard`` first imports JAX and every command, which the launcher
 needs only to check the flags of a ``train ...`` it starts (never ``python tests/launched.py``). The
-runs started so are about their processes; tests/test_launch.py's signal tests, at every moment, and
-its noisy-peer test start ``python -m minishard launch`` as a user does."""
+runs started so are about their processes; tests/test_launch.py's signal test at the launcher's own
+import and its noisy-peer test start ``python -m minishard launch`` as a user does."""
 
 
 def launch_command(args: list[str], *, processes: int = 2, devices: int = 4, grace: float = 5.0) -> list[str]:

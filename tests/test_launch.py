@@ -231,8 +231,13 @@ MOMENTS = {  # when to signal: once `count` lines contain `text`, and `delay` se
 
 
 def signal_launcher(signum: int, moment: str) -> tuple[int, str, list[int]]:
-    """A launcher of two ``JAX_SLEEPER``s, sent ``signum`` at ``moment``: its status, output, pids."""
-    command = [sys.executable, "-m", "minishard", "launch", "-n", "2", "--grace", str(GRACE), "--"]
+    """A launcher of two ``JAX_SLEEPER``s, sent ``signum`` at ``moment``: its status, output, pids.
+
+    Started as a user starts it (``python -m minishard launch``: JAX first) where that import is the
+    moment; at the children's moments, as ``LAUNCHER``: the same ``Launch``, without 3 s of import first.
+    """
+    entry = [sys.executable, "-m", "minishard", "launch"] if moment == "launcher import" else LAUNCHER
+    command = [*entry, "-n", "2", "--grace", str(GRACE), "--"]
     launcher = subprocess.Popen(
         [*command, *JAX_SLEEPER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
     )
