@@ -490,7 +490,7 @@ import jax, numpy as np, minishard as ms
 from minishard.run.data import Dataset
 from minishard.run.train import FitSettings, fit
 rng = np.random.default_rng(0)
-data = Dataset(rng.integers(0, 256, (1024, 28, 28, 1), np.uint8), rng.integers(0, 10, 1024), batch_size=128)
+data = Dataset(rng.integers(0, 256, (512, 28, 28, 1), np.uint8), rng.integers(0, 10, 512), batch_size=128)
 model = ms.mlp([784, 4096, 10], key=jax.random.key(0), axes=ms.megatron_axes(2))
 fit(model, ms.SGD(0.01, momentum=0.9), data, FitSettings(
     mesh=ms.make_mesh({"data": 2, "model": 4}),
@@ -502,7 +502,8 @@ fit(model, ms.SGD(0.01, momentum=0.9), data, FitSettings(
 @pytest.mark.slow
 def test_a_trainer_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path):
     # MNIST's shape, drawn: the claim is about the processes, and the killed one need not import
-    # TensorFlow to read MNIST (4 s of the test's 11).
+    # TensorFlow to read MNIST (4 s of the test's 11). 512 images: 4 steps an epoch, 8 in all, each
+    # saved; the kill lands in the save of step 3-8, and the resume runs the 2-6 steps left.
     directory = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     script = KILLED_TRAINER.replace("DIRECTORY", repr(str(directory)))
@@ -520,7 +521,7 @@ def test_a_trainer_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_
     lines = []
     model = ms.mlp([784, 4096, 10], key=jax.random.key(0), axes=ms.megatron_axes(2))
     rng = np.random.default_rng(0)  # the killed trainer's data
-    images, labels = rng.integers(0, 256, (1024, 28, 28, 1), np.uint8), rng.integers(0, 10, 1024)
+    images, labels = rng.integers(0, 256, (512, 28, 28, 1), np.uint8), rng.integers(0, 10, 512)
     _, _, history = fit(
         model,
         ms.SGD(0.01, momentum=0.9),
