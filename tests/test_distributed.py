@@ -184,7 +184,7 @@ def test_a_coordinator_that_never_answers_is_named_after_a_bounded_wait(capsys):
 @pytest.mark.slow
 def test_process_0_alone_gives_up_after_the_timeout_and_says_who_is_missing():
     address = f"127.0.0.1:{launch.free_port()}"
-    flags = ["--coordinator", address, "--num-processes", "2", "--process-id", "0", "--init-timeout", "2"]
+    flags = ["--coordinator", address, "--num-processes", "2", "--process-id", "0", "--init-timeout", "1"]
     command = [sys.executable, "-m", "minishard", *TRAIN, *flags]
     run = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert run.returncode == 1, run.stderr
