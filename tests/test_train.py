@@ -589,16 +589,22 @@ def run_cached(directory) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_second_process_reads_the_train_step_from_the_compilation_cache(tmp_path):
-    first, second = run_cached(tmp_path), run_cached(tmp_path)
-    assert first.returncode == second.returncode == 0, second.stderr
-    # JAX's own monitoring event (/jax/compilation_cache/cache_hits), counted by fit, not a timing.
+    first = run_cached(tmp_path)
+    assert first.returncode == 0, first.stderr
     assert "read from the persistent compilation cache" not in first.stdout
-    assert "program(s) read from the persistent compilation cache" in second.stdout
-    for entry in tmp_path.iterdir():  # damage every entry: a warning and a normal compile
+    # Every entry but the train step's damaged (the model's initialisers, its copies): the second
+    # process reads the train step, and each damaged entry is a warning and a normal compile. One
+    # process for both: each is its own entry.
+    entries = list(tmp_path.iterdir())
+    kept = [entry for entry in entries if entry.name.startswith("jit_train_step-")]
+    assert len(kept) == 1 and len(entries) > 1, [entry.name for entry in entries]
+    for entry in set(entries) - set(kept):
         entry.write_bytes(b"garbage")
-    damaged = run_cached(tmp_path)
-    assert damaged.returncode == 0 and "Compiled train_step" in damaged.stdout
-    assert "Error reading persistent compilation cache entry" in damaged.stderr
+    second = run_cached(tmp_path)
+    assert second.returncode == 0 and "Compiled train_step" in second.stdout, second.stderr
+    # JAX's own monitoring event (/jax/compilation_cache/cache_hits), counted by fit, not a timing.
+    assert "program(s) read from the persistent compilation cache" in second.stdout
+    assert "Error reading persistent compilation cache entry" in second.stderr
 
 
 def test_an_unusable_compilation_cache_is_a_warning_not_a_crash(tmp_path):
