@@ -9,7 +9,7 @@ The run is the real ``minishard train`` in two processes through the launcher,
 axis also splits the first weight's rows (process 0 holds devices ``data=0``, process 1 ``data=1``),
 so that each process writes its own blocks of it. The first launch's processes, once trained, go on
 to a second task (``resave DIR train ...``): a ``Checkpointer`` in each process that discards a step
-while one process lists the steps late; one launch holds both tests.
+while one process lists the steps late; one launch holds both.
 """
 
 from __future__ import annotations
@@ -58,16 +58,6 @@ def launch(args: list[str], cache: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
-def first_launch(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    """An epoch in 2 processes, saved at steps 8 and 16; then, in the same processes, the resaving.
-    Its output, the training's checkpoint directory, and the compilation cache it filled."""
-    directory = tmp_path_factory.mktemp("first")
-    saved, cache, resaved = directory / "saved", directory / "cache", directory / "resaved"
-    train = [*TRAIN, "--epochs", "1", "--checkpoint-dir", str(saved), "--checkpoint-every", "8"]
-    return launch(["resave", str(resaved), *train], cache), saved, cache
-
-
 def flip_16_bytes(file: Path) -> None:
     data = bytearray(file.read_bytes())
     middle = len(data) // 2
@@ -76,11 +66,17 @@ def flip_16_bytes(file: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_flipped_shard_of_a_2_process_checkpoint_is_caught_in_2_processes_and_in_1(
-    first_launch, tmp_path, monkeypatch, capsys
+def test_a_flipped_shard_is_caught_in_2_processes_and_in_1_and_a_step_is_deleted_once_all_have_listed(
+    tmp_path, monkeypatch, capsys
 ):
-    run, saved, cache = first_launch
+    # One launch for the checkpoint and the resaving (one test: pytest-xdist never splits it over two
+    # workers, each launching): an epoch in 2 processes, saved at steps 8 and 16, then the resaving.
+    saved, cache = tmp_path / "saved", tmp_path / "cache"
+    train = [*TRAIN, "--epochs", "1", "--checkpoint-dir", str(saved), "--checkpoint-every", "8"]
+    run = launch(["resave", str(tmp_path / "resaved"), *train], cache)
     assert run.returncode == 0, run.stdout + run.stderr
+    for rank in (0, 1):  # process 0 deleted step 16 only once process 1 had listed the steps
+        assert f"[rank {rank}] process {rank} keeps steps [8, 12]" in run.stdout, run.stdout
     records = {f.name: json.loads(f.read_text()) for f in (saved / "16" / "integrity").glob("process_*")}
     assert sorted(records) == ["process_0", "process_1"]  # each process wrote its own record
     weight = "model.layers[0].weight"
@@ -139,14 +135,6 @@ def resave_behind_a_slow_process(directory: str) -> None:
             checkpointer.steps = steps_a_second_late  # type: ignore[method-assign]
         checkpointer.save(12, state, {})
         print(f"process {jax.process_index()} keeps steps {checkpointer.steps()}")
-
-
-@pytest.mark.slow
-def test_a_step_is_deleted_only_once_every_process_has_listed_the_steps(first_launch):
-    run, _, _ = first_launch
-    assert run.returncode == 0, run.stdout + run.stderr
-    for rank in (0, 1):
-        assert f"[rank {rank}] process {rank} keeps steps [8, 12]" in run.stdout, run.stdout
 
 
 if __name__ == "__main__":  # one process of a launched run: the real CLI on the synthetic data

@@ -3,7 +3,7 @@
 A JAX issue reported wrong ``psum_scatter`` results on multi-process CPU for chunks
 over 256 KiB, and this suite saw them under load, so ``minishard.zero.reduce_scatter``
 steps around gloo's reduce-scatter there; both are measured. One launch of real processes holds
-both tests: ZeRO trains on a synthetic MNIST (``tests/launched.py``'s), then the same two processes
+both claims: ZeRO trains on a synthetic MNIST (``tests/launched.py``'s), then the same two processes
 probe the scatters,
 
     minishard launch -n 2 -- python tests/test_zero_multiprocess.py train --parallel zero ...
@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from launched import LAUNCHER, ROOT, synthetic_mnist
@@ -73,23 +72,24 @@ def probe() -> None:
             print(f"{name} groups of {group}, {kib} KiB: max error {max(errors):g}", flush=True)
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[str], Path]:
-    """The one launch: ZeRO's 2 epochs in 2 processes, then the probe. Its output, the training's
-    flags (the 1-process run repeats them) and its ``--log``."""
+@pytest.mark.slow
+def test_two_processes_train_zero_like_one_and_its_reduce_scatter_is_exact_at_every_chunk_size(
+    tmp_path, monkeypatch, capsys
+):
+    # One launch for both claims (one test: pytest-xdist never splits it over two workers, each
+    # launching): ZeRO's 2 epochs in 2 processes, then the probe in the same processes.
     argv = [*TRAIN_ZERO, "--batch-size", "64", "--epochs", "2"]
-    log = tmp_path_factory.mktemp("zero") / "two.jsonl"
     command = [*LAUNCHER, "-n", "2", "--devices-per-process", "4", "--", sys.executable, __file__]
     run = subprocess.run(
-        [*command, *argv, "--log", str(log)], capture_output=True, text=True, timeout=300, cwd=ROOT
+        [*command, *argv, "--log", str(tmp_path / "two.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
-    return run, argv, log
-
-
-@pytest.mark.slow
-def test_zeros_reduce_scatter_is_exact_across_two_processes_at_every_chunk_size(launched):
-    run, _, _ = launched
     assert run.returncode == 0, run.stdout + run.stderr
+
+    # The probe: every case in both processes; minishard's reduce_scatter exact in each.
     found = re.findall(r"\[rank (\d)\] (\w+) groups of (\d+), (\d+) KiB: max error (\S+)", run.stdout)
     cases = sorted((name, int(rank), int(group), int(kib)) for rank, name, group, kib, _ in found)
     names = ("psum_scatter", "reduce_scatter")
@@ -103,17 +103,13 @@ def test_zeros_reduce_scatter_is_exact_across_two_processes_at_every_chunk_size(
     print(f"jax.lax.psum_scatter through gloo, wrong: {wrong['psum_scatter'] or 'none'}", file=sys.__stderr__)
     assert not wrong["reduce_scatter"], wrong["reduce_scatter"]
 
-
-@pytest.mark.slow
-def test_two_processes_train_zero_like_one(launched, tmp_path, monkeypatch, capsys):
+    # The training: as one process trains.
     monkeypatch.setitem(data.DATASETS, "mnist", synthetic_mnist)
-    run, argv, log = launched
-    assert run.returncode == 0, run.stdout + run.stderr
     assert "[rank 0] 2 processes x 4 devices: 8 in all" in run.stdout and "ZeRO-3 by hand" in run.stdout
     assert cli.main([*argv, "--log", str(tmp_path / "one.jsonl")]) == 0
     single = capsys.readouterr().out
     assert len(epoch_lines(single)) == 2 and epoch_lines(run.stdout) == epoch_lines(single)
-    two, one = logged_losses(log), logged_losses(tmp_path / "one.jsonl")
+    two, one = logged_losses(tmp_path / "two.jsonl"), logged_losses(tmp_path / "one.jsonl")
     assert len(one) == 3  # the epochs' means and the loss at step 20
     gap = max(abs(a - b) for a, b in zip(two, one))
     print(f"2 vs 1 process: {epoch_lines(single)[-1]}; max |loss difference| {gap:.2g}", file=sys.__stderr__)
