@@ -4,8 +4,10 @@
 
 runs the real ``minishard train`` (``cli.main``) in each process on a small
 synthetic MNIST, so each process starts in seconds instead of importing
-TensorFlow for a minute. Used by tests/test_launch.py and tests/test_distributed.py;
-every subprocess runs under a timeout.
+TensorFlow for a minute. ``train A ... then train B ...`` runs two trainings, one
+after the other, in the same processes (joined once): one launch where two would
+start and join two more processes. Used by tests/test_launch.py and
+tests/test_distributed.py; every subprocess runs under a timeout.
 """
 
 from __future__ import annotations
@@ -42,18 +44,29 @@ def synthetic_mnist(split: str, batch_size: int, *, shuffle_seed: int = 0, flatt
     )
 
 
+LAUNCHER = [sys.executable, str(ROOT / "minishard" / "run" / "launch.py")]
+"""``minishard launch``, its module run as a file: the same ``Launch`` of the same processes, started in
+0.2 s instead of 4. ``python -m minishard`` first imports JAX and every command, which the launcher
+needs only to check the flags of a ``train ...`` it starts (never ``python tests/launched.py``). The
+runs started so are about their processes; tests/test_launch.py's signal test at the launcher's own
+import and its noisy-peer test start ``python -m minishard launch`` as a user does."""
+
+
 def launch_command(args: list[str], *, processes: int = 2, devices: int = 4, grace: float = 5.0) -> list[str]:
-    """``minishard launch -n 2 --devices-per-process 4 -- python tests/test_launch.py <args>``.
+    """``minishard launch -n 2 --devices-per-process 4 -- python tests/launched.py <args>`` (``LAUNCHER``).
 
     The launched runs share one persistent compilation cache: the second one compiles little.
     """
-    command = [sys.executable, "-m", "minishard", "launch", "-n", str(processes), "--grace", str(grace)]
+    command = [*LAUNCHER, "-n", str(processes), "--grace", str(grace)]
     command += ["--devices-per-process", str(devices), "--", sys.executable, __file__, *args]
-    return [*command, "--compile-cache", str(COMPILE_CACHE)] if args[0] == "train" else command
+    return [*command, *CACHED] if args[0] == "train" else command
 
 
-def run_launch(args: list[str], *, devices: int = 4, timeout: float = 120) -> subprocess.CompletedProcess:
-    command = launch_command(args, devices=devices)
+def run_launch(
+    args: list[str], *, then: list[str] | None = None, devices: int = 4, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """``args`` launched, and ``then`` (another ``train ...``) in the same processes once it succeeds."""
+    command = launch_command([*args, *CACHED, THEN, *then] if then else args, devices=devices)
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -61,6 +74,9 @@ def run_launch(args: list[str], *, devices: int = 4, timeout: float = 120) -> su
 # another worker's launched processes may be reading theirs.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 COMPILE_CACHE = Path(tempfile.gettempdir()) / f"minishard-test-launch-{os.getuid()}{WORKER}"
+CACHED = ["--compile-cache", str(COMPILE_CACHE)]
+THEN = "then"
+"""The word between two trainings of one launched program (``run_launch``'s ``then``)."""
 
 
 @pytest.fixture(scope="module")
@@ -73,4 +89,7 @@ def fresh_compile_cache():
 
 if __name__ == "__main__":  # one process of a launched run: the real CLI on the synthetic data
     data.DATASETS["mnist"] = synthetic_mnist
-    sys.exit(cli.main(sys.argv[1:]))
+    argv = sys.argv[1:]
+    first, then = (argv[: argv.index(THEN)], argv[argv.index(THEN) + 1 :]) if THEN in argv else (argv, [])
+    status = cli.main(first)
+    sys.exit(cli.main(then) if status == 0 and then else status)

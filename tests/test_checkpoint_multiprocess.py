@@ -4,11 +4,12 @@ The run is the real ``minishard train`` in two processes through the launcher,
 
     minishard launch -n 2 --devices-per-process 4 -- python tests/test_checkpoint_multiprocess.py train ...
 
-on a small synthetic MNIST (this file doubles as the program, see ``__main__``), on a
-``data=2,model=4`` mesh whose "data" axis also splits the first weight's rows (process 0 holds
-devices ``data=0``, process 1 ``data=1``), so that each process writes its own blocks of it.
-``python tests/test_checkpoint_multiprocess.py resave DIR`` is the second program: a ``Checkpointer``
-in each process that discards a step while one process lists the steps late.
+(the launcher started as ``launched.LAUNCHER``, its module as a file) on a small synthetic MNIST
+(this file doubles as the program, see ``__main__``), on a ``data=2,model=4`` mesh whose "data"
+axis also splits the first weight's rows (process 0 holds devices ``data=0``, process 1 ``data=1``),
+so that each process writes its own blocks of it. The first launch's processes, once trained, go on
+to a second task (``resave DIR train ...``): a ``Checkpointer`` in each process that discards a step
+while one process lists the steps late; one launch holds both.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from launched import LAUNCHER
 
 from minishard.run import cli, data
 from minishard.run.data import Dataset
@@ -51,7 +53,7 @@ def synthetic_mnist(split: str, batch_size: int, *, shuffle_seed: int = 0, flatt
 
 
 def launch(args: list[str], cache: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "minishard", "launch", "-n", "2", "--devices-per-process", "4", "--"]
+    command = [*LAUNCHER, "-n", "2", "--devices-per-process", "4", "--"]
     command += [sys.executable, __file__, *args, "--compile-cache", str(cache)]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
@@ -64,12 +66,17 @@ def flip_16_bytes(file: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_flipped_shard_of_a_2_process_checkpoint_is_caught_in_2_processes_and_in_1(
+def test_a_flipped_shard_is_caught_in_2_processes_and_in_1_and_a_step_is_deleted_once_all_have_listed(
     tmp_path, monkeypatch, capsys
 ):
+    # One launch for the checkpoint and the resaving (one test: pytest-xdist never splits it over two
+    # workers, each launching): an epoch in 2 processes, saved at steps 8 and 16, then the resaving.
     saved, cache = tmp_path / "saved", tmp_path / "cache"
-    run = launch([*TRAIN, "--epochs", "1", "--checkpoint-dir", str(saved), "--checkpoint-every", "8"], cache)
+    train = [*TRAIN, "--epochs", "1", "--checkpoint-dir", str(saved), "--checkpoint-every", "8"]
+    run = launch(["resave", str(tmp_path / "resaved"), *train], cache)
     assert run.returncode == 0, run.stdout + run.stderr
+    for rank in (0, 1):  # process 0 deleted step 16 only once process 1 had listed the steps
+        assert f"[rank {rank}] process {rank} keeps steps [8, 12]" in run.stdout, run.stdout
     records = {f.name: json.loads(f.read_text()) for f in (saved / "16" / "integrity").glob("process_*")}
     assert sorted(records) == ["process_0", "process_1"]  # each process wrote its own record
     weight = "model.layers[0].weight"
@@ -84,13 +91,13 @@ def test_a_flipped_shard_of_a_2_process_checkpoint_is_caught_in_2_processes_and_
     )
 
     two = shutil.copytree(saved, tmp_path / "two", ignore=shutil.ignore_patterns(".minishard.lock"))
-    run = launch([*TRAIN, "--epochs", "2", "--checkpoint-dir", str(two), "--resume"], cache)
+    run = launch([*TRAIN, "--epochs", "1", "--checkpoint-dir", str(two), "--resume"], cache)  # steps 9-16
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"\[rank 0\] " + caught, run.stdout), run.stdout
     assert "[rank 0] Resumed from step 8: epoch 1, batch 8" in run.stdout
 
     monkeypatch.setitem(data.DATASETS, "mnist", synthetic_mnist)  # one process, 8 devices (conftest)
-    assert cli.main([*TRAIN, "--epochs", "2", "--checkpoint-dir", str(saved), "--resume"]) == 0
+    assert cli.main([*TRAIN, "--epochs", "1", "--checkpoint-dir", str(saved), "--resume"]) == 0
     out = capsys.readouterr().out
     assert re.search(caught, out), out
     assert "not checked" not in out  # one process holds every block of step 8, written by two
@@ -98,7 +105,8 @@ def test_a_flipped_shard_of_a_2_process_checkpoint_is_caught_in_2_processes_and_
 
 
 def resave_behind_a_slow_process(directory: str) -> None:
-    """One process of a launched run: save steps 8 and 16, then 12, which discards 16 first.
+    """One process of the first launch, after its training: save steps 8 and 16, then 12, which
+    discards 16 first.
 
     Process 1 lists the steps a second after process 0 does, as a loaded machine may make it:
     process 0 must not delete step 16 while process 1 has yet to read the listing.
@@ -110,10 +118,8 @@ def resave_behind_a_slow_process(directory: str) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from minishard.run import distributed
     from minishard.run.checkpoint import Checkpointer
 
-    distributed.initialize(timeout=60)
     sharding = NamedSharding(jax.make_mesh((jax.device_count(),), ("data",)), P("data"))
     state = {"w": jax.device_put(jnp.arange(16.0), sharding)}  # each process writes its half
     with Checkpointer(directory) as checkpointer:
@@ -131,17 +137,10 @@ def resave_behind_a_slow_process(directory: str) -> None:
         print(f"process {jax.process_index()} keeps steps {checkpointer.steps()}")
 
 
-def test_a_step_is_deleted_only_once_every_process_has_listed_the_steps(tmp_path):
-    command = [sys.executable, "-m", "minishard", "launch", "-n", "2", "--devices-per-process", "4", "--"]
-    command += [sys.executable, __file__, "resave", str(tmp_path / "saved")]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert run.returncode == 0, run.stdout + run.stderr
-    for rank in (0, 1):
-        assert f"[rank {rank}] process {rank} keeps steps [8, 12]" in run.stdout, run.stdout
-
-
-if __name__ == "__main__" and sys.argv[1] == "resave":
-    resave_behind_a_slow_process(sys.argv[2])
-elif __name__ == "__main__":  # one process of a launched run: the real CLI on the synthetic data
+if __name__ == "__main__":  # one process of a launched run: the real CLI on the synthetic data
     data.DATASETS["mnist"] = synthetic_mnist
-    sys.exit(cli.main(sys.argv[1:]))
+    resave = sys.argv[2] if sys.argv[1] == "resave" else None  # then the resaving, in these processes
+    status = cli.main(sys.argv[3:] if resave else sys.argv[1:])
+    if status == 0 and resave:
+        resave_behind_a_slow_process(resave)
+    sys.exit(status)

@@ -825,10 +825,10 @@ def test_devices_below_those_simulated_are_the_first_n_said_in_one_line(capsys, 
             "gpt under dp+cp on 4 devices",
             "collective-permute",
         ),
-        (
-            ["--model", "gpt", "--experts", "4", "--parallel", "dp+ep"],
+        (  # every block's MLP is the mixture: its two all-to-alls
+            ["--model", "gpt", "--depth", "1", "--experts", "4", "--parallel", "dp+ep"],
             "gpt under dp+ep on 4 devices",
-            "all-to-all  x8",
+            "all-to-all  x2",
         ),
     ],
     ids=["default", "gpt tp", "zero", "gpt cp", "gpt dp+cp", "gpt dp+ep"],

@@ -72,19 +72,13 @@ def fake_mnist(monkeypatch):
 
 
 # -- two processes train like one ----------------------------------------------------------------
+JOINED = "[rank 0] 2 processes x 4 devices: 8 in all"
+"""What each training of a launch says first: it cuts a launch's output into its trainings."""
+
+
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_checkpoints_move_between_them(tmp_path, fake_mnist, capsys):
     one, two = tmp_path / "one", tmp_path / "two"
-    started = time.perf_counter()
-    run = run_launch(
-        [*TRAIN, "--epochs", "2", "--checkpoint-dir", str(two), "--log", str(tmp_path / "two.jsonl")]
-    )
-    seconds_two = time.perf_counter() - started
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "[rank 0] 2 processes x 4 devices: 8 in all" in run.stdout
-    assert not re.search(r"\[rank 1\] (Epoch|Rules|2 processes)", run.stdout)  # process 0 speaks for all
-    assert len(epoch_lines(run.stdout)) == 2
-
     started = time.perf_counter()
     assert (
         cli.main(
@@ -94,32 +88,43 @@ def test_two_processes_train_like_one_and_checkpoints_move_between_them(tmp_path
     )
     seconds_one = time.perf_counter() - started
     single = capsys.readouterr().out
+
+    # One launch, two trainings in the same 2 processes: from scratch, then (1 -> 2) resuming the
+    # 1-process checkpoint of epoch 1.
+    one_to_two = keep_only(one, 16, tmp_path / "one-to-two")
+    started = time.perf_counter()
+    run = run_launch(
+        [*TRAIN, "--epochs", "2", "--checkpoint-dir", str(two), "--log", str(tmp_path / "two.jsonl")],
+        then=[*TRAIN, "--epochs", "2", "--checkpoint-dir", str(one_to_two), "--resume"],
+    )
+    seconds_two = time.perf_counter() - started
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not re.search(r"\[rank 1\] (Epoch|Rules|2 processes)", run.stdout)  # process 0 speaks for all
+    scratch, resumed_run = run.stdout.split(JOINED)[1:]  # each training says it first
     print(
-        f"2 processes: {seconds_two:.1f} s, 1 process: {seconds_one:.1f} s (whole runs)", file=sys.__stderr__
+        f"2 processes: {seconds_two:.1f} s (2 whole runs), 1 process: {seconds_one:.1f} s (a whole run)",
+        file=sys.__stderr__,
     )
 
     # The same loss curve (2 epoch means + the loss at step 20) and the same parameters and velocities,
     # up to float32 rounding: gloo sums the gradients of the two processes in another order than XLA's
     # in-process all-reduce does.
-    assert epoch_lines(run.stdout) == epoch_lines(single)
+    assert len(epoch_lines(scratch)) == 2 and epoch_lines(scratch) == epoch_lines(single)
     losses_two, losses_one = logged_losses(tmp_path / "two.jsonl"), logged_losses(tmp_path / "one.jsonl")
     np.testing.assert_allclose(losses_two, losses_one, rtol=1e-6)
     final = saved_state(one, 32)
     differences = {"2 vs 1 process": max_difference(saved_state(two, 32), final)}
+
+    # 1 -> 2: the two processes resumed the 1-process checkpoint of epoch 1.
+    assert "[rank 0] Resumed from step 16" in resumed_run
+    assert epoch_lines(resumed_run) == epoch_lines(single)[1:]
+    differences["1 -> 2 resumed"] = max_difference(saved_state(one_to_two, 32), final)
 
     # 2 -> 1: one process resumes the 2-process checkpoint of epoch 1 and ends where both runs ended.
     resumed = keep_only(two, 16, tmp_path / "two-to-one")
     assert cli.main([*TRAIN, "--epochs", "2", "--checkpoint-dir", str(resumed), "--resume"]) == 0
     assert "Resumed from step 16" in capsys.readouterr().out
     differences["2 -> 1 resumed"] = max_difference(saved_state(resumed, 32), final)
-
-    # 1 -> 2: two processes resume the 1-process checkpoint of epoch 1.
-    resumed = keep_only(one, 16, tmp_path / "one-to-two")
-    run = run_launch([*TRAIN, "--epochs", "2", "--checkpoint-dir", str(resumed), "--resume"])
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "[rank 0] Resumed from step 16" in run.stdout
-    assert epoch_lines(run.stdout) == epoch_lines(single)[1:]
-    differences["1 -> 2 resumed"] = max_difference(saved_state(resumed, 32), final)
 
     loss_gap = max(abs(a - b) for a, b in zip(losses_two, losses_one))
     print(
@@ -179,7 +184,7 @@ def test_a_coordinator_that_never_answers_is_named_after_a_bounded_wait(capsys):
 @pytest.mark.slow
 def test_process_0_alone_gives_up_after_the_timeout_and_says_who_is_missing():
     address = f"127.0.0.1:{launch.free_port()}"
-    flags = ["--coordinator", address, "--num-processes", "2", "--process-id", "0", "--init-timeout", "2"]
+    flags = ["--coordinator", address, "--num-processes", "2", "--process-id", "0", "--init-timeout", "1"]
     command = [sys.executable, "-m", "minishard", *TRAIN, *flags]
     run = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert run.returncode == 1, run.stderr

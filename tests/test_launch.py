@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launched import ROOT, TRAIN, fresh_compile_cache, launch_command
+from launched import LAUNCHER, ROOT, TRAIN, fresh_compile_cache, launch_command
 
 from minishard.run import cli, launch
 
@@ -48,7 +48,7 @@ def test_killing_one_process_stops_the_other_quickly_and_leaves_no_process(signu
             lines.append(line)
             if found := re.match(r"launch: rank (\d) is pid (\d+)", line):
                 pids[int(found[1])] = int(found[2])
-            if line.startswith("[rank 0] Epoch 2 "):  # mid-run: compiled, training, checkpoint-free
+            if line.startswith("[rank 0] Epoch 1 "):  # mid-run: compiled, training, checkpoint-free
                 break
         assert set(pids) == {0, 1}, "".join(lines)
         os.kill(pids[1], signum)
@@ -76,8 +76,9 @@ SLEEPER = [sys.executable, "-c", "import time; print('ready', flush=True); time.
 
 
 def start_sleepers() -> tuple[subprocess.Popen, dict[int, int]]:
-    """A launcher of two processes that only sleep (no JAX: quick); returns it and its children's pids."""
-    command = [sys.executable, "-m", "minishard", "launch", "-n", "2", "--grace", str(GRACE), "--", *SLEEPER]
+    """A launcher of two processes that only sleep (no JAX: quick; ``LAUNCHER``, no JAX there either);
+    returns it and its children's pids."""
+    command = [*LAUNCHER, "-n", "2", "--grace", str(GRACE), "--", *SLEEPER]
     launcher = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
     )
@@ -230,8 +231,13 @@ MOMENTS = {  # when to signal: once `count` lines contain `text`, and `delay` se
 
 
 def signal_launcher(signum: int, moment: str) -> tuple[int, str, list[int]]:
-    """A launcher of two ``JAX_SLEEPER``s, sent ``signum`` at ``moment``: its status, output, pids."""
-    command = [sys.executable, "-m", "minishard", "launch", "-n", "2", "--grace", str(GRACE), "--"]
+    """A launcher of two ``JAX_SLEEPER``s, sent ``signum`` at ``moment``: its status, output, pids.
+
+    Started as a user starts it (``python -m minishard launch``: JAX first) where that import is the
+    moment; at the children's moments, as ``LAUNCHER``: the same ``Launch``, without 3 s of import first.
+    """
+    entry = [sys.executable, "-m", "minishard", "launch"] if moment == "launcher import" else LAUNCHER
+    command = [*entry, "-n", "2", "--grace", str(GRACE), "--"]
     launcher = subprocess.Popen(
         [*command, *JAX_SLEEPER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
     )

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import typing
 from pathlib import Path
@@ -212,10 +213,17 @@ def textbook(private: bool = False) -> list[Path]:
     return sorted(p for p in PACKAGE.glob("*.py") if private or not p.name.startswith("_"))
 
 
+@functools.cache
+def syntax(path: Path) -> ast.Module:
+    """``path`` parsed once a run: the scans below walk every module, most of them several times (read
+    only: no scan changes a tree)."""
+    return ast.parse(path.read_text())
+
+
 def imports(path: Path) -> list[tuple[str, str | None]]:
     """``(module, name)`` for each import in ``path``: ``name`` None for ``import module``."""
     found: list[tuple[str, str | None]] = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(syntax(path)):
         if isinstance(node, ast.Import):
             found += [(alias.name, None) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -243,7 +251,7 @@ def test_no_textbook_function_hides_an_import_of_minishard():
     hidden = [
         f"{path.name}:{node.lineno} {function.name} imports {node.module}"
         for path in textbook(private=True)
-        for function in ast.walk(ast.parse(path.read_text()))
+        for function in ast.walk(syntax(path))
         if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
         for node in ast.walk(function)
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minishard")
@@ -287,7 +295,7 @@ def test_no_textbook_function_is_over_30_lines():
     long = [
         f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
         for path in textbook()
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.walk(syntax(path))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 30
     ]
     assert not long, long
@@ -297,7 +305,7 @@ def test_no_layer_or_model_spells_the_batch_axis():
     spelled = [
         f"{path.relative_to(PACKAGE)}:{node.lineno}"
         for path in [PACKAGE / "layers.py", *sorted((PACKAGE / "models").rglob("*.py"))]
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.walk(syntax(path))
         if isinstance(node, ast.Constant) and node.value == "batch"
     ]
     assert not spelled, f"the literal 'batch' in {spelled}: use minishard.constraints.activation_axes"
@@ -311,7 +319,7 @@ def test_every_module_lists_its_public_names():
         and not path.name.startswith("_")
         and not any(
             isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
-            for node in ast.parse(path.read_text()).body
+            for node in syntax(path).body
         )
     ]
     assert not missing, f"modules without __all__: {missing}"
@@ -562,9 +570,15 @@ census reads from a compiled program and ``layouts.sends`` predicts, once ``cens
 
 def definitions(name: str) -> list[str]:
     """``path:line`` of every class, function or assignment named ``name`` in ``minishard/``."""
-    found = []
+    return list(every_definition().get(name, []))
+
+
+@functools.cache
+def every_definition() -> dict[str, list[str]]:
+    """``definitions`` of every name at once, in one walk of ``minishard/``."""
+    found: dict[str, list[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(syntax(path)):
             if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
                 names = [node.name]
             elif isinstance(node, ast.Assign | ast.AnnAssign):
@@ -572,7 +586,8 @@ def definitions(name: str) -> list[str]:
                 names = [getattr(target, "id", None) for target in targets]
             else:
                 continue
-            found += [f"{path.relative_to(PACKAGE)}:{node.lineno}"] * names.count(name)
+            for name in names:
+                found.setdefault(name, []).append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     return found
 
 
@@ -587,7 +602,7 @@ def softmax_attentions() -> list[str]:
     ``logsumexp`` in one body (the scan ``test_one_function_computes_softmax_attention`` reads)."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(syntax(path)):
             if isinstance(node, ast.FunctionDef):
                 calls = {
                     ast.unparse(call.func).split(".")[-1]

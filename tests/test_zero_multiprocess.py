@@ -2,14 +2,14 @@
 
 A JAX issue reported wrong ``psum_scatter`` results on multi-process CPU for chunks
 over 256 KiB, and this suite saw them under load, so ``minishard.zero.reduce_scatter``
-steps around gloo's reduce-scatter there; both are measured. The runs are real processes
-through the launcher,
+steps around gloo's reduce-scatter there; both are measured. One launch of real processes holds
+both claims: ZeRO trains on a synthetic MNIST (``tests/launched.py``'s), then the same two processes
+probe the scatters,
 
-    minishard launch -n 2 --devices-per-process 4 -- python tests/test_zero_multiprocess.py probe
-    minishard launch -n 2 --devices-per-process 4 -- python tests/launched.py train --parallel zero ...
+    minishard launch -n 2 -- python tests/test_zero_multiprocess.py train --parallel zero ...
 
-(this file doubles as the probe, see ``__main__``; ``tests/launched.py`` trains on a
-synthetic MNIST). Every subprocess runs under a timeout.
+(this file doubles as the program, see ``__main__``; the launcher started as ``launched.LAUNCHER``).
+Every subprocess runs under a timeout.
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ import subprocess
 import sys
 
 import pytest
-from launched import ROOT, fresh_compile_cache, run_launch, synthetic_mnist
+from launched import LAUNCHER, ROOT, synthetic_mnist
 from test_distributed import epoch_lines, logged_losses
 
 from minishard.run import cli, data
-
-pytestmark = pytest.mark.usefixtures(fresh_compile_cache.__name__)
 
 CASES = [(8, kib) for kib in (16, 255, 256, 257, 512, 1024)] + [(2, kib) for kib in (256, 1024, 4096)]
 """(devices in each psum_scatter group, KiB of float32 each device receives): over all 8 devices as
@@ -38,16 +36,15 @@ TRAIN_ZERO = ["train", "--parallel", "zero", "--mesh", "data=8", "--layers", "78
 
 
 def probe() -> None:
-    """One process of a launched run: ``jax.lax.psum_scatter`` and ``minishard.zero.reduce_scatter`` in
-    groups over both processes, per case and repeat; prints the largest error of this process's
-    results against the sum done by NumPy."""
+    """One process of the launched run, after its training: ``jax.lax.psum_scatter`` and
+    ``minishard.zero.reduce_scatter`` in groups over both processes, per case and repeat; prints the
+    largest error of this process's results against the sum done by NumPy."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import minishard as ms
-    from minishard.run import distributed
     from minishard.zero import reduce_scatter
 
     scatters = {
@@ -55,8 +52,7 @@ def probe() -> None:
         "reduce_scatter": reduce_scatter,
     }
 
-    distributed.initialize(timeout=60)
-    devices = jax.device_count()
+    devices = jax.device_count()  # of both processes: the training joined them
     for group, kib in CASES:
         mesh = ms.make_mesh({"data": group, "rest": devices // group})  # "data" spans both processes
         blocks, chunk = NamedSharding(mesh, P("data", "rest")), kib * 1024 // 4
@@ -77,12 +73,23 @@ def probe() -> None:
 
 
 @pytest.mark.slow
-def test_zeros_reduce_scatter_is_exact_across_two_processes_at_every_chunk_size():
-    command = [sys.executable, "-m", "minishard", "launch", "-n", "2", "--devices-per-process", "4", "--"]
+def test_two_processes_train_zero_like_one_and_its_reduce_scatter_is_exact_at_every_chunk_size(
+    tmp_path, monkeypatch, capsys
+):
+    # One launch for both claims (one test: pytest-xdist never splits it over two workers, each
+    # launching): ZeRO's 2 epochs in 2 processes, then the probe in the same processes.
+    argv = [*TRAIN_ZERO, "--batch-size", "64", "--epochs", "2"]
+    command = [*LAUNCHER, "-n", "2", "--devices-per-process", "4", "--", sys.executable, __file__]
     run = subprocess.run(
-        [*command, sys.executable, __file__, "probe"], capture_output=True, text=True, timeout=240, cwd=ROOT
+        [*command, *argv, "--log", str(tmp_path / "two.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+    # The probe: every case in both processes; minishard's reduce_scatter exact in each.
     found = re.findall(r"\[rank (\d)\] (\w+) groups of (\d+), (\d+) KiB: max error (\S+)", run.stdout)
     cases = sorted((name, int(rank), int(group), int(kib)) for rank, name, group, kib, _ in found)
     names = ("psum_scatter", "reduce_scatter")
@@ -96,13 +103,8 @@ def test_zeros_reduce_scatter_is_exact_across_two_processes_at_every_chunk_size(
     print(f"jax.lax.psum_scatter through gloo, wrong: {wrong['psum_scatter'] or 'none'}", file=sys.__stderr__)
     assert not wrong["reduce_scatter"], wrong["reduce_scatter"]
 
-
-@pytest.mark.slow
-def test_two_processes_train_zero_like_one(tmp_path, monkeypatch, capsys):
+    # The training: as one process trains.
     monkeypatch.setitem(data.DATASETS, "mnist", synthetic_mnist)
-    argv = [*TRAIN_ZERO, "--batch-size", "64", "--epochs", "2"]
-    run = run_launch([*argv, "--log", str(tmp_path / "two.jsonl")], timeout=240)
-    assert run.returncode == 0, run.stdout + run.stderr
     assert "[rank 0] 2 processes x 4 devices: 8 in all" in run.stdout and "ZeRO-3 by hand" in run.stdout
     assert cli.main([*argv, "--log", str(tmp_path / "one.jsonl")]) == 0
     single = capsys.readouterr().out
@@ -116,5 +118,9 @@ def test_two_processes_train_zero_like_one(tmp_path, monkeypatch, capsys):
     assert two == pytest.approx(one, rel=1e-5)
 
 
-if __name__ == "__main__":
-    probe() if sys.argv[1:] == ["probe"] else sys.exit(f"usage: {sys.argv[0]} probe")
+if __name__ == "__main__":  # one process of the launched run: ZeRO trains (the real CLI), then the probe
+    data.DATASETS["mnist"] = synthetic_mnist
+    status = cli.main(sys.argv[1:])
+    if status == 0:
+        probe()
+    sys.exit(status)

@@ -163,7 +163,8 @@ def initialize(
     """Join the multi-process run that the arguments or the environment describe (see ``detect``).
 
     Must run before anything starts JAX's backend (``jax.devices()``, the
-    first array). A single process is a no-op. Waits at most ``timeout``
+    first array). A single process is a no-op, and so is a process that joined
+    this run already (a second ``minishard train`` in it). Waits at most ``timeout``
     seconds for the coordinator and for every other process; past that,
     raises ``DistributedError`` naming the address (or, when the coordinator
     answered but some process never came, prints that and exits: JAX's
@@ -176,7 +177,9 @@ def initialize(
     if not cluster.multiprocess:
         return cluster
     if jax.distributed.is_initialized():
-        raise DistributedError("jax.distributed is already initialized in this process")
+        if (jax.process_count(), jax.process_index()) == (cluster.num_processes, cluster.process_id):
+            return cluster  # joined already, at this place: nothing to do
+        raise DistributedError("jax.distributed is already initialized in this process, at another place")
     # CPU devices of different processes talk through gloo (TCP); set before the
     # CPU backend exists. GPUs use NCCL and TPUs their own links, whatever this says.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
