@@ -353,10 +353,12 @@ def test_the_batch_is_dealt_out_only_where_attention_splits_the_sequence():
 
 @pytest.mark.slow  # three programs compile
 def test_remat_and_microbatches_change_the_memory_not_the_numbers():
-    model, batch = small_gpt(), small_batch()
+    # One block: remat wraps each block alike (XLA's compile of the three steps is most of the test)
+    model, batch = small_gpt(depth=1), small_batch()
     state = OPTIMIZER.init(model)
     plain = jax.jit(STEP)(model, state, batch)
-    with pytest.raises(ValueError, match="the same 30 arrays as params, but their trees differ"):
+    arrays = 2 + 12 + 4  # tables; the block's 2 norms, q k v out, MLP; norm, head
+    with pytest.raises(ValueError, match=f"the same {arrays} arrays as params, but their trees differ"):
         jax.jit(STEP)(model.replace(remat="full"), state, batch)  # a static field is part of the tree
     rematted = model.replace(remat="full")
     remat = jax.jit(STEP)(rematted, OPTIMIZER.init(rematted), batch)
