@@ -63,8 +63,10 @@ def random_moe(n_experts=8, k=2, capacity_factor=1.0, seed=0):
 
 
 def random_moe_like(shapes, seed=0):
+    """``shapes`` (``jax.eval_shape``'s) filled: each matrix ``1 / sqrt(fan-in)``, a vector 1."""
     rng = np.random.default_rng(seed)  # numpy, not jax.random: nothing to compile per shape
-    return jax.tree.map(lambda a: np.float32(rng.standard_normal(a.shape) / math.sqrt(a.shape[-2])), shapes)
+    fan_in = lambda a: a.shape[-2] if a.ndim > 1 else 1  # noqa: E731
+    return jax.tree.map(lambda a: np.float32(rng.standard_normal(a.shape) / math.sqrt(fan_in(a))), shapes)
 
 
 # -- 1. routing ----------------------------------------------------------------------------------
@@ -239,8 +241,12 @@ def blocks_loss(blocks, x, remat):
 @functools.cache
 def moe_blocks():
     """Two pre-norm blocks, each MLP 4 experts: what ``apply_blocks`` wraps in ``jax.checkpoint``."""
-    keys = jax.random.split(KEY, 2)
-    return tuple(Block(FEATURES, 2, HIDDEN, key=k, causal=True, mlp=moe_mlp(4, k=2)) for k in keys)
+
+    def build():
+        keys = jax.random.split(KEY, 2)
+        return tuple(Block(FEATURES, 2, HIDDEN, key=k, causal=True, mlp=moe_mlp(4, k=2)) for k in keys)
+
+    return random_moe_like(jax.eval_shape(build))  # by numpy: no jax.random program per shape
 
 
 def test_under_remat_the_gradients_and_the_stats_equal_the_plain_ones_and_no_tracer_leaks():
@@ -263,7 +269,9 @@ def test_under_remat_the_gradients_and_the_stats_equal_the_plain_ones_and_no_tra
 
 
 def test_a_plain_moe_gpt_returns_its_logits_alone_and_keeps_nothing():
-    model = GPT(vocab=5, context=8, width=16, depth=2, heads=2, key=KEY, mlp=moe_mlp(4, k=2))
+    sizes = dict(vocab=5, context=8, width=16, depth=2, heads=2)
+    shapes = jax.eval_shape(lambda: GPT(**sizes, key=KEY, mlp=moe_mlp(4, k=2)))
+    model = jax.tree.map(jnp.asarray, random_moe_like(shapes))  # by numpy: no program per shape
     ids = jnp.zeros((2, 8), jnp.int32)
     forward = jax.jit(lambda m, ids: m(ids))
     with jax.checking_leaks():  # a kept tracer outliving its trace would be caught here

@@ -430,15 +430,18 @@ def test_a_composed_pipeline_names_an_axis_it_cannot_run_inside_its_stages(axis,
 
 
 def test_a_plain_pipeline_refuses_blocks_that_sow_into_an_open_collection():
-    blocks = pp.Stacked(lambda k: MoE(4, features=WIDTH, hidden=WIDTH, key=k), 4, key=jax.random.key(0))
+    # built and run as jitted programs: op by op, the MoE's shapes compiled ~90 programs of one op
+    moe = lambda k: MoE(4, features=WIDTH, hidden=WIDTH, key=k)  # noqa: E731
+    blocks = jax.jit(lambda: pp.Stacked(moe, 4, key=jax.random.key(0)))()
     x = jnp.ones((8, 2, WIDTH))  # 8 rows of 2 tokens
-    run = collect(MoEStats, lambda b, x: pp.run_pipeline(b, x, pp.Pipeline(MESH4, 4)))
+    run = jax.jit(collect(MoEStats, lambda b, x: pp.run_pipeline(b, x, pp.Pipeline(MESH4, 4))))
     with pytest.raises(
         ValueError,
         match=r"^run_pipeline: the blocks sow a MoEStats .* use minishard.composition.ComposedPipeline",
     ):
         run(blocks, x)
-    y, stats = collect(MoEStats, lambda b, x: pp.run_pipeline(b, x, ComposedPipeline(MESH4, 4)))(blocks, x)
+    composed = collect(MoEStats, lambda b, x: pp.run_pipeline(b, x, ComposedPipeline(MESH4, 4)))
+    y, stats = jax.jit(composed)(blocks, x)
     assert y.shape == x.shape and int(stats.routed) == 4 * 8 * 2 * 2  # 4 blocks' k = 2 of 16 tokens
 
 

@@ -3,6 +3,7 @@ reduction's dtype read from compiled programs."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -344,14 +345,21 @@ def test_explain_memory_prices_the_fp16_step_train_runs(capsys):
 # --- comparing steps in a precision policy (minishard.testing.precision) ----------------------------
 
 
+@functools.cache  # drawn by jax.random op by op: once, not for each of the four steps
+def _small_gpt_and_windows():
+    from minishard.models.gpt import GPT
+
+    model = GPT(vocab=65, context=16, width=64, depth=2, heads=4, key=jax.random.key(0))
+    return model, jax.random.randint(jax.random.key(1), (32, 16), 0, 65)
+
+
 def _gpt_step_gradients(precision, style=None, rows=32):
     """The small GPT's SGD(1.0) step, what it moved each weight by: unsharded, or ``style`` on 8
     devices; on the first ``rows`` of the batch (fewer: a replica that forgot the others')."""
-    from minishard.models.gpt import GPT
     from minishard.run.next_token import next_token_loss
 
-    model = GPT(vocab=65, context=16, width=64, depth=2, heads=4, key=jax.random.key(0))
-    windows = jax.random.randint(jax.random.key(1), (32, 16), 0, 65)[:rows]
+    model, windows = _small_gpt_and_windows()
+    windows = windows[:rows]
     sgd = SGD(1.0)
     step = make_train_step(sgd, next_token_loss, precision=precision)
     if style is not None:

@@ -24,6 +24,7 @@ B, S, WIDTH, HEADS, HIDDEN = 16, 256, 128, 4, 512  # the default GPT block at 25
 POLICIES = ("full", "names", "dots")
 
 
+@functools.cache  # built op by op (jax.random): once per depth
 def blocks(depth: int) -> tuple[Block, ...]:
     keys = jax.random.split(jax.random.key(0), depth)
     return tuple(Block(WIDTH, HEADS, HIDDEN, key=key, causal=True) for key in keys)
@@ -72,10 +73,10 @@ def test_without_after_the_gradient_xla_cpu_recomputes_early_and_keeps_it_all():
 
 
 def test_every_policy_computes_the_gradients_of_none():
-    stack = blocks(2)
-    plain = jax.jit(jax.grad(functools.partial(stack_loss, WRAPS["none"]), has_aux=True))(stack, X)[0]
+    stack = blocks(2)  # the programs per_block compiled and measured: run, not compiled again
+    plain = compiled("none", 2)(stack, X)[0]
     for name in POLICIES:
-        grads = jax.jit(jax.grad(functools.partial(stack_loss, WRAPS[name]), has_aux=True))(stack, X)[0]
+        grads = compiled(name, 2)(stack, X)[0]
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=name)
 
