@@ -89,7 +89,9 @@ def fresh_compile_cache():
 
 if __name__ == "__main__":  # one process of a launched run: the real CLI on the synthetic data
     data.DATASETS["mnist"] = synthetic_mnist
-    argv = sys.argv[1:]
-    first, then = (argv[: argv.index(THEN)], argv[argv.index(THEN) + 1 :]) if THEN in argv else (argv, [])
+    first, then = sys.argv[1:], []
+    if THEN in first:  # "train A ... then train B ...": B in these processes once A succeeds
+        at = first.index(THEN)
+        first, then = first[:at], first[at + 1 :]
     status = cli.main(first)
     sys.exit(cli.main(then) if status == 0 and then else status)

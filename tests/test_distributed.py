@@ -212,6 +212,18 @@ def test_a_mesh_the_processes_cannot_hold_is_refused(mesh, devices, status, mess
 SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "gpu[3-4]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}
 
 
+def test_a_process_that_joined_a_run_joins_it_again_as_a_no_op_and_is_refused_another_place(monkeypatch):
+    """A second ``minishard train`` in a process of a run (tests/launched.py's ``then``): joined as
+    asked, nothing to do; asked to be another process, one line naming both."""
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    assert distributed.initialize("localhost:1", 2, 0, environ={}).process_id == 0
+    message = "this process already joined a run as process 0 of 2; asked to join as process 1 of 2"
+    with pytest.raises(distributed.DistributedError, match=f"^{message}$"):
+        distributed.initialize("localhost:1", 2, 1, environ={})
+
+
 def test_flags_win_over_jax_variables_which_win_over_slurm():
     jax_env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:99", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
     assert distributed.detect(environ=SLURM) == distributed.Cluster("gpu3:61447", 2, 1, "SLURM")

@@ -177,9 +177,11 @@ def initialize(
     if not cluster.multiprocess:
         return cluster
     if jax.distributed.is_initialized():
-        if (jax.process_count(), jax.process_index()) == (cluster.num_processes, cluster.process_id):
-            return cluster  # joined already, at this place: nothing to do
-        raise DistributedError("jax.distributed is already initialized in this process, at another place")
+        joined = f"process {jax.process_index()} of {jax.process_count()}"
+        asked = f"process {cluster.process_id} of {cluster.num_processes}"
+        if joined == asked:
+            return cluster  # joined already, as asked: nothing to do
+        raise DistributedError(f"this process already joined a run as {joined}; asked to join as {asked}")
     # CPU devices of different processes talk through gloo (TCP); set before the
     # CPU backend exists. GPUs use NCCL and TPUs their own links, whatever this says.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
